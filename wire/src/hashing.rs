@@ -1,0 +1,96 @@
+//! Dynamo-compatible block hashing.
+//!
+//! The collector keys every worker's cached blocks by the same hashes Dynamo's KV router
+//! uses, so overlaps computed from engine events line up with the router's
+//! `local_hashes`: a block's *local* hash is xxh3-64 (seed 1337) over its token ids as
+//! little-endian u32; a block's *sequence* hash chains the previous sequence hash with
+//! the local hash, so it identifies the whole prefix up to and including that block.
+
+use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
+
+/// Seed Dynamo uses for block hashes without a LoRA adapter.
+pub const DYNAMO_HASH_SEED: u64 = 1337;
+
+/// Hash of one full block's tokens, independent of what precedes it.
+pub type LocalBlockHash = u64;
+/// Hash of a block together with its whole prefix.
+pub type SequenceHash = u64;
+
+/// The seed for a LoRA adapter: Dynamo offsets the base seed by the adapter name's hash.
+pub fn seed_for_lora(lora_name: Option<&str>) -> u64 {
+    match lora_name {
+        Some(name) if !name.is_empty() => DYNAMO_HASH_SEED.wrapping_add(xxh3_64(name.as_bytes())),
+        _ => DYNAMO_HASH_SEED,
+    }
+}
+
+/// Local hash of one block of token ids.
+pub fn local_block_hash(tokens: &[u32], seed: u64) -> LocalBlockHash {
+    let mut bytes = Vec::with_capacity(tokens.len() * 4);
+    for t in tokens {
+        bytes.extend_from_slice(&t.to_le_bytes());
+    }
+    xxh3_64_with_seed(&bytes, seed)
+}
+
+/// Sequence hash of a block whose parent has sequence hash `parent` (None for the first
+/// block of a sequence, whose sequence hash is its local hash).
+pub fn chain_hash(parent: Option<SequenceHash>, local: LocalBlockHash) -> SequenceHash {
+    match parent {
+        None => local,
+        Some(p) => {
+            let mut bytes = [0u8; 16];
+            bytes[..8].copy_from_slice(&p.to_le_bytes());
+            bytes[8..].copy_from_slice(&local.to_le_bytes());
+            xxh3_64_with_seed(&bytes, DYNAMO_HASH_SEED)
+        }
+    }
+}
+
+/// Sequence hashes for a chain of local hashes starting at the root.
+pub fn sequence_hashes(locals: &[LocalBlockHash]) -> Vec<SequenceHash> {
+    let mut out = Vec::with_capacity(locals.len());
+    let mut parent = None;
+    for &l in locals {
+        let s = chain_hash(parent, l);
+        out.push(s);
+        parent = Some(s);
+    }
+    out
+}
+
+/// Local hashes of every *full* block in `tokens`; a trailing partial block is ignored,
+/// as Dynamo ignores it.
+pub fn local_block_hashes(tokens: &[u32], block_size: usize, seed: u64) -> Vec<LocalBlockHash> {
+    if block_size == 0 {
+        return Vec::new();
+    }
+    tokens
+        .chunks_exact(block_size)
+        .map(|b| local_block_hash(b, seed))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn first_sequence_hash_is_the_local_hash() {
+        let l = local_block_hash(&[1, 2, 3, 4], DYNAMO_HASH_SEED);
+        assert_eq!(sequence_hashes(&[l])[0], l);
+    }
+
+    #[test]
+    fn partial_blocks_are_ignored() {
+        let h = local_block_hashes(&[1, 2, 3, 4, 5], 2, DYNAMO_HASH_SEED);
+        assert_eq!(h.len(), 2);
+    }
+
+    #[test]
+    fn lora_changes_the_seed() {
+        assert_eq!(seed_for_lora(None), DYNAMO_HASH_SEED);
+        assert_eq!(seed_for_lora(Some("")), DYNAMO_HASH_SEED);
+        assert_ne!(seed_for_lora(Some("adapter")), DYNAMO_HASH_SEED);
+    }
+}

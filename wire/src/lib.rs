@@ -1,0 +1,13 @@
+//! Records shared by the kvscope agent and collector.
+//!
+//! Everything the agent ships to the collector over NATS JetStream, and everything a
+//! recording holds, is an [`Envelope`] around one [`Record`]. Keeping these types in one
+//! small crate means the two sides can never disagree about a field.
+
+pub mod hashing;
+pub mod record;
+pub mod subject;
+
+pub use hashing::{local_block_hash, sequence_hashes, LocalBlockHash, SequenceHash};
+pub use record::*;
+pub use subject::Subjects;
