@@ -6,8 +6,10 @@
 
 pub mod hashing;
 pub mod record;
+pub mod recording;
 pub mod subject;
 
 pub use hashing::{local_block_hash, sequence_hashes, LocalBlockHash, SequenceHash};
+pub use record::worker_map;
 pub use record::*;
 pub use subject::Subjects;

@@ -235,3 +235,48 @@ mod tests {
         }
     }
 }
+
+impl std::str::FromStr for WorkerKey {
+    type Err = String;
+
+    /// `"<worker_id>"` or `"<worker_id>/<dp_rank>"`.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let (id, dp) = s.split_once('/').unwrap_or((s, "0"));
+        Ok(WorkerKey {
+            worker_id: id
+                .trim()
+                .parse()
+                .map_err(|e| format!("bad worker id {id:?}: {e}"))?,
+            dp_rank: dp
+                .trim()
+                .parse()
+                .map_err(|e| format!("bad dp rank {dp:?}: {e}"))?,
+        })
+    }
+}
+
+/// Serde adapter for maps keyed by [`WorkerKey`]: JSON object keys must be strings, so
+/// the key is written as `"<worker_id>/<dp_rank>"`. Use with
+/// `#[serde(with = "kvscope_wire::worker_map")]`.
+pub mod worker_map {
+    use super::WorkerKey;
+    use serde::de::Error as _;
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+    use std::collections::BTreeMap;
+
+    pub fn serialize<V: Serialize, S: Serializer>(
+        map: &BTreeMap<WorkerKey, V>,
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
+        s.collect_map(map.iter().map(|(k, v)| (k.to_string(), v)))
+    }
+
+    pub fn deserialize<'de, V: Deserialize<'de>, D: Deserializer<'de>>(
+        d: D,
+    ) -> Result<BTreeMap<WorkerKey, V>, D::Error> {
+        let raw = BTreeMap::<String, V>::deserialize(d)?;
+        raw.into_iter()
+            .map(|(k, v)| Ok((k.parse().map_err(D::Error::custom)?, v)))
+            .collect()
+    }
+}

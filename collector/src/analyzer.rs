@@ -1,0 +1,538 @@
+//! The fleet analyzer: applies records in stream order to the mirror, judges every
+//! routing decision, runs the event-only measurement, and cuts windows on record time.
+//!
+//! It is a pure fold over records — no clocks, no I/O — so a live run and a replay of the
+//! same records give the same figures.
+
+use crate::fleet_index::{FleetIndex, MirrorError};
+use crate::verdict::SpillVerdict;
+use crate::window::{ClosedWindow, OpenWindow, WindowSummary};
+use kvscope_wire::{
+    AgentHeartbeat, Envelope, KvEvent, KvEventBatch, MigrationLogKind, MigrationLogLine, Record,
+    RoutingDecision, SequenceStatus,
+};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, VecDeque};
+
+/// How the analyzer measures. Every field has a default that fits a Dynamo fleet.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AnalyzerConfig {
+    /// Window length in seconds.
+    pub window_secs: f64,
+    /// Seconds after the first record whose windows are shown but not measured: the
+    /// fork's first point after boot read ~5.8× slow.
+    pub warmup_secs: f64,
+    /// Smallest overlap gap, in blocks, that counts as a spill.
+    pub min_spill_blocks: u32,
+    /// Measured windows needed before a report gives figures.
+    pub min_windows: usize,
+    /// Closed windows kept in memory for the API and reports.
+    pub keep_windows: usize,
+    /// Recent verdicts kept for the API.
+    pub keep_verdicts: usize,
+}
+
+impl Default for AnalyzerConfig {
+    fn default() -> Self {
+        Self {
+            window_secs: 15.0,
+            warmup_secs: 15.0,
+            min_spill_blocks: 1,
+            min_windows: 6,
+            keep_windows: 5760,
+            keep_verdicts: 1000,
+        }
+    }
+}
+
+/// Everything the collector counted since it started (or since the replay began).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CollectorCounters {
+    pub records: u64,
+    pub kv_batches: u64,
+    pub kv_events: u64,
+    pub stored_blocks: u64,
+    pub removed_blocks: u64,
+    pub cleared_blocks: u64,
+    /// Stores whose parent block the worker never stored: dropped, as Dynamo drops them.
+    pub unknown_parent_events: u64,
+    /// Removals of blocks the worker never stored.
+    pub unknown_removed_blocks: u64,
+    /// Stores whose tokens did not fill exactly one block per block hash.
+    pub token_count_mismatches: u64,
+    pub sequence_gaps: u64,
+    pub missed_batches: u64,
+    /// Publisher sequence numbers that went backwards: the engine restarted, so the
+    /// worker's mirror was cleared.
+    pub sequence_resets: u64,
+    pub decisions: u64,
+    pub spills: u64,
+    /// Decisions for a worker that never published a KV event.
+    pub decisions_for_unseen_workers: u64,
+    pub migration_lines: u64,
+    pub heartbeats: u64,
+    /// Records older than the window already open (clock skew between agents).
+    pub late_records: u64,
+    /// Bus messages that were not valid records (counted by the bus reader).
+    pub undecodable_records: u64,
+}
+
+/// The latest word from one agent.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct AgentStatus {
+    pub last_seen_ns: u64,
+    pub heartbeat: AgentHeartbeat,
+}
+
+#[derive(Debug)]
+pub struct FleetAnalyzer {
+    cfg: AnalyzerConfig,
+    window_ns: u64,
+    index: FleetIndex,
+    counters: CollectorCounters,
+    agents: BTreeMap<String, AgentStatus>,
+    first_ns: Option<u64>,
+    watermark_ns: u64,
+    open: Option<OpenWindow>,
+    closed: VecDeque<ClosedWindow>,
+    verdicts: VecDeque<SpillVerdict>,
+}
+
+impl FleetAnalyzer {
+    pub fn new(cfg: AnalyzerConfig) -> Self {
+        let window_ns = ((cfg.window_secs.max(0.001)) * 1e9) as u64;
+        Self {
+            cfg,
+            window_ns,
+            index: FleetIndex::new(),
+            counters: CollectorCounters::default(),
+            agents: BTreeMap::new(),
+            first_ns: None,
+            watermark_ns: 0,
+            open: None,
+            closed: VecDeque::new(),
+            verdicts: VecDeque::new(),
+        }
+    }
+
+    pub fn config(&self) -> &AnalyzerConfig {
+        &self.cfg
+    }
+    pub fn index(&self) -> &FleetIndex {
+        &self.index
+    }
+    pub fn counters(&self) -> &CollectorCounters {
+        &self.counters
+    }
+    pub fn counters_mut(&mut self) -> &mut CollectorCounters {
+        &mut self.counters
+    }
+    pub fn agents(&self) -> &BTreeMap<String, AgentStatus> {
+        &self.agents
+    }
+    pub fn closed_windows(
+        &self,
+    ) -> impl DoubleEndedIterator<Item = &ClosedWindow> + ExactSizeIterator {
+        self.closed.iter()
+    }
+    pub fn open_window(&self) -> Option<&WindowSummary> {
+        self.open.as_ref().map(|w| &w.summary)
+    }
+    pub fn recent_verdicts(&self) -> impl DoubleEndedIterator<Item = &SpillVerdict> {
+        self.verdicts.iter()
+    }
+    /// The latest record time seen.
+    pub fn watermark_ns(&self) -> u64 {
+        self.watermark_ns
+    }
+
+    /// Apply one record. Returns the verdict when the record was a routing decision.
+    pub fn apply(&mut self, env: &Envelope) -> Option<SpillVerdict> {
+        self.counters.records += 1;
+        self.advance_clock(env.observed_ns);
+        match &env.record {
+            Record::KvEvents(batch) => {
+                self.apply_kv(batch);
+                None
+            }
+            Record::Decision(d) => Some(self.judge(d, env.observed_ns)),
+            Record::Migration(m) => {
+                self.apply_migration_line(m);
+                None
+            }
+            Record::Heartbeat(h) => {
+                self.counters.heartbeats += 1;
+                let a = self.agents.entry(env.agent.clone()).or_default();
+                a.last_seen_ns = a.last_seen_ns.max(env.observed_ns);
+                a.heartbeat = h.clone();
+                None
+            }
+        }
+    }
+
+    fn advance_clock(&mut self, t: u64) {
+        let first = *self.first_ns.get_or_insert(t);
+        if t < self.watermark_ns {
+            if self.open.as_ref().is_some_and(|w| t < w.summary.start_ns) {
+                self.counters.late_records += 1;
+            }
+            return;
+        }
+        self.watermark_ns = t;
+        let start = t - t % self.window_ns;
+        let warmup_end = first + (self.cfg.warmup_secs.max(0.0) * 1e9) as u64;
+        match &self.open {
+            Some(w) if w.summary.start_ns == start => {}
+            Some(_) => {
+                let mut next = start;
+                if let Some(w) = self.open.take() {
+                    next = w.summary.end_ns;
+                    self.push_closed(w);
+                }
+                // Windows without any record still count: an idle fleet measured nothing.
+                // Cap the run so a jump of days does not allocate days of windows.
+                let mut filled = 0;
+                while next < start && filled < self.cfg.keep_windows {
+                    let w = OpenWindow::new(next, next + self.window_ns, next < warmup_end);
+                    self.push_closed(w);
+                    next += self.window_ns;
+                    filled += 1;
+                }
+                self.open = Some(OpenWindow::new(
+                    start,
+                    start + self.window_ns,
+                    start < warmup_end,
+                ));
+            }
+            None => {
+                self.open = Some(OpenWindow::new(start, start + self.window_ns, true));
+            }
+        }
+    }
+
+    fn push_closed(&mut self, w: OpenWindow) {
+        self.closed.push_back(w.close(&self.index));
+        while self.closed.len() > self.cfg.keep_windows {
+            self.closed.pop_front();
+        }
+    }
+
+    fn open_summary(&mut self) -> &mut WindowSummary {
+        &mut self
+            .open
+            .as_mut()
+            .expect("advance_clock opens a window before any record is applied")
+            .summary
+    }
+
+    fn apply_kv(&mut self, batch: &KvEventBatch) {
+        let worker = batch.worker;
+        self.counters.kv_batches += 1;
+        self.index.touch(worker);
+        match batch.sequence {
+            SequenceStatus::Gap { missed } => {
+                self.counters.sequence_gaps += 1;
+                self.counters.missed_batches += missed;
+                self.open_summary().data_faults += 1;
+            }
+            SequenceStatus::Reset => {
+                self.counters.sequence_resets += 1;
+                self.counters.cleared_blocks += self.index.clear(worker);
+                self.open_summary().data_faults += 1;
+            }
+            SequenceStatus::First | SequenceStatus::InOrder => {}
+        }
+        for ev in &batch.events {
+            self.counters.kv_events += 1;
+            match ev {
+                KvEvent::BlockStored {
+                    block_hashes,
+                    parent_block_hash,
+                    token_ids,
+                    block_size,
+                    lora_name,
+                    ..
+                } => {
+                    match self.index.store(
+                        worker,
+                        *parent_block_hash,
+                        block_hashes,
+                        token_ids,
+                        *block_size,
+                        lora_name.as_deref(),
+                    ) {
+                        Ok(seg) => {
+                            self.counters.stored_blocks += seg.blocks.len() as u64;
+                            if seg.token_count_mismatch {
+                                self.counters.token_count_mismatches += 1;
+                            }
+                            let min = self.cfg.min_spill_blocks.max(1);
+                            let e = &mut self.open_summary().event_only;
+                            e.segments += 1;
+                            if seg.held_elsewhere >= min {
+                                e.spills += 1;
+                                e.delta_tokens +=
+                                    u64::from(seg.held_elsewhere) * u64::from(*block_size);
+                            }
+                        }
+                        Err(MirrorError::UnknownParent) => {
+                            self.counters.unknown_parent_events += 1;
+                            self.open_summary().data_faults += 1;
+                        }
+                        Err(MirrorError::TokenCountMismatch) | Err(MirrorError::UnknownBlock) => {
+                            self.counters.token_count_mismatches += 1;
+                            self.open_summary().data_faults += 1;
+                        }
+                    }
+                }
+                KvEvent::BlockRemoved { block_hashes, .. } => {
+                    let out = self.index.remove(worker, block_hashes);
+                    self.counters.removed_blocks += out.removed;
+                    if out.unknown > 0 {
+                        self.counters.unknown_removed_blocks += out.unknown;
+                        self.open_summary().data_faults += 1;
+                    }
+                }
+                KvEvent::AllBlocksCleared => {
+                    self.counters.cleared_blocks += self.index.clear(worker);
+                }
+            }
+        }
+    }
+
+    fn judge(&mut self, d: &RoutingDecision, t: u64) -> SpillVerdict {
+        self.counters.decisions += 1;
+        if !self.index.knows_worker(&d.worker) {
+            self.counters.decisions_for_unseen_workers += 1;
+        }
+        let v = SpillVerdict::judge(&self.index, d, t, self.cfg.min_spill_blocks);
+        if v.spill {
+            self.counters.spills += 1;
+        }
+        self.open
+            .as_mut()
+            .expect("window opened by advance_clock")
+            .add_verdict(&v);
+        self.verdicts.push_back(v.clone());
+        while self.verdicts.len() > self.cfg.keep_verdicts {
+            self.verdicts.pop_front();
+        }
+        v
+    }
+
+    fn apply_migration_line(&mut self, m: &MigrationLogLine) {
+        self.counters.migration_lines += 1;
+        let w = &mut self.open_summary().migration_log;
+        match m.kind {
+            MigrationLogKind::Spill => {
+                w.spill_lines += 1;
+                w.spill_migratable_tokens += m.migratable_tokens.unwrap_or(0);
+            }
+            MigrationLogKind::HandshakeObtained => w.handshakes_obtained += 1,
+            MigrationLogKind::DispatchFailed => w.dispatch_failures += 1,
+            MigrationLogKind::DecodingOnTarget => w.decoding_on_target += 1,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvscope_wire::hashing::{local_block_hashes, DYNAMO_HASH_SEED};
+    use kvscope_wire::WorkerKey;
+
+    const S: u64 = 1_000_000_000;
+
+    fn w(id: u64) -> WorkerKey {
+        WorkerKey {
+            worker_id: id,
+            dp_rank: 0,
+        }
+    }
+
+    fn env(t: u64, record: Record) -> Envelope {
+        Envelope {
+            agent: "a".into(),
+            observed_ns: t,
+            record,
+        }
+    }
+
+    fn stored(
+        worker: u64,
+        seq: u64,
+        status: SequenceStatus,
+        tokens: &[u32],
+        hashes: &[u64],
+    ) -> Record {
+        Record::KvEvents(KvEventBatch {
+            worker: w(worker),
+            publisher: format!("p{worker}"),
+            seq,
+            sequence: status,
+            engine_ts: 0.0,
+            events: vec![KvEvent::BlockStored {
+                block_hashes: hashes.to_vec(),
+                parent_block_hash: None,
+                token_ids: tokens.to_vec(),
+                block_size: 2,
+                lora_name: None,
+                medium: None,
+            }],
+        })
+    }
+
+    fn decision(id: &str, to: u64, tokens: &[u32]) -> Record {
+        Record::Decision(RoutingDecision {
+            request_id: id.into(),
+            worker: w(to),
+            isl_tokens: tokens.len() as u64,
+            block_size: 2,
+            local_hashes: local_block_hashes(tokens, 2, DYNAMO_HASH_SEED),
+            worker_type: None,
+            router_mode: None,
+        })
+    }
+
+    fn cfg() -> AnalyzerConfig {
+        AnalyzerConfig {
+            window_secs: 1.0,
+            warmup_secs: 1.0,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn windows_close_on_record_time_and_warmup_is_flagged() {
+        let mut a = FleetAnalyzer::new(cfg());
+        let toks: Vec<u32> = (0..8).collect();
+        a.apply(&env(
+            S / 2,
+            stored(1, 0, SequenceStatus::First, &toks, &[1, 2, 3, 4]),
+        ));
+        for i in 0..5u64 {
+            let t = (i + 1) * S + S / 2;
+            a.apply(&env(t, decision(&format!("r{i}"), 2, &toks)));
+        }
+        a.apply(&env(10 * S, Record::Heartbeat(AgentHeartbeat::default())));
+        let closed: Vec<_> = a.closed_windows().map(|w| w.summary.clone()).collect();
+        assert_eq!(
+            closed.len(),
+            10,
+            "windows 0..10 closed, window 10 still open"
+        );
+        assert!(
+            closed[0].warmup && closed[1].warmup,
+            "first record at 0.5 s, warm-up to 1.5 s"
+        );
+        assert!(!closed[2].warmup);
+        assert_eq!(closed[2].spills, 1);
+        assert_eq!(closed[2].true_delta_tokens, 8);
+        assert_eq!(closed[2].workers[&w(2)].spills_in, 1);
+        assert_eq!(closed[2].workers[&w(1)].spills_out, 1);
+        assert_eq!(closed[2].workers[&w(1)].cached_blocks, 4);
+        assert_eq!(closed[7].requests, 0);
+        assert_eq!(closed[7].spill_rate, None);
+    }
+
+    #[test]
+    fn gaps_resets_and_unknown_blocks_are_counted_and_flag_the_window() {
+        let mut a = FleetAnalyzer::new(cfg());
+        let toks: Vec<u32> = (0..4).collect();
+        a.apply(&env(1, stored(1, 0, SequenceStatus::First, &toks, &[1, 2])));
+        a.apply(&env(
+            2,
+            stored(1, 5, SequenceStatus::Gap { missed: 4 }, &toks, &[3, 4]),
+        ));
+        a.apply(&env(3, stored(1, 0, SequenceStatus::Reset, &toks, &[1, 2])));
+        a.apply(&env(
+            4,
+            Record::KvEvents(KvEventBatch {
+                worker: w(1),
+                publisher: "p1".into(),
+                seq: 1,
+                sequence: SequenceStatus::InOrder,
+                engine_ts: 0.0,
+                events: vec![
+                    KvEvent::BlockRemoved {
+                        block_hashes: vec![42],
+                        medium: None,
+                    },
+                    KvEvent::BlockStored {
+                        block_hashes: vec![9],
+                        parent_block_hash: Some(77),
+                        token_ids: vec![1, 2],
+                        block_size: 2,
+                        lora_name: None,
+                        medium: None,
+                    },
+                ],
+            }),
+        ));
+        let c = a.counters();
+        assert_eq!(
+            (c.sequence_gaps, c.missed_batches, c.sequence_resets),
+            (1, 4, 1)
+        );
+        assert_eq!(
+            c.cleared_blocks, 2,
+            "the reset cleared the engine-hash aliases 1,2 / 3,4 of the same two blocks"
+        );
+        assert_eq!(c.unknown_removed_blocks, 1);
+        assert_eq!(c.unknown_parent_events, 1);
+        assert_eq!(a.open_window().unwrap().data_faults, 4);
+        assert_eq!(a.index().cached_blocks(&w(1)), 2);
+    }
+
+    #[test]
+    fn event_only_sees_recomputed_blocks_held_elsewhere() {
+        let mut a = FleetAnalyzer::new(cfg());
+        let toks: Vec<u32> = (0..8).collect();
+        a.apply(&env(
+            1,
+            stored(1, 0, SequenceStatus::First, &toks, &[1, 2, 3, 4]),
+        ));
+        a.apply(&env(
+            2,
+            stored(2, 0, SequenceStatus::First, &toks[..6], &[5, 6, 7]),
+        ));
+        let e = &a.open_window().unwrap().event_only;
+        assert_eq!((e.segments, e.spills, e.delta_tokens), (2, 1, 6));
+    }
+
+    #[test]
+    fn replaying_the_same_records_gives_the_same_windows() {
+        let toks: Vec<u32> = (0..8).collect();
+        let records: Vec<Envelope> = (0..40u64)
+            .map(|i| {
+                let t = i * S / 4;
+                if i % 3 == 0 {
+                    env(
+                        t,
+                        stored(
+                            i % 2,
+                            i,
+                            SequenceStatus::InOrder,
+                            &toks[..(2 + (i as usize % 4) * 2)],
+                            &[i * 10, i * 10 + 1, i * 10 + 2, i * 10 + 3][..(1 + i as usize % 4)],
+                        ),
+                    )
+                } else {
+                    env(t, decision(&format!("r{i}"), i % 3, &toks))
+                }
+            })
+            .collect();
+        let run = |rs: &[Envelope]| {
+            let mut a = FleetAnalyzer::new(cfg());
+            rs.iter().for_each(|r| {
+                a.apply(r);
+            });
+            a.closed_windows()
+                .map(|w| w.summary.clone())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(run(&records), run(&records));
+        assert!(run(&records).iter().map(|w| w.requests).sum::<u64>() > 0);
+    }
+}

@@ -1,0 +1,213 @@
+//! Reading records from NATS JetStream.
+//!
+//! The collector's state is a fold over the stream, so on every start it first rebuilds
+//! the fold by reading the stream from its first retained record up to the last one that
+//! existed at start (an ordered consumer), then follows new records with its durable pull
+//! consumer, acknowledging each once applied and skipping any it already applied. Records
+//! delivered to a crashed collector but never acknowledged are thus applied exactly once
+//! and in stream order, and a restarted collector ends with the same figures as one that
+//! never stopped.
+
+use crate::analyzer::FleetAnalyzer;
+use anyhow::Context as _;
+use async_nats::jetstream::{self, consumer, stream};
+use futures::StreamExt as _;
+use kvscope_wire::recording::RecordingWriter;
+use kvscope_wire::{Envelope, Subjects};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tracing::{info, warn};
+
+/// Where the bus reader is; shown on `/metrics` and the API.
+#[derive(Debug, Default, Clone, serde::Serialize)]
+pub struct BusStatus {
+    pub connected: bool,
+    /// The stream sequence of the last record applied.
+    pub applied_seq: u64,
+    /// Records still waiting in the stream for this collector.
+    pub pending: u64,
+    /// Records applied while rebuilding state at start.
+    pub rebuilt_records: u64,
+    pub rebuilding: bool,
+}
+
+#[derive(Debug, Clone)]
+pub struct BusConfig {
+    pub nats_url: String,
+    pub subjects: Subjects,
+    pub durable_name: String,
+    pub stream_max_age: Duration,
+}
+
+pub struct Shared {
+    pub analyzer: Mutex<FleetAnalyzer>,
+    pub bus: Mutex<BusStatus>,
+    pub recorder: Mutex<Option<RecordingWriter>>,
+}
+
+impl Shared {
+    pub fn new(analyzer: FleetAnalyzer, recorder: Option<RecordingWriter>) -> Arc<Self> {
+        Arc::new(Self {
+            analyzer: Mutex::new(analyzer),
+            bus: Mutex::new(BusStatus::default()),
+            recorder: Mutex::new(recorder),
+        })
+    }
+
+    /// Decode and apply one bus message; undecodable ones are counted and skipped.
+    fn apply_payload(&self, payload: &[u8], seq: u64) {
+        match Envelope::from_json(payload) {
+            Ok(env) => {
+                lock(&self.analyzer).apply(&env);
+                if let Some(rec) = lock(&self.recorder).as_mut() {
+                    if let Err(e) = rec.write(&env) {
+                        warn!(error = %e, "Cannot write the recording; recording stops.");
+                        *lock(&self.recorder) = None;
+                    }
+                }
+            }
+            Err(e) => {
+                lock(&self.analyzer).counters_mut().undecodable_records += 1;
+                warn!(seq, error = %e, "Undecodable record on the bus; skipped and counted.");
+            }
+        }
+        lock(&self.bus).applied_seq = seq;
+    }
+
+    pub fn flush_recording(&self) {
+        if let Some(rec) = lock(&self.recorder).as_mut() {
+            if let Err(e) = rec.flush() {
+                warn!(error = %e, "Cannot flush the recording.");
+            }
+        }
+    }
+}
+
+/// Lock a mutex, recovering the data if a panicking thread poisoned it: the analyzer's
+/// state stays usable, and a panic elsewhere must not stop the collector.
+pub fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The stream every agent publishes to; created here too so either side can start first.
+pub fn stream_config(subjects: &Subjects, max_age: Duration) -> stream::Config {
+    stream::Config {
+        name: subjects.stream_name(),
+        subjects: vec![subjects.all()],
+        storage: stream::StorageType::File,
+        max_age,
+        ..Default::default()
+    }
+}
+
+/// Rebuild from the stream, then follow it for ever (until the task is dropped).
+pub async fn run(cfg: BusConfig, shared: Arc<Shared>) -> anyhow::Result<()> {
+    let client = async_nats::connect(&cfg.nats_url).await.with_context(|| {
+        format!(
+            "cannot connect to NATS at {}; is nats-server -js running there?",
+            cfg.nats_url
+        )
+    })?;
+    let js = jetstream::new(client);
+    let mut stream = js
+        .get_or_create_stream(stream_config(&cfg.subjects, cfg.stream_max_age))
+        .await
+        .context(
+            "cannot create or open the JetStream stream (is JetStream enabled: nats-server -js?)",
+        )?;
+    lock(&shared.bus).connected = true;
+    let last = stream
+        .info()
+        .await
+        .context("cannot read the stream's state")?
+        .state
+        .last_sequence;
+    if last > 0 {
+        rebuild(&stream, last, &shared).await?;
+    }
+    let durable = stream
+        .get_or_create_consumer(
+            &cfg.durable_name,
+            consumer::pull::Config {
+                durable_name: Some(cfg.durable_name.clone()),
+                ack_policy: consumer::AckPolicy::Explicit,
+                ack_wait: Duration::from_secs(30),
+                max_ack_pending: 100_000,
+                filter_subject: cfg.subjects.all(),
+                ..Default::default()
+            },
+        )
+        .await
+        .context("cannot create the durable consumer")?;
+    let mut messages = durable
+        .messages()
+        .await
+        .context("cannot pull from the durable consumer")?;
+    info!(stream = %cfg.subjects.stream_name(), durable = %cfg.durable_name, "Following the stream.");
+    while let Some(msg) = messages.next().await {
+        let msg = match msg {
+            Ok(m) => m,
+            Err(e) => {
+                warn!(error = %e, "Pull from JetStream failed; retrying.");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                continue;
+            }
+        };
+        let (seq, pending) = match msg.info() {
+            Ok(i) => (i.stream_sequence, i.pending),
+            Err(e) => {
+                warn!(error = %e, "JetStream message without metadata; skipped.");
+                continue;
+            }
+        };
+        let applied = lock(&shared.bus).applied_seq;
+        if seq > applied {
+            shared.apply_payload(&msg.payload, seq);
+        }
+        lock(&shared.bus).pending = pending;
+        if let Err(e) = msg.ack().await {
+            warn!(seq, error = %e, "Ack failed; the record may be delivered again and will be skipped then.");
+        }
+    }
+    anyhow::bail!("the durable consumer's message stream ended")
+}
+
+async fn rebuild(stream: &stream::Stream, last: u64, shared: &Shared) -> anyhow::Result<()> {
+    lock(&shared.bus).rebuilding = true;
+    info!(
+        last_seq = last,
+        "Rebuilding the fleet state from the stream."
+    );
+    let ordered = stream
+        .create_consumer(consumer::pull::OrderedConfig {
+            deliver_policy: consumer::DeliverPolicy::All,
+            ..Default::default()
+        })
+        .await
+        .context("cannot create the ordered consumer for the rebuild")?;
+    let mut messages = ordered
+        .messages()
+        .await
+        .context("cannot read the stream for the rebuild")?;
+    let mut n = 0u64;
+    while let Some(msg) = messages.next().await {
+        let msg = msg.context("reading the stream during the rebuild")?;
+        let seq = msg.info().map(|i| i.stream_sequence).unwrap_or(0);
+        if seq > last {
+            break;
+        }
+        shared.apply_payload(&msg.payload, seq);
+        n += 1;
+        if n % 100_000 == 0 {
+            info!(applied = n, of = last, "Rebuilding.");
+        }
+        if seq >= last {
+            break;
+        }
+    }
+    let mut bus = lock(&shared.bus);
+    bus.rebuilding = false;
+    bus.rebuilt_records = n;
+    info!(records = n, "Rebuilt the fleet state.");
+    Ok(())
+}

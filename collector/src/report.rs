@@ -1,0 +1,381 @@
+//! The dry-run opportunity report: the fork's table (spill rate, migratable tokens,
+//! migratable volume vs uncached prefill) with the true delta beside the upper bound,
+//! the spread across windows, and how far the two ways of measuring agree.
+
+use crate::analyzer::{AgentStatus, CollectorCounters, FleetAnalyzer};
+use crate::window::{
+    token_histogram, MigrationLogWindow, TokenDistribution, WindowSummary, WorkerWindow,
+};
+use kvscope_wire::WorkerKey;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+/// Mean and spread of one figure across the measured windows.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Spread {
+    pub mean: f64,
+    pub min: f64,
+    pub max: f64,
+    pub stddev: f64,
+    /// Windows the figure was defined in.
+    pub windows: usize,
+}
+
+impl Spread {
+    pub fn of(values: impl IntoIterator<Item = f64>) -> Self {
+        let v: Vec<f64> = values.into_iter().collect();
+        if v.is_empty() {
+            return Self::default();
+        }
+        let n = v.len() as f64;
+        let mean = v.iter().sum::<f64>() / n;
+        let var = v.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / n;
+        Self {
+            mean,
+            min: v.iter().copied().fold(f64::INFINITY, f64::min),
+            max: v.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+            stddev: var.sqrt(),
+            windows: v.len(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "state", rename_all = "snake_case")]
+pub enum ReportStatus {
+    Ready,
+    /// Fewer measured windows than the minimum: the figures are shown but not to be
+    /// trusted yet.
+    NotEnoughWindows {
+        have: usize,
+        need: usize,
+    },
+}
+
+/// Decision-joined (router log) vs event-only (KV events alone) figures.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Agreement {
+    pub decision_spills: u64,
+    pub event_only_spills: u64,
+    pub decision_true_delta_tokens: u64,
+    pub event_only_delta_tokens: u64,
+    /// event-only delta / decision-joined delta (None when the latter is zero).
+    pub delta_ratio: Option<f64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct OpportunityReport {
+    pub status: ReportStatus,
+    pub window_secs: f64,
+    pub windows_measured: usize,
+    pub windows_warmup: usize,
+    /// Measured windows in which the mirror saw gaps, resets or unappliable events.
+    pub windows_with_data_faults: usize,
+    pub requests: u64,
+    pub spills: u64,
+    /// spills / requests over all measured windows.
+    pub spill_rate: Option<f64>,
+    pub spill_rate_per_window: Spread,
+    /// Per-spill migratable tokens as the fork logged them (best overlap).
+    pub upper_bound_tokens: TokenDistribution,
+    /// Per-spill true delta (best − chosen overlap).
+    pub true_delta_tokens: TokenDistribution,
+    pub upper_bound_tok_per_s: Spread,
+    pub true_delta_tok_per_s: Spread,
+    pub uncached_prefill_tok_per_s: Spread,
+    pub true_delta_tok_per_s_per_worker: Spread,
+    pub uncached_prefill_tok_per_s_per_worker: Spread,
+    /// Σ true delta / Σ upper bound: how much of the fork's figure is real.
+    pub true_share_of_upper_bound: Option<f64>,
+    pub agreement: Agreement,
+    pub migration_log: MigrationLogWindow,
+    #[serde(with = "kvscope_wire::worker_map")]
+    pub workers: BTreeMap<WorkerKey, WorkerWindow>,
+    pub collector: CollectorCounters,
+    pub agents: BTreeMap<String, AgentStatus>,
+    /// Every closed window, warm-up included (flagged).
+    pub windows: Vec<WindowSummary>,
+}
+
+impl OpportunityReport {
+    pub fn from_analyzer(a: &FleetAnalyzer) -> Self {
+        let cfg = a.config();
+        let measured: Vec<_> = a.closed_windows().filter(|w| !w.summary.warmup).collect();
+        let mut true_delta = token_histogram();
+        let mut upper = token_histogram();
+        let mut agreement = Agreement::default();
+        let mut migration_log = MigrationLogWindow::default();
+        let mut workers: BTreeMap<WorkerKey, WorkerWindow> = BTreeMap::new();
+        let (mut requests, mut spills, mut td_sum, mut ub_sum) = (0, 0, 0u64, 0u64);
+        for w in &measured {
+            let s = &w.summary;
+            // Merging histograms with equal bounds cannot fail.
+            let _ = true_delta.add(&w.true_delta);
+            let _ = upper.add(&w.upper_bound);
+            requests += s.requests;
+            spills += s.spills;
+            td_sum += s.true_delta_tokens;
+            ub_sum += s.upper_bound_tokens;
+            agreement.decision_spills += s.spills;
+            agreement.decision_true_delta_tokens += s.true_delta_tokens;
+            agreement.event_only_spills += s.event_only.spills;
+            agreement.event_only_delta_tokens += s.event_only.delta_tokens;
+            let m = &mut migration_log;
+            m.spill_lines += s.migration_log.spill_lines;
+            m.spill_migratable_tokens += s.migration_log.spill_migratable_tokens;
+            m.handshakes_obtained += s.migration_log.handshakes_obtained;
+            m.dispatch_failures += s.migration_log.dispatch_failures;
+            m.decoding_on_target += s.migration_log.decoding_on_target;
+            for (k, ww) in &s.workers {
+                let t = workers.entry(*k).or_default();
+                t.requests += ww.requests;
+                t.spills_in += ww.spills_in;
+                t.spills_out += ww.spills_out;
+                t.uncached_prefill_tokens += ww.uncached_prefill_tokens;
+                t.true_delta_tokens_in += ww.true_delta_tokens_in;
+                t.cached_blocks = ww.cached_blocks;
+            }
+        }
+        agreement.delta_ratio = (agreement.decision_true_delta_tokens > 0).then(|| {
+            agreement.event_only_delta_tokens as f64 / agreement.decision_true_delta_tokens as f64
+        });
+        let spread = |f: fn(&WindowSummary) -> Option<f64>| {
+            Spread::of(measured.iter().filter_map(|w| f(&w.summary)))
+        };
+        let status = if measured.len() >= cfg.min_windows {
+            ReportStatus::Ready
+        } else {
+            ReportStatus::NotEnoughWindows {
+                have: measured.len(),
+                need: cfg.min_windows,
+            }
+        };
+        Self {
+            status,
+            window_secs: cfg.window_secs,
+            windows_measured: measured.len(),
+            windows_warmup: a.closed_windows().filter(|w| w.summary.warmup).count(),
+            windows_with_data_faults: measured
+                .iter()
+                .filter(|w| w.summary.data_faults > 0)
+                .count(),
+            requests,
+            spills,
+            spill_rate: (requests > 0).then(|| spills as f64 / requests as f64),
+            spill_rate_per_window: spread(|s| s.spill_rate),
+            upper_bound_tokens: TokenDistribution::of(&upper),
+            true_delta_tokens: TokenDistribution::of(&true_delta),
+            upper_bound_tok_per_s: spread(|s| Some(s.upper_bound_tok_per_s)),
+            true_delta_tok_per_s: spread(|s| Some(s.true_delta_tok_per_s)),
+            uncached_prefill_tok_per_s: spread(|s| Some(s.uncached_prefill_tok_per_s)),
+            true_delta_tok_per_s_per_worker: spread(|s| {
+                (s.active_workers > 0).then_some(s.true_delta_tok_per_s_per_worker)
+            }),
+            uncached_prefill_tok_per_s_per_worker: spread(|s| {
+                (s.active_workers > 0).then_some(s.uncached_prefill_tok_per_s_per_worker)
+            }),
+            true_share_of_upper_bound: (ub_sum > 0).then(|| td_sum as f64 / ub_sum as f64),
+            agreement,
+            migration_log,
+            workers,
+            collector: a.counters().clone(),
+            agents: a.agents().clone(),
+            windows: a.closed_windows().map(|w| w.summary.clone()).collect(),
+        }
+    }
+
+    pub fn to_json_pretty(&self) -> String {
+        serde_json::to_string_pretty(self).unwrap_or_default()
+    }
+
+    /// The report as Markdown, for a terminal or a ticket.
+    pub fn to_markdown(&self) -> String {
+        let mut md = String::new();
+        let pct = |x: Option<f64>| x.map_or("n/a".to_string(), |v| format!("{:.2}%", v * 100.0));
+        let sp = |s: &Spread| {
+            format!(
+                "{:.0} (min {:.0}, max {:.0}, sd {:.0})",
+                s.mean, s.min, s.max, s.stddev
+            )
+        };
+        let _ = writeln!(md, "# kvscope dry-run opportunity report\n");
+        match &self.status {
+            ReportStatus::Ready => {
+                let _ = writeln!(
+                    md,
+                    "{} measured windows of {} s ({} warm-up windows discarded).\n",
+                    self.windows_measured, self.window_secs, self.windows_warmup
+                );
+            }
+            ReportStatus::NotEnoughWindows { have, need } => {
+                let _ = writeln!(md, "**Not enough windows yet: {have} measured, {need} needed.** Figures below are provisional.\n");
+            }
+        }
+        let _ = writeln!(md, "| figure | value |\n|---|---|");
+        let _ = writeln!(md, "| routed requests | {} |", self.requests);
+        let _ = writeln!(md, "| spills | {} |", self.spills);
+        let _ = writeln!(
+            md,
+            "| spill rate | {} (per window: mean {}, min {}, max {}, sd {}) |",
+            pct(self.spill_rate),
+            pct(Some(self.spill_rate_per_window.mean)),
+            pct(Some(self.spill_rate_per_window.min)),
+            pct(Some(self.spill_rate_per_window.max)),
+            pct(Some(self.spill_rate_per_window.stddev)),
+        );
+        let d =
+            |t: &TokenDistribution| format!("{} / {} / {} / {:.0}", t.p50, t.p90, t.max, t.mean);
+        let _ = writeln!(
+            md,
+            "| migratable tokens per spill, upper bound (p50 / p90 / max / mean) | {} |",
+            d(&self.upper_bound_tokens)
+        );
+        let _ = writeln!(
+            md,
+            "| **true delta tokens per spill** (p50 / p90 / max / mean) | {} |",
+            d(&self.true_delta_tokens)
+        );
+        let _ = writeln!(
+            md,
+            "| migratable volume, upper bound (tok/s) | {} |",
+            sp(&self.upper_bound_tok_per_s)
+        );
+        let _ = writeln!(
+            md,
+            "| **migratable volume, true delta (tok/s)** | {} |",
+            sp(&self.true_delta_tok_per_s)
+        );
+        let _ = writeln!(
+            md,
+            "| uncached prefill (tok/s) | {} |",
+            sp(&self.uncached_prefill_tok_per_s)
+        );
+        let _ = writeln!(
+            md,
+            "| true delta per active worker (tok/s) | {} |",
+            sp(&self.true_delta_tok_per_s_per_worker)
+        );
+        let _ = writeln!(
+            md,
+            "| uncached prefill per active worker (tok/s) | {} |",
+            sp(&self.uncached_prefill_tok_per_s_per_worker)
+        );
+        let _ = writeln!(
+            md,
+            "| true delta / upper bound | {} |",
+            pct(self.true_share_of_upper_bound)
+        );
+        let a = &self.agreement;
+        let _ = writeln!(md, "\n## Decision-joined vs event-only\n\n| | decision-joined | event-only |\n|---|---|---|");
+        let _ = writeln!(
+            md,
+            "| spills | {} | {} |",
+            a.decision_spills, a.event_only_spills
+        );
+        let _ = writeln!(
+            md,
+            "| delta tokens | {} | {} |",
+            a.decision_true_delta_tokens, a.event_only_delta_tokens
+        );
+        let _ = writeln!(
+            md,
+            "\nEvent-only / decision-joined delta: {}.",
+            a.delta_ratio.map_or("n/a".into(), |r| format!("{r:.3}"))
+        );
+        let m = &self.migration_log;
+        if m.spill_lines + m.handshakes_obtained + m.dispatch_failures + m.decoding_on_target > 0 {
+            let _ = writeln!(md, "\n## Migration log (KVMIGRATE lines)\n\n| spill lines | migratable tokens logged | handshakes obtained | dispatch failures | decoding on target |\n|---|---|---|---|---|");
+            let _ = writeln!(
+                md,
+                "| {} | {} | {} | {} | {} |",
+                m.spill_lines,
+                m.spill_migratable_tokens,
+                m.handshakes_obtained,
+                m.dispatch_failures,
+                m.decoding_on_target
+            );
+        }
+        let _ = writeln!(md, "\n## Workers\n\n| worker | requests | spills in | spills out | uncached prefill tokens | true delta tokens in | cached blocks |\n|---|---|---|---|---|---|---|");
+        for (k, w) in &self.workers {
+            let _ = writeln!(
+                md,
+                "| {k} | {} | {} | {} | {} | {} | {} |",
+                w.requests,
+                w.spills_in,
+                w.spills_out,
+                w.uncached_prefill_tokens,
+                w.true_delta_tokens_in,
+                w.cached_blocks
+            );
+        }
+        let _ = writeln!(md, "\n## Windows\n\n| start (s) | requests | spill rate | true delta tok/s | upper bound tok/s | uncached tok/s | event-only delta tok | data faults |\n|---|---|---|---|---|---|---|---|");
+        let t0 = self.windows.first().map_or(0, |w| w.start_ns);
+        for w in &self.windows {
+            let _ = writeln!(
+                md,
+                "| {:.0}{} | {} | {} | {:.0} | {:.0} | {:.0} | {} | {} |",
+                (w.start_ns - t0) as f64 / 1e9,
+                if w.warmup { " (warm-up)" } else { "" },
+                w.requests,
+                pct(w.spill_rate),
+                w.true_delta_tok_per_s,
+                w.upper_bound_tok_per_s,
+                w.uncached_prefill_tok_per_s,
+                w.event_only.delta_tokens,
+                w.data_faults
+            );
+        }
+        let c = &self.collector;
+        let _ = writeln!(md, "\n## Data quality\n\n| counter | value |\n|---|---|");
+        for (name, v) in [
+            ("records", c.records),
+            ("undecodable records", c.undecodable_records),
+            ("sequence gaps", c.sequence_gaps),
+            ("missed batches", c.missed_batches),
+            ("sequence resets (engine restarts)", c.sequence_resets),
+            (
+                "stores with unknown parent (dropped)",
+                c.unknown_parent_events,
+            ),
+            ("removals of unknown blocks", c.unknown_removed_blocks),
+            ("stores with token count mismatch", c.token_count_mismatches),
+            (
+                "decisions for workers with no KV events",
+                c.decisions_for_unseen_workers,
+            ),
+            ("late records", c.late_records),
+        ] {
+            let _ = writeln!(md, "| {name} | {v} |");
+        }
+        for (agent, st) in &self.agents {
+            let k = &st.heartbeat.counters;
+            let _ = writeln!(
+                md,
+                "| agent {agent}: bad frames / decode errors / unknown events / malformed events | {} / {} / {} / {} |",
+                k.kv_bad_frames, k.kv_decode_errors, k.kv_unknown_events, k.kv_malformed_events
+            );
+            let _ = writeln!(
+                md,
+                "| agent {agent}: malformed log lines / unjoined decisions / dropped records | {} / {} / {} |",
+                k.log_malformed_lines, k.decisions_unjoined, k.publish_dropped
+            );
+        }
+        md
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spread_of_values() {
+        let s = Spread::of([1.0, 3.0]);
+        assert_eq!(
+            (s.mean, s.min, s.max, s.stddev, s.windows),
+            (2.0, 1.0, 3.0, 1.0, 2)
+        );
+        assert_eq!(Spread::of([]), Spread::default());
+    }
+}

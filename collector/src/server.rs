@@ -1,0 +1,84 @@
+//! The collector's HTTP endpoints: Prometheus `/metrics` and a read-only JSON API.
+
+use crate::bus::{lock, Shared};
+use crate::metrics;
+use crate::report::OpportunityReport;
+use axum::extract::{Query, State};
+use axum::http::header;
+use axum::response::IntoResponse;
+use axum::routing::get;
+use axum::{Json, Router};
+use serde::Deserialize;
+use std::sync::Arc;
+
+pub fn router(shared: Arc<Shared>) -> Router {
+    Router::new()
+        .route("/metrics", get(metrics_text))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/api/summary", get(summary))
+        .route("/api/windows", get(windows))
+        .route("/api/verdicts", get(verdicts))
+        .route("/api/report", get(report_json))
+        .route("/api/report.md", get(report_md))
+        .with_state(shared)
+}
+
+async fn metrics_text(State(s): State<Arc<Shared>>) -> impl IntoResponse {
+    let bus = lock(&s.bus).clone();
+    let body = metrics::render(&lock(&s.analyzer), &bus);
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        body,
+    )
+}
+
+async fn summary(State(s): State<Arc<Shared>>) -> impl IntoResponse {
+    let bus = lock(&s.bus).clone();
+    let a = lock(&s.analyzer);
+    Json(serde_json::json!({
+        "bus": bus,
+        "workers": a.index().workers().count(),
+        "cached_block_pairs": a.index().cached_pairs(),
+        "watermark_ns": a.watermark_ns(),
+        "windows_closed": a.closed_windows().len(),
+        "open_window": a.open_window(),
+        "counters": a.counters(),
+        "agents": a.agents(),
+    }))
+}
+
+#[derive(Deserialize)]
+struct Limit {
+    limit: Option<usize>,
+}
+
+async fn windows(State(s): State<Arc<Shared>>, Query(q): Query<Limit>) -> impl IntoResponse {
+    let a = lock(&s.analyzer);
+    let n = q.limit.unwrap_or(100);
+    let w: Vec<_> = a
+        .closed_windows()
+        .rev()
+        .take(n)
+        .map(|w| w.summary.clone())
+        .collect();
+    Json(w)
+}
+
+async fn verdicts(State(s): State<Arc<Shared>>, Query(q): Query<Limit>) -> impl IntoResponse {
+    let a = lock(&s.analyzer);
+    let n = q.limit.unwrap_or(100);
+    let v: Vec<_> = a.recent_verdicts().rev().take(n).cloned().collect();
+    Json(v)
+}
+
+async fn report_json(State(s): State<Arc<Shared>>) -> impl IntoResponse {
+    Json(OpportunityReport::from_analyzer(&lock(&s.analyzer)))
+}
+
+async fn report_md(State(s): State<Arc<Shared>>) -> impl IntoResponse {
+    let md = OpportunityReport::from_analyzer(&lock(&s.analyzer)).to_markdown();
+    ([(header::CONTENT_TYPE, "text/markdown; charset=utf-8")], md)
+}

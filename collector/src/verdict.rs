@@ -1,0 +1,148 @@
+//! Per-request spill verdicts: the measurements of DESIGN.md for one routed request.
+
+use crate::fleet_index::FleetIndex;
+use kvscope_wire::{sequence_hashes, RoutingDecision, WorkerKey};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// What the collector concludes about one routed request, from the mirror's state when
+/// the decision arrived.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SpillVerdict {
+    pub request_id: String,
+    pub decided_ns: u64,
+    pub chosen: WorkerKey,
+    pub chosen_overlap_blocks: u32,
+    /// The worker with the longest cached prefix (the chosen one on a tie).
+    pub best: WorkerKey,
+    pub best_overlap_blocks: u32,
+    pub block_size: u32,
+    pub isl_tokens: u64,
+    /// Whether chosen ≠ best by at least the configured number of blocks.
+    pub spill: bool,
+    /// overlap_best × block_size: the fork's `migratable_tokens`, an upper bound.
+    pub upper_bound_tokens: u64,
+    /// (overlap_best − overlap_chosen) × block_size: what a migration would really save.
+    pub true_delta_tokens: u64,
+    /// isl − overlap_chosen × block_size: the prefill the chosen worker has to compute.
+    pub uncached_prefill_tokens: u64,
+    /// Every worker's non-zero overlap, in blocks.
+    #[serde(with = "kvscope_wire::worker_map")]
+    pub overlaps: BTreeMap<WorkerKey, u32>,
+}
+
+impl SpillVerdict {
+    /// Judge `decision` against the mirror. `min_blocks` is the smallest overlap gap that
+    /// counts as a spill.
+    pub fn judge(
+        index: &FleetIndex,
+        decision: &RoutingDecision,
+        decided_ns: u64,
+        min_blocks: u32,
+    ) -> Self {
+        let chain = sequence_hashes(&decision.local_hashes);
+        let overlaps = index.overlaps(&chain);
+        let chosen = decision.worker;
+        let chosen_overlap = overlaps.get(&chosen).copied().unwrap_or(0);
+        // Best: the longest overlap; the chosen worker wins ties, then the lowest key, so
+        // a verdict never calls a tie a spill and never depends on map order.
+        let (best, best_overlap) = overlaps
+            .iter()
+            .filter(|(w, _)| **w != chosen)
+            .max_by(|a, b| a.1.cmp(b.1).then_with(|| b.0.cmp(a.0)))
+            .filter(|(_, n)| **n > chosen_overlap)
+            .map_or((chosen, chosen_overlap), |(w, n)| (*w, *n));
+        let bs = u64::from(decision.block_size);
+        let gap = best_overlap - chosen_overlap;
+        let spill = best != chosen && gap >= min_blocks.max(1);
+        let cached_tokens = u64::from(chosen_overlap) * bs;
+        SpillVerdict {
+            request_id: decision.request_id.clone(),
+            decided_ns,
+            chosen,
+            chosen_overlap_blocks: chosen_overlap,
+            best,
+            best_overlap_blocks: best_overlap,
+            block_size: decision.block_size,
+            isl_tokens: decision.isl_tokens,
+            spill,
+            upper_bound_tokens: u64::from(best_overlap) * bs,
+            true_delta_tokens: u64::from(gap) * bs,
+            uncached_prefill_tokens: decision.isl_tokens.saturating_sub(cached_tokens),
+            overlaps,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvscope_wire::hashing::{local_block_hashes, DYNAMO_HASH_SEED};
+
+    fn w(id: u64) -> WorkerKey {
+        WorkerKey {
+            worker_id: id,
+            dp_rank: 0,
+        }
+    }
+
+    fn decision(tokens: &[u32], to: u64) -> RoutingDecision {
+        RoutingDecision {
+            request_id: "r".into(),
+            worker: w(to),
+            isl_tokens: tokens.len() as u64,
+            block_size: 2,
+            local_hashes: local_block_hashes(tokens, 2, DYNAMO_HASH_SEED),
+            worker_type: None,
+            router_mode: None,
+        }
+    }
+
+    fn fleet() -> (FleetIndex, Vec<u32>) {
+        let mut idx = FleetIndex::new();
+        let toks: Vec<u32> = (0..9).collect();
+        idx.store(w(1), None, &[1, 2, 3, 4], &toks[..8], 2, None)
+            .unwrap();
+        idx.store(w(2), None, &[1], &toks[..2], 2, None).unwrap();
+        (idx, toks)
+    }
+
+    #[test]
+    fn a_request_sent_away_from_its_kv_is_a_spill_with_the_true_delta() {
+        let (idx, toks) = fleet();
+        let v = SpillVerdict::judge(&idx, &decision(&toks, 2), 0, 1);
+        assert!(v.spill);
+        assert_eq!(v.best, w(1));
+        assert_eq!((v.best_overlap_blocks, v.chosen_overlap_blocks), (4, 1));
+        assert_eq!(v.upper_bound_tokens, 8);
+        assert_eq!(v.true_delta_tokens, 6);
+        assert_eq!(v.uncached_prefill_tokens, 9 - 2);
+    }
+
+    #[test]
+    fn routing_to_the_holder_is_not_a_spill() {
+        let (idx, toks) = fleet();
+        let v = SpillVerdict::judge(&idx, &decision(&toks, 1), 0, 1);
+        assert!(!v.spill);
+        assert_eq!(v.best, w(1));
+        assert_eq!(v.true_delta_tokens, 0);
+        assert_eq!(v.uncached_prefill_tokens, 1);
+    }
+
+    #[test]
+    fn small_gaps_below_min_blocks_are_not_spills() {
+        let (idx, toks) = fleet();
+        let v = SpillVerdict::judge(&idx, &decision(&toks, 2), 0, 4);
+        assert!(!v.spill);
+        assert_eq!(v.true_delta_tokens, 6, "the delta is still measured");
+    }
+
+    #[test]
+    fn a_cold_request_has_no_best_worker_but_the_chosen_one() {
+        let idx = FleetIndex::new();
+        let v = SpillVerdict::judge(&idx, &decision(&[5, 6, 7, 8], 3), 0, 1);
+        assert_eq!(v.best, w(3));
+        assert!(!v.spill);
+        assert_eq!(v.uncached_prefill_tokens, 4);
+    }
+}

@@ -1,0 +1,188 @@
+//! Measurement windows: fixed-length slices of record time with the spill figures of the
+//! requests decided in them.
+
+use crate::fleet_index::FleetIndex;
+use crate::verdict::SpillVerdict;
+use hdrhistogram::Histogram;
+use kvscope_wire::WorkerKey;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// Token counts up to 2^40 at 3 significant digits.
+pub(crate) fn token_histogram() -> Histogram<u64> {
+    Histogram::new_with_bounds(1, 1 << 40, 3).expect("static histogram bounds are valid")
+}
+
+/// Distribution summary of a token count.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct TokenDistribution {
+    pub count: u64,
+    pub p50: u64,
+    pub p90: u64,
+    pub max: u64,
+    pub mean: f64,
+}
+
+impl TokenDistribution {
+    pub fn of(h: &Histogram<u64>) -> Self {
+        if h.is_empty() {
+            return Self::default();
+        }
+        Self {
+            count: h.len(),
+            p50: h.value_at_quantile(0.5),
+            p90: h.value_at_quantile(0.9),
+            max: h.max(),
+            mean: h.mean(),
+        }
+    }
+}
+
+/// One worker's share of a window.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct WorkerWindow {
+    /// Requests routed to this worker.
+    pub requests: u64,
+    /// Spills routed *to* this worker (it recomputed KV another worker held).
+    pub spills_in: u64,
+    /// Spills routed *away* from this worker (it held the KV).
+    pub spills_out: u64,
+    pub uncached_prefill_tokens: u64,
+    pub true_delta_tokens_in: u64,
+    /// Blocks cached on the worker when the window closed.
+    pub cached_blocks: u64,
+}
+
+/// Event-only figures: prefill segments seen in `BlockStored` chains.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct EventOnlyWindow {
+    pub segments: u64,
+    /// Segments whose recomputed blocks another worker held (by ≥ min blocks).
+    pub spills: u64,
+    pub delta_tokens: u64,
+}
+
+/// The fork's migration log lines seen in a window.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct MigrationLogWindow {
+    pub spill_lines: u64,
+    pub spill_migratable_tokens: u64,
+    pub handshakes_obtained: u64,
+    pub dispatch_failures: u64,
+    pub decoding_on_target: u64,
+}
+
+/// A closed window's figures.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct WindowSummary {
+    pub start_ns: u64,
+    pub end_ns: u64,
+    /// Inside the warm-up after the first record: shown, never measured.
+    pub warmup: bool,
+    pub requests: u64,
+    pub spills: u64,
+    /// spills / requests; None for a window without requests.
+    pub spill_rate: Option<f64>,
+    pub isl_tokens: u64,
+    pub uncached_prefill_tokens: u64,
+    /// Σ true delta over spills.
+    pub true_delta_tokens: u64,
+    /// Σ upper bound (best overlap) over spills.
+    pub upper_bound_tokens: u64,
+    pub true_delta: TokenDistribution,
+    pub upper_bound: TokenDistribution,
+    pub true_delta_tok_per_s: f64,
+    pub upper_bound_tok_per_s: f64,
+    pub uncached_prefill_tok_per_s: f64,
+    /// Workers that were routed at least one request.
+    pub active_workers: u64,
+    /// true_delta_tok_per_s / active_workers.
+    pub true_delta_tok_per_s_per_worker: f64,
+    pub uncached_prefill_tok_per_s_per_worker: f64,
+    pub event_only: EventOnlyWindow,
+    pub migration_log: MigrationLogWindow,
+    /// Sequence gaps, resets and events the mirror could not apply in this window: a
+    /// window with any of these measured on a mirror that may be wrong.
+    pub data_faults: u64,
+    #[serde(with = "kvscope_wire::worker_map")]
+    pub workers: BTreeMap<WorkerKey, WorkerWindow>,
+}
+
+/// A window still collecting.
+#[derive(Debug)]
+pub struct OpenWindow {
+    pub summary: WindowSummary,
+    pub true_delta: Histogram<u64>,
+    pub upper_bound: Histogram<u64>,
+}
+
+impl OpenWindow {
+    pub fn new(start_ns: u64, end_ns: u64, warmup: bool) -> Self {
+        Self {
+            summary: WindowSummary {
+                start_ns,
+                end_ns,
+                warmup,
+                ..Default::default()
+            },
+            true_delta: token_histogram(),
+            upper_bound: token_histogram(),
+        }
+    }
+
+    pub fn add_verdict(&mut self, v: &SpillVerdict) {
+        let s = &mut self.summary;
+        s.requests += 1;
+        s.isl_tokens += v.isl_tokens;
+        s.uncached_prefill_tokens += v.uncached_prefill_tokens;
+        let chosen = s.workers.entry(v.chosen).or_default();
+        chosen.requests += 1;
+        chosen.uncached_prefill_tokens += v.uncached_prefill_tokens;
+        if v.spill {
+            chosen.spills_in += 1;
+            chosen.true_delta_tokens_in += v.true_delta_tokens;
+            s.workers.entry(v.best).or_default().spills_out += 1;
+            s.spills += 1;
+            s.true_delta_tokens += v.true_delta_tokens;
+            s.upper_bound_tokens += v.upper_bound_tokens;
+            // Values are ≥ one block, far inside the bounds; a failed record would only
+            // mean a corrupt histogram, which we'd rather skip than stop on.
+            let _ = self.true_delta.record(v.true_delta_tokens.max(1));
+            let _ = self.upper_bound.record(v.upper_bound_tokens.max(1));
+        }
+    }
+
+    /// Close the window: derive rates and percentiles.
+    pub fn close(mut self, index: &FleetIndex) -> ClosedWindow {
+        let s = &mut self.summary;
+        for w in index.workers() {
+            s.workers.entry(w).or_default().cached_blocks = index.cached_blocks(&w) as u64;
+        }
+        let secs = (s.end_ns - s.start_ns) as f64 / 1e9;
+        s.spill_rate = (s.requests > 0).then(|| s.spills as f64 / s.requests as f64);
+        s.true_delta = TokenDistribution::of(&self.true_delta);
+        s.upper_bound = TokenDistribution::of(&self.upper_bound);
+        s.true_delta_tok_per_s = s.true_delta_tokens as f64 / secs;
+        s.upper_bound_tok_per_s = s.upper_bound_tokens as f64 / secs;
+        s.uncached_prefill_tok_per_s = s.uncached_prefill_tokens as f64 / secs;
+        s.active_workers = s.workers.values().filter(|w| w.requests > 0).count() as u64;
+        if s.active_workers > 0 {
+            s.true_delta_tok_per_s_per_worker = s.true_delta_tok_per_s / s.active_workers as f64;
+            s.uncached_prefill_tok_per_s_per_worker =
+                s.uncached_prefill_tok_per_s / s.active_workers as f64;
+        }
+        ClosedWindow {
+            summary: self.summary,
+            true_delta: self.true_delta,
+            upper_bound: self.upper_bound,
+        }
+    }
+}
+
+/// A closed window, with its histograms kept so reports can merge them.
+#[derive(Debug, Clone)]
+pub struct ClosedWindow {
+    pub summary: WindowSummary,
+    pub true_delta: Histogram<u64>,
+    pub upper_bound: Histogram<u64>,
+}
