@@ -7,6 +7,7 @@
 
 pub mod analyzer;
 pub mod bus;
+pub mod cli;
 pub mod config;
 pub mod fleet_index;
 pub mod metrics;

@@ -1,0 +1,222 @@
+//! The collector's command line, shared by `kvscope-collector` and `kvscope collector`.
+
+use crate::bus::{self, BusConfig, Shared};
+use crate::config::CollectorConfig;
+use crate::report::OpportunityReport;
+use crate::{analyzer::FleetAnalyzer, replay, server};
+use anyhow::Context as _;
+use clap::{Parser, Subcommand, ValueEnum};
+use kvscope_wire::recording::RecordingWriter;
+use kvscope_wire::Subjects;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+use tracing::{error, info};
+
+/// Mirrors every worker's KV cache from the agents' records, measures spills and the true
+/// migratable delta per request, and serves them as Prometheus metrics, a JSON API and
+/// dry-run opportunity reports.
+#[derive(Parser, Debug)]
+#[command(name = "kvscope-collector", version)]
+pub struct Cli {
+    /// TOML config file (see README, "Collector configuration"). Flags and
+    /// KVSCOPE_COLLECTOR_* variables override it.
+    #[arg(long, global = true, env = "KVSCOPE_COLLECTOR_CONFIG")]
+    config: Option<PathBuf>,
+    /// Window length in seconds (default 15).
+    #[arg(long, global = true, env = "KVSCOPE_COLLECTOR_WINDOW_SECS")]
+    window_secs: Option<f64>,
+    /// Warm-up after the first record whose windows are not measured, in seconds (default 15).
+    #[arg(long, global = true, env = "KVSCOPE_COLLECTOR_WARMUP_SECS")]
+    warmup_secs: Option<f64>,
+    /// Smallest gap between the best and chosen overlap, in blocks, that counts as a spill (default 1).
+    #[arg(long, global = true, env = "KVSCOPE_COLLECTOR_MIN_SPILL_BLOCKS")]
+    min_spill_blocks: Option<u32>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Consume records from NATS JetStream and serve /metrics and the JSON API until stopped.
+    Run {
+        /// NATS server URL (default nats://127.0.0.1:4222).
+        #[arg(long, env = "KVSCOPE_COLLECTOR_NATS_URL")]
+        nats_url: Option<String>,
+        /// Cluster name (default "default").
+        #[arg(long, env = "KVSCOPE_COLLECTOR_CLUSTER")]
+        cluster: Option<String>,
+        /// Listen address for /metrics and /api (default 127.0.0.1:9465).
+        #[arg(long, env = "KVSCOPE_COLLECTOR_LISTEN")]
+        listen: Option<std::net::SocketAddr>,
+        /// Record every applied record to this JSON-lines file (rewritten on each start).
+        #[arg(long, env = "KVSCOPE_COLLECTOR_RECORD")]
+        record: Option<PathBuf>,
+        /// Write report.md and report.json here on shutdown.
+        #[arg(long, env = "KVSCOPE_COLLECTOR_REPORT_DIR")]
+        report_dir: Option<PathBuf>,
+    },
+    /// Write the dry-run opportunity report from a recording.
+    Report {
+        /// The recording to replay (from `run --record` or the agent's `--record`).
+        #[arg(long)]
+        replay: PathBuf,
+        /// Write report.md and report.json into this folder instead of printing.
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// What to print when --out is not given.
+        #[arg(long, value_enum, default_value = "markdown")]
+        format: Format,
+    },
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum Format {
+    Markdown,
+    Json,
+}
+
+pub async fn run(cli: Cli) -> anyhow::Result<()> {
+    let mut cfg = CollectorConfig::load(cli.config.as_deref())?;
+    if let Some(v) = cli.window_secs {
+        cfg.analyzer.window_secs = v;
+    }
+    if let Some(v) = cli.warmup_secs {
+        cfg.analyzer.warmup_secs = v;
+    }
+    if let Some(v) = cli.min_spill_blocks {
+        cfg.analyzer.min_spill_blocks = v;
+    }
+    anyhow::ensure!(
+        cfg.analyzer.window_secs > 0.0,
+        "window_secs must be positive"
+    );
+    match cli.command {
+        Command::Report {
+            replay: path,
+            out,
+            format,
+        } => {
+            let a = replay::replay(&path, cfg.analyzer.clone())?;
+            let report = OpportunityReport::from_analyzer(&a);
+            match out {
+                Some(dir) => write_report(&dir, &report)?,
+                None => match format {
+                    Format::Markdown => print!("{}", report.to_markdown()),
+                    Format::Json => println!("{}", report.to_json_pretty()),
+                },
+            }
+            Ok(())
+        }
+        Command::Run {
+            nats_url,
+            cluster,
+            listen,
+            record,
+            report_dir,
+        } => {
+            if let Some(v) = nats_url {
+                cfg.nats_url = v;
+            }
+            if let Some(v) = cluster {
+                cfg.cluster = v;
+            }
+            if let Some(v) = listen {
+                cfg.listen = v;
+            }
+            if record.is_some() {
+                cfg.record = record;
+            }
+            if report_dir.is_some() {
+                cfg.report_dir = report_dir;
+            }
+            serve(cfg).await
+        }
+    }
+}
+
+async fn serve(cfg: CollectorConfig) -> anyhow::Result<()> {
+    let recorder = match &cfg.record {
+        Some(path) => {
+            // The state is rebuilt from the stream at start, so the recording is too.
+            std::fs::write(path, b"")
+                .with_context(|| format!("cannot create recording {}", path.display()))?;
+            Some(RecordingWriter::append(path)?)
+        }
+        None => None,
+    };
+    let shared = Shared::new(FleetAnalyzer::new(cfg.analyzer.clone()), recorder);
+    let listener = tokio::net::TcpListener::bind(cfg.listen)
+        .await
+        .with_context(|| {
+            format!(
+                "cannot listen on {} (in use? pick another with --listen)",
+                cfg.listen
+            )
+        })?;
+    info!(listen = %listener.local_addr()?, "Serving /metrics and /api.");
+    let app = server::router(shared.clone());
+    let http = tokio::spawn(async move { axum::serve(listener, app).await });
+    let bus_cfg = BusConfig {
+        nats_url: cfg.nats_url.clone(),
+        subjects: Subjects::new(&cfg.cluster),
+        durable_name: cfg.durable_name.clone(),
+        stream_max_age: Duration::from_secs(cfg.stream_max_age_secs),
+    };
+    let bus_task = tokio::spawn(bus::run(bus_cfg, shared.clone()));
+    let flusher = {
+        let shared = shared.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                shared.flush_recording();
+            }
+        })
+    };
+    let result = tokio::select! {
+        r = bus_task => match r {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(e),
+            Err(e) => Err(anyhow::anyhow!("the bus reader stopped: {e}")),
+        },
+        r = http => Err(anyhow::anyhow!("the HTTP server stopped: {r:?}")),
+        _ = shutdown_signal() => {
+            info!("Shutting down.");
+            Ok(())
+        }
+    };
+    flusher.abort();
+    shared.flush_recording();
+    if let Some(dir) = &cfg.report_dir {
+        let report = OpportunityReport::from_analyzer(&bus::lock(&shared.analyzer));
+        if let Err(e) = write_report(dir, &report) {
+            error!(error = %e, "Cannot write the report.");
+        }
+    }
+    result
+}
+
+fn write_report(dir: &Path, report: &OpportunityReport) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    std::fs::write(dir.join("report.md"), report.to_markdown())?;
+    std::fs::write(dir.join("report.json"), report.to_json_pretty())?;
+    info!(dir = %dir.display(), "Wrote report.md and report.json.");
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(_) => return ctrl_c.await.unwrap_or(()),
+            };
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+}
