@@ -198,7 +198,7 @@ async fn rebuild(stream: &stream::Stream, last: u64, shared: &Shared) -> anyhow:
         }
         shared.apply_payload(&msg.payload, seq);
         n += 1;
-        if n % 100_000 == 0 {
+        if n.is_multiple_of(100_000) {
             info!(applied = n, of = last, "Rebuilding.");
         }
         if seq >= last {

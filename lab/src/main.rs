@@ -1,1 +1,320 @@
-fn main() {}
+//! `kvscope-lab`: a real Dynamo 1.6.1 KV router with mocker workers and NATS on
+//! 127.0.0.1, and a multi-turn chat workload that makes the router spill.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use clap::{Args, Parser, Subcommand};
+use kvscope_lab::workload::{self, Api, WorkloadConfig};
+use kvscope_lab::{paths, setup, Lab, LabConfig, Manifest};
+
+#[derive(Parser)]
+#[command(
+    name = "kvscope-lab",
+    version,
+    about = "Run a real Dynamo 1.6.1 KV router + mocker workers + NATS on 127.0.0.1, and a chat workload against it.",
+    long_about = "Run a real Dynamo 1.6.1 KV router (dynamo.frontend --router-mode kv) with N dynamo.mocker \
+workers and a nats-server -js, all on 127.0.0.1 with free ports, plus a bounded multi-turn chat \
+workload that makes the router spill.\n\n\
+Typical use:\n  kvscope-lab setup            # once: create the Python venv with Dynamo\n  \
+kvscope-lab up               # start; prints the manifest (lab.json); Ctrl-C stops\n  \
+kvscope-lab workload --frontend http://127.0.0.1:PORT\n  \
+kvscope-lab run              # up + workload + down, prints the summary\n\n\
+Everything lives under the lab dir ($KVSCOPE_LAB_DIR, default <workspace>/.lab): venv/ and runs/<id>/ \
+with frontend.log (the router log), mocker-N.log, nats.log, discovery/ (DYN_FILE_KV) and lab.json."
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Create the lab venv (python3 -m venv + pip install Dynamo 1.6.1) if needed. Idempotent.
+    Setup {
+        /// Lab directory (holds venv/ and runs/).
+        #[arg(long, env = "KVSCOPE_LAB_DIR")]
+        lab_dir: Option<PathBuf>,
+    },
+    /// Start the lab and stay up until Ctrl-C; prints the manifest (JSON) on stdout.
+    Up {
+        #[command(flatten)]
+        lab: LabArgs,
+    },
+    /// Run the chat workload against a running frontend; prints the summary (JSON).
+    Workload {
+        /// Frontend base URL, e.g. http://127.0.0.1:8000.
+        #[arg(long)]
+        frontend: String,
+        #[command(flatten)]
+        workload: WorkloadArgs,
+        /// Write the full summary (every request) to this file.
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
+    /// Start the lab, run the workload, stop the lab; prints the summary (JSON).
+    Run {
+        #[command(flatten)]
+        lab: LabArgs,
+        #[command(flatten)]
+        workload: WorkloadArgs,
+        /// Write the full summary (every request) here (default: <run dir>/workload.json).
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
+    /// Stop a lab left running (e.g. after a crash), from its run dir's lab.json.
+    Down {
+        /// Run directory (containing lab.json) or the lab.json file.
+        run_dir: PathBuf,
+    },
+}
+
+#[derive(Args)]
+struct LabArgs {
+    /// Lab directory (holds venv/ and runs/).
+    #[arg(long, env = "KVSCOPE_LAB_DIR")]
+    lab_dir: Option<PathBuf>,
+    /// Run directory for logs, discovery store and lab.json (default: a fresh <lab dir>/runs/<id>).
+    #[arg(long)]
+    run_dir: Option<PathBuf>,
+    /// Number of mocker workers.
+    #[arg(long, default_value_t = 3)]
+    workers: usize,
+    /// KV block size (tokens).
+    #[arg(long, default_value_t = 16)]
+    block_size: u32,
+    /// KV capacity per worker in blocks (--num-gpu-blocks-override); small forces evictions.
+    #[arg(long, default_value_t = 256)]
+    num_gpu_blocks: u32,
+    /// Mocker --speedup-ratio (higher = faster simulated engine).
+    #[arg(long, default_value_t = 2.0)]
+    speedup_ratio: f64,
+    /// Model directory (default: the committed fixture lab/fixtures/model).
+    #[arg(long)]
+    model_path: Option<PathBuf>,
+    /// Served model name.
+    #[arg(long, default_value = "kvscope-tiny")]
+    model_name: String,
+    /// Do not start nats-server.
+    #[arg(long)]
+    no_nats: bool,
+    /// Keep ANSI colours in the router log.
+    #[arg(long)]
+    ansi_logs: bool,
+    /// DYN_LOG for the frontend.
+    #[arg(long, default_value = "info,dynamo_kv_router=debug")]
+    frontend_log: String,
+    /// Extra argument for dynamo.frontend (repeatable), e.g. --frontend-arg=--router-track-output-blocks.
+    #[arg(long = "frontend-arg", allow_hyphen_values = true)]
+    frontend_args: Vec<String>,
+    /// Extra argument for each dynamo.mocker (repeatable).
+    #[arg(long = "mocker-arg", allow_hyphen_values = true)]
+    mocker_args: Vec<String>,
+    /// Seconds to wait for the lab to be ready.
+    #[arg(long, default_value_t = 120.0)]
+    startup_timeout: f64,
+}
+
+impl LabArgs {
+    fn config(&self) -> LabConfig {
+        let d = LabConfig::default();
+        LabConfig {
+            lab_dir: self.lab_dir.clone().unwrap_or(d.lab_dir),
+            run_dir: self.run_dir.clone(),
+            model_path: self.model_path.clone().unwrap_or(d.model_path),
+            model_name: self.model_name.clone(),
+            workers: self.workers,
+            block_size: self.block_size,
+            num_gpu_blocks: self.num_gpu_blocks,
+            speedup_ratio: self.speedup_ratio,
+            nats: !self.no_nats,
+            ansi_logs: self.ansi_logs,
+            frontend_log_filter: self.frontend_log.clone(),
+            frontend_args: self.frontend_args.clone(),
+            mocker_args: self.mocker_args.clone(),
+            startup_timeout_secs: self.startup_timeout,
+            ..d
+        }
+    }
+}
+
+#[derive(Args)]
+struct WorkloadArgs {
+    /// Seed for all generated content.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Conversation families (distinct system prompts).
+    #[arg(long, default_value_t = 4)]
+    families: usize,
+    /// Conversations in total.
+    #[arg(long, default_value_t = 24)]
+    sessions: usize,
+    /// Maximum requests in flight.
+    #[arg(long, default_value_t = 12)]
+    concurrency: usize,
+    /// Maximum requests per second (0 = unlimited).
+    #[arg(long, default_value_t = 20.0)]
+    rate: f64,
+    /// Turns (requests) per conversation.
+    #[arg(long, default_value_t = 4)]
+    max_turns: usize,
+    /// Stop sending new requests after this many seconds.
+    #[arg(long, default_value_t = 60.0)]
+    duration: f64,
+    /// max_tokens per request.
+    #[arg(long, default_value_t = 48)]
+    max_tokens: u32,
+    /// Words (= tokens) in each family's system prompt (at least 256).
+    #[arg(long, default_value_t = 320)]
+    system_words: usize,
+    /// Words (= tokens) per user turn.
+    #[arg(long, default_value_t = 40)]
+    user_words: usize,
+    /// Endpoint: chat (/v1/chat/completions) or completions (/v1/completions).
+    #[arg(long, value_enum, default_value_t = Api::Chat)]
+    api: Api,
+    /// Model name (default: the first one /v1/models lists).
+    #[arg(long)]
+    model: Option<String>,
+    /// Pause between a reply and the next turn of the same conversation (ms).
+    #[arg(long, default_value_t = 0)]
+    think_time_ms: u64,
+    /// Prefix of x-request-id values (default kvs<seed>).
+    #[arg(long)]
+    tag: Option<String>,
+}
+
+impl WorkloadArgs {
+    fn config(&self, frontend: &str) -> WorkloadConfig {
+        WorkloadConfig {
+            frontend: frontend.to_string(),
+            model: self.model.clone(),
+            api: self.api,
+            seed: self.seed,
+            families: self.families,
+            sessions: self.sessions,
+            concurrency: self.concurrency,
+            rate: (self.rate > 0.0).then_some(self.rate),
+            max_turns: self.max_turns,
+            duration_secs: self.duration,
+            max_tokens: self.max_tokens,
+            system_words: self.system_words,
+            user_words: self.user_words,
+            think_time_ms: self.think_time_ms,
+            tag: self.tag.clone(),
+            ..WorkloadConfig::default()
+        }
+    }
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("KVSCOPE_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    match cli.command {
+        Cmd::Setup { lab_dir } => {
+            let lab_dir = lab_dir.unwrap_or_else(paths::default_lab_dir);
+            setup::ensure_venv(&lab_dir)?;
+            setup::nats_server_path()?;
+        }
+        Cmd::Up { lab } => {
+            let cfg = lab.config();
+            setup::ensure_venv(&cfg.lab_dir)?;
+            let lab = Lab::start(cfg).await?;
+            println!("{}", serde_json::to_string_pretty(lab.manifest())?);
+            eprintln!(
+                "Lab up (manifest {}). Ctrl-C to stop.",
+                lab.manifest_path().display()
+            );
+            wait_for_shutdown().await;
+            tokio::task::spawn_blocking(move || lab.stop()).await?;
+        }
+        Cmd::Workload {
+            frontend,
+            workload: w,
+            out,
+        } => {
+            let summary = workload::run(w.config(&frontend)).await?;
+            if let Some(out) = out {
+                std::fs::write(&out, serde_json::to_vec_pretty(&summary)?)
+                    .with_context(|| format!("writing {}", out.display()))?;
+            }
+            println!("{}", serde_json::to_string_pretty(&summary.brief())?);
+            if summary.failed > 0 {
+                std::process::exit(1);
+            }
+        }
+        Cmd::Run {
+            lab,
+            workload: w,
+            out,
+        } => {
+            let cfg = lab.config();
+            setup::ensure_venv(&cfg.lab_dir)?;
+            let lab = Lab::start(cfg).await?;
+            eprintln!("{}", serde_json::to_string_pretty(lab.manifest())?);
+            let result = tokio::select! {
+                r = workload::run(w.config(lab.frontend_url())) => Some(r),
+                _ = wait_for_shutdown() => None,
+            };
+            let out = out.unwrap_or_else(|| lab.run_dir().join("workload.json"));
+            let manifest = lab.manifest().clone();
+            tokio::task::spawn_blocking(move || lab.stop()).await?;
+            let Some(summary) = result else {
+                anyhow::bail!("interrupted");
+            };
+            let summary = summary?;
+            std::fs::write(&out, serde_json::to_vec_pretty(&summary)?)
+                .with_context(|| format!("writing {}", out.display()))?;
+            let mut brief = summary.brief();
+            if let Some(o) = brief.as_object_mut() {
+                o.insert("summary_file".into(), out.display().to_string().into());
+                o.insert("manifest".into(), serde_json::to_value(&manifest)?);
+            }
+            println!("{}", serde_json::to_string_pretty(&brief)?);
+            if summary.failed > 0 {
+                std::process::exit(1);
+            }
+        }
+        Cmd::Down { run_dir } => {
+            let path = if run_dir.is_dir() {
+                run_dir.join("lab.json")
+            } else {
+                run_dir
+            };
+            let manifest = Manifest::load(&path)?;
+            let alive = Lab::stop_from_manifest(&manifest, Duration::from_secs(5));
+            eprintln!("stopped {} process group(s): {alive:?}", alive.len());
+        }
+    }
+    Ok(())
+}
+
+async fn wait_for_shutdown() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(s) => s,
+            Err(_) => {
+                let _ = ctrl_c.await;
+                return;
+            }
+        };
+        tokio::select! {
+            _ = ctrl_c => {},
+            _ = term.recv() => {},
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = ctrl_c.await;
+    }
+}
