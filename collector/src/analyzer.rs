@@ -59,6 +59,9 @@ pub struct CollectorCounters {
     pub unknown_parent_events: u64,
     /// Removals of blocks the worker never stored.
     pub unknown_removed_blocks: u64,
+    /// Stores and removals on a host, disk or remote tier: they never count toward an
+    /// overlap (the router keeps them in a separate lower-tier index).
+    pub lower_tier_events: u64,
     /// Stores whose tokens did not fill exactly one block per block hash.
     pub token_count_mismatches: u64,
     pub sequence_gaps: u64,
@@ -246,6 +249,11 @@ impl FleetAnalyzer {
         for ev in &batch.events {
             self.counters.kv_events += 1;
             match ev {
+                KvEvent::BlockStored { medium, .. } | KvEvent::BlockRemoved { medium, .. }
+                    if !is_device_tier(medium.as_deref()) =>
+                {
+                    self.counters.lower_tier_events += 1;
+                }
                 KvEvent::BlockStored {
                     block_hashes,
                     parent_block_hash,
@@ -334,6 +342,12 @@ impl FleetAnalyzer {
             MigrationLogKind::DecodingOnTarget => w.decoding_on_target += 1,
         }
     }
+}
+
+/// Whether a KV event's `medium` is the device (GPU) cache the router scores, spelled
+/// as Dynamo spells it; events without a medium are device events.
+fn is_device_tier(medium: Option<&str>) -> bool {
+    matches!(medium, None | Some("GPU") | Some("DEVICE"))
 }
 
 #[cfg(test)]
@@ -483,6 +497,21 @@ mod tests {
         assert_eq!(c.unknown_parent_events, 1);
         assert_eq!(a.open_window().unwrap().data_faults, 4);
         assert_eq!(a.index().cached_blocks(&w(1)), 2);
+    }
+
+    #[test]
+    fn host_tier_events_never_count_toward_overlap() {
+        let mut a = FleetAnalyzer::new(cfg());
+        let toks: Vec<u32> = (0..4).collect();
+        let mut batch = stored(1, 0, SequenceStatus::First, &toks, &[1, 2]);
+        if let Record::KvEvents(b) = &mut batch {
+            if let KvEvent::BlockStored { medium, .. } = &mut b.events[0] {
+                *medium = Some("CPU".into());
+            }
+        }
+        a.apply(&env(1, batch));
+        assert_eq!(a.counters().lower_tier_events, 1);
+        assert_eq!(a.index().cached_pairs(), 0);
     }
 
     #[test]

@@ -32,10 +32,18 @@ pub struct StoredSegment {
     pub token_count_mismatch: bool,
 }
 
+#[derive(Debug, Clone, Copy)]
+struct EngineBlock {
+    seq: SequenceHash,
+    stores: u32,
+}
+
 #[derive(Debug, Default)]
 struct WorkerCache {
-    /// Engine block hash → sequence hash, for parents and removals.
-    by_engine: HashMap<u64, SequenceHash>,
+    /// Engine block hash → its sequence hash and how many stores named it. Engines may
+    /// store the same block more than once (Dynamo's `EventDedupFilter` counts them the
+    /// same way): it leaves the cache only when every store has been removed.
+    by_engine: HashMap<u64, EngineBlock>,
     /// Sequence hash → how many engine blocks hold it on this worker.
     blocks: HashMap<SequenceHash, u32>,
 }
@@ -90,7 +98,13 @@ impl FleetIndex {
         let cache = self.workers.entry(worker).or_default();
         let parent = match parent_engine_hash {
             None => None,
-            Some(p) => Some(*cache.by_engine.get(&p).ok_or(MirrorError::UnknownParent)?),
+            Some(p) => Some(
+                cache
+                    .by_engine
+                    .get(&p)
+                    .ok_or(MirrorError::UnknownParent)?
+                    .seq,
+            ),
         };
         let locals = local_block_hashes(token_ids, block_size as usize, seed_for_lora(lora_name));
         let n = locals.len().min(engine_hashes.len());
@@ -107,11 +121,29 @@ impl FleetIndex {
         let (held_elsewhere, held_by) = self.longest_run_elsewhere(&blocks, worker);
         let cache = self.workers.entry(worker).or_default();
         for (engine, seq) in engine_hashes[..n].iter().zip(&blocks) {
-            if let Some(old) = cache.by_engine.insert(*engine, *seq) {
-                if old == *seq {
-                    continue; // the same block stored again: nothing changes
+            match cache.by_engine.get_mut(engine) {
+                Some(b) if b.seq == *seq => {
+                    b.stores += 1;
+                    continue;
                 }
-                release(cache, &mut self.holders, worker, old);
+                Some(b) => {
+                    // The engine reused a hash for other content: the old block is gone.
+                    let old = b.seq;
+                    *b = EngineBlock {
+                        seq: *seq,
+                        stores: 1,
+                    };
+                    release(cache, &mut self.holders, worker, old);
+                }
+                None => {
+                    cache.by_engine.insert(
+                        *engine,
+                        EngineBlock {
+                            seq: *seq,
+                            stores: 1,
+                        },
+                    );
+                }
             }
             let count = cache.blocks.entry(*seq).or_insert(0);
             *count += 1;
@@ -135,8 +167,14 @@ impl FleetIndex {
             return out;
         };
         for engine in engine_hashes {
-            match cache.by_engine.remove(engine) {
-                Some(seq) => {
+            match cache.by_engine.get_mut(engine) {
+                Some(b) if b.stores > 1 => {
+                    b.stores -= 1;
+                    out.still_stored += 1;
+                }
+                Some(b) => {
+                    let seq = b.seq;
+                    cache.by_engine.remove(engine);
                     release(cache, &mut self.holders, worker, seq);
                     out.removed += 1;
                 }
@@ -216,6 +254,8 @@ impl FleetIndex {
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct RemoveOutcome {
     pub removed: u64,
+    /// Removals of a block stored more than once: it stays until its last store goes.
+    pub still_stored: u64,
     pub unknown: u64,
 }
 
@@ -290,6 +330,7 @@ mod tests {
             out,
             RemoveOutcome {
                 removed: 1,
+                still_stored: 0,
                 unknown: 1
             }
         );
@@ -328,6 +369,18 @@ mod tests {
         idx.remove(w(1), &[1]);
         assert_eq!(idx.overlaps(&chain(&toks, 2))[&w(1)], 1);
         idx.remove(w(1), &[2]);
+        assert!(idx.overlaps(&chain(&toks, 2)).is_empty());
+    }
+
+    #[test]
+    fn a_block_stored_twice_needs_two_removals() {
+        let mut idx = FleetIndex::new();
+        let toks: Vec<u32> = (0..2).collect();
+        idx.store(w(1), None, &[1], &toks, 2, None).unwrap();
+        idx.store(w(1), None, &[1], &toks, 2, None).unwrap();
+        assert_eq!(idx.remove(w(1), &[1]).still_stored, 1);
+        assert_eq!(idx.overlaps(&chain(&toks, 2))[&w(1)], 1);
+        assert_eq!(idx.remove(w(1), &[1]).removed, 1);
         assert!(idx.overlaps(&chain(&toks, 2)).is_empty());
     }
 

@@ -1,0 +1,621 @@
+//! Starting and stopping the lab: NATS, the Dynamo frontend (KV router) and N mockers.
+
+use std::collections::BTreeSet;
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::Context;
+use serde::{Deserialize, Serialize};
+use tracing::{info, warn};
+
+use crate::discovery;
+use crate::paths;
+use crate::process::{group_alive, stop_all, ManagedProcess};
+use crate::router_log::{parse_added_worker, strip_ansi};
+
+/// How to start a lab. Every field has a default (see [`LabConfig::default`]).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LabConfig {
+    /// Lab directory holding the venv (`venv/`) and, by default, the runs (`runs/`).
+    /// Default: `$KVSCOPE_LAB_DIR` or `<workspace>/.lab`.
+    pub lab_dir: PathBuf,
+    /// Run directory for logs, the discovery store, NATS storage and `lab.json`.
+    /// Default: a fresh `<lab_dir>/runs/<unix time>-<pid>-<n>`.
+    pub run_dir: Option<PathBuf>,
+    /// Model directory given to the mockers. Default: the committed fixture `lab/fixtures/model`.
+    pub model_path: PathBuf,
+    /// Served model name (what `/v1/models` lists and requests name). Default `kvscope-tiny`.
+    pub model_name: String,
+    /// Number of mocker workers (one process each). Default 3.
+    pub workers: usize,
+    /// KV block size in tokens. Default 16.
+    pub block_size: u32,
+    /// KV capacity per worker in blocks (`--num-gpu-blocks-override`); small, so the
+    /// workload forces evictions and the router spills. Default 256.
+    pub num_gpu_blocks: u32,
+    /// Mocker `--speedup-ratio` (higher = faster simulated GPU). Default 2.0.
+    pub speedup_ratio: f64,
+    /// Start a `nats-server -js` on loopback (Dynamo itself doesn't need it here; the
+    /// kvscope agent and collector use it as their bus). Default true.
+    pub nats: bool,
+    /// Leave ANSI colours in the router log. Default false (`DYN_SDK_DISABLE_ANSI_LOGGING=1`).
+    pub ansi_logs: bool,
+    /// `DYN_LOG` for the frontend. Default `info,dynamo_kv_router=debug`.
+    pub frontend_log_filter: String,
+    /// `DYN_LOG` for the mockers. Default `info`.
+    pub worker_log_filter: String,
+    /// Extra arguments for `python -m dynamo.frontend` (e.g. `--router-track-output-blocks`).
+    pub frontend_args: Vec<String>,
+    /// Extra arguments for each `python -m dynamo.mocker`.
+    pub mocker_args: Vec<String>,
+    /// How long to wait for everything to be ready, in seconds. Default 120.
+    pub startup_timeout_secs: f64,
+    /// Grace period between SIGTERM and SIGKILL when stopping, in seconds. Default 5.
+    pub stop_grace_secs: f64,
+}
+
+impl Default for LabConfig {
+    fn default() -> Self {
+        Self {
+            lab_dir: paths::default_lab_dir(),
+            run_dir: None,
+            model_path: paths::model_fixture_dir(),
+            model_name: "kvscope-tiny".into(),
+            workers: 3,
+            block_size: 16,
+            num_gpu_blocks: 256,
+            speedup_ratio: 2.0,
+            nats: true,
+            ansi_logs: false,
+            frontend_log_filter: "info,dynamo_kv_router=debug".into(),
+            worker_log_filter: "info".into(),
+            frontend_args: Vec::new(),
+            mocker_args: Vec::new(),
+            startup_timeout_secs: 120.0,
+            stop_grace_secs: 5.0,
+        }
+    }
+}
+
+/// One started process, as recorded in the manifest.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ProcessInfo {
+    pub name: String,
+    /// PID, also the process group id.
+    pub pid: u32,
+    pub log: PathBuf,
+}
+
+/// One mocker worker.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct WorkerInfo {
+    pub index: usize,
+    /// Dynamo worker id, exactly as the router logs it (`Selected worker … worker_id=`).
+    pub worker_id: u64,
+    pub dp_rank: u32,
+    /// The vLLM-format KV event publisher (ZMQ PUB) of this worker.
+    pub kv_events_endpoint: String,
+    pub process: ProcessInfo,
+}
+
+/// A running lab (written as `lab.json` in the run directory).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Manifest {
+    pub run_dir: PathBuf,
+    /// Base URL of the OpenAI-compatible frontend, e.g. `http://127.0.0.1:40123`.
+    pub frontend_url: String,
+    pub model_name: String,
+    pub model_path: PathBuf,
+    /// `nats://127.0.0.1:<port>` when NATS was started.
+    pub nats_url: Option<String>,
+    /// The frontend's log: KV router decisions (`[ROUTING_INPUT]`, `Selected worker`).
+    pub router_log: PathBuf,
+    /// `DYN_FILE_KV`: the discovery store (see [`crate::discovery`]).
+    pub discovery_dir: PathBuf,
+    pub block_size: u32,
+    pub num_gpu_blocks: u32,
+    pub speedup_ratio: f64,
+    pub workers: Vec<WorkerInfo>,
+    pub frontend: ProcessInfo,
+    pub nats: Option<ProcessInfo>,
+    pub started_at_unix_ms: u64,
+    pub startup_secs: f64,
+}
+
+impl Manifest {
+    /// Reads `lab.json`.
+    pub fn load(path: &Path) -> anyhow::Result<Self> {
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))
+    }
+
+    /// All process group ids this lab started.
+    pub fn process_groups(&self) -> Vec<u32> {
+        let mut v: Vec<u32> = self.workers.iter().map(|w| w.process.pid).collect();
+        v.push(self.frontend.pid);
+        v.extend(self.nats.as_ref().map(|n| n.pid));
+        v
+    }
+}
+
+/// Why a lab did not start.
+#[derive(Debug, thiserror::Error)]
+pub enum LabError {
+    #[error("lab venv missing or broken at {0}: run `kvscope-lab setup`")]
+    VenvMissing(PathBuf),
+    #[error(
+        "{what} exited during startup ({status}); see {log}\n--- last lines of {log} ---\n{tail}"
+    )]
+    ProcessExited {
+        what: String,
+        status: String,
+        log: String,
+        tail: String,
+    },
+    #[error("lab not ready after {secs:.0}s: {waiting_for}\nlogs: {logs}\n{tails}")]
+    Timeout {
+        secs: f64,
+        waiting_for: String,
+        logs: String,
+        tails: String,
+    },
+    #[error(transparent)]
+    Other(#[from] anyhow::Error),
+}
+
+/// A running lab. Stops (kills the process groups of) everything it started on
+/// [`Lab::stop`] or drop.
+#[derive(Debug)]
+pub struct Lab {
+    manifest: Manifest,
+    procs: Vec<ManagedProcess>,
+    stop_grace: Duration,
+}
+
+struct PendingWorker {
+    index: usize,
+    port: u16,
+    proc_idx: usize,
+    worker_id: Option<u64>,
+}
+
+impl Lab {
+    /// Starts NATS (optional), the frontend and the mockers, waits until the frontend
+    /// serves the model with every worker registered in the KV router, and writes
+    /// `lab.json`.
+    pub async fn start(config: LabConfig) -> Result<Lab, LabError> {
+        let cfg = config.clone();
+        tokio::task::spawn_blocking(move || Lab::start_blocking(cfg))
+            .await
+            .map_err(|e| LabError::Other(anyhow::anyhow!("startup task failed: {e}")))?
+    }
+
+    /// Blocking variant of [`Lab::start`].
+    pub fn start_blocking(config: LabConfig) -> Result<Lab, LabError> {
+        let t0 = Instant::now();
+        let started_at_unix_ms = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or(0);
+        let python = paths::venv_python(&config.lab_dir);
+        if !python.exists() {
+            return Err(LabError::VenvMissing(config.lab_dir.join("venv")));
+        }
+        let run_dir = match &config.run_dir {
+            Some(d) => d.clone(),
+            None => fresh_run_dir(&config.lab_dir)?,
+        };
+        let discovery_dir = run_dir.join("discovery");
+        std::fs::create_dir_all(&discovery_dir)
+            .with_context(|| format!("creating {}", discovery_dir.display()))?;
+        let model_path = std::fs::canonicalize(&config.model_path)
+            .with_context(|| format!("model path {}", config.model_path.display()))?;
+
+        // Ports: hold all listeners until every port is chosen so they are distinct.
+        let n_ports = 2 + config.workers;
+        let listeners: Vec<TcpListener> = (0..n_ports)
+            .map(|_| TcpListener::bind("127.0.0.1:0"))
+            .collect::<Result<_, _>>()
+            .context("choosing free ports")?;
+        let ports: Vec<u16> = listeners
+            .iter()
+            .map(|l| l.local_addr().map(|a| a.port()))
+            .collect::<Result<_, _>>()
+            .context("choosing free ports")?;
+        drop(listeners);
+        let (http_port, nats_port, zmq_ports) = (ports[0], ports[1], &ports[2..]);
+
+        let mut lab = Lab {
+            manifest: Manifest {
+                run_dir: run_dir.clone(),
+                frontend_url: format!("http://127.0.0.1:{http_port}"),
+                model_name: config.model_name.clone(),
+                model_path: model_path.clone(),
+                nats_url: None,
+                router_log: run_dir.join("frontend.log"),
+                discovery_dir: discovery_dir.clone(),
+                block_size: config.block_size,
+                num_gpu_blocks: config.num_gpu_blocks,
+                speedup_ratio: config.speedup_ratio,
+                workers: Vec::new(),
+                frontend: ProcessInfo {
+                    name: "frontend".into(),
+                    pid: 0,
+                    log: run_dir.join("frontend.log"),
+                },
+                nats: None,
+                started_at_unix_ms,
+                startup_secs: 0.0,
+            },
+            procs: Vec::new(),
+            stop_grace: Duration::from_secs_f64(config.stop_grace_secs),
+        };
+        // From here on, an early return drops `lab`, which stops what was started.
+
+        if config.nats {
+            let nats_bin = crate::setup::nats_server_path()?;
+            let store = run_dir.join("nats");
+            std::fs::create_dir_all(&store).context("creating NATS store dir")?;
+            let mut cmd = Command::new(nats_bin);
+            cmd.args(["-js", "-a", "127.0.0.1", "-p"])
+                .arg(nats_port.to_string())
+                .arg("-sd")
+                .arg(&store);
+            let log = run_dir.join("nats.log");
+            let p = ManagedProcess::spawn("nats-server", cmd, &log)?;
+            lab.manifest.nats = Some(ProcessInfo {
+                name: "nats-server".into(),
+                pid: p.pid(),
+                log,
+            });
+            lab.manifest.nats_url = Some(format!("nats://127.0.0.1:{nats_port}"));
+            lab.procs.push(p);
+        }
+
+        let dyn_env = |cmd: &mut Command, filter: &str| {
+            cmd.env("DYN_LOG", filter)
+                .env("DYN_EVENT_PLANE_HOST", "127.0.0.1")
+                .env("DYN_TCP_RPC_HOST", "127.0.0.1")
+                .env("DYN_TCP_RESPONSE_STREAM_HOST", "127.0.0.1")
+                .env("DYN_SYSTEM_HOST", "127.0.0.1")
+                .env("DYN_FILE_KV", &discovery_dir)
+                .env("DYN_SELF_HOST_METADATA", "0")
+                .env("PYTHONUNBUFFERED", "1")
+                .env_remove("DYN_SYSTEM_PORT")
+                .env_remove("DYN_LOGGING_JSONL");
+            if config.ansi_logs {
+                cmd.env_remove("DYN_SDK_DISABLE_ANSI_LOGGING")
+                    .env_remove("NO_COLOR");
+            } else {
+                cmd.env("DYN_SDK_DISABLE_ANSI_LOGGING", "1")
+                    .env("NO_COLOR", "1");
+            }
+        };
+
+        let mut fe = Command::new(&python);
+        fe.args(["-m", "dynamo.frontend", "--router-mode", "kv"])
+            .args(["--http-host", "127.0.0.1", "--http-port"])
+            .arg(http_port.to_string())
+            .args([
+                "--discovery-backend",
+                "file",
+                "--event-plane",
+                "zmq",
+                "--request-plane",
+                "tcp",
+            ])
+            .args(&config.frontend_args)
+            .current_dir(&run_dir);
+        dyn_env(&mut fe, &config.frontend_log_filter);
+        let p = ManagedProcess::spawn("frontend", fe, &lab.manifest.router_log)?;
+        lab.manifest.frontend.pid = p.pid();
+        let frontend_idx = lab.procs.len();
+        lab.procs.push(p);
+
+        let mut pending = Vec::new();
+        for (index, &port) in zmq_ports.iter().enumerate() {
+            let mut cmd = Command::new(&python);
+            cmd.args(["-m", "dynamo.mocker", "--model-path"])
+                .arg(&model_path)
+                .args(["--model-name", &config.model_name])
+                .args(["--block-size", &config.block_size.to_string()])
+                .args([
+                    "--num-gpu-blocks-override",
+                    &config.num_gpu_blocks.to_string(),
+                ])
+                .args(["--speedup-ratio", &config.speedup_ratio.to_string()])
+                .args(["--zmq-kv-events-ports", &port.to_string()])
+                .args([
+                    "--discovery-backend",
+                    "file",
+                    "--event-plane",
+                    "zmq",
+                    "--request-plane",
+                    "tcp",
+                ])
+                .args(&config.mocker_args)
+                .current_dir(&run_dir);
+            dyn_env(&mut cmd, &config.worker_log_filter);
+            let name = format!("mocker-{index}");
+            let log = run_dir.join(format!("{name}.log"));
+            let p = ManagedProcess::spawn(&name, cmd, &log)?;
+            pending.push(PendingWorker {
+                index,
+                port,
+                proc_idx: lab.procs.len(),
+                worker_id: None,
+            });
+            lab.procs.push(p);
+        }
+        info!(run_dir = %run_dir.display(), workers = config.workers, "Lab processes started; waiting for readiness.");
+
+        // Readiness loop.
+        let timeout = Duration::from_secs_f64(config.startup_timeout_secs);
+        let deadline = Instant::now() + timeout;
+        let mut nats_ready = !config.nats;
+        let mut model_served = false;
+        let mut router_workers: BTreeSet<u64> = BTreeSet::new();
+        let mut last_models_probe = Instant::now() - Duration::from_secs(1);
+        loop {
+            for p in lab.procs.iter_mut() {
+                if let Some(status) = p.exited() {
+                    return Err(LabError::ProcessExited {
+                        what: p.name.clone(),
+                        status: status.to_string(),
+                        log: p.log.display().to_string(),
+                        tail: tail(&p.log, 30),
+                    });
+                }
+            }
+            if !nats_ready {
+                nats_ready = TcpStream::connect_timeout(
+                    &([127, 0, 0, 1], nats_port).into(),
+                    Duration::from_millis(200),
+                )
+                .is_ok();
+            }
+            for w in pending.iter_mut().filter(|w| w.worker_id.is_none()) {
+                w.worker_id = worker_id_from_log(&lab.procs[w.proc_idx].log);
+            }
+            router_workers.extend(added_workers(&lab.procs[frontend_idx].log));
+            if !model_served && last_models_probe.elapsed() >= Duration::from_millis(500) {
+                last_models_probe = Instant::now();
+                model_served = models_lists(http_port, &config.model_name);
+            }
+            let all_ids = pending.iter().all(|w| w.worker_id.is_some());
+            let all_routed = all_ids
+                && pending
+                    .iter()
+                    .all(|w| w.worker_id.is_some_and(|id| router_workers.contains(&id)));
+            if nats_ready && model_served && all_routed {
+                break;
+            }
+            if Instant::now() >= deadline {
+                let mut waiting = Vec::new();
+                if !nats_ready {
+                    waiting.push(format!("nats-server on port {nats_port}"));
+                }
+                for w in &pending {
+                    match w.worker_id {
+                        None => waiting.push(format!("mocker-{} worker id (log line 'Initializing KvEventPublisher for worker')", w.index)),
+                        Some(id) if !router_workers.contains(&id) => waiting.push(format!("router to add worker {id} (mocker-{})", w.index)),
+                        _ => {}
+                    }
+                }
+                if !model_served {
+                    waiting.push(format!("/v1/models to list '{}'", config.model_name));
+                }
+                let logs: Vec<String> = lab
+                    .procs
+                    .iter()
+                    .map(|p| p.log.display().to_string())
+                    .collect();
+                let tails: String = lab
+                    .procs
+                    .iter()
+                    .map(|p| {
+                        format!(
+                            "--- last lines of {} ---\n{}\n",
+                            p.log.display(),
+                            tail(&p.log, 12)
+                        )
+                    })
+                    .collect();
+                return Err(LabError::Timeout {
+                    secs: timeout.as_secs_f64(),
+                    waiting_for: waiting.join("; "),
+                    logs: logs.join(" "),
+                    tails,
+                });
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+
+        // Cross-check with the discovery store.
+        let discovered: BTreeSet<u64> = discovery::read_workers(&discovery_dir)
+            .map(|ws| ws.into_iter().map(|w| w.worker_id).collect())
+            .unwrap_or_default();
+        for w in &pending {
+            let p = &lab.procs[w.proc_idx];
+            let worker_id = w.worker_id.unwrap_or_default();
+            if !discovered.contains(&worker_id) {
+                warn!(
+                    worker_id,
+                    "Worker id from the mocker log is not in the discovery store."
+                );
+            }
+            lab.manifest.workers.push(WorkerInfo {
+                index: w.index,
+                worker_id,
+                dp_rank: 0,
+                kv_events_endpoint: format!("tcp://127.0.0.1:{}", w.port),
+                process: ProcessInfo {
+                    name: p.name.clone(),
+                    pid: p.pid(),
+                    log: p.log.clone(),
+                },
+            });
+        }
+        lab.manifest.startup_secs = t0.elapsed().as_secs_f64();
+        let manifest_path = run_dir.join("lab.json");
+        std::fs::write(
+            &manifest_path,
+            serde_json::to_vec_pretty(&lab.manifest).context("encoding manifest")?,
+        )
+        .with_context(|| format!("writing {}", manifest_path.display()))?;
+        info!(
+            frontend = %lab.manifest.frontend_url,
+            startup_secs = format!("{:.1}", lab.manifest.startup_secs),
+            manifest = %manifest_path.display(),
+            "Lab ready."
+        );
+        Ok(lab)
+    }
+
+    pub fn manifest(&self) -> &Manifest {
+        &self.manifest
+    }
+    pub fn frontend_url(&self) -> &str {
+        &self.manifest.frontend_url
+    }
+    pub fn nats_url(&self) -> Option<&str> {
+        self.manifest.nats_url.as_deref()
+    }
+    pub fn router_log(&self) -> &Path {
+        &self.manifest.router_log
+    }
+    pub fn workers(&self) -> &[WorkerInfo] {
+        &self.manifest.workers
+    }
+    pub fn run_dir(&self) -> &Path {
+        &self.manifest.run_dir
+    }
+    /// Path of `lab.json`.
+    pub fn manifest_path(&self) -> PathBuf {
+        self.manifest.run_dir.join("lab.json")
+    }
+
+    /// Stops every process this lab started (SIGTERM, then SIGKILL to the groups).
+    pub fn stop(mut self) {
+        self.stop_inner();
+    }
+
+    fn stop_inner(&mut self) {
+        if self.procs.is_empty() {
+            return;
+        }
+        info!(run_dir = %self.manifest.run_dir.display(), "Stopping lab.");
+        stop_all(&mut self.procs, self.stop_grace);
+        self.procs.clear();
+    }
+
+    /// Stops the processes recorded in a `lab.json` (for a lab left behind by a crashed
+    /// `kvscope-lab up`). Returns the groups that were still alive.
+    pub fn stop_from_manifest(manifest: &Manifest, grace: Duration) -> Vec<u32> {
+        let alive: Vec<u32> = manifest
+            .process_groups()
+            .into_iter()
+            .filter(|&g| g != 0 && group_alive(g))
+            .collect();
+        for &g in &alive {
+            crate::process::signal_group(g, "TERM");
+        }
+        let deadline = Instant::now() + grace;
+        while Instant::now() < deadline && alive.iter().any(|&g| group_alive(g)) {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        for &g in &alive {
+            if group_alive(g) {
+                crate::process::signal_group(g, "KILL");
+            }
+        }
+        alive
+    }
+}
+
+impl Drop for Lab {
+    fn drop(&mut self) {
+        self.stop_inner();
+    }
+}
+
+fn fresh_run_dir(lab_dir: &Path) -> anyhow::Result<PathBuf> {
+    let secs = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let base = lab_dir.join("runs");
+    for n in 0..1000 {
+        let dir = base.join(format!("{secs}-{}-{n}", std::process::id()));
+        if !dir.exists() {
+            std::fs::create_dir_all(&dir)
+                .with_context(|| format!("creating run dir {}", dir.display()))?;
+            return Ok(dir);
+        }
+    }
+    anyhow::bail!("could not pick a fresh run dir under {}", base.display())
+}
+
+/// The worker id a mocker logs at startup:
+/// `Initializing KvEventPublisher for worker 2129558125179076404 on serving endpoint …`.
+fn worker_id_from_log(log: &Path) -> Option<u64> {
+    let bytes = std::fs::read(log).ok()?;
+    let text = String::from_utf8_lossy(&bytes);
+    text.lines().find_map(|line| {
+        let line = strip_ansi(line);
+        let rest = line
+            .split("Initializing KvEventPublisher for worker ")
+            .nth(1)?;
+        rest.split(|c: char| !c.is_ascii_digit())
+            .next()?
+            .parse()
+            .ok()
+    })
+}
+
+fn added_workers(log: &Path) -> Vec<u64> {
+    let Ok(bytes) = std::fs::read(log) else {
+        return Vec::new();
+    };
+    let text = String::from_utf8_lossy(&bytes);
+    text.lines()
+        .filter(|l| l.contains("Adding worker"))
+        .filter_map(|l| parse_added_worker(&strip_ansi(l)).map(|(id, _)| id))
+        .collect()
+}
+
+/// GET /v1/models with a tiny blocking HTTP/1.0 client (readiness only).
+fn models_lists(port: u16, model: &str) -> bool {
+    use std::io::{Read, Write};
+    let Ok(mut s) =
+        TcpStream::connect_timeout(&([127, 0, 0, 1], port).into(), Duration::from_millis(300))
+    else {
+        return false;
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+    if s.write_all(b"GET /v1/models HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
+        .is_err()
+    {
+        return false;
+    }
+    let mut body = String::new();
+    let _ = s.read_to_string(&mut body);
+    body.starts_with("HTTP/1.") && body.contains(&format!("\"id\":\"{model}\""))
+}
+
+fn tail(path: &Path, lines: usize) -> String {
+    let Ok(bytes) = std::fs::read(path) else {
+        return String::from("(no log)");
+    };
+    let text = String::from_utf8_lossy(&bytes);
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..]
+        .iter()
+        .map(|l| strip_ansi(l))
+        .collect::<Vec<_>>()
+        .join("\n")
+}

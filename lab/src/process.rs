@@ -1,0 +1,106 @@
+//! Child processes, each the leader of its own process group, so that stopping the lab
+//! also stops anything they spawned. Signals go through `/bin/kill` (the workspace
+//! denies `unsafe`, so no direct `libc::kill`).
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use tracing::{debug, warn};
+
+/// One started process (and its process group).
+#[derive(Debug)]
+pub(crate) struct ManagedProcess {
+    pub name: String,
+    pub child: Child,
+    pub log: PathBuf,
+}
+
+impl ManagedProcess {
+    /// Spawns `cmd` in a new process group with stdout and stderr appended to `log`.
+    pub fn spawn(name: &str, mut cmd: Command, log: &Path) -> Result<Self> {
+        use std::os::unix::process::CommandExt;
+        let out = File::options()
+            .create(true)
+            .append(true)
+            .open(log)
+            .with_context(|| format!("opening log {}", log.display()))?;
+        let err = out.try_clone()?;
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::from(out))
+            .stderr(Stdio::from(err))
+            .process_group(0);
+        let child = cmd
+            .spawn()
+            .with_context(|| format!("spawning {name}: {cmd:?}"))?;
+        debug!(name, pid = child.id(), log = %log.display(), "Started process.");
+        Ok(Self {
+            name: name.to_string(),
+            child,
+            log: log.to_path_buf(),
+        })
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// `Some(status)` if the process has exited.
+    pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.try_wait().ok().flatten()
+    }
+}
+
+/// Sends `signal` (e.g. "TERM", "KILL") to the process group `pgid`. Errors (such as an
+/// already empty group) are ignored.
+pub(crate) fn signal_group(pgid: u32, signal: &str) {
+    let _ = Command::new("kill")
+        .arg(format!("-{signal}"))
+        .arg("--")
+        .arg(format!("-{pgid}"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status();
+}
+
+/// True if any process is still in group `pgid` (zombies included until reaped).
+pub(crate) fn group_alive(pgid: u32) -> bool {
+    Command::new("kill")
+        .arg("-0")
+        .arg("--")
+        .arg(format!("-{pgid}"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false)
+}
+
+/// Stops all processes: SIGTERM to every group, wait up to `grace`, then SIGKILL to
+/// every group (leaders and any stragglers), and reap the leaders.
+pub(crate) fn stop_all(procs: &mut [ManagedProcess], grace: Duration) {
+    for p in procs.iter_mut() {
+        if p.exited().is_none() {
+            signal_group(p.pid(), "TERM");
+        }
+    }
+    let deadline = Instant::now() + grace;
+    while Instant::now() < deadline {
+        if procs.iter_mut().all(|p| p.exited().is_some()) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    for p in procs.iter_mut() {
+        if p.exited().is_none() {
+            warn!(name = %p.name, pid = p.pid(), "Process ignored SIGTERM; sending SIGKILL.");
+        }
+        // Always: also takes down children that outlived the group leader.
+        signal_group(p.pid(), "KILL");
+    }
+    for p in procs.iter_mut() {
+        let _ = p.child.wait();
+    }
+}

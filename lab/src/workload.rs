@@ -1,0 +1,582 @@
+//! A bounded multi-turn chat workload against the Dynamo frontend.
+//!
+//! `families` conversation families each have a shared system prompt whose first 256+
+//! tokens differ between families; `sessions` conversations are spread round-robin over
+//! the families. Each turn appends a new user message to the conversation so far (system
+//! prompt, earlier user turns and the model's replies), so the prompt grows by appending,
+//! as in real chat. Content is deterministic given `seed` (the mocker's replies are not).
+//!
+//! With the lab's model fixture one word (`w0` … `w1999`) is one token, and the chat
+//! template renders `<|role|> content ` per message, so prompt token counts are exact.
+//!
+//! Every request carries `x-request-id: <tag>-f<family>-s<session>-t<turn>`; the router
+//! logs it as the span field `x_request_id="…"` on its `[ROUTING_INPUT]` line. The
+//! router's own `request_id` (on `[ROUTING_INPUT]` and `Selected worker`) is the
+//! response `id` without its `chatcmpl-` / `cmpl-` prefix; both are recorded.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use tokio::sync::{Mutex, Semaphore};
+use tracing::{debug, info, warn};
+
+/// Which OpenAI endpoint to use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum Api {
+    /// `/v1/chat/completions` with `messages` (the model's chat template renders them).
+    Chat,
+    /// `/v1/completions` with the same conversation rendered as a plain prompt.
+    Completions,
+}
+
+/// Workload parameters. Every field has a default.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct WorkloadConfig {
+    /// Frontend base URL, e.g. `http://127.0.0.1:8000`.
+    pub frontend: String,
+    /// Model name; default: the first model `/v1/models` lists.
+    pub model: Option<String>,
+    /// Endpoint to use. Default chat.
+    pub api: Api,
+    /// Seed for all generated content. Default 1.
+    pub seed: u64,
+    /// Conversation families (distinct system prompts). Default 4.
+    pub families: usize,
+    /// Conversations in total. Default 24.
+    pub sessions: usize,
+    /// Maximum requests in flight. Default 12.
+    pub concurrency: usize,
+    /// Maximum request rate (requests/s over all sessions); none = unlimited. Default 20.
+    pub rate: Option<f64>,
+    /// Turns (requests) per conversation. Default 4.
+    pub max_turns: usize,
+    /// Stop sending new requests after this many seconds. Default 60.
+    pub duration_secs: f64,
+    /// `max_tokens` of each request. Default 48.
+    pub max_tokens: u32,
+    /// Words in each family's system prompt (≥ 256). Default 320.
+    pub system_words: usize,
+    /// Words per user turn. Default 40.
+    pub user_words: usize,
+    /// Per-request timeout in seconds. Default 60.
+    pub request_timeout_secs: f64,
+    /// Pause between a reply and the session's next turn, in milliseconds. Default 0.
+    pub think_time_ms: u64,
+    /// Prefix of the `x-request-id` header values. Default `kvs<seed>`.
+    pub tag: Option<String>,
+}
+
+impl Default for WorkloadConfig {
+    fn default() -> Self {
+        Self {
+            frontend: "http://127.0.0.1:8000".into(),
+            model: None,
+            api: Api::Chat,
+            seed: 1,
+            families: 4,
+            sessions: 24,
+            concurrency: 12,
+            rate: Some(20.0),
+            max_turns: 4,
+            duration_secs: 60.0,
+            max_tokens: 48,
+            system_words: 320,
+            user_words: 40,
+            request_timeout_secs: 60.0,
+            think_time_ms: 0,
+            tag: None,
+        }
+    }
+}
+
+/// One request the workload sent.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RequestRecord {
+    pub family: usize,
+    pub session: usize,
+    pub turn: usize,
+    /// The `x-request-id` header sent (router log: `x_request_id="…"` on `[ROUTING_INPUT]`).
+    pub x_request_id: String,
+    /// The router's request id (`request_id="…"` on `[ROUTING_INPUT]` / `Selected worker`):
+    /// the response `id` without `chatcmpl-` / `cmpl-`. None if the request failed.
+    pub router_request_id: Option<String>,
+    /// Prompt tokens as the workload computes them (exact with the lab's model fixture).
+    pub prompt_tokens: usize,
+    /// `usage.prompt_tokens` from the response.
+    pub usage_prompt_tokens: Option<u64>,
+    pub usage_completion_tokens: Option<u64>,
+    /// `usage.prompt_tokens_details.cached_tokens` from the response.
+    pub usage_cached_tokens: Option<u64>,
+    /// Milliseconds since the workload started, when the request was sent.
+    pub sent_at_ms: u64,
+    pub latency_ms: u64,
+    pub http_status: Option<u16>,
+    pub ok: bool,
+    pub error: Option<String>,
+}
+
+/// What the workload did.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct WorkloadSummary {
+    pub frontend: String,
+    pub model: String,
+    pub sent: usize,
+    pub ok: usize,
+    pub failed: usize,
+    pub elapsed_secs: f64,
+    pub prompt_tokens: u64,
+    pub completion_tokens: u64,
+    /// Router counters from the frontend's `/metrics`, after minus before the workload
+    /// (names `dynamo_component_router_*_total|_sum|_count`, summed over labels).
+    pub router_counters_delta: BTreeMap<String, f64>,
+    /// Cached prefix tokens the router passed over: delta of
+    /// `…_kv_best_eligible_cached_prefix_tokens_total` minus
+    /// `…_kv_selected_cached_prefix_tokens_total`. Greater than zero means some requests
+    /// went to a worker with less cached prefix than the best eligible one (spills).
+    /// (`…_non_max_overlap_selections_total` stays 0 in this frontend: it only counts
+    /// when a selection observer is installed.)
+    pub router_spilled_cached_tokens: Option<f64>,
+    pub requests: Vec<RequestRecord>,
+}
+
+impl WorkloadSummary {
+    /// The summary without the per-request list.
+    pub fn brief(&self) -> Value {
+        let mut v = serde_json::to_value(self).unwrap_or(Value::Null);
+        if let Some(obj) = v.as_object_mut() {
+            obj.remove("requests");
+        }
+        v
+    }
+}
+
+/// splitmix64: tiny, deterministic, good enough for synthetic text.
+#[derive(Debug, Clone)]
+pub struct SplitMix64(u64);
+
+impl SplitMix64 {
+    pub fn new(seed: u64) -> Self {
+        Self(seed)
+    }
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n
+    }
+}
+
+/// Vocabulary size of the model fixture's synthetic words.
+pub const VOCAB_WORDS: u64 = 2000;
+
+fn words(rng: &mut SplitMix64, n: usize) -> String {
+    let mut s = String::with_capacity(n * 6);
+    for i in 0..n {
+        if i > 0 {
+            s.push(' ');
+        }
+        s.push('w');
+        s.push_str(&rng.below(VOCAB_WORDS).to_string());
+    }
+    s
+}
+
+fn stream_rng(seed: u64, kind: u64, a: u64, b: u64) -> SplitMix64 {
+    let mut r = SplitMix64::new(seed ^ kind.wrapping_mul(0xA24B_AED4_963E_E407));
+    let x = r.next_u64() ^ a.wrapping_mul(0x9FB2_1C65_1E98_DF25);
+    let mut r = SplitMix64::new(x);
+    let y = r.next_u64() ^ b.wrapping_mul(0xD6E8_FEB8_6659_FD93);
+    SplitMix64::new(y)
+}
+
+/// The system prompt of family `f`: starts with `w<f>` so families differ from the
+/// first block on, then random words.
+pub fn system_prompt(seed: u64, family: usize, words_n: usize) -> String {
+    let mut rng = stream_rng(seed, 1, family as u64, 0);
+    let head = format!("w{}", family as u64 % VOCAB_WORDS);
+    format!("{head} {}", words(&mut rng, words_n.saturating_sub(1)))
+}
+
+/// The user message of `session`'s `turn`.
+pub fn user_message(seed: u64, session: usize, turn: usize, words_n: usize) -> String {
+    let mut rng = stream_rng(seed, 2, session as u64, turn as u64);
+    words(&mut rng, words_n)
+}
+
+/// Renders messages like the fixture's chat template (`<|role|> content ` each, then
+/// `<|assistant|> `).
+pub fn render_prompt(messages: &[(String, String)]) -> String {
+    let mut s = String::new();
+    for (role, content) in messages {
+        s.push_str(&format!("<|{role}|> {content} "));
+    }
+    s.push_str("<|assistant|> ");
+    s
+}
+
+/// Tokens of a rendered conversation with the fixture tokenizer (one per word/marker).
+pub fn count_tokens(messages: &[(String, String)]) -> usize {
+    messages
+        .iter()
+        .map(|(_, c)| 1 + c.split_whitespace().count())
+        .sum::<usize>()
+        + 1
+}
+
+struct Shared {
+    cfg: WorkloadConfig,
+    model: String,
+    client: reqwest::Client,
+    sem: Semaphore,
+    next_slot: Mutex<Instant>,
+    start: Instant,
+    deadline: Instant,
+    tag: String,
+}
+
+/// Runs the workload to completion (all turns done, or the duration cap reached).
+pub async fn run(cfg: WorkloadConfig) -> Result<WorkloadSummary> {
+    if cfg.families == 0 || cfg.sessions == 0 || cfg.concurrency == 0 {
+        bail!("families, sessions and concurrency must be > 0");
+    }
+    let frontend = cfg.frontend.trim_end_matches('/').to_string();
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs_f64(cfg.request_timeout_secs))
+        .pool_max_idle_per_host(cfg.concurrency)
+        .build()
+        .context("building HTTP client")?;
+    let model = match &cfg.model {
+        Some(m) => m.clone(),
+        None => first_model(&client, &frontend).await?,
+    };
+    let before = scrape_router_counters(&client, &frontend).await;
+    let start = Instant::now();
+    let tag = cfg
+        .tag
+        .clone()
+        .unwrap_or_else(|| format!("kvs{}", cfg.seed));
+    info!(
+        frontend = %frontend, model = %model, sessions = cfg.sessions, families = cfg.families,
+        concurrency = cfg.concurrency, max_turns = cfg.max_turns, "Workload starting."
+    );
+    let shared = Arc::new(Shared {
+        model: model.clone(),
+        client: client.clone(),
+        sem: Semaphore::new(cfg.concurrency),
+        next_slot: Mutex::new(start),
+        start,
+        deadline: start + Duration::from_secs_f64(cfg.duration_secs),
+        tag,
+        cfg: WorkloadConfig {
+            frontend: frontend.clone(),
+            ..cfg.clone()
+        },
+    });
+    let tasks: Vec<_> = (0..cfg.sessions)
+        .map(|s| tokio::spawn(run_session(shared.clone(), s)))
+        .collect();
+    let mut requests = Vec::new();
+    for t in futures::future::join_all(tasks).await {
+        match t {
+            Ok(mut recs) => requests.append(&mut recs),
+            Err(e) => warn!(error = %e, "Session task failed."),
+        }
+    }
+    requests.sort_by_key(|r| (r.sent_at_ms, r.session, r.turn));
+    let elapsed_secs = start.elapsed().as_secs_f64();
+    let after = scrape_router_counters(&client, &frontend).await;
+    let router_counters_delta: BTreeMap<String, f64> = after
+        .iter()
+        .map(|(k, v)| (k.clone(), v - before.get(k).copied().unwrap_or(0.0)))
+        .collect();
+    let router_spilled_cached_tokens = match (
+        router_counters_delta
+            .get("dynamo_component_router_kv_best_eligible_cached_prefix_tokens_total"),
+        router_counters_delta.get("dynamo_component_router_kv_selected_cached_prefix_tokens_total"),
+    ) {
+        (Some(best), Some(selected)) => Some(best - selected),
+        _ => None,
+    };
+    let ok = requests.iter().filter(|r| r.ok).count();
+    let summary = WorkloadSummary {
+        frontend,
+        model,
+        sent: requests.len(),
+        ok,
+        failed: requests.len() - ok,
+        elapsed_secs,
+        prompt_tokens: requests.iter().map(|r| r.prompt_tokens as u64).sum(),
+        completion_tokens: requests
+            .iter()
+            .filter_map(|r| r.usage_completion_tokens)
+            .sum(),
+        router_counters_delta,
+        router_spilled_cached_tokens,
+        requests,
+    };
+    info!(
+        sent = summary.sent, ok = summary.ok, failed = summary.failed,
+        router_spilled_cached_tokens = ?summary.router_spilled_cached_tokens, elapsed_secs = format!("{:.1}", elapsed_secs),
+        "Workload done."
+    );
+    Ok(summary)
+}
+
+async fn run_session(sh: Arc<Shared>, session: usize) -> Vec<RequestRecord> {
+    let cfg = &sh.cfg;
+    let family = session % cfg.families;
+    let mut messages: Vec<(String, String)> = vec![(
+        "system".into(),
+        system_prompt(cfg.seed, family, cfg.system_words.max(256)),
+    )];
+    let mut records = Vec::new();
+    for turn in 0..cfg.max_turns {
+        if turn > 0 && cfg.think_time_ms > 0 {
+            tokio::time::sleep(Duration::from_millis(cfg.think_time_ms)).await;
+        }
+        messages.push((
+            "user".into(),
+            user_message(cfg.seed, session, turn, cfg.user_words),
+        ));
+        // Rate limit: claim the next send slot.
+        if let Some(rate) = cfg.rate.filter(|r| *r > 0.0) {
+            let slot = {
+                let mut next = sh.next_slot.lock().await;
+                let slot = (*next).max(Instant::now());
+                *next = slot + Duration::from_secs_f64(1.0 / rate);
+                slot
+            };
+            tokio::time::sleep_until(slot.into()).await;
+        }
+        let Ok(_permit) = sh.sem.acquire().await else {
+            break;
+        };
+        if Instant::now() >= sh.deadline {
+            debug!(session, turn, "Duration cap reached; session stops.");
+            break;
+        }
+        let (rec, reply) = send(&sh, family, session, turn, &messages).await;
+        let ok = rec.ok;
+        records.push(rec);
+        match reply {
+            Some(reply) if ok => messages.push(("assistant".into(), reply.trim().to_string())),
+            _ => break,
+        }
+    }
+    records
+}
+
+async fn send(
+    sh: &Shared,
+    family: usize,
+    session: usize,
+    turn: usize,
+    messages: &[(String, String)],
+) -> (RequestRecord, Option<String>) {
+    let cfg = &sh.cfg;
+    let x_request_id = format!("{}-f{family}-s{session}-t{turn}", sh.tag);
+    let (url, body) = match cfg.api {
+        Api::Chat => (
+            format!("{}/v1/chat/completions", cfg.frontend),
+            json!({
+                "model": sh.model,
+                "messages": messages.iter().map(|(r, c)| json!({"role": r, "content": c})).collect::<Vec<_>>(),
+                "max_tokens": cfg.max_tokens,
+                "stream": false,
+            }),
+        ),
+        Api::Completions => (
+            format!("{}/v1/completions", cfg.frontend),
+            json!({
+                "model": sh.model,
+                "prompt": render_prompt(messages),
+                "max_tokens": cfg.max_tokens,
+                "stream": false,
+            }),
+        ),
+    };
+    let sent_at = Instant::now();
+    let mut rec = RequestRecord {
+        family,
+        session,
+        turn,
+        x_request_id: x_request_id.clone(),
+        router_request_id: None,
+        prompt_tokens: count_tokens(messages),
+        usage_prompt_tokens: None,
+        usage_completion_tokens: None,
+        usage_cached_tokens: None,
+        sent_at_ms: sent_at.duration_since(sh.start).as_millis() as u64,
+        latency_ms: 0,
+        http_status: None,
+        ok: false,
+        error: None,
+    };
+    let result = sh
+        .client
+        .post(&url)
+        .header("x-request-id", &x_request_id)
+        .json(&body)
+        .send()
+        .await;
+    let mut reply = None;
+    match result {
+        Err(e) => rec.error = Some(format!("request failed: {e}")),
+        Ok(resp) => {
+            let status = resp.status();
+            rec.http_status = Some(status.as_u16());
+            match resp.text().await {
+                Err(e) => rec.error = Some(format!("reading body: {e}")),
+                Ok(text) if !status.is_success() => {
+                    rec.error = Some(format!("HTTP {status}: {}", truncate(&text, 300)))
+                }
+                Ok(text) => match serde_json::from_str::<Value>(&text) {
+                    Err(e) => rec.error = Some(format!("bad JSON: {e}")),
+                    Ok(v) => {
+                        rec.router_request_id =
+                            v.get("id").and_then(Value::as_str).map(router_request_id);
+                        rec.usage_prompt_tokens =
+                            v.pointer("/usage/prompt_tokens").and_then(Value::as_u64);
+                        rec.usage_completion_tokens = v
+                            .pointer("/usage/completion_tokens")
+                            .and_then(Value::as_u64);
+                        rec.usage_cached_tokens = v
+                            .pointer("/usage/prompt_tokens_details/cached_tokens")
+                            .and_then(Value::as_u64);
+                        reply = v
+                            .pointer("/choices/0/message/content")
+                            .or_else(|| v.pointer("/choices/0/text"))
+                            .and_then(Value::as_str)
+                            .map(str::to_string);
+                        rec.ok = reply.is_some() && rec.router_request_id.is_some();
+                        if !rec.ok {
+                            rec.error = Some(format!("unexpected body: {}", truncate(&text, 300)));
+                        }
+                    }
+                },
+            }
+        }
+    }
+    rec.latency_ms = sent_at.elapsed().as_millis() as u64;
+    if let Some(e) = &rec.error {
+        warn!(x_request_id = %rec.x_request_id, error = %e, "Request failed.");
+    }
+    (rec, reply)
+}
+
+/// The router's request id for a response `id` (`chatcmpl-<uuid>` / `cmpl-<uuid>` → `<uuid>`).
+pub fn router_request_id(response_id: &str) -> String {
+    response_id
+        .strip_prefix("chatcmpl-")
+        .or_else(|| response_id.strip_prefix("cmpl-"))
+        .unwrap_or(response_id)
+        .to_string()
+}
+
+fn truncate(s: &str, n: usize) -> String {
+    s.chars().take(n).collect()
+}
+
+async fn first_model(client: &reqwest::Client, frontend: &str) -> Result<String> {
+    let v: Value = client
+        .get(format!("{frontend}/v1/models"))
+        .send()
+        .await
+        .with_context(|| format!("GET {frontend}/v1/models"))?
+        .json()
+        .await
+        .context("parsing /v1/models")?;
+    v.pointer("/data/0/id")
+        .and_then(Value::as_str)
+        .map(str::to_string)
+        .with_context(|| format!("{frontend}/v1/models lists no model"))
+}
+
+/// Sums `dynamo_component_router_*` counters (`_total`, `_sum`, `_count`) over labels.
+/// Empty if `/metrics` is unreachable.
+pub async fn scrape_router_counters(
+    client: &reqwest::Client,
+    frontend: &str,
+) -> BTreeMap<String, f64> {
+    let Ok(resp) = client.get(format!("{frontend}/metrics")).send().await else {
+        return BTreeMap::new();
+    };
+    let Ok(text) = resp.text().await else {
+        return BTreeMap::new();
+    };
+    parse_router_counters(&text)
+}
+
+/// See [`scrape_router_counters`].
+pub fn parse_router_counters(text: &str) -> BTreeMap<String, f64> {
+    let mut out = BTreeMap::new();
+    for line in text.lines() {
+        if line.starts_with('#') || !line.starts_with("dynamo_component_router_") {
+            continue;
+        }
+        let name_end = line.find(['{', ' ']).unwrap_or(line.len());
+        let name = &line[..name_end];
+        if !(name.ends_with("_total") || name.ends_with("_sum") || name.ends_with("_count")) {
+            continue;
+        }
+        if let Some(v) = line.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()) {
+            *out.entry(name.to_string()).or_insert(0.0) += v;
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn content_is_deterministic_and_families_differ() {
+        let a = system_prompt(7, 0, 320);
+        assert_eq!(a, system_prompt(7, 0, 320));
+        let b = system_prompt(7, 1, 320);
+        let first = |s: &str| s.split(' ').take(256).collect::<Vec<_>>().join(" ");
+        assert_ne!(first(&a), first(&b));
+        assert_eq!(a.split(' ').count(), 320);
+        assert_eq!(user_message(7, 3, 2, 40), user_message(7, 3, 2, 40));
+        assert_ne!(user_message(7, 3, 2, 40), user_message(7, 3, 1, 40));
+    }
+
+    #[test]
+    fn token_count_matches_rendering() {
+        let m = vec![
+            ("system".to_string(), "w1 w2 w3".to_string()),
+            ("user".to_string(), "w5 w6".to_string()),
+        ];
+        // <|system|> w1 w2 w3 <|user|> w5 w6 <|assistant|>  (router logged isl_tokens=8)
+        assert_eq!(count_tokens(&m), 8);
+        assert_eq!(render_prompt(&m).split_whitespace().count(), 8);
+    }
+
+    #[test]
+    fn strips_response_id_prefixes() {
+        assert_eq!(router_request_id("chatcmpl-856b716a-f0ee"), "856b716a-f0ee");
+        assert_eq!(router_request_id("cmpl-6b3f3ea1-3777"), "6b3f3ea1-3777");
+    }
+
+    #[test]
+    fn parses_router_counters() {
+        let text = "# TYPE x counter\ndynamo_component_router_non_max_overlap_selections_total{a=\"1\"} 2\ndynamo_component_router_non_max_overlap_selections_total{a=\"2\"} 3\ndynamo_component_router_kv_hit_rate_bucket{le=\"1\"} 3\n";
+        let m = parse_router_counters(text);
+        assert_eq!(
+            m["dynamo_component_router_non_max_overlap_selections_total"],
+            5.0
+        );
+        assert_eq!(m.len(), 1);
+    }
+}
