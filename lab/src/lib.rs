@@ -12,7 +12,7 @@
 pub mod discovery;
 mod lab;
 pub mod paths;
-mod process;
+pub mod process;
 pub mod router_log;
 pub mod setup;
 pub mod workload;

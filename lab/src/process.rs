@@ -12,7 +12,7 @@ use tracing::{debug, warn};
 
 /// One started process (and its process group).
 #[derive(Debug)]
-pub(crate) struct ManagedProcess {
+pub struct ManagedProcess {
     pub name: String,
     pub child: Child,
     pub log: PathBuf,
@@ -55,7 +55,7 @@ impl ManagedProcess {
 
 /// Sends `signal` (e.g. "TERM", "KILL") to the process group `pgid`. Errors (such as an
 /// already empty group) are ignored.
-pub(crate) fn signal_group(pgid: u32, signal: &str) {
+pub fn signal_group(pgid: u32, signal: &str) {
     let _ = Command::new("kill")
         .arg(format!("-{signal}"))
         .arg("--")
@@ -66,7 +66,7 @@ pub(crate) fn signal_group(pgid: u32, signal: &str) {
 }
 
 /// True if any process is still in group `pgid` (zombies included until reaped).
-pub(crate) fn group_alive(pgid: u32) -> bool {
+pub fn group_alive(pgid: u32) -> bool {
     Command::new("kill")
         .arg("-0")
         .arg("--")
@@ -80,7 +80,7 @@ pub(crate) fn group_alive(pgid: u32) -> bool {
 
 /// Stops all processes: SIGTERM to every group, wait up to `grace`, then SIGKILL to
 /// every group (leaders and any stragglers), and reap the leaders.
-pub(crate) fn stop_all(procs: &mut [ManagedProcess], grace: Duration) {
+pub fn stop_all(procs: &mut [ManagedProcess], grace: Duration) {
     for p in procs.iter_mut() {
         if p.exited().is_none() {
             signal_group(p.pid(), "TERM");

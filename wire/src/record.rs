@@ -134,6 +134,9 @@ pub enum MigrationLogKind {
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct MigrationLogLine {
+    /// Serialized as `migration_kind`: `kind` is already [`Record`]'s tag, and a second
+    /// `kind` key in the same JSON object cannot be read back.
+    #[serde(rename = "migration_kind")]
     pub kind: MigrationLogKind,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub request_id: Option<String>,
@@ -223,6 +226,24 @@ mod tests {
         };
         let back = Envelope::from_json(&e.to_json()).unwrap();
         assert_eq!(back, e);
+    }
+
+    #[test]
+    fn a_migration_record_round_trips_through_json() {
+        let e = Envelope {
+            agent: "a".into(),
+            observed_ns: 1,
+            record: Record::Migration(MigrationLogLine {
+                kind: MigrationLogKind::Spill,
+                request_id: Some("r".into()),
+                source: None,
+                target: None,
+                tokens: Some(3),
+                migratable_tokens: None,
+                fields: BTreeMap::new(),
+            }),
+        };
+        assert_eq!(Envelope::from_json(&e.to_json()).unwrap(), e);
     }
 
     #[test]

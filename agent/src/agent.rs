@@ -1,0 +1,225 @@
+//! The running agent: its taps, the heartbeat, the publisher and `/metrics`, wired
+//! around one [`RecordSink`].
+
+use crate::config::AgentConfig;
+use crate::counters::AgentStats;
+use crate::log_follower::{self, LogSource};
+use crate::publisher::{self, PublisherConfig};
+use crate::record_sink::{now_ns, RecordSink};
+use crate::router_tap::{self, RouterTap};
+use crate::zmq_tap;
+use anyhow::Context as _;
+use kvscope_wire::{AgentHeartbeat, Record, Subjects};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinHandle;
+use tracing::info;
+
+/// A started agent. Dropping it without [`RunningAgent::shutdown`] aborts its tasks.
+pub struct RunningAgent {
+    stats: Arc<AgentStats>,
+    sink: Arc<RecordSink>,
+    stop: watch::Sender<bool>,
+    give_up: watch::Sender<bool>,
+    log_stop: Arc<AtomicBool>,
+    inputs: Vec<JoinHandle<()>>,
+    publisher: JoinHandle<()>,
+    heartbeat: JoinHandle<()>,
+    metrics_addr: Option<std::net::SocketAddr>,
+    metrics: Option<JoinHandle<()>>,
+    agent_id: String,
+    grace: Duration,
+}
+
+impl RunningAgent {
+    pub fn stats(&self) -> &Arc<AgentStats> {
+        &self.stats
+    }
+
+    /// Records waiting for NATS.
+    pub fn buffered(&self) -> usize {
+        self.sink.buffered()
+    }
+
+    /// Where `/metrics` is served, when configured.
+    pub fn metrics_addr(&self) -> Option<std::net::SocketAddr> {
+        self.metrics_addr
+    }
+
+    /// Stop the taps, send a last heartbeat, give the publisher the grace period to
+    /// empty the buffer, flush the recording.
+    pub async fn shutdown(mut self) {
+        self.log_stop.store(true, Ordering::Relaxed);
+        for h in self.inputs.drain(..) {
+            h.abort();
+            let _ = h.await;
+        }
+        self.heartbeat.abort();
+        // The last heartbeat goes in before the publisher is told to stop, so it is
+        // among the records it drains.
+        heartbeat(&self.sink, &self.stats);
+        let _ = self.stop.send(true);
+        let publisher = &mut self.publisher;
+        if tokio::time::timeout(self.grace, &mut *publisher)
+            .await
+            .is_err()
+        {
+            let _ = self.give_up.send(true);
+            let _ = tokio::time::timeout(Duration::from_secs(1), &mut *publisher).await;
+            publisher.abort();
+        }
+        self.sink.flush_recording();
+        if let Some(m) = self.metrics.take() {
+            m.abort();
+        }
+        info!(agent = %self.agent_id, buffered = self.sink.buffered(), "Agent stopped.");
+    }
+
+    /// Run until `signal` completes, then shut down.
+    pub async fn run_until(self, signal: impl std::future::Future<Output = ()>) {
+        signal.await;
+        self.shutdown().await;
+    }
+}
+
+impl Drop for RunningAgent {
+    fn drop(&mut self) {
+        self.log_stop.store(true, Ordering::Relaxed);
+        for h in &self.inputs {
+            h.abort();
+        }
+        self.publisher.abort();
+        self.heartbeat.abort();
+        if let Some(m) = &self.metrics {
+            m.abort();
+        }
+    }
+}
+
+fn heartbeat(sink: &RecordSink, stats: &AgentStats) {
+    sink.submit(Record::Heartbeat(AgentHeartbeat {
+        counters: stats.snapshot(),
+        buffered: sink.buffered() as u64,
+    }));
+    sink.flush_recording();
+}
+
+/// Start every part of the agent described by `cfg`.
+pub async fn start(cfg: AgentConfig) -> anyhow::Result<RunningAgent> {
+    cfg.validate()?;
+    let stats = Arc::new(AgentStats::default());
+    let subjects = Subjects::new(&cfg.cluster);
+    let sink = Arc::new(
+        RecordSink::new(
+            &cfg.agent_id,
+            subjects.clone(),
+            cfg.buffer_capacity,
+            cfg.record.as_deref(),
+            stats.clone(),
+        )
+        .context("cannot open the recording")?,
+    );
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let (give_up_tx, give_up_rx) = watch::channel(false);
+    let log_stop = Arc::new(AtomicBool::new(false));
+    let mut inputs = Vec::new();
+
+    for ep in &cfg.kv_endpoints {
+        info!(publisher = %ep.endpoint, worker_id = ep.worker_id, dp_rank = ?ep.dp_rank, "Tapping KV events.");
+        inputs.push(tokio::spawn(zmq_tap::run(
+            ep.clone(),
+            sink.clone(),
+            stats.clone(),
+            stop_rx.clone(),
+        )));
+    }
+
+    if let Some(log) = &cfg.router_log {
+        let source = if log == "-" {
+            LogSource::Stdin
+        } else {
+            LogSource::File {
+                path: log.into(),
+                from_start: cfg.from_start,
+                poll: Duration::from_millis(cfg.log_poll_interval_ms.max(1)),
+            }
+        };
+        info!(source = ?source, "Following the router log.");
+        let (tx, rx) = mpsc::channel(10_000);
+        log_follower::spawn(source, tx, stats.clone(), log_stop.clone())
+            .context("cannot start the router log follower")?;
+        let tap = RouterTap::new((cfg.join_timeout_secs * 1e9) as u64);
+        inputs.push(tokio::spawn(router_tap::run(
+            tap,
+            rx,
+            sink.clone(),
+            stats.clone(),
+        )));
+    }
+
+    let publisher = tokio::spawn(publisher::run(
+        PublisherConfig {
+            nats_url: cfg.nats_url.clone(),
+            subjects: subjects.clone(),
+            stream_max_age: Duration::from_secs(cfg.stream_max_age_secs),
+            run_id: format!("{}-{}", cfg.agent_id, now_ns()),
+        },
+        sink.clone(),
+        stats.clone(),
+        stop_rx.clone(),
+        give_up_rx,
+    ));
+
+    let heartbeat_task = {
+        let sink = sink.clone();
+        let stats = stats.clone();
+        let period = Duration::from_secs_f64(cfg.heartbeat_interval_secs);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(period);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            tick.tick().await;
+            loop {
+                tick.tick().await;
+                heartbeat(&sink, &stats);
+            }
+        })
+    };
+
+    let (metrics_addr, metrics) = match &cfg.metrics_listen {
+        Some(addr) => {
+            let listener = tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("cannot listen on {addr} for /metrics"))?;
+            let local = listener.local_addr()?;
+            info!(addr = %local, "Serving /metrics.");
+            (
+                Some(local),
+                Some(tokio::spawn(crate::metrics::serve(
+                    listener,
+                    cfg.agent_id.clone(),
+                    stats.clone(),
+                    sink.clone(),
+                ))),
+            )
+        }
+        None => (None, None),
+    };
+
+    info!(agent = %cfg.agent_id, cluster = %subjects.cluster(), nats = %cfg.nats_url, "Agent started.");
+    Ok(RunningAgent {
+        stats,
+        sink,
+        stop: stop_tx,
+        give_up: give_up_tx,
+        log_stop,
+        inputs,
+        publisher,
+        heartbeat: heartbeat_task,
+        metrics_addr,
+        metrics,
+        agent_id: cfg.agent_id.clone(),
+        grace: Duration::from_secs_f64(cfg.shutdown_grace_secs),
+    })
+}

@@ -1,0 +1,181 @@
+//! Command line: `kvscope-agent` and `kvscope agent`. Flags override the config file
+//! and the `KVSCOPE_AGENT_*` environment (see [`crate::config`]).
+
+use crate::config::{AgentConfig, KvEndpoint};
+use clap::Parser;
+use std::path::PathBuf;
+
+/// Per-node kvscope agent: taps engines' ZMQ KV events and the router's log, and ships
+/// normalized records to NATS JetStream.
+#[derive(Debug, Clone, Parser)]
+#[command(name = "kvscope-agent", version)]
+pub struct Cli {
+    /// TOML config file (every field optional; see the `config` module docs).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// This agent's name in its records [default: the host name].
+    #[arg(long)]
+    pub agent_id: Option<String>,
+    /// Cluster name: one JetStream stream per cluster [default: default].
+    #[arg(long)]
+    pub cluster: Option<String>,
+    /// NATS server [default: nats://127.0.0.1:4222].
+    #[arg(long)]
+    pub nats_url: Option<String>,
+    /// An engine's KV event publisher and its worker: ENDPOINT=WORKER_ID[/DP_RANK],
+    /// e.g. tcp://127.0.0.1:5557=7587886582197386541. Repeatable; replaces the
+    /// config's list.
+    #[arg(long = "kv", value_name = "ENDPOINT=WORKER_ID[/DP]")]
+    pub kv: Vec<KvEndpoint>,
+    /// The router's log file to follow (like tail -F), or - for stdin.
+    #[arg(long, value_name = "PATH|-")]
+    pub router_log: Option<String>,
+    /// Read the router log from its beginning rather than its end.
+    #[arg(long)]
+    pub from_start: bool,
+    /// Append every record, one JSON line each, to this file.
+    #[arg(long, value_name = "FILE")]
+    pub record: Option<PathBuf>,
+    /// Records kept in memory while NATS is away [default: 100000].
+    #[arg(long)]
+    pub buffer_capacity: Option<usize>,
+    /// Seconds between heartbeats [default: 1].
+    #[arg(long)]
+    pub heartbeat_secs: Option<f64>,
+    /// Retention of the JetStream stream in seconds [default: 86400].
+    #[arg(long)]
+    pub stream_max_age_secs: Option<u64>,
+    /// How long half a routing decision waits for the other half, in log seconds
+    /// [default: 30].
+    #[arg(long)]
+    pub join_timeout_secs: Option<f64>,
+    /// Serve Prometheus /metrics on this address, e.g. 127.0.0.1:9464.
+    #[arg(long, value_name = "ADDR")]
+    pub metrics_listen: Option<String>,
+    /// Print the effective configuration as TOML and exit.
+    #[arg(long)]
+    pub print_config: bool,
+}
+
+impl Cli {
+    /// Defaults < file < environment < flags.
+    pub fn config(&self) -> anyhow::Result<AgentConfig> {
+        let mut cfg = AgentConfig::load(self.config.as_deref())?;
+        self.apply(&mut cfg);
+        Ok(cfg)
+    }
+
+    fn apply(&self, cfg: &mut AgentConfig) {
+        if let Some(v) = &self.agent_id {
+            cfg.agent_id = v.clone();
+        }
+        if let Some(v) = &self.cluster {
+            cfg.cluster = v.clone();
+        }
+        if let Some(v) = &self.nats_url {
+            cfg.nats_url = v.clone();
+        }
+        if !self.kv.is_empty() {
+            cfg.kv_endpoints = self.kv.clone();
+        }
+        if let Some(v) = &self.router_log {
+            cfg.router_log = Some(v.clone());
+        }
+        if self.from_start {
+            cfg.from_start = true;
+        }
+        if let Some(v) = &self.record {
+            cfg.record = Some(v.clone());
+        }
+        if let Some(v) = self.buffer_capacity {
+            cfg.buffer_capacity = v;
+        }
+        if let Some(v) = self.heartbeat_secs {
+            cfg.heartbeat_interval_secs = v;
+        }
+        if let Some(v) = self.stream_max_age_secs {
+            cfg.stream_max_age_secs = v;
+        }
+        if let Some(v) = self.join_timeout_secs {
+            cfg.join_timeout_secs = v;
+        }
+        if let Some(v) = &self.metrics_listen {
+            cfg.metrics_listen = Some(v.clone());
+        }
+    }
+}
+
+/// Run the agent until SIGINT or SIGTERM. The caller installs the tracing subscriber.
+pub async fn run(cli: Cli) -> anyhow::Result<()> {
+    let cfg = cli.config()?;
+    if cli.print_config {
+        print!("{}", toml::to_string_pretty(&cfg)?);
+        return Ok(());
+    }
+    let agent = crate::agent::start(cfg).await?;
+    agent.run_until(shutdown_signal()).await;
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    match signal(SignalKind::terminate()) {
+        Ok(mut term) => {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+        }
+        Err(_) => {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flags_as_the_lab_passes_them() {
+        let cli = Cli::try_parse_from([
+            "kvscope-agent",
+            "--nats-url",
+            "nats://127.0.0.1:4333",
+            "--cluster",
+            "lab",
+            "--agent-id",
+            "lab-node",
+            "--router-log",
+            "/tmp/frontend.log",
+            "--from-start",
+            "--record",
+            "/tmp/r.jsonl",
+            "--kv",
+            "tcp://127.0.0.1:45289=9969664417447597980",
+            "--kv",
+            "tcp://127.0.0.1:44529=758491669810558404/1",
+        ])
+        .unwrap();
+        let mut cfg = AgentConfig::default();
+        cli.apply(&mut cfg);
+        assert_eq!(cfg.cluster, "lab");
+        assert_eq!(cfg.agent_id, "lab-node");
+        assert!(cfg.from_start);
+        assert_eq!(cfg.kv_endpoints.len(), 2);
+        assert_eq!(cfg.kv_endpoints[1].dp_rank, Some(1));
+        assert_eq!(cfg.kv_endpoints[0].worker_id, 9969664417447597980);
+        cfg.validate().unwrap();
+        assert!(Cli::try_parse_from(["kvscope-agent", "--kv", "tcp://x"]).is_err());
+    }
+
+    #[test]
+    fn the_effective_config_prints_and_reads_back() {
+        let mut cfg = AgentConfig::default();
+        cfg.kv_endpoints
+            .push("tcp://127.0.0.1:1=2".parse().unwrap());
+        cfg.router_log = Some("-".into());
+        let text = toml::to_string_pretty(&cfg).unwrap();
+        assert_eq!(AgentConfig::from_toml(&text).unwrap(), cfg);
+    }
+}

@@ -1,0 +1,325 @@
+//! The agent's configuration: one documented struct, loaded from a TOML file, then
+//! environment overrides (`KVSCOPE_AGENT_*`), then command-line flags (see
+//! [`crate::cli`]). Every field has a default, so an empty file is a valid config.
+//!
+//! ```toml
+//! agent_id = "node-1"
+//! cluster = "prod"
+//! nats_url = "nats://127.0.0.1:4222"
+//! router_log = "/var/log/dynamo/frontend.log"   # or "-" for stdin
+//! from_start = false
+//! record = "/var/lib/kvscope/agent.jsonl"
+//! buffer_capacity = 100000
+//! heartbeat_interval_secs = 1.0
+//! stream_max_age_secs = 86400
+//! join_timeout_secs = 30.0
+//! metrics_listen = "127.0.0.1:9464"
+//!
+//! [[kv_endpoints]]
+//! endpoint = "tcp://127.0.0.1:5557"
+//! worker_id = 7587886582197386541
+//! dp_rank = 0          # optional: else the batch's own dp_rank, else 0
+//! ```
+
+use anyhow::Context as _;
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AgentConfig {
+    /// This agent's name in every record it sends (default: the host name).
+    /// Env: `KVSCOPE_AGENT_ID`.
+    pub agent_id: String,
+    /// The cluster the records belong to: one JetStream stream per cluster (default
+    /// `default`). Env: `KVSCOPE_AGENT_CLUSTER`.
+    pub cluster: String,
+    /// NATS server (default `nats://127.0.0.1:4222`). Env: `KVSCOPE_AGENT_NATS_URL`.
+    pub nats_url: String,
+    /// Engines' ZMQ KV event publishers to tap, each with the worker identity the router
+    /// uses for it (default none). Env: `KVSCOPE_AGENT_KV` as comma-separated
+    /// `ENDPOINT=WORKER_ID[/DP]` items.
+    pub kv_endpoints: Vec<KvEndpoint>,
+    /// The router's log file to follow, or `-` for stdin (default none).
+    /// Env: `KVSCOPE_AGENT_ROUTER_LOG`.
+    pub router_log: Option<String>,
+    /// Read the router log from its beginning instead of its end (default false).
+    /// Env: `KVSCOPE_AGENT_FROM_START` (`1`/`true`).
+    pub from_start: bool,
+    /// Append every record the agent produces, as one JSON line, to this file (default
+    /// none). Env: `KVSCOPE_AGENT_RECORD`.
+    pub record: Option<PathBuf>,
+    /// Records kept in memory while NATS is away; beyond it new records are dropped and
+    /// counted (default 100000). Env: `KVSCOPE_AGENT_BUFFER_CAPACITY`.
+    pub buffer_capacity: usize,
+    /// Seconds between heartbeat records carrying the counters (default 1).
+    /// Env: `KVSCOPE_AGENT_HEARTBEAT_SECS`.
+    pub heartbeat_interval_secs: f64,
+    /// The stream's retention in seconds, set when the agent creates or updates it
+    /// (default 86400). Env: `KVSCOPE_AGENT_STREAM_MAX_AGE_SECS`.
+    pub stream_max_age_secs: u64,
+    /// How long, in the log's own time, half a routing decision waits for its other
+    /// half before it counts as unjoined (default 30).
+    pub join_timeout_secs: f64,
+    /// Serve Prometheus `/metrics` of the agent's counters here (default none).
+    /// Env: `KVSCOPE_AGENT_METRICS_LISTEN`.
+    pub metrics_listen: Option<String>,
+    /// How often the log follower looks for new lines, rotation and truncation, in
+    /// milliseconds (default 100).
+    pub log_poll_interval_ms: u64,
+    /// How long a shutdown waits for buffered records to reach NATS, in seconds
+    /// (default 5).
+    pub shutdown_grace_secs: f64,
+}
+
+/// One engine publisher and the worker it belongs to.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KvEndpoint {
+    /// ZMQ endpoint of the publisher, e.g. `tcp://127.0.0.1:5557`.
+    pub endpoint: String,
+    /// The worker (instance) id the router logs for this engine.
+    pub worker_id: u64,
+    /// Data-parallel rank; when absent, each batch's own `dp_rank` is used (else 0).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dp_rank: Option<u32>,
+}
+
+impl std::str::FromStr for KvEndpoint {
+    type Err = String;
+
+    /// `ENDPOINT=WORKER_ID[/DP]`.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let (endpoint, worker) = s
+            .rsplit_once('=')
+            .ok_or_else(|| format!("{s:?} is not ENDPOINT=WORKER_ID[/DP]"))?;
+        let (id, dp) = match worker.split_once('/') {
+            Some((id, dp)) => (id, Some(dp)),
+            None => (worker, None),
+        };
+        if endpoint.trim().is_empty() {
+            return Err(format!("{s:?} has no endpoint"));
+        }
+        Ok(KvEndpoint {
+            endpoint: endpoint.trim().to_string(),
+            worker_id: id
+                .trim()
+                .parse()
+                .map_err(|e| format!("bad worker id {id:?}: {e}"))?,
+            dp_rank: dp
+                .map(|d| {
+                    d.trim()
+                        .parse()
+                        .map_err(|e| format!("bad dp rank {d:?}: {e}"))
+                })
+                .transpose()?,
+        })
+    }
+}
+
+impl Default for AgentConfig {
+    fn default() -> Self {
+        Self {
+            agent_id: default_agent_id(),
+            cluster: "default".into(),
+            nats_url: "nats://127.0.0.1:4222".into(),
+            kv_endpoints: Vec::new(),
+            router_log: None,
+            from_start: false,
+            record: None,
+            buffer_capacity: 100_000,
+            heartbeat_interval_secs: 1.0,
+            stream_max_age_secs: 86_400,
+            join_timeout_secs: 30.0,
+            metrics_listen: None,
+            log_poll_interval_ms: 100,
+            shutdown_grace_secs: 5.0,
+        }
+    }
+}
+
+fn default_agent_id() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .map(|h| h.trim().to_string())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "agent".into())
+}
+
+impl AgentConfig {
+    /// Defaults, then the file (if any), then the process environment.
+    pub fn load(file: Option<&Path>) -> anyhow::Result<Self> {
+        let mut cfg = match file {
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .with_context(|| format!("cannot read config {}", path.display()))?;
+                Self::from_toml(&text).with_context(|| format!("bad config {}", path.display()))?
+            }
+            None => Self::default(),
+        };
+        cfg.apply_env(|k| std::env::var(k).ok())?;
+        Ok(cfg)
+    }
+
+    pub fn from_toml(text: &str) -> anyhow::Result<Self> {
+        Ok(toml::from_str(text)?)
+    }
+
+    /// Apply `KVSCOPE_AGENT_*` overrides read through `var`.
+    pub fn apply_env(&mut self, var: impl Fn(&str) -> Option<String>) -> anyhow::Result<()> {
+        fn parse<T: std::str::FromStr>(key: &str, v: &str) -> anyhow::Result<T>
+        where
+            T::Err: std::fmt::Display,
+        {
+            v.trim()
+                .parse()
+                .map_err(|e| anyhow::anyhow!("{key}={v:?}: {e}"))
+        }
+        if let Some(v) = var("KVSCOPE_AGENT_ID") {
+            self.agent_id = v;
+        }
+        if let Some(v) = var("KVSCOPE_AGENT_CLUSTER") {
+            self.cluster = v;
+        }
+        if let Some(v) = var("KVSCOPE_AGENT_NATS_URL") {
+            self.nats_url = v;
+        }
+        if let Some(v) = var("KVSCOPE_AGENT_KV") {
+            self.kv_endpoints = v
+                .split(',')
+                .filter(|s| !s.trim().is_empty())
+                .map(|s| parse("KVSCOPE_AGENT_KV", s))
+                .collect::<anyhow::Result<_>>()?;
+        }
+        if let Some(v) = var("KVSCOPE_AGENT_ROUTER_LOG") {
+            self.router_log = Some(v);
+        }
+        if let Some(v) = var("KVSCOPE_AGENT_FROM_START") {
+            self.from_start = matches!(v.trim(), "1" | "true" | "yes");
+        }
+        if let Some(v) = var("KVSCOPE_AGENT_RECORD") {
+            self.record = Some(v.into());
+        }
+        if let Some(v) = var("KVSCOPE_AGENT_BUFFER_CAPACITY") {
+            self.buffer_capacity = parse("KVSCOPE_AGENT_BUFFER_CAPACITY", &v)?;
+        }
+        if let Some(v) = var("KVSCOPE_AGENT_HEARTBEAT_SECS") {
+            self.heartbeat_interval_secs = parse("KVSCOPE_AGENT_HEARTBEAT_SECS", &v)?;
+        }
+        if let Some(v) = var("KVSCOPE_AGENT_STREAM_MAX_AGE_SECS") {
+            self.stream_max_age_secs = parse("KVSCOPE_AGENT_STREAM_MAX_AGE_SECS", &v)?;
+        }
+        if let Some(v) = var("KVSCOPE_AGENT_METRICS_LISTEN") {
+            self.metrics_listen = Some(v);
+        }
+        Ok(())
+    }
+
+    /// Reject values the agent cannot run with.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        anyhow::ensure!(!self.agent_id.trim().is_empty(), "agent_id is empty");
+        anyhow::ensure!(self.buffer_capacity > 0, "buffer_capacity must be > 0");
+        anyhow::ensure!(
+            self.heartbeat_interval_secs.is_finite() && self.heartbeat_interval_secs > 0.0,
+            "heartbeat_interval_secs must be > 0"
+        );
+        anyhow::ensure!(
+            self.join_timeout_secs.is_finite() && self.join_timeout_secs >= 0.0,
+            "join_timeout_secs must be >= 0"
+        );
+        anyhow::ensure!(
+            self.shutdown_grace_secs.is_finite() && self.shutdown_grace_secs >= 0.0,
+            "shutdown_grace_secs must be >= 0"
+        );
+        anyhow::ensure!(
+            self.kv_endpoints.len() + usize::from(self.router_log.is_some()) > 0,
+            "nothing to tap: give --kv and/or --router-log"
+        );
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_empty_file_gives_the_defaults() {
+        let c = AgentConfig::from_toml("").unwrap();
+        assert_eq!(c, AgentConfig::default());
+        assert_eq!(c.cluster, "default");
+        assert_eq!(c.nats_url, "nats://127.0.0.1:4222");
+        assert!(!c.agent_id.is_empty());
+    }
+
+    #[test]
+    fn the_documented_example_parses() {
+        let doc = include_str!("config.rs");
+        let start = doc.find("//! ```toml").unwrap();
+        let end = start + doc[start..].find("//! ```\n").unwrap();
+        let example: String = doc[start..end]
+            .lines()
+            .skip(1)
+            .map(|l| l.trim_start_matches("//!").trim_start())
+            .collect::<Vec<_>>()
+            .join("\n");
+        let c = AgentConfig::from_toml(&example).unwrap();
+        assert_eq!(
+            c.kv_endpoints,
+            vec![KvEndpoint {
+                endpoint: "tcp://127.0.0.1:5557".into(),
+                worker_id: 7587886582197386541,
+                dp_rank: Some(0)
+            }]
+        );
+        assert_eq!(c.metrics_listen.as_deref(), Some("127.0.0.1:9464"));
+    }
+
+    #[test]
+    fn unknown_fields_are_refused() {
+        assert!(AgentConfig::from_toml("nats = \"x\"").is_err());
+        assert!(AgentConfig::from_toml(
+            "[[kv_endpoints]]\nendpoint = \"e\"\nworker_id = 1\nworker = 2"
+        )
+        .is_err());
+    }
+
+    #[test]
+    fn env_overrides_the_file() {
+        let mut c = AgentConfig::from_toml("cluster = \"file\"\nbuffer_capacity = 5").unwrap();
+        c.apply_env(|k| match k {
+            "KVSCOPE_AGENT_CLUSTER" => Some("env".into()),
+            "KVSCOPE_AGENT_KV" => Some("tcp://127.0.0.1:1=5,tcp://127.0.0.1:2=6/1".into()),
+            "KVSCOPE_AGENT_FROM_START" => Some("1".into()),
+            _ => None,
+        })
+        .unwrap();
+        assert_eq!(c.cluster, "env");
+        assert_eq!(c.buffer_capacity, 5);
+        assert!(c.from_start);
+        assert_eq!(
+            c.kv_endpoints[1],
+            KvEndpoint {
+                endpoint: "tcp://127.0.0.1:2".into(),
+                worker_id: 6,
+                dp_rank: Some(1)
+            }
+        );
+        assert!(c
+            .clone()
+            .apply_env(|k| (k == "KVSCOPE_AGENT_BUFFER_CAPACITY").then(|| "many".into()))
+            .is_err());
+    }
+
+    #[test]
+    fn kv_endpoint_specs() {
+        let e: KvEndpoint = "tcp://127.0.0.1:5557=42".parse().unwrap();
+        assert_eq!((e.worker_id, e.dp_rank), (42, None));
+        let e: KvEndpoint = "tcp://127.0.0.1:5557=42/3".parse().unwrap();
+        assert_eq!(e.dp_rank, Some(3));
+        for bad in ["tcp://127.0.0.1:5557", "=4", "tcp://x=abc", "tcp://x=1/y"] {
+            assert!(bad.parse::<KvEndpoint>().is_err(), "{bad}");
+        }
+    }
+}

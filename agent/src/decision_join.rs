@@ -1,0 +1,503 @@
+//! Joins the router's `[ROUTING_INPUT]` and `Selected worker` lines by request id into
+//! [`RoutingDecision`]s (pure).
+//!
+//! Time is the log's own: each line's timestamp (or the last one seen, for lines without
+//! one) advances the joiner's clock, and a half still alone `timeout` after its line is
+//! given up as unjoined. The same log therefore always gives the same decisions,
+//! whenever and however fast it is read.
+
+use crate::router_log::{parse_line, LineContent, MalformedLine, RoutingInput, SelectedWorker};
+use kvscope_wire::{MigrationLogLine, RoutingDecision, WorkerKey};
+use std::collections::{HashMap, VecDeque};
+
+/// Which half of a decision arrived without the other.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Half {
+    /// A `[ROUTING_INPUT]` line never followed by its `Selected worker` line.
+    InputOnly,
+    /// A `Selected worker` line whose `[ROUTING_INPUT]` line never came.
+    SelectionOnly,
+}
+
+impl Half {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Half::InputOnly => "routing_input_only",
+            Half::SelectionOnly => "selected_worker_only",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum JoinOutput {
+    Joined(RoutingDecision),
+    Unjoined { request_id: String, half: Half },
+}
+
+#[derive(Debug)]
+struct Pending<T> {
+    generation: u64,
+    value: T,
+}
+
+/// The joiner's state: halves waiting for their other half.
+#[derive(Debug)]
+pub struct DecisionJoiner {
+    timeout_ns: u64,
+    max_pending: usize,
+    now_ns: u64,
+    generation: u64,
+    inputs: HashMap<String, Pending<RoutingInput>>,
+    selections: HashMap<String, Pending<SelectedWorker>>,
+    /// Arrival order of pending halves: (record time, generation, half, request id).
+    order: VecDeque<(u64, u64, Half, String)>,
+}
+
+impl DecisionJoiner {
+    /// `timeout_ns`: how long (in log time) a half may wait; `max_pending`: how many
+    /// halves may wait at once (the oldest are given up beyond it).
+    pub fn new(timeout_ns: u64, max_pending: usize) -> Self {
+        Self {
+            timeout_ns,
+            max_pending: max_pending.max(1),
+            now_ns: 0,
+            generation: 0,
+            inputs: HashMap::new(),
+            selections: HashMap::new(),
+            order: VecDeque::new(),
+        }
+    }
+
+    pub fn pending(&self) -> usize {
+        self.inputs.len() + self.selections.len()
+    }
+
+    pub fn input(&mut self, ts_ns: u64, input: RoutingInput) -> Vec<JoinOutput> {
+        let mut out = self.advance(ts_ns);
+        if let Some(sel) = self.selections.remove(&input.request_id) {
+            out.push(JoinOutput::Joined(join(input, sel.value)));
+            return out;
+        }
+        let id = input.request_id.clone();
+        let generation = self.next_generation();
+        if self
+            .inputs
+            .insert(
+                id.clone(),
+                Pending {
+                    generation,
+                    value: input,
+                },
+            )
+            .is_some()
+        {
+            // A second input for the same request before any selection: the first one
+            // was never decided (or its selection line was lost).
+            out.push(JoinOutput::Unjoined {
+                request_id: id.clone(),
+                half: Half::InputOnly,
+            });
+        }
+        self.order
+            .push_back((ts_ns, generation, Half::InputOnly, id));
+        self.enforce_cap(&mut out);
+        out
+    }
+
+    pub fn selected(&mut self, ts_ns: u64, sel: SelectedWorker) -> Vec<JoinOutput> {
+        let mut out = self.advance(ts_ns);
+        if let Some(input) = self.inputs.remove(&sel.request_id) {
+            out.push(JoinOutput::Joined(join(input.value, sel)));
+            return out;
+        }
+        let id = sel.request_id.clone();
+        let generation = self.next_generation();
+        if self
+            .selections
+            .insert(
+                id.clone(),
+                Pending {
+                    generation,
+                    value: sel,
+                },
+            )
+            .is_some()
+        {
+            out.push(JoinOutput::Unjoined {
+                request_id: id.clone(),
+                half: Half::SelectionOnly,
+            });
+        }
+        self.order
+            .push_back((ts_ns, generation, Half::SelectionOnly, id));
+        self.enforce_cap(&mut out);
+        out
+    }
+
+    /// Move the clock to `ts_ns` (never backwards) and give up halves older than the
+    /// timeout.
+    pub fn advance(&mut self, ts_ns: u64) -> Vec<JoinOutput> {
+        self.now_ns = self.now_ns.max(ts_ns);
+        let mut out = Vec::new();
+        while let Some((t, ..)) = self.order.front() {
+            if t.saturating_add(self.timeout_ns) >= self.now_ns {
+                break;
+            }
+            self.expire_front(&mut out);
+        }
+        out
+    }
+
+    /// Give up every waiting half (end of input).
+    pub fn flush(&mut self) -> Vec<JoinOutput> {
+        let mut out = Vec::new();
+        while !self.order.is_empty() {
+            self.expire_front(&mut out);
+        }
+        out
+    }
+
+    fn enforce_cap(&mut self, out: &mut Vec<JoinOutput>) {
+        while self.pending() > self.max_pending && !self.order.is_empty() {
+            self.expire_front(out);
+        }
+    }
+
+    fn expire_front(&mut self, out: &mut Vec<JoinOutput>) {
+        let Some((_, generation, half, id)) = self.order.pop_front() else {
+            return;
+        };
+        let still_waiting = match half {
+            Half::InputOnly => remove_if_generation(&mut self.inputs, &id, generation),
+            Half::SelectionOnly => remove_if_generation(&mut self.selections, &id, generation),
+        };
+        if still_waiting {
+            out.push(JoinOutput::Unjoined {
+                request_id: id,
+                half,
+            });
+        }
+    }
+
+    fn next_generation(&mut self) -> u64 {
+        self.generation += 1;
+        self.generation
+    }
+}
+
+fn remove_if_generation<T>(
+    map: &mut HashMap<String, Pending<T>>,
+    id: &str,
+    generation: u64,
+) -> bool {
+    if map.get(id).is_some_and(|p| p.generation == generation) {
+        map.remove(id);
+        true
+    } else {
+        false
+    }
+}
+
+fn join(input: RoutingInput, sel: SelectedWorker) -> RoutingDecision {
+    RoutingDecision {
+        request_id: input.request_id,
+        worker: WorkerKey {
+            worker_id: sel.worker_id,
+            dp_rank: sel.dp_rank,
+        },
+        isl_tokens: input.isl_tokens,
+        block_size: input.block_size,
+        local_hashes: input.local_hashes,
+        worker_type: sel.worker_type,
+        router_mode: sel.router_mode,
+    }
+}
+
+/// What one log line yields.
+#[derive(Debug, Clone, PartialEq)]
+pub enum LogOutput {
+    Decision(RoutingDecision),
+    Migration(MigrationLogLine),
+    Malformed(MalformedLine),
+    Unjoined { request_id: String, half: Half },
+}
+
+/// Parser and joiner together: log lines in, records and problems out.
+#[derive(Debug)]
+pub struct RouterLogProcessor {
+    joiner: DecisionJoiner,
+    last_ts_ns: Option<u64>,
+}
+
+impl RouterLogProcessor {
+    pub fn new(timeout_ns: u64, max_pending: usize) -> Self {
+        Self {
+            joiner: DecisionJoiner::new(timeout_ns, max_pending),
+            last_ts_ns: None,
+        }
+    }
+
+    /// Process one line. `fallback_ns` is the record time used only while the log has
+    /// shown no timestamp at all.
+    pub fn line(&mut self, raw: &str, fallback_ns: u64) -> Vec<LogOutput> {
+        let parsed = match parse_line(raw) {
+            Ok(p) => p,
+            Err(e) => {
+                let mut out = Vec::new();
+                if let Some(ts) = e.ts_ns {
+                    self.last_ts_ns = Some(ts);
+                    out.extend(self.joiner.advance(ts).into_iter().map(from_join));
+                }
+                out.push(LogOutput::Malformed(e));
+                return out;
+            }
+        };
+        if let Some(ts) = parsed.ts_ns {
+            self.last_ts_ns = Some(ts);
+        }
+        let now = self.last_ts_ns.unwrap_or(fallback_ns);
+        let joined = match parsed.content {
+            LineContent::RoutingInput(i) => self.joiner.input(now, i),
+            LineContent::SelectedWorker(s) => self.joiner.selected(now, s),
+            LineContent::Migration(m) => {
+                let mut out: Vec<LogOutput> = self
+                    .joiner
+                    .advance(now)
+                    .into_iter()
+                    .map(from_join)
+                    .collect();
+                out.push(LogOutput::Migration(m));
+                return out;
+            }
+            LineContent::Other => self.joiner.advance(now),
+        };
+        joined.into_iter().map(from_join).collect()
+    }
+
+    /// End of input: every waiting half is unjoined.
+    pub fn finish(&mut self) -> Vec<LogOutput> {
+        self.joiner.flush().into_iter().map(from_join).collect()
+    }
+
+    pub fn pending(&self) -> usize {
+        self.joiner.pending()
+    }
+}
+
+fn from_join(j: JoinOutput) -> LogOutput {
+    match j {
+        JoinOutput::Joined(d) => LogOutput::Decision(d),
+        JoinOutput::Unjoined { request_id, half } => LogOutput::Unjoined { request_id, half },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvscope_wire::MigrationLogKind;
+
+    const SEC: u64 = 1_000_000_000;
+
+    fn input_line(t: &str, id: &str) -> String {
+        format!(
+            r#"2026-11-29T07:50:{t}Z DEBUG dynamo_kv_router::services::selection::core::run: [ROUTING_INPUT] request local hashes request_id="{id}" isl_tokens=41 block_size=16 num_blocks=2 local_hashes=[1, 2]"#
+        )
+    }
+
+    fn selected_line(t: &str, id: &str, worker: u64) -> String {
+        format!(
+            r#"2026-11-29T07:50:{t}Z  INFO dynamo_kv_router::scheduling::selector: Selected worker router_mode="kv" request_id="{id}" worker_id={worker} worker_type=decode dp_rank=0 logit=1.5"#
+        )
+    }
+
+    fn decision(id: &str, worker: u64) -> LogOutput {
+        LogOutput::Decision(RoutingDecision {
+            request_id: id.into(),
+            worker: WorkerKey {
+                worker_id: worker,
+                dp_rank: 0,
+            },
+            isl_tokens: 41,
+            block_size: 16,
+            local_hashes: vec![1, 2],
+            worker_type: Some("decode".into()),
+            router_mode: Some("kv".into()),
+        })
+    }
+
+    #[test]
+    fn joins_by_request_id_in_either_order_and_interleaved() {
+        let mut p = RouterLogProcessor::new(30 * SEC, 1000);
+        assert_eq!(p.line(&input_line("01.0", "a"), 0), vec![]);
+        assert_eq!(p.line(&input_line("01.1", "b"), 0), vec![]);
+        assert_eq!(
+            p.line(&selected_line("01.2", "b", 7), 0),
+            vec![decision("b", 7)]
+        );
+        assert_eq!(p.line(&selected_line("01.3", "c", 8), 0), vec![]);
+        assert_eq!(
+            p.line(&selected_line("01.4", "a", 9), 0),
+            vec![decision("a", 9)]
+        );
+        assert_eq!(p.line(&input_line("01.5", "c"), 0), vec![decision("c", 8)]);
+        assert_eq!(p.pending(), 0);
+        assert_eq!(p.finish(), vec![]);
+    }
+
+    #[test]
+    fn halves_alone_past_the_timeout_are_unjoined_in_log_time() {
+        let mut p = RouterLogProcessor::new(5 * SEC, 1000);
+        assert_eq!(p.line(&input_line("00.0", "lost"), 0), vec![]);
+        assert_eq!(p.line(&selected_line("01.0", "orphan", 3), 0), vec![]);
+        // 5 s later is still within the timeout (the line has no decision content).
+        assert_eq!(
+            p.line("2026-11-29T07:50:05Z INFO other: request completed", 0),
+            vec![]
+        );
+        assert_eq!(
+            p.line("2026-11-29T07:50:05.5Z INFO other: something", 0),
+            vec![LogOutput::Unjoined {
+                request_id: "lost".into(),
+                half: Half::InputOnly
+            }]
+        );
+        // The selection waits until its own deadline, then goes too.
+        assert_eq!(p.line(&input_line("06.0", "x"), 0), vec![]);
+        assert_eq!(
+            p.line(&input_line("06.1", "y"), 0),
+            vec![LogOutput::Unjoined {
+                request_id: "orphan".into(),
+                half: Half::SelectionOnly
+            }]
+        );
+        // A late selection for an expired input is itself a half.
+        assert_eq!(p.line(&selected_line("06.2", "lost", 1), 0), vec![]);
+        assert_eq!(
+            p.line(&selected_line("06.3", "x", 1), 0),
+            vec![decision("x", 1)]
+        );
+        let mut rest = p.finish();
+        rest.sort_by_key(|o| format!("{o:?}"));
+        assert_eq!(
+            rest,
+            vec![
+                LogOutput::Unjoined {
+                    request_id: "lost".into(),
+                    half: Half::SelectionOnly
+                },
+                LogOutput::Unjoined {
+                    request_id: "y".into(),
+                    half: Half::InputOnly
+                },
+            ]
+        );
+    }
+
+    #[test]
+    fn a_repeated_half_gives_up_the_first() {
+        let mut p = RouterLogProcessor::new(30 * SEC, 1000);
+        assert_eq!(p.line(&input_line("01.0", "a"), 0), vec![]);
+        assert_eq!(
+            p.line(&input_line("02.0", "a"), 0),
+            vec![LogOutput::Unjoined {
+                request_id: "a".into(),
+                half: Half::InputOnly
+            }]
+        );
+        assert_eq!(
+            p.line(&selected_line("03.0", "a", 2), 0),
+            vec![decision("a", 2)]
+        );
+        // The first input's queue entry must not expire the joined request later.
+        assert_eq!(p.line("2026-11-29T07:59:00Z INFO x: y", 0), vec![]);
+    }
+
+    #[test]
+    fn the_pending_cap_gives_up_the_oldest() {
+        let mut p = RouterLogProcessor::new(3600 * SEC, 2);
+        p.line(&input_line("01.0", "a"), 0);
+        p.line(&input_line("01.1", "b"), 0);
+        assert_eq!(
+            p.line(&input_line("01.2", "c"), 0),
+            vec![LogOutput::Unjoined {
+                request_id: "a".into(),
+                half: Half::InputOnly
+            }]
+        );
+        assert_eq!(p.pending(), 2);
+    }
+
+    #[test]
+    fn lines_without_timestamps_use_the_last_one_or_the_fallback() {
+        let mut p = RouterLogProcessor::new(5 * SEC, 1000);
+        let bare = |id: &str| {
+            format!(
+                r#"[ROUTING_INPUT] request local hashes request_id="{id}" isl_tokens=41 block_size=16 local_hashes=[1, 2]"#
+            )
+        };
+        assert_eq!(p.line(&bare("a"), 100 * SEC), vec![]);
+        assert_eq!(
+            p.line(&bare("b"), 106 * SEC),
+            vec![LogOutput::Unjoined {
+                request_id: "a".into(),
+                half: Half::InputOnly
+            }]
+        );
+    }
+
+    #[test]
+    fn garbage_and_migration_lines() {
+        let mut p = RouterLogProcessor::new(5 * SEC, 1000);
+        assert_eq!(p.line("\u{0}\u{1}binary junk", 0), vec![]);
+        let out = p.line("2026-11-29T07:50:01Z DEBUG x: [ROUTING_INPUT] request local hashes request_id=\"a\" local_hashes=[1,", 0);
+        assert!(matches!(&out[..], [LogOutput::Malformed(_)]), "{out:?}");
+        let out = p.line(
+            "2026-11-29T07:50:01Z INFO x: KVMIGRATE: producer handshake obtained request_id=\"a\"",
+            0,
+        );
+        assert!(matches!(
+            &out[..],
+            [LogOutput::Migration(MigrationLogLine {
+                kind: MigrationLogKind::HandshakeObtained,
+                ..
+            })]
+        ));
+    }
+
+    /// Every decision in the captured lab logs joins; plain and coloured agree.
+    #[test]
+    fn captured_router_logs_join_completely() {
+        let mut all = Vec::new();
+        for name in ["router_log_plain.log", "router_log_ansi.log"] {
+            let text = std::fs::read_to_string(format!(
+                "{}/../lab/fixtures/samples/{name}",
+                env!("CARGO_MANIFEST_DIR")
+            ))
+            .unwrap();
+            let mut p = RouterLogProcessor::new(30 * SEC, 10_000);
+            let mut decisions = Vec::new();
+            for line in text.lines() {
+                for o in p.line(line, 0) {
+                    match o {
+                        LogOutput::Decision(d) => decisions.push(d),
+                        // The capture is an excerpt: a decision cut at its start or end
+                        // can only be at the edges.
+                        LogOutput::Unjoined { .. } => {}
+                        other => panic!("{name}: {other:?}"),
+                    }
+                }
+            }
+            let leftover = p.finish();
+            assert!(leftover.len() <= 2, "{name}: {leftover:?}");
+            assert!(!decisions.is_empty());
+            for d in &decisions {
+                assert_eq!(
+                    d.local_hashes.len() as u64,
+                    d.isl_tokens / u64::from(d.block_size)
+                );
+            }
+            all.push(decisions);
+        }
+        eprintln!("plain {} coloured {}", all[0].len(), all[1].len());
+    }
+}

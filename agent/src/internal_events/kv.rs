@@ -1,0 +1,143 @@
+//! Events of the KV event taps.
+
+use super::{InternalEvent, LogLimiter};
+use crate::counters::{add, AgentStats};
+use crate::kv_events::{FrameError, PayloadError};
+use tracing::{debug, info, warn};
+
+/// A batch decoded (its good events are shipped).
+pub struct KvBatchReceived<'a> {
+    pub publisher: &'a str,
+    pub events: usize,
+}
+
+impl InternalEvent for KvBatchReceived<'_> {
+    fn emit(self, stats: &AgentStats) {
+        debug!(publisher = %self.publisher, events = self.events, "KV event batch received.");
+        add(&stats.kv_batches, 1);
+        add(&stats.kv_events, self.events as u64);
+    }
+}
+
+/// A ZMQ message that was not a `[topic, seq, payload]` multipart.
+pub struct KvBadFrame<'a> {
+    pub publisher: &'a str,
+    pub error: &'a FrameError,
+}
+
+static BAD_FRAME: LogLimiter = LogLimiter::new();
+
+impl InternalEvent for KvBadFrame<'_> {
+    fn emit(self, stats: &AgentStats) {
+        if let Some(suppressed) = BAD_FRAME.check() {
+            warn!(publisher = %self.publisher, error = %self.error, suppressed, "Bad KV event frame; message skipped.");
+        }
+        add(&stats.kv_bad_frames, 1);
+    }
+}
+
+/// A payload that was not msgpack or not the batch shape.
+pub struct KvDecodeError<'a> {
+    pub publisher: &'a str,
+    pub error: &'a PayloadError,
+}
+
+static DECODE_ERROR: LogLimiter = LogLimiter::new();
+
+impl InternalEvent for KvDecodeError<'_> {
+    fn emit(self, stats: &AgentStats) {
+        if let Some(suppressed) = DECODE_ERROR.check() {
+            warn!(publisher = %self.publisher, error = %self.error, suppressed, "Undecodable KV event payload; batch skipped.");
+        }
+        add(&stats.kv_decode_errors, 1);
+    }
+}
+
+/// An event of a type the agent does not know.
+pub struct KvUnknownEvent<'a> {
+    pub publisher: &'a str,
+    pub event_type: &'a str,
+}
+
+static UNKNOWN_EVENT: LogLimiter = LogLimiter::new();
+
+impl InternalEvent for KvUnknownEvent<'_> {
+    fn emit(self, stats: &AgentStats) {
+        if let Some(suppressed) = UNKNOWN_EVENT.check() {
+            warn!(publisher = %self.publisher, event_type = %self.event_type, suppressed, "Unknown KV event type; event skipped.");
+        }
+        add(&stats.kv_unknown_events, 1);
+    }
+}
+
+/// An event with missing or wrongly typed fields.
+pub struct KvMalformedEvent<'a> {
+    pub publisher: &'a str,
+    pub event_type: &'a str,
+    pub reason: &'a str,
+}
+
+static MALFORMED_EVENT: LogLimiter = LogLimiter::new();
+
+impl InternalEvent for KvMalformedEvent<'_> {
+    fn emit(self, stats: &AgentStats) {
+        if let Some(suppressed) = MALFORMED_EVENT.check() {
+            warn!(publisher = %self.publisher, event_type = %self.event_type, reason = %self.reason, suppressed, "Malformed KV event; event skipped.");
+        }
+        add(&stats.kv_malformed_events, 1);
+    }
+}
+
+/// Batches skipped in a publisher's numbering.
+pub struct KvSequenceGap<'a> {
+    pub publisher: &'a str,
+    pub expected: u64,
+    pub got: u64,
+    pub missed: u64,
+}
+
+impl InternalEvent for KvSequenceGap<'_> {
+    fn emit(self, stats: &AgentStats) {
+        warn!(publisher = %self.publisher, expected = self.expected, got = self.got, missed = self.missed, "KV event sequence gap.");
+        add(&stats.kv_sequence_gaps, 1);
+        add(&stats.kv_missed_batches, self.missed);
+    }
+}
+
+/// A publisher's numbering went backwards: the engine restarted.
+pub struct KvSequenceReset<'a> {
+    pub publisher: &'a str,
+    pub previous: u64,
+    pub got: u64,
+}
+
+impl InternalEvent for KvSequenceReset<'_> {
+    fn emit(self, stats: &AgentStats) {
+        warn!(publisher = %self.publisher, previous = self.previous, got = self.got, "KV event sequence reset (engine restarted).");
+        add(&stats.kv_sequence_resets, 1);
+    }
+}
+
+/// A tap (re)connected to its publisher. No counter: the sequence status tells.
+pub struct KvTapConnected<'a> {
+    pub publisher: &'a str,
+}
+
+impl InternalEvent for KvTapConnected<'_> {
+    fn emit(self, _stats: &AgentStats) {
+        info!(publisher = %self.publisher, "KV event tap connected.");
+    }
+}
+
+/// A tap lost its publisher or could not reach it; it retries with backoff.
+pub struct KvTapDisconnected<'a> {
+    pub publisher: &'a str,
+    pub error: &'a str,
+    pub retry_in_ms: u64,
+}
+
+impl InternalEvent for KvTapDisconnected<'_> {
+    fn emit(self, _stats: &AgentStats) {
+        warn!(publisher = %self.publisher, error = %self.error, retry_in_ms = self.retry_in_ms, "KV event tap disconnected; reconnecting.");
+    }
+}

@@ -1,0 +1,99 @@
+//! Events of the router log follower.
+
+use super::{InternalEvent, LogLimiter};
+use crate::counters::{add, AgentStats};
+use kvscope_wire::MigrationLogKind;
+use tracing::{debug, info, warn};
+
+/// One line read from the router's log.
+pub struct LogLineRead;
+
+impl InternalEvent for LogLineRead {
+    fn emit(self, stats: &AgentStats) {
+        add(&stats.log_lines, 1);
+    }
+}
+
+/// A line that looked like a decision or migration line but did not parse.
+pub struct LogLineMalformed<'a> {
+    pub kind: &'a str,
+    pub reason: &'a str,
+}
+
+static MALFORMED_LINE: LogLimiter = LogLimiter::new();
+
+impl InternalEvent for LogLineMalformed<'_> {
+    fn emit(self, stats: &AgentStats) {
+        if let Some(suppressed) = MALFORMED_LINE.check() {
+            warn!(kind = %self.kind, reason = %self.reason, suppressed, "Malformed router log line; skipped.");
+        }
+        add(&stats.log_malformed_lines, 1);
+    }
+}
+
+pub struct DecisionJoined<'a> {
+    pub request_id: &'a str,
+}
+
+impl InternalEvent for DecisionJoined<'_> {
+    fn emit(self, stats: &AgentStats) {
+        debug!(request_id = %self.request_id, "Routing decision joined.");
+        add(&stats.decisions_joined, 1);
+    }
+}
+
+/// Half of a decision whose other half never came within the join timeout.
+pub struct DecisionUnjoined<'a> {
+    pub request_id: &'a str,
+    pub half: &'a str,
+}
+
+static UNJOINED: LogLimiter = LogLimiter::new();
+
+impl InternalEvent for DecisionUnjoined<'_> {
+    fn emit(self, stats: &AgentStats) {
+        if let Some(suppressed) = UNJOINED.check() {
+            warn!(request_id = %self.request_id, half = %self.half, suppressed, "Routing decision never completed.");
+        }
+        add(&stats.decisions_unjoined, 1);
+    }
+}
+
+pub struct MigrationLineParsed {
+    pub kind: MigrationLogKind,
+}
+
+impl InternalEvent for MigrationLineParsed {
+    fn emit(self, stats: &AgentStats) {
+        debug!(kind = ?self.kind, "Migration log line.");
+        add(&stats.migration_lines, 1);
+    }
+}
+
+/// The followed file was replaced (rotation) or cut (truncation). No counter.
+pub struct LogFileReopened<'a> {
+    pub path: &'a str,
+    pub reason: &'a str,
+}
+
+impl InternalEvent for LogFileReopened<'_> {
+    fn emit(self, _stats: &AgentStats) {
+        info!(path = %self.path, reason = %self.reason, "Router log reopened.");
+    }
+}
+
+/// The router log cannot be read right now (missing, permissions); retried.
+pub struct LogFileUnavailable<'a> {
+    pub path: &'a str,
+    pub error: &'a str,
+}
+
+static UNAVAILABLE: LogLimiter = LogLimiter::new();
+
+impl InternalEvent for LogFileUnavailable<'_> {
+    fn emit(self, _stats: &AgentStats) {
+        if let Some(suppressed) = UNAVAILABLE.check() {
+            warn!(path = %self.path, error = %self.error, suppressed, "Router log unavailable; waiting for it.");
+        }
+    }
+}

@@ -1,0 +1,162 @@
+//! Everything the agent says about itself, one struct per thing (Vector's
+//! `internal_events`): `emit()` logs with structured fields and bumps the matching
+//! [`AgentCounters`](kvscope_wire::AgentCounters) field, so a counter never drifts from
+//! its log line. Noisy warnings are rate-limited; the counters never are.
+
+mod kv;
+mod log;
+mod publish;
+
+pub use kv::*;
+pub use log::*;
+pub use publish::*;
+
+use crate::counters::AgentStats;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// A thing that happened inside the agent.
+pub trait InternalEvent {
+    fn emit(self, stats: &AgentStats);
+}
+
+/// At most one log line per second per call site; returns how many were suppressed
+/// since the last one logged, or `None` when this one should be suppressed too.
+pub(crate) struct LogLimiter {
+    last_sec: AtomicU64,
+    suppressed: AtomicU64,
+}
+
+impl LogLimiter {
+    pub(crate) const fn new() -> Self {
+        Self {
+            last_sec: AtomicU64::new(0),
+            suppressed: AtomicU64::new(0),
+        }
+    }
+
+    pub(crate) fn check(&self) -> Option<u64> {
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        let last = self.last_sec.load(Ordering::Relaxed);
+        if now != last
+            && self
+                .last_sec
+                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            Some(self.suppressed.swap(0, Ordering::Relaxed))
+        } else {
+            self.suppressed.fetch_add(1, Ordering::Relaxed);
+            None
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_event_bumps_its_counter() {
+        let s = AgentStats::default();
+        KvBatchReceived {
+            publisher: "p",
+            events: 3,
+        }
+        .emit(&s);
+        KvBadFrame {
+            publisher: "p",
+            error: &crate::kv_events::FrameError::FrameCount(2),
+        }
+        .emit(&s);
+        KvDecodeError {
+            publisher: "p",
+            error: &crate::kv_events::PayloadError::TrailingBytes(1),
+        }
+        .emit(&s);
+        KvUnknownEvent {
+            publisher: "p",
+            event_type: "X",
+        }
+        .emit(&s);
+        KvMalformedEvent {
+            publisher: "p",
+            event_type: "BlockStored",
+            reason: "r",
+        }
+        .emit(&s);
+        KvSequenceGap {
+            publisher: "p",
+            expected: 3,
+            got: 6,
+            missed: 3,
+        }
+        .emit(&s);
+        KvSequenceReset {
+            publisher: "p",
+            previous: 9,
+            got: 0,
+        }
+        .emit(&s);
+        LogLineRead.emit(&s);
+        LogLineMalformed {
+            kind: "selected_worker",
+            reason: "no worker_id",
+        }
+        .emit(&s);
+        DecisionJoined { request_id: "r" }.emit(&s);
+        DecisionUnjoined {
+            request_id: "r",
+            half: "routing_input_only",
+        }
+        .emit(&s);
+        MigrationLineParsed {
+            kind: kvscope_wire::MigrationLogKind::Spill,
+        }
+        .emit(&s);
+        RecordPublished.emit(&s);
+        PublishDropped {
+            capacity: 1,
+            subject: "s",
+        }
+        .emit(&s);
+        PublishFailed {
+            error: "e",
+            buffered: 1,
+        }
+        .emit(&s);
+        let c = s.snapshot();
+        assert_eq!(
+            c,
+            kvscope_wire::AgentCounters {
+                kv_batches: 1,
+                kv_events: 3,
+                kv_bad_frames: 1,
+                kv_decode_errors: 1,
+                kv_unknown_events: 1,
+                kv_malformed_events: 1,
+                kv_sequence_gaps: 1,
+                kv_missed_batches: 3,
+                kv_sequence_resets: 1,
+                log_lines: 1,
+                log_malformed_lines: 1,
+                decisions_joined: 1,
+                decisions_unjoined: 1,
+                migration_lines: 1,
+                published: 1,
+                publish_dropped: 1,
+                publish_errors: 1,
+            }
+        );
+    }
+
+    #[test]
+    fn the_limiter_lets_one_through_per_second() {
+        let l = LogLimiter::new();
+        assert_eq!(l.check(), Some(0));
+        assert_eq!(l.check(), None);
+        assert_eq!(l.check(), None);
+    }
+}

@@ -1,0 +1,75 @@
+//! Events of the JetStream publisher and the recording.
+
+use super::{InternalEvent, LogLimiter};
+use crate::counters::{add, AgentStats};
+use tracing::{info, trace, warn};
+
+/// A record acknowledged by JetStream.
+pub struct RecordPublished;
+
+impl InternalEvent for RecordPublished {
+    fn emit(self, stats: &AgentStats) {
+        trace!("Record published.");
+        add(&stats.published, 1);
+    }
+}
+
+/// A record dropped because the local buffer was full while NATS was away.
+pub struct PublishDropped<'a> {
+    pub capacity: usize,
+    pub subject: &'a str,
+}
+
+static DROPPED: LogLimiter = LogLimiter::new();
+
+impl InternalEvent for PublishDropped<'_> {
+    fn emit(self, stats: &AgentStats) {
+        if let Some(suppressed) = DROPPED.check() {
+            warn!(capacity = self.capacity, subject = %self.subject, suppressed, "Local buffer full; record dropped.");
+        }
+        add(&stats.publish_dropped, 1);
+    }
+}
+
+/// A publish (or the stream set-up) failed; the record stays buffered and is retried.
+pub struct PublishFailed<'a> {
+    pub error: &'a str,
+    pub buffered: usize,
+}
+
+static FAILED: LogLimiter = LogLimiter::new();
+
+impl InternalEvent for PublishFailed<'_> {
+    fn emit(self, stats: &AgentStats) {
+        if let Some(suppressed) = FAILED.check() {
+            warn!(error = %self.error, buffered = self.buffered, suppressed, "Publishing to JetStream failed; retrying.");
+        }
+        add(&stats.publish_errors, 1);
+    }
+}
+
+/// The stream exists with the agent's configuration. No counter.
+pub struct StreamReady<'a> {
+    pub stream: &'a str,
+}
+
+impl InternalEvent for StreamReady<'_> {
+    fn emit(self, _stats: &AgentStats) {
+        info!(stream = %self.stream, "JetStream stream ready.");
+    }
+}
+
+/// Writing the local recording failed. No wire counter; the record still goes to NATS.
+pub struct RecordingWriteFailed<'a> {
+    pub error: &'a str,
+}
+
+static RECORDING: LogLimiter = LogLimiter::new();
+
+impl InternalEvent for RecordingWriteFailed<'_> {
+    fn emit(self, _stats: &AgentStats) {
+        if let Some(suppressed) = RECORDING.check() {
+            warn!(error = %self.error, suppressed, "Cannot write the recording.");
+        }
+    }
+}

@@ -1,0 +1,25 @@
+//! The kvscope agent: taps engines' ZMQ KV event publishers and the router's log on one
+//! node and ships normalized records ([`kvscope_wire::Envelope`]) to NATS JetStream.
+//!
+//! Pure parts (bytes or lines in, records out; unit-tested beside the code):
+//! [`kv_events`] (vLLM wire format), [`sequence`] (gaps and resets), [`router_log`]
+//! (Dynamo's and the fork's log lines), [`decision_join`] (request-id join in log time).
+//! I/O edges: [`zmq_tap`], [`log_follower`] and [`router_tap`], [`record_sink`] (stamp,
+//! record, bounded buffer), [`publisher`] (JetStream), [`metrics`]. What can go wrong is
+//! listed in [`internal_events`], each bumping its counter in [`counters`].
+
+pub mod agent;
+pub mod cli;
+pub mod config;
+pub mod counters;
+pub mod decision_join;
+pub mod internal_events;
+pub mod kv_events;
+pub mod log_follower;
+pub mod metrics;
+pub mod publisher;
+pub mod record_sink;
+pub mod router_log;
+pub mod router_tap;
+pub mod sequence;
+pub mod zmq_tap;

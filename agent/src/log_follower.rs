@@ -1,0 +1,318 @@
+//! Follows the router's log like `tail -F`, or reads stdin.
+//!
+//! The file is polled: new complete lines are sent as they appear; a file replaced at
+//! the same path (rotation: the inode changes) is drained and the new one read from its
+//! start; a file that shrinks (truncation) is read again from its start; a missing file
+//! is waited for. A line is only sent once its newline is written (a partial last line
+//! is held back), except at the end of a rotated file or of stdin.
+//! Runs on its own thread (blocking file I/O), feeding a channel.
+
+use crate::counters::AgentStats;
+use crate::internal_events::{InternalEvent, LogFileReopened, LogFileUnavailable};
+use std::fs::File;
+use std::io::{BufRead, BufReader, Seek, SeekFrom};
+use std::os::unix::fs::MetadataExt;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::mpsc;
+
+#[derive(Debug, Clone)]
+pub enum LogSource {
+    File {
+        path: PathBuf,
+        /// Read the file present at start from its beginning (else from its end).
+        from_start: bool,
+        poll: Duration,
+    },
+    Stdin,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LogItem {
+    Line(String),
+    /// The input ended (stdin closed); a followed file never ends.
+    End,
+}
+
+/// Start following on a new thread. It stops when `stop` is set (checked every poll)
+/// or the receiver is dropped.
+pub fn spawn(
+    source: LogSource,
+    tx: mpsc::Sender<LogItem>,
+    stats: Arc<AgentStats>,
+    stop: Arc<AtomicBool>,
+) -> std::io::Result<std::thread::JoinHandle<()>> {
+    std::thread::Builder::new()
+        .name("router-log".into())
+        .spawn(move || match source {
+            LogSource::Stdin => read_to_end(std::io::stdin().lock(), &tx),
+            LogSource::File {
+                path,
+                from_start,
+                poll,
+            } => follow(&path, from_start, poll, &tx, &stats, &stop),
+        })
+}
+
+fn send_line(tx: &mpsc::Sender<LogItem>, bytes: &[u8]) -> bool {
+    let text = String::from_utf8_lossy(bytes);
+    let line = text.trim_end_matches(['\n', '\r']);
+    tx.blocking_send(LogItem::Line(line.to_string())).is_ok()
+}
+
+fn read_to_end(mut r: impl BufRead, tx: &mpsc::Sender<LogItem>) {
+    let mut buf = Vec::new();
+    loop {
+        buf.clear();
+        match r.read_until(b'\n', &mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(_) => {
+                if !send_line(tx, &buf) {
+                    return;
+                }
+            }
+        }
+    }
+    let _ = tx.blocking_send(LogItem::End);
+}
+
+struct Open {
+    reader: BufReader<File>,
+    dev: u64,
+    ino: u64,
+    pos: u64,
+}
+
+fn follow(
+    path: &std::path::Path,
+    from_start: bool,
+    poll: Duration,
+    tx: &mpsc::Sender<LogItem>,
+    stats: &AgentStats,
+    stop: &AtomicBool,
+) {
+    let shown = path.display().to_string();
+    let mut open: Option<Open> = None;
+    let mut first_attempt = true;
+    let mut partial: Vec<u8> = Vec::new();
+    while !stop.load(Ordering::Relaxed) && !tx.is_closed() {
+        let Some(cur) = open.as_mut() else {
+            let seek_end = first_attempt && !from_start;
+            first_attempt = false;
+            match open_at(path, seek_end) {
+                Ok(o) => open = Some(o),
+                Err(e) => {
+                    LogFileUnavailable {
+                        path: &shown,
+                        error: &e.to_string(),
+                    }
+                    .emit(stats);
+                    std::thread::sleep(poll);
+                }
+            }
+            continue;
+        };
+        // Read every complete line there is.
+        let mut progressed = false;
+        loop {
+            let before = partial.len();
+            match cur.reader.read_until(b'\n', &mut partial) {
+                Ok(0) => break,
+                Ok(n) => {
+                    cur.pos += n as u64;
+                    progressed = true;
+                    if partial.last() == Some(&b'\n') {
+                        if !send_line(tx, &partial) {
+                            return;
+                        }
+                        partial.clear();
+                    }
+                }
+                Err(e) => {
+                    partial.truncate(before);
+                    LogFileUnavailable {
+                        path: &shown,
+                        error: &e.to_string(),
+                    }
+                    .emit(stats);
+                    break;
+                }
+            }
+        }
+        if progressed {
+            continue;
+        }
+        // At the end: has the file been replaced or cut?
+        match std::fs::metadata(path) {
+            Ok(m) if m.dev() != cur.dev || m.ino() != cur.ino => {
+                // Rotation: the old file is fully read; its unterminated tail is a line.
+                if !partial.is_empty() {
+                    if !send_line(tx, &partial) {
+                        return;
+                    }
+                    partial.clear();
+                }
+                LogFileReopened {
+                    path: &shown,
+                    reason: "rotated",
+                }
+                .emit(stats);
+                open = None;
+                continue;
+            }
+            Ok(m) if m.len() < cur.pos => {
+                LogFileReopened {
+                    path: &shown,
+                    reason: "truncated",
+                }
+                .emit(stats);
+                partial.clear();
+                if cur.reader.seek(SeekFrom::Start(0)).is_ok() {
+                    cur.pos = 0;
+                } else {
+                    open = None;
+                }
+                continue;
+            }
+            // Unchanged, or gone for now (removed before its replacement appears).
+            _ => std::thread::sleep(poll),
+        }
+    }
+}
+
+fn open_at(path: &std::path::Path, seek_end: bool) -> std::io::Result<Open> {
+    let mut file = File::open(path)?;
+    let m = file.metadata()?;
+    let pos = if seek_end {
+        file.seek(SeekFrom::End(0))?
+    } else {
+        0
+    };
+    Ok(Open {
+        reader: BufReader::new(file),
+        dev: m.dev(),
+        ino: m.ino(),
+        pos,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    fn start(
+        path: PathBuf,
+        from_start: bool,
+    ) -> (
+        mpsc::Receiver<LogItem>,
+        Arc<AtomicBool>,
+        std::thread::JoinHandle<()>,
+    ) {
+        let (tx, rx) = mpsc::channel(1000);
+        let stop = Arc::new(AtomicBool::new(false));
+        let h = spawn(
+            LogSource::File {
+                path,
+                from_start,
+                poll: Duration::from_millis(10),
+            },
+            tx,
+            Arc::new(AgentStats::default()),
+            stop.clone(),
+        )
+        .unwrap();
+        (rx, stop, h)
+    }
+
+    fn next(rx: &mut mpsc::Receiver<LogItem>) -> String {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            match rx.try_recv() {
+                Ok(LogItem::Line(l)) => return l,
+                Ok(LogItem::End) => panic!("end"),
+                Err(_) if std::time::Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(5))
+                }
+                Err(e) => panic!("no line: {e}"),
+            }
+        }
+    }
+
+    fn append(path: &std::path::Path, s: &str) {
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .unwrap();
+        f.write_all(s.as_bytes()).unwrap();
+    }
+
+    #[test]
+    fn follows_appends_partial_lines_rotation_and_truncation() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("router.log");
+        append(&path, "old line, skipped\n");
+        let (mut rx, stop, h) = start(path.clone(), false);
+        std::thread::sleep(Duration::from_millis(100));
+        append(&path, "one\ntw");
+        assert_eq!(next(&mut rx), "one");
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(rx.try_recv().is_err(), "a partial line is held back");
+        append(&path, "o\r\n");
+        assert_eq!(next(&mut rx), "two");
+        // Rotation: rename away, start a new file.
+        append(&path, "last of old, no newline");
+        std::thread::sleep(Duration::from_millis(50));
+        std::fs::rename(&path, dir.path().join("router.log.1")).unwrap();
+        append(&path, "first of new\n");
+        assert_eq!(next(&mut rx), "last of old, no newline");
+        assert_eq!(next(&mut rx), "first of new");
+        // Truncation (copytruncate): cut to zero, then write.
+        std::fs::OpenOptions::new()
+            .write(true)
+            .truncate(true)
+            .open(&path)
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+        append(&path, "after truncation\n");
+        assert_eq!(next(&mut rx), "after truncation");
+        stop.store(true, Ordering::Relaxed);
+        h.join().unwrap();
+    }
+
+    #[test]
+    fn from_start_and_a_file_that_appears_later() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("a.log");
+        append(&path, "a\nb\n");
+        let (mut rx, stop, h) = start(path.clone(), true);
+        assert_eq!(next(&mut rx), "a");
+        assert_eq!(next(&mut rx), "b");
+        stop.store(true, Ordering::Relaxed);
+        h.join().unwrap();
+
+        let late = dir.path().join("late.log");
+        let (mut rx, stop, h) = start(late.clone(), false);
+        std::thread::sleep(Duration::from_millis(50));
+        append(
+            &late,
+            "written after start\n\u{1b}[2mbytes\u{1b}[0m \u{fffd}\n",
+        );
+        assert_eq!(next(&mut rx), "written after start");
+        assert_eq!(next(&mut rx), "\u{1b}[2mbytes\u{1b}[0m \u{fffd}");
+        stop.store(true, Ordering::Relaxed);
+        h.join().unwrap();
+    }
+
+    #[test]
+    fn a_reader_ends_with_end() {
+        let (tx, mut rx) = mpsc::channel(10);
+        read_to_end(&b"x\ny"[..], &tx);
+        assert_eq!(rx.try_recv().unwrap(), LogItem::Line("x".into()));
+        assert_eq!(rx.try_recv().unwrap(), LogItem::Line("y".into()));
+        assert_eq!(rx.try_recv().unwrap(), LogItem::End);
+    }
+}

@@ -1,0 +1,685 @@
+//! Parser for the router's log lines (pure).
+//!
+//! Dynamo 1.6.1 with `DYN_LOG=info,dynamo_kv_router=debug` logs, in tracing's default
+//! format (`<RFC 3339 time> <LEVEL> <spans>: <target>: <message> key=value …`):
+//!
+//! - `[ROUTING_INPUT] request local hashes request_id="…" isl_tokens=41 block_size=16
+//!   num_blocks=2 local_hashes=[…]`
+//! - `Selected worker router_mode="kv" request_id="…" worker_id=… worker_type=decode
+//!   dp_rank=0 logit=… …`
+//!
+//! and the migration fork (deepinfra/dynamo) adds `KVMIGRATE_SPILL: request routed off
+//! the worker holding its KV` (request_id, source, target, tokens, migratable_tokens),
+//! `KVMIGRATE: producer handshake obtained`, `KVMIGRATE: producer dispatch failed`,
+//! `KVMIGRATE: decoding on target with migrated KV`.
+//!
+//! ANSI colour is stripped; fields are read as `key=value` pairs after the message
+//! marker (quoted values may hold spaces, bracketed lists are one value), never by
+//! position. The event's own fields come before the span fields tracing appends, so the
+//! first occurrence of a key wins (span fields repeat keys such as `request_id`).
+
+use kvscope_wire::{MigrationLogKind, MigrationLogLine};
+use std::collections::BTreeMap;
+
+/// `[ROUTING_INPUT]`: the request's blocks as the router hashed them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RoutingInput {
+    pub request_id: String,
+    pub isl_tokens: u64,
+    pub block_size: u32,
+    pub local_hashes: Vec<u64>,
+}
+
+/// `Selected worker`: the router's pick.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SelectedWorker {
+    pub request_id: String,
+    pub worker_id: u64,
+    pub dp_rank: u32,
+    pub worker_type: Option<String>,
+    pub router_mode: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum LineContent {
+    RoutingInput(RoutingInput),
+    SelectedWorker(SelectedWorker),
+    Migration(MigrationLogLine),
+    /// Any other line: counted, not parsed.
+    Other,
+}
+
+/// A parsed line: its content, and its timestamp (UNIX ns) when it starts with one.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ParsedLine {
+    pub ts_ns: Option<u64>,
+    pub content: LineContent,
+}
+
+/// Which kind of line a malformed line looked like.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LineKind {
+    RoutingInput,
+    SelectedWorker,
+    Migration,
+}
+
+impl LineKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LineKind::RoutingInput => "routing_input",
+            LineKind::SelectedWorker => "selected_worker",
+            LineKind::Migration => "migration",
+        }
+    }
+}
+
+/// A line that mentions a decision or migration marker but could not be parsed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("malformed {} line: {reason}", kind.as_str())]
+pub struct MalformedLine {
+    pub kind: LineKind,
+    pub ts_ns: Option<u64>,
+    pub reason: String,
+}
+
+const ROUTING_INPUT: &str = "[ROUTING_INPUT]";
+const SELECTED_WORKER: &str = "Selected worker";
+const KVMIGRATE: &str = "KVMIGRATE";
+
+/// The fork's migration messages, by the text after which their fields start.
+const MIGRATION_MESSAGES: &[(&str, MigrationLogKind)] = &[
+    (
+        "KVMIGRATE_SPILL: request routed off the worker holding its KV",
+        MigrationLogKind::Spill,
+    ),
+    (
+        "KVMIGRATE: producer handshake obtained",
+        MigrationLogKind::HandshakeObtained,
+    ),
+    (
+        "KVMIGRATE: producer dispatch failed",
+        MigrationLogKind::DispatchFailed,
+    ),
+    (
+        "KVMIGRATE: decoding on target with migrated KV",
+        MigrationLogKind::DecodingOnTarget,
+    ),
+];
+
+/// Parse one log line (with or without its trailing newline).
+pub fn parse_line(raw: &str) -> Result<ParsedLine, MalformedLine> {
+    let line = strip_ansi(raw);
+    let line = line.trim_end_matches(['\n', '\r']);
+    let ts_ns = line.split_whitespace().next().and_then(parse_rfc3339_ns);
+    let malformed = |kind, reason: String| MalformedLine {
+        kind,
+        ts_ns,
+        reason,
+    };
+    let content = if let Some(pos) = line.find(ROUTING_INPUT) {
+        let fields = Fields::read(&line[pos + ROUTING_INPUT.len()..])
+            .map_err(|e| malformed(LineKind::RoutingInput, e))?;
+        LineContent::RoutingInput(
+            routing_input(&fields).map_err(|e| malformed(LineKind::RoutingInput, e))?,
+        )
+    } else if let Some(pos) = line.find(SELECTED_WORKER) {
+        let fields = Fields::read(&line[pos + SELECTED_WORKER.len()..])
+            .map_err(|e| malformed(LineKind::SelectedWorker, e))?;
+        LineContent::SelectedWorker(
+            selected_worker(&fields).map_err(|e| malformed(LineKind::SelectedWorker, e))?,
+        )
+    } else if line.contains(KVMIGRATE) {
+        let Some((kind, rest)) = MIGRATION_MESSAGES
+            .iter()
+            .find_map(|(msg, kind)| line.find(msg).map(|p| (*kind, &line[p + msg.len()..])))
+        else {
+            return Err(malformed(
+                LineKind::Migration,
+                "unknown KVMIGRATE message".into(),
+            ));
+        };
+        let fields = Fields::read(rest).map_err(|e| malformed(LineKind::Migration, e))?;
+        LineContent::Migration(
+            migration(kind, fields).map_err(|e| malformed(LineKind::Migration, e))?,
+        )
+    } else {
+        LineContent::Other
+    };
+    Ok(ParsedLine { ts_ns, content })
+}
+
+fn routing_input(f: &Fields) -> Result<RoutingInput, String> {
+    let local_hashes = parse_u64_list(f.require("local_hashes")?)?;
+    if let Some(n) = f.get("num_blocks") {
+        let n: usize = n.parse().map_err(|_| format!("num_blocks={n:?}"))?;
+        if n != local_hashes.len() {
+            return Err(format!(
+                "num_blocks={n} but {} local hashes",
+                local_hashes.len()
+            ));
+        }
+    }
+    Ok(RoutingInput {
+        request_id: f.require("request_id")?.to_string(),
+        isl_tokens: f.parse("isl_tokens")?,
+        block_size: f.parse("block_size")?,
+        local_hashes,
+    })
+}
+
+fn selected_worker(f: &Fields) -> Result<SelectedWorker, String> {
+    Ok(SelectedWorker {
+        request_id: f.require("request_id")?.to_string(),
+        worker_id: f.parse("worker_id")?,
+        dp_rank: match f.get("dp_rank") {
+            None => 0,
+            Some(_) => f.parse("dp_rank")?,
+        },
+        worker_type: f.get("worker_type").map(str::to_string),
+        router_mode: f.get("router_mode").map(str::to_string),
+    })
+}
+
+fn migration(kind: MigrationLogKind, f: Fields) -> Result<MigrationLogLine, String> {
+    let opt_u64 = |k: &str| f.get(k).map(|_| f.parse::<u64>(k)).transpose();
+    let mut line = MigrationLogLine {
+        kind,
+        request_id: f.get("request_id").map(str::to_string),
+        source: f.get("source").map(str::to_string),
+        target: f.get("target").map(str::to_string),
+        tokens: opt_u64("tokens")?,
+        migratable_tokens: opt_u64("migratable_tokens")?,
+        fields: BTreeMap::new(),
+    };
+    if kind == MigrationLogKind::Spill {
+        for k in ["request_id", "source", "target"] {
+            f.require(k)?;
+        }
+    }
+    const NAMED: [&str; 5] = [
+        "request_id",
+        "source",
+        "target",
+        "tokens",
+        "migratable_tokens",
+    ];
+    for (k, v) in f.pairs {
+        if !NAMED.contains(&k.as_str()) {
+            line.fields.entry(k).or_insert(v);
+        }
+    }
+    Ok(line)
+}
+
+/// The `key=value` pairs of a line, in order.
+#[derive(Debug, Default)]
+struct Fields {
+    pairs: Vec<(String, String)>,
+}
+
+impl Fields {
+    /// Read every `key=value` pair in `s`; words without `=` (the message) are skipped.
+    /// Quoted values are unescaped; `[…]` and `{…}` values are kept whole.
+    fn read(s: &str) -> Result<Self, String> {
+        let b = s.as_bytes();
+        let mut pairs = Vec::new();
+        let mut i = 0;
+        while i < b.len() {
+            if b[i].is_ascii_whitespace() {
+                i += 1;
+                continue;
+            }
+            let start = i;
+            while i < b.len() && is_key_byte(b[i]) {
+                i += 1;
+            }
+            if i > start && i < b.len() && b[i] == b'=' {
+                let key = s[start..i].to_string();
+                i += 1;
+                let (value, next) = read_value(s, i).map_err(|e| format!("{key}: {e}"))?;
+                pairs.push((key, value));
+                i = next;
+            } else {
+                // A word of the message: skip to the next whitespace.
+                while i < b.len() && !b[i].is_ascii_whitespace() {
+                    i += 1;
+                }
+            }
+        }
+        Ok(Self { pairs })
+    }
+
+    fn get(&self, key: &str) -> Option<&str> {
+        self.pairs
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.as_str())
+    }
+
+    fn require(&self, key: &str) -> Result<&str, String> {
+        self.get(key).ok_or_else(|| format!("no {key}"))
+    }
+
+    fn parse<T: std::str::FromStr>(&self, key: &str) -> Result<T, String> {
+        let v = self.require(key)?;
+        v.parse().map_err(|_| format!("{key}={v:?}"))
+    }
+}
+
+fn is_key_byte(c: u8) -> bool {
+    c.is_ascii_alphanumeric() || c == b'_' || c == b'.' || c == b'-'
+}
+
+/// Read one value starting at byte `i`; returns it and the index after it.
+fn read_value(s: &str, i: usize) -> Result<(String, usize), String> {
+    let b = s.as_bytes();
+    match b.get(i) {
+        Some(b'"') => {
+            let mut out = String::new();
+            let mut chars = s[i + 1..].char_indices();
+            while let Some((j, c)) = chars.next() {
+                match c {
+                    '"' => return Ok((out, i + 1 + j + 1)),
+                    '\\' => match chars.next() {
+                        Some((_, 'n')) => out.push('\n'),
+                        Some((_, 't')) => out.push('\t'),
+                        Some((_, 'r')) => out.push('\r'),
+                        Some((_, c)) => out.push(c),
+                        None => break,
+                    },
+                    c => out.push(c),
+                }
+            }
+            Err("unterminated quoted value".into())
+        }
+        Some(&open @ (b'[' | b'{')) => {
+            let close = if open == b'[' { b']' } else { b'}' };
+            let mut depth = 0usize;
+            let mut in_quote = false;
+            let mut j = i;
+            while j < b.len() {
+                let c = b[j];
+                if in_quote {
+                    if c == b'\\' {
+                        j += 1;
+                    } else if c == b'"' {
+                        in_quote = false;
+                    }
+                } else if c == b'"' {
+                    in_quote = true;
+                } else if c == open {
+                    depth += 1;
+                } else if c == close {
+                    depth -= 1;
+                    if depth == 0 {
+                        return Ok((s[i..=j].to_string(), j + 1));
+                    }
+                }
+                j += 1;
+            }
+            Err(format!("unterminated {}", open as char))
+        }
+        _ => {
+            let end = b[i..]
+                .iter()
+                .position(|c| c.is_ascii_whitespace())
+                .map_or(b.len(), |p| i + p);
+            Ok((s[i..end].to_string(), end))
+        }
+    }
+}
+
+/// `[1, 2, 3]` → numbers.
+fn parse_u64_list(v: &str) -> Result<Vec<u64>, String> {
+    let inner = v
+        .strip_prefix('[')
+        .and_then(|v| v.strip_suffix(']'))
+        .ok_or_else(|| format!("not a list: {}", excerpt(v)))?;
+    if inner.trim().is_empty() {
+        return Ok(Vec::new());
+    }
+    inner
+        .split(',')
+        .map(|x| {
+            let x = x.trim();
+            x.parse()
+                .map_err(|_| format!("not a u64 in the list: {}", excerpt(x)))
+        })
+        .collect()
+}
+
+fn excerpt(s: &str) -> String {
+    s.chars().take(40).collect()
+}
+
+/// Remove ANSI escape sequences (CSI `ESC [ … final`, and two-byte `ESC x`).
+pub fn strip_ansi(s: &str) -> std::borrow::Cow<'_, str> {
+    if !s.contains('\x1b') {
+        return std::borrow::Cow::Borrowed(s);
+    }
+    let mut out = String::with_capacity(s.len());
+    let mut chars = s.chars().peekable();
+    while let Some(c) = chars.next() {
+        if c != '\x1b' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('[') => {
+                // Parameters and intermediates, then one final byte in @..~.
+                for c in chars.by_ref() {
+                    if ('@'..='~').contains(&c) {
+                        break;
+                    }
+                }
+            }
+            Some(']') => {
+                // OSC: up to BEL or ESC \.
+                while let Some(c) = chars.next() {
+                    if c == '\x07' {
+                        break;
+                    }
+                    if c == '\x1b' && chars.peek() == Some(&'\\') {
+                        chars.next();
+                        break;
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    std::borrow::Cow::Owned(out)
+}
+
+/// `2026-11-29T07:50:01.123456Z` (or with a `+hh:mm` offset) → UNIX nanoseconds.
+pub fn parse_rfc3339_ns(s: &str) -> Option<u64> {
+    let b = s.as_bytes();
+    if b.len() < 20
+        || b[4] != b'-'
+        || b[7] != b'-'
+        || b[10] != b'T'
+        || b[13] != b':'
+        || b[16] != b':'
+    {
+        return None;
+    }
+    let num = |r: std::ops::Range<usize>| -> Option<i64> {
+        let t = s.get(r)?;
+        t.bytes()
+            .all(|c| c.is_ascii_digit())
+            .then(|| t.parse().ok())?
+    };
+    let (y, mo, d) = (num(0..4)?, num(5..7)?, num(8..10)?);
+    let (h, mi, sec) = (num(11..13)?, num(14..16)?, num(17..19)?);
+    if !(1..=12).contains(&mo) || !(1..=31).contains(&d) || h > 23 || mi > 59 || sec > 60 {
+        return None;
+    }
+    let mut i = 19;
+    let mut nanos: i64 = 0;
+    if b.get(i) == Some(&b'.') {
+        i += 1;
+        let start = i;
+        while i < b.len() && b[i].is_ascii_digit() {
+            if i - start < 9 {
+                nanos = nanos * 10 + i64::from(b[i] - b'0');
+            }
+            i += 1;
+        }
+        if i == start {
+            return None;
+        }
+        for _ in (i - start)..9 {
+            nanos *= 10;
+        }
+    }
+    let offset_secs = match b.get(i) {
+        Some(b'Z') | Some(b'z') if i + 1 == b.len() => 0,
+        Some(&sign @ (b'+' | b'-')) if i + 6 == b.len() && b[i + 3] == b':' => {
+            let off = num(i + 1..i + 3)? * 3600 + num(i + 4..i + 6)? * 60;
+            if sign == b'+' {
+                off
+            } else {
+                -off
+            }
+        }
+        _ => return None,
+    };
+    let days = days_from_civil(y, mo, d);
+    let secs = days * 86_400 + h * 3600 + mi * 60 + sec - offset_secs;
+    u64::try_from(secs)
+        .ok()?
+        .checked_mul(1_000_000_000)?
+        .checked_add(nanos as u64)
+}
+
+/// Days since 1970-01-01 of a proleptic Gregorian date (Howard Hinnant's algorithm).
+fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let mp = (m + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + d - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    era * 146_097 + doe - 719_468
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const INPUT: &str = r#"2026-11-29T07:50:01.123456Z DEBUG http-request:kv_router.select_worker: dynamo_kv_router::services::selection::core::run: [ROUTING_INPUT] request local hashes request_id="r-1" isl_tokens=41 block_size=16 num_blocks=2 local_hashes=[11, 18446744073709551615] method=POST x_request_id="kvs1 with space" request_id=other-id model="m""#;
+    const SELECTED: &str = r#"2026-11-29T07:50:01.123556Z  INFO dynamo_kv_router::scheduling::selector: Selected worker router_mode="kv" request_id="r-1" worker_id=758491669810558404 worker_type=decode dp_rank=1 logit=62.625 host_pinned_blocks=0 disk_blocks=0"#;
+
+    #[test]
+    fn routing_input_line() {
+        let p = parse_line(INPUT).unwrap();
+        assert_eq!(p.ts_ns, Some(1_795_938_601_123_456_000));
+        assert_eq!(
+            p.content,
+            LineContent::RoutingInput(RoutingInput {
+                request_id: "r-1".into(),
+                isl_tokens: 41,
+                block_size: 16,
+                local_hashes: vec![11, u64::MAX],
+            })
+        );
+    }
+
+    #[test]
+    fn selected_worker_line() {
+        let p = parse_line(SELECTED).unwrap();
+        assert_eq!(
+            p.content,
+            LineContent::SelectedWorker(SelectedWorker {
+                request_id: "r-1".into(),
+                worker_id: 758491669810558404,
+                dp_rank: 1,
+                worker_type: Some("decode".into()),
+                router_mode: Some("kv".into()),
+            })
+        );
+        // Fields in another order, dp_rank missing: still parsed by name.
+        let p = parse_line("Selected worker worker_id=5 request_id=abc").unwrap();
+        assert!(matches!(
+            p.content,
+            LineContent::SelectedWorker(SelectedWorker {
+                worker_id: 5,
+                dp_rank: 0,
+                ..
+            })
+        ));
+        assert_eq!(p.ts_ns, None);
+    }
+
+    #[test]
+    fn ansi_colour_is_stripped() {
+        let coloured = "\x1b[2m2026-11-29T08:03:31.699280Z\x1b[0m \x1b[32m INFO\x1b[0m \x1b[2mdynamo_kv_router::scheduling::selector\x1b[0m\x1b[2m:\x1b[0m Selected worker \x1b[3mrouter_mode\x1b[0m\x1b[2m=\x1b[0m\"kv\" \x1b[3mrequest_id\x1b[0m\x1b[2m=\x1b[0m\"7c15\" \x1b[3mworker_id\x1b[0m\x1b[2m=\x1b[0m6023921076729307042 \x1b[3mdp_rank\x1b[0m\x1b[2m=\x1b[0m0";
+        let p = parse_line(coloured).unwrap();
+        assert!(p.ts_ns.is_some());
+        assert!(matches!(
+            p.content,
+            LineContent::SelectedWorker(SelectedWorker {
+                worker_id: 6023921076729307042,
+                ..
+            })
+        ));
+        assert_eq!(strip_ansi("a\x1b]0;title\x07b\x1b[1;31mc"), "abc");
+    }
+
+    #[test]
+    fn migration_lines() {
+        let spill = r#"2026-11-29T07:50:02Z  INFO dynamo_llm::kv_router::push_router: KVMIGRATE_SPILL: request routed off the worker holding its KV request_id="r-9" source=111 target=222 tokens=20480 migratable_tokens=16384 mode="dry""#;
+        let p = parse_line(spill).unwrap();
+        let LineContent::Migration(m) = p.content else {
+            panic!("{p:?}")
+        };
+        assert_eq!(m.kind, MigrationLogKind::Spill);
+        assert_eq!(m.request_id.as_deref(), Some("r-9"));
+        assert_eq!(
+            (m.source.as_deref(), m.target.as_deref()),
+            (Some("111"), Some("222"))
+        );
+        assert_eq!((m.tokens, m.migratable_tokens), (Some(20480), Some(16384)));
+        assert_eq!(m.fields.get("mode").map(String::as_str), Some("dry"));
+        for (line, kind) in [
+            (
+                "x KVMIGRATE: producer handshake obtained request_id=a source=1",
+                MigrationLogKind::HandshakeObtained,
+            ),
+            (
+                "x  WARN y: KVMIGRATE: producer dispatch failed request_id=a error=\"no producer\"",
+                MigrationLogKind::DispatchFailed,
+            ),
+            (
+                "x KVMIGRATE: decoding on target with migrated KV",
+                MigrationLogKind::DecodingOnTarget,
+            ),
+        ] {
+            let LineContent::Migration(m) = parse_line(line).unwrap().content else {
+                panic!("{line}")
+            };
+            assert_eq!(m.kind, kind);
+        }
+    }
+
+    #[test]
+    fn garbage_lines_are_other_or_malformed() {
+        for other in [
+            "",
+            "\n",
+            "garbage",
+            "\u{fffd}\u{fffd}",
+            "2026-11-29T07:50:01Z INFO request completed request_id=x",
+            "a=b=c [unclosed",
+        ] {
+            assert_eq!(
+                parse_line(other).unwrap().content,
+                LineContent::Other,
+                "{other:?}"
+            );
+        }
+        let bad = [
+            (r#"[ROUTING_INPUT] request local hashes request_id="r" isl_tokens=41 block_size=16 num_blocks=2 local_hashes=[1, 2"#, LineKind::RoutingInput),
+            (r#"[ROUTING_INPUT] request local hashes request_id="r" isl_tokens=41 block_size=16 num_blocks=3 local_hashes=[1, 2]"#, LineKind::RoutingInput),
+            (r#"[ROUTING_INPUT] request local hashes request_id="r" isl_tokens=x block_size=16 local_hashes=[1]"#, LineKind::RoutingInput),
+            (r#"[ROUTING_INPUT] request local hashes request_id="r" isl_tokens=41 block_size=16 local_hashes=[1, -2]"#, LineKind::RoutingInput),
+            (r#"[ROUTING_INPUT] request local hashes isl_tokens=41 block_size=16 local_hashes=[]"#, LineKind::RoutingInput),
+            (r#"[ROUTING_INPUT] request_id="unterminated"#, LineKind::RoutingInput),
+            ("Selected worker request_id=\"r\"", LineKind::SelectedWorker),
+            ("Selected worker request_id=\"r\" worker_id=-1", LineKind::SelectedWorker),
+            ("Selected worker request_id=\"r\" worker_id=1 dp_rank=x", LineKind::SelectedWorker),
+            ("KVMIGRATE_SPILL: request routed off the worker holding its KV request_id=r source=1", LineKind::Migration),
+            ("KVMIGRATE_SPILL: request routed off the worker holding its KV request_id=r source=1 target=2 tokens=lots", LineKind::Migration),
+            ("KVMIGRATE: something new", LineKind::Migration),
+        ];
+        for (line, kind) in bad {
+            let e = parse_line(line).unwrap_err();
+            assert_eq!(e.kind, kind, "{line}");
+        }
+    }
+
+    #[test]
+    fn timestamps() {
+        assert_eq!(parse_rfc3339_ns("1970-01-01T00:00:00Z"), Some(0));
+        assert_eq!(
+            parse_rfc3339_ns("1970-01-01T00:00:01.5Z"),
+            Some(1_500_000_000)
+        );
+        assert_eq!(
+            parse_rfc3339_ns("2000-03-01T00:00:00Z"),
+            Some(951_868_800_000_000_000)
+        );
+        assert_eq!(
+            parse_rfc3339_ns("2026-11-29T08:03:48.326053Z"),
+            Some(1_795_939_428_326_053_000)
+        );
+        assert_eq!(
+            parse_rfc3339_ns("2026-11-29T09:03:48.326053+01:00"),
+            Some(1_795_939_428_326_053_000)
+        );
+        for bad in [
+            "",
+            "2026-11-29",
+            "2026-13-29T08:03:48Z",
+            "2026-11-29T08:03:48",
+            "2026-11-29T08:03:48.Z",
+            "1969-12-31T23:59:59Z",
+            "２０２６-11-29T08:03:48Z",
+        ] {
+            assert_eq!(parse_rfc3339_ns(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn never_panics_on_cut_lines() {
+        for base in [INPUT, SELECTED] {
+            for (i, _) in base.char_indices() {
+                let _ = parse_line(&base[..i]);
+                let _ = parse_line(&base[i..]);
+            }
+        }
+    }
+
+    fn sample(name: &str) -> String {
+        std::fs::read_to_string(format!(
+            "{}/../lab/fixtures/samples/{name}",
+            env!("CARGO_MANIFEST_DIR")
+        ))
+        .unwrap()
+    }
+
+    /// The frontend logs captured from the lab, plain and coloured: every decision line
+    /// parses, and both renderings give the same counts.
+    #[test]
+    fn captured_router_logs_parse() {
+        let mut counts = Vec::new();
+        for name in ["router_log_plain.log", "router_log_ansi.log"] {
+            let text = sample(name);
+            let (mut inputs, mut selected, mut other) = (0, 0, 0);
+            for line in text.lines() {
+                match parse_line(line)
+                    .unwrap_or_else(|e| panic!("{name}: {e}: {line}"))
+                    .content
+                {
+                    LineContent::RoutingInput(r) => {
+                        assert_eq!(r.block_size, 16);
+                        assert_eq!(r.local_hashes.len() as u64, r.isl_tokens / 16);
+                        assert!(!r.request_id.is_empty());
+                        inputs += 1;
+                    }
+                    LineContent::SelectedWorker(s) => {
+                        assert_eq!(s.worker_type.as_deref(), Some("decode"));
+                        assert_eq!(s.router_mode.as_deref(), Some("kv"));
+                        selected += 1;
+                    }
+                    LineContent::Migration(_) => panic!("no migration lines in upstream Dynamo"),
+                    LineContent::Other => other += 1,
+                }
+            }
+            assert!(inputs > 0 && selected > 0 && other > 0, "{name}");
+            counts.push((name, inputs, selected));
+        }
+        eprintln!("{counts:?}");
+    }
+}

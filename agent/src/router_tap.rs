@@ -1,0 +1,119 @@
+//! The router log tap: lines from [`crate::log_follower`] through the parser and joiner
+//! of [`crate::decision_join`], out as decision and migration records.
+
+use crate::counters::AgentStats;
+use crate::decision_join::{LogOutput, RouterLogProcessor};
+use crate::internal_events::{
+    DecisionJoined, DecisionUnjoined, InternalEvent, LogLineMalformed, LogLineRead,
+    MigrationLineParsed,
+};
+use crate::log_follower::LogItem;
+use crate::record_sink::{now_ns, RecordSink};
+use kvscope_wire::Record;
+use tokio::sync::mpsc;
+
+/// Halves of decisions that may wait at once.
+pub const MAX_PENDING: usize = 100_000;
+
+pub struct RouterTap {
+    processor: RouterLogProcessor,
+}
+
+impl RouterTap {
+    pub fn new(join_timeout_ns: u64) -> Self {
+        Self {
+            processor: RouterLogProcessor::new(join_timeout_ns, MAX_PENDING),
+        }
+    }
+
+    /// One input item → records; every line and problem is counted.
+    pub fn item(&mut self, item: &LogItem, stats: &AgentStats) -> Vec<Record> {
+        let outputs = match item {
+            LogItem::Line(line) => {
+                LogLineRead.emit(stats);
+                self.processor.line(line, now_ns())
+            }
+            LogItem::End => self.processor.finish(),
+        };
+        let mut records = Vec::new();
+        for o in outputs {
+            match o {
+                LogOutput::Decision(d) => {
+                    DecisionJoined {
+                        request_id: &d.request_id,
+                    }
+                    .emit(stats);
+                    records.push(Record::Decision(d));
+                }
+                LogOutput::Migration(m) => {
+                    MigrationLineParsed { kind: m.kind }.emit(stats);
+                    records.push(Record::Migration(m));
+                }
+                LogOutput::Malformed(e) => LogLineMalformed {
+                    kind: e.kind.as_str(),
+                    reason: &e.reason,
+                }
+                .emit(stats),
+                LogOutput::Unjoined { request_id, half } => DecisionUnjoined {
+                    request_id: &request_id,
+                    half: half.as_str(),
+                }
+                .emit(stats),
+            }
+        }
+        records
+    }
+}
+
+/// Run until the channel closes.
+pub async fn run(
+    mut tap: RouterTap,
+    mut rx: mpsc::Receiver<LogItem>,
+    sink: std::sync::Arc<RecordSink>,
+    stats: std::sync::Arc<AgentStats>,
+) {
+    while let Some(item) = rx.recv().await {
+        for r in tap.item(&item, &stats) {
+            sink.submit(r);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_lines_decisions_and_problems() {
+        let stats = AgentStats::default();
+        let mut t = RouterTap::new(1_000_000_000);
+        let lines = [
+            r#"2026-11-29T07:50:01Z DEBUG r: [ROUTING_INPUT] request local hashes request_id="a" isl_tokens=32 block_size=16 num_blocks=2 local_hashes=[1, 2]"#,
+            "random noise",
+            r#"2026-11-29T07:50:01Z DEBUG r: [ROUTING_INPUT] request local hashes request_id="b" isl_tokens=32"#,
+            r#"2026-11-29T07:50:01Z  INFO r: Selected worker router_mode="kv" request_id="a" worker_id=5 worker_type=decode dp_rank=0"#,
+            r#"2026-11-29T07:50:01Z DEBUG r: [ROUTING_INPUT] request local hashes request_id="never" isl_tokens=16 block_size=16 num_blocks=1 local_hashes=[3]"#,
+            "2026-11-29T07:50:02Z  INFO p: KVMIGRATE_SPILL: request routed off the worker holding its KV request_id=\"a\" source=5 target=6 tokens=32 migratable_tokens=16",
+        ];
+        let mut records = Vec::new();
+        for l in lines {
+            records.extend(t.item(&LogItem::Line(l.into()), &stats));
+        }
+        records.extend(t.item(&LogItem::End, &stats));
+        assert!(
+            matches!(&records[..], [Record::Decision(_), Record::Migration(_)]),
+            "{records:?}"
+        );
+        let c = stats.snapshot();
+        assert_eq!(
+            (
+                c.log_lines,
+                c.log_malformed_lines,
+                c.decisions_joined,
+                c.decisions_unjoined,
+                c.migration_lines
+            ),
+            (6, 1, 1, 1, 1)
+        );
+    }
+}

@@ -1,0 +1,290 @@
+//! A tap on one engine's ZMQ KV event publisher (the pure-Rust `zeromq` crate).
+//!
+//! Subscribes to every topic, decodes each message with [`crate::kv_events`], classifies
+//! its sequence number with [`SequenceTracker`], marks it with the endpoint's configured
+//! worker, and hands the batch to the [`RecordSink`]. The connection is retried for
+//! ever with backoff (and the socket itself reconnects after a publisher restart), so an
+//! engine started later or restarted is picked up; its restart shows as a sequence
+//! reset.
+
+use crate::config::KvEndpoint;
+use crate::counters::AgentStats;
+use crate::internal_events::{
+    InternalEvent, KvBadFrame, KvBatchReceived, KvDecodeError, KvMalformedEvent, KvSequenceGap,
+    KvSequenceReset, KvTapConnected, KvTapDisconnected, KvUnknownEvent,
+};
+use crate::kv_events::{decode_payload, split_frames, EventProblem};
+use crate::record_sink::RecordSink;
+use crate::sequence::SequenceTracker;
+use kvscope_wire::{KvEventBatch, Record, SequenceStatus, WorkerKey};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::watch;
+use zeromq::{Socket, SocketRecv, SubSocket};
+
+const MIN_BACKOFF: Duration = Duration::from_millis(100);
+const MAX_BACKOFF: Duration = Duration::from_secs(5);
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Turns raw multipart messages from one publisher into records (no I/O; the socket
+/// loop in [`run`] feeds it).
+pub struct KvTap {
+    endpoint: KvEndpoint,
+    sequence: SequenceTracker,
+    last_seq: Option<u64>,
+    stats: Arc<AgentStats>,
+}
+
+impl KvTap {
+    pub fn new(endpoint: KvEndpoint, stats: Arc<AgentStats>) -> Self {
+        Self {
+            endpoint,
+            sequence: SequenceTracker::new(),
+            last_seq: None,
+            stats,
+        }
+    }
+
+    /// One ZMQ message → at most one batch record; every problem is emitted.
+    pub fn message<B: AsRef<[u8]>>(&mut self, frames: &[B]) -> Option<Record> {
+        let publisher = self.endpoint.endpoint.as_str();
+        let (seq, payload) = match split_frames(frames) {
+            Ok(x) => x,
+            Err(error) => {
+                KvBadFrame {
+                    publisher,
+                    error: &error,
+                }
+                .emit(&self.stats);
+                return None;
+            }
+        };
+        // The number is valid even when the payload is not: track it first, so one bad
+        // payload does not look like a gap at the next batch.
+        let sequence = self.sequence.observe(publisher, seq);
+        match sequence {
+            SequenceStatus::Gap { missed } => KvSequenceGap {
+                publisher,
+                expected: seq - missed,
+                got: seq,
+                missed,
+            }
+            .emit(&self.stats),
+            SequenceStatus::Reset => KvSequenceReset {
+                publisher,
+                previous: self.last_seq.unwrap_or_default(),
+                got: seq,
+            }
+            .emit(&self.stats),
+            SequenceStatus::First | SequenceStatus::InOrder => {}
+        }
+        self.last_seq = Some(seq);
+        let decoded = match decode_payload(payload) {
+            Ok(d) => d,
+            Err(error) => {
+                KvDecodeError {
+                    publisher,
+                    error: &error,
+                }
+                .emit(&self.stats);
+                return None;
+            }
+        };
+        for p in &decoded.problems {
+            match p {
+                EventProblem::Unknown { event_type, .. } => KvUnknownEvent {
+                    publisher,
+                    event_type,
+                }
+                .emit(&self.stats),
+                EventProblem::Malformed {
+                    event_type, reason, ..
+                } => KvMalformedEvent {
+                    publisher,
+                    event_type,
+                    reason,
+                }
+                .emit(&self.stats),
+            }
+        }
+        KvBatchReceived {
+            publisher,
+            events: decoded.events.len(),
+        }
+        .emit(&self.stats);
+        Some(Record::KvEvents(KvEventBatch {
+            worker: WorkerKey {
+                worker_id: self.endpoint.worker_id,
+                dp_rank: self.endpoint.dp_rank.or(decoded.dp_rank).unwrap_or(0),
+            },
+            publisher: publisher.to_string(),
+            seq,
+            sequence,
+            engine_ts: decoded.engine_ts,
+            events: decoded.events,
+        }))
+    }
+}
+
+/// Tap `endpoint` until `stop` turns true.
+pub async fn run(
+    endpoint: KvEndpoint,
+    sink: Arc<RecordSink>,
+    stats: Arc<AgentStats>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut tap = KvTap::new(endpoint.clone(), stats.clone());
+    let publisher = endpoint.endpoint.as_str();
+    let mut backoff = MIN_BACKOFF;
+    while !*stop.borrow() {
+        let mut socket = SubSocket::new();
+        let connected = tokio::select! {
+            r = tokio::time::timeout(CONNECT_TIMEOUT, socket.connect(publisher)) => match r {
+                Ok(Ok(())) => socket.subscribe("").await.map_err(|e| e.to_string()),
+                Ok(Err(e)) => Err(e.to_string()),
+                Err(_) => Err("connect timed out".to_string()),
+            },
+            _ = stop.changed() => return,
+        };
+        if let Err(error) = connected {
+            KvTapDisconnected {
+                publisher,
+                error: &error,
+                retry_in_ms: backoff.as_millis() as u64,
+            }
+            .emit(&stats);
+            tokio::select! {
+                _ = tokio::time::sleep(backoff) => {}
+                _ = stop.changed() => return,
+            }
+            backoff = (backoff * 2).min(MAX_BACKOFF);
+            continue;
+        }
+        KvTapConnected { publisher }.emit(&stats);
+        backoff = MIN_BACKOFF;
+        loop {
+            let msg = tokio::select! {
+                m = socket.recv() => m,
+                _ = stop.changed() => return,
+            };
+            match msg {
+                Ok(msg) => {
+                    if let Some(record) = tap.message(&msg.into_vec()) {
+                        sink.submit(record);
+                    }
+                }
+                Err(e) => {
+                    KvTapDisconnected {
+                        publisher,
+                        error: &e.to_string(),
+                        retry_in_ms: backoff.as_millis() as u64,
+                    }
+                    .emit(&stats);
+                    break;
+                }
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(backoff) => {}
+            _ = stop.changed() => return,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kv_events::tests::{batch, encode};
+    use rmpv::Value;
+
+    fn tap(dp: Option<u32>) -> (KvTap, Arc<AgentStats>) {
+        let stats = Arc::new(AgentStats::default());
+        let ep = KvEndpoint {
+            endpoint: "tcp://127.0.0.1:1".into(),
+            worker_id: 9,
+            dp_rank: dp,
+        };
+        (KvTap::new(ep, stats.clone()), stats)
+    }
+
+    fn msg(seq: u64, payload: Vec<u8>) -> Vec<Vec<u8>> {
+        vec![vec![], seq.to_be_bytes().to_vec(), payload]
+    }
+
+    fn cleared() -> Value {
+        Value::Array(vec![Value::from("AllBlocksCleared")])
+    }
+
+    #[test]
+    fn batches_carry_worker_sequence_and_counts() {
+        let (mut t, stats) = tap(None);
+        let r = t
+            .message(&msg(
+                3,
+                encode(&batch(vec![cleared()], Some(Value::from(2)))),
+            ))
+            .unwrap();
+        let Record::KvEvents(b) = r else { panic!() };
+        assert_eq!(
+            b.worker,
+            WorkerKey {
+                worker_id: 9,
+                dp_rank: 2
+            }
+        );
+        assert_eq!((b.seq, b.sequence), (3, SequenceStatus::First));
+        // A bad payload still advances the numbering.
+        assert!(t.message(&msg(4, vec![0xc1])).is_none());
+        let Some(Record::KvEvents(b)) = t.message(&msg(
+            5,
+            encode(&batch(vec![cleared(), Value::from(1)], None)),
+        )) else {
+            panic!()
+        };
+        assert_eq!(b.sequence, SequenceStatus::InOrder);
+        assert_eq!(b.events.len(), 1);
+        let Some(Record::KvEvents(b)) = t.message(&msg(9, encode(&batch(vec![], None)))) else {
+            panic!()
+        };
+        assert_eq!(b.sequence, SequenceStatus::Gap { missed: 3 });
+        let Some(Record::KvEvents(b)) = t.message(&msg(
+            0,
+            encode(&batch(vec![Value::Array(vec![Value::from("Nope")])], None)),
+        )) else {
+            panic!()
+        };
+        assert_eq!(b.sequence, SequenceStatus::Reset);
+        assert!(t.message(&[b"only one frame".to_vec()]).is_none());
+        let c = stats.snapshot();
+        assert_eq!(
+            (
+                c.kv_batches,
+                c.kv_events,
+                c.kv_decode_errors,
+                c.kv_malformed_events,
+                c.kv_unknown_events
+            ),
+            (4, 2, 1, 1, 1)
+        );
+        assert_eq!(
+            (
+                c.kv_sequence_gaps,
+                c.kv_missed_batches,
+                c.kv_sequence_resets,
+                c.kv_bad_frames
+            ),
+            (1, 3, 1, 1)
+        );
+    }
+
+    #[test]
+    fn a_configured_dp_rank_wins() {
+        let (mut t, _) = tap(Some(1));
+        let Some(Record::KvEvents(b)) =
+            t.message(&msg(0, encode(&batch(vec![], Some(Value::from(4))))))
+        else {
+            panic!()
+        };
+        assert_eq!(b.worker.dp_rank, 1);
+    }
+}

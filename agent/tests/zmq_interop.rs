@@ -1,0 +1,76 @@
+//! The pure-Rust `zeromq` crate's SUB socket against a real libzmq PUB (pyzmq), with the
+//! frames a Dynamo 1.6.1 mocker really sent (lab/fixtures/samples).
+
+use std::io::BufRead;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+use zeromq::{Socket, SocketRecv};
+
+/// The lab venv's Python (pyzmq), as `scripts/setup` makes it.
+fn python() -> std::path::PathBuf {
+    kvscope_lab::paths::venv_python(&kvscope_lab::paths::default_lab_dir())
+}
+
+#[tokio::test]
+async fn zeromq_sub_receives_a_pyzmq_pub() {
+    let dir = tempfile::tempdir().unwrap();
+    let sample: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../lab/fixtures/samples/kv_events_mocker.json"
+        ))
+        .unwrap(),
+    )
+    .unwrap();
+    let spec = serde_json::json!({ "messages": sample["messages"] });
+    let spec_path = dir.path().join("spec.json");
+    std::fs::write(&spec_path, serde_json::to_vec(&spec).unwrap()).unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let endpoint = format!("tcp://127.0.0.1:{port}");
+    let mut child = Command::new(python())
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/support/kv_publisher.py"
+        ))
+        .arg(&endpoint)
+        .arg(&spec_path)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("the lab venv's python with pyzmq");
+    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    assert_eq!(line.trim(), "bound");
+
+    let mut sub = zeromq::SubSocket::new();
+    sub.connect(&endpoint).await.unwrap();
+    sub.subscribe("").await.unwrap();
+    let mut got = Vec::new();
+    for _ in 0..sample["messages"].as_array().unwrap().len() {
+        let msg = tokio::time::timeout(Duration::from_secs(20), sub.recv())
+            .await
+            .unwrap()
+            .unwrap();
+        got.push(msg.into_vec());
+    }
+    drop(child.stdin.take());
+    let _ = child.wait();
+    for (m, frames) in sample["messages"].as_array().unwrap().iter().zip(&got) {
+        let want: Vec<String> = m["frames_hex"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|h| h.as_str().unwrap().to_string())
+            .collect();
+        let have: Vec<String> = frames
+            .iter()
+            .map(|f| f.iter().map(|b| format!("{b:02x}")).collect())
+            .collect();
+        assert_eq!(have, want);
+    }
+}

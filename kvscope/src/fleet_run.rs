@@ -1,0 +1,262 @@
+//! A lab fleet with kvscope attached: the lab's processes, plus `kvscope agent` (tapping
+//! every mocker's ZMQ KV events and following the router's log) and `kvscope collector
+//! run` (recording what it applies), both as child processes of this one so a test can
+//! kill and restart them.
+
+use anyhow::{bail, Context as _};
+use kvscope_collector::report::OpportunityReport;
+use kvscope_lab::process::{stop_all, ManagedProcess};
+use kvscope_lab::{Lab, LabConfig};
+use kvscope_wire::Subjects;
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+use tracing::info;
+
+/// The cluster name the lab's records travel under.
+pub const LAB_CLUSTER: &str = "lab";
+
+#[derive(Debug, Clone)]
+pub struct FleetRunConfig {
+    pub lab: LabConfig,
+    /// Collector window length and warm-up, in seconds.
+    pub window_secs: f64,
+    pub warmup_secs: f64,
+}
+
+pub struct FleetRun {
+    exe: PathBuf,
+    cfg: FleetRunConfig,
+    lab: Option<Lab>,
+    agent: Option<ManagedProcess>,
+    collector: Option<ManagedProcess>,
+    nats_url: String,
+    collector_listen: String,
+    /// The collector's recording of every record it applied, in order.
+    pub recording: PathBuf,
+    /// The agent's own recording of every record it published.
+    pub agent_recording: PathBuf,
+}
+
+impl FleetRun {
+    /// Start the lab, then the collector, then the agent. `exe` is the `kvscope` binary.
+    pub async fn start(exe: &Path, cfg: FleetRunConfig) -> anyhow::Result<Self> {
+        let lab = Lab::start(cfg.lab.clone())
+            .await
+            .context("starting the lab")?;
+        let nats_url = lab
+            .nats_url()
+            .context("the lab was started without NATS; kvscope needs it as its bus")?
+            .to_string();
+        let run_dir = lab.run_dir().to_path_buf();
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port();
+        let mut run = FleetRun {
+            exe: exe.to_path_buf(),
+            cfg,
+            collector_listen: format!("127.0.0.1:{port}"),
+            recording: run_dir.join("collector-recording.jsonl"),
+            agent_recording: run_dir.join("agent-recording.jsonl"),
+            nats_url,
+            lab: Some(lab),
+            agent: None,
+            collector: None,
+        };
+        run.start_collector()?;
+        run.wait_collector_up().await?;
+        run.start_agent()?;
+        run.wait_agent_seen().await?;
+        Ok(run)
+    }
+
+    pub fn lab(&self) -> &Lab {
+        self.lab.as_ref().expect("the lab runs until stop")
+    }
+
+    pub fn api(&self) -> String {
+        format!("http://{}", self.collector_listen)
+    }
+
+    fn run_dir(&self) -> PathBuf {
+        self.lab().run_dir().to_path_buf()
+    }
+
+    fn start_collector(&mut self) -> anyhow::Result<()> {
+        let mut cmd = Command::new(&self.exe);
+        cmd.arg("collector")
+            .args(["--window-secs", &self.cfg.window_secs.to_string()])
+            .args(["--warmup-secs", &self.cfg.warmup_secs.to_string()])
+            .args([
+                "run",
+                "--nats-url",
+                &self.nats_url,
+                "--cluster",
+                LAB_CLUSTER,
+            ])
+            .args(["--listen", &self.collector_listen])
+            .arg("--record")
+            .arg(&self.recording)
+            .env("RUST_LOG", "info");
+        let log = self.run_dir().join("collector.log");
+        self.collector = Some(ManagedProcess::spawn("collector", cmd, &log)?);
+        Ok(())
+    }
+
+    fn start_agent(&mut self) -> anyhow::Result<()> {
+        let lab = self.lab();
+        let mut cmd = Command::new(&self.exe);
+        cmd.arg("agent")
+            .args([
+                "--nats-url",
+                &self.nats_url,
+                "--cluster",
+                LAB_CLUSTER,
+                "--agent-id",
+                "lab-node",
+            ])
+            .arg("--router-log")
+            .arg(lab.router_log())
+            .arg("--from-start")
+            .arg("--record")
+            .arg(&self.agent_recording)
+            .env("RUST_LOG", "info");
+        for w in lab.workers() {
+            cmd.arg("--kv")
+                .arg(format!("{}={}", w.kv_events_endpoint, w.worker_id));
+        }
+        let log = self.run_dir().join("agent.log");
+        self.agent = Some(ManagedProcess::spawn("agent", cmd, &log)?);
+        Ok(())
+    }
+
+    async fn wait_collector_up(&self) -> anyhow::Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if self.summary().await.is_ok() {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "the collector did not come up; see {}",
+                    self.run_dir().join("collector.log").display()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Stop the agent (SIGTERM, then SIGKILL after a grace period).
+    pub fn stop_agent(&mut self) {
+        if let Some(p) = self.agent.take() {
+            stop_all(&mut [p], Duration::from_secs(5));
+        }
+    }
+
+    /// Wait until the collector has a heartbeat from the agent, so the agent's taps are
+    /// connected before any workload starts.
+    async fn wait_agent_seen(&self) -> anyhow::Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Ok(s) = self.summary().await {
+                if s["agents"].as_object().is_some_and(|a| !a.is_empty()) {
+                    return Ok(());
+                }
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "no heartbeat from the agent; see {}",
+                    self.run_dir().join("agent.log").display()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Kill the collector without warning (SIGKILL), as a crash would.
+    pub fn kill_collector(&mut self) {
+        if let Some(mut p) = self.collector.take() {
+            let _ = p.child.kill();
+            let _ = p.child.wait();
+        }
+    }
+
+    /// Start the collector again (after [`Self::kill_collector`]).
+    pub async fn restart_collector(&mut self) -> anyhow::Result<()> {
+        self.start_collector()?;
+        self.wait_collector_up().await
+    }
+
+    pub async fn summary(&self) -> anyhow::Result<Value> {
+        Ok(reqwest::get(format!("{}/api/summary", self.api()))
+            .await?
+            .error_for_status()?
+            .json()
+            .await?)
+    }
+
+    pub async fn report(&self) -> anyhow::Result<OpportunityReport> {
+        Ok(reqwest::get(format!("{}/api/report", self.api()))
+            .await?
+            .error_for_status()?
+            .json()
+            .await?)
+    }
+
+    /// Wait until the agent has published everything it saw of the workload and the
+    /// collector has applied the whole stream: the stream's last sequence, read after
+    /// `settle`, is applied.
+    pub async fn wait_drained(&self, settle: Duration, timeout: Duration) -> anyhow::Result<()> {
+        tokio::time::sleep(settle).await;
+        let js = async_nats::jetstream::new(async_nats::connect(&self.nats_url).await?);
+        let mut stream = js
+            .get_stream(Subjects::new(LAB_CLUSTER).stream_name())
+            .await?;
+        let last = stream.info().await?.state.last_sequence;
+        let deadline = Instant::now() + timeout;
+        loop {
+            let applied = self
+                .summary()
+                .await
+                .ok()
+                .and_then(|s| s["bus"]["applied_seq"].as_u64())
+                .unwrap_or(0);
+            if applied >= last {
+                info!(last, "The collector applied the whole stream.");
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!("the collector applied up to {applied} of {last} records in time");
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    /// Stop the collector gracefully (it flushes its recording), then the agent and the lab.
+    pub fn stop(mut self) {
+        let grace = Duration::from_secs(5);
+        let mut procs: Vec<ManagedProcess> = self
+            .collector
+            .take()
+            .into_iter()
+            .chain(self.agent.take())
+            .collect();
+        stop_all(&mut procs, grace);
+        if let Some(lab) = self.lab.take() {
+            lab.stop();
+        }
+    }
+}
+
+impl Drop for FleetRun {
+    fn drop(&mut self) {
+        let mut procs: Vec<ManagedProcess> = self
+            .collector
+            .take()
+            .into_iter()
+            .chain(self.agent.take())
+            .collect();
+        stop_all(&mut procs, Duration::from_secs(2));
+    }
+}

@@ -1,0 +1,161 @@
+//! `kvscope`: the agent, the collector, and a demo on the embedded lab fleet.
+
+use anyhow::Context as _;
+use clap::{Args, Parser, Subcommand};
+use kvscope::fleet_run::{FleetRun, FleetRunConfig};
+use kvscope_lab::workload::{self, WorkloadConfig};
+use kvscope_lab::LabConfig;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// Telemetry for KV-aware LLM serving fleets: spills, the true migratable delta, and
+/// the data behind them.
+#[derive(Parser)]
+#[command(name = "kvscope", version)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the per-node agent (same as `kvscope-agent`).
+    Agent(kvscope_agent::cli::Cli),
+    /// Run the collector or write reports (same as `kvscope-collector`).
+    Collector(kvscope_collector::cli::Cli),
+    /// The main job on the embedded lab fleet: start Dynamo's KV router with mocker
+    /// workers and NATS on 127.0.0.1, attach the agent and collector, run a bounded
+    /// multi-turn chat workload, print the dry-run opportunity report, stop everything.
+    Demo(DemoArgs),
+}
+
+#[derive(Args)]
+struct DemoArgs {
+    /// Mocker workers.
+    #[arg(long, default_value_t = 3)]
+    workers: usize,
+    /// KV capacity per worker in blocks (small, so the router spills).
+    #[arg(long, default_value_t = 256)]
+    gpu_blocks: u32,
+    /// Conversations in the workload.
+    #[arg(long, default_value_t = 48)]
+    sessions: usize,
+    /// Conversation families (distinct system prompts).
+    #[arg(long, default_value_t = 6)]
+    families: usize,
+    /// Turns per conversation.
+    #[arg(long, default_value_t = 8)]
+    turns: usize,
+    /// Requests in flight at most.
+    #[arg(long, default_value_t = 16)]
+    concurrency: usize,
+    /// Request rate cap (requests/s).
+    #[arg(long, default_value_t = 8.0)]
+    rate: f64,
+    /// Stop sending new requests after this many seconds.
+    #[arg(long, default_value_t = 60.0)]
+    duration_secs: f64,
+    /// Collector window length in seconds.
+    #[arg(long, default_value_t = 5.0)]
+    window_secs: f64,
+    /// Warm-up not measured, in seconds.
+    #[arg(long, default_value_t = 5.0)]
+    warmup_secs: f64,
+    /// Write report.md, report.json and the recordings here (default: the lab run folder).
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+#[tokio::main]
+async fn main() -> std::process::ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let result = match Cli::parse().command {
+        Command::Agent(cli) => kvscope_agent::cli::run(cli).await,
+        Command::Collector(cli) => kvscope_collector::cli::run(cli).await,
+        Command::Demo(args) => demo(args).await,
+    };
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("kvscope: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn demo(args: DemoArgs) -> anyhow::Result<()> {
+    let lab = LabConfig {
+        workers: args.workers,
+        num_gpu_blocks: args.gpu_blocks,
+        ..LabConfig::default()
+    };
+    eprintln!(
+        "kvscope demo: checking the lab venv in {} …",
+        lab.lab_dir.display()
+    );
+    kvscope_lab::setup::ensure_venv(&lab.lab_dir)?;
+    eprintln!(
+        "kvscope demo: starting the lab ({} mocker workers) with the agent and collector …",
+        args.workers
+    );
+    let exe = std::env::current_exe().context("cannot find the kvscope binary itself")?;
+    let run = FleetRun::start(
+        &exe,
+        FleetRunConfig {
+            lab,
+            window_secs: args.window_secs,
+            warmup_secs: args.warmup_secs,
+        },
+    )
+    .await?;
+    eprintln!(
+        "kvscope demo: collector API at {} (try {}/api/report.md)",
+        run.api(),
+        run.api()
+    );
+    let wl = WorkloadConfig {
+        frontend: run.lab().frontend_url().to_string(),
+        sessions: args.sessions,
+        families: args.families,
+        max_turns: args.turns,
+        concurrency: args.concurrency,
+        rate: Some(args.rate),
+        duration_secs: args.duration_secs,
+        ..WorkloadConfig::default()
+    };
+    eprintln!(
+        "kvscope demo: running the workload ({} sessions × {} turns, ≤ {} req/s, ≤ {} s) …",
+        args.sessions, args.turns, args.rate, args.duration_secs
+    );
+    let summary = workload::run(wl).await?;
+    eprintln!(
+        "kvscope demo: workload done: {} sent, {} ok, {} failed in {:.1} s",
+        summary.sent, summary.ok, summary.failed, summary.elapsed_secs
+    );
+    run.wait_drained(Duration::from_secs(2), Duration::from_secs(60))
+        .await?;
+    let report = run.report().await?;
+    let out = args
+        .out
+        .unwrap_or_else(|| run.lab().run_dir().to_path_buf());
+    std::fs::create_dir_all(&out)?;
+    std::fs::write(out.join("report.md"), report.to_markdown())?;
+    std::fs::write(out.join("report.json"), report.to_json_pretty())?;
+    std::fs::write(
+        out.join("workload.json"),
+        serde_json::to_vec_pretty(&summary)?,
+    )?;
+    println!("{}", report.to_markdown());
+    eprintln!(
+        "kvscope demo: report.md, report.json and workload.json in {}; recording in {}",
+        out.display(),
+        run.recording.display()
+    );
+    run.stop();
+    Ok(())
+}

@@ -1,0 +1,198 @@
+//! The whole pipeline on the real lab: Dynamo 1.6.1's KV router with 3 mocker workers,
+//! a bounded chat workload that makes it spill, `kvscope agent` → NATS JetStream →
+//! `kvscope collector`, with the collector killed (SIGKILL) and restarted mid-run.
+//!
+//! Asserts: every request the workload sent appears as a joined routing decision; for
+//! every decision the collector's per-worker overlaps equal those of `dynamo-kv-router`
+//! 1.6.1's own radix tree fed the same events in the same order; spills happen; the true
+//! delta never exceeds the upper bound; the live report after the restart equals a
+//! replay of the recording (in process and through `kvscope collector report --replay`)
+//! and has at least 6 measured windows.
+
+mod oracle;
+
+use kvscope::fleet_run::{FleetRun, FleetRunConfig};
+use kvscope_collector::analyzer::{AnalyzerConfig, FleetAnalyzer};
+use kvscope_collector::report::{OpportunityReport, ReportStatus};
+use kvscope_lab::workload::{self, WorkloadConfig};
+use kvscope_lab::LabConfig;
+use kvscope_wire::recording::read_recording;
+use kvscope_wire::Record;
+use std::collections::HashSet;
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+const WINDOW_SECS: f64 = 4.0;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lab_fleet_end_to_end_with_a_collector_crash() {
+    let lab = LabConfig {
+        workers: 3,
+        ..LabConfig::default()
+    };
+    kvscope_lab::setup::ensure_venv(&lab.lab_dir).expect("the lab venv (scripts/setup makes it)");
+    let exe = Path::new(env!("CARGO_BIN_EXE_kvscope"));
+    let mut run = FleetRun::start(
+        exe,
+        FleetRunConfig {
+            lab,
+            window_secs: WINDOW_SECS,
+            warmup_secs: WINDOW_SECS,
+        },
+    )
+    .await
+    .expect("lab, agent and collector start");
+    let wl = WorkloadConfig {
+        frontend: run.lab().frontend_url().to_string(),
+        sessions: 48,
+        families: 6,
+        max_turns: 8,
+        concurrency: 16,
+        rate: Some(10.0),
+        duration_secs: 40.0,
+        ..WorkloadConfig::default()
+    };
+    let workload = tokio::spawn(workload::run(wl));
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    run.kill_collector();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    run.restart_collector()
+        .await
+        .expect("the collector restarts");
+    let summary = workload.await.unwrap().expect("the workload runs");
+    assert_eq!(summary.failed, 0, "every workload request succeeds");
+    assert!(
+        summary.ok >= 100,
+        "a real workload ran: {} requests",
+        summary.ok
+    );
+
+    // Stop the agent so the stream stops growing, let the collector apply all of it.
+    run.stop_agent();
+    run.wait_drained(Duration::from_secs(1), Duration::from_secs(60))
+        .await
+        .expect("the collector catches up");
+    let live = run.report().await.expect("the live report");
+    let recording = run.recording.clone();
+    run.stop();
+
+    let rec = read_recording(&recording).unwrap();
+    assert!(
+        rec.bad_lines.is_empty(),
+        "the recording is clean: {:?}",
+        &rec.bad_lines[..rec.bad_lines.len().min(3)]
+    );
+
+    // Every request the workload sent shows up as a joined decision.
+    let decided: HashSet<&str> = rec
+        .envelopes
+        .iter()
+        .filter_map(|e| match &e.record {
+            Record::Decision(d) => Some(d.request_id.as_str()),
+            _ => None,
+        })
+        .collect();
+    let missing: Vec<_> = summary
+        .requests
+        .iter()
+        .filter_map(|r| r.router_request_id.as_deref())
+        .filter(|id| !decided.contains(id))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "{} of {} requests have no joined decision, e.g. {:?}",
+        missing.len(),
+        summary.ok,
+        &missing[..missing.len().min(3)]
+    );
+
+    // The collector's overlaps equal dynamo-kv-router's, decision by decision.
+    let cfg = AnalyzerConfig {
+        window_secs: WINDOW_SECS,
+        warmup_secs: WINDOW_SECS,
+        ..AnalyzerConfig::default()
+    };
+    let mut analyzer = FleetAnalyzer::new(cfg);
+    let verdicts: Vec<_> = rec
+        .envelopes
+        .iter()
+        .filter_map(|e| analyzer.apply(e))
+        .collect();
+    let expected = oracle::dynamo_overlaps(&rec.envelopes);
+    assert_eq!(verdicts.len(), expected.len());
+    let mismatches: Vec<_> = verdicts
+        .iter()
+        .zip(&expected)
+        .filter(|(v, (id, o))| v.request_id != *id || v.overlaps != *o)
+        .map(|(v, (_, o))| {
+            format!(
+                "{}: kvscope {:?} vs dynamo {:?}",
+                v.request_id, v.overlaps, o
+            )
+        })
+        .collect();
+    assert!(
+        mismatches.is_empty(),
+        "{} of {} decisions differ from Dynamo's indexer: {:#?}",
+        mismatches.len(),
+        verdicts.len(),
+        &mismatches[..mismatches.len().min(5)]
+    );
+    assert!(
+        verdicts.iter().any(|v| !v.overlaps.is_empty()),
+        "some requests hit a cached prefix"
+    );
+
+    // Spills, and the true delta within the upper bound everywhere.
+    let spills = verdicts.iter().filter(|v| v.spill).count();
+    assert!(spills > 0, "the lab workload makes the router spill");
+    for v in &verdicts {
+        assert!(
+            v.true_delta_tokens <= v.upper_bound_tokens,
+            "{}: true delta above the upper bound",
+            v.request_id
+        );
+    }
+
+    // Live figures after the crash equal a replay; the report is ready.
+    let replayed = OpportunityReport::from_analyzer(&analyzer);
+    assert_eq!(
+        serde_json::to_value(&live).unwrap(),
+        serde_json::to_value(&replayed).unwrap(),
+        "live report vs replay of the recording"
+    );
+    assert_eq!(
+        live.status,
+        ReportStatus::Ready,
+        "≥ 6 measured windows: {:?}",
+        live.status
+    );
+    assert!(live.windows_measured >= 6);
+    assert!(live.spills > 0, "spills inside the measured windows");
+    let out = Command::new(exe)
+        .args([
+            "collector",
+            "--window-secs",
+            &WINDOW_SECS.to_string(),
+            "--warmup-secs",
+            &WINDOW_SECS.to_string(),
+        ])
+        .args(["report", "--format", "json", "--replay"])
+        .arg(&recording)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let cli: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        cli,
+        serde_json::to_value(&live).unwrap(),
+        "kvscope collector report --replay reproduces the live figures"
+    );
+    let md = live.to_markdown();
+    assert!(md.contains("true delta") && md.contains("## Windows"));
+}
