@@ -12,7 +12,8 @@
 use crate::counters::AgentStats;
 use crate::internal_events::{InternalEvent, PublishFailed, RecordPublished, StreamReady};
 use crate::record_sink::RecordSink;
-use async_nats::jetstream::{self, message::PublishMessage, stream};
+use async_nats::jetstream::{self, message::PublishMessage};
+use kvscope_wire::subject::stream_config;
 use kvscope_wire::Subjects;
 use std::sync::Arc;
 use std::time::Duration;
@@ -29,17 +30,6 @@ pub struct PublisherConfig {
     pub stream_max_age: Duration,
     /// Prefix of the de-duplication ids: unique per agent run.
     pub run_id: String,
-}
-
-/// The stream configuration the agent asks for (the collector asks for the same).
-pub fn stream_config(subjects: &Subjects, max_age: Duration) -> stream::Config {
-    stream::Config {
-        name: subjects.stream_name(),
-        subjects: vec![subjects.all()],
-        storage: stream::StorageType::File,
-        max_age,
-        ..Default::default()
-    }
 }
 
 /// Publish until `stop` turns true, then keep draining until the buffer is empty or

@@ -13,6 +13,7 @@ use anyhow::Context as _;
 use async_nats::jetstream::{self, consumer, stream};
 use futures::StreamExt as _;
 use kvscope_wire::recording::RecordingWriter;
+use kvscope_wire::subject::stream_config;
 use kvscope_wire::{Envelope, Subjects};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -87,17 +88,6 @@ impl Shared {
 /// state stays usable, and a panic elsewhere must not stop the collector.
 pub fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// The stream every agent publishes to; created here too so either side can start first.
-pub fn stream_config(subjects: &Subjects, max_age: Duration) -> stream::Config {
-    stream::Config {
-        name: subjects.stream_name(),
-        subjects: vec![subjects.all()],
-        storage: stream::StorageType::File,
-        max_age,
-        ..Default::default()
-    }
 }
 
 /// Rebuild from the stream, then follow it for ever (until the task is dropped).

@@ -176,7 +176,7 @@ async fn a_killed_collector_resumes_without_losing_or_repeating_records() {
     let (_nats, url) = start_nats(&dir.path().join("js"));
     let subjects = Subjects::new("t");
     let js = jetstream::new(async_nats::connect(&url).await.unwrap());
-    js.get_or_create_stream(kvscope_collector::bus::stream_config(
+    js.get_or_create_stream(kvscope_wire::subject::stream_config(
         &subjects,
         Duration::from_secs(3600),
     ))

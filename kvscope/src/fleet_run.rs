@@ -132,15 +132,27 @@ impl FleetRun {
     }
 
     async fn wait_collector_up(&self) -> anyhow::Result<()> {
+        self.wait_for_summary("the collector's API", "collector.log", |_| true)
+            .await
+    }
+
+    /// Poll the collector's summary until `ready` holds, for at most 30 s; on time-out
+    /// the error names the log to read.
+    async fn wait_for_summary(
+        &self,
+        what: &str,
+        log: &str,
+        ready: impl Fn(&Value) -> bool,
+    ) -> anyhow::Result<()> {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
-            if self.summary().await.is_ok() {
+            if self.summary().await.is_ok_and(|s| ready(&s)) {
                 return Ok(());
             }
             if Instant::now() > deadline {
                 bail!(
-                    "the collector did not come up; see {}",
-                    self.run_dir().join("collector.log").display()
+                    "waited 30 s for {what}; see {}",
+                    self.run_dir().join(log).display()
                 );
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
@@ -157,21 +169,10 @@ impl FleetRun {
     /// Wait until the collector has a heartbeat from the agent, so the agent's taps are
     /// connected before any workload starts.
     async fn wait_agent_seen(&self) -> anyhow::Result<()> {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            if let Ok(s) = self.summary().await {
-                if s["agents"].as_object().is_some_and(|a| !a.is_empty()) {
-                    return Ok(());
-                }
-            }
-            if Instant::now() > deadline {
-                bail!(
-                    "no heartbeat from the agent; see {}",
-                    self.run_dir().join("agent.log").display()
-                );
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        self.wait_for_summary("the agent's first heartbeat", "agent.log", |s| {
+            s["agents"].as_object().is_some_and(|a| !a.is_empty())
+        })
+        .await
     }
 
     /// Kill the collector without warning (SIGKILL), as a crash would.

@@ -40,6 +40,22 @@ impl Subjects {
     }
 }
 
+/// The stream both the agents and the collector ask for (either may start first):
+/// every subject of the cluster, on disk, records kept for `max_age`.
+#[cfg(feature = "jetstream")]
+pub fn stream_config(
+    subjects: &Subjects,
+    max_age: std::time::Duration,
+) -> async_nats::jetstream::stream::Config {
+    async_nats::jetstream::stream::Config {
+        name: subjects.stream_name(),
+        subjects: vec![subjects.all()],
+        storage: async_nats::jetstream::stream::StorageType::File,
+        max_age,
+        ..Default::default()
+    }
+}
+
 fn token(s: &str) -> String {
     let t: String = s
         .chars()
