@@ -22,11 +22,7 @@ fn python() -> std::path::PathBuf {
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    kvscope_lab::ports::pick_ports(1).unwrap()[0]
 }
 
 struct Killed(Child);

@@ -50,9 +50,7 @@ impl FleetRun {
             .context("the lab was started without NATS; kvscope needs it as its bus")?
             .to_string();
         let run_dir = lab.run_dir().to_path_buf();
-        let port = std::net::TcpListener::bind("127.0.0.1:0")?
-            .local_addr()?
-            .port();
+        let port = kvscope_lab::ports::pick_ports(1)?[0];
         let mut run = FleetRun {
             exe: exe.to_path_buf(),
             cfg,

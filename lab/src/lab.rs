@@ -1,7 +1,7 @@
 //! Starting and stopping the lab: NATS, the Dynamo frontend (KV router) and N mockers.
 
 use std::collections::BTreeSet;
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -215,18 +215,7 @@ impl Lab {
         let model_path = std::fs::canonicalize(&config.model_path)
             .with_context(|| format!("model path {}", config.model_path.display()))?;
 
-        // Ports: hold all listeners until every port is chosen so they are distinct.
-        let n_ports = 2 + config.workers;
-        let listeners: Vec<TcpListener> = (0..n_ports)
-            .map(|_| TcpListener::bind("127.0.0.1:0"))
-            .collect::<Result<_, _>>()
-            .context("choosing free ports")?;
-        let ports: Vec<u16> = listeners
-            .iter()
-            .map(|l| l.local_addr().map(|a| a.port()))
-            .collect::<Result<_, _>>()
-            .context("choosing free ports")?;
-        drop(listeners);
+        let ports = crate::ports::pick_ports(2 + config.workers).context("choosing free ports")?;
         let (http_port, nats_port, zmq_ports) = (ports[0], ports[1], &ports[2..]);
 
         let mut lab = Lab {

@@ -12,6 +12,7 @@
 pub mod discovery;
 mod lab;
 pub mod paths;
+pub mod ports;
 pub mod process;
 pub mod router_log;
 pub mod setup;
