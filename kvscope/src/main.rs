@@ -41,16 +41,16 @@ struct DemoArgs {
     #[arg(long, default_value_t = 48)]
     sessions: usize,
     /// Conversation families (distinct system prompts).
-    #[arg(long, default_value_t = 6)]
+    #[arg(long, default_value_t = 3)]
     families: usize,
-    /// Turns per conversation.
-    #[arg(long, default_value_t = 8)]
+    /// Turns per conversation at most (the run is normally bounded by --duration-secs).
+    #[arg(long, default_value_t = 40)]
     turns: usize,
     /// Requests in flight at most.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 32)]
     concurrency: usize,
     /// Request rate cap (requests/s).
-    #[arg(long, default_value_t = 8.0)]
+    #[arg(long, default_value_t = 12.0)]
     rate: f64,
     /// Stop sending new requests after this many seconds.
     #[arg(long, default_value_t = 60.0)]
@@ -151,6 +151,14 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
         serde_json::to_vec_pretty(&summary)?,
     )?;
     println!("{}", report.to_markdown());
+    if let Some(router_view) = summary.router_spilled_cached_tokens {
+        let kvscope_view: u64 = report.windows.iter().map(|w| w.true_delta_tokens).sum();
+        println!(
+            "Cross-check, whole run including warm-up: Dynamo's own router counters put the \
+             cached prefix it passed over (best − selected) at {router_view:.0} tokens; \
+             kvscope's true delta over the same closed windows is {kvscope_view} tokens."
+        );
+    }
     eprintln!(
         "kvscope demo: report.md, report.json and workload.json in {}; recording in {}",
         out.display(),

@@ -45,12 +45,15 @@ async fn lab_fleet_end_to_end_with_a_collector_crash() {
     .expect("lab, agent and collector start");
     let wl = WorkloadConfig {
         frontend: run.lab().frontend_url().to_string(),
+        // Three families over three workers and enough concurrency that the router's
+        // load term sometimes beats the cache. Bounded by time, not by turns, so the
+        // run covers ≥ 6 windows after the warm-up however fast the machine is.
         sessions: 48,
-        families: 6,
-        max_turns: 8,
-        concurrency: 16,
-        rate: Some(10.0),
-        duration_secs: 40.0,
+        families: 3,
+        max_turns: 40,
+        concurrency: 32,
+        rate: Some(12.0),
+        duration_secs: 36.0,
         ..WorkloadConfig::default()
     };
     let workload = tokio::spawn(workload::run(wl));
@@ -146,6 +149,14 @@ async fn lab_fleet_end_to_end_with_a_collector_crash() {
 
     // Spills, and the true delta within the upper bound everywhere.
     let spills = verdicts.iter().filter(|v| v.spill).count();
+    eprintln!(
+        "lab run: {} requests, {} decisions, {} spills, {} records; router's own best − selected: {:?} tokens",
+        summary.ok,
+        verdicts.len(),
+        spills,
+        rec.envelopes.len(),
+        summary.router_spilled_cached_tokens
+    );
     assert!(spills > 0, "the lab workload makes the router spill");
     for v in &verdicts {
         assert!(
