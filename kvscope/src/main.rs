@@ -50,7 +50,7 @@ struct DemoArgs {
     #[arg(long, default_value_t = 32)]
     concurrency: usize,
     /// Request rate cap (requests/s).
-    #[arg(long, default_value_t = 12.0)]
+    #[arg(long, default_value_t = 20.0)]
     rate: f64,
     /// Stop sending new requests after this many seconds.
     #[arg(long, default_value_t = 60.0)]

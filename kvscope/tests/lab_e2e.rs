@@ -52,7 +52,7 @@ async fn lab_fleet_end_to_end_with_a_collector_crash() {
         families: 3,
         max_turns: 40,
         concurrency: 32,
-        rate: Some(12.0),
+        rate: Some(20.0),
         duration_secs: 36.0,
         ..WorkloadConfig::default()
     };
