@@ -58,8 +58,9 @@ impl RunningAgent {
         }
         self.heartbeat.abort();
         // The last heartbeat goes in before the publisher is told to stop, so it is
-        // among the records it drains.
+        // among the records it drains; nothing stays held in the reorder window.
         heartbeat(&self.sink, &self.stats);
+        self.sink.release_all();
         let _ = self.stop.send(true);
         let publisher = &mut self.publisher;
         if tokio::time::timeout(self.grace, &mut *publisher)
@@ -116,6 +117,7 @@ pub async fn start(cfg: AgentConfig) -> anyhow::Result<RunningAgent> {
             &cfg.agent_id,
             subjects.clone(),
             cfg.buffer_capacity,
+            cfg.reorder_window_ms * 1_000_000,
             cfg.record.as_deref(),
             stats.clone(),
         )
@@ -176,13 +178,20 @@ pub async fn start(cfg: AgentConfig) -> anyhow::Result<RunningAgent> {
         let sink = sink.clone();
         let stats = stats.clone();
         let period = Duration::from_secs_f64(cfg.heartbeat_interval_secs);
+        // Held records leave when their reorder window has passed, checked a few times
+        // per window.
+        let release_period = Duration::from_millis((cfg.reorder_window_ms / 4).clamp(5, 250));
         tokio::spawn(async move {
-            let mut tick = tokio::time::interval(period);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            tick.tick().await;
+            let mut beat = tokio::time::interval(period);
+            beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            beat.tick().await;
+            let mut release = tokio::time::interval(release_period);
+            release.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
-                tick.tick().await;
-                heartbeat(&sink, &stats);
+                tokio::select! {
+                    _ = beat.tick() => heartbeat(&sink, &stats),
+                    _ = release.tick() => sink.release_due(),
+                }
             }
         })
     };

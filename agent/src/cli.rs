@@ -52,6 +52,10 @@ pub struct Cli {
     /// Serve Prometheus /metrics on this address, e.g. 127.0.0.1:9464.
     #[arg(long, value_name = "ADDR")]
     pub metrics_listen: Option<String>,
+    /// How long records wait for earlier ones that arrive later, in milliseconds
+    /// [default: 250; 0 = arrival order].
+    #[arg(long)]
+    pub reorder_window_ms: Option<u64>,
     /// Print the effective configuration as TOML and exit.
     #[arg(long)]
     pub print_config: bool,
@@ -101,6 +105,9 @@ impl Cli {
         }
         if let Some(v) = &self.metrics_listen {
             cfg.metrics_listen = Some(v.clone());
+        }
+        if let Some(v) = self.reorder_window_ms {
+            cfg.reorder_window_ms = v;
         }
     }
 }

@@ -65,8 +65,13 @@ pub struct AgentConfig {
     /// Env: `KVSCOPE_AGENT_METRICS_LISTEN`.
     pub metrics_listen: Option<String>,
     /// How often the log follower looks for new lines, rotation and truncation, in
-    /// milliseconds (default 100).
+    /// milliseconds (default 20).
     pub log_poll_interval_ms: u64,
+    /// How long a record waits for records of its sources that happened earlier but
+    /// reach the agent later (a router log line vs the ZMQ events of the prefill it
+    /// caused), in milliseconds (default 250; 0 sends in arrival order). Records leave
+    /// in event-time order; see `record_sink`. Env: `KVSCOPE_AGENT_REORDER_WINDOW_MS`.
+    pub reorder_window_ms: u64,
     /// How long a shutdown waits for buffered records to reach NATS, in seconds
     /// (default 5).
     pub shutdown_grace_secs: f64,
@@ -132,7 +137,8 @@ impl Default for AgentConfig {
             stream_max_age_secs: 86_400,
             join_timeout_secs: 30.0,
             metrics_listen: None,
-            log_poll_interval_ms: 100,
+            log_poll_interval_ms: 20,
+            reorder_window_ms: 250,
             shutdown_grace_secs: 5.0,
         }
     }
@@ -212,6 +218,9 @@ impl AgentConfig {
         }
         if let Some(v) = var("KVSCOPE_AGENT_METRICS_LISTEN") {
             self.metrics_listen = Some(v);
+        }
+        if let Some(v) = var("KVSCOPE_AGENT_REORDER_WINDOW_MS") {
+            self.reorder_window_ms = parse("KVSCOPE_AGENT_REORDER_WINDOW_MS", &v)?;
         }
         Ok(())
     }

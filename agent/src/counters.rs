@@ -48,6 +48,7 @@ agent_stats!(
     published,
     publish_dropped,
     publish_errors,
+    records_late,
 );
 
 /// Add `n` to a counter.
@@ -67,6 +68,6 @@ mod tests {
         let c = s.snapshot();
         assert_eq!(c.kv_batches, 2);
         assert_eq!(c.publish_dropped, 5);
-        assert_eq!(s.named().len(), 17);
+        assert_eq!(s.named().len(), 18);
     }
 }

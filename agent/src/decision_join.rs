@@ -282,6 +282,11 @@ impl RouterLogProcessor {
     pub fn pending(&self) -> usize {
         self.joiner.pending()
     }
+
+    /// The timestamp of the latest line that carried one.
+    pub fn last_ts_ns(&self) -> Option<u64> {
+        self.last_ts_ns
+    }
 }
 
 fn from_join(j: JoinOutput) -> LogOutput {

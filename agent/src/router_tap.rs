@@ -26,6 +26,11 @@ impl RouterTap {
         }
     }
 
+    /// The timestamp of the latest log line that carried one (UNIX ns).
+    pub fn log_time_ns(&self) -> Option<u64> {
+        self.processor.last_ts_ns()
+    }
+
     /// One input item → records; every line and problem is counted.
     pub fn item(&mut self, item: &LogItem, stats: &AgentStats) -> Vec<Record> {
         let outputs = match item {
@@ -74,7 +79,8 @@ pub async fn run(
 ) {
     while let Some(item) = rx.recv().await {
         for r in tap.item(&item, &stats) {
-            sink.submit(r);
+            // A decision happened when the router logged it, not when we read the line.
+            sink.submit_event(r, tap.log_time_ns());
         }
     }
 }

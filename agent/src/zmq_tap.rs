@@ -170,7 +170,8 @@ pub async fn run(
             match msg {
                 Ok(msg) => {
                     if let Some(record) = tap.message(&msg.into_vec()) {
-                        sink.submit(record);
+                        let at = engine_time_ns(&record);
+                        sink.submit_event(record, at);
                     }
                 }
                 Err(e) => {
@@ -188,6 +189,16 @@ pub async fn run(
             _ = tokio::time::sleep(backoff) => {}
             _ = stop.changed() => return,
         }
+    }
+}
+
+/// The engine's own timestamp of a batch (UNIX seconds as f64), when it looks like one.
+fn engine_time_ns(record: &Record) -> Option<u64> {
+    match record {
+        Record::KvEvents(b) if b.engine_ts.is_finite() && b.engine_ts > 1e9 => {
+            Some((b.engine_ts * 1e9) as u64)
+        }
+        _ => None,
     }
 }
 

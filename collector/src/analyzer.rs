@@ -12,7 +12,7 @@ use kvscope_wire::{
     RoutingDecision, SequenceStatus,
 };
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 
 /// How the analyzer measures. Every field has a default that fits a Dynamo fleet.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -69,6 +69,10 @@ pub struct CollectorCounters {
     /// Publisher sequence numbers that went backwards: the engine restarted, so the
     /// worker's mirror was cleared.
     pub sequence_resets: u64,
+    /// KV batches whose publisher sequence number does not follow the last one applied
+    /// here although the agent saw no gap: batches lost or reordered between agent and
+    /// collector (a full agent buffer, a publish retried across a reconnect).
+    pub batch_order_faults: u64,
     pub decisions: u64,
     pub spills: u64,
     /// Decisions for a worker that never published a KV event.
@@ -100,6 +104,8 @@ pub struct FleetAnalyzer {
     open: Option<OpenWindow>,
     closed: VecDeque<ClosedWindow>,
     verdicts: VecDeque<SpillVerdict>,
+    /// Last batch sequence number applied per (agent, publisher).
+    publisher_seqs: HashMap<(String, String), u64>,
 }
 
 impl FleetAnalyzer {
@@ -116,6 +122,7 @@ impl FleetAnalyzer {
             open: None,
             closed: VecDeque::new(),
             verdicts: VecDeque::new(),
+            publisher_seqs: HashMap::new(),
         }
     }
 
@@ -156,6 +163,7 @@ impl FleetAnalyzer {
         self.advance_clock(env.observed_ns);
         match &env.record {
             Record::KvEvents(batch) => {
+                self.check_batch_order(&env.agent, batch);
                 self.apply_kv(batch);
                 None
             }
@@ -184,7 +192,7 @@ impl FleetAnalyzer {
         }
         self.watermark_ns = t;
         let start = t - t % self.window_ns;
-        let warmup_end = first + (self.cfg.warmup_secs.max(0.0) * 1e9) as u64;
+        let warmup_end = first.saturating_add((self.cfg.warmup_secs.max(0.0) * 1e9) as u64);
         match &self.open {
             Some(w) if w.summary.start_ns == start => {}
             Some(_) => {
@@ -227,6 +235,23 @@ impl FleetAnalyzer {
             .as_mut()
             .expect("advance_clock opens a window before any record is applied")
             .summary
+    }
+
+    /// The agent classifies each batch against the one before it; a batch that arrives
+    /// here not following the last one applied, although the agent called it in order,
+    /// was lost or reordered on the way.
+    fn check_batch_order(&mut self, agent: &str, batch: &KvEventBatch) {
+        let key = (agent.to_string(), batch.publisher.clone());
+        let last = self.publisher_seqs.insert(key, batch.seq);
+        let expected = match (last, batch.sequence) {
+            (Some(l), SequenceStatus::InOrder) => l.checked_add(1),
+            (Some(l), SequenceStatus::Gap { missed }) => l.checked_add(missed + 1),
+            _ => return,
+        };
+        if expected != Some(batch.seq) {
+            self.counters.batch_order_faults += 1;
+            self.open_summary().data_faults += 1;
+        }
     }
 
     fn apply_kv(&mut self, batch: &KvEventBatch) {
@@ -497,6 +522,23 @@ mod tests {
         assert_eq!(c.unknown_parent_events, 1);
         assert_eq!(a.open_window().unwrap().data_faults, 4);
         assert_eq!(a.index().cached_blocks(&w(1)), 2);
+    }
+
+    #[test]
+    fn batches_lost_or_reordered_after_the_agent_are_data_faults() {
+        let mut a = FleetAnalyzer::new(cfg());
+        let toks: Vec<u32> = (0..2).collect();
+        a.apply(&env(1, stored(1, 0, SequenceStatus::First, &toks, &[1])));
+        a.apply(&env(2, stored(1, 1, SequenceStatus::InOrder, &toks, &[2])));
+        // Batch 2 dropped by a full agent buffer: 3 arrives "in order".
+        a.apply(&env(3, stored(1, 3, SequenceStatus::InOrder, &toks, &[3])));
+        // A gap the agent saw and reported is not counted twice.
+        a.apply(&env(
+            4,
+            stored(1, 6, SequenceStatus::Gap { missed: 2 }, &toks, &[4]),
+        ));
+        assert_eq!(a.counters().batch_order_faults, 1);
+        assert_eq!(a.counters().sequence_gaps, 1);
     }
 
     #[test]

@@ -17,7 +17,7 @@ use kvscope_wire::subject::stream_config;
 use kvscope_wire::{Envelope, Subjects};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 
 /// Where the bus reader is; shown on `/metrics` and the API.
 #[derive(Debug, Default, Clone, serde::Serialize)]
@@ -30,6 +30,11 @@ pub struct BusStatus {
     /// Records applied while rebuilding state at start.
     pub rebuilt_records: u64,
     pub rebuilding: bool,
+    /// Stream records that were gone (expired or deleted) when the collector came to
+    /// apply them: a hole in what it has seen.
+    pub missing_records: u64,
+    /// The recording stopped after a write error.
+    pub recording_failed: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -60,11 +65,11 @@ impl Shared {
         match Envelope::from_json(payload) {
             Ok(env) => {
                 lock(&self.analyzer).apply(&env);
-                if let Some(rec) = lock(&self.recorder).as_mut() {
-                    if let Err(e) = rec.write(&env) {
-                        warn!(error = %e, "Cannot write the recording; recording stops.");
-                        *lock(&self.recorder) = None;
-                    }
+                let mut recorder = lock(&self.recorder);
+                if let Some(Err(e)) = recorder.as_mut().map(|r| r.write(&env)) {
+                    error!(error = %e, "Cannot write the recording; recording stops.");
+                    *recorder = None;
+                    lock(&self.bus).recording_failed = true;
                 }
             }
             Err(e) => {
@@ -151,7 +156,13 @@ pub async fn run(cfg: BusConfig, shared: Arc<Shared>) -> anyhow::Result<()> {
             }
         };
         let applied = lock(&shared.bus).applied_seq;
-        if seq > applied {
+        if seq > applied + 1 && applied > 0 {
+            // The stream holds only this cluster's subjects, so its sequence numbers are
+            // contiguous: a jump means records delivered before a reconnect are pending
+            // redelivery. Fetch them now, so every record is applied once and in order.
+            fill_gap(&stream, applied + 1, seq, &shared).await;
+        }
+        if seq > lock(&shared.bus).applied_seq {
             shared.apply_payload(&msg.payload, seq);
         }
         lock(&shared.bus).pending = pending;
@@ -160,6 +171,22 @@ pub async fn run(cfg: BusConfig, shared: Arc<Shared>) -> anyhow::Result<()> {
         }
     }
     anyhow::bail!("the durable consumer's message stream ended")
+}
+
+/// Apply stream records `from..to` by direct lookup; ones that no longer exist are
+/// counted as missing.
+async fn fill_gap(stream: &stream::Stream, from: u64, to: u64, shared: &Shared) {
+    for s in from..to {
+        match stream.get_raw_message(s).await {
+            Ok(m) => shared.apply_payload(&m.payload, s),
+            Err(e) => {
+                warn!(seq = s, error = %e, "A stream record is gone before it was applied; counted as missing.");
+                let mut bus = lock(&shared.bus);
+                bus.missing_records += 1;
+                bus.applied_seq = s;
+            }
+        }
+    }
 }
 
 async fn rebuild(stream: &stream::Stream, last: u64, shared: &Shared) -> anyhow::Result<()> {

@@ -13,7 +13,9 @@ pub struct CollectorConfig {
     pub nats_url: String,
     /// Cluster name: selects the stream `KVSCOPE_<CLUSTER>` and subjects `kvscope.<cluster>.>`.
     pub cluster: String,
-    /// Name of the durable JetStream consumer; collectors sharing it share the work.
+    /// Name of this collector's durable JetStream consumer. Each collector needs its
+    /// own: the figures are a fold over the whole stream, so collectors sharing one
+    /// consumer would each see only part of it.
     pub durable_name: String,
     /// Address of `/metrics` and the JSON API. Loopback by default.
     pub listen: SocketAddr,

@@ -118,6 +118,12 @@ pub fn render(a: &FleetAnalyzer, bus: &BusStatus) -> String {
     );
     counter(
         &mut reg,
+        "kv_batch_order_faults",
+        "KV batches lost or reordered between agent and collector.",
+        c.batch_order_faults,
+    );
+    counter(
+        &mut reg,
         "decisions",
         "Routing decisions judged.",
         c.decisions,
@@ -234,6 +240,18 @@ pub fn render(a: &FleetAnalyzer, bus: &BusStatus) -> String {
         "collector_bus_applied_sequence",
         "Stream sequence of the last applied record.",
         bus.applied_seq as f64,
+    );
+    counter(
+        &mut reg,
+        "collector_bus_missing_records",
+        "Stream records gone (expired or deleted) before this collector applied them.",
+        bus.missing_records,
+    );
+    gauge(
+        &mut reg,
+        "collector_recording_failed",
+        "1 when the recording stopped after a write error.",
+        if bus.recording_failed { 1.0 } else { 0.0 },
     );
     let agent_rows = |f: fn(&kvscope_wire::AgentCounters) -> u64| {
         a.agents()

@@ -335,6 +335,14 @@ impl OpportunityReport {
             ("missed batches", c.missed_batches),
             ("sequence resets (engine restarts)", c.sequence_resets),
             (
+                "batches lost or reordered after the agent",
+                c.batch_order_faults,
+            ),
+            (
+                "stores and removals on host/disk tiers (not counted)",
+                c.lower_tier_events,
+            ),
+            (
                 "stores with unknown parent (dropped)",
                 c.unknown_parent_events,
             ),

@@ -78,9 +78,22 @@ async fn lab_fleet_end_to_end_with_a_collector_crash() {
         .expect("the collector catches up");
     let live = run.report().await.expect("the live report");
     let recording = run.recording.clone();
+    let agent_recording = run.agent_recording.clone();
     run.stop();
 
     let rec = read_recording(&recording).unwrap();
+    // Nothing lost or reordered between the agent and the collector, across the crash:
+    // what the collector applied is exactly what the agent published, in its order.
+    let sent = read_recording(&agent_recording).unwrap();
+    assert_eq!(
+        sent.envelopes.len(),
+        rec.envelopes.len(),
+        "records published vs applied"
+    );
+    assert!(
+        sent.envelopes == rec.envelopes,
+        "the collector applied the agent's records in the agent's order"
+    );
     assert!(
         rec.bad_lines.is_empty(),
         "the recording is clean: {:?}",

@@ -54,6 +54,14 @@ pub fn ensure_venv(lab_dir: &Path) -> Result<()> {
         .with_context(|| format!("creating lab dir {}", lab_dir.display()))?;
     let venv = lab_dir.join("venv");
     let python = venv_python(lab_dir);
+    let pip = lab_dir.join("venv").join("bin").join("pip");
+    if python.exists() && !pip.exists() {
+        // A venv made without ensurepip (Debian's python3 minus python3-venv) has no
+        // pip and would fail here for ever: make it again.
+        info!(venv = %venv.display(), "The venv has no pip; recreating it.");
+        std::fs::remove_dir_all(&venv)
+            .with_context(|| format!("removing the broken venv {}", venv.display()))?;
+    }
     if !python.exists() {
         info!(venv = %venv.display(), "Creating Python venv.");
         run(
@@ -61,7 +69,6 @@ pub fn ensure_venv(lab_dir: &Path) -> Result<()> {
             "python3 -m venv",
         )?;
     }
-    let pip = lab_dir.join("venv").join("bin").join("pip");
     info!(packages = ?DYNAMO_PACKAGES, "Installing Dynamo (--no-deps); this downloads ~300 MB.");
     run(
         Command::new(&pip)

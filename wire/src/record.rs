@@ -183,6 +183,9 @@ pub struct AgentCounters {
     /// Records dropped because the local buffer was full while NATS was away.
     pub publish_dropped: u64,
     pub publish_errors: u64,
+    /// Records that reached the agent later than its reorder window after an already
+    /// published one: sent at once, stamped no earlier than their predecessor.
+    pub records_late: u64,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]

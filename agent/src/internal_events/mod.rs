@@ -127,6 +127,11 @@ mod tests {
             buffered: 1,
         }
         .emit(&s);
+        RecordLate {
+            behind_ms: 1.0,
+            subject: "s",
+        }
+        .emit(&s);
         let c = s.snapshot();
         assert_eq!(
             c,
@@ -148,6 +153,7 @@ mod tests {
                 published: 1,
                 publish_dropped: 1,
                 publish_errors: 1,
+                records_late: 1,
             }
         );
     }

@@ -31,6 +31,24 @@ impl InternalEvent for PublishDropped<'_> {
     }
 }
 
+/// A record arrived later than the reorder window allows: sent at once, out of its
+/// event-time order (the collector sees it stamped with its predecessor's time).
+pub struct RecordLate<'a> {
+    pub behind_ms: f64,
+    pub subject: &'a str,
+}
+
+static LATE: LogLimiter = LogLimiter::new();
+
+impl InternalEvent for RecordLate<'_> {
+    fn emit(self, stats: &AgentStats) {
+        if let Some(suppressed) = LATE.check() {
+            warn!(behind_ms = self.behind_ms, subject = %self.subject, suppressed, "Record arrived after the reorder window; sent out of order. Raise reorder_window_ms if this repeats.");
+        }
+        add(&stats.records_late, 1);
+    }
+}
+
 /// A publish (or the stream set-up) failed; the record stays buffered and is retried.
 pub struct PublishFailed<'a> {
     pub error: &'a str,
