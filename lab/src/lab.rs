@@ -538,12 +538,15 @@ fn fresh_run_dir(lab_dir: &Path) -> anyhow::Result<PathBuf> {
         .map(|d| d.as_secs())
         .unwrap_or(0);
     let base = lab_dir.join("runs");
+    std::fs::create_dir_all(&base).with_context(|| format!("creating {}", base.display()))?;
     for n in 0..1000 {
         let dir = base.join(format!("{secs}-{}-{n}", std::process::id()));
-        if !dir.exists() {
-            std::fs::create_dir_all(&dir)
-                .with_context(|| format!("creating run dir {}", dir.display()))?;
-            return Ok(dir);
+        // create_dir fails if the folder exists, so two labs started at once in one
+        // process (parallel tests) never share a run dir.
+        match std::fs::create_dir(&dir) {
+            Ok(()) => return Ok(dir),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+            Err(e) => return Err(e).with_context(|| format!("creating run dir {}", dir.display())),
         }
     }
     anyhow::bail!("could not pick a fresh run dir under {}", base.display())
