@@ -77,6 +77,11 @@ pub struct CollectorCounters {
     pub spills: u64,
     /// Decisions for a worker that never published a KV event.
     pub decisions_for_unseen_workers: u64,
+    /// Decisions whose whole prompt was already cached on the chosen worker. Repeated
+    /// prompts do that; so does a decision applied after the KV events of its own
+    /// prefill (the agent's reorder window too short). In a chat workload, where every
+    /// turn adds new text, it should stay near zero.
+    pub decisions_fully_cached: u64,
     pub migration_lines: u64,
     pub heartbeats: u64,
     /// Records older than the window already open (clock skew between agents).
@@ -340,6 +345,9 @@ impl FleetAnalyzer {
             self.counters.decisions_for_unseen_workers += 1;
         }
         let v = SpillVerdict::judge(&self.index, d, t, self.cfg.min_spill_blocks);
+        if !d.local_hashes.is_empty() && v.chosen_overlap_blocks as usize == d.local_hashes.len() {
+            self.counters.decisions_fully_cached += 1;
+        }
         if v.spill {
             self.counters.spills += 1;
         }
@@ -539,6 +547,22 @@ mod tests {
         ));
         assert_eq!(a.counters().batch_order_faults, 1);
         assert_eq!(a.counters().sequence_gaps, 1);
+    }
+
+    #[test]
+    fn a_decision_for_a_prompt_already_cached_whole_is_counted() {
+        let mut a = FleetAnalyzer::new(cfg());
+        let toks: Vec<u32> = (0..8).collect();
+        a.apply(&env(
+            1,
+            stored(1, 0, SequenceStatus::First, &toks, &[1, 2, 3, 4]),
+        ));
+        a.apply(&env(2, decision("late", 1, &toks)));
+        a.apply(&env(
+            3,
+            decision("new-turn", 1, &(0..10).collect::<Vec<u32>>()),
+        ));
+        assert_eq!(a.counters().decisions_fully_cached, 1);
     }
 
     #[test]

@@ -142,6 +142,12 @@ pub fn render(a: &FleetAnalyzer, bus: &BusStatus) -> String {
     );
     counter(
         &mut reg,
+        "decisions_fully_cached",
+        "Decisions whose whole prompt was already cached on the chosen worker.",
+        c.decisions_fully_cached,
+    );
+    counter(
+        &mut reg,
         "migration_log_lines",
         "KVMIGRATE log lines seen.",
         c.migration_lines,

@@ -352,6 +352,10 @@ impl OpportunityReport {
                 "decisions for workers with no KV events",
                 c.decisions_for_unseen_workers,
             ),
+            (
+                "decisions whose whole prompt was cached on the chosen worker",
+                c.decisions_fully_cached,
+            ),
             ("late records", c.late_records),
         ] {
             let _ = writeln!(md, "| {name} | {v} |");

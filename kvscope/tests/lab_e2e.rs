@@ -160,6 +160,14 @@ async fn lab_fleet_end_to_end_with_a_collector_crash() {
         "some requests hit a cached prefix"
     );
 
+    // Every turn adds new text, so no decision may find its whole prompt cached on the
+    // chosen worker: one that does was applied after its own prefill's KV events.
+    assert_eq!(
+        analyzer.counters().decisions_fully_cached,
+        0,
+        "decisions applied in event-time order"
+    );
+
     // Spills, and the true delta within the upper bound everywhere.
     let spills = verdicts.iter().filter(|v| v.spill).count();
     eprintln!(
