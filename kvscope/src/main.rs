@@ -37,6 +37,11 @@ struct DemoArgs {
     /// KV capacity per worker in blocks (small, so the router spills).
     #[arg(long, default_value_t = 256)]
     gpu_blocks: u32,
+    /// Softmax temperature of the router's worker choice (Dynamo's
+    /// `--router-temperature`; 0 = deterministic). On this small lab, spills from load
+    /// alone come and go with the machine's speed; 0.2 makes them certain.
+    #[arg(long, default_value_t = 0.2)]
+    router_temperature: f64,
     /// Conversations in the workload.
     #[arg(long, default_value_t = 48)]
     sessions: usize,
@@ -92,6 +97,10 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
     let lab = LabConfig {
         workers: args.workers,
         num_gpu_blocks: args.gpu_blocks,
+        frontend_args: vec![
+            "--router-temperature".into(),
+            args.router_temperature.to_string(),
+        ],
         ..LabConfig::default()
     };
     eprintln!(
