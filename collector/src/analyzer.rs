@@ -8,8 +8,8 @@ use crate::fleet_index::{FleetIndex, MirrorError};
 use crate::verdict::SpillVerdict;
 use crate::window::{ClosedWindow, OpenWindow, WindowSummary};
 use kvscope_wire::{
-    AgentHeartbeat, Envelope, KvEvent, KvEventBatch, MigrationLogKind, MigrationLogLine, Record,
-    RoutingDecision, SequenceStatus,
+    sequence_hashes, AgentHeartbeat, Envelope, KvEvent, KvEventBatch, MigrationLogKind,
+    MigrationLogLine, Record, RoutingDecision, SequenceHash, SequenceStatus, WorkerKey,
 };
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap, VecDeque};
@@ -31,6 +31,10 @@ pub struct AnalyzerConfig {
     pub keep_windows: usize,
     /// Recent verdicts kept for the API.
     pub keep_verdicts: usize,
+    /// How long the prompt blocks of a decision are remembered, in seconds: a block a
+    /// worker stores that is in no prompt routed to it within this time was generated
+    /// while decoding (an output block).
+    pub prompt_memory_secs: f64,
 }
 
 impl Default for AnalyzerConfig {
@@ -42,6 +46,7 @@ impl Default for AnalyzerConfig {
             min_windows: 6,
             keep_windows: 5760,
             keep_verdicts: 1000,
+            prompt_memory_secs: 600.0,
         }
     }
 }
@@ -66,6 +71,8 @@ pub struct CollectorCounters {
     pub token_count_mismatches: u64,
     pub sequence_gaps: u64,
     pub missed_batches: u64,
+    /// Stored blocks in no prompt recently routed to their worker: decode-generated.
+    pub generated_blocks: u64,
     /// Publisher sequence numbers that went backwards: the engine restarted, so the
     /// worker's mirror was cleared.
     pub sequence_resets: u64,
@@ -111,6 +118,8 @@ pub struct FleetAnalyzer {
     verdicts: VecDeque<SpillVerdict>,
     /// Last batch sequence number applied per (agent, publisher).
     publisher_seqs: HashMap<(String, String), u64>,
+    /// Per worker: the prompt blocks of decisions routed to it, with the decision time.
+    recent_prompts: HashMap<WorkerKey, HashMap<SequenceHash, u64>>,
 }
 
 impl FleetAnalyzer {
@@ -128,6 +137,7 @@ impl FleetAnalyzer {
             closed: VecDeque::new(),
             verdicts: VecDeque::new(),
             publisher_seqs: HashMap::new(),
+            recent_prompts: HashMap::new(),
         }
     }
 
@@ -228,6 +238,13 @@ impl FleetAnalyzer {
     }
 
     fn push_closed(&mut self, w: OpenWindow) {
+        let horizon = w
+            .summary
+            .end_ns
+            .saturating_sub((self.cfg.prompt_memory_secs.max(0.0) * 1e9) as u64);
+        for prompts in self.recent_prompts.values_mut() {
+            prompts.retain(|_, t| *t >= horizon);
+        }
         self.closed.push_back(w.close(&self.index));
         while self.closed.len() > self.cfg.keep_windows {
             self.closed.pop_front();
@@ -302,6 +319,13 @@ impl FleetAnalyzer {
                     ) {
                         Ok(seg) => {
                             self.counters.stored_blocks += seg.blocks.len() as u64;
+                            let prompts = self.recent_prompts.get(&worker);
+                            for b in &seg.blocks {
+                                if !prompts.is_some_and(|p| p.contains_key(b)) {
+                                    self.index.mark_generated(worker, *b);
+                                    self.counters.generated_blocks += 1;
+                                }
+                            }
                             if seg.token_count_mismatch {
                                 self.counters.token_count_mismatches += 1;
                             }
@@ -344,7 +368,12 @@ impl FleetAnalyzer {
         if !self.index.knows_worker(&d.worker) {
             self.counters.decisions_for_unseen_workers += 1;
         }
-        let v = SpillVerdict::judge(&self.index, d, t, self.cfg.min_spill_blocks);
+        let chain = sequence_hashes(&d.local_hashes);
+        let v = SpillVerdict::judge_chain(&self.index, d, &chain, t, self.cfg.min_spill_blocks);
+        let prompts = self.recent_prompts.entry(d.worker).or_default();
+        for b in chain {
+            prompts.insert(b, t);
+        }
         if !d.local_hashes.is_empty() && v.chosen_overlap_blocks as usize == d.local_hashes.len() {
             self.counters.decisions_fully_cached += 1;
         }
@@ -387,7 +416,6 @@ fn is_device_tier(medium: Option<&str>) -> bool {
 mod tests {
     use super::*;
     use kvscope_wire::hashing::{local_block_hashes, DYNAMO_HASH_SEED};
-    use kvscope_wire::WorkerKey;
 
     const S: u64 = 1_000_000_000;
 
@@ -563,6 +591,50 @@ mod tests {
             decision("new-turn", 1, &(0..10).collect::<Vec<u32>>()),
         ));
         assert_eq!(a.counters().decisions_fully_cached, 1);
+    }
+
+    #[test]
+    fn the_delta_in_decode_generated_blocks_is_measured() {
+        let mut a = FleetAnalyzer::new(cfg());
+        let prompt: Vec<u32> = (0..4).collect();
+        // Turn 1 routed to worker 1: it stores the prompt's 2 blocks, then 1 output block.
+        a.apply(&env(1, decision("t1", 1, &prompt)));
+        a.apply(&env(
+            2,
+            stored(1, 0, SequenceStatus::First, &prompt, &[1, 2]),
+        ));
+        let output: Vec<u32> = vec![100, 101];
+        a.apply(&env(
+            3,
+            Record::KvEvents(KvEventBatch {
+                worker: w(1),
+                publisher: "p1".into(),
+                seq: 1,
+                sequence: SequenceStatus::InOrder,
+                engine_ts: 0.0,
+                events: vec![KvEvent::BlockStored {
+                    block_hashes: vec![3],
+                    parent_block_hash: Some(2),
+                    token_ids: output.clone(),
+                    block_size: 2,
+                    lora_name: None,
+                    medium: None,
+                }],
+            }),
+        ));
+        assert_eq!(a.counters().generated_blocks, 1);
+        // Turn 2 (prompt + output + new text) goes to worker 2: a 3-block spill, one of
+        // them an output block.
+        let turn2: Vec<u32> = prompt
+            .iter()
+            .chain(&output)
+            .copied()
+            .chain([7, 8])
+            .collect();
+        let v = a.apply(&env(4, decision("t2", 2, &turn2))).unwrap();
+        assert!(v.spill);
+        assert_eq!(v.true_delta_tokens, 6);
+        assert_eq!(v.generated_delta_tokens, 2);
     }
 
     #[test]

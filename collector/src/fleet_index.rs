@@ -3,7 +3,7 @@
 
 use kvscope_wire::hashing::{chain_hash, local_block_hashes, seed_for_lora};
 use kvscope_wire::{SequenceHash, WorkerKey};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 /// Why a KV event could not be applied to the mirror. Each is counted by the caller; none
 /// stops the collector.
@@ -46,6 +46,9 @@ struct WorkerCache {
     by_engine: HashMap<u64, EngineBlock>,
     /// Sequence hash → how many engine blocks hold it on this worker.
     blocks: HashMap<SequenceHash, u32>,
+    /// Cached blocks this worker generated while decoding (stored outside any prompt
+    /// routed to it), as the analyzer marked them.
+    generated: HashSet<SequenceHash>,
 }
 
 /// Every worker's cached blocks.
@@ -195,7 +198,24 @@ impl FleetIndex {
         }
         cache.blocks.clear();
         cache.by_engine.clear();
+        cache.generated.clear();
         n
+    }
+
+    /// Mark a block cached on `worker` as decode-generated (not from a prompt).
+    pub fn mark_generated(&mut self, worker: WorkerKey, seq: SequenceHash) {
+        if let Some(cache) = self.workers.get_mut(&worker) {
+            if cache.blocks.contains_key(&seq) {
+                cache.generated.insert(seq);
+            }
+        }
+    }
+
+    /// How many of `blocks` are cached on `worker` as decode-generated.
+    pub fn generated_among(&self, worker: &WorkerKey, blocks: &[SequenceHash]) -> u32 {
+        self.workers.get(worker).map_or(0, |c| {
+            blocks.iter().filter(|b| c.generated.contains(b)).count() as u32
+        })
     }
 
     /// Forget a worker entirely.
@@ -269,6 +289,7 @@ fn release(
         *count -= 1;
         if *count == 0 {
             cache.blocks.remove(&seq);
+            cache.generated.remove(&seq);
             drop_holder(holders, seq, worker);
         }
     }

@@ -118,6 +118,12 @@ pub fn render(a: &FleetAnalyzer, bus: &BusStatus) -> String {
     );
     counter(
         &mut reg,
+        "kv_generated_blocks",
+        "Stored blocks in no prompt recently routed to their worker (decode-generated).",
+        c.generated_blocks,
+    );
+    counter(
+        &mut reg,
         "kv_batch_order_faults",
         "KV batches lost or reordered between agent and collector.",
         c.batch_order_faults,

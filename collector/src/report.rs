@@ -88,6 +88,9 @@ pub struct OpportunityReport {
     pub uncached_prefill_tok_per_s_per_worker: Spread,
     /// Σ true delta / Σ upper bound: how much of the fork's figure is real.
     pub true_share_of_upper_bound: Option<f64>,
+    /// Output-block blindness: the share of the true delta that lies in blocks the
+    /// holding worker generated while decoding.
+    pub generated_share_of_true_delta: Option<f64>,
     pub agreement: Agreement,
     pub migration_log: MigrationLogWindow,
     #[serde(with = "kvscope_wire::worker_map")]
@@ -108,6 +111,7 @@ impl OpportunityReport {
         let mut migration_log = MigrationLogWindow::default();
         let mut workers: BTreeMap<WorkerKey, WorkerWindow> = BTreeMap::new();
         let (mut requests, mut spills, mut td_sum, mut ub_sum) = (0, 0, 0u64, 0u64);
+        let mut generated_sum = 0u64;
         for w in &measured {
             let s = &w.summary;
             // Merging histograms with equal bounds cannot fail.
@@ -117,6 +121,7 @@ impl OpportunityReport {
             spills += s.spills;
             td_sum += s.true_delta_tokens;
             ub_sum += s.upper_bound_tokens;
+            generated_sum += s.generated_delta_tokens;
             agreement.decision_spills += s.spills;
             agreement.decision_true_delta_tokens += s.true_delta_tokens;
             agreement.event_only_spills += s.event_only.spills;
@@ -176,6 +181,8 @@ impl OpportunityReport {
                 (s.active_workers > 0).then_some(s.uncached_prefill_tok_per_s_per_worker)
             }),
             true_share_of_upper_bound: (ub_sum > 0).then(|| td_sum as f64 / ub_sum as f64),
+            generated_share_of_true_delta: (td_sum > 0)
+                .then(|| generated_sum as f64 / td_sum as f64),
             agreement,
             migration_log,
             workers,
@@ -265,6 +272,11 @@ impl OpportunityReport {
             md,
             "| true delta / upper bound | {} |",
             pct(self.true_share_of_upper_bound)
+        );
+        let _ = writeln!(
+            md,
+            "| true delta in decode-generated (output) blocks | {} |",
+            pct(self.generated_share_of_true_delta)
         );
         let a = &self.agreement;
         let _ = writeln!(md, "\n## Decision-joined vs event-only\n\n| | decision-joined | event-only |\n|---|---|---|");

@@ -1,7 +1,7 @@
 //! Per-request spill verdicts: the measurements of DESIGN.md for one routed request.
 
 use crate::fleet_index::FleetIndex;
-use kvscope_wire::{sequence_hashes, RoutingDecision, WorkerKey};
+use kvscope_wire::{sequence_hashes, RoutingDecision, SequenceHash, WorkerKey};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -24,6 +24,10 @@ pub struct SpillVerdict {
     pub upper_bound_tokens: u64,
     /// (overlap_best − overlap_chosen) × block_size: what a migration would really save.
     pub true_delta_tokens: u64,
+    /// The part of the true delta in blocks the best worker generated while decoding
+    /// (output blocks): what a router blind to output blocks cannot see.
+    #[serde(default)]
+    pub generated_delta_tokens: u64,
     /// isl − overlap_chosen × block_size: the prefill the chosen worker has to compute.
     pub uncached_prefill_tokens: u64,
     /// Every worker's non-zero overlap, in blocks.
@@ -41,7 +45,18 @@ impl SpillVerdict {
         min_blocks: u32,
     ) -> Self {
         let chain = sequence_hashes(&decision.local_hashes);
-        let overlaps = index.overlaps(&chain);
+        Self::judge_chain(index, decision, &chain, decided_ns, min_blocks)
+    }
+
+    /// [`Self::judge`] with the decision's sequence hashes already computed.
+    pub fn judge_chain(
+        index: &FleetIndex,
+        decision: &RoutingDecision,
+        chain: &[SequenceHash],
+        decided_ns: u64,
+        min_blocks: u32,
+    ) -> Self {
+        let overlaps = index.overlaps(chain);
         let chosen = decision.worker;
         let chosen_overlap = overlaps.get(&chosen).copied().unwrap_or(0);
         // Best: the longest overlap; the chosen worker wins ties, then the lowest key, so
@@ -56,6 +71,14 @@ impl SpillVerdict {
         let gap = best_overlap - chosen_overlap;
         let spill = best != chosen && gap >= min_blocks.max(1);
         let cached_tokens = u64::from(chosen_overlap) * bs;
+        let generated = if gap > 0 {
+            index.generated_among(
+                &best,
+                &chain[chosen_overlap as usize..best_overlap as usize],
+            )
+        } else {
+            0
+        };
         SpillVerdict {
             request_id: decision.request_id.clone(),
             decided_ns,
@@ -68,6 +91,7 @@ impl SpillVerdict {
             spill,
             upper_bound_tokens: u64::from(best_overlap) * bs,
             true_delta_tokens: u64::from(gap) * bs,
+            generated_delta_tokens: u64::from(generated) * bs,
             uncached_prefill_tokens: decision.isl_tokens.saturating_sub(cached_tokens),
             overlaps,
         }

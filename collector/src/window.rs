@@ -89,6 +89,9 @@ pub struct WindowSummary {
     pub true_delta_tokens: u64,
     /// Σ upper bound (best overlap) over spills.
     pub upper_bound_tokens: u64,
+    /// Σ of the true delta that lies in decode-generated blocks, over spills.
+    #[serde(default)]
+    pub generated_delta_tokens: u64,
     pub true_delta: TokenDistribution,
     pub upper_bound: TokenDistribution,
     pub true_delta_tok_per_s: f64,
@@ -145,6 +148,7 @@ impl OpenWindow {
             s.spills += 1;
             s.true_delta_tokens += v.true_delta_tokens;
             s.upper_bound_tokens += v.upper_bound_tokens;
+            s.generated_delta_tokens += v.generated_delta_tokens;
             // Values are ≥ one block, far inside the bounds; a failed record would only
             // mean a corrupt histogram, which we'd rather skip than stop on.
             let _ = self.true_delta.record(v.true_delta_tokens.max(1));
