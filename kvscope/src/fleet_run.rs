@@ -188,15 +188,15 @@ impl FleetRun {
     }
 
     pub async fn summary(&self) -> anyhow::Result<Value> {
-        Ok(reqwest::get(format!("{}/api/summary", self.api()))
-            .await?
-            .error_for_status()?
-            .json()
-            .await?)
+        self.get_json("/api/summary").await
     }
 
     pub async fn report(&self) -> anyhow::Result<OpportunityReport> {
-        Ok(reqwest::get(format!("{}/api/report", self.api()))
+        self.get_json("/api/report").await
+    }
+
+    async fn get_json<T: serde::de::DeserializeOwned>(&self, path: &str) -> anyhow::Result<T> {
+        Ok(reqwest::get(format!("{}{path}", self.api()))
             .await?
             .error_for_status()?
             .json()

@@ -289,14 +289,7 @@ impl Lab {
         fe.args(["-m", "dynamo.frontend", "--router-mode", "kv"])
             .args(["--http-host", "127.0.0.1", "--http-port"])
             .arg(http_port.to_string())
-            .args([
-                "--discovery-backend",
-                "file",
-                "--event-plane",
-                "zmq",
-                "--request-plane",
-                "tcp",
-            ])
+            .args(PLANES)
             .args(&config.frontend_args)
             .current_dir(&run_dir);
         dyn_env(&mut fe, &config.frontend_log_filter);
@@ -318,14 +311,7 @@ impl Lab {
                 ])
                 .args(["--speedup-ratio", &config.speedup_ratio.to_string()])
                 .args(["--zmq-kv-events-ports", &port.to_string()])
-                .args([
-                    "--discovery-backend",
-                    "file",
-                    "--event-plane",
-                    "zmq",
-                    "--request-plane",
-                    "tcp",
-                ])
+                .args(PLANES)
                 .args(&config.mocker_args)
                 .current_dir(&run_dir);
             dyn_env(&mut cmd, &config.worker_log_filter);
@@ -531,6 +517,17 @@ impl Drop for Lab {
         self.stop_inner();
     }
 }
+
+/// How every lab process finds the others without NATS or etcd: file discovery, the
+/// ZMQ event plane and the TCP request plane.
+const PLANES: [&str; 6] = [
+    "--discovery-backend",
+    "file",
+    "--event-plane",
+    "zmq",
+    "--request-plane",
+    "tcp",
+];
 
 fn fresh_run_dir(lab_dir: &Path) -> anyhow::Result<PathBuf> {
     let secs = SystemTime::now()
