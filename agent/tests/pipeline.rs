@@ -16,10 +16,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-/// The lab venv's Python (pyzmq), as `scripts/setup` makes it.
-fn python() -> std::path::PathBuf {
-    kvscope_lab::paths::venv_python(&kvscope_lab::paths::default_lab_dir())
-}
+mod support;
+use support::{mocker_sample, python};
 
 fn free_port() -> u16 {
     kvscope_lab::ports::pick_ports(1).unwrap()[0]
@@ -246,14 +244,7 @@ async fn records_from_zmq_and_the_router_log_arrive_on_jetstream() {
 
     // Engine, first life: a real mocker message, a positional batch, garbage, a gap with
     // an unknown and a malformed event, and a message of the wrong shape.
-    let sample: serde_json::Value = serde_json::from_slice(
-        &std::fs::read(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../lab/fixtures/samples/kv_events_mocker.json"
-        ))
-        .unwrap(),
-    )
-    .unwrap();
+    let sample: serde_json::Value = mocker_sample();
     let real = &sample["messages"][0];
     let real_frames: Vec<Vec<u8>> = real["frames_hex"]
         .as_array()

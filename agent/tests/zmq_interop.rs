@@ -6,22 +6,13 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 use zeromq::{Socket, SocketRecv};
 
-/// The lab venv's Python (pyzmq), as `scripts/setup` makes it.
-fn python() -> std::path::PathBuf {
-    kvscope_lab::paths::venv_python(&kvscope_lab::paths::default_lab_dir())
-}
+mod support;
+use support::{mocker_sample, python};
 
 #[tokio::test]
 async fn zeromq_sub_receives_a_pyzmq_pub() {
     let dir = tempfile::tempdir().unwrap();
-    let sample: serde_json::Value = serde_json::from_slice(
-        &std::fs::read(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../lab/fixtures/samples/kv_events_mocker.json"
-        ))
-        .unwrap(),
-    )
-    .unwrap();
+    let sample: serde_json::Value = mocker_sample();
     let spec = serde_json::json!({ "messages": sample["messages"] });
     let spec_path = dir.path().join("spec.json");
     std::fs::write(&spec_path, serde_json::to_vec(&spec).unwrap()).unwrap();

@@ -342,7 +342,7 @@ impl FleetAnalyzer {
                             self.counters.unknown_parent_events += 1;
                             self.open_summary().data_faults += 1;
                         }
-                        Err(MirrorError::TokenCountMismatch) | Err(MirrorError::UnknownBlock) => {
+                        Err(MirrorError::TokenCountMismatch) => {
                             self.counters.token_count_mismatches += 1;
                             self.open_summary().data_faults += 1;
                         }
@@ -441,13 +441,11 @@ mod tests {
         tokens: &[u32],
         hashes: &[u64],
     ) -> Record {
-        Record::KvEvents(KvEventBatch {
-            worker: w(worker),
-            publisher: format!("p{worker}"),
+        batch(
+            worker,
             seq,
-            sequence: status,
-            engine_ts: 0.0,
-            events: vec![KvEvent::BlockStored {
+            status,
+            vec![KvEvent::BlockStored {
                 block_hashes: hashes.to_vec(),
                 parent_block_hash: None,
                 token_ids: tokens.to_vec(),
@@ -455,6 +453,17 @@ mod tests {
                 lora_name: None,
                 medium: None,
             }],
+        )
+    }
+
+    fn batch(worker: u64, seq: u64, status: SequenceStatus, events: Vec<KvEvent>) -> Record {
+        Record::KvEvents(KvEventBatch {
+            worker: w(worker),
+            publisher: format!("p{worker}"),
+            seq,
+            sequence: status,
+            engine_ts: 0.0,
+            events,
         })
     }
 
@@ -523,13 +532,11 @@ mod tests {
         a.apply(&env(3, stored(1, 0, SequenceStatus::Reset, &toks, &[1, 2])));
         a.apply(&env(
             4,
-            Record::KvEvents(KvEventBatch {
-                worker: w(1),
-                publisher: "p1".into(),
-                seq: 1,
-                sequence: SequenceStatus::InOrder,
-                engine_ts: 0.0,
-                events: vec![
+            batch(
+                1,
+                1,
+                SequenceStatus::InOrder,
+                vec![
                     KvEvent::BlockRemoved {
                         block_hashes: vec![42],
                         medium: None,
@@ -543,7 +550,7 @@ mod tests {
                         medium: None,
                     },
                 ],
-            }),
+            ),
         ));
         let c = a.counters();
         assert_eq!(
@@ -606,13 +613,11 @@ mod tests {
         let output: Vec<u32> = vec![100, 101];
         a.apply(&env(
             3,
-            Record::KvEvents(KvEventBatch {
-                worker: w(1),
-                publisher: "p1".into(),
-                seq: 1,
-                sequence: SequenceStatus::InOrder,
-                engine_ts: 0.0,
-                events: vec![KvEvent::BlockStored {
+            batch(
+                1,
+                1,
+                SequenceStatus::InOrder,
+                vec![KvEvent::BlockStored {
                     block_hashes: vec![3],
                     parent_block_hash: Some(2),
                     token_ids: output.clone(),
@@ -620,7 +625,7 @@ mod tests {
                     lora_name: None,
                     medium: None,
                 }],
-            }),
+            ),
         ));
         assert_eq!(a.counters().generated_blocks, 1);
         // Turn 2 (prompt + output + new text) goes to worker 2: a 3-block spill, one of

@@ -11,8 +11,6 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 pub enum MirrorError {
     #[error("stored blocks name a parent block the worker never stored")]
     UnknownParent,
-    #[error("a removal names a block the worker never stored")]
-    UnknownBlock,
     #[error("a store's token count does not match its block hashes and block size")]
     TokenCountMismatch,
 }
@@ -216,12 +214,6 @@ impl FleetIndex {
         self.workers.get(worker).map_or(0, |c| {
             blocks.iter().filter(|b| c.generated.contains(b)).count() as u32
         })
-    }
-
-    /// Forget a worker entirely.
-    pub fn remove_worker(&mut self, worker: WorkerKey) {
-        self.clear(worker);
-        self.workers.remove(&worker);
     }
 
     /// For every worker holding at least the first block: how many leading blocks of
