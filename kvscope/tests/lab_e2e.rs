@@ -189,16 +189,46 @@ async fn lab_fleet_end_to_end_with_a_collector_crash() {
     assert!(spills > 0, "the lab workload makes the router spill");
     // Dynamo's router counts, per decision, the cached prefix of the best eligible worker
     // minus the selected one's: the same sum from its own index. kvscope measures it
-    // from the engines' events alone; on this lab the two have matched to the token.
-    // A little slack for a decision the router made before applying an event it had
-    // already received.
+    // from the engines' events alone, in event-time order. The router applies the same
+    // events a little later than they happen (they cross its event plane while it is
+    // busy routing), so it may decide before seeing a block kvscope orders before the
+    // decision, or its log line may carry a time a little before the decision it logs.
+    // Its figure must lie within what kvscope measures if the router's view is off the
+    // log time by −10 to +50 ms, decision by decision (that band, not a percentage: it
+    // was exact here, idle and under CPU load, and 2.4% low once in CI).
     let router = summary
         .router_spilled_cached_tokens
         .expect("the frontend's router counters") as u64;
-    let slack = (router / 50).max(32);
+    let lags_ms = [0i64, -10, 10, 25, 50];
+    let by_lag: Vec<Vec<u64>> = lags_ms
+        .iter()
+        .map(|&ms| true_delta_with_router_lag(&rec.envelopes, ms * 1_000_000))
+        .collect();
     assert!(
-        kvscope_delta.abs_diff(router) <= slack,
-        "kvscope's Σ true delta {kvscope_delta} vs Dynamo's own best − selected {router} tokens"
+        by_lag[0]
+            == verdicts
+                .iter()
+                .map(|v| v.true_delta_tokens)
+                .collect::<Vec<_>>(),
+        "with no lag the re-ordered replay is the recording's order"
+    );
+    let low: u64 = (0..verdicts.len())
+        .map(|i| by_lag.iter().map(|d| d[i]).min().unwrap())
+        .sum();
+    let high: u64 = (0..verdicts.len())
+        .map(|i| by_lag.iter().map(|d| d[i]).max().unwrap())
+        .sum();
+    let sums: Vec<u64> = by_lag.iter().map(|d| d.iter().sum()).collect();
+    eprintln!(
+        "Σ true delta if the router lags by {lags_ms:?} ms: {sums:?}; band [{low}, {high}]; \
+         Dynamo: {router}"
+    );
+    // A block's worth of slack per side for a decision made between two log lines.
+    let slack = 16;
+    assert!(
+        low.saturating_sub(slack) <= router && router <= high + slack,
+        "kvscope's Σ true delta {kvscope_delta} (band [{low}, {high}] for a router lagging \
+         −10 to +50 ms) vs Dynamo's own best − selected {router} tokens"
     );
     for v in &verdicts {
         assert!(
@@ -248,4 +278,27 @@ async fn lab_fleet_end_to_end_with_a_collector_crash() {
     );
     let md = live.to_markdown();
     assert!(md.contains("true delta") && md.contains("## Windows"));
+}
+
+/// Per decision, the true delta kvscope measures when every routing decision is applied
+/// `lag_ns` earlier than its log time, i.e. before the KV events of the last `lag_ns`:
+/// what a router whose index lags the engines by that much would have seen (a negative
+/// lag: a router that saw events stamped after its log line).
+fn true_delta_with_router_lag(envelopes: &[kvscope_wire::Envelope], lag_ns: i64) -> Vec<u64> {
+    let mut order: Vec<&kvscope_wire::Envelope> = envelopes.iter().collect();
+    // Stable: records with equal keys keep the agent's order.
+    order.sort_by_key(|e| match e.record {
+        Record::Decision(_) => e.observed_ns as i64 - lag_ns,
+        _ => e.observed_ns as i64,
+    });
+    let mut analyzer = FleetAnalyzer::new(AnalyzerConfig {
+        window_secs: WINDOW_SECS,
+        warmup_secs: WINDOW_SECS,
+        ..AnalyzerConfig::default()
+    });
+    order
+        .into_iter()
+        .filter_map(|e| analyzer.apply(e))
+        .map(|v| v.true_delta_tokens)
+        .collect()
 }
