@@ -4,6 +4,7 @@
 use crate::config::AgentConfig;
 use crate::counters::AgentStats;
 use crate::log_follower::{self, LogSource};
+use crate::nixl::NixlTracer;
 use crate::publisher::{self, PublisherConfig};
 use crate::record_sink::{now_ns, RecordSink};
 use crate::router_tap::{self, RouterTap};
@@ -29,6 +30,8 @@ pub struct RunningAgent {
     heartbeat: JoinHandle<()>,
     metrics_addr: Option<std::net::SocketAddr>,
     metrics: Option<JoinHandle<()>>,
+    nixl: Option<Arc<NixlTracer>>,
+    nixl_reporter: Option<JoinHandle<()>>,
     agent_id: String,
     grace: Duration,
 }
@@ -41,6 +44,11 @@ impl RunningAgent {
     /// Records waiting for NATS.
     pub fn buffered(&self) -> usize {
         self.sink.buffered()
+    }
+
+    /// The NIXL tracer, when enabled.
+    pub fn nixl(&self) -> Option<&Arc<NixlTracer>> {
+        self.nixl.as_ref()
     }
 
     /// Where `/metrics` is served, when configured.
@@ -57,8 +65,14 @@ impl RunningAgent {
             let _ = h.await;
         }
         self.heartbeat.abort();
-        // The last heartbeat goes in before the publisher is told to stop, so it is
+        if let Some(r) = self.nixl_reporter.take() {
+            r.abort();
+        }
+        // The last reports go in before the publisher is told to stop, so they are
         // among the records it drains; nothing stays held in the reorder window.
+        if let Some(t) = &self.nixl {
+            self.sink.submit(Record::Nixl(t.report()));
+        }
         heartbeat(&self.sink, &self.stats);
         self.sink.release_all();
         let _ = self.stop.send(true);
@@ -95,6 +109,9 @@ impl Drop for RunningAgent {
         self.heartbeat.abort();
         if let Some(m) = &self.metrics {
             m.abort();
+        }
+        if let Some(r) = &self.nixl_reporter {
+            r.abort();
         }
     }
 }
@@ -161,6 +178,33 @@ pub async fn start(cfg: AgentConfig) -> anyhow::Result<RunningAgent> {
         )));
     }
 
+    let (nixl, nixl_reporter) = if cfg.nixl.enabled {
+        let tracer = Arc::new(
+            NixlTracer::start(&cfg.nixl)
+                .await
+                .context("cannot trace NIXL")?,
+        );
+        info!(
+            libraries = tracer.attached_libraries(),
+            discover = cfg.nixl.discover,
+            "Tracing NIXL."
+        );
+        let period = Duration::from_secs_f64(cfg.nixl.report_interval_secs);
+        let (t, sink) = (tracer.clone(), sink.clone());
+        let reporter = tokio::spawn(async move {
+            let mut tick = tokio::time::interval(period);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            tick.tick().await;
+            loop {
+                tick.tick().await;
+                sink.submit(Record::Nixl(t.report()));
+            }
+        });
+        (Some(tracer), Some(reporter))
+    } else {
+        (None, None)
+    };
+
     let publisher = tokio::spawn(publisher::run(
         PublisherConfig {
             nats_url: cfg.nats_url.clone(),
@@ -210,6 +254,7 @@ pub async fn start(cfg: AgentConfig) -> anyhow::Result<RunningAgent> {
                     cfg.agent_id.clone(),
                     stats.clone(),
                     sink.clone(),
+                    nixl.clone(),
                 ))),
             )
         }
@@ -228,6 +273,8 @@ pub async fn start(cfg: AgentConfig) -> anyhow::Result<RunningAgent> {
         heartbeat: heartbeat_task,
         metrics_addr,
         metrics,
+        nixl,
+        nixl_reporter,
         agent_id: cfg.agent_id.clone(),
         grace: Duration::from_secs_f64(cfg.shutdown_grace_secs),
     })

@@ -56,6 +56,20 @@ pub struct Cli {
     /// [default: 250; 0 = arrival order].
     #[arg(long)]
     pub reorder_window_ms: Option<u64>,
+    /// Trace NIXL with eBPF: libnixl.so files mapped by running processes, found by
+    /// scanning /proc now and every few seconds. Needs root (or CAP_BPF+CAP_PERFMON).
+    #[arg(long)]
+    pub nixl: bool,
+    /// A libnixl.so to trace from the start, before any process maps it (repeatable;
+    /// implies --nixl).
+    #[arg(long = "nixl-lib", value_name = "PATH")]
+    pub nixl_lib: Vec<PathBuf>,
+    /// Trace NIXL in this process only (implies --nixl).
+    #[arg(long, value_name = "PID")]
+    pub nixl_pid: Option<u32>,
+    /// Do not scan /proc for libnixl.so: trace only --nixl-lib files.
+    #[arg(long)]
+    pub no_nixl_discover: bool,
     /// Print the effective configuration as TOML and exit.
     #[arg(long)]
     pub print_config: bool,
@@ -108,6 +122,20 @@ impl Cli {
         }
         if let Some(v) = self.reorder_window_ms {
             cfg.reorder_window_ms = v;
+        }
+        if self.nixl {
+            cfg.nixl.enabled = true;
+        }
+        if !self.nixl_lib.is_empty() {
+            cfg.nixl.libraries = self.nixl_lib.clone();
+            cfg.nixl.enabled = true;
+        }
+        if let Some(pid) = self.nixl_pid {
+            cfg.nixl.pid = Some(pid);
+            cfg.nixl.enabled = true;
+        }
+        if self.no_nixl_discover {
+            cfg.nixl.discover = false;
         }
     }
 }

@@ -15,12 +15,21 @@
 //! join_timeout_secs = 30.0
 //! metrics_listen = "127.0.0.1:9464"
 //!
+//! [nixl]             # eBPF tracing of libnixl.so (needs root or CAP_BPF+CAP_PERFMON)
+//! enabled = true
+//! libraries = ["/opt/venv/lib/python3.11/site-packages/.nixl_cu12.mesonpy.libs/libnixl.so"]
+//! discover = true      # also libraries mapped by running processes, rescanned
+//! scan_interval_secs = 2.0
+//! report_interval_secs = 1.0
+//! # pid = 1234         # only this process
+//!
 //! [[kv_endpoints]]
 //! endpoint = "tcp://127.0.0.1:5557"
 //! worker_id = 7587886582197386541
 //! dp_rank = 0          # optional: else the batch's own dp_rank, else 0
 //! ```
 
+use crate::nixl::NixlTraceConfig;
 use anyhow::Context as _;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -75,6 +84,9 @@ pub struct AgentConfig {
     /// How long a shutdown waits for buffered records to reach NATS, in seconds
     /// (default 5).
     pub shutdown_grace_secs: f64,
+    /// eBPF tracing of NIXL (default off). Env: `KVSCOPE_AGENT_NIXL` (`1`/`true`),
+    /// `KVSCOPE_AGENT_NIXL_LIBS` (comma-separated paths), `KVSCOPE_AGENT_NIXL_PID`.
+    pub nixl: NixlTraceConfig,
 }
 
 /// One engine publisher and the worker it belongs to.
@@ -140,6 +152,7 @@ impl Default for AgentConfig {
             log_poll_interval_ms: 20,
             reorder_window_ms: 250,
             shutdown_grace_secs: 5.0,
+            nixl: NixlTraceConfig::default(),
         }
     }
 }
@@ -222,6 +235,21 @@ impl AgentConfig {
         if let Some(v) = var("KVSCOPE_AGENT_REORDER_WINDOW_MS") {
             self.reorder_window_ms = parse("KVSCOPE_AGENT_REORDER_WINDOW_MS", &v)?;
         }
+        if let Some(v) = var("KVSCOPE_AGENT_NIXL") {
+            self.nixl.enabled = matches!(v.trim(), "1" | "true" | "yes");
+        }
+        if let Some(v) = var("KVSCOPE_AGENT_NIXL_LIBS") {
+            self.nixl.libraries = v
+                .split(',')
+                .filter(|s| !s.trim().is_empty())
+                .map(|s| PathBuf::from(s.trim()))
+                .collect();
+            self.nixl.enabled |= !self.nixl.libraries.is_empty();
+        }
+        if let Some(v) = var("KVSCOPE_AGENT_NIXL_PID") {
+            self.nixl.pid = Some(parse("KVSCOPE_AGENT_NIXL_PID", &v)?);
+            self.nixl.enabled = true;
+        }
         Ok(())
     }
 
@@ -242,8 +270,19 @@ impl AgentConfig {
             "shutdown_grace_secs must be >= 0"
         );
         anyhow::ensure!(
-            self.kv_endpoints.len() + usize::from(self.router_log.is_some()) > 0,
-            "nothing to tap: give --kv and/or --router-log"
+            self.kv_endpoints.len()
+                + usize::from(self.router_log.is_some())
+                + usize::from(self.nixl.enabled)
+                > 0,
+            "nothing to tap: give --kv, --router-log and/or --nixl"
+        );
+        anyhow::ensure!(
+            self.nixl.scan_interval_secs.is_finite() && self.nixl.scan_interval_secs > 0.0,
+            "nixl.scan_interval_secs must be > 0"
+        );
+        anyhow::ensure!(
+            self.nixl.report_interval_secs.is_finite() && self.nixl.report_interval_secs > 0.0,
+            "nixl.report_interval_secs must be > 0"
         );
         Ok(())
     }

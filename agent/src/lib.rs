@@ -17,6 +17,7 @@ pub mod internal_events;
 pub mod kv_events;
 pub mod log_follower;
 pub mod metrics;
+pub mod nixl;
 pub mod publisher;
 pub mod record_sink;
 pub mod router_log;

@@ -2,15 +2,23 @@
 //! GET per connection), so the agent needs no web framework for two dozen numbers.
 
 use crate::counters::AgentStats;
+use crate::nixl::NixlTracer;
 use crate::record_sink::RecordSink;
+use kvscope_wire::nixl::{LatencySummary, NixlReport, LATENCY_BOUNDS_NS};
 use std::fmt::Write as _;
 use std::sync::Arc;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
+fn escape(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
 /// The exposition text.
 pub fn render(agent: &str, stats: &AgentStats, buffered: usize) -> String {
-    let agent = agent.replace('\\', "\\\\").replace('"', "\\\"");
+    let agent = escape(agent);
     let mut out = String::new();
     for (name, value) in stats.named() {
         let _ = writeln!(out, "# TYPE kvscope_agent_{name} counter");
@@ -27,17 +35,178 @@ pub fn render(agent: &str, stats: &AgentStats, buffered: usize) -> String {
     out
 }
 
+fn histogram(out: &mut String, name: &str, labels: &str, l: &LatencySummary) {
+    for (le, count) in LATENCY_BOUNDS_NS.iter().zip(&l.buckets) {
+        let _ = writeln!(
+            out,
+            "{name}_bucket{{{labels},le=\"{}\"}} {count}",
+            *le as f64 / 1e9
+        );
+    }
+    let _ = writeln!(out, "{name}_bucket{{{labels},le=\"+Inf\"}} {}", l.count);
+    let _ = writeln!(out, "{name}_sum{{{labels}}} {}", l.sum_ns as f64 / 1e9);
+    let _ = writeln!(out, "{name}_count{{{labels}}} {}", l.count);
+}
+
+/// The NIXL figures of the eBPF probes: transfers, bytes and post → done latency per
+/// peer, op, stage and status; calls (handshakes, notifications, registrations) per
+/// peer, method and status; probe health.
+pub fn render_nixl(agent: &str, r: &NixlReport) -> String {
+    let agent = escape(agent);
+    let mut out = String::new();
+    let xfer_labels = |t: &kvscope_wire::nixl::NixlTransferStats| {
+        format!(
+            "agent=\"{agent}\",pid=\"{}\",local_agent=\"{}\",remote_agent=\"{}\",op=\"{}\",stage=\"{}\",status=\"{}\"",
+            t.pid,
+            escape(&t.local_agent),
+            escape(&t.remote_agent),
+            t.op,
+            t.stage.as_str(),
+            t.status
+        )
+    };
+    let _ = writeln!(
+        out,
+        "# HELP kvscope_agent_nixl_transfers NIXL transfers by peer, op, stage reached and status."
+    );
+    let _ = writeln!(out, "# TYPE kvscope_agent_nixl_transfers counter");
+    for t in &r.transfers {
+        let _ = writeln!(
+            out,
+            "kvscope_agent_nixl_transfers_total{{{}}} {}",
+            xfer_labels(t),
+            t.transfers
+        );
+    }
+    let _ = writeln!(
+        out,
+        "# HELP kvscope_agent_nixl_transfer_bytes Bytes of NIXL transfers."
+    );
+    let _ = writeln!(out, "# TYPE kvscope_agent_nixl_transfer_bytes counter");
+    for t in &r.transfers {
+        let _ = writeln!(
+            out,
+            "kvscope_agent_nixl_transfer_bytes_total{{{}}} {}",
+            xfer_labels(t),
+            t.bytes
+        );
+    }
+    let _ = writeln!(
+        out,
+        "# HELP kvscope_agent_nixl_transfer_latency_seconds NIXL transfer post to terminal status."
+    );
+    let _ = writeln!(
+        out,
+        "# TYPE kvscope_agent_nixl_transfer_latency_seconds histogram"
+    );
+    for t in r.transfers.iter().filter(|t| t.latency.count > 0) {
+        histogram(
+            &mut out,
+            "kvscope_agent_nixl_transfer_latency_seconds",
+            &xfer_labels(t),
+            &t.latency,
+        );
+    }
+    let call_labels = |c: &kvscope_wire::nixl::NixlCallStats| {
+        format!(
+            "agent=\"{agent}\",pid=\"{}\",local_agent=\"{}\",remote_agent=\"{}\",call=\"{}\",status=\"{}\"",
+            c.pid,
+            escape(&c.local_agent),
+            escape(&c.remote_agent),
+            c.call,
+            c.status
+        )
+    };
+    let _ = writeln!(out, "# HELP kvscope_agent_nixl_calls NIXL metadata (handshake), notification and memory registration calls by peer, method and status.");
+    let _ = writeln!(out, "# TYPE kvscope_agent_nixl_calls counter");
+    for c in &r.calls {
+        let _ = writeln!(
+            out,
+            "kvscope_agent_nixl_calls_total{{{}}} {}",
+            call_labels(c),
+            c.calls
+        );
+    }
+    let _ = writeln!(
+        out,
+        "# HELP kvscope_agent_nixl_call_bytes Bytes registered or deregistered."
+    );
+    let _ = writeln!(out, "# TYPE kvscope_agent_nixl_call_bytes counter");
+    for c in r.calls.iter().filter(|c| c.bytes > 0) {
+        let _ = writeln!(
+            out,
+            "kvscope_agent_nixl_call_bytes_total{{{}}} {}",
+            call_labels(c),
+            c.bytes
+        );
+    }
+    let _ = writeln!(
+        out,
+        "# HELP kvscope_agent_nixl_call_latency_seconds NIXL call latency."
+    );
+    let _ = writeln!(
+        out,
+        "# TYPE kvscope_agent_nixl_call_latency_seconds histogram"
+    );
+    for c in r.calls.iter().filter(|c| c.latency.count > 0) {
+        histogram(
+            &mut out,
+            "kvscope_agent_nixl_call_latency_seconds",
+            &call_labels(c),
+            &c.latency,
+        );
+    }
+    let _ = writeln!(
+        out,
+        "# HELP kvscope_agent_nixl_events_lost Probe records lost to a full ring buffer."
+    );
+    let _ = writeln!(out, "# TYPE kvscope_agent_nixl_events_lost counter");
+    let _ = writeln!(
+        out,
+        "kvscope_agent_nixl_events_lost_total{{agent=\"{agent}\"}} {}",
+        r.events_lost
+    );
+    let _ = writeln!(
+        out,
+        "# HELP kvscope_agent_nixl_events_malformed Probe records not decoded or attributed."
+    );
+    let _ = writeln!(out, "# TYPE kvscope_agent_nixl_events_malformed counter");
+    let _ = writeln!(
+        out,
+        "kvscope_agent_nixl_events_malformed_total{{agent=\"{agent}\"}} {}",
+        r.events_malformed
+    );
+    let _ = writeln!(out, "# HELP kvscope_agent_nixl_library_info Traced libnixl.so files: 1 = fully traced, 0 = degraded (see the agent log).");
+    let _ = writeln!(out, "# TYPE kvscope_agent_nixl_library_info gauge");
+    for l in &r.libraries {
+        let _ = writeln!(
+            out,
+            "kvscope_agent_nixl_library_info{{agent=\"{agent}\",path=\"{}\",build_id=\"{}\",offsets_known=\"{}\",probes=\"{}\"}} {}",
+            escape(&l.path),
+            l.build_id,
+            l.offsets_known,
+            l.probes_attached,
+            u8::from(l.degraded.is_none())
+        );
+    }
+    out
+}
+
 pub async fn serve(
     listener: TcpListener,
     agent: String,
     stats: Arc<AgentStats>,
     sink: Arc<RecordSink>,
+    nixl: Option<Arc<NixlTracer>>,
 ) {
     loop {
         let Ok((mut conn, _)) = listener.accept().await else {
             continue;
         };
-        let body = render(&agent, &stats, sink.buffered());
+        let mut body = render(&agent, &stats, sink.buffered());
+        if let Some(t) = &nixl {
+            body.push_str(&render_nixl(&agent, &t.report()));
+        }
         tokio::spawn(async move {
             let mut head = Vec::new();
             let mut buf = [0u8; 1024];

@@ -7,6 +7,7 @@
 use crate::fleet_index::{FleetIndex, MirrorError};
 use crate::verdict::SpillVerdict;
 use crate::window::{ClosedWindow, OpenWindow, WindowSummary};
+use kvscope_wire::nixl::NixlReport;
 use kvscope_wire::{
     sequence_hashes, AgentHeartbeat, Envelope, KvEvent, KvEventBatch, MigrationLogKind,
     MigrationLogLine, Record, RoutingDecision, SequenceHash, SequenceStatus, WorkerKey,
@@ -91,6 +92,8 @@ pub struct CollectorCounters {
     pub decisions_fully_cached: u64,
     pub migration_lines: u64,
     pub heartbeats: u64,
+    /// NIXL reports from agents' eBPF probes.
+    pub nixl_reports: u64,
     /// Records older than the window already open (clock skew between agents).
     pub late_records: u64,
     /// Bus messages that were not valid records (counted by the bus reader).
@@ -102,6 +105,9 @@ pub struct CollectorCounters {
 pub struct AgentStatus {
     pub last_seen_ns: u64,
     pub heartbeat: AgentHeartbeat,
+    /// The agent's latest NIXL figures (cumulative), when it traces NIXL.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nixl: Option<NixlReport>,
 }
 
 #[derive(Debug)]
@@ -192,6 +198,13 @@ impl FleetAnalyzer {
                 let a = self.agents.entry(env.agent.clone()).or_default();
                 a.last_seen_ns = a.last_seen_ns.max(env.observed_ns);
                 a.heartbeat = h.clone();
+                None
+            }
+            Record::Nixl(report) => {
+                self.counters.nixl_reports += 1;
+                let a = self.agents.entry(env.agent.clone()).or_default();
+                a.last_seen_ns = a.last_seen_ns.max(env.observed_ns);
+                a.nixl = Some(report.clone());
                 None
             }
         }

@@ -51,16 +51,17 @@ pub enum Command {
         /// Record every applied record to this JSON-lines file (rewritten on each start).
         #[arg(long, env = "KVSCOPE_COLLECTOR_RECORD")]
         record: Option<PathBuf>,
-        /// Write report.md and report.json here on shutdown.
+        /// Write report.md, report.json and report.html here on shutdown.
         #[arg(long, env = "KVSCOPE_COLLECTOR_REPORT_DIR")]
         report_dir: Option<PathBuf>,
     },
-    /// Write the dry-run opportunity report from a recording.
+    /// Write the dry-run opportunity report from a recording: Markdown, JSON, or one
+    /// self-contained HTML page with plots (no scripts or assets fetched; opens offline).
     Report {
         /// The recording to replay (from `run --record` or the agent's `--record`).
         #[arg(long)]
         replay: PathBuf,
-        /// Write report.md and report.json into this folder instead of printing.
+        /// Write report.md, report.json and report.html into this folder instead of printing.
         #[arg(long)]
         out: Option<PathBuf>,
         /// What to print when --out is not given.
@@ -73,6 +74,8 @@ pub enum Command {
 pub enum Format {
     Markdown,
     Json,
+    /// One self-contained HTML page with the plots.
+    Html,
 }
 
 pub async fn run(cli: Cli) -> anyhow::Result<()> {
@@ -103,6 +106,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
                 None => match format {
                     Format::Markdown => print!("{}", report.to_markdown()),
                     Format::Json => println!("{}", report.to_json_pretty()),
+                    Format::Html => print!("{}", report.to_html()),
                 },
             }
             Ok(())
@@ -199,7 +203,8 @@ fn write_report(dir: &Path, report: &OpportunityReport) -> anyhow::Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     std::fs::write(dir.join("report.md"), report.to_markdown())?;
     std::fs::write(dir.join("report.json"), report.to_json_pretty())?;
-    info!(dir = %dir.display(), "Wrote report.md and report.json.");
+    std::fs::write(dir.join("report.html"), report.to_html())?;
+    info!(dir = %dir.display(), "Wrote report.md, report.json and report.html.");
     Ok(())
 }
 

@@ -22,7 +22,7 @@ pub struct CollectorConfig {
     /// Write every applied record to this file (JSON lines); rewritten from the stream on
     /// every start, so it always holds the whole stream in order.
     pub record: Option<PathBuf>,
-    /// Write `report.md` and `report.json` here on shutdown.
+    /// Write `report.md`, `report.json` and `report.html` here on shutdown.
     pub report_dir: Option<PathBuf>,
     /// Maximum age of records in the stream (when this collector creates it).
     pub stream_max_age_secs: u64,

@@ -11,6 +11,7 @@ pub mod cli;
 pub mod config;
 pub mod fleet_index;
 pub mod metrics;
+pub mod nixl;
 pub mod replay;
 pub mod report;
 pub mod server;

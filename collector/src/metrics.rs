@@ -332,6 +332,13 @@ pub fn render(a: &FleetAnalyzer, bus: &BusStatus) -> String {
     let mut out = String::new();
     // Writing into a String cannot fail.
     let _ = encode(&mut out, &reg);
+    // The NIXL pair histograms carry buckets merged from the agents' reports, which the
+    // client library cannot take: their text goes before the closing `# EOF`.
+    let pairs = crate::nixl::pairs(a.agents());
+    if !pairs.is_empty() {
+        let body_end = out.rfind("# EOF").unwrap_or(out.len());
+        out.insert_str(body_end, &crate::nixl::render(&pairs));
+    }
     out
 }
 

@@ -2,10 +2,16 @@
 //! migratable volume vs uncached prefill) with the true delta beside the upper bound,
 //! the spread across windows, and how far the two ways of measuring agree.
 
+mod html;
+mod plots;
+mod svg;
+mod tables;
+
 use crate::analyzer::{AgentStatus, CollectorCounters, FleetAnalyzer};
 use crate::window::{
     token_histogram, MigrationLogWindow, TokenDistribution, WindowSummary, WorkerWindow,
 };
+use hdrhistogram::Histogram;
 use kvscope_wire::WorkerKey;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -64,6 +70,17 @@ pub struct Agreement {
     pub delta_ratio: Option<f64>,
 }
 
+/// Spills whose per-spill token count falls in `[from_tokens, to_tokens)`, the true
+/// delta and the upper bound counted side by side.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct SpillTokenBin {
+    pub from_tokens: u64,
+    /// Exclusive: twice `from_tokens`.
+    pub to_tokens: u64,
+    pub true_delta_spills: u64,
+    pub upper_bound_spills: u64,
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct OpportunityReport {
     pub status: ReportStatus,
@@ -81,6 +98,10 @@ pub struct OpportunityReport {
     pub upper_bound_tokens: TokenDistribution,
     /// Per-spill true delta (best − chosen overlap).
     pub true_delta_tokens: TokenDistribution,
+    /// Both per-spill distributions binned by powers of two, from the lowest to the
+    /// highest bin holding a spill (empty bins between included).
+    #[serde(default)]
+    pub spill_token_bins: Vec<SpillTokenBin>,
     pub upper_bound_tok_per_s: Spread,
     pub true_delta_tok_per_s: Spread,
     pub uncached_prefill_tok_per_s: Spread,
@@ -171,6 +192,7 @@ impl OpportunityReport {
             spill_rate_per_window: spread(|s| s.spill_rate),
             upper_bound_tokens: TokenDistribution::of(&upper),
             true_delta_tokens: TokenDistribution::of(&true_delta),
+            spill_token_bins: power_of_two_bins(&true_delta, &upper),
             upper_bound_tok_per_s: spread(|s| Some(s.upper_bound_tok_per_s)),
             true_delta_tok_per_s: spread(|s| Some(s.true_delta_tok_per_s)),
             uncached_prefill_tok_per_s: spread(|s| Some(s.uncached_prefill_tok_per_s)),
@@ -190,6 +212,11 @@ impl OpportunityReport {
             agents: a.agents().clone(),
             windows: a.closed_windows().map(|w| w.summary.clone()).collect(),
         }
+    }
+
+    /// The report as one self-contained HTML page with its plots (see [`html`]).
+    pub fn to_html(&self) -> String {
+        html::render(self)
     }
 
     pub fn to_json_pretty(&self) -> String {
@@ -278,6 +305,19 @@ impl OpportunityReport {
             "| true delta in decode-generated (output) blocks | {} |",
             pct(self.generated_share_of_true_delta)
         );
+        if !self.spill_token_bins.is_empty() {
+            let _ = writeln!(md, "\n## Spills by token count\n\n| tokens per spill | true delta spills | upper bound spills |\n|---|---|---|");
+            for b in &self.spill_token_bins {
+                let _ = writeln!(
+                    md,
+                    "| {}–{} | {} | {} |",
+                    b.from_tokens,
+                    b.to_tokens - 1,
+                    b.true_delta_spills,
+                    b.upper_bound_spills
+                );
+            }
+        }
         let a = &self.agreement;
         let _ = writeln!(md, "\n## Decision-joined vs event-only\n\n| | decision-joined | event-only |\n|---|---|---|");
         let _ = writeln!(
@@ -389,9 +429,84 @@ impl OpportunityReport {
     }
 }
 
+/// The power-of-two bin of `v` (≥ 1): bin k holds `[2^k, 2^(k+1))`.
+fn bin_of(v: u64) -> u32 {
+    63 - v.max(1).leading_zeros()
+}
+
+/// Both histograms binned by powers of two. HDR histograms' equivalence ranges never
+/// straddle a power of two, so every recorded value lands in its exact bin.
+fn power_of_two_bins(true_delta: &Histogram<u64>, upper: &Histogram<u64>) -> Vec<SpillTokenBin> {
+    let mut counts: BTreeMap<u32, (u64, u64)> = BTreeMap::new();
+    let bin = |h: &Histogram<u64>, v: u64| bin_of(h.lowest_equivalent(v));
+    for v in true_delta.iter_recorded() {
+        counts
+            .entry(bin(true_delta, v.value_iterated_to()))
+            .or_default()
+            .0 += v.count_at_value();
+    }
+    for v in upper.iter_recorded() {
+        counts
+            .entry(bin(upper, v.value_iterated_to()))
+            .or_default()
+            .1 += v.count_at_value();
+    }
+    let (Some(&lo), Some(&hi)) = (counts.keys().next(), counts.keys().next_back()) else {
+        return Vec::new();
+    };
+    (lo..=hi)
+        .map(|k| {
+            let (td, ub) = counts.get(&k).copied().unwrap_or_default();
+            SpillTokenBin {
+                from_tokens: 1 << k,
+                to_tokens: 1 << (k + 1),
+                true_delta_spills: td,
+                upper_bound_spills: ub,
+            }
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_markdown_lists_the_spill_token_bins() {
+        let mut r = OpportunityReport::from_analyzer(&FleetAnalyzer::new(Default::default()));
+        assert!(!r.to_markdown().contains("Spills by token count"));
+        r.spill_token_bins = vec![SpillTokenBin {
+            from_tokens: 16,
+            to_tokens: 32,
+            true_delta_spills: 3,
+            upper_bound_spills: 0,
+        }];
+        assert!(r.to_markdown().contains("## Spills by token count"));
+        assert!(r.to_markdown().contains("| 16–31 | 3 | 0 |"));
+    }
+
+    #[test]
+    fn spill_tokens_are_binned_by_powers_of_two() {
+        let mut td = token_histogram();
+        let mut ub = token_histogram();
+        for v in [16, 31, 32, 4096, 4097, 1 << 20] {
+            td.record(v).unwrap();
+        }
+        ub.record(64).unwrap();
+        let bins = power_of_two_bins(&td, &ub);
+        assert_eq!(bins.first().unwrap().from_tokens, 16);
+        assert_eq!(bins.last().unwrap().to_tokens, 1 << 21);
+        assert_eq!(bins.len(), 21 - 4, "contiguous, empty bins kept");
+        let at = |from: u64| bins.iter().find(|b| b.from_tokens == from).unwrap();
+        assert_eq!(at(16).true_delta_spills, 2);
+        assert_eq!(at(32).true_delta_spills, 1);
+        assert_eq!(at(4096).true_delta_spills, 2);
+        assert_eq!(at(1 << 20).true_delta_spills, 1);
+        assert_eq!(at(64).upper_bound_spills, 1);
+        let total: u64 = bins.iter().map(|b| b.true_delta_spills).sum();
+        assert_eq!(total, td.len());
+        assert!(power_of_two_bins(&token_histogram(), &token_histogram()).is_empty());
+    }
 
     #[test]
     fn spread_of_values() {

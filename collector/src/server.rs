@@ -20,6 +20,8 @@ pub fn router(shared: Arc<Shared>) -> Router {
         .route("/api/verdicts", get(verdicts))
         .route("/api/report", get(report_json))
         .route("/api/report.md", get(report_md))
+        .route("/api/report.html", get(report_html))
+        .route("/api/nixl", get(nixl_pairs))
         .with_state(shared)
 }
 
@@ -74,6 +76,10 @@ async fn verdicts(State(s): State<Arc<Shared>>, Query(q): Query<Limit>) -> impl 
     Json(v)
 }
 
+async fn nixl_pairs(State(s): State<Arc<Shared>>) -> impl IntoResponse {
+    Json(crate::nixl::pairs(lock(&s.analyzer).agents()))
+}
+
 async fn report_json(State(s): State<Arc<Shared>>) -> impl IntoResponse {
     Json(OpportunityReport::from_analyzer(&lock(&s.analyzer)))
 }
@@ -81,4 +87,9 @@ async fn report_json(State(s): State<Arc<Shared>>) -> impl IntoResponse {
 async fn report_md(State(s): State<Arc<Shared>>) -> impl IntoResponse {
     let md = OpportunityReport::from_analyzer(&lock(&s.analyzer)).to_markdown();
     ([(header::CONTENT_TYPE, "text/markdown; charset=utf-8")], md)
+}
+
+async fn report_html(State(s): State<Arc<Shared>>) -> impl IntoResponse {
+    let html = OpportunityReport::from_analyzer(&lock(&s.analyzer)).to_html();
+    ([(header::CONTENT_TYPE, "text/html; charset=utf-8")], html)
 }

@@ -144,6 +144,8 @@ fn spawn_collector(nats: &str, listen: &str, record: &Path) -> Child {
             "--record",
         ])
         .arg(record)
+        .arg("--report-dir")
+        .arg(record.with_extension("reports"))
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -222,6 +224,15 @@ async fn a_killed_collector_resumes_without_losing_or_repeating_records() {
     );
     let live: OpportunityReport =
         serde_json::from_value(get_json(&format!("{api}/api/report")).await.unwrap()).unwrap();
+    let page = reqwest::get(format!("{api}/api/report.html"))
+        .await
+        .unwrap();
+    assert_eq!(page.headers()["content-type"], "text/html; charset=utf-8");
+    assert_eq!(
+        page.text().await.unwrap(),
+        live.to_html(),
+        "/api/report.html"
+    );
     // A graceful stop flushes the recording.
     let status = Command::new("kill")
         .args(["-TERM", &collector.id().to_string()])
@@ -231,6 +242,12 @@ async fn a_killed_collector_resumes_without_losing_or_repeating_records() {
     assert!(
         collector.wait().unwrap().success(),
         "the collector exits cleanly on SIGTERM"
+    );
+    let written = std::fs::read_to_string(recording.with_extension("reports").join("report.html"));
+    assert_eq!(
+        written.unwrap(),
+        live.to_html(),
+        "run --report-dir writes report.html"
     );
 
     let mut expected = FleetAnalyzer::new(analyzer_config());

@@ -66,7 +66,8 @@ struct DemoArgs {
     /// Warm-up not measured, in seconds.
     #[arg(long, default_value_t = 5.0)]
     warmup_secs: f64,
-    /// Write report.md, report.json and the recordings here (default: the lab run folder).
+    /// Write report.md, report.json, report.html and the recordings here (default: the lab
+    /// run folder).
     #[arg(long)]
     out: Option<PathBuf>,
 }
@@ -155,6 +156,7 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
     std::fs::create_dir_all(&out)?;
     std::fs::write(out.join("report.md"), report.to_markdown())?;
     std::fs::write(out.join("report.json"), report.to_json_pretty())?;
+    std::fs::write(out.join("report.html"), report.to_html())?;
     std::fs::write(
         out.join("workload.json"),
         serde_json::to_vec_pretty(&summary)?,
@@ -169,7 +171,7 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
         );
     }
     eprintln!(
-        "kvscope demo: report.md, report.json and workload.json in {}; recording in {}",
+        "kvscope demo: report.md, report.json, report.html and workload.json in {}; recording in {}",
         out.display(),
         run.recording.display()
     );

@@ -246,16 +246,8 @@ impl Lab {
         // From here on, an early return drops `lab`, which stops what was started.
 
         if config.nats {
-            let nats_bin = crate::setup::nats_server_path()?;
-            let store = run_dir.join("nats");
-            std::fs::create_dir_all(&store).context("creating NATS store dir")?;
-            let mut cmd = Command::new(nats_bin);
-            cmd.args(["-js", "-a", "127.0.0.1", "-p"])
-                .arg(nats_port.to_string())
-                .arg("-sd")
-                .arg(&store);
-            let log = run_dir.join("nats.log");
-            let p = ManagedProcess::spawn("nats-server", cmd, &log)?;
+            let p = crate::nats::spawn(&run_dir, nats_port)?;
+            let log = p.log.clone();
             lab.manifest.nats = Some(ProcessInfo {
                 name: "nats-server".into(),
                 pid: p.pid(),

@@ -11,6 +11,7 @@
 
 pub mod discovery;
 mod lab;
+pub mod nats;
 pub mod paths;
 pub mod ports;
 pub mod process;

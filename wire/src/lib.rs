@@ -5,6 +5,7 @@
 //! small crate means the two sides can never disagree about a field.
 
 pub mod hashing;
+pub mod nixl;
 pub mod record;
 pub mod recording;
 pub mod subject;

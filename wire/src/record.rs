@@ -50,6 +50,8 @@ pub enum Record {
     /// The agent's periodic self-report; also advances the collector's clock when the
     /// fleet is idle.
     Heartbeat(AgentHeartbeat),
+    /// NIXL transfers and handshakes the agent's eBPF probes measured (cumulative).
+    Nixl(crate::nixl::NixlReport),
 }
 
 /// How a batch's publisher sequence number relates to the previous one seen from the

@@ -36,6 +36,7 @@ impl Subjects {
             Record::Decision(_) => format!("kvscope.{}.decision", self.cluster),
             Record::Migration(_) => format!("kvscope.{}.migration", self.cluster),
             Record::Heartbeat(_) => format!("kvscope.{}.agent.{}", self.cluster, token(agent)),
+            Record::Nixl(_) => format!("kvscope.{}.nixl.{}", self.cluster, token(agent)),
         }
     }
 }

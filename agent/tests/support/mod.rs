@@ -4,11 +4,13 @@
 use std::path::PathBuf;
 
 /// The lab venv's Python (pyzmq), as `scripts/setup` makes it.
+#[allow(dead_code)]
 pub fn python() -> PathBuf {
     kvscope_lab::paths::venv_python(&kvscope_lab::paths::default_lab_dir())
 }
 
 /// The captured ZMQ messages of a Dynamo 1.6.1 mocker (frames in hex and base64).
+#[allow(dead_code)]
 pub fn mocker_sample() -> serde_json::Value {
     let path = concat!(
         env!("CARGO_MANIFEST_DIR"),
@@ -16,4 +18,56 @@ pub fn mocker_sample() -> serde_json::Value {
     );
     serde_json::from_slice(&std::fs::read(path).expect("the captured mocker sample"))
         .expect("valid sample JSON")
+}
+
+/// The NIXL wheel's libraries (`scripts/setup` downloads the wheel; this fails with the
+/// command to run when it is missing).
+#[allow(dead_code)]
+pub fn nixl_libs() -> kvscope_nixl_lab::NixlLibs {
+    kvscope_nixl_lab::NixlLibs::ensure(&kvscope_lab::paths::default_lab_dir())
+        .unwrap_or_else(|e| panic!("the NIXL wheel is not set up: {e}"))
+}
+
+/// A copy of the wheel's NIXL library folder under `dest` whose `libnixl.so` carries
+/// another GNU build-id (a NIXL build the agent's offsets table does not know). The
+/// bundled UCX folder, found through `$ORIGIN/../nixl_cu12.libs`, is linked, not copied.
+/// Returns the copied library folder.
+#[allow(dead_code)]
+pub fn copy_libs_with_new_build_id(lib_dir: &std::path::Path, dest: &std::path::Path) -> PathBuf {
+    fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
+        std::fs::create_dir_all(to).unwrap();
+        for e in std::fs::read_dir(from).unwrap() {
+            let e = e.unwrap();
+            let target = to.join(e.file_name());
+            if e.file_type().unwrap().is_dir() {
+                copy_dir(&e.path(), &target);
+            } else {
+                std::fs::copy(e.path(), &target).unwrap();
+            }
+        }
+    }
+    let name = lib_dir.file_name().expect("a library folder");
+    let copy = dest.join(name);
+    copy_dir(lib_dir, &copy);
+    let bundled = lib_dir.parent().unwrap().join("nixl_cu12.libs");
+    std::os::unix::fs::symlink(&bundled, dest.join("nixl_cu12.libs")).unwrap();
+
+    let lib = copy.join("libnixl.so");
+    let mut bytes = std::fs::read(&lib).unwrap();
+    let id = kvscope_nixl_lab::libs::elf_build_id(&bytes)
+        .expect("the wheel's libnixl.so has a build-id");
+    let raw: Vec<u8> = (0..id.len() / 2)
+        .map(|i| u8::from_str_radix(&id[2 * i..2 * i + 2], 16).unwrap())
+        .collect();
+    let at = bytes
+        .windows(raw.len())
+        .position(|w| w == raw.as_slice())
+        .expect("the build-id bytes in the file");
+    for b in &mut bytes[at..at + 4] {
+        *b ^= 0xff;
+    }
+    std::fs::write(&lib, &bytes).unwrap();
+    let new_id = kvscope_nixl_lab::libs::elf_build_id(&bytes).unwrap();
+    assert_ne!(new_id, id, "the copy has another build-id");
+    copy
 }

@@ -1,0 +1,495 @@
+//! Folding probe events into NIXL figures: transfers per (pid, local agent, remote
+//! agent, op, stage, status) with bytes and post → done latency, and calls per (pid,
+//! local agent, remote agent, method, status) with latency.
+//!
+//! Pure: events in, [`NixlReport`] out, so it is unit-tested without BPF.
+
+use super::event::{flags, status_name, EventKind, NixlCall, NixlEvent};
+use hdrhistogram::Histogram;
+use kvscope_wire::nixl::{
+    LatencySummary, NixlCallStats, NixlReport, NixlTransferStats, XferStage, LATENCY_BOUNDS_NS,
+};
+use std::collections::{BTreeMap, HashMap};
+
+/// The local agent label when the agent's name was never seen (created before the
+/// probes attached, on a build whose offsets are unknown).
+pub const UNKNOWN_AGENT: &str = "unknown";
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+struct TransferKey {
+    pid: u32,
+    local: String,
+    remote: String,
+    op: &'static str,
+    stage: XferStage,
+    status: i32,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+struct CallKey {
+    pid: u32,
+    local: String,
+    remote: String,
+    call: NixlCall,
+    status: i32,
+}
+
+/// Counts, bytes and a latency histogram.
+#[derive(Debug)]
+struct Tally {
+    count: u64,
+    bytes: u64,
+    descs: u64,
+    latency: Histogram<u64>,
+    sum_ns: u64,
+    max_ns: u64,
+}
+
+impl Tally {
+    fn new() -> Self {
+        Self {
+            count: 0,
+            bytes: 0,
+            descs: 0,
+            // 1 ns .. 1 hour at 3 significant digits; values above saturate.
+            latency: Histogram::new_with_bounds(1, 3_600_000_000_000, 3)
+                .expect("static histogram bounds are valid"),
+            sum_ns: 0,
+            max_ns: 0,
+        }
+    }
+
+    fn add(&mut self, bytes: u64, descs: u64, latency_ns: Option<u64>) {
+        self.count += 1;
+        self.bytes += bytes;
+        self.descs += descs;
+        if let Some(ns) = latency_ns {
+            self.latency.saturating_record(ns.max(1));
+            self.sum_ns += ns;
+            self.max_ns = self.max_ns.max(ns);
+        }
+    }
+
+    fn summary(&self) -> LatencySummary {
+        let h = &self.latency;
+        if h.is_empty() {
+            return LatencySummary::default();
+        }
+        LatencySummary {
+            count: h.len(),
+            sum_ns: self.sum_ns,
+            max_ns: self.max_ns,
+            p50_ns: h.value_at_quantile(0.5).min(self.max_ns),
+            p90_ns: h.value_at_quantile(0.9).min(self.max_ns),
+            p99_ns: h.value_at_quantile(0.99).min(self.max_ns),
+            buckets: LATENCY_BOUNDS_NS
+                .iter()
+                .map(|&le| h.count_between(0, le))
+                .collect(),
+        }
+    }
+}
+
+/// What is known of a request handle between its creation and its release.
+#[derive(Clone, Debug, Default)]
+struct RequestInfo {
+    local: String,
+    remote: String,
+    op: Option<i32>,
+    bytes: u64,
+    descs: u64,
+}
+
+fn op_name(op: Option<i32>) -> &'static str {
+    match op {
+        Some(0) => "READ",
+        Some(1) => "WRITE",
+        _ => "unknown",
+    }
+}
+
+/// The fold.
+#[derive(Debug, Default)]
+pub struct NixlAggregator {
+    /// Local agent names by (pid, nixlAgent*), and by (pid, nixlAgentData*).
+    agents: HashMap<(u32, u64), String>,
+    agent_data: HashMap<(u32, u64), String>,
+    requests: HashMap<(u32, u64), RequestInfo>,
+    transfers: BTreeMap<TransferKey, Tally>,
+    calls: BTreeMap<CallKey, Tally>,
+    /// Events that could not be attributed (a completion for an unknown request...).
+    pub unattributed: u64,
+}
+
+impl NixlAggregator {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn local_name(&self, pid: u32, agent: u64) -> String {
+        self.agents
+            .get(&(pid, agent))
+            .or_else(|| self.agent_data.get(&(pid, agent)))
+            .cloned()
+            .unwrap_or_else(|| UNKNOWN_AGENT.to_string())
+    }
+
+    fn count_transfer(&mut self, pid: u32, info: &RequestInfo, stage: XferStage, e: &NixlEvent) {
+        let key = TransferKey {
+            pid,
+            local: info.local.clone(),
+            remote: info.remote.clone(),
+            op: op_name(info.op),
+            stage,
+            status: e.status,
+        };
+        let latency = (stage == XferStage::Complete).then_some(e.latency_ns);
+        let (bytes, descs) = match stage {
+            XferStage::Complete | XferStage::Post | XferStage::ReleasedInFlight => {
+                (info.bytes, info.descs)
+            }
+            XferStage::Create => (0, 0),
+        };
+        self.transfers
+            .entry(key)
+            .or_insert_with(Tally::new)
+            .add(bytes, descs, latency);
+    }
+
+    /// Processes with agents or requests in flight.
+    pub fn pids(&self) -> Vec<u32> {
+        let mut p: Vec<u32> = self
+            .agents
+            .keys()
+            .chain(self.requests.keys())
+            .map(|(pid, _)| *pid)
+            .collect();
+        p.sort_unstable();
+        p.dedup();
+        p
+    }
+
+    /// Forget everything about a process that exited (its handles and agents).
+    pub fn process_exited(&mut self, pid: u32) {
+        self.agents.retain(|(p, _), _| *p != pid);
+        self.agent_data.retain(|(p, _), _| *p != pid);
+        self.requests.retain(|(p, _), _| *p != pid);
+    }
+
+    /// Apply one probe event.
+    pub fn apply(&mut self, e: &NixlEvent) {
+        let pid = e.pid;
+        match e.kind {
+            EventKind::AgentNew | EventKind::AgentSeen => {
+                if e.kind == EventKind::AgentSeen && e.name.is_empty() {
+                    return; // nothing learned; keep any name the constructor gave
+                }
+                self.agents.insert((pid, e.agent), e.name.clone());
+                if e.data != 0 {
+                    self.agent_data.insert((pid, e.data), e.name.clone());
+                }
+            }
+            EventKind::XferCreate => {
+                let local = self.local_name(pid, e.agent);
+                let info = RequestInfo {
+                    local,
+                    remote: e.name.clone(),
+                    op: (e.op >= 0).then_some(e.op),
+                    ..RequestInfo::default()
+                };
+                if e.status == 0 && e.req != 0 {
+                    self.requests.insert((pid, e.req), info);
+                } else {
+                    self.count_transfer(pid, &info, XferStage::Create, e);
+                }
+            }
+            EventKind::XferPost => {
+                let local = self.local_name(pid, e.agent);
+                let info = self
+                    .requests
+                    .entry((pid, e.req))
+                    .or_insert_with(|| RequestInfo {
+                        local,
+                        ..RequestInfo::default()
+                    });
+                if e.flags & flags::OFFSETS_KNOWN != 0 {
+                    if e.op >= 0 {
+                        info.op = Some(e.op);
+                    }
+                    info.bytes = e.bytes;
+                    info.descs = u64::from(e.descs);
+                    if !e.name.is_empty() {
+                        info.remote = e.name.clone();
+                    }
+                }
+                let info = info.clone();
+                match e.status {
+                    1 => {} // in progress: the completion comes from getXferStatus
+                    0 => self.count_transfer(pid, &info, XferStage::Complete, e),
+                    _ => self.count_transfer(pid, &info, XferStage::Post, e),
+                }
+            }
+            EventKind::XferDone => match self.requests.get(&(pid, e.req)).cloned() {
+                Some(info) => self.count_transfer(pid, &info, XferStage::Complete, e),
+                None => self.unattributed += 1,
+            },
+            EventKind::XferRelease => {
+                let info = self.requests.remove(&(pid, e.req));
+                if e.flags & flags::IN_FLIGHT != 0 {
+                    let info = info.unwrap_or_default();
+                    let mut ev = e.clone();
+                    ev.status = 1;
+                    self.count_transfer(pid, &info, XferStage::ReleasedInFlight, &ev);
+                }
+            }
+            EventKind::Call => {
+                let Some(call) = e.call else {
+                    self.unattributed += 1;
+                    return;
+                };
+                let key = CallKey {
+                    pid,
+                    local: self.local_name(pid, e.agent),
+                    remote: e.name.clone(),
+                    call,
+                    status: e.status,
+                };
+                self.calls.entry(key).or_insert_with(Tally::new).add(
+                    e.bytes,
+                    u64::from(e.descs),
+                    Some(e.latency_ns),
+                );
+            }
+        }
+    }
+
+    /// The figures so far (cumulative).
+    pub fn report(&self) -> NixlReport {
+        NixlReport {
+            libraries: Vec::new(),
+            transfers: self
+                .transfers
+                .iter()
+                .map(|(k, t)| NixlTransferStats {
+                    pid: k.pid,
+                    local_agent: k.local.clone(),
+                    remote_agent: k.remote.clone(),
+                    op: k.op.to_string(),
+                    stage: k.stage,
+                    status: status_name(k.status).to_string(),
+                    transfers: t.count,
+                    bytes: t.bytes,
+                    descriptors: t.descs,
+                    latency: t.summary(),
+                })
+                .collect(),
+            calls: self
+                .calls
+                .iter()
+                .map(|(k, t)| NixlCallStats {
+                    pid: k.pid,
+                    local_agent: k.local.clone(),
+                    remote_agent: k.remote.clone(),
+                    call: k.call.name().to_string(),
+                    status: status_name(k.status).to_string(),
+                    calls: t.count,
+                    bytes: t.bytes,
+                    latency: t.summary(),
+                })
+                .collect(),
+            events_lost: 0,
+            events_malformed: self.unattributed,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ev(kind: EventKind, f: impl FnOnce(&mut NixlEvent)) -> NixlEvent {
+        let mut e = NixlEvent::blank(kind);
+        e.pid = 7;
+        e.agent = 0x100;
+        f(&mut e);
+        e
+    }
+
+    #[test]
+    fn a_transfer_lifecycle_with_known_offsets() {
+        let mut a = NixlAggregator::new();
+        a.apply(&ev(EventKind::AgentNew, |e| e.name = "decode-0".into()));
+        a.apply(&ev(EventKind::XferCreate, |e| {
+            e.req = 0xa;
+            e.op = 0;
+            e.name = "decode-1".into();
+        }));
+        a.apply(&ev(EventKind::XferPost, |e| {
+            e.req = 0xa;
+            e.status = 1;
+            e.flags = flags::OFFSETS_KNOWN;
+            e.op = 0;
+            e.bytes = 8192;
+            e.descs = 2;
+            e.name = "decode-1".into();
+        }));
+        a.apply(&ev(EventKind::XferDone, |e| {
+            e.req = 0xa;
+            e.status = 0;
+            e.latency_ns = 5_000;
+        }));
+        // Reposted, then it fails at completion.
+        a.apply(&ev(EventKind::XferPost, |e| {
+            e.req = 0xa;
+            e.status = 1;
+            e.flags = flags::OFFSETS_KNOWN;
+            e.op = 0;
+            e.bytes = 8192;
+            e.name = "decode-1".into();
+        }));
+        a.apply(&ev(EventKind::XferDone, |e| {
+            e.req = 0xa;
+            e.status = -3;
+            e.latency_ns = 9_000;
+        }));
+        a.apply(&ev(EventKind::XferRelease, |e| e.req = 0xa));
+        let r = a.report();
+        assert_eq!(r.transfers.len(), 2, "{:#?}", r.transfers);
+        let ok = r.transfers.iter().find(|t| t.status == "SUCCESS").unwrap();
+        assert_eq!(
+            (
+                ok.local_agent.as_str(),
+                ok.remote_agent.as_str(),
+                ok.op.as_str()
+            ),
+            ("decode-0", "decode-1", "READ")
+        );
+        assert_eq!((ok.transfers, ok.bytes, ok.descriptors), (1, 8192, 2));
+        assert_eq!(
+            (ok.latency.count, ok.latency.sum_ns, ok.latency.max_ns),
+            (1, 5_000, 5_000)
+        );
+        assert_eq!(*ok.latency.buckets.last().unwrap(), 1);
+        assert_eq!(ok.latency.buckets[1], 0, "5 µs is above the 2.5 µs bucket");
+        assert_eq!(ok.latency.buckets[2], 1, "and within 5 µs");
+        let bad = r
+            .transfers
+            .iter()
+            .find(|t| t.status == "ERR_BACKEND")
+            .unwrap();
+        assert_eq!((bad.stage, bad.transfers), (XferStage::Complete, 1));
+        assert_eq!(a.requests.len(), 0, "released");
+    }
+
+    #[test]
+    fn failures_at_create_and_post_and_release_in_flight() {
+        let mut a = NixlAggregator::new();
+        a.apply(&ev(EventKind::XferCreate, |e| {
+            e.status = -4;
+            e.op = 1;
+            e.name = "ghost".into();
+        }));
+        a.apply(&ev(EventKind::XferCreate, |e| {
+            e.req = 0xb;
+            e.op = 1;
+            e.name = "peer".into();
+        }));
+        // Unknown build: no offsets, op and remote come from the creation.
+        a.apply(&ev(EventKind::XferPost, |e| {
+            e.req = 0xb;
+            e.status = -2;
+        }));
+        a.apply(&ev(EventKind::XferCreate, |e| {
+            e.req = 0xc;
+            e.op = 1;
+            e.name = "peer".into();
+        }));
+        a.apply(&ev(EventKind::XferPost, |e| {
+            e.req = 0xc;
+            e.status = 1;
+        }));
+        a.apply(&ev(EventKind::XferRelease, |e| {
+            e.req = 0xc;
+            e.flags = flags::IN_FLIGHT;
+        }));
+        a.apply(&ev(EventKind::XferDone, |e| e.req = 0xdead));
+        let r = a.report();
+        let stages: Vec<_> = r
+            .transfers
+            .iter()
+            .map(|t| {
+                (
+                    t.stage,
+                    t.status.as_str(),
+                    t.remote_agent.as_str(),
+                    t.op.as_str(),
+                    t.local_agent.as_str(),
+                )
+            })
+            .collect();
+        assert!(stages.contains(&(
+            XferStage::Create,
+            "ERR_NOT_FOUND",
+            "ghost",
+            "WRITE",
+            UNKNOWN_AGENT
+        )));
+        assert!(stages.contains(&(
+            XferStage::Post,
+            "ERR_INVALID_PARAM",
+            "peer",
+            "WRITE",
+            UNKNOWN_AGENT
+        )));
+        assert!(stages.contains(&(
+            XferStage::ReleasedInFlight,
+            "IN_PROG",
+            "peer",
+            "WRITE",
+            UNKNOWN_AGENT
+        )));
+        assert_eq!(r.events_malformed, 1, "a completion for an unknown request");
+    }
+
+    #[test]
+    fn handshakes_by_call_and_status_and_async_loads_name_their_agent() {
+        let mut a = NixlAggregator::new();
+        a.apply(&ev(EventKind::AgentNew, |e| {
+            e.name = "prefill".into();
+            e.data = 0x200;
+        }));
+        for status in [0, -5, 0] {
+            a.apply(&ev(EventKind::Call, |e| {
+                e.call = Some(NixlCall::LoadRemoteMd);
+                e.status = status;
+                e.latency_ns = 1_000;
+                e.name = "decode".into();
+            }));
+        }
+        a.apply(&ev(EventKind::Call, |e| {
+            e.agent = 0x200; // the nixlAgentData of the background thread
+            e.call = Some(NixlCall::LoadRemoteMdAsync);
+            e.name = "decode".into();
+        }));
+        let r = a.report();
+        let load_ok = r
+            .calls
+            .iter()
+            .find(|c| c.call == "loadRemoteMD" && c.status == "SUCCESS")
+            .unwrap();
+        assert_eq!(
+            (load_ok.calls, load_ok.local_agent.as_str()),
+            (2, "prefill")
+        );
+        assert!(r
+            .calls
+            .iter()
+            .any(|c| c.call == "loadRemoteMD" && c.status == "ERR_MISMATCH" && c.calls == 1));
+        let asynchronous = r
+            .calls
+            .iter()
+            .find(|c| c.call == "loadRemoteMD_async")
+            .unwrap();
+        assert_eq!(asynchronous.local_agent, "prefill");
+    }
+}

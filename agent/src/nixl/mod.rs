@@ -1,0 +1,21 @@
+//! NIXL tracing with eBPF: uprobes on `libnixl.so`'s `nixlAgent` methods (programs in
+//! `ebpf/nixl/`, compiled by `build.rs`, loaded with aya), folded into per-peer transfer,
+//! byte, latency and handshake figures.
+//!
+//! - [`event`]: the ring buffer record, decoded without `unsafe`;
+//! - [`offsets`]: struct offsets per libnixl build-id (unknown build → counts only);
+//! - [`library`]: ELF build-id and symbol resolution, the probe table;
+//! - [`discovery`]: libraries mapped by running processes;
+//! - [`probes`]: loading and attaching for one library;
+//! - [`aggregate`]: the pure fold from events to a [`kvscope_wire::nixl::NixlReport`];
+//! - [`tracer`]: the running whole.
+
+pub mod aggregate;
+pub mod discovery;
+pub mod event;
+pub mod library;
+pub mod offsets;
+pub mod probes;
+pub mod tracer;
+
+pub use tracer::{NixlTraceConfig, NixlTracer};

@@ -1,0 +1,182 @@
+//! Loading the NIXL BPF object for one `libnixl.so` and attaching its probes.
+//!
+//! One BPF object per library file: the struct offsets are per build, and they are
+//! read-only globals fixed at load time. Uprobes are tied to the file's inode, so with
+//! [`AttachScope::AllProcesses`] the probes fire in every process that maps this file,
+//! including ones started later or restarted. Dropping [`LoadedProbes`] detaches them.
+
+use aya::maps::{MapData, PerCpuArray, RingBuf};
+use aya::programs::uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeScope};
+use aya::programs::{ProgramError, UProbe};
+use aya::{Ebpf, EbpfLoader};
+use std::num::NonZeroU32;
+use std::path::Path;
+
+use super::library::{NixlLibrary, ProbeSide};
+use super::offsets::{self, NixlOffsets};
+
+/// The compiled BPF object (built by `build.rs` from `ebpf/nixl/`).
+static NIXL_BPF: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/nixl.bpf.o"));
+
+/// Which processes the probes fire in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttachScope {
+    /// Every process mapping the library file, now or later.
+    AllProcesses,
+    /// One process only.
+    Process(NonZeroU32),
+}
+
+/// Why probes could not be loaded or attached; each names what to fix.
+#[derive(Debug, thiserror::Error)]
+pub enum ProbeError {
+    #[error(
+        "this kernel has no uprobe support (/sys/bus/event_source/devices/uprobe is missing): \
+         NIXL tracing needs a kernel built with CONFIG_UPROBE_EVENTS"
+    )]
+    NoUprobes,
+    #[error(
+        "loading the NIXL BPF programs was refused ({0}): the agent needs root, or \
+         CAP_BPF + CAP_PERFMON (+ CAP_SYS_RESOURCE on kernels before 5.11)"
+    )]
+    Permission(String),
+    #[error("loading the NIXL BPF programs failed: {0}")]
+    Load(String),
+    #[error("attaching {program} to {symbol} in {path} failed: {error}")]
+    Attach {
+        program: &'static str,
+        symbol: &'static str,
+        path: String,
+        error: String,
+    },
+}
+
+fn is_permission(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(err) = cur {
+        if let Some(io) = err.downcast_ref::<std::io::Error>() {
+            if matches!(io.raw_os_error(), Some(1) | Some(13)) {
+                return true;
+            }
+        }
+        let text = err.to_string();
+        if text.contains("Operation not permitted") || text.contains("Permission denied") {
+            return true;
+        }
+        cur = err.source();
+    }
+    false
+}
+
+fn full_error(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(err) = cur {
+        s.push_str(": ");
+        s.push_str(&err.to_string());
+        cur = err.source();
+    }
+    s
+}
+
+/// The probes attached to one library, with their ring buffer and loss counter.
+pub struct LoadedProbes {
+    pub library: NixlLibrary,
+    pub offsets: Option<NixlOffsets>,
+    pub scope: AttachScope,
+    /// Number of attached uprobes and uretprobes.
+    pub attached: usize,
+    // Keeps the programs and their links alive; dropping detaches.
+    ebpf: Ebpf,
+}
+
+impl LoadedProbes {
+    /// Load the BPF object with `library`'s offsets and attach every probe it resolved.
+    pub fn attach(library: NixlLibrary, scope: AttachScope) -> Result<Self, ProbeError> {
+        if !Path::new("/sys/bus/event_source/devices/uprobe").exists() {
+            return Err(ProbeError::NoUprobes);
+        }
+        let offsets = offsets::for_build(&library.build_id);
+        let globals = NixlOffsets::globals(offsets.as_ref());
+        let mut loader = EbpfLoader::new();
+        for (name, value) in &globals {
+            loader.override_global(name, value, true);
+        }
+        let mut ebpf = loader.load(NIXL_BPF).map_err(|e| {
+            if is_permission(&e) {
+                ProbeError::Permission(full_error(&e))
+            } else {
+                ProbeError::Load(full_error(&e))
+            }
+        })?;
+        let path = library.path.display().to_string();
+        let aya_scope = match scope {
+            AttachScope::AllProcesses => UProbeScope::AllProcesses,
+            AttachScope::Process(pid) => UProbeScope::OneProcess(pid),
+        };
+        let mut attached = 0;
+        for probe in &library.probes {
+            let spec = probe.spec;
+            let attach_err = |error: String| ProbeError::Attach {
+                program: spec.program,
+                symbol: spec.symbol_prefix,
+                path: path.clone(),
+                error,
+            };
+            let program: &mut UProbe = ebpf
+                .program_mut(spec.program)
+                .ok_or_else(|| attach_err("no such program in the BPF object".into()))?
+                .try_into()
+                .map_err(|e: ProgramError| attach_err(full_error(&e)))?;
+            if program.fd().is_err() {
+                program.load().map_err(|e| {
+                    if is_permission(&e) {
+                        ProbeError::Permission(full_error(&e))
+                    } else {
+                        attach_err(full_error(&e))
+                    }
+                })?;
+            }
+            debug_assert_eq!(
+                matches!(program.kind(), aya::programs::ProbeKind::Return),
+                spec.side == ProbeSide::Return
+            );
+            let point = UProbeAttachPoint {
+                location: UProbeAttachLocation::AbsoluteOffset(probe.file_offset),
+                cookie: Some(spec.call as u64),
+            };
+            program
+                .attach(point, &library.path, aya_scope)
+                .map_err(|e| {
+                    if is_permission(&e) {
+                        ProbeError::Permission(full_error(&e))
+                    } else {
+                        attach_err(full_error(&e))
+                    }
+                })?;
+            attached += 1;
+        }
+        Ok(Self {
+            library,
+            offsets,
+            scope,
+            attached,
+            ebpf,
+        })
+    }
+
+    /// Take the ring buffer the probes write to (once).
+    pub fn take_ring(&mut self) -> Option<RingBuf<MapData>> {
+        RingBuf::try_from(self.ebpf.take_map("events")?).ok()
+    }
+
+    /// Records the probes could not write because the ring buffer was full.
+    pub fn lost(&self) -> u64 {
+        self.ebpf
+            .map("lost")
+            .and_then(|m| PerCpuArray::<_, u64>::try_from(m).ok())
+            .and_then(|a| a.get(&0, 0).ok())
+            .map(|v| v.iter().sum())
+            .unwrap_or(0)
+    }
+}

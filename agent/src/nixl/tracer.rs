@@ -1,0 +1,301 @@
+//! The running NIXL tracer: attaches the probes to configured and discovered
+//! `libnixl.so` files, drains their ring buffers into the [`NixlAggregator`], rescans
+//! `/proc` for new copies of the library and for exited processes.
+
+use super::aggregate::NixlAggregator;
+use super::discovery::{self, FileId};
+use super::event::NixlEvent;
+use super::library::NixlLibrary;
+use super::probes::{AttachScope, LoadedProbes};
+use aya::maps::{MapData, RingBuf};
+use kvscope_wire::nixl::{NixlLibraryStatus, NixlReport};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet};
+use std::num::NonZeroU32;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::io::unix::AsyncFd;
+use tokio::task::JoinHandle;
+use tracing::{info, warn};
+
+/// What to trace.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct NixlTraceConfig {
+    /// Trace NIXL at all.
+    pub enabled: bool,
+    /// `libnixl.so` files to attach to at start, before any process maps them.
+    pub libraries: Vec<PathBuf>,
+    /// Also find libraries mapped by running processes (`/proc/*/maps`), now and every
+    /// `scan_interval_secs`.
+    pub discover: bool,
+    /// Trace only this process.
+    pub pid: Option<u32>,
+    pub scan_interval_secs: f64,
+    /// How often the figures are sent to the collector.
+    pub report_interval_secs: f64,
+}
+
+impl Default for NixlTraceConfig {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            libraries: Vec::new(),
+            discover: true,
+            pid: None,
+            scan_interval_secs: 2.0,
+            report_interval_secs: 1.0,
+        }
+    }
+}
+
+#[derive(Default)]
+struct State {
+    aggregator: NixlAggregator,
+    libraries: BTreeMap<FileId, NixlLibraryStatus>,
+    /// Discovered files that could not be traced: not retried every scan.
+    failed: BTreeSet<FileId>,
+    malformed: u64,
+}
+
+struct Attached {
+    probes: Arc<Mutex<LoadedProbes>>,
+    reader: JoinHandle<()>,
+}
+
+/// A started tracer. Dropping it detaches every probe.
+pub struct NixlTracer {
+    state: Arc<Mutex<State>>,
+    attached: Arc<Mutex<BTreeMap<FileId, Attached>>>,
+    scanner: Option<JoinHandle<()>>,
+}
+
+impl Drop for NixlTracer {
+    fn drop(&mut self) {
+        if let Some(s) = self.scanner.take() {
+            s.abort();
+        }
+        let mut attached = lock(&self.attached);
+        for (_, a) in std::mem::take(&mut *attached) {
+            a.reader.abort();
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn degraded_reason(lib: &NixlLibrary, offsets_known: bool) -> Option<String> {
+    let mut reasons = Vec::new();
+    if !offsets_known {
+        reasons.push(format!(
+            "build-id {} is not in the offsets table (agent/src/nixl/offsets.rs): calls, \
+             statuses and latencies are counted, but bytes, descriptor counts, the op of \
+             transfers made with makeXferReq and agents' names are not read",
+            if lib.build_id.is_empty() {
+                "(none)"
+            } else {
+                &lib.build_id
+            }
+        ));
+    }
+    if !lib.missing.is_empty() {
+        reasons.push(format!(
+            "methods not exported, not traced: {}",
+            lib.missing.join(", ")
+        ));
+    }
+    (!reasons.is_empty()).then(|| reasons.join("; "))
+}
+
+impl NixlTracer {
+    /// Attach to the configured libraries (an error here is fatal: it names the missing
+    /// capability or kernel feature), then keep discovering.
+    pub async fn start(cfg: &NixlTraceConfig) -> anyhow::Result<Self> {
+        let tracer = Self {
+            state: Arc::new(Mutex::new(State::default())),
+            attached: Arc::new(Mutex::new(BTreeMap::new())),
+            scanner: None,
+        };
+        let scope = match cfg.pid.and_then(NonZeroU32::new) {
+            Some(pid) => AttachScope::Process(pid),
+            None => AttachScope::AllProcesses,
+        };
+        for path in &cfg.libraries {
+            let id = discovery::file_id(path).map_err(|e| {
+                anyhow::anyhow!("cannot read the NIXL library {}: {e}", path.display())
+            })?;
+            attach_one(&tracer.state, &tracer.attached, id, path, scope)?;
+        }
+        let mut tracer = tracer;
+        if cfg.discover {
+            let state = tracer.state.clone();
+            let attached = tracer.attached.clone();
+            let only_pid = cfg.pid;
+            let every = Duration::from_secs_f64(cfg.scan_interval_secs.max(0.05));
+            // The first scan runs before start returns, so processes already running
+            // are traced from the moment the agent is up.
+            rescan(&state, &attached, only_pid, scope);
+            tracer.scanner = Some(tokio::spawn(async move {
+                let mut tick = tokio::time::interval(every);
+                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                tick.tick().await;
+                loop {
+                    tick.tick().await;
+                    let (state, attached) = (state.clone(), attached.clone());
+                    let _ = tokio::task::spawn_blocking(move || {
+                        rescan(&state, &attached, only_pid, scope)
+                    })
+                    .await;
+                }
+            }));
+        }
+        Ok(tracer)
+    }
+
+    /// The figures so far, with each library's status and the records lost.
+    pub fn report(&self) -> NixlReport {
+        let lost: u64 = lock(&self.attached)
+            .values()
+            .map(|a| lock(&a.probes).lost())
+            .sum();
+        let st = lock(&self.state);
+        let mut r = st.aggregator.report();
+        r.libraries = st.libraries.values().cloned().collect();
+        r.events_lost = lost;
+        r.events_malformed += st.malformed;
+        r
+    }
+
+    /// Libraries with probes attached.
+    pub fn attached_libraries(&self) -> usize {
+        lock(&self.attached).len()
+    }
+}
+
+fn attach_one(
+    state: &Arc<Mutex<State>>,
+    attached: &Arc<Mutex<BTreeMap<FileId, Attached>>>,
+    id: FileId,
+    path: &Path,
+    scope: AttachScope,
+) -> Result<(), anyhow::Error> {
+    if lock(attached).contains_key(&id) {
+        return Ok(());
+    }
+    let library = NixlLibrary::inspect(path)?;
+    let mut probes = LoadedProbes::attach(library, scope)?;
+    let offsets_known = probes.offsets.is_some();
+    let status = NixlLibraryStatus {
+        path: path.display().to_string(),
+        build_id: probes.library.build_id.clone(),
+        offsets_known,
+        probes_attached: probes.attached as u32,
+        degraded: degraded_reason(&probes.library, offsets_known),
+    };
+    match (&status.degraded, &probes.offsets) {
+        (Some(why), _) => warn!(library = %status.path, "NIXL tracing degraded: {why}"),
+        (None, Some(o)) => info!(
+            library = %status.path, build_id = %status.build_id, version = o.version,
+            probes = status.probes_attached, "Tracing NIXL."
+        ),
+        (None, None) => {}
+    }
+    let ring = probes
+        .take_ring()
+        .ok_or_else(|| anyhow::anyhow!("the NIXL BPF object has no `events` ring buffer"))?;
+    let reader = tokio::spawn(read_ring(ring, state.clone()));
+    lock(state).libraries.insert(id.clone(), status);
+    lock(attached).insert(
+        id,
+        Attached {
+            probes: Arc::new(Mutex::new(probes)),
+            reader,
+        },
+    );
+    Ok(())
+}
+
+fn rescan(
+    state: &Arc<Mutex<State>>,
+    attached: &Arc<Mutex<BTreeMap<FileId, Attached>>>,
+    only_pid: Option<u32>,
+    scope: AttachScope,
+) {
+    let found = discovery::scan(Path::new("/proc"), only_pid);
+    for (id, lib) in &found {
+        if lock(attached).contains_key(id) || lock(state).failed.contains(id) {
+            continue;
+        }
+        match attach_one(state, attached, id.clone(), &lib.path, scope) {
+            Ok(()) => {
+                info!(library = %lib.path.display(), pids = ?lib.pids, "Found a NIXL process.")
+            }
+            Err(e) => {
+                warn!(library = %lib.path.display(), "Cannot trace NIXL: {e:#}");
+                let mut st = lock(state);
+                st.failed.insert(id.clone());
+                st.libraries.insert(
+                    id.clone(),
+                    NixlLibraryStatus {
+                        path: lib.path.display().to_string(),
+                        build_id: String::new(),
+                        offsets_known: false,
+                        probes_attached: 0,
+                        degraded: Some(format!("not traced: {e:#}")),
+                    },
+                );
+            }
+        }
+    }
+    // Forget the request handles of processes that exited (their pids may be reused).
+    let live: BTreeSet<u32> = std::fs::read_dir("/proc")
+        .map(|rd| {
+            rd.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default();
+    let mut st = lock(state);
+    for pid in st.aggregator.pids() {
+        if !live.contains(&pid) {
+            st.aggregator.process_exited(pid);
+        }
+    }
+}
+
+async fn read_ring(ring: RingBuf<MapData>, state: Arc<Mutex<State>>) {
+    let mut fd = match AsyncFd::new(ring) {
+        Ok(fd) => fd,
+        Err(e) => {
+            warn!("cannot poll the NIXL ring buffer: {e}");
+            return;
+        }
+    };
+    loop {
+        let mut guard = match fd.readable_mut().await {
+            Ok(g) => g,
+            Err(e) => {
+                warn!("the NIXL ring buffer failed: {e}");
+                return;
+            }
+        };
+        let ring = guard.get_inner_mut();
+        let mut batch = Vec::new();
+        while let Some(item) = ring.next() {
+            batch.push(NixlEvent::decode(&item));
+        }
+        guard.clear_ready();
+        let mut st = lock(&state);
+        for e in batch {
+            match e {
+                Ok(e) => st.aggregator.apply(&e),
+                Err(err) => {
+                    st.malformed += 1;
+                    tracing::debug!("{err}");
+                }
+            }
+        }
+    }
+}

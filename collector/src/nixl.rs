@@ -1,0 +1,335 @@
+//! NIXL figures across the fleet, per (local agent → remote agent) pair: transfers, bytes,
+//! bandwidth and latency, handshakes by outcome — summed over every agent's latest
+//! cumulative report, shown next to the spill figures.
+
+use crate::analyzer::AgentStatus;
+use kvscope_wire::nixl::{LatencySummary, XferStage, LATENCY_BOUNDS_NS};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+/// Latency merged from many summaries: exact count, sum and max; percentiles estimated
+/// from the shared buckets (upper bound of the bucket holding the quantile).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MergedLatency {
+    pub count: u64,
+    pub sum_ns: u64,
+    pub max_ns: u64,
+    pub buckets: Vec<u64>,
+}
+
+impl MergedLatency {
+    fn add(&mut self, l: &LatencySummary) {
+        if l.count == 0 {
+            return;
+        }
+        self.count += l.count;
+        self.sum_ns += l.sum_ns;
+        self.max_ns = self.max_ns.max(l.max_ns);
+        if self.buckets.len() < l.buckets.len() {
+            self.buckets.resize(l.buckets.len(), 0);
+        }
+        for (a, b) in self.buckets.iter_mut().zip(&l.buckets) {
+            *a += b;
+        }
+    }
+
+    /// The upper bound of the bucket holding quantile `q`, capped at the exact max.
+    pub fn quantile_ns(&self, q: f64) -> Option<u64> {
+        if self.count == 0 {
+            return None;
+        }
+        let rank = (q.clamp(0.0, 1.0) * self.count as f64).ceil().max(1.0) as u64;
+        let le = self
+            .buckets
+            .iter()
+            .zip(LATENCY_BOUNDS_NS)
+            .find(|(n, _)| **n >= rank)
+            .map(|(_, le)| le)
+            .unwrap_or(self.max_ns);
+        Some(le.min(self.max_ns))
+    }
+}
+
+/// One local → remote NIXL agent pair.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct NixlPair {
+    pub local_agent: String,
+    pub remote_agent: String,
+    /// Transfers that completed with SUCCESS, by op.
+    pub transfers_ok: BTreeMap<String, u64>,
+    /// Transfers that failed (at create, post or completion) or were released in flight.
+    pub transfers_failed: u64,
+    pub bytes_ok: u64,
+    /// Post → done of successful transfers.
+    pub latency: MergedLatency,
+    /// Bytes of successful transfers over the sum of their post → done times.
+    pub bandwidth_bytes_per_second: Option<f64>,
+    pub handshakes_ok: u64,
+    pub handshakes_failed: u64,
+    pub handshake_latency: MergedLatency,
+}
+
+/// The pairs of every agent's latest NIXL report.
+pub fn pairs(agents: &BTreeMap<String, AgentStatus>) -> Vec<NixlPair> {
+    let mut by_pair: BTreeMap<(String, String), NixlPair> = BTreeMap::new();
+    let pair = |l: &str, r: &str| -> (String, String) { (l.to_string(), r.to_string()) };
+    for report in agents.values().filter_map(|a| a.nixl.as_ref()) {
+        for t in &report.transfers {
+            let k = pair(&t.local_agent, &t.remote_agent);
+            let p = by_pair.entry(k).or_default();
+            if t.stage == XferStage::Complete && t.status == "SUCCESS" {
+                *p.transfers_ok.entry(t.op.clone()).or_default() += t.transfers;
+                p.bytes_ok += t.bytes;
+                p.latency.add(&t.latency);
+            } else {
+                p.transfers_failed += t.transfers;
+            }
+        }
+        for c in report.calls.iter().filter(|c| is_handshake(&c.call)) {
+            let k = pair(&c.local_agent, &c.remote_agent);
+            let p = by_pair.entry(k).or_default();
+            if c.status == "SUCCESS" {
+                p.handshakes_ok += c.calls;
+            } else {
+                p.handshakes_failed += c.calls;
+            }
+            p.handshake_latency.add(&c.latency);
+        }
+    }
+    by_pair
+        .into_iter()
+        .map(|((local, remote), mut p)| {
+            p.local_agent = local;
+            p.remote_agent = remote;
+            p.bandwidth_bytes_per_second = (p.latency.sum_ns > 0 && p.bytes_ok > 0)
+                .then(|| p.bytes_ok as f64 / (p.latency.sum_ns as f64 / 1e9));
+            p
+        })
+        .collect()
+}
+
+/// Metadata-exchange calls (the `call` names the agent reports).
+pub fn is_handshake(call: &str) -> bool {
+    matches!(
+        call,
+        "loadRemoteMD"
+            | "loadRemoteMD_async"
+            | "fetchRemoteMD"
+            | "sendLocalMD"
+            | "makeConnection"
+            | "checkRemoteMD"
+            | "invalidateRemoteMD"
+    )
+}
+
+fn esc(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+fn histogram(out: &mut String, name: &str, labels: &str, l: &MergedLatency) {
+    for (le, n) in LATENCY_BOUNDS_NS.iter().zip(&l.buckets) {
+        let _ = writeln!(
+            out,
+            "{name}_bucket{{{labels},le=\"{}\"}} {n}",
+            *le as f64 / 1e9
+        );
+    }
+    let _ = writeln!(out, "{name}_bucket{{{labels},le=\"+Inf\"}} {}", l.count);
+    let _ = writeln!(out, "{name}_sum{{{labels}}} {}", l.sum_ns as f64 / 1e9);
+    let _ = writeln!(out, "{name}_count{{{labels}}} {}", l.count);
+}
+
+/// Exposition text of the pairs (appended to the collector's `/metrics`).
+pub fn render(pairs: &[NixlPair]) -> String {
+    let mut out = String::new();
+    let labels = |p: &NixlPair| {
+        format!(
+            "local_agent=\"{}\",remote_agent=\"{}\"",
+            esc(&p.local_agent),
+            esc(&p.remote_agent)
+        )
+    };
+    let _ = writeln!(
+        out,
+        "# HELP kvscope_nixl_pair_transfers NIXL transfers between two agents, fleet-wide."
+    );
+    let _ = writeln!(out, "# TYPE kvscope_nixl_pair_transfers counter");
+    for p in pairs {
+        for (op, n) in &p.transfers_ok {
+            let _ = writeln!(
+                out,
+                "kvscope_nixl_pair_transfers_total{{{},op=\"{op}\",outcome=\"ok\"}} {n}",
+                labels(p)
+            );
+        }
+        let _ = writeln!(
+            out,
+            "kvscope_nixl_pair_transfers_total{{{},op=\"any\",outcome=\"failed\"}} {}",
+            labels(p),
+            p.transfers_failed
+        );
+    }
+    let _ = writeln!(out, "# HELP kvscope_nixl_pair_transfer_bytes Bytes of successful NIXL transfers between two agents.");
+    let _ = writeln!(out, "# TYPE kvscope_nixl_pair_transfer_bytes counter");
+    for p in pairs {
+        let _ = writeln!(
+            out,
+            "kvscope_nixl_pair_transfer_bytes_total{{{}}} {}",
+            labels(p),
+            p.bytes_ok
+        );
+    }
+    let _ = writeln!(out, "# HELP kvscope_nixl_pair_transfer_latency_seconds Post to done of successful NIXL transfers.");
+    let _ = writeln!(
+        out,
+        "# TYPE kvscope_nixl_pair_transfer_latency_seconds histogram"
+    );
+    for p in pairs.iter().filter(|p| p.latency.count > 0) {
+        histogram(
+            &mut out,
+            "kvscope_nixl_pair_transfer_latency_seconds",
+            &labels(p),
+            &p.latency,
+        );
+    }
+    let _ = writeln!(
+        out,
+        "# HELP kvscope_nixl_pair_handshakes NIXL metadata exchanges (handshakes) by outcome."
+    );
+    let _ = writeln!(out, "# TYPE kvscope_nixl_pair_handshakes counter");
+    for p in pairs {
+        let _ = writeln!(
+            out,
+            "kvscope_nixl_pair_handshakes_total{{{},outcome=\"ok\"}} {}",
+            labels(p),
+            p.handshakes_ok
+        );
+        let _ = writeln!(
+            out,
+            "kvscope_nixl_pair_handshakes_total{{{},outcome=\"failed\"}} {}",
+            labels(p),
+            p.handshakes_failed
+        );
+    }
+    let _ = writeln!(
+        out,
+        "# HELP kvscope_nixl_pair_handshake_latency_seconds NIXL handshake call latency."
+    );
+    let _ = writeln!(
+        out,
+        "# TYPE kvscope_nixl_pair_handshake_latency_seconds histogram"
+    );
+    for p in pairs.iter().filter(|p| p.handshake_latency.count > 0) {
+        histogram(
+            &mut out,
+            "kvscope_nixl_pair_handshake_latency_seconds",
+            &labels(p),
+            &p.handshake_latency,
+        );
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvscope_wire::nixl::{NixlCallStats, NixlReport, NixlTransferStats};
+
+    fn lat(values_ns: &[u64]) -> LatencySummary {
+        LatencySummary {
+            count: values_ns.len() as u64,
+            sum_ns: values_ns.iter().sum(),
+            max_ns: values_ns.iter().copied().max().unwrap_or(0),
+            buckets: LATENCY_BOUNDS_NS
+                .iter()
+                .map(|le| values_ns.iter().filter(|v| *v <= le).count() as u64)
+                .collect(),
+            ..LatencySummary::default()
+        }
+    }
+
+    fn xfer(
+        local: &str,
+        remote: &str,
+        status: &str,
+        n: u64,
+        bytes: u64,
+        l: &[u64],
+    ) -> NixlTransferStats {
+        NixlTransferStats {
+            pid: 1,
+            local_agent: local.into(),
+            remote_agent: remote.into(),
+            op: "READ".into(),
+            stage: if status == "SUCCESS" {
+                XferStage::Complete
+            } else {
+                XferStage::Post
+            },
+            status: status.into(),
+            transfers: n,
+            bytes,
+            descriptors: 0,
+            latency: lat(l),
+        }
+    }
+
+    #[test]
+    fn pairs_sum_agents_and_split_outcomes() {
+        let mut agents = BTreeMap::new();
+        for (agent, ok_lat) in [
+            ("node-a", vec![1_000_000u64, 3_000_000]),
+            ("node-b", vec![2_000_000]),
+        ] {
+            agents.insert(
+                agent.to_string(),
+                AgentStatus {
+                    nixl: Some(NixlReport {
+                        transfers: vec![
+                            xfer("d0", "d1", "SUCCESS", ok_lat.len() as u64, 1 << 20, &ok_lat),
+                            xfer("d0", "d1", "ERR_BACKEND", 1, 0, &[]),
+                        ],
+                        calls: vec![NixlCallStats {
+                            pid: 1,
+                            local_agent: "d0".into(),
+                            remote_agent: "d1".into(),
+                            call: "loadRemoteMD".into(),
+                            status: "ERR_MISMATCH".into(),
+                            calls: 2,
+                            bytes: 0,
+                            latency: lat(&[10_000, 20_000]),
+                        }],
+                        ..NixlReport::default()
+                    }),
+                    ..AgentStatus::default()
+                },
+            );
+        }
+        let p = pairs(&agents);
+        assert_eq!(p.len(), 1);
+        let p = &p[0];
+        assert_eq!(p.transfers_ok["READ"], 3);
+        assert_eq!(p.transfers_failed, 2);
+        assert_eq!(p.bytes_ok, 2 << 20);
+        assert_eq!(
+            (p.latency.count, p.latency.sum_ns, p.latency.max_ns),
+            (3, 6_000_000, 3_000_000)
+        );
+        let bw = p.bandwidth_bytes_per_second.unwrap();
+        assert!((bw - (2u64 << 20) as f64 / 0.006).abs() < 1.0, "{bw}");
+        assert_eq!(p.latency.quantile_ns(0.5), Some(2_500_000));
+        assert_eq!(
+            p.latency.quantile_ns(1.0),
+            Some(3_000_000),
+            "capped at the exact max"
+        );
+        assert_eq!((p.handshakes_ok, p.handshakes_failed), (0, 4));
+        let text = render(std::slice::from_ref(p));
+        assert!(text.contains("kvscope_nixl_pair_transfers_total{local_agent=\"d0\",remote_agent=\"d1\",op=\"READ\",outcome=\"ok\"} 3"));
+        assert!(text.contains("kvscope_nixl_pair_handshakes_total{local_agent=\"d0\",remote_agent=\"d1\",outcome=\"failed\"} 4"));
+        assert!(text.contains("kvscope_nixl_pair_transfer_latency_seconds_count{local_agent=\"d0\",remote_agent=\"d1\"} 3"));
+    }
+}

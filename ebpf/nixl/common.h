@@ -1,0 +1,252 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * Maps, build-specific offsets and small helpers shared by the NIXL probes.
+ *
+ * Read-only: every probe only reads the traced process's memory (bpf_probe_read_user)
+ * and writes to its own maps.
+ */
+#ifndef KVSCOPE_NIXL_COMMON_H
+#define KVSCOPE_NIXL_COMMON_H
+
+#include <linux/types.h>
+#include <linux/bpf.h>
+#include <linux/ptrace.h>
+#include <bpf/bpf_helpers.h>
+#include <bpf/bpf_tracing.h>
+
+#include "nixl_event.h"
+
+#define NIXL_IN_PROG 1
+#define MAX_SUMMED_DESCS 256
+
+/*
+ * Struct offsets of the traced libnixl build, set by the agent before loading from its
+ * offsets table (agent/src/nixl/offsets.rs), keyed by the library's GNU build-id.
+ * `offsets_known` = 0 for a build not in the table: then no probe dereferences a NIXL
+ * struct and only calls, statuses and latencies are reported.
+ */
+const volatile __u64 offsets_known = 0;
+const volatile __u64 off_agent_data = 0;     /* nixlAgent → nixlAgentData* */
+const volatile __u64 off_data_name = 0;      /* nixlAgentData → std::string name */
+const volatile __u64 off_req_remote = 0;     /* nixlXferReqH → std::string remoteAgent */
+const volatile __u64 off_req_op = 0;         /* nixlXferReqH → nixl_xfer_op_t */
+const volatile __u64 off_req_bytes = 0;      /* nixlXferReqH → telemetry totalBytes */
+const volatile __u64 off_req_descs = 0;      /* nixlXferReqH → telemetry descCount */
+const volatile __u64 off_dlist_begin = 0;    /* nixlDescList → descriptors vector begin */
+const volatile __u64 desc_stride = 0;        /* sizeof(nixlBlobDesc) */
+const volatile __u64 off_desc_len = 0;       /* nixlBlobDesc → len */
+
+struct {
+	__uint(type, BPF_MAP_TYPE_RINGBUF);
+	__uint(max_entries, 1 << 22);
+} events SEC(".maps");
+
+/* Ring buffer reservations that failed (index 0): user space reports them as lost. */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, __u64);
+} lost SEC(".maps");
+
+/* A call in progress on one thread, from its uprobe to its uretprobe. */
+struct call_entry {
+	__u64 ts_ns;
+	__u64 agent;
+	__u64 arg;   /* a pointer the return probe needs (out parameter or name) */
+	__u64 bytes;
+	__u32 descs;
+	__s32 op;
+	__u32 flags;
+	__u32 name_len;
+	char name[NIXL_NAME_LEN];
+};
+
+struct call_key {
+	__u64 pid_tgid;
+	__u32 call;
+	__u32 _pad;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 16384);
+	__type(key, struct call_key);
+	__type(value, struct call_entry);
+} calls SEC(".maps");
+
+/* Posted requests awaiting their first terminal status: post entry time. */
+struct xfer_key {
+	__u32 pid;
+	__u32 _pad;
+	__u64 req;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 65536);
+	__type(key, struct xfer_key);
+	__type(value, __u64);
+} inflight SEC(".maps");
+
+/* getXferStatus in progress on a thread for an in-flight request: the request. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 16384);
+	__type(key, __u64);
+	__type(value, __u64);
+} polling SEC(".maps");
+
+/* Agents already announced to user space, per process. */
+struct agent_key {
+	__u32 pid;
+	__u32 _pad;
+	__u64 agent;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 4096);
+	__type(key, struct agent_key);
+	__type(value, __u8);
+} agents SEC(".maps");
+
+/* One zeroed entry to start a call_entry from (too big for the BPF stack to zero
+ * cheaply every time). */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct call_entry);
+} scratch SEC(".maps");
+
+static __always_inline void count_lost(void)
+{
+	__u32 zero = 0;
+	__u64 *n = bpf_map_lookup_elem(&lost, &zero);
+	if (n)
+		*n += 1;
+}
+
+static __always_inline struct nixl_event *event_reserve(__u32 kind)
+{
+	struct nixl_event *e = bpf_ringbuf_reserve(&events, sizeof(*e), 0);
+	if (!e) {
+		count_lost();
+		return 0;
+	}
+	__u64 pid_tgid = bpf_get_current_pid_tgid();
+	e->kind = kind;
+	e->pid = pid_tgid >> 32;
+	e->tid = (__u32)pid_tgid;
+	e->status = 0;
+	e->ts_ns = bpf_ktime_get_ns();
+	e->latency_ns = 0;
+	e->agent = 0;
+	e->data = 0;
+	e->req = 0;
+	e->bytes = 0;
+	e->descs = 0;
+	e->op = -1;
+	e->call = 0;
+	e->flags = offsets_known ? FLAG_OFFSETS_KNOWN : 0;
+	e->name[0] = 0;
+	return e;
+}
+
+/*
+ * Copy a libstdc++ std::string (pointer at +0, NUL-terminated) into `dst`. Returns the
+ * bytes copied without the NUL, 0 when unreadable; sets FLAG_NAME_TRUNCATED in `flags`
+ * when the string is longer than the buffer.
+ */
+static __always_inline __u32 read_std_string(char *dst, const void *str, __u32 *flags)
+{
+	const char *data = 0;
+	__u64 len = 0;
+	if (!str || bpf_probe_read_user(&data, sizeof(data), str) != 0 || !data) {
+		dst[0] = 0;
+		return 0;
+	}
+	bpf_probe_read_user(&len, sizeof(len), (const char *)str + 8);
+	long n = bpf_probe_read_user_str(dst, NIXL_NAME_LEN, data);
+	if (n <= 0) {
+		dst[0] = 0;
+		return 0;
+	}
+	if (len >= NIXL_NAME_LEN)
+		*flags |= FLAG_NAME_TRUNCATED;
+	return (__u32)(n - 1);
+}
+
+/* The per-thread entry of `call`, or 0. */
+static __always_inline struct call_key call_key_of(__u32 call)
+{
+	struct call_key k = {};
+	k.pid_tgid = bpf_get_current_pid_tgid();
+	k.call = call;
+	return k;
+}
+
+/* A zeroed call entry stamped now, to fill and store with store_call(). */
+static __always_inline struct call_entry *new_call(__u64 agent)
+{
+	__u32 zero = 0;
+	struct call_entry *c = bpf_map_lookup_elem(&scratch, &zero);
+	if (!c)
+		return 0;
+	__builtin_memset(c, 0, sizeof(*c));
+	c->ts_ns = bpf_ktime_get_ns();
+	c->agent = agent;
+	c->op = -1;
+	return c;
+}
+
+static __always_inline void store_call(__u32 call, struct call_entry *c)
+{
+	struct call_key k = call_key_of(call);
+	bpf_map_update_elem(&calls, &k, c, BPF_ANY);
+}
+
+/* Take (look up and delete) this thread's entry for `call` into `out`. */
+static __always_inline int take_call(__u32 call, struct call_entry *out)
+{
+	struct call_key k = call_key_of(call);
+	struct call_entry *c = bpf_map_lookup_elem(&calls, &k);
+	if (!c)
+		return -1;
+	__builtin_memcpy(out, c, sizeof(*out));
+	bpf_map_delete_elem(&calls, &k);
+	return 0;
+}
+
+/*
+ * Announce `agent` the first time this process's probes see it, with its name read
+ * through the build's offsets when known (the constructor announces agents created
+ * after attachment; this covers those created before).
+ */
+static __always_inline void note_agent(__u64 agent)
+{
+	if (!agent)
+		return;
+	struct agent_key k = {};
+	k.pid = bpf_get_current_pid_tgid() >> 32;
+	k.agent = agent;
+	if (bpf_map_lookup_elem(&agents, &k))
+		return;
+	__u8 one = 1;
+	bpf_map_update_elem(&agents, &k, &one, BPF_ANY);
+	struct nixl_event *e = event_reserve(EV_AGENT_SEEN);
+	if (!e)
+		return;
+	e->agent = agent;
+	if (offsets_known) {
+		__u64 data = 0;
+		bpf_probe_read_user(&data, sizeof(data), (const char *)agent + off_agent_data);
+		e->data = data;
+		if (data)
+			read_std_string(e->name, (const char *)data + off_data_name, &e->flags);
+	}
+	bpf_ringbuf_submit(e, 0);
+}
+
+#endif

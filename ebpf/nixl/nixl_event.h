@@ -1,0 +1,81 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * The one record the NIXL probes send to user space through the ring buffer.
+ *
+ * Mirrored field by field in agent/src/nixl/event.rs (`RawEvent::SIZE` and the decoder's
+ * offsets are checked against this layout by a unit test that reads this header), so
+ * change both together. Fixed-size, naturally aligned, no padding holes.
+ */
+#ifndef KVSCOPE_NIXL_EVENT_H
+#define KVSCOPE_NIXL_EVENT_H
+
+#define NIXL_NAME_LEN 64
+
+/* What happened (`kind`). */
+enum nixl_event_kind {
+	/* A nixlAgent constructor returned: `agent`, `data` (its nixlAgentData), `name`. */
+	EV_AGENT_NEW = 1,
+	/* First probe hit from an agent whose constructor we did not see: `agent`, and its
+	 * `name` when the build's offsets are known. */
+	EV_AGENT_SEEN = 2,
+	/* createXferReq / makeXferReq returned: `call`, `req`, `status`, `op`, `name`
+	 * (remote agent, createXferReq only), `latency_ns`. */
+	EV_XFER_CREATE = 3,
+	/* postXferReq returned: `req`, `status`, `latency_ns` (the call itself), and with
+	 * known offsets `op`, `bytes`, `descs`, `name` (remote agent) read from the request. */
+	EV_XFER_POST = 4,
+	/* getXferStatus first returned a terminal status for a posted request: `req`,
+	 * `status`, `latency_ns` = post entry → this return. */
+	EV_XFER_DONE = 5,
+	/* releaseXferReq entered: `req`, `flags` & FLAG_IN_FLIGHT when still in progress. */
+	EV_XFER_RELEASE = 6,
+	/* A metadata / handshake / notification / memory call returned: `call`, `status`,
+	 * `latency_ns`, `name` (remote agent where the call carries it), `bytes` and
+	 * `descs` for (de)registerMem. */
+	EV_CALL = 7,
+};
+
+/* Calls reported with EV_CALL or EV_XFER_CREATE (`call`); also the uprobe cookie. */
+enum nixl_call {
+	CALL_LOAD_REMOTE_MD = 1,       /* nixlAgent::loadRemoteMD */
+	CALL_LOAD_REMOTE_MD_ASYNC = 2, /* nixlAgentData::loadRemoteMD outside of it */
+	CALL_FETCH_REMOTE_MD = 3,
+	CALL_SEND_LOCAL_MD = 4,
+	CALL_MAKE_CONNECTION = 5,
+	CALL_CHECK_REMOTE_MD = 6,
+	CALL_INVALIDATE_REMOTE_MD = 7,
+	CALL_GEN_NOTIF = 8,
+	CALL_GET_NOTIFS = 9,
+	CALL_REGISTER_MEM = 10,
+	CALL_DEREGISTER_MEM = 11,
+	CALL_CREATE_XFER_REQ = 12,
+	CALL_MAKE_XFER_REQ = 13,
+	CALL_AGENT_CTOR = 14,
+	CALL_POST_XFER_REQ = 15,
+};
+
+/* `flags` */
+#define FLAG_OFFSETS_KNOWN (1u << 0) /* op/bytes/descs/remote came from the request */
+#define FLAG_NAME_TRUNCATED (1u << 1)
+#define FLAG_IN_FLIGHT (1u << 2)     /* released before a terminal status was seen */
+#define FLAG_BYTES_PARTIAL (1u << 3) /* more descriptors than the probe sums */
+
+struct nixl_event {
+	__u32 kind;
+	__u32 pid; /* tgid */
+	__u32 tid;
+	__s32 status; /* nixl_status_t */
+	__u64 ts_ns;  /* bpf_ktime_get_ns at the event */
+	__u64 latency_ns;
+	__u64 agent; /* nixlAgent* (nixlAgentData* for CALL_LOAD_REMOTE_MD_ASYNC) */
+	__u64 data;  /* nixlAgentData* (EV_AGENT_NEW) */
+	__u64 req;   /* nixlXferReqH* */
+	__u64 bytes;
+	__u32 descs;
+	__s32 op; /* 0 READ, 1 WRITE, -1 unknown */
+	__u32 call;
+	__u32 flags;
+	char name[NIXL_NAME_LEN];
+};
+
+#endif

@@ -1,0 +1,212 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * Transfer lifecycle: create/make → post → first terminal status → release, keyed by
+ * (process, request handle) so post → done latency is exact.
+ *
+ * Signatures (System V x86-64, `this` in rdi, 1.5.1 wheel; see DESIGN.md):
+ *   createXferReq(const nixl_xfer_op_t &op, const nixlXferDList &local,
+ *                 const nixlXferDList &remote, const std::string &remote_agent,
+ *                 nixlXferReqH *&req, const nixl_opt_args_t *)       rsi rdx rcx r8 r9
+ *   makeXferReq(nixl_xfer_op_t op, const nixlDlistH &local, span<const int> local_idx,
+ *               const nixlDlistH &remote, span<const int> remote_idx,
+ *               nixlXferReqH *&req, const nixl_opt_args_t *)
+ *     op esi, local rdx, local_idx rcx:r8, remote r9, remote_idx on the stack
+ *     (sp+8, sp+16), req at sp+24. The std::vector overload forwards to this one.
+ *   postXferReq(nixlXferReqH *req, const nixl_opt_args_t *)                rsi
+ *   getXferStatus(nixlXferReqH *req)                                       rsi
+ *   releaseXferReq(nixlXferReqH *req)                                      rsi
+ *
+ * getXferStatus is busy-polled (UCX progress runs inside it), so its probes do one
+ * hash lookup and nothing else unless the request is in flight.
+ */
+#include "common.h"
+
+static __always_inline void read_req_fields(struct nixl_event *e, __u64 req)
+{
+	if (!offsets_known || !req)
+		return;
+	const char *r = (const char *)req;
+	__s32 op = -1;
+	__u64 bytes = 0;
+	__u64 descs = 0;
+	bpf_probe_read_user(&op, sizeof(op), r + off_req_op);
+	bpf_probe_read_user(&bytes, sizeof(bytes), r + off_req_bytes);
+	bpf_probe_read_user(&descs, sizeof(descs), r + off_req_descs);
+	e->op = op;
+	e->bytes = bytes;
+	e->descs = (__u32)descs;
+	read_std_string(e->name, r + off_req_remote, &e->flags);
+}
+
+SEC("uprobe")
+int BPF_KPROBE(create_xfer_enter, void *self, const __s32 *op, void *local, void *remote,
+	       const void *remote_agent)
+{
+	/* libbpf 1.1 has neither a sixth BPF_KPROBE argument nor PT_REGS_PARM6. */
+	void **req_out = (void **)ctx->r9;
+	note_agent((__u64)self);
+	struct call_entry *c = new_call((__u64)self);
+	if (!c)
+		return 0;
+	__s32 o = -1;
+	bpf_probe_read_user(&o, sizeof(o), op);
+	c->op = o;
+	c->arg = (__u64)req_out;
+	c->name_len = read_std_string(c->name, remote_agent, &c->flags);
+	store_call(CALL_CREATE_XFER_REQ, c);
+	return 0;
+}
+
+SEC("uprobe")
+int BPF_KPROBE(make_xfer_enter, void *self, __s32 op)
+{
+	note_agent((__u64)self);
+	struct call_entry *c = new_call((__u64)self);
+	if (!c)
+		return 0;
+	void *req_out = 0;
+	bpf_probe_read_user(&req_out, sizeof(req_out), (const char *)PT_REGS_SP(ctx) + 24);
+	c->op = op;
+	c->arg = (__u64)req_out;
+	store_call(CALL_MAKE_XFER_REQ, c);
+	return 0;
+}
+
+static __always_inline int xfer_created(struct pt_regs *ctx, __u32 call)
+{
+	struct call_entry c;
+	if (take_call(call, &c) != 0)
+		return 0;
+	struct nixl_event *e = event_reserve(EV_XFER_CREATE);
+	if (!e)
+		return 0;
+	__u64 req = 0;
+	if (c.arg)
+		bpf_probe_read_user(&req, sizeof(req), (const void *)c.arg);
+	e->call = call;
+	e->agent = c.agent;
+	e->status = (__s32)PT_REGS_RC(ctx);
+	e->req = e->status == 0 ? req : 0;
+	e->latency_ns = e->ts_ns - c.ts_ns;
+	e->op = c.op;
+	e->flags |= c.flags;
+	__builtin_memcpy(e->name, c.name, NIXL_NAME_LEN);
+	/* A created request names its remote agent whatever the call that made it. */
+	if (e->status == 0 && offsets_known && req)
+		read_std_string(e->name, (const char *)req + off_req_remote, &e->flags);
+	bpf_ringbuf_submit(e, 0);
+	return 0;
+}
+
+SEC("uretprobe")
+int BPF_KRETPROBE(create_xfer_exit)
+{
+	return xfer_created(ctx, CALL_CREATE_XFER_REQ);
+}
+
+SEC("uretprobe")
+int BPF_KRETPROBE(make_xfer_exit)
+{
+	return xfer_created(ctx, CALL_MAKE_XFER_REQ);
+}
+
+SEC("uprobe")
+int BPF_KPROBE(post_xfer_enter, void *self, void *req)
+{
+	note_agent((__u64)self);
+	struct call_entry *c = new_call((__u64)self);
+	if (!c)
+		return 0;
+	c->arg = (__u64)req;
+	store_call(CALL_POST_XFER_REQ, c);
+	return 0;
+}
+
+SEC("uretprobe")
+int BPF_KRETPROBE(post_xfer_exit)
+{
+	struct call_entry c;
+	if (take_call(CALL_POST_XFER_REQ, &c) != 0)
+		return 0;
+	__s32 status = (__s32)PT_REGS_RC(ctx);
+	if (status == NIXL_IN_PROG) {
+		struct xfer_key k = {};
+		k.pid = bpf_get_current_pid_tgid() >> 32;
+		k.req = c.arg;
+		bpf_map_update_elem(&inflight, &k, &c.ts_ns, BPF_ANY);
+	}
+	struct nixl_event *e = event_reserve(EV_XFER_POST);
+	if (!e)
+		return 0;
+	e->agent = c.agent;
+	e->req = c.arg;
+	e->status = status;
+	e->latency_ns = e->ts_ns - c.ts_ns;
+	read_req_fields(e, c.arg);
+	bpf_ringbuf_submit(e, 0);
+	return 0;
+}
+
+SEC("uprobe")
+int BPF_KPROBE(xfer_status_enter, void *self, void *req)
+{
+	struct xfer_key k = {};
+	__u64 pid_tgid = bpf_get_current_pid_tgid();
+	k.pid = pid_tgid >> 32;
+	k.req = (__u64)req;
+	if (!bpf_map_lookup_elem(&inflight, &k))
+		return 0;
+	__u64 r = (__u64)req;
+	bpf_map_update_elem(&polling, &pid_tgid, &r, BPF_ANY);
+	return 0;
+}
+
+SEC("uretprobe")
+int BPF_KRETPROBE(xfer_status_exit)
+{
+	__u64 pid_tgid = bpf_get_current_pid_tgid();
+	__u64 *req = bpf_map_lookup_elem(&polling, &pid_tgid);
+	if (!req)
+		return 0;
+	struct xfer_key k = {};
+	k.pid = pid_tgid >> 32;
+	k.req = *req;
+	bpf_map_delete_elem(&polling, &pid_tgid);
+	__s32 status = (__s32)PT_REGS_RC(ctx);
+	if (status == NIXL_IN_PROG)
+		return 0;
+	__u64 *posted = bpf_map_lookup_elem(&inflight, &k);
+	if (!posted)
+		return 0;
+	__u64 post_ts = *posted;
+	bpf_map_delete_elem(&inflight, &k);
+	struct nixl_event *e = event_reserve(EV_XFER_DONE);
+	if (!e)
+		return 0;
+	e->req = k.req;
+	e->status = status;
+	e->latency_ns = e->ts_ns - post_ts;
+	bpf_ringbuf_submit(e, 0);
+	return 0;
+}
+
+SEC("uprobe")
+int BPF_KPROBE(release_xfer_enter, void *self, void *req)
+{
+	struct xfer_key k = {};
+	k.pid = bpf_get_current_pid_tgid() >> 32;
+	k.req = (__u64)req;
+	__u32 flags = 0;
+	if (bpf_map_lookup_elem(&inflight, &k)) {
+		flags = FLAG_IN_FLIGHT;
+		bpf_map_delete_elem(&inflight, &k);
+	}
+	struct nixl_event *e = event_reserve(EV_XFER_RELEASE);
+	if (!e)
+		return 0;
+	e->agent = (__u64)self;
+	e->req = (__u64)req;
+	e->flags |= flags;
+	bpf_ringbuf_submit(e, 0);
+	return 0;
+}

@@ -1,0 +1,70 @@
+//! A `nats-server -js` on loopback with its store in a folder: the lab's bus, and the
+//! one way tests start a real NATS.
+
+use crate::process::{stop_all, ManagedProcess};
+use anyhow::{Context as _, Result};
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+/// A running server; dropping it stops it.
+pub struct NatsServer {
+    process: Vec<ManagedProcess>,
+    port: u16,
+}
+
+impl NatsServer {
+    /// Start on 127.0.0.1:`port` with JetStream stored under `dir` (log in
+    /// `dir/nats.log`); returns once it accepts connections.
+    pub fn start(dir: &Path, port: u16) -> Result<Self> {
+        let process = spawn(dir, port)?;
+        let server = Self {
+            process: vec![process],
+            port,
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "nats-server did not accept connections on 127.0.0.1:{port} within 10 s \
+                 (see {})",
+                dir.join("nats.log").display()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Ok(server)
+    }
+
+    /// Start on a free port under `dir`.
+    pub fn start_anywhere(dir: &Path) -> Result<Self> {
+        let port = crate::ports::pick_ports(1).context("picking a port for NATS")?[0];
+        Self::start(dir, port)
+    }
+
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.process[0].pid()
+    }
+}
+
+/// Spawn `nats-server -js` on 127.0.0.1:`port`, store under `dir/nats`, log in
+/// `dir/nats.log`, without waiting for it (the lab waits for its whole fleet at once).
+pub fn spawn(dir: &Path, port: u16) -> Result<ManagedProcess> {
+    let store = dir.join("nats");
+    std::fs::create_dir_all(&store).context("creating the NATS store folder")?;
+    let mut cmd = Command::new(crate::setup::nats_server_path()?);
+    cmd.args(["-js", "-a", "127.0.0.1", "-p"])
+        .arg(port.to_string())
+        .arg("-sd")
+        .arg(&store);
+    ManagedProcess::spawn("nats-server", cmd, &dir.join("nats.log"))
+}
+
+impl Drop for NatsServer {
+    fn drop(&mut self) {
+        stop_all(&mut self.process, Duration::from_secs(2));
+    }
+}

@@ -1,0 +1,133 @@
+//! NIXL figures an agent's probes measured: cumulative counters per process, local NIXL
+//! agent, remote agent, op and status, sent periodically. Cumulative (not deltas) so a
+//! lost or duplicated report never skews a total: the collector keeps the latest per
+//! (agent, pid) and takes differences itself.
+
+use serde::{Deserialize, Serialize};
+
+/// Upper bounds (inclusive, nanoseconds) of the latency buckets: 1-2.5-5 steps from 1 µs
+/// to 10 s. Shared by agent and collector so histograms from many agents add up.
+pub const LATENCY_BOUNDS_NS: [u64; 22] = [
+    1_000,
+    2_500,
+    5_000,
+    10_000,
+    25_000,
+    50_000,
+    100_000,
+    250_000,
+    500_000,
+    1_000_000,
+    2_500_000,
+    5_000_000,
+    10_000_000,
+    25_000_000,
+    50_000_000,
+    100_000_000,
+    250_000_000,
+    500_000_000,
+    1_000_000_000,
+    2_500_000_000,
+    5_000_000_000,
+    10_000_000_000,
+];
+
+/// A latency distribution: exact count, sum and max, percentiles from the agent's
+/// hdrhistogram, and cumulative bucket counts at [`LATENCY_BOUNDS_NS`].
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LatencySummary {
+    pub count: u64,
+    pub sum_ns: u64,
+    pub max_ns: u64,
+    pub p50_ns: u64,
+    pub p90_ns: u64,
+    pub p99_ns: u64,
+    /// `buckets[i]` = observations ≤ `LATENCY_BOUNDS_NS[i]` (cumulative).
+    pub buckets: Vec<u64>,
+}
+
+/// Where in its life a transfer ended up.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum XferStage {
+    /// `createXferReq`/`makeXferReq` failed: nothing was posted.
+    Create,
+    /// `postXferReq` returned an error.
+    Post,
+    /// A terminal status: at `postXferReq` (completed inline) or from `getXferStatus`.
+    Complete,
+    /// Released while still in progress (no terminal status seen).
+    ReleasedInFlight,
+}
+
+impl XferStage {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Create => "create",
+            Self::Post => "post",
+            Self::Complete => "complete",
+            Self::ReleasedInFlight => "released_in_flight",
+        }
+    }
+}
+
+/// Transfers of one (pid, local agent, remote agent, op, stage, status).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NixlTransferStats {
+    pub pid: u32,
+    pub local_agent: String,
+    pub remote_agent: String,
+    /// `READ`, `WRITE` or `unknown`.
+    pub op: String,
+    pub stage: XferStage,
+    /// `nixl_status_t` name (`SUCCESS`, `ERR_NOT_FOUND`, ...).
+    pub status: String,
+    pub transfers: u64,
+    /// Bytes of these transfers (0 when the build's offsets are unknown).
+    pub bytes: u64,
+    pub descriptors: u64,
+    /// Post → terminal status, for `complete`.
+    pub latency: LatencySummary,
+}
+
+/// Calls of one `nixlAgent` method with one outcome: handshakes (metadata exchange),
+/// notifications, memory registration.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NixlCallStats {
+    pub pid: u32,
+    pub local_agent: String,
+    /// The remote agent where the call carries one, else empty.
+    pub remote_agent: String,
+    /// The method as NIXL names it (`loadRemoteMD`, `genNotif`, ...).
+    pub call: String,
+    pub status: String,
+    pub calls: u64,
+    /// Bytes (registerMem / deregisterMem).
+    pub bytes: u64,
+    pub latency: LatencySummary,
+}
+
+/// A traced `libnixl.so` file and how well it is traced.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NixlLibraryStatus {
+    pub path: String,
+    pub build_id: String,
+    /// The offsets table knows this build: bytes, ops and remote names are measured.
+    pub offsets_known: bool,
+    pub probes_attached: u32,
+    /// Set when something is not measured, saying what and why.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub degraded: Option<String>,
+}
+
+/// One agent's NIXL figures since it started.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NixlReport {
+    pub libraries: Vec<NixlLibraryStatus>,
+    pub transfers: Vec<NixlTransferStats>,
+    pub calls: Vec<NixlCallStats>,
+    /// Probe records lost because the ring buffer was full.
+    pub events_lost: u64,
+    /// Probe records the agent could not decode or attribute.
+    pub events_malformed: u64,
+}
