@@ -98,6 +98,8 @@ struct RequestInfo {
     op: Option<i32>,
     bytes: u64,
     descs: u64,
+    /// Posted and in progress: a terminal status is due.
+    awaiting: bool,
 }
 
 fn op_name(op: Option<i32>) -> &'static str {
@@ -222,6 +224,7 @@ impl NixlAggregator {
                         info.remote = e.name.clone();
                     }
                 }
+                info.awaiting = e.status == 1;
                 let info = info.clone();
                 match e.status {
                     1 => {} // in progress: the completion comes from getXferStatus
@@ -229,8 +232,12 @@ impl NixlAggregator {
                     _ => self.count_transfer(pid, &info, XferStage::Post, e),
                 }
             }
-            EventKind::XferDone => match self.requests.get(&(pid, e.req)).cloned() {
-                Some(info) => self.count_transfer(pid, &info, XferStage::Complete, e),
+            EventKind::XferDone => match self.requests.get_mut(&(pid, e.req)) {
+                Some(info) => {
+                    info.awaiting = false;
+                    let info = info.clone();
+                    self.count_transfer(pid, &info, XferStage::Complete, e)
+                }
                 None => self.unattributed += 1,
             },
             EventKind::XferRelease => {
@@ -240,6 +247,10 @@ impl NixlAggregator {
                     let mut ev = e.clone();
                     ev.status = 1;
                     self.count_transfer(pid, &info, XferStage::ReleasedInFlight, &ev);
+                } else if info.is_some_and(|i| i.awaiting) {
+                    // In progress here, yet the probes' in-flight entry is gone: its
+                    // completion was lost (the BPF map evicted it). Counted, not hidden.
+                    self.unattributed += 1;
                 }
             }
             EventKind::Call => {
@@ -413,6 +424,13 @@ mod tests {
             e.flags = flags::IN_FLIGHT;
         }));
         a.apply(&ev(EventKind::XferDone, |e| e.req = 0xdead));
+        // Posted in progress, released without a completion or the in-flight flag.
+        a.apply(&ev(EventKind::XferCreate, |e| e.req = 0xd));
+        a.apply(&ev(EventKind::XferPost, |e| {
+            e.req = 0xd;
+            e.status = 1;
+        }));
+        a.apply(&ev(EventKind::XferRelease, |e| e.req = 0xd));
         let r = a.report();
         let stages: Vec<_> = r
             .transfers
@@ -448,7 +466,10 @@ mod tests {
             "WRITE",
             UNKNOWN_AGENT
         )));
-        assert_eq!(r.events_malformed, 1, "a completion for an unknown request");
+        assert_eq!(
+            r.events_malformed, 2,
+            "a completion for an unknown request, a completion lost"
+        );
     }
 
     #[test]

@@ -57,6 +57,8 @@ struct State {
     /// Discovered files that could not be traced: not retried every scan.
     failed: BTreeSet<FileId>,
     malformed: u64,
+    /// When a traced process was first seen gone.
+    exited_at: std::collections::HashMap<u32, std::time::Instant>,
 }
 
 struct Attached {
@@ -161,7 +163,8 @@ impl NixlTracer {
             .values()
             .map(|a| lock(&a.probes).lost())
             .sum();
-        let st = lock(&self.state);
+        let mut st = lock(&self.state);
+        forget_exited(&mut st);
         let mut r = st.aggregator.report();
         r.libraries = st.libraries.values().cloned().collect();
         r.events_lost = lost;
@@ -250,17 +253,26 @@ fn rescan(
             }
         }
     }
-    // Forget the request handles of processes that exited (their pids may be reused).
-    let live: BTreeSet<u32> = std::fs::read_dir("/proc")
-        .map(|rd| {
-            rd.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
-                .collect()
-        })
-        .unwrap_or_default();
-    let mut st = lock(state);
+    forget_exited(&mut lock(state));
+}
+
+/// How long a process must be gone before its agents and handles are forgotten: its
+/// last probe records may still wait in the ring buffer.
+const EXITED_GRACE: Duration = Duration::from_secs(10);
+
+/// Forget the agents and request handles of processes that exited (their pids may be
+/// reused, and their handles would otherwise stay forever).
+fn forget_exited(st: &mut State) {
+    let now = std::time::Instant::now();
     for pid in st.aggregator.pids() {
-        if !live.contains(&pid) {
+        if Path::new("/proc").join(pid.to_string()).exists() {
+            st.exited_at.remove(&pid);
+            continue;
+        }
+        let since = *st.exited_at.entry(pid).or_insert(now);
+        if now.duration_since(since) >= EXITED_GRACE {
             st.aggregator.process_exited(pid);
+            st.exited_at.remove(&pid);
         }
     }
 }
