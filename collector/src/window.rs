@@ -72,6 +72,43 @@ pub struct MigrationLogWindow {
     pub decoding_on_target: u64,
 }
 
+/// Buckets of [`SpillPairWindow::delta_buckets`]: bucket 0 holds true deltas below 16
+/// tokens; bucket `i ≥ 1` those from [`spill_delta_bucket_floor`]`(i)` up to the next
+/// floor, four buckets per doubling from 16 tokens (so every power of two from 16 is a
+/// floor); the last bucket is open-ended (≥ 16 · 2^20 tokens).
+pub const SPILL_DELTA_BUCKETS: usize = 82;
+
+/// The smallest true delta, in tokens, of spill-delta bucket `i` (`i < SPILL_DELTA_BUCKETS`).
+pub fn spill_delta_bucket_floor(i: usize) -> u64 {
+    if i == 0 {
+        0
+    } else {
+        (16.0 * 2f64.powf((i - 1) as f64 / 4.0)).round() as u64
+    }
+}
+
+/// The spill-delta bucket holding `tokens`.
+pub fn spill_delta_bucket(tokens: u64) -> usize {
+    (1..SPILL_DELTA_BUCKETS)
+        .rev()
+        .find(|&i| spill_delta_bucket_floor(i) <= tokens)
+        .unwrap_or(0)
+}
+
+/// Spills of one worker pair in a window: `source` is the best worker (it held the KV),
+/// `target` the chosen one. Lets a cost model with per-pair figures (NIXL bandwidth and
+/// handshake latency between the two) count the spills worth migrating per window.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SpillPairWindow {
+    pub source: WorkerKey,
+    pub target: WorkerKey,
+    pub spills: u64,
+    pub true_delta_tokens: u64,
+    /// `delta_buckets[i]` = spills whose true delta falls in bucket `i` (see
+    /// [`SPILL_DELTA_BUCKETS`]); trailing empty buckets are left out.
+    pub delta_buckets: Vec<u64>,
+}
+
 /// A closed window's figures.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct WindowSummary {
@@ -104,6 +141,9 @@ pub struct WindowSummary {
     pub uncached_prefill_tok_per_s_per_worker: f64,
     pub event_only: EventOnlyWindow,
     pub migration_log: MigrationLogWindow,
+    /// Spills by (source, target) worker pair, sorted by pair.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub spill_pairs: Vec<SpillPairWindow>,
     /// Sequence gaps, resets and events the mirror could not apply in this window: a
     /// window with any of these measured on a mirror that may be wrong.
     pub data_faults: u64,
@@ -149,6 +189,32 @@ impl OpenWindow {
             s.true_delta_tokens += v.true_delta_tokens;
             s.upper_bound_tokens += v.upper_bound_tokens;
             s.generated_delta_tokens += v.generated_delta_tokens;
+            let pair = match s
+                .spill_pairs
+                .binary_search_by_key(&(v.best, v.chosen), |p| (p.source, p.target))
+            {
+                Ok(i) => &mut s.spill_pairs[i],
+                Err(i) => {
+                    s.spill_pairs.insert(
+                        i,
+                        SpillPairWindow {
+                            source: v.best,
+                            target: v.chosen,
+                            spills: 0,
+                            true_delta_tokens: 0,
+                            delta_buckets: Vec::new(),
+                        },
+                    );
+                    &mut s.spill_pairs[i]
+                }
+            };
+            pair.spills += 1;
+            pair.true_delta_tokens += v.true_delta_tokens;
+            let b = spill_delta_bucket(v.true_delta_tokens);
+            if pair.delta_buckets.len() <= b {
+                pair.delta_buckets.resize(b + 1, 0);
+            }
+            pair.delta_buckets[b] += 1;
             // Values are ≥ one block, far inside the bounds; a failed record would only
             // mean a corrupt histogram, which we'd rather skip than stop on.
             let _ = self.true_delta.record(v.true_delta_tokens.max(1));
@@ -189,4 +255,63 @@ pub struct ClosedWindow {
     pub summary: WindowSummary,
     pub true_delta: Histogram<u64>,
     pub upper_bound: Histogram<u64>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spill_delta_buckets_are_increasing_and_powers_of_two_are_floors() {
+        for i in 1..SPILL_DELTA_BUCKETS {
+            assert!(spill_delta_bucket_floor(i) > spill_delta_bucket_floor(i - 1));
+            assert_eq!(spill_delta_bucket(spill_delta_bucket_floor(i)), i);
+            assert_eq!(spill_delta_bucket(spill_delta_bucket_floor(i) - 1), i - 1);
+        }
+        assert_eq!(spill_delta_bucket_floor(41), 16384);
+        assert_eq!(spill_delta_bucket(0), 0);
+        assert_eq!(spill_delta_bucket(15), 0);
+        assert_eq!(spill_delta_bucket(u64::MAX), SPILL_DELTA_BUCKETS - 1);
+    }
+
+    #[test]
+    fn spills_are_kept_per_worker_pair_with_their_deltas_bucketed() {
+        let w = |id| WorkerKey {
+            worker_id: id,
+            dp_rank: 0,
+        };
+        let verdict = |best, chosen, delta: u64, spill| SpillVerdict {
+            request_id: "r".into(),
+            decided_ns: 1,
+            chosen: w(chosen),
+            chosen_overlap_blocks: 0,
+            best: w(best),
+            best_overlap_blocks: (delta / 16) as u32,
+            block_size: 16,
+            isl_tokens: delta,
+            spill,
+            upper_bound_tokens: delta,
+            true_delta_tokens: delta,
+            generated_delta_tokens: 0,
+            uncached_prefill_tokens: delta,
+            overlaps: BTreeMap::new(),
+        };
+        let mut open = OpenWindow::new(0, 1_000_000_000, false);
+        open.add_verdict(&verdict(2, 1, 16384, true));
+        open.add_verdict(&verdict(1, 3, 32, true));
+        open.add_verdict(&verdict(2, 1, 16400, true));
+        open.add_verdict(&verdict(2, 1, 64, false));
+        let s = open.close(&FleetIndex::new()).summary;
+        assert_eq!(s.spill_pairs.len(), 2);
+        assert_eq!(
+            (s.spill_pairs[0].source, s.spill_pairs[0].target),
+            (w(1), w(3))
+        );
+        let p = &s.spill_pairs[1];
+        assert_eq!((p.source, p.target, p.spills), (w(2), w(1), 2));
+        assert_eq!(p.true_delta_tokens, 32784);
+        assert_eq!(p.delta_buckets.len(), 42);
+        assert_eq!(p.delta_buckets[41], 2);
+        assert_eq!(p.delta_buckets.iter().sum::<u64>(), 2);
+    }
 }

@@ -23,6 +23,10 @@ enum Command {
     Agent(kvscope_agent::cli::Cli),
     /// Run the collector or write reports (same as `kvscope-collector`).
     Collector(kvscope_collector::cli::Cli),
+    /// Flip KV migration OFF / DRY / LIVE from the collector's measurements, plan, audit
+    /// (same as `kvscope-actuator`).
+    #[command(long_about = kvscope_actuator::cli::LONG_ABOUT)]
+    Actuator(kvscope_actuator::cli::Cli),
     /// The main job on the embedded lab fleet: start Dynamo's KV router with mocker
     /// workers and NATS on 127.0.0.1, attach the agent and collector, run a bounded
     /// multi-turn chat workload, print the dry-run opportunity report, stop everything.
@@ -83,6 +87,7 @@ async fn main() -> std::process::ExitCode {
     let result = match Cli::parse().command {
         Command::Agent(cli) => kvscope_agent::cli::run(cli).await,
         Command::Collector(cli) => kvscope_collector::cli::run(cli).await,
+        Command::Actuator(cli) => kvscope_actuator::cli::run(cli).await,
         Command::Demo(args) => demo(args).await,
     };
     match result {

@@ -1,0 +1,152 @@
+//! The actuator's HTTP API (127.0.0.1 by default):
+//!
+//! - `GET /healthz` — `ok`.
+//! - `GET /api/status` — mode, operator hold, what the backends last took, directive
+//!   totals, the latest evaluation with its reasons and figures. Open to read.
+//! - `GET /api/audit?limit=N` — the audit log's last N entries (default 100). Bearer token.
+//! - `POST /api/override` — `{"state": "off" | "dry" | "auto", "note": "…"}`: hold OFF,
+//!   hold DRY, or hand the mode back to the policy (from DRY). Bearer token.
+//!
+//! The token is compared in constant time; a missing or wrong one gets 401.
+
+use crate::audit;
+use crate::mode::Override;
+use crate::runtime::{now_ns, Actuator};
+use axum::extract::{Query, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::Deserialize;
+use std::sync::Arc;
+use tokio::sync::Mutex;
+
+#[derive(Clone)]
+struct ApiState {
+    actuator: Arc<Mutex<Actuator>>,
+    token: Arc<String>,
+}
+
+/// The API over `actuator`; every write and audit read needs `token` (an empty token
+/// refuses them all).
+pub fn router(actuator: Arc<Mutex<Actuator>>, token: String) -> Router {
+    Router::new()
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/api/status", get(status))
+        .route("/api/audit", get(audit_tail))
+        .route("/api/override", post(override_mode))
+        .with_state(ApiState {
+            actuator,
+            token: Arc::new(token),
+        })
+}
+
+fn authorized(headers: &HeaderMap, token: &str) -> bool {
+    let Some(given) = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+    else {
+        return false;
+    };
+    !token.is_empty() && constant_time_eq(given.trim().as_bytes(), token.as_bytes())
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+fn unauthorized() -> Response {
+    (
+        StatusCode::UNAUTHORIZED,
+        [(header::WWW_AUTHENTICATE, "Bearer")],
+        "a valid bearer token is required\n",
+    )
+        .into_response()
+}
+
+async fn status(State(s): State<ApiState>) -> impl IntoResponse {
+    Json(s.actuator.lock().await.status())
+}
+
+#[derive(Deserialize)]
+struct Limit {
+    limit: Option<usize>,
+}
+
+async fn audit_tail(
+    State(s): State<ApiState>,
+    headers: HeaderMap,
+    Query(q): Query<Limit>,
+) -> Response {
+    if !authorized(&headers, &s.token) {
+        return unauthorized();
+    }
+    let path = s.actuator.lock().await.audit_path().to_path_buf();
+    match audit::tail(&path, q.limit.unwrap_or(100).min(10_000), 64 << 20) {
+        Ok(entries) => Json(entries).into_response(),
+        Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct OverrideRequest {
+    state: Override,
+    #[serde(default)]
+    note: String,
+}
+
+async fn override_mode(
+    State(s): State<ApiState>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
+    if !authorized(&headers, &s.token) {
+        return unauthorized();
+    }
+    let req: OverrideRequest = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => {
+            return (
+                StatusCode::BAD_REQUEST,
+                format!("expected {{\"state\": \"off\"|\"dry\"|\"auto\", \"note\": \"…\"}}: {e}\n"),
+            )
+                .into_response()
+        }
+    };
+    let mut a = s.actuator.lock().await;
+    let note = if req.note.is_empty() {
+        "via the API".to_string()
+    } else {
+        req.note
+    };
+    a.operator(req.state, &note, now_ns()).await;
+    Json(a.status()).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bearer_tokens_must_match_exactly() {
+        let mut h = HeaderMap::new();
+        assert!(!authorized(&h, "secret-token-123"));
+        h.insert(
+            header::AUTHORIZATION,
+            "Bearer secret-token-123".parse().unwrap(),
+        );
+        assert!(authorized(&h, "secret-token-123"));
+        assert!(!authorized(&h, "secret-token-124"));
+        assert!(!authorized(&h, ""), "an empty token refuses everything");
+        h.insert(
+            header::AUTHORIZATION,
+            "Basic secret-token-123".parse().unwrap(),
+        );
+        assert!(!authorized(&h, "secret-token-123"));
+    }
+}

@@ -1,0 +1,343 @@
+//! The cost model of one migration (DESIGN.md, "The measurements"): handshake latency +
+//! bytes / measured NIXL bandwidth between the pair + dispatch overhead, against
+//! recomputing the delta at the prefill rate. Pure: figures in, prediction out.
+
+use crate::config::WorkerAgent;
+use kvscope_collector::nixl::{MergedLatency, NixlPair};
+use kvscope_wire::WorkerKey;
+use serde::{Deserialize, Serialize};
+
+/// The cost model's parameters (part of the policy config).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CostParams {
+    pub kv_bytes_per_token: u64,
+    /// Configured prefill rate of one worker, tokens/s.
+    pub prefill_tok_per_s: f64,
+    pub dispatch_overhead_s: f64,
+    /// Which quantile of the measured handshake latency a migration is charged.
+    pub handshake_quantile: f64,
+}
+
+/// Where a NIXL figure came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FigureSource {
+    /// Measured between the two workers' NIXL agents.
+    Pair,
+    /// Measured over every NIXL pair the agents report: the workers are not mapped to
+    /// NIXL agents, or their pair has no such measurement.
+    FleetWide,
+    /// Not measured anywhere.
+    Missing,
+}
+
+/// The NIXL figures of the path one migration would take.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PathFigures {
+    pub bandwidth_bytes_per_s: Option<f64>,
+    pub bandwidth_from: FigureSource,
+    pub handshake_s: Option<f64>,
+    pub handshake_from: FigureSource,
+}
+
+/// What one migration of `tokens` is predicted to cost and save.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Prediction {
+    pub tokens: u64,
+    pub bytes: u64,
+    pub handshake_s: f64,
+    pub transfer_s: f64,
+    pub dispatch_overhead_s: f64,
+    /// handshake + transfer + dispatch overhead.
+    pub migrate_s: f64,
+    /// tokens / prefill rate.
+    pub recompute_s: f64,
+    pub prefill_tok_per_s: f64,
+    /// recompute − migrate: positive means migrating is faster.
+    pub net_benefit_s: f64,
+}
+
+/// Predict one migration; `None` when the path lacks a bandwidth or handshake figure.
+pub fn predict(
+    p: &CostParams,
+    tokens: u64,
+    path: &PathFigures,
+    prefill_tok_per_s: f64,
+) -> Option<Prediction> {
+    let bw = path.bandwidth_bytes_per_s.filter(|b| *b > 0.0)?;
+    let handshake_s = path.handshake_s?;
+    if prefill_tok_per_s.is_nan() || prefill_tok_per_s <= 0.0 {
+        return None;
+    }
+    let bytes = tokens.saturating_mul(p.kv_bytes_per_token);
+    let transfer_s = bytes as f64 / bw;
+    let migrate_s = handshake_s + transfer_s + p.dispatch_overhead_s;
+    let recompute_s = tokens as f64 / prefill_tok_per_s;
+    Some(Prediction {
+        tokens,
+        bytes,
+        handshake_s,
+        transfer_s,
+        dispatch_overhead_s: p.dispatch_overhead_s,
+        migrate_s,
+        recompute_s,
+        prefill_tok_per_s,
+        net_benefit_s: recompute_s - migrate_s,
+    })
+}
+
+/// NIXL handshake counts.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HandshakeCounts {
+    pub ok: u64,
+    pub failed: u64,
+}
+
+impl HandshakeCounts {
+    pub fn total(&self) -> u64 {
+        self.ok + self.failed
+    }
+    pub fn success_ratio(&self) -> Option<f64> {
+        (self.total() > 0).then(|| self.ok as f64 / self.total() as f64)
+    }
+    /// `self − earlier`; a counter that went down (an agent restarted) counts from zero.
+    pub fn since(&self, earlier: &HandshakeCounts) -> HandshakeCounts {
+        if self.ok < earlier.ok || self.failed < earlier.failed {
+            *self
+        } else {
+            HandshakeCounts {
+                ok: self.ok - earlier.ok,
+                failed: self.failed - earlier.failed,
+            }
+        }
+    }
+}
+
+/// The NIXL figures of the fleet, looked up by Dynamo worker through the mapping.
+#[derive(Debug)]
+pub struct NixlFigures<'a> {
+    pairs: &'a [NixlPair],
+    mapping: &'a [WorkerAgent],
+    quantile: f64,
+    fleet_bandwidth: Option<f64>,
+    fleet_handshake_s: Option<f64>,
+}
+
+impl<'a> NixlFigures<'a> {
+    pub fn new(pairs: &'a [NixlPair], mapping: &'a [WorkerAgent], quantile: f64) -> Self {
+        let (bytes, ns) = pairs.iter().fold((0u64, 0u64), |(b, n), p| {
+            (b + p.bytes_ok, n + p.latency.sum_ns)
+        });
+        let mut hs = MergedLatency::default();
+        for p in pairs {
+            merge(&mut hs, &p.handshake_latency);
+        }
+        Self {
+            pairs,
+            mapping,
+            quantile,
+            fleet_bandwidth: (bytes > 0 && ns > 0).then(|| bytes as f64 / (ns as f64 / 1e9)),
+            fleet_handshake_s: hs.quantile_ns(quantile).map(|n| n as f64 / 1e9),
+        }
+    }
+
+    pub fn mapped(&self) -> bool {
+        !self.mapping.is_empty()
+    }
+
+    /// The NIXL agent a worker runs, from the mapping.
+    pub fn agent_of(&self, w: &WorkerKey) -> Option<&'a str> {
+        self.mapping
+            .iter()
+            .find(|m| m.matches(w))
+            .map(|m| m.nixl_agent.as_str())
+    }
+
+    /// The pair a migration source → target uses: the target pulls (local = target's
+    /// agent, remote = source's), else the source pushes.
+    pub fn pair(&self, source: &WorkerKey, target: &WorkerKey) -> Option<&'a NixlPair> {
+        let (s, t) = (self.agent_of(source)?, self.agent_of(target)?);
+        let find = |l: &str, r: &str| {
+            self.pairs
+                .iter()
+                .find(|p| p.local_agent == l && p.remote_agent == r)
+        };
+        find(t, s).or_else(|| find(s, t))
+    }
+
+    /// The figures of the path source → target, pair first, fleet-wide second.
+    pub fn path(&self, source: &WorkerKey, target: &WorkerKey) -> PathFigures {
+        let pair = self.pair(source, target);
+        let from = |pair_value: Option<f64>, fleet: Option<f64>| match (pair_value, fleet) {
+            (Some(v), _) => (Some(v), FigureSource::Pair),
+            (None, Some(v)) => (Some(v), FigureSource::FleetWide),
+            (None, None) => (None, FigureSource::Missing),
+        };
+        let (bandwidth_bytes_per_s, bandwidth_from) = from(
+            pair.and_then(|p| p.bandwidth_bytes_per_second),
+            self.fleet_bandwidth,
+        );
+        let (handshake_s, handshake_from) = from(
+            pair.and_then(|p| p.handshake_latency.quantile_ns(self.quantile))
+                .map(|n| n as f64 / 1e9),
+            self.fleet_handshake_s,
+        );
+        PathFigures {
+            bandwidth_bytes_per_s,
+            bandwidth_from,
+            handshake_s,
+            handshake_from,
+        }
+    }
+
+    /// Handshakes over the pairs that matter: between mapped agents when there is a
+    /// mapping, else every pair.
+    pub fn handshakes(&self) -> HandshakeCounts {
+        let agents: Vec<&str> = self.mapping.iter().map(|m| m.nixl_agent.as_str()).collect();
+        self.pairs
+            .iter()
+            .filter(|p| {
+                agents.is_empty()
+                    || (agents.contains(&p.local_agent.as_str())
+                        && agents.contains(&p.remote_agent.as_str()))
+            })
+            .fold(HandshakeCounts::default(), |c, p| HandshakeCounts {
+                ok: c.ok + p.handshakes_ok,
+                failed: c.failed + p.handshakes_failed,
+            })
+    }
+
+    pub fn fleet_bandwidth(&self) -> Option<f64> {
+        self.fleet_bandwidth
+    }
+    pub fn fleet_handshake_s(&self) -> Option<f64> {
+        self.fleet_handshake_s
+    }
+}
+
+fn merge(into: &mut MergedLatency, l: &MergedLatency) {
+    if l.count == 0 {
+        return;
+    }
+    into.count += l.count;
+    into.sum_ns += l.sum_ns;
+    into.max_ns = into.max_ns.max(l.max_ns);
+    if into.buckets.len() < l.buckets.len() {
+        into.buckets.resize(l.buckets.len(), 0);
+    }
+    for (a, b) in into.buckets.iter_mut().zip(&l.buckets) {
+        *a += b;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvscope_wire::nixl::LATENCY_BOUNDS_NS;
+
+    fn lat(values_ns: &[u64]) -> MergedLatency {
+        MergedLatency {
+            count: values_ns.len() as u64,
+            sum_ns: values_ns.iter().sum(),
+            max_ns: values_ns.iter().copied().max().unwrap_or(0),
+            buckets: LATENCY_BOUNDS_NS
+                .iter()
+                .map(|le| values_ns.iter().filter(|v| *v <= le).count() as u64)
+                .collect(),
+        }
+    }
+
+    fn pair(l: &str, r: &str, bw: f64, hs_ns: u64) -> NixlPair {
+        NixlPair {
+            local_agent: l.into(),
+            remote_agent: r.into(),
+            bytes_ok: (bw * 0.5) as u64,
+            latency: lat(&[500_000_000]),
+            bandwidth_bytes_per_second: Some(bw),
+            handshakes_ok: 4,
+            handshakes_failed: 1,
+            handshake_latency: lat(&[hs_ns; 4]),
+            ..NixlPair::default()
+        }
+    }
+
+    fn w(id: u64) -> WorkerKey {
+        WorkerKey {
+            worker_id: id,
+            dp_rank: 0,
+        }
+    }
+
+    const P: CostParams = CostParams {
+        kv_bytes_per_token: 1000,
+        prefill_tok_per_s: 10_000.0,
+        dispatch_overhead_s: 0.01,
+        handshake_quantile: 0.9,
+    };
+
+    #[test]
+    fn the_prediction_adds_handshake_transfer_and_overhead_against_recompute() {
+        let path = PathFigures {
+            bandwidth_bytes_per_s: Some(1e9),
+            bandwidth_from: FigureSource::Pair,
+            handshake_s: Some(0.05),
+            handshake_from: FigureSource::Pair,
+        };
+        // 20k tokens: 20 MB at 1 GB/s = 20 ms; + 50 ms + 10 ms = 80 ms vs 2 s recompute.
+        let p = predict(&P, 20_000, &path, 10_000.0).unwrap();
+        assert_eq!(p.bytes, 20_000_000);
+        assert!((p.migrate_s - 0.08).abs() < 1e-9, "{p:?}");
+        assert!((p.net_benefit_s - 1.92).abs() < 1e-9, "{p:?}");
+        // 500 tokens: 50 ms recompute < 60.5 ms migration.
+        assert!(predict(&P, 500, &path, 10_000.0).unwrap().net_benefit_s < 0.0);
+        let no_bw = PathFigures {
+            bandwidth_bytes_per_s: None,
+            ..path
+        };
+        assert!(predict(&P, 20_000, &no_bw, 10_000.0).is_none());
+    }
+
+    #[test]
+    fn pair_figures_come_first_then_fleet_wide() {
+        let pairs = [
+            pair("a", "b", 4e9, 2_000_000),
+            pair("c", "d", 1e9, 40_000_000),
+        ];
+        let mapping: Vec<WorkerAgent> = vec!["1=b".parse().unwrap(), "2=a".parse().unwrap()];
+        let f = NixlFigures::new(&pairs, &mapping, 0.9);
+        // Source 1 (agent b) → target 2 (agent a): the target pulls, pair a → b.
+        let p = f.path(&w(1), &w(2));
+        assert_eq!(p.bandwidth_from, FigureSource::Pair);
+        assert_eq!(p.bandwidth_bytes_per_s, Some(4e9));
+        assert_eq!(
+            p.handshake_s,
+            Some(0.002),
+            "p90: bucket bound 2.5 ms capped at the max"
+        );
+        // The reverse direction finds the same pair (source pushes).
+        assert_eq!(f.path(&w(2), &w(1)).bandwidth_from, FigureSource::Pair);
+        // Unmapped worker 3: fleet-wide.
+        let p = f.path(&w(1), &w(3));
+        assert_eq!(p.bandwidth_from, FigureSource::FleetWide);
+        let bw = p.bandwidth_bytes_per_s.unwrap();
+        assert!((bw - 2.5e9).abs() < 1.0, "{bw}");
+        assert_eq!(
+            f.handshakes(),
+            HandshakeCounts { ok: 4, failed: 1 },
+            "only the pair between mapped agents"
+        );
+        let none = NixlFigures::new(&[], &[], 0.9).path(&w(1), &w(2));
+        assert_eq!(none.handshake_from, FigureSource::Missing);
+    }
+
+    #[test]
+    fn handshake_deltas_survive_counter_resets() {
+        let now = HandshakeCounts { ok: 10, failed: 3 };
+        assert_eq!(
+            now.since(&HandshakeCounts { ok: 7, failed: 1 }),
+            HandshakeCounts { ok: 3, failed: 2 }
+        );
+        assert_eq!(now.since(&HandshakeCounts { ok: 20, failed: 0 }), now);
+        assert_eq!(HandshakeCounts::default().success_ratio(), None);
+    }
+}

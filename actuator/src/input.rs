@@ -1,0 +1,174 @@
+//! What the policy reads: the collector's JSON API responses, fetched live or read from a
+//! file saved earlier (`plan --save`).
+
+use kvscope_collector::analyzer::AgentStatus;
+use kvscope_collector::nixl::NixlPair;
+use kvscope_collector::verdict::SpillVerdict;
+use kvscope_collector::window::WindowSummary;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::Duration;
+
+/// The part of `/api/summary` the policy reads.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct CollectorSummary {
+    /// The latest record time the collector has seen (agents' clocks, UNIX ns).
+    pub watermark_ns: u64,
+    pub windows_closed: usize,
+    /// Every agent the collector has heard from, with when it last did.
+    pub agents: BTreeMap<String, AgentStatus>,
+    pub bus: BusView,
+}
+
+/// The part of the collector's bus status the policy reads.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct BusView {
+    pub connected: bool,
+    pub rebuilding: bool,
+}
+
+/// One consistent-enough read of the collector: four requests, close together.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct CollectorView {
+    pub summary: CollectorSummary,
+    /// Closed windows, newest first (as `/api/windows` serves them).
+    pub windows: Vec<WindowSummary>,
+    /// Recent verdicts, newest first (as `/api/verdicts` serves them).
+    #[serde(default)]
+    pub verdicts: Vec<SpillVerdict>,
+    /// Per NIXL agent pair, cumulative (as `/api/nixl` serves them).
+    #[serde(default)]
+    pub nixl: Vec<NixlPair>,
+}
+
+/// A saved read, for `plan --input`: the view and when it was taken.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct CollectorSnapshot {
+    /// When the responses were fetched (UNIX ns); `plan --input` evaluates as of then.
+    pub captured_ns: u64,
+    #[serde(flatten)]
+    pub view: CollectorView,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum InputError {
+    #[error("collector request {url} failed: {error}")]
+    Request { url: String, error: String },
+    #[error("collector answered {status} to {url}")]
+    Status {
+        url: String,
+        status: reqwest::StatusCode,
+    },
+    #[error("collector response from {url} is not what the actuator expects: {source}")]
+    Decode {
+        url: String,
+        source: serde_json::Error,
+    },
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("{path} is not a saved collector read: {source}")]
+    Parse {
+        path: String,
+        source: serde_json::Error,
+    },
+}
+
+/// Reads the collector's JSON API.
+#[derive(Clone, Debug)]
+pub struct CollectorClient {
+    http: reqwest::Client,
+    base: String,
+    window_limit: usize,
+    verdict_limit: usize,
+}
+
+impl CollectorClient {
+    pub fn new(
+        base_url: &str,
+        timeout: Duration,
+        window_limit: usize,
+        verdict_limit: usize,
+    ) -> Result<Self, reqwest::Error> {
+        Ok(Self {
+            http: reqwest::Client::builder().timeout(timeout).build()?,
+            base: base_url.trim_end_matches('/').to_string(),
+            window_limit,
+            verdict_limit,
+        })
+    }
+
+    async fn get<T: serde::de::DeserializeOwned>(&self, path: &str) -> Result<T, InputError> {
+        let url = format!("{}{}", self.base, path);
+        let resp = self
+            .http
+            .get(&url)
+            .send()
+            .await
+            .map_err(|e| InputError::Request {
+                url: url.clone(),
+                error: error_chain(&e),
+            })?;
+        if !resp.status().is_success() {
+            return Err(InputError::Status {
+                url,
+                status: resp.status(),
+            });
+        }
+        let bytes = resp.bytes().await.map_err(|e| InputError::Request {
+            url: url.clone(),
+            error: error_chain(&e),
+        })?;
+        serde_json::from_slice(&bytes).map_err(|source| InputError::Decode { url, source })
+    }
+
+    /// Fetch summary, windows, verdicts and NIXL pairs.
+    pub async fn fetch(&self) -> Result<CollectorView, InputError> {
+        let summary = self.get("/api/summary").await?;
+        let windows = self
+            .get(&format!("/api/windows?limit={}", self.window_limit))
+            .await?;
+        let verdicts = self
+            .get(&format!("/api/verdicts?limit={}", self.verdict_limit))
+            .await?;
+        let nixl = self.get("/api/nixl").await?;
+        Ok(CollectorView {
+            summary,
+            windows,
+            verdicts,
+            nixl,
+        })
+    }
+}
+
+/// An error and its causes on one line, without repeats (reqwest nests the same text).
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut parts: Vec<String> = vec![e.to_string()];
+    let mut cur = e.source();
+    while let Some(s) = cur {
+        let text = s.to_string();
+        if !parts.iter().any(|p| p.contains(&text)) {
+            parts.push(text);
+        }
+        cur = s.source();
+    }
+    parts.join(": ")
+}
+
+impl CollectorSnapshot {
+    pub fn read(path: &Path) -> Result<Self, InputError> {
+        let text = std::fs::read(path).map_err(|source| InputError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        serde_json::from_slice(&text).map_err(|source| InputError::Parse {
+            path: path.display().to_string(),
+            source,
+        })
+    }
+}
