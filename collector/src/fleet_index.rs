@@ -1,9 +1,36 @@
 //! The fleet KV mirror: which blocks every worker has cached, keyed by Dynamo-compatible
 //! sequence hashes so a request's block chain can be matched against every worker at once.
+//!
+//! Layout, chosen so that a fleet of 1,000 workers × 50k blocks fits in a few GiB and a
+//! routing query costs about one cache miss per block of its cached prefix:
+//!
+//! - one fleet-wide table, sequence hash → the *set* of workers holding that block;
+//! - holder sets are interned ([`holder_sets`]): every block held by the same workers
+//!   points at the same set, so a system prompt cached on 900 workers costs one 900-entry
+//!   set, not 900 entries per block, and a query walking a chain compares set ids,
+//!   touching members only where the set changes;
+//! - per worker, engine block hash → sequence hash (what `BlockRemoved` names), plus two
+//!   small side tables for what is rare: an engine block stored more than once, and one
+//!   sequence hash held through more than one engine block.
+//!
+//! The two big tables are [`table::BlockTable`]s: open addressing with each key next to
+//! its value, one cache miss per lookup.
 
-use kvscope_wire::hashing::{chain_hash, local_block_hashes, seed_for_lora};
+mod holder_sets;
+mod table;
+
+use holder_sets::{HolderSets, SetId, EMPTY};
+use kvscope_wire::hashing::{chain_hash, local_block_hashes, seed_for_lora, LocalBlockHash};
 use kvscope_wire::{SequenceHash, WorkerKey};
+use std::collections::hash_map::Entry;
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::hash::{BuildHasherDefault, Hasher};
+use std::hint::black_box;
+use table::BlockTable;
+
+/// A query walking a chain touches this many blocks' table slots at a time, so that
+/// their cache misses overlap.
+const TOUCH_AHEAD: usize = 16;
 
 /// Why a KV event could not be applied to the mirror. Each is counted by the caller; none
 /// stops the collector.
@@ -30,30 +57,73 @@ pub struct StoredSegment {
     pub token_count_mismatch: bool,
 }
 
-#[derive(Debug, Clone, Copy)]
-struct EngineBlock {
-    seq: SequenceHash,
-    stores: u32,
+/// Result of a removal.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct RemoveOutcome {
+    pub removed: u64,
+    /// Removals of a block stored more than once: it stays until its last store goes.
+    pub still_stored: u64,
+    pub unknown: u64,
 }
+
+/// Hashes the side tables' keys (block hashes, worker keys, small integers): one folded
+/// multiply per word; SipHash's resistance to chosen keys buys nothing here.
+#[derive(Debug, Default, Clone, Copy)]
+struct FoldHasher(u64);
+
+impl Hasher for FoldHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for chunk in bytes.chunks(8) {
+            let mut word = [0u8; 8];
+            word[..chunk.len()].copy_from_slice(chunk);
+            self.write_u64(u64::from_le_bytes(word));
+        }
+    }
+    fn write_u64(&mut self, x: u64) {
+        let p = u128::from(self.0 ^ x) * u128::from(0x9e37_79b9_7f4a_7c15u64);
+        self.0 = (p as u64) ^ ((p >> 64) as u64);
+    }
+    fn write_u32(&mut self, x: u32) {
+        self.write_u64(u64::from(x));
+    }
+    fn write_usize(&mut self, x: usize) {
+        self.write_u64(x as u64);
+    }
+}
+
+type FastMap<K, V> = HashMap<K, V, BuildHasherDefault<FoldHasher>>;
+
+/// A worker's position in [`FleetIndex::workers`].
+type WorkerIdx = u32;
 
 #[derive(Debug, Default)]
 struct WorkerCache {
-    /// Engine block hash → its sequence hash and how many stores named it. Engines may
-    /// store the same block more than once (Dynamo's `EventDedupFilter` counts them the
-    /// same way): it leaves the cache only when every store has been removed.
-    by_engine: HashMap<u64, EngineBlock>,
-    /// Sequence hash → how many engine blocks hold it on this worker.
-    blocks: HashMap<SequenceHash, u32>,
+    /// Engine block hash → the sequence hash stored under it.
+    by_engine: BlockTable<SequenceHash>,
+    /// Engine blocks stored more than once: the stores beyond the first. Engines may store
+    /// the same block more than once (Dynamo's `EventDedupFilter` counts them the same
+    /// way): it leaves the cache only when every store has been removed.
+    restores: FastMap<u64, u32>,
+    /// Sequence hashes held through more than one engine block: the holds beyond the first.
+    extra_holds: FastMap<SequenceHash, u32>,
+    /// Distinct sequence hashes held.
+    cached: usize,
     /// Cached blocks this worker generated while decoding (stored outside any prompt
     /// routed to it), as the analyzer marked them.
-    generated: HashSet<SequenceHash>,
+    generated: HashSet<SequenceHash, BuildHasherDefault<FoldHasher>>,
 }
 
 /// Every worker's cached blocks.
 #[derive(Debug, Default)]
 pub struct FleetIndex {
-    workers: HashMap<WorkerKey, WorkerCache>,
-    holders: HashMap<SequenceHash, Vec<WorkerKey>>,
+    index_of: FastMap<WorkerKey, WorkerIdx>,
+    workers: Vec<WorkerCache>,
+    /// Every block some worker holds → the set of workers holding it.
+    holders: BlockTable<SetId>,
+    sets: HolderSets,
 }
 
 impl FleetIndex {
@@ -63,26 +133,37 @@ impl FleetIndex {
 
     /// Workers the mirror has heard of (including ones whose cache is now empty).
     pub fn workers(&self) -> impl Iterator<Item = WorkerKey> + '_ {
-        self.workers.keys().copied()
+        (0..self.workers.len() as WorkerIdx).map(|w| self.sets.key(w))
     }
 
     /// Number of blocks cached on `worker`.
     pub fn cached_blocks(&self, worker: &WorkerKey) -> usize {
-        self.workers.get(worker).map_or(0, |w| w.blocks.len())
+        self.index_of
+            .get(worker)
+            .map_or(0, |w| self.workers[*w as usize].cached)
     }
 
     /// Total (block, worker) pairs in the mirror.
     pub fn cached_pairs(&self) -> usize {
-        self.workers.values().map(|w| w.blocks.len()).sum()
+        self.workers.iter().map(|w| w.cached).sum()
     }
 
     pub fn knows_worker(&self, worker: &WorkerKey) -> bool {
-        self.workers.contains_key(worker)
+        self.index_of.contains_key(worker)
     }
 
     /// Make sure `worker` is known, even before it stores anything.
     pub fn touch(&mut self, worker: WorkerKey) {
-        self.workers.entry(worker).or_default();
+        self.worker_idx(worker);
+    }
+
+    fn worker_idx(&mut self, worker: WorkerKey) -> WorkerIdx {
+        let (workers, sets) = (&mut self.workers, &mut self.sets);
+        *self.index_of.entry(worker).or_insert_with(|| {
+            sets.add_worker(worker);
+            workers.push(WorkerCache::default());
+            (workers.len() - 1) as WorkerIdx
+        })
     }
 
     /// Apply a `BlockStored` event. Returns what was stored and the event-only delta.
@@ -96,18 +177,29 @@ impl FleetIndex {
         block_size: u32,
         lora_name: Option<&str>,
     ) -> Result<StoredSegment, MirrorError> {
-        let cache = self.workers.entry(worker).or_default();
+        let locals = local_block_hashes(token_ids, block_size as usize, seed_for_lora(lora_name));
+        self.store_hashed(worker, parent_engine_hash, engine_hashes, &locals)
+    }
+
+    /// [`Self::store`] with the blocks' local hashes already computed from their tokens
+    /// (one per full block, in order), as Dynamo's publisher hands them to its indexer.
+    pub fn store_hashed(
+        &mut self,
+        worker: WorkerKey,
+        parent_engine_hash: Option<u64>,
+        engine_hashes: &[u64],
+        locals: &[LocalBlockHash],
+    ) -> Result<StoredSegment, MirrorError> {
+        let w = self.worker_idx(worker);
         let parent = match parent_engine_hash {
             None => None,
             Some(p) => Some(
-                cache
+                self.workers[w as usize]
                     .by_engine
-                    .get(&p)
-                    .ok_or(MirrorError::UnknownParent)?
-                    .seq,
+                    .get(p)
+                    .ok_or(MirrorError::UnknownParent)?,
             ),
         };
-        let locals = local_block_hashes(token_ids, block_size as usize, seed_for_lora(lora_name));
         let n = locals.len().min(engine_hashes.len());
         if n == 0 && !engine_hashes.is_empty() {
             return Err(MirrorError::TokenCountMismatch);
@@ -119,39 +211,37 @@ impl FleetIndex {
             blocks.push(s);
             prev = Some(s);
         }
-        let (held_elsewhere, held_by) = self.longest_run_elsewhere(&blocks, worker);
-        let cache = self.workers.entry(worker).or_default();
-        for (engine, seq) in engine_hashes[..n].iter().zip(&blocks) {
-            match cache.by_engine.get_mut(engine) {
-                Some(b) if b.seq == *seq => {
-                    b.stores += 1;
-                    continue;
-                }
-                Some(b) => {
-                    // The engine reused a hash for other content: the old block is gone.
-                    let old = b.seq;
-                    *b = EngineBlock {
-                        seq: *seq,
-                        stores: 1,
-                    };
-                    release(cache, &mut self.holders, worker, old);
-                }
-                None => {
-                    cache.by_engine.insert(
-                        *engine,
-                        EngineBlock {
-                            seq: *seq,
-                            stores: 1,
-                        },
-                    );
-                }
-            }
-            let count = cache.blocks.entry(*seq).or_insert(0);
-            *count += 1;
-            if *count == 1 {
-                self.holders.entry(*seq).or_default().push(worker);
-            }
+        if n > 1 {
+            let by_engine = &self.workers[w as usize].by_engine;
+            black_box(by_engine.touch(engine_hashes[..n].iter().copied()));
+            black_box(self.holders.touch(blocks.iter().copied()));
         }
+        // The event-only delta walks the new blocks as they were before this store; each
+        // block is read just before this worker is added to it (the walk leaves this
+        // worker out, so its own additions do not change what it sees).
+        let mut walk = Walk::new(Some(w));
+        let mut left = Vec::new();
+        for (engine, seq) in engine_hashes[..n].iter().zip(&blocks) {
+            if walk.active() {
+                walk.step(&self.sets, self.holders.get(*seq), &mut left);
+            }
+            let cache = &mut self.workers[w as usize];
+            let (stored, new) = cache.by_engine.get_or_default(*engine);
+            if new {
+                *stored = *seq;
+            } else if *stored == *seq {
+                *cache.restores.entry(*engine).or_insert(0) += 1;
+                continue;
+            } else {
+                // The engine reused a hash for other content: the old block is gone.
+                let old = std::mem::replace(stored, *seq);
+                cache.restores.remove(engine);
+                self.release(w, old);
+            }
+            self.hold(w, *seq);
+        }
+        walk.finish(&mut left);
+        let (held_elsewhere, held_by) = self.longest_run(&left);
         Ok(StoredSegment {
             blocks,
             held_elsewhere,
@@ -163,140 +253,282 @@ impl FleetIndex {
     /// Apply a `BlockRemoved` event. Unknown blocks are skipped and counted in the result.
     pub fn remove(&mut self, worker: WorkerKey, engine_hashes: &[u64]) -> RemoveOutcome {
         let mut out = RemoveOutcome::default();
-        let Some(cache) = self.workers.get_mut(&worker) else {
+        let Some(&w) = self.index_of.get(&worker) else {
             out.unknown = engine_hashes.len() as u64;
             return out;
         };
+        // In two passes, each first touching what it will look up: an eviction names
+        // many blocks, and their cache misses then overlap.
+        let cache = &mut self.workers[w as usize];
+        black_box(cache.by_engine.touch(engine_hashes.iter().copied()));
+        let mut released = Vec::with_capacity(engine_hashes.len());
         for engine in engine_hashes {
-            match cache.by_engine.get_mut(engine) {
-                Some(b) if b.stores > 1 => {
-                    b.stores -= 1;
+            if !cache.restores.is_empty() {
+                if let Entry::Occupied(mut r) = cache.restores.entry(*engine) {
+                    *r.get_mut() -= 1;
+                    if *r.get() == 0 {
+                        r.remove();
+                    }
                     out.still_stored += 1;
+                    continue;
                 }
-                Some(b) => {
-                    let seq = b.seq;
-                    cache.by_engine.remove(engine);
-                    release(cache, &mut self.holders, worker, seq);
-                    out.removed += 1;
-                }
+            }
+            match cache.by_engine.remove(*engine) {
+                Some(seq) => released.push(seq),
                 None => out.unknown += 1,
             }
         }
+        black_box(self.holders.touch(released.iter().copied()));
+        for seq in &released {
+            self.release(w, *seq);
+        }
+        out.removed = released.len() as u64;
         out
     }
 
     /// Apply `AllBlocksCleared` (or an engine restart): the worker's cache is empty.
     pub fn clear(&mut self, worker: WorkerKey) -> u64 {
-        let Some(cache) = self.workers.get_mut(&worker) else {
+        let Some(&w) = self.index_of.get(&worker) else {
             return 0;
         };
-        let n = cache.blocks.len() as u64;
-        for seq in cache.blocks.keys() {
-            drop_holder(&mut self.holders, *seq, worker);
-        }
-        cache.blocks.clear();
-        cache.by_engine.clear();
+        let cache = &mut self.workers[w as usize];
+        let n = cache.cached as u64;
+        let mut by_engine = std::mem::take(&mut cache.by_engine);
+        cache.restores.clear();
+        cache.extra_holds.clear();
         cache.generated.clear();
+        cache.cached = 0;
+        let seqs: Vec<SequenceHash> = by_engine.iter().map(|(_, seq)| seq).collect();
+        for chunk in seqs.chunks(64) {
+            black_box(self.holders.touch(chunk.iter().copied()));
+            for seq in chunk {
+                // A sequence hash held through two engine blocks comes twice: the second
+                // finds the worker gone from its set already.
+                if let Some(from) = self.holders.get(*seq) {
+                    if self.sets.contains(from, w) {
+                        let to = self.sets.without(from, w);
+                        self.move_block(*seq, from, to);
+                    }
+                }
+            }
+        }
+        by_engine.clear();
+        self.workers[w as usize].by_engine = by_engine;
         n
     }
 
     /// Mark a block cached on `worker` as decode-generated (not from a prompt).
     pub fn mark_generated(&mut self, worker: WorkerKey, seq: SequenceHash) {
-        if let Some(cache) = self.workers.get_mut(&worker) {
-            if cache.blocks.contains_key(&seq) {
-                cache.generated.insert(seq);
-            }
+        let Some(&w) = self.index_of.get(&worker) else {
+            return;
+        };
+        if self
+            .holders
+            .get(seq)
+            .is_some_and(|s| self.sets.contains(s, w))
+        {
+            self.workers[w as usize].generated.insert(seq);
         }
     }
 
     /// How many of `blocks` are cached on `worker` as decode-generated.
     pub fn generated_among(&self, worker: &WorkerKey, blocks: &[SequenceHash]) -> u32 {
-        self.workers.get(worker).map_or(0, |c| {
-            blocks.iter().filter(|b| c.generated.contains(b)).count() as u32
+        self.index_of.get(worker).map_or(0, |w| {
+            let generated = &self.workers[*w as usize].generated;
+            blocks.iter().filter(|b| generated.contains(b)).count() as u32
         })
     }
 
     /// For every worker holding at least the first block: how many leading blocks of
     /// `chain` it holds (`overlap_w` in DESIGN.md).
     pub fn overlaps(&self, chain: &[SequenceHash]) -> BTreeMap<WorkerKey, u32> {
-        let mut result = BTreeMap::new();
-        let Some(first) = chain.first() else {
-            return result;
-        };
-        let mut alive: Vec<WorkerKey> = match self.holders.get(first) {
-            Some(h) => h.clone(),
-            None => return result,
-        };
-        for (k, seq) in chain.iter().enumerate().skip(1) {
-            let holders = self.holders.get(seq).map(Vec::as_slice).unwrap_or(&[]);
-            alive.retain(|w| {
-                let keep = holders.contains(w);
-                if !keep {
-                    result.insert(*w, k as u32);
-                }
-                keep
-            });
-            if alive.is_empty() {
-                break;
-            }
-        }
-        for w in alive {
-            result.insert(w, chain.len() as u32);
-        }
-        result
+        let mut left = Vec::new();
+        self.walk(chain, &mut left);
+        // Workers come out in runs sorted by key: sorted cheaply, then built in bulk.
+        left.into_iter()
+            .map(|(w, n)| (self.sets.key(w), n))
+            .collect()
     }
 
-    /// The longest run of `chain`'s leading blocks held by one worker other than `except`.
-    fn longest_run_elsewhere(
-        &self,
-        chain: &[SequenceHash],
-        except: WorkerKey,
-    ) -> (u32, Option<WorkerKey>) {
-        let mut best = (0, None);
-        for (w, n) in self.overlaps(chain) {
-            if w != except && n > best.0 {
-                best = (n, Some(w));
+    /// Of the workers a walk reported, the one holding the longest run (the lowest
+    /// worker key among equals), and that run.
+    fn longest_run(&self, left: &[(WorkerIdx, u32)]) -> (u32, Option<WorkerKey>) {
+        let mut best: (u32, Option<WorkerKey>) = (0, None);
+        for (w, n) in left {
+            let key = self.sets.key(*w);
+            if *n > best.0 || (*n == best.0 && best.1.is_some_and(|b| key < b)) {
+                best = (*n, Some(key));
             }
         }
         best
     }
-}
 
-/// Result of a removal.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub struct RemoveOutcome {
-    pub removed: u64,
-    /// Removals of a block stored more than once: it stays until its last store goes.
-    pub still_stored: u64,
-    pub unknown: u64,
-}
+    /// Walk `chain` from its first block: `(worker, n)` into `left` for every worker
+    /// holding the first block, with `n` the number of leading blocks it holds, in
+    /// nondecreasing `n`.
+    fn walk(&self, chain: &[SequenceHash], left: &mut Vec<(WorkerIdx, u32)>) {
+        let mut walk = Walk::new(None);
+        for (k, seq) in chain.iter().enumerate() {
+            if !walk.active() {
+                return;
+            }
+            if k % TOUCH_AHEAD == 1 {
+                let ahead = &chain[k..chain.len().min(k + TOUCH_AHEAD)];
+                black_box(self.holders.touch(ahead.iter().copied()));
+            }
+            walk.step(&self.sets, self.holders.get(*seq), left);
+        }
+        walk.finish(left);
+    }
 
-fn release(
-    cache: &mut WorkerCache,
-    holders: &mut HashMap<SequenceHash, Vec<WorkerKey>>,
-    worker: WorkerKey,
-    seq: SequenceHash,
-) {
-    if let Some(count) = cache.blocks.get_mut(&seq) {
-        *count -= 1;
-        if *count == 0 {
-            cache.blocks.remove(&seq);
+    /// `w` now holds `seq` through one more engine block.
+    fn hold(&mut self, w: WorkerIdx, seq: SequenceHash) {
+        let (holders, new) = self.holders.get_or_default(seq);
+        let cache = &mut self.workers[w as usize];
+        if new {
+            *holders = self.sets.with(EMPTY, w);
+            self.sets.retain(*holders);
+        } else {
+            let from = *holders;
+            if self.sets.contains(from, w) {
+                *cache.extra_holds.entry(seq).or_insert(0) += 1;
+                return;
+            }
+            *holders = self.sets.with(from, w);
+            self.sets.retain(*holders);
+            self.sets.release(from);
+        }
+        cache.cached += 1;
+    }
+
+    /// `w` holds `seq` through one engine block fewer.
+    fn release(&mut self, w: WorkerIdx, seq: SequenceHash) {
+        let cache = &mut self.workers[w as usize];
+        if !cache.extra_holds.is_empty() {
+            if let Entry::Occupied(mut x) = cache.extra_holds.entry(seq) {
+                *x.get_mut() -= 1;
+                if *x.get() == 0 {
+                    x.remove();
+                }
+                return;
+            }
+        }
+        let Some(holders) = self.holders.get_mut(seq) else {
+            return;
+        };
+        let from = *holders;
+        if !self.sets.contains(from, w) {
+            return;
+        }
+        match self.sets.without(from, w) {
+            Some(to) => {
+                self.sets.retain(to);
+                *holders = to;
+            }
+            None => {
+                self.holders.remove(seq);
+            }
+        }
+        self.sets.release(from);
+        cache.cached -= 1;
+        if !cache.generated.is_empty() {
             cache.generated.remove(&seq);
-            drop_holder(holders, seq, worker);
+        }
+    }
+
+    /// Block `seq`'s holders change from set `from` (`EMPTY`: nobody) to `to` (`None`:
+    /// nobody).
+    fn move_block(&mut self, seq: SequenceHash, from: SetId, to: Option<SetId>) {
+        match to {
+            Some(to) => {
+                self.sets.retain(to);
+                self.holders.insert(seq, to);
+            }
+            None => {
+                self.holders.remove(seq);
+            }
+        }
+        if from != EMPTY {
+            self.sets.release(from);
         }
     }
 }
 
-fn drop_holder(
-    holders: &mut HashMap<SequenceHash, Vec<WorkerKey>>,
-    seq: SequenceHash,
-    worker: WorkerKey,
-) {
-    if let Some(h) = holders.get_mut(&seq) {
-        h.retain(|w| *w != worker);
-        if h.is_empty() {
-            holders.remove(&seq);
+/// A walk along a chain, one block at a time: which workers (but one) hold every block
+/// so far. Members are compared only where a block's holder set differs from the
+/// previous block's.
+struct Walk {
+    except: Option<WorkerIdx>,
+    alive: Vec<WorkerIdx>,
+    current: SetId,
+    /// Blocks stepped over.
+    blocks: u32,
+}
+
+impl Walk {
+    fn new(except: Option<WorkerIdx>) -> Self {
+        Self {
+            except,
+            alive: Vec::new(),
+            current: EMPTY,
+            blocks: 0,
         }
+    }
+
+    /// Whether a next block can still change anything.
+    fn active(&self) -> bool {
+        self.blocks == 0 || !self.alive.is_empty()
+    }
+
+    /// The next block is held by `set`: `(worker, n)` into `left` for every worker that
+    /// held all `n` blocks before it but not this one.
+    fn step(&mut self, sets: &HolderSets, set: Option<SetId>, left: &mut Vec<(WorkerIdx, u32)>) {
+        let k = self.blocks;
+        self.blocks += 1;
+        let Some(set) = set else {
+            left.extend(self.alive.drain(..).map(|w| (w, k)));
+            return;
+        };
+        if k == 0 {
+            self.current = set;
+            let except = self.except;
+            self.alive
+                .extend(sets.members(set).iter().filter(|w| Some(**w) != except));
+            return;
+        }
+        if set == self.current {
+            return;
+        }
+        self.current = set;
+        let members = sets.members(set);
+        if self.alive.len() * 8 < members.len() {
+            self.alive.retain(|w| {
+                let keep = members.binary_search_by(|m| sets.cmp(*m, *w)).is_ok();
+                if !keep {
+                    left.push((*w, k));
+                }
+                keep
+            });
+        } else {
+            // Both sorted by worker key: one merge.
+            let mut j = 0;
+            self.alive.retain(|w| {
+                while j < members.len() && sets.cmp(members[j], *w).is_lt() {
+                    j += 1;
+                }
+                let keep = j < members.len() && members[j] == *w;
+                if !keep {
+                    left.push((*w, k));
+                }
+                keep
+            });
+        }
+    }
+
+    /// The workers that held every block stepped over.
+    fn finish(self, left: &mut Vec<(WorkerIdx, u32)>) {
+        let n = self.blocks;
+        left.extend(self.alive.into_iter().map(|w| (w, n)));
     }
 }
 
@@ -304,6 +536,7 @@ fn drop_holder(
 mod tests {
     use super::*;
     use kvscope_wire::hashing::{local_block_hashes, sequence_hashes, DYNAMO_HASH_SEED};
+    use std::collections::{BTreeMap, HashMap, HashSet};
 
     fn w(id: u64) -> WorkerKey {
         WorkerKey {
@@ -407,5 +640,203 @@ mod tests {
             idx.store(w(1), None, &[3], &[1], 2, None).unwrap_err(),
             MirrorError::TokenCountMismatch
         );
+    }
+
+    /// The old, plain layout (per worker: engine hash → (sequence hash, stores), sequence
+    /// hash → holds), answering every question by brute force.
+    #[derive(Default)]
+    struct Model {
+        workers: BTreeMap<WorkerKey, ModelWorker>,
+    }
+
+    #[derive(Default)]
+    struct ModelWorker {
+        by_engine: HashMap<u64, (SequenceHash, u32)>,
+        blocks: HashMap<SequenceHash, u32>,
+        generated: HashSet<SequenceHash>,
+    }
+
+    impl Model {
+        fn store(
+            &mut self,
+            worker: WorkerKey,
+            parent: Option<u64>,
+            engine: &[u64],
+            locals: &[u64],
+        ) -> Result<StoredSegment, MirrorError> {
+            let c = self.workers.entry(worker).or_default();
+            let parent = match parent {
+                None => None,
+                Some(p) => Some(c.by_engine.get(&p).ok_or(MirrorError::UnknownParent)?.0),
+            };
+            let n = locals.len().min(engine.len());
+            if n == 0 && !engine.is_empty() {
+                return Err(MirrorError::TokenCountMismatch);
+            }
+            let mut blocks = Vec::new();
+            let mut prev = parent;
+            for l in &locals[..n] {
+                let s = chain_hash(prev, *l);
+                blocks.push(s);
+                prev = Some(s);
+            }
+            let mut best = (0, None);
+            for (w, k) in self.overlaps(&blocks) {
+                if w != worker && k > best.0 {
+                    best = (k, Some(w));
+                }
+            }
+            let c = self.workers.get_mut(&worker).unwrap();
+            for (e, s) in engine[..n].iter().zip(&blocks) {
+                match c.by_engine.get_mut(e) {
+                    Some(b) if b.0 == *s => {
+                        b.1 += 1;
+                        continue;
+                    }
+                    Some(b) => {
+                        let old = b.0;
+                        *b = (*s, 1);
+                        Self::release(c, old);
+                    }
+                    None => {
+                        c.by_engine.insert(*e, (*s, 1));
+                    }
+                }
+                *c.blocks.entry(*s).or_insert(0) += 1;
+            }
+            Ok(StoredSegment {
+                blocks,
+                held_elsewhere: best.0,
+                held_by: best.1,
+                token_count_mismatch: locals.len() != engine.len(),
+            })
+        }
+
+        fn release(c: &mut ModelWorker, s: SequenceHash) {
+            if let Some(n) = c.blocks.get_mut(&s) {
+                *n -= 1;
+                if *n == 0 {
+                    c.blocks.remove(&s);
+                    c.generated.remove(&s);
+                }
+            }
+        }
+
+        fn remove(&mut self, worker: WorkerKey, engine: &[u64]) -> RemoveOutcome {
+            let mut out = RemoveOutcome::default();
+            let Some(c) = self.workers.get_mut(&worker) else {
+                out.unknown = engine.len() as u64;
+                return out;
+            };
+            for e in engine {
+                match c.by_engine.get_mut(e) {
+                    Some(b) if b.1 > 1 => {
+                        b.1 -= 1;
+                        out.still_stored += 1;
+                    }
+                    Some(b) => {
+                        let s = b.0;
+                        c.by_engine.remove(e);
+                        Self::release(c, s);
+                        out.removed += 1;
+                    }
+                    None => out.unknown += 1,
+                }
+            }
+            out
+        }
+
+        fn clear(&mut self, worker: WorkerKey) -> u64 {
+            self.workers.get_mut(&worker).map_or(0, |c| {
+                let n = c.blocks.len() as u64;
+                *c = ModelWorker::default();
+                n
+            })
+        }
+
+        fn overlaps(&self, chain: &[SequenceHash]) -> BTreeMap<WorkerKey, u32> {
+            self.workers
+                .iter()
+                .filter_map(|(w, c)| {
+                    let k = chain
+                        .iter()
+                        .take_while(|s| c.blocks.contains_key(s))
+                        .count();
+                    (k > 0).then_some((*w, k as u32))
+                })
+                .collect()
+        }
+    }
+
+    #[test]
+    fn answers_what_the_plain_layout_answers_through_random_events() {
+        let mut rng = 0x2545_f491_4f6c_dd1du64;
+        let mut next = move |n: u64| {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng % n
+        };
+        let mut idx = FleetIndex::new();
+        let mut model = Model::default();
+        let key = |i: u64| WorkerKey {
+            worker_id: 100 - i % 4,
+            dp_rank: (i / 4) as u32,
+        };
+        // Few local hashes and engine hashes, so that chains meet, engines reuse hashes
+        // for other content, blocks are stored twice and parents go missing.
+        for step in 0..40_000 {
+            let worker = key(next(6));
+            match next(10) {
+                0..=4 => {
+                    let n = 1 + next(4) as usize;
+                    let engine: Vec<u64> = (0..n).map(|_| next(24)).collect();
+                    let locals: Vec<u64> = (0..n + next(2) as usize).map(|_| next(3)).collect();
+                    let parent = (next(3) > 0).then(|| next(24));
+                    let a = idx.store_hashed(worker, parent, &engine, &locals);
+                    let b = model.store(worker, parent, &engine, &locals);
+                    assert_eq!(a, b, "store at step {step}");
+                    if let Ok(seg) = a {
+                        for s in seg.blocks.iter().filter(|_| next(2) == 0) {
+                            idx.mark_generated(worker, *s);
+                            if model.workers[&worker].blocks.contains_key(s) {
+                                model.workers.get_mut(&worker).unwrap().generated.insert(*s);
+                            }
+                        }
+                    }
+                }
+                5..=7 => {
+                    let engine: Vec<u64> = (0..1 + next(3)).map(|_| next(24)).collect();
+                    assert_eq!(
+                        idx.remove(worker, &engine),
+                        model.remove(worker, &engine),
+                        "remove at step {step}"
+                    );
+                }
+                8 if next(20) == 0 => {
+                    assert_eq!(
+                        idx.clear(worker),
+                        model.clear(worker),
+                        "clear at step {step}"
+                    );
+                }
+                _ => {
+                    let locals: Vec<u64> = (0..1 + next(5)).map(|_| next(3)).collect();
+                    let chain = sequence_hashes(&locals);
+                    assert_eq!(idx.overlaps(&chain), model.overlaps(&chain), "step {step}");
+                    for (w, c) in &model.workers {
+                        let want = chain.iter().filter(|s| c.generated.contains(s)).count();
+                        assert_eq!(idx.generated_among(w, &chain), want as u32);
+                    }
+                }
+            }
+            for (w, c) in &model.workers {
+                assert_eq!(idx.cached_blocks(w), c.blocks.len(), "step {step}");
+            }
+        }
+        assert!(idx.cached_pairs() > 0);
+        let mut known: Vec<_> = idx.workers().collect();
+        known.sort();
+        assert_eq!(known, model.workers.keys().copied().collect::<Vec<_>>());
     }
 }
