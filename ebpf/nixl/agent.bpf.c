@@ -40,6 +40,6 @@ int BPF_KRETPROBE(agent_ctor_exit)
 		e->data = data;
 	}
 	__builtin_memcpy(e->name, c.name, NIXL_NAME_LEN);
-	bpf_ringbuf_submit(e, 0);
+	event_submit(e);
 	return 0;
 }

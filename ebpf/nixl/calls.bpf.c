@@ -106,6 +106,6 @@ int BPF_KRETPROBE(call_exit)
 		read_std_string(e->name, (const void *)c.arg, &e->flags);
 	else
 		__builtin_memcpy(e->name, c.name, NIXL_NAME_LEN);
-	bpf_ringbuf_submit(e, 0);
+	event_submit(e);
 	return 0;
 }

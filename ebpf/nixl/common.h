@@ -128,6 +128,19 @@ static __always_inline void count_lost(void)
 		*n += 1;
 }
 
+/*
+ * Submit without waking the agent for every record (a wake-up per record costs the
+ * traced process a context switch on a busy node): the agent drains the ring on a short
+ * timer, and is woken only once a quarter of the ring is waiting.
+ */
+#define WAKEUP_BYTES ((1 << 22) / 4)
+
+static __always_inline void event_submit(struct nixl_event *e)
+{
+	__u64 waiting = bpf_ringbuf_query(&events, BPF_RB_AVAIL_DATA);
+	bpf_ringbuf_submit(e, waiting >= WAKEUP_BYTES ? BPF_RB_FORCE_WAKEUP : BPF_RB_NO_WAKEUP);
+}
+
 static __always_inline struct nixl_event *event_reserve(__u32 kind)
 {
 	struct nixl_event *e = bpf_ringbuf_reserve(&events, sizeof(*e), 0);
@@ -246,7 +259,7 @@ static __always_inline void note_agent(__u64 agent)
 		if (data)
 			read_std_string(e->name, (const char *)data + off_data_name, &e->flags);
 	}
-	bpf_ringbuf_submit(e, 0);
+	event_submit(e);
 }
 
 #endif

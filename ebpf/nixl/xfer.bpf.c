@@ -94,7 +94,7 @@ static __always_inline int xfer_created(struct pt_regs *ctx, __u32 call)
 	/* A created request names its remote agent whatever the call that made it. */
 	if (e->status == 0 && offsets_known && req)
 		read_std_string(e->name, (const char *)req + off_req_remote, &e->flags);
-	bpf_ringbuf_submit(e, 0);
+	event_submit(e);
 	return 0;
 }
 
@@ -143,7 +143,7 @@ int BPF_KRETPROBE(post_xfer_exit)
 	e->status = status;
 	e->latency_ns = e->ts_ns - c.ts_ns;
 	read_req_fields(e, c.arg);
-	bpf_ringbuf_submit(e, 0);
+	event_submit(e);
 	return 0;
 }
 
@@ -186,7 +186,7 @@ int BPF_KRETPROBE(xfer_status_exit)
 	e->req = k.req;
 	e->status = status;
 	e->latency_ns = e->ts_ns - post_ts;
-	bpf_ringbuf_submit(e, 0);
+	event_submit(e);
 	return 0;
 }
 
@@ -207,6 +207,6 @@ int BPF_KPROBE(release_xfer_enter, void *self, void *req)
 	e->agent = (__u64)self;
 	e->req = (__u64)req;
 	e->flags |= flags;
-	bpf_ringbuf_submit(e, 0);
+	event_submit(e);
 	return 0;
 }

@@ -277,6 +277,9 @@ fn forget_exited(st: &mut State) {
     }
 }
 
+/// How often the agent drains the ring buffer when the probes did not wake it.
+const DRAIN_INTERVAL: Duration = Duration::from_millis(20);
+
 async fn read_ring(ring: RingBuf<MapData>, state: Arc<Mutex<State>>) {
     let mut fd = match AsyncFd::new(ring) {
         Ok(fd) => fd,
@@ -285,20 +288,37 @@ async fn read_ring(ring: RingBuf<MapData>, state: Arc<Mutex<State>>) {
             return;
         }
     };
+    // The probes wake the agent only when the ring fills up (see `event_submit` in
+    // ebpf/nixl/common.h); a short timer drains it otherwise.
+    let mut tick = tokio::time::interval(DRAIN_INTERVAL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
-        let mut guard = match fd.readable_mut().await {
-            Ok(g) => g,
-            Err(e) => {
-                warn!("the NIXL ring buffer failed: {e}");
-                return;
-            }
-        };
-        let ring = guard.get_inner_mut();
         let mut batch = Vec::new();
-        while let Some(item) = ring.next() {
-            batch.push(NixlEvent::decode(&item));
+        tokio::select! {
+            ready = fd.readable_mut() => {
+                let mut guard = match ready {
+                    Ok(g) => g,
+                    Err(e) => {
+                        warn!("the NIXL ring buffer failed: {e}");
+                        return;
+                    }
+                };
+                let ring = guard.get_inner_mut();
+                while let Some(item) = ring.next() {
+                    batch.push(NixlEvent::decode(&item));
+                }
+                guard.clear_ready();
+            }
+            _ = tick.tick() => {
+                let ring = fd.get_mut();
+                while let Some(item) = ring.next() {
+                    batch.push(NixlEvent::decode(&item));
+                }
+            }
         }
-        guard.clear_ready();
+        if batch.is_empty() {
+            continue;
+        }
         let mut st = lock(&state);
         for e in batch {
             match e {
