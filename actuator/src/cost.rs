@@ -130,7 +130,7 @@ impl<'a> NixlFigures<'a> {
         });
         let mut hs = MergedLatency::default();
         for p in pairs {
-            merge(&mut hs, &p.handshake_latency);
+            hs.merge(&p.handshake_latency);
         }
         Self {
             pairs,
@@ -212,21 +212,6 @@ impl<'a> NixlFigures<'a> {
     }
     pub fn fleet_handshake_s(&self) -> Option<f64> {
         self.fleet_handshake_s
-    }
-}
-
-fn merge(into: &mut MergedLatency, l: &MergedLatency) {
-    if l.count == 0 {
-        return;
-    }
-    into.count += l.count;
-    into.sum_ns += l.sum_ns;
-    into.max_ns = into.max_ns.max(l.max_ns);
-    if into.buckets.len() < l.buckets.len() {
-        into.buckets.resize(l.buckets.len(), 0);
-    }
-    for (a, b) in into.buckets.iter_mut().zip(&l.buckets) {
-        *a += b;
     }
 }
 

@@ -4,17 +4,13 @@
 use crate::counters::AgentStats;
 use crate::nixl::NixlTracer;
 use crate::record_sink::RecordSink;
-use kvscope_wire::nixl::{LatencySummary, NixlReport, LATENCY_BOUNDS_NS};
+use kvscope_wire::nixl::{
+    escape_label as escape, write_latency_histogram, LatencySummary, NixlReport,
+};
 use std::fmt::Write as _;
 use std::sync::Arc;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
-
-fn escape(v: &str) -> String {
-    v.replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
-}
 
 /// The exposition text.
 pub fn render(agent: &str, stats: &AgentStats, buffered: usize) -> String {
@@ -36,16 +32,7 @@ pub fn render(agent: &str, stats: &AgentStats, buffered: usize) -> String {
 }
 
 fn histogram(out: &mut String, name: &str, labels: &str, l: &LatencySummary) {
-    for (le, count) in LATENCY_BOUNDS_NS.iter().zip(&l.buckets) {
-        let _ = writeln!(
-            out,
-            "{name}_bucket{{{labels},le=\"{}\"}} {count}",
-            *le as f64 / 1e9
-        );
-    }
-    let _ = writeln!(out, "{name}_bucket{{{labels},le=\"+Inf\"}} {}", l.count);
-    let _ = writeln!(out, "{name}_sum{{{labels}}} {}", l.sum_ns as f64 / 1e9);
-    let _ = writeln!(out, "{name}_count{{{labels}}} {}", l.count);
+    write_latency_histogram(out, name, labels, &l.buckets, l.count, l.sum_ns);
 }
 
 /// The NIXL figures of the eBPF probes: transfers, bytes and post → done latency per

@@ -20,16 +20,25 @@ pub struct MergedLatency {
 
 impl MergedLatency {
     fn add(&mut self, l: &LatencySummary) {
-        if l.count == 0 {
+        self.add_parts(l.count, l.sum_ns, l.max_ns, &l.buckets);
+    }
+
+    /// Add another merged distribution (e.g. pairs summed fleet-wide).
+    pub fn merge(&mut self, other: &MergedLatency) {
+        self.add_parts(other.count, other.sum_ns, other.max_ns, &other.buckets);
+    }
+
+    fn add_parts(&mut self, count: u64, sum_ns: u64, max_ns: u64, buckets: &[u64]) {
+        if count == 0 {
             return;
         }
-        self.count += l.count;
-        self.sum_ns += l.sum_ns;
-        self.max_ns = self.max_ns.max(l.max_ns);
-        if self.buckets.len() < l.buckets.len() {
-            self.buckets.resize(l.buckets.len(), 0);
+        self.count += count;
+        self.sum_ns += sum_ns;
+        self.max_ns = self.max_ns.max(max_ns);
+        if self.buckets.len() < buckets.len() {
+            self.buckets.resize(buckets.len(), 0);
         }
-        for (a, b) in self.buckets.iter_mut().zip(&l.buckets) {
+        for (a, b) in self.buckets.iter_mut().zip(buckets) {
             *a += b;
         }
     }
@@ -123,23 +132,10 @@ pub fn is_handshake(call: &str) -> bool {
     )
 }
 
-fn esc(v: &str) -> String {
-    v.replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
-}
+use kvscope_wire::nixl::escape_label as esc;
 
 fn histogram(out: &mut String, name: &str, labels: &str, l: &MergedLatency) {
-    for (le, n) in LATENCY_BOUNDS_NS.iter().zip(&l.buckets) {
-        let _ = writeln!(
-            out,
-            "{name}_bucket{{{labels},le=\"{}\"}} {n}",
-            *le as f64 / 1e9
-        );
-    }
-    let _ = writeln!(out, "{name}_bucket{{{labels},le=\"+Inf\"}} {}", l.count);
-    let _ = writeln!(out, "{name}_sum{{{labels}}} {}", l.sum_ns as f64 / 1e9);
-    let _ = writeln!(out, "{name}_count{{{labels}}} {}", l.count);
+    kvscope_wire::nixl::write_latency_histogram(out, name, labels, &l.buckets, l.count, l.sum_ns);
 }
 
 /// Exposition text of the pairs (appended to the collector's `/metrics`).
