@@ -120,16 +120,7 @@ pub fn pairs(agents: &BTreeMap<String, AgentStatus>) -> Vec<NixlPair> {
 
 /// Metadata-exchange calls (the `call` names the agent reports).
 pub fn is_handshake(call: &str) -> bool {
-    matches!(
-        call,
-        "loadRemoteMD"
-            | "loadRemoteMD_async"
-            | "fetchRemoteMD"
-            | "sendLocalMD"
-            | "makeConnection"
-            | "checkRemoteMD"
-            | "invalidateRemoteMD"
-    )
+    kvscope_wire::nixl::HANDSHAKE_CALLS.contains(&call)
 }
 
 use kvscope_wire::nixl::escape_label as esc;

@@ -32,6 +32,18 @@ pub const LATENCY_BOUNDS_NS: [u64; 22] = [
     10_000_000_000,
 ];
 
+/// The `call` names (as the agent reports them) that are metadata exchanges: the
+/// handshakes counted per pair.
+pub const HANDSHAKE_CALLS: [&str; 7] = [
+    "loadRemoteMD",
+    "loadRemoteMD_async",
+    "fetchRemoteMD",
+    "sendLocalMD",
+    "makeConnection",
+    "checkRemoteMD",
+    "invalidateRemoteMD",
+];
+
 /// A label value escaped for the Prometheus text formats.
 pub fn escape_label(v: &str) -> String {
     v.replace('\\', "\\\\")

@@ -99,20 +99,6 @@ impl NixlCall {
             Self::PostXferReq => "postXferReq",
         }
     }
-
-    /// Metadata exchange: the calls counted as handshakes.
-    pub fn is_handshake(self) -> bool {
-        matches!(
-            self,
-            Self::LoadRemoteMd
-                | Self::LoadRemoteMdAsync
-                | Self::FetchRemoteMd
-                | Self::SendLocalMd
-                | Self::MakeConnection
-                | Self::CheckRemoteMd
-                | Self::InvalidateRemoteMd
-        )
-    }
 }
 
 /// `nixl_status_t` as a label.
@@ -404,6 +390,16 @@ mod tests {
             (EventKind::Call, "EV_CALL"),
         ] {
             assert_eq!(EventKind::from_raw(enum_value(name)), Some(k), "{name}");
+        }
+    }
+
+    #[test]
+    fn the_handshake_calls_the_collector_counts_are_calls_the_probes_name() {
+        for name in kvscope_wire::nixl::HANDSHAKE_CALLS {
+            assert!(
+                NixlCall::ALL.iter().any(|c| c.name() == name),
+                "{name} is not a probed call"
+            );
         }
     }
 
