@@ -143,7 +143,7 @@ impl LoadedProbes {
             );
             let point = UProbeAttachPoint {
                 location: UProbeAttachLocation::AbsoluteOffset(probe.file_offset),
-                cookie: Some(spec.call as u64),
+                cookie: spec.call.map(|c| c as u64),
             };
             program
                 .attach(point, &library.path, aya_scope)
