@@ -1,6 +1,8 @@
 //! The actuator's HTTP API (127.0.0.1 by default):
 //!
 //! - `GET /healthz` — `ok`.
+//! - `GET /metrics` — Prometheus text: mode, evaluations, flips, directives, input
+//!   freshness (see [`crate::metrics`]). Open to read.
 //! - `GET /api/status` — mode, operator hold, what the backends last took, directive
 //!   totals, the latest evaluation with its reasons and figures. Open to read.
 //! - `GET /api/audit?limit=N` — the audit log's last N entries (default 100). Bearer token.
@@ -32,6 +34,7 @@ struct ApiState {
 pub fn router(actuator: Arc<Mutex<Actuator>>, token: String) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
+        .route("/metrics", get(metrics_text))
         .route("/api/status", get(status))
         .route("/api/audit", get(audit_tail))
         .route("/api/override", post(override_mode))
@@ -66,6 +69,17 @@ fn unauthorized() -> Response {
         "a valid bearer token is required\n",
     )
         .into_response()
+}
+
+async fn metrics_text(State(s): State<ApiState>) -> impl IntoResponse {
+    let body = crate::metrics::render(&*s.actuator.lock().await);
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        body,
+    )
 }
 
 async fn status(State(s): State<ApiState>) -> impl IntoResponse {

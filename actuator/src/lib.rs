@@ -19,6 +19,7 @@ pub mod config;
 pub mod cost;
 pub mod directive;
 pub mod input;
+pub mod metrics;
 pub mod mode;
 pub mod plan;
 pub mod policy;

@@ -4,7 +4,7 @@ use serde::{Deserialize, Serialize};
 use std::fmt;
 
 /// The migration mode, mirroring the fork's `DYN_KV_MIGRATION` (`0` / `dry` / `1`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "UPPERCASE")]
 pub enum Mode {
     /// `DYN_KV_MIGRATION=0`: no migration logic at all. Only an operator sets it.

@@ -290,6 +290,34 @@ pub enum SafetyTrigger {
     },
 }
 
+impl SafetyTrigger {
+    /// Every kind, as [`Self::kind`] names them (a bounded label set for `/metrics`).
+    pub const KINDS: [&'static str; 8] = [
+        "input_missing",
+        "stale",
+        "no_agents",
+        "agent_lost",
+        "silent_failure",
+        "dispatch_failures",
+        "directive_failures",
+        "handshake_failures",
+    ];
+
+    /// The trigger's kind, without its figures.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            SafetyTrigger::InputMissing { .. } => "input_missing",
+            SafetyTrigger::Stale { .. } => "stale",
+            SafetyTrigger::NoAgents => "no_agents",
+            SafetyTrigger::AgentLost { .. } => "agent_lost",
+            SafetyTrigger::SilentFailure { .. } => "silent_failure",
+            SafetyTrigger::DispatchFailures { .. } => "dispatch_failures",
+            SafetyTrigger::DirectiveFailures { .. } => "directive_failures",
+            SafetyTrigger::HandshakeFailures { .. } => "handshake_failures",
+        }
+    }
+}
+
 impl fmt::Display for SafetyTrigger {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -359,6 +387,27 @@ pub enum Transition {
     SafetyDrop,
     /// The windows fell below the hysteresis thresholds.
     EconomicExit,
+}
+
+/// What held back a flip the figures called for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FlipHold {
+    /// Within `cooldown_secs` of the last flip (or of entering LIVE, for an exit).
+    Cooldown,
+    /// `max_flips_per_hour` leaves no room.
+    FlipCap,
+}
+
+impl FlipHold {
+    pub const ALL: [FlipHold; 2] = [FlipHold::Cooldown, FlipHold::FlipCap];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FlipHold::Cooldown => "cooldown",
+            FlipHold::FlipCap => "flip_cap",
+        }
+    }
 }
 
 /// One window as the policy sees it.
@@ -437,6 +486,9 @@ pub struct Evaluation {
     pub reasons: Vec<String>,
     pub cooldown_remaining_s: f64,
     pub flips_last_hour: usize,
+    /// A flip the figures called for, held back only by these.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub held_back: Vec<FlipHold>,
     pub figures: Option<Figures>,
 }
 
@@ -598,6 +650,7 @@ impl PolicyEngine {
             .map_or(0, |t| (t + cooldown_ns).saturating_sub(now));
         let flips = self.state.flips_ns.len();
         let mut reasons = Vec::new();
+        let mut held_back = Vec::new();
         let (to, transition) = match (self.state.hold, from) {
             (Some(h), _) => {
                 reasons.push(format!("{} held by the operator", h.mode()));
@@ -633,6 +686,7 @@ impl PolicyEngine {
                         reasons.push(why);
                         (Mode::Dry, Transition::EconomicExit)
                     } else {
+                        held_back.push(FlipHold::Cooldown);
                         reasons.push(format!(
                             "stays LIVE within its cooldown ({:.0} s left) although {why}",
                             dwell_left as f64 / 1e9
@@ -655,13 +709,20 @@ impl PolicyEngine {
                         blockers.push(self.nixl_blocker(&f.nixl));
                     }
                 }
+                let earned = blockers.is_empty();
                 if cooldown_remaining_ns > 0 {
+                    if earned {
+                        held_back.push(FlipHold::Cooldown);
+                    }
                     blockers.push(format!(
                         "cooldown: {:.0} s left since the last flip",
                         cooldown_remaining_ns as f64 / 1e9
                     ));
                 }
                 if flips + 2 > self.cfg.max_flips_per_hour {
+                    if earned {
+                        held_back.push(FlipHold::FlipCap);
+                    }
                     blockers.push(format!(
                         "flip cap: {flips} automatic flips in the last hour, at most {} allowed and going LIVE needs room for two",
                         self.cfg.max_flips_per_hour
@@ -719,6 +780,7 @@ impl PolicyEngine {
                 as f64
                 / 1e9,
             flips_last_hour: self.state.flips_ns.len(),
+            held_back,
             figures: assessed.figures,
         }
     }

@@ -7,6 +7,7 @@ use crate::config::ActuatorConfig;
 use crate::cost::NixlFigures;
 use crate::directive::{self, DirectiveLedger, DirectiveOutcome, DirectiveTotals, TokenBucket};
 use crate::input::{CollectorClient, CollectorView};
+use crate::metrics::{ActuatorCounters, REASON_BACKEND_FAILED, REASON_OPERATOR};
 use crate::mode::{Mode, OperatorHold, Override};
 use crate::policy::{Evaluation, Observation, PolicyEngine};
 use crate::sink::{DirectiveSink, SinkError};
@@ -86,6 +87,7 @@ pub struct Actuator {
     outcomes_tx: mpsc::UnboundedSender<(String, DirectiveOutcome)>,
     outcomes_rx: mpsc::UnboundedReceiver<(String, DirectiveOutcome)>,
     restored_flips: usize,
+    counters: ActuatorCounters,
 }
 
 impl Actuator {
@@ -127,6 +129,7 @@ impl Actuator {
             outcomes_tx,
             outcomes_rx,
             restored_flips: restored.flips_ns.len(),
+            counters: ActuatorCounters::default(),
         })
     }
 
@@ -138,6 +141,10 @@ impl Actuator {
     }
     pub fn last_evaluation(&self) -> Option<&Evaluation> {
         self.last.as_ref()
+    }
+    /// What `/metrics` counts.
+    pub fn counters(&self) -> &ActuatorCounters {
+        &self.counters
     }
     pub fn ledger(&self) -> &DirectiveLedger {
         &self.ledger
@@ -199,6 +206,9 @@ impl Actuator {
             }
         }
         let ok = errors.is_empty();
+        if !ok {
+            self.counters.mode_apply_failures += 1;
+        }
         let before = std::mem::take(&mut self.applied);
         if !ok && (before.ok || before.mode != Some(mode)) {
             // Logged and audited once per failing mode; retried quietly every evaluation.
@@ -255,6 +265,7 @@ impl Actuator {
             input: view.as_ref().map_err(String::as_str),
             directives: stats,
         });
+        self.counters.evaluated(&eval, view.is_ok());
         if eval.changed() {
             info!(from = %eval.from, to = %eval.to, reasons = ?eval.reasons, "Mode changed.");
             if eval.to == Mode::Live {
@@ -285,6 +296,8 @@ impl Actuator {
             if !self.apply(target, &reason, now_ns).await && target == Mode::Live {
                 // Never LIVE on some backends and not others: back to DRY everywhere.
                 self.engine.apply_failed(Mode::Live, now_ns);
+                self.counters
+                    .flip(Mode::Live, self.engine.mode(), REASON_BACKEND_FAILED);
                 self.apply(
                     Mode::Dry,
                     "rolling back: a backend could not apply LIVE",
@@ -390,6 +403,7 @@ impl Actuator {
     /// An operator's override: hold OFF, hold DRY, or back to the policy (from DRY).
     pub async fn operator(&mut self, ov: Override, note: &str, now_ns: u64) -> (Mode, Mode) {
         let (from, to) = self.engine.operator(ov);
+        self.counters.flip(from, to, REASON_OPERATOR);
         self.live_tx.send_replace(false);
         self.write(
             now_ns,

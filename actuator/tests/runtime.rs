@@ -235,6 +235,23 @@ async fn dry_to_live_with_directives_then_back_to_dry_all_audited() {
         .lines()
         .all(|l| serde_json::from_str::<serde_json::Value>(l).is_ok()));
 
+    let text = kvscope_actuator::metrics::render(&a);
+    for line in [
+        "kvscope_actuator_flips_total{from=\"dry\",to=\"live\",reason=\"thresholds_met\"} 1",
+        "kvscope_actuator_flips_total{from=\"live\",to=\"dry\",reason=\"silent_failure\"} 1",
+        "kvscope_actuator_flips_total{from=\"live\",to=\"dry\",reason=\"stale\"} 0",
+        "kvscope_actuator_mode{mode=\"dry\"} 1",
+        "kvscope_actuator_mode{mode=\"live\"} 0",
+        "kvscope_actuator_applied_mode{mode=\"dry\"} 1",
+        "kvscope_actuator_input_errors_total 0",
+    ] {
+        assert!(text.contains(line), "{line} in\n{text}");
+    }
+    assert!(
+        !text.contains("kvscope_actuator_directives_total{outcome=\"accepted\"} 0"),
+        "the accepted directives are counted:\n{text}"
+    );
+
     // A restart takes over the flips (cap, cooldown) from the log, and asserts DRY.
     a.stop(now).await;
     drop(a);
@@ -248,6 +265,11 @@ async fn dry_to_live_with_directives_then_back_to_dry_all_audited() {
         ev.reasons.iter().any(|r| r.starts_with("cooldown:")),
         "{:#?}",
         ev.reasons
+    );
+    let text = kvscope_actuator::metrics::render(&b);
+    assert!(
+        text.contains("kvscope_actuator_flips_held_back_total{reason=\"cooldown\"} 1"),
+        "only the cooldown held LIVE back:\n{text}"
     );
 }
 
@@ -309,6 +331,15 @@ async fn a_live_that_a_backend_cannot_apply_is_rolled_back_and_sends_nothing() {
     let ev = a.tick(Ok(f.view()), f.now()).await;
     assert_eq!(ev.to, Mode::Dry);
     assert!(ev.reasons.iter().any(|r| r.starts_with("cooldown:")));
+    let text = kvscope_actuator::metrics::render(&a);
+    for line in [
+        "kvscope_actuator_flips_total{from=\"live\",to=\"dry\",reason=\"backend_failed\"} 1",
+        "kvscope_actuator_mode_apply_failures_total 1",
+        "kvscope_actuator_applied_mode{mode=\"dry\"} 1",
+        "kvscope_actuator_mode_applied_ok 1",
+    ] {
+        assert!(text.contains(line), "{line} in\n{text}");
+    }
 }
 
 #[tokio::test]
@@ -405,4 +436,17 @@ async fn the_api_needs_the_token_for_writes_and_the_audit() {
     assert_eq!(audit[0]["event"], "operator");
     assert_eq!(audit[0]["note"], "maintenance");
     assert_eq!(audit[0]["to"], "OFF");
+
+    // /metrics is open to read, like the status.
+    let metrics = http.get(format!("{base}/metrics")).send().await.unwrap();
+    assert_eq!(metrics.status(), 200);
+    let text = metrics.text().await.unwrap();
+    for line in [
+        "kvscope_actuator_mode{mode=\"off\"} 1",
+        "kvscope_actuator_operator_hold 1",
+        "kvscope_actuator_flips_total{from=\"dry\",to=\"off\",reason=\"operator\"} 1",
+        "kvscope_actuator_evaluations_total{input=\"fresh\"} 1",
+    ] {
+        assert!(text.contains(line), "{line} in\n{text}");
+    }
 }

@@ -6,11 +6,11 @@ use kvscope_wire::AgentCounters;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 macro_rules! agent_stats {
-    ($($(#[$doc:meta])* $field:ident),* $(,)?) => {
+    ($($field:ident: $help:literal),* $(,)?) => {
         /// Live counterpart of [`AgentCounters`] (same fields, same meaning).
         #[derive(Debug, Default)]
         pub struct AgentStats {
-            $($(#[$doc])* pub $field: AtomicU64,)*
+            $(#[doc = $help] pub $field: AtomicU64,)*
         }
 
         impl AgentStats {
@@ -22,33 +22,33 @@ macro_rules! agent_stats {
                 }
             }
 
-            /// `(name, value)` of every counter, for the Prometheus exposition.
-            pub fn named(&self) -> Vec<(&'static str, u64)> {
-                vec![$((stringify!($field), self.$field.load(Ordering::Relaxed)),)*]
+            /// `(name, help, value)` of every counter, for the Prometheus exposition.
+            pub fn named(&self) -> Vec<(&'static str, &'static str, u64)> {
+                vec![$((stringify!($field), $help, self.$field.load(Ordering::Relaxed)),)*]
             }
         }
     };
 }
 
 agent_stats!(
-    kv_batches,
-    kv_events,
-    kv_bad_frames,
-    kv_decode_errors,
-    kv_unknown_events,
-    kv_malformed_events,
-    kv_sequence_gaps,
-    kv_missed_batches,
-    kv_sequence_resets,
-    log_lines,
-    log_malformed_lines,
-    decisions_joined,
-    decisions_unjoined,
-    migration_lines,
-    published,
-    publish_dropped,
-    publish_errors,
-    records_late,
+    kv_batches: "KV event batches received from the engines' publishers.",
+    kv_events: "KV events in the batches received.",
+    kv_bad_frames: "ZMQ messages that were not [topic, seq, payload] multiparts.",
+    kv_decode_errors: "KV payloads that were not valid msgpack or not the vLLM batch shape.",
+    kv_unknown_events: "KV events of a type the agent does not know (skipped).",
+    kv_malformed_events: "KV events of a known type with fields missing or of the wrong type.",
+    kv_sequence_gaps: "Gaps in a publisher's batch sequence numbers (batches lost before the agent).",
+    kv_missed_batches: "KV batches lost in sequence gaps.",
+    kv_sequence_resets: "Publisher sequence restarts (engine restarts).",
+    log_lines: "Router log lines read.",
+    log_malformed_lines: "Router decision lines that could not be parsed.",
+    decisions_joined: "Routing decisions joined (routing input with its selected worker).",
+    decisions_unjoined: "Routing inputs or selections never joined within the join timeout.",
+    migration_lines: "KVMIGRATE log lines read.",
+    published: "Records published to NATS.",
+    publish_dropped: "Records dropped because the local buffer was full while NATS was away.",
+    publish_errors: "Failed publish attempts to NATS (retried).",
+    records_late: "Records later than the reorder window (sent at once).",
 );
 
 /// Add `n` to a counter.

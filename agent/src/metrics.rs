@@ -4,179 +4,132 @@
 use crate::counters::AgentStats;
 use crate::nixl::NixlTracer;
 use crate::record_sink::RecordSink;
-use kvscope_wire::nixl::{
-    escape_label as escape, write_latency_histogram, LatencySummary, NixlReport,
-};
-use std::fmt::Write as _;
+use kvscope_wire::nixl::{write_latency_histogram, LatencySummary, NixlReport};
+use kvscope_wire::prom::{labels, Exposition, Kind};
 use std::sync::Arc;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
 /// The exposition text.
 pub fn render(agent: &str, stats: &AgentStats, buffered: usize) -> String {
-    let agent = escape(agent);
-    let mut out = String::new();
-    for (name, value) in stats.named() {
-        let _ = writeln!(out, "# TYPE kvscope_agent_{name} counter");
-        let _ = writeln!(
-            out,
-            "kvscope_agent_{name}_total{{agent=\"{agent}\"}} {value}"
-        );
+    let agent_labels = labels(&[("agent", agent)]);
+    let mut out = Exposition::new();
+    for (name, help, value) in stats.named() {
+        out.single_counter(&format!("kvscope_agent_{name}"), help, &agent_labels, value);
     }
-    let _ = writeln!(out, "# TYPE kvscope_agent_buffered gauge");
-    let _ = writeln!(
-        out,
-        "kvscope_agent_buffered{{agent=\"{agent}\"}} {buffered}"
+    out.single_gauge(
+        "kvscope_agent_buffered_records",
+        "Records waiting in the agent's local buffer (reorder window, or NATS away).",
+        &agent_labels,
+        buffered,
     );
-    out
+    out.finish()
 }
 
-fn histogram(out: &mut String, name: &str, labels: &str, l: &LatencySummary) {
+fn histogram(out: &mut Exposition, name: &str, labels: &str, l: &LatencySummary) {
     write_latency_histogram(out, name, labels, &l.buckets, l.count, l.sum_ns);
 }
 
 /// The NIXL figures of the eBPF probes: transfers, bytes and post → done latency per
 /// peer, op, stage and status; calls (handshakes, notifications, registrations) per
-/// peer, method and status; probe health.
+/// peer, method and status; probe health. Label values are bounded by the fleet: NIXL
+/// agent names, ops, stages, methods and `nixl_status_t` names (the pid is the traced
+/// process's, forgotten when it exits).
 pub fn render_nixl(agent: &str, r: &NixlReport) -> String {
-    let agent = escape(agent);
-    let mut out = String::new();
+    let mut out = Exposition::new();
     let xfer_labels = |t: &kvscope_wire::nixl::NixlTransferStats| {
-        format!(
-            "agent=\"{agent}\",pid=\"{}\",local_agent=\"{}\",remote_agent=\"{}\",op=\"{}\",stage=\"{}\",status=\"{}\"",
-            t.pid,
-            escape(&t.local_agent),
-            escape(&t.remote_agent),
-            t.op,
-            t.stage.as_str(),
-            t.status
-        )
+        labels(&[
+            ("agent", agent),
+            ("pid", &t.pid.to_string()),
+            ("local_agent", &t.local_agent),
+            ("remote_agent", &t.remote_agent),
+            ("op", &t.op),
+            ("stage", t.stage.as_str()),
+            ("status", &t.status),
+        ])
     };
-    let _ = writeln!(
-        out,
-        "# HELP kvscope_agent_nixl_transfers NIXL transfers by peer, op, stage reached and status."
+    let name = "kvscope_agent_nixl_transfers";
+    out.family(
+        name,
+        Kind::Counter,
+        "NIXL transfers by peer, op, stage reached and status.",
     );
-    let _ = writeln!(out, "# TYPE kvscope_agent_nixl_transfers counter");
     for t in &r.transfers {
-        let _ = writeln!(
-            out,
-            "kvscope_agent_nixl_transfers_total{{{}}} {}",
-            xfer_labels(t),
-            t.transfers
-        );
+        out.counter(name, &xfer_labels(t), t.transfers);
     }
-    let _ = writeln!(
-        out,
-        "# HELP kvscope_agent_nixl_transfer_bytes Bytes of NIXL transfers."
-    );
-    let _ = writeln!(out, "# TYPE kvscope_agent_nixl_transfer_bytes counter");
+    let name = "kvscope_agent_nixl_transfer_bytes";
+    out.family(name, Kind::Counter, "Bytes of NIXL transfers.");
     for t in &r.transfers {
-        let _ = writeln!(
-            out,
-            "kvscope_agent_nixl_transfer_bytes_total{{{}}} {}",
-            xfer_labels(t),
-            t.bytes
-        );
+        out.counter(name, &xfer_labels(t), t.bytes);
     }
-    let _ = writeln!(
-        out,
-        "# HELP kvscope_agent_nixl_transfer_latency_seconds NIXL transfer post to terminal status."
-    );
-    let _ = writeln!(
-        out,
-        "# TYPE kvscope_agent_nixl_transfer_latency_seconds histogram"
+    let name = "kvscope_agent_nixl_transfer_latency_seconds";
+    out.family(
+        name,
+        Kind::Histogram,
+        "NIXL transfer post to terminal status.",
     );
     for t in r.transfers.iter().filter(|t| t.latency.count > 0) {
-        histogram(
-            &mut out,
-            "kvscope_agent_nixl_transfer_latency_seconds",
-            &xfer_labels(t),
-            &t.latency,
-        );
+        histogram(&mut out, name, &xfer_labels(t), &t.latency);
     }
     let call_labels = |c: &kvscope_wire::nixl::NixlCallStats| {
-        format!(
-            "agent=\"{agent}\",pid=\"{}\",local_agent=\"{}\",remote_agent=\"{}\",call=\"{}\",status=\"{}\"",
-            c.pid,
-            escape(&c.local_agent),
-            escape(&c.remote_agent),
-            c.call,
-            c.status
-        )
+        labels(&[
+            ("agent", agent),
+            ("pid", &c.pid.to_string()),
+            ("local_agent", &c.local_agent),
+            ("remote_agent", &c.remote_agent),
+            ("call", &c.call),
+            ("status", &c.status),
+        ])
     };
-    let _ = writeln!(out, "# HELP kvscope_agent_nixl_calls NIXL metadata (handshake), notification and memory registration calls by peer, method and status.");
-    let _ = writeln!(out, "# TYPE kvscope_agent_nixl_calls counter");
+    let name = "kvscope_agent_nixl_calls";
+    out.family(
+        name,
+        Kind::Counter,
+        "NIXL metadata (handshake), notification and memory registration calls by peer, method and status.",
+    );
     for c in &r.calls {
-        let _ = writeln!(
-            out,
-            "kvscope_agent_nixl_calls_total{{{}}} {}",
-            call_labels(c),
-            c.calls
-        );
+        out.counter(name, &call_labels(c), c.calls);
     }
-    let _ = writeln!(
-        out,
-        "# HELP kvscope_agent_nixl_call_bytes Bytes registered or deregistered."
-    );
-    let _ = writeln!(out, "# TYPE kvscope_agent_nixl_call_bytes counter");
+    let name = "kvscope_agent_nixl_call_bytes";
+    out.family(name, Kind::Counter, "Bytes registered or deregistered.");
     for c in r.calls.iter().filter(|c| c.bytes > 0) {
-        let _ = writeln!(
-            out,
-            "kvscope_agent_nixl_call_bytes_total{{{}}} {}",
-            call_labels(c),
-            c.bytes
-        );
+        out.counter(name, &call_labels(c), c.bytes);
     }
-    let _ = writeln!(
-        out,
-        "# HELP kvscope_agent_nixl_call_latency_seconds NIXL call latency."
-    );
-    let _ = writeln!(
-        out,
-        "# TYPE kvscope_agent_nixl_call_latency_seconds histogram"
-    );
+    let name = "kvscope_agent_nixl_call_latency_seconds";
+    out.family(name, Kind::Histogram, "NIXL call latency.");
     for c in r.calls.iter().filter(|c| c.latency.count > 0) {
-        histogram(
-            &mut out,
-            "kvscope_agent_nixl_call_latency_seconds",
-            &call_labels(c),
-            &c.latency,
-        );
+        histogram(&mut out, name, &call_labels(c), &c.latency);
     }
-    let _ = writeln!(
-        out,
-        "# HELP kvscope_agent_nixl_events_lost Probe records lost to a full ring buffer."
+    let agent_labels = labels(&[("agent", agent)]);
+    out.single_counter(
+        "kvscope_agent_nixl_events_lost",
+        "Probe records lost to a full ring buffer.",
+        &agent_labels,
+        r.events_lost,
     );
-    let _ = writeln!(out, "# TYPE kvscope_agent_nixl_events_lost counter");
-    let _ = writeln!(
-        out,
-        "kvscope_agent_nixl_events_lost_total{{agent=\"{agent}\"}} {}",
-        r.events_lost
+    out.single_counter(
+        "kvscope_agent_nixl_events_malformed",
+        "Probe records not decoded or attributed.",
+        &agent_labels,
+        r.events_malformed,
     );
-    let _ = writeln!(
-        out,
-        "# HELP kvscope_agent_nixl_events_malformed Probe records not decoded or attributed."
+    let name = "kvscope_agent_nixl_library_info";
+    out.family(
+        name,
+        Kind::Gauge,
+        "Traced libnixl.so files: 1 = fully traced, 0 = degraded (see the agent log).",
     );
-    let _ = writeln!(out, "# TYPE kvscope_agent_nixl_events_malformed counter");
-    let _ = writeln!(
-        out,
-        "kvscope_agent_nixl_events_malformed_total{{agent=\"{agent}\"}} {}",
-        r.events_malformed
-    );
-    let _ = writeln!(out, "# HELP kvscope_agent_nixl_library_info Traced libnixl.so files: 1 = fully traced, 0 = degraded (see the agent log).");
-    let _ = writeln!(out, "# TYPE kvscope_agent_nixl_library_info gauge");
     for l in &r.libraries {
-        let _ = writeln!(
-            out,
-            "kvscope_agent_nixl_library_info{{agent=\"{agent}\",path=\"{}\",build_id=\"{}\",offsets_known=\"{}\",probes=\"{}\"}} {}",
-            escape(&l.path),
-            l.build_id,
-            l.offsets_known,
-            l.probes_attached,
-            u8::from(l.degraded.is_none())
-        );
+        let l_labels = labels(&[
+            ("agent", agent),
+            ("path", &l.path),
+            ("build_id", &l.build_id),
+            ("offsets_known", &l.offsets_known.to_string()),
+            ("probes", &l.probes_attached.to_string()),
+        ]);
+        out.gauge(name, &l_labels, u8::from(l.degraded.is_none()));
     }
-    out
+    out.finish()
 }
 
 pub async fn serve(
@@ -231,7 +184,12 @@ mod tests {
         crate::counters::add(&s.kv_batches, 4);
         let text = render("n\"1", &s, 2);
         assert!(text.contains("kvscope_agent_kv_batches_total{agent=\"n\\\"1\"} 4\n"));
-        assert!(text.contains("kvscope_agent_buffered{agent=\"n\\\"1\"} 2\n"));
+        assert!(text.contains("kvscope_agent_buffered_records{agent=\"n\\\"1\"} 2\n"));
         assert_eq!(text.matches("_total{").count(), s.named().len());
+        assert_eq!(
+            text.matches("# HELP ").count(),
+            s.named().len() + 1,
+            "every family has its HELP line"
+        );
     }
 }

@@ -6,7 +6,7 @@
 
 use crate::fleet_index::{FleetIndex, MirrorError};
 use crate::verdict::SpillVerdict;
-use crate::window::{ClosedWindow, OpenWindow, WindowSummary};
+use crate::window::{ClosedWindow, MigrationLogWindow, OpenWindow, WindowSummary};
 use kvscope_wire::nixl::NixlReport;
 use kvscope_wire::{
     sequence_hashes, AgentHeartbeat, Envelope, KvEvent, KvEventBatch, MigrationLogKind,
@@ -100,6 +100,64 @@ pub struct CollectorCounters {
     pub undecodable_records: u64,
 }
 
+/// Upper bounds (inclusive, tokens) of the per-spill token histograms on `/metrics`:
+/// one block of 16 tokens up to 256k tokens, doubling.
+pub const TOKEN_BOUNDS: [u64; 15] = [
+    16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144,
+];
+
+/// A cumulative histogram of token counts at [`TOKEN_BOUNDS`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TokenHistogram {
+    /// `buckets[i]` = observations ≤ `TOKEN_BOUNDS[i]` (cumulative).
+    pub buckets: [u64; TOKEN_BOUNDS.len()],
+    pub count: u64,
+    pub sum: u64,
+}
+
+impl TokenHistogram {
+    pub fn observe(&mut self, tokens: u64) {
+        self.count += 1;
+        self.sum += tokens;
+        for (b, le) in self.buckets.iter_mut().zip(TOKEN_BOUNDS) {
+            if tokens <= le {
+                *b += 1;
+            }
+        }
+    }
+}
+
+/// One worker's routing figures since start.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct WorkerTotals {
+    /// Decisions routed to it.
+    pub decisions: u64,
+    pub prompt_tokens: u64,
+    /// Prompt tokens it already had cached (its overlap × block size).
+    pub cached_prompt_tokens: u64,
+    /// Spills routed to it (it was chosen, another worker held more).
+    pub spills_in: u64,
+    /// Spills away from it (it held the most, another was chosen).
+    pub spills_out: u64,
+}
+
+/// Cumulative figures since start (or since the replay began), for Prometheus counters
+/// and histograms; the windows hold the same figures per window.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct FleetTotals {
+    pub prompt_tokens: u64,
+    pub uncached_prefill_tokens: u64,
+    /// True delta per spill.
+    pub true_delta: TokenHistogram,
+    /// Upper bound (the fork's `migratable_tokens`) per spill.
+    pub upper_bound: TokenHistogram,
+    /// The part of the true delta in decode-generated blocks.
+    pub generated_delta_tokens: u64,
+    pub workers: BTreeMap<WorkerKey, WorkerTotals>,
+    /// The fork's KVMIGRATE log lines by kind.
+    pub migration_log: MigrationLogWindow,
+}
+
 /// The latest word from one agent.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct AgentStatus {
@@ -116,6 +174,7 @@ pub struct FleetAnalyzer {
     window_ns: u64,
     index: FleetIndex,
     counters: CollectorCounters,
+    totals: FleetTotals,
     agents: BTreeMap<String, AgentStatus>,
     first_ns: Option<u64>,
     watermark_ns: u64,
@@ -136,6 +195,7 @@ impl FleetAnalyzer {
             window_ns,
             index: FleetIndex::new(),
             counters: CollectorCounters::default(),
+            totals: FleetTotals::default(),
             agents: BTreeMap::new(),
             first_ns: None,
             watermark_ns: 0,
@@ -158,6 +218,9 @@ impl FleetAnalyzer {
     }
     pub fn counters_mut(&mut self) -> &mut CollectorCounters {
         &mut self.counters
+    }
+    pub fn totals(&self) -> &FleetTotals {
+        &self.totals
     }
     pub fn agents(&self) -> &BTreeMap<String, AgentStatus> {
         &self.agents
@@ -393,6 +456,7 @@ impl FleetAnalyzer {
         if v.spill {
             self.counters.spills += 1;
         }
+        self.add_totals(&v);
         self.open
             .as_mut()
             .expect("window opened by advance_clock")
@@ -404,17 +468,43 @@ impl FleetAnalyzer {
         v
     }
 
+    fn add_totals(&mut self, v: &SpillVerdict) {
+        let t = &mut self.totals;
+        t.prompt_tokens += v.isl_tokens;
+        t.uncached_prefill_tokens += v.uncached_prefill_tokens;
+        let chosen = t.workers.entry(v.chosen).or_default();
+        chosen.decisions += 1;
+        chosen.prompt_tokens += v.isl_tokens;
+        chosen.cached_prompt_tokens += v.isl_tokens.saturating_sub(v.uncached_prefill_tokens);
+        if v.spill {
+            chosen.spills_in += 1;
+            t.workers.entry(v.best).or_default().spills_out += 1;
+            t.true_delta.observe(v.true_delta_tokens);
+            t.upper_bound.observe(v.upper_bound_tokens);
+            t.generated_delta_tokens += v.generated_delta_tokens;
+        }
+    }
+
     fn apply_migration_line(&mut self, m: &MigrationLogLine) {
         self.counters.migration_lines += 1;
-        let w = &mut self.open_summary().migration_log;
-        match m.kind {
-            MigrationLogKind::Spill => {
-                w.spill_lines += 1;
-                w.spill_migratable_tokens += m.migratable_tokens.unwrap_or(0);
+        for w in [
+            &mut self.totals.migration_log,
+            &mut self
+                .open
+                .as_mut()
+                .expect("advance_clock opens a window before any record is applied")
+                .summary
+                .migration_log,
+        ] {
+            match m.kind {
+                MigrationLogKind::Spill => {
+                    w.spill_lines += 1;
+                    w.spill_migratable_tokens += m.migratable_tokens.unwrap_or(0);
+                }
+                MigrationLogKind::HandshakeObtained => w.handshakes_obtained += 1,
+                MigrationLogKind::DispatchFailed => w.dispatch_failures += 1,
+                MigrationLogKind::DecodingOnTarget => w.decoding_on_target += 1,
             }
-            MigrationLogKind::HandshakeObtained => w.handshakes_obtained += 1,
-            MigrationLogKind::DispatchFailed => w.dispatch_failures += 1,
-            MigrationLogKind::DecodingOnTarget => w.decoding_on_target += 1,
         }
     }
 }
@@ -653,6 +743,31 @@ mod tests {
         assert!(v.spill);
         assert_eq!(v.true_delta_tokens, 6);
         assert_eq!(v.generated_delta_tokens, 2);
+
+        // The cumulative figures behind /metrics: one spill in the histograms, both
+        // decisions per worker.
+        let t = a.totals();
+        assert_eq!((t.true_delta.count, t.true_delta.sum), (1, 6));
+        assert_eq!((t.upper_bound.count, t.upper_bound.sum), (1, 6));
+        assert_eq!(
+            t.true_delta.buckets[0], 1,
+            "6 tokens fall in the first bucket"
+        );
+        assert_eq!(t.generated_delta_tokens, 2);
+        assert_eq!(t.prompt_tokens, 4 + 8);
+        assert_eq!(t.workers[&w(1)].spills_out, 1);
+        assert_eq!(t.workers[&w(2)].spills_in, 1);
+        assert_eq!(t.workers[&w(2)].cached_prompt_tokens, 0);
+        let text = crate::metrics::render(&a, &crate::bus::BusStatus::default());
+        for line in [
+            "kvscope_spill_true_delta_tokens_bucket{le=\"16\"} 1\n",
+            "kvscope_spill_true_delta_tokens_sum 6\n",
+            "kvscope_worker_spills_in_total{worker_id=\"2\",dp_rank=\"0\"} 1\n",
+            "kvscope_prompt_tokens_total 12\n",
+        ] {
+            assert!(text.contains(line), "{line} in\n{text}");
+        }
+        assert!(text.ends_with("# EOF\n"));
     }
 
     #[test]

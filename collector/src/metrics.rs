@@ -1,350 +1,399 @@
 //! Prometheus exposition of the collector's figures, built from its state at scrape time
 //! so no figure can drift from the one the API and the report show.
+//!
+//! Rates belong to Prometheus: the volumes (prompt, uncached prefill, true delta, upper
+//! bound) are counters and per-spill histograms, so `rate()` over any range gives the
+//! tok/s a window gives, and `histogram_quantile()` the percentiles. The last measured
+//! window's own figures are there too (`kvscope_window_*`), as the report computes them.
 
-use crate::analyzer::FleetAnalyzer;
+use crate::analyzer::{FleetAnalyzer, TokenHistogram, TOKEN_BOUNDS};
 use crate::bus::BusStatus;
-use prometheus_client::encoding::text::encode;
-use prometheus_client::metrics::counter::Counter;
-use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::registry::Registry;
-use std::sync::atomic::AtomicU64;
-
-type Labels = Vec<(String, String)>;
-
-fn counter(reg: &mut Registry, name: &str, help: &str, v: u64) {
-    let c: Counter<u64> = Counter::default();
-    c.inc_by(v);
-    reg.register(name, help, c);
-}
-
-fn gauge(reg: &mut Registry, name: &str, help: &str, v: f64) {
-    let g: Gauge<f64, AtomicU64> = Gauge::default();
-    g.set(v);
-    reg.register(name, help, g);
-}
-
-fn gauge_family(
-    reg: &mut Registry,
-    name: &str,
-    help: &str,
-    rows: impl IntoIterator<Item = (Labels, f64)>,
-) {
-    let f: Family<Labels, Gauge<f64, AtomicU64>> = Family::default();
-    for (labels, v) in rows {
-        f.get_or_create(&labels).set(v);
-    }
-    reg.register(name, help, f);
-}
-
-fn counter_family(
-    reg: &mut Registry,
-    name: &str,
-    help: &str,
-    rows: impl IntoIterator<Item = (Labels, u64)>,
-) {
-    let f: Family<Labels, Counter<u64>> = Family::default();
-    for (labels, v) in rows {
-        f.get_or_create(&labels).inc_by(v);
-    }
-    reg.register(name, help, f);
-}
+use kvscope_wire::prom::{labels, Exposition, Kind};
 
 /// Render the OpenMetrics text for the current state.
 pub fn render(a: &FleetAnalyzer, bus: &BusStatus) -> String {
-    let mut reg = Registry::with_prefix("kvscope");
+    let mut out = Exposition::new();
     let c = a.counters();
-    counter(&mut reg, "collector_records", "Records applied.", c.records);
-    counter(
-        &mut reg,
-        "collector_undecodable_records",
-        "Bus messages that were not valid records.",
-        c.undecodable_records,
+    let counters: [(&str, &str, u64); 20] = [
+        ("kvscope_collector_records", "Records applied.", c.records),
+        (
+            "kvscope_collector_undecodable_records",
+            "Bus messages that were not valid records.",
+            c.undecodable_records,
+        ),
+        (
+            "kvscope_collector_late_records",
+            "Records older than the open window (clock skew between agents).",
+            c.late_records,
+        ),
+        (
+            "kvscope_kv_batches",
+            "KV event batches applied.",
+            c.kv_batches,
+        ),
+        ("kvscope_kv_events", "KV events applied.", c.kv_events),
+        (
+            "kvscope_kv_stored_blocks",
+            "Blocks stored in the fleet mirror.",
+            c.stored_blocks,
+        ),
+        (
+            "kvscope_kv_removed_blocks",
+            "Blocks removed from the fleet mirror.",
+            c.removed_blocks,
+        ),
+        (
+            "kvscope_kv_unknown_parent_events",
+            "Stores naming a parent the worker never stored (dropped).",
+            c.unknown_parent_events,
+        ),
+        (
+            "kvscope_kv_unknown_removed_blocks",
+            "Removals of blocks the worker never stored.",
+            c.unknown_removed_blocks,
+        ),
+        (
+            "kvscope_kv_token_count_mismatches",
+            "Stores whose tokens did not fill one block per hash.",
+            c.token_count_mismatches,
+        ),
+        (
+            "kvscope_kv_sequence_gaps",
+            "Gaps in publisher sequence numbers (KV batches lost before the agent).",
+            c.sequence_gaps,
+        ),
+        (
+            "kvscope_kv_missed_batches",
+            "Event batches lost in sequence gaps.",
+            c.missed_batches,
+        ),
+        (
+            "kvscope_kv_sequence_resets",
+            "Publisher sequence resets (engine restarts).",
+            c.sequence_resets,
+        ),
+        (
+            "kvscope_kv_generated_blocks",
+            "Stored blocks in no prompt recently routed to their worker (decode-generated).",
+            c.generated_blocks,
+        ),
+        (
+            "kvscope_kv_batch_order_faults",
+            "KV batches lost or reordered between agent and collector.",
+            c.batch_order_faults,
+        ),
+        (
+            "kvscope_decisions",
+            "Routing decisions judged.",
+            c.decisions,
+        ),
+        (
+            "kvscope_spills",
+            "Routing decisions judged spills.",
+            c.spills,
+        ),
+        (
+            "kvscope_decisions_for_unseen_workers",
+            "Decisions for workers that never sent KV events.",
+            c.decisions_for_unseen_workers,
+        ),
+        (
+            "kvscope_decisions_fully_cached",
+            "Decisions whose whole prompt was already cached on the chosen worker.",
+            c.decisions_fully_cached,
+        ),
+        (
+            "kvscope_collector_bus_missing_records",
+            "Stream records gone (expired or deleted) before this collector applied them.",
+            bus.missing_records,
+        ),
+    ];
+    for (name, help, v) in counters {
+        out.single_counter(name, help, "", v);
+    }
+
+    let t = a.totals();
+    out.single_counter(
+        "kvscope_prompt_tokens",
+        "Prompt tokens of the routing decisions judged.",
+        "",
+        t.prompt_tokens,
     );
-    counter(
-        &mut reg,
-        "kv_batches",
-        "KV event batches applied.",
-        c.kv_batches,
+    out.single_counter(
+        "kvscope_uncached_prefill_tokens",
+        "Prompt tokens the chosen workers had to compute (not cached there).",
+        "",
+        t.uncached_prefill_tokens,
     );
-    counter(&mut reg, "kv_events", "KV events applied.", c.kv_events);
-    counter(
-        &mut reg,
-        "kv_stored_blocks",
-        "Blocks stored in the fleet mirror.",
-        c.stored_blocks,
+    token_histogram(
+        &mut out,
+        "kvscope_spill_true_delta_tokens",
+        "True delta per spill: (overlap_best - overlap_chosen) x block size, what a migration would save.",
+        &t.true_delta,
     );
-    counter(
-        &mut reg,
-        "kv_removed_blocks",
-        "Blocks removed from the fleet mirror.",
-        c.removed_blocks,
+    token_histogram(
+        &mut out,
+        "kvscope_spill_upper_bound_tokens",
+        "Upper bound per spill: overlap_best x block size (the fork's migratable_tokens).",
+        &t.upper_bound,
     );
-    counter(
-        &mut reg,
-        "kv_unknown_parent_events",
-        "Stores naming a parent the worker never stored (dropped).",
-        c.unknown_parent_events,
+    out.single_counter(
+        "kvscope_spill_generated_delta_tokens",
+        "Part of the spills' true delta lying in decode-generated (output) blocks.",
+        "",
+        t.generated_delta_tokens,
     );
-    counter(
-        &mut reg,
-        "kv_unknown_removed_blocks",
-        "Removals of blocks the worker never stored.",
-        c.unknown_removed_blocks,
+    let m = &t.migration_log;
+    let name = "kvscope_migration_log_lines";
+    out.family(
+        name,
+        Kind::Counter,
+        "The migration fork's KVMIGRATE log lines by kind (spill = KVMIGRATE_SPILL, handshake_obtained = producer handshake obtained).",
     );
-    counter(
-        &mut reg,
-        "kv_token_count_mismatches",
-        "Stores whose tokens did not fill one block per hash.",
-        c.token_count_mismatches,
+    for (kind, n) in [
+        ("spill", m.spill_lines),
+        ("handshake_obtained", m.handshakes_obtained),
+        ("dispatch_failed", m.dispatch_failures),
+        ("decoding_on_target", m.decoding_on_target),
+    ] {
+        out.counter(name, &labels(&[("kind", kind)]), n);
+    }
+    out.single_counter(
+        "kvscope_migration_log_spill_migratable_tokens",
+        "migratable_tokens summed over the KVMIGRATE_SPILL lines.",
+        "",
+        m.spill_migratable_tokens,
     );
-    counter(
-        &mut reg,
-        "kv_sequence_gaps",
-        "Gaps in publisher sequence numbers.",
-        c.sequence_gaps,
-    );
-    counter(
-        &mut reg,
-        "kv_missed_batches",
-        "Event batches lost in sequence gaps.",
-        c.missed_batches,
-    );
-    counter(
-        &mut reg,
-        "kv_sequence_resets",
-        "Publisher sequence resets (engine restarts).",
-        c.sequence_resets,
-    );
-    counter(
-        &mut reg,
-        "kv_generated_blocks",
-        "Stored blocks in no prompt recently routed to their worker (decode-generated).",
-        c.generated_blocks,
-    );
-    counter(
-        &mut reg,
-        "kv_batch_order_faults",
-        "KV batches lost or reordered between agent and collector.",
-        c.batch_order_faults,
-    );
-    counter(
-        &mut reg,
-        "decisions",
-        "Routing decisions judged.",
-        c.decisions,
-    );
-    counter(
-        &mut reg,
-        "spills",
-        "Routing decisions judged spills.",
-        c.spills,
-    );
-    counter(
-        &mut reg,
-        "decisions_for_unseen_workers",
-        "Decisions for workers that never sent KV events.",
-        c.decisions_for_unseen_workers,
-    );
-    counter(
-        &mut reg,
-        "decisions_fully_cached",
-        "Decisions whose whole prompt was already cached on the chosen worker.",
-        c.decisions_fully_cached,
-    );
-    counter(
-        &mut reg,
-        "migration_log_lines",
-        "KVMIGRATE log lines seen.",
-        c.migration_lines,
-    );
-    counter(
-        &mut reg,
-        "collector_late_records",
-        "Records older than the open window.",
-        c.late_records,
-    );
-    gauge(
-        &mut reg,
-        "fleet_cached_block_pairs",
+
+    // Per worker: bounded by the fleet (worker id, data-parallel rank).
+    let worker_rows: Vec<_> = t
+        .workers
+        .iter()
+        .map(|(w, f)| (worker_labels(w), f))
+        .collect();
+    for (name, help, get) in [
+        (
+            "kvscope_worker_decisions",
+            "Routing decisions that chose this worker (its load).",
+            (|f| f.decisions) as fn(&crate::analyzer::WorkerTotals) -> u64,
+        ),
+        (
+            "kvscope_worker_prompt_tokens",
+            "Prompt tokens routed to this worker.",
+            |f| f.prompt_tokens,
+        ),
+        (
+            "kvscope_worker_cached_prompt_tokens",
+            "Prompt tokens routed to this worker that it already had cached (its overlap).",
+            |f| f.cached_prompt_tokens,
+        ),
+        (
+            "kvscope_worker_spills_in",
+            "Spills routed to this worker although another held more of the prompt.",
+            |f| f.spills_in,
+        ),
+        (
+            "kvscope_worker_spills_out",
+            "Spills away from this worker although it held the most of the prompt.",
+            |f| f.spills_out,
+        ),
+    ] {
+        out.family(name, Kind::Counter, help);
+        for (l, f) in &worker_rows {
+            out.counter(name, l, get(f));
+        }
+    }
+    let name = "kvscope_worker_cached_blocks";
+    out.family(name, Kind::Gauge, "Blocks cached per worker in the mirror.");
+    for w in a.index().workers() {
+        out.gauge(name, &worker_labels(&w), a.index().cached_blocks(&w));
+    }
+    out.single_gauge(
+        "kvscope_fleet_cached_block_pairs",
         "Cached (block, worker) pairs in the mirror.",
-        a.index().cached_pairs() as f64,
+        "",
+        a.index().cached_pairs(),
     );
-    gauge_family(
-        &mut reg,
-        "worker_cached_blocks",
-        "Blocks cached per worker.",
-        a.index()
-            .workers()
-            .map(|w| (worker_labels(&w), a.index().cached_blocks(&w) as f64)),
-    );
+
     if let Some(w) = a.closed_windows().rev().find(|w| !w.summary.warmup) {
         let s = &w.summary;
-        gauge(
-            &mut reg,
-            "window_spill_rate",
-            "Spill rate of the last measured window.",
-            s.spill_rate.unwrap_or(0.0),
-        );
-        gauge(
-            &mut reg,
-            "window_requests",
-            "Routed requests in the last measured window.",
-            s.requests as f64,
-        );
-        gauge(
-            &mut reg,
-            "window_true_delta_tokens_per_second",
-            "True-delta migratable volume of the last measured window.",
-            s.true_delta_tok_per_s,
-        );
-        gauge(
-            &mut reg,
-            "window_upper_bound_tokens_per_second",
-            "Upper-bound migratable volume of the last measured window.",
-            s.upper_bound_tok_per_s,
-        );
-        gauge(
-            &mut reg,
-            "window_uncached_prefill_tokens_per_second",
-            "Uncached prefill of the last measured window.",
-            s.uncached_prefill_tok_per_s,
-        );
-        gauge(
-            &mut reg,
-            "window_true_delta_tokens_p90",
-            "p90 true delta per spill in the last measured window.",
-            s.true_delta.p90 as f64,
-        );
-        gauge(
-            &mut reg,
-            "window_event_only_delta_tokens",
-            "Event-only delta tokens in the last measured window.",
-            s.event_only.delta_tokens as f64,
+        let window: [(&str, &str, f64); 6] = [
+            (
+                "kvscope_window_spill_ratio",
+                "Spills / routed requests in the last measured window.",
+                s.spill_rate.unwrap_or(0.0),
+            ),
+            (
+                "kvscope_window_requests",
+                "Routed requests in the last measured window.",
+                s.requests as f64,
+            ),
+            (
+                "kvscope_window_true_delta_tokens_per_second",
+                "True-delta migratable volume of the last measured window.",
+                s.true_delta_tok_per_s,
+            ),
+            (
+                "kvscope_window_upper_bound_tokens_per_second",
+                "Upper-bound migratable volume of the last measured window.",
+                s.upper_bound_tok_per_s,
+            ),
+            (
+                "kvscope_window_uncached_prefill_tokens_per_second",
+                "Uncached prefill of the last measured window.",
+                s.uncached_prefill_tok_per_s,
+            ),
+            (
+                "kvscope_window_event_only_delta_tokens",
+                "Event-only delta tokens in the last measured window.",
+                s.event_only.delta_tokens as f64,
+            ),
+        ];
+        for (name, help, v) in window {
+            out.single_gauge(name, help, "", v);
+        }
+        out.single_gauge(
+            "kvscope_window_end_timestamp_seconds",
+            "End of the last measured window (record time, UNIX seconds).",
+            "",
+            s.end_ns as f64 / 1e9,
         );
     }
-    gauge(
-        &mut reg,
-        "windows_measured",
+    out.single_gauge(
+        "kvscope_windows_measured",
         "Measured (post-warm-up) windows held.",
-        a.closed_windows().filter(|w| !w.summary.warmup).count() as f64,
+        "",
+        a.closed_windows().filter(|w| !w.summary.warmup).count(),
     );
-    gauge(
-        &mut reg,
-        "collector_watermark_seconds",
-        "Latest record time seen (UNIX seconds).",
+    out.single_gauge(
+        "kvscope_collector_watermark_timestamp_seconds",
+        "Latest record time seen (UNIX seconds): time() minus this is the collector's lag.",
+        "",
         a.watermark_ns() as f64 / 1e9,
     );
-    gauge(
-        &mut reg,
-        "collector_bus_connected",
+    out.single_gauge(
+        "kvscope_collector_bus_connected",
         "1 when connected to NATS.",
-        if bus.connected { 1.0 } else { 0.0 },
+        "",
+        u8::from(bus.connected),
     );
-    gauge(
-        &mut reg,
-        "collector_bus_pending",
+    out.single_gauge(
+        "kvscope_collector_bus_pending_records",
         "Records waiting in the stream for this collector.",
-        bus.pending as f64,
+        "",
+        bus.pending,
     );
-    gauge(
-        &mut reg,
-        "collector_bus_applied_sequence",
+    out.single_gauge(
+        "kvscope_collector_bus_applied_sequence",
         "Stream sequence of the last applied record.",
-        bus.applied_seq as f64,
+        "",
+        bus.applied_seq,
     );
-    counter(
-        &mut reg,
-        "collector_bus_missing_records",
-        "Stream records gone (expired or deleted) before this collector applied them.",
-        bus.missing_records,
-    );
-    gauge(
-        &mut reg,
-        "collector_recording_failed",
+    out.single_gauge(
+        "kvscope_collector_recording_failed",
         "1 when the recording stopped after a write error.",
-        if bus.recording_failed { 1.0 } else { 0.0 },
+        "",
+        u8::from(bus.recording_failed),
     );
-    let agent_rows = |f: fn(&kvscope_wire::AgentCounters) -> u64| {
-        a.agents()
-            .iter()
-            .map(move |(id, st)| {
-                (
-                    vec![("agent".to_string(), id.clone())],
-                    f(&st.heartbeat.counters),
-                )
-            })
-            .collect::<Vec<_>>()
-    };
-    counter_family(
-        &mut reg,
-        "agent_kv_decode_errors",
-        "Agent: undecodable KV payloads.",
-        agent_rows(|k| k.kv_decode_errors),
-    );
-    counter_family(
-        &mut reg,
-        "agent_kv_bad_frames",
-        "Agent: malformed ZMQ frames.",
-        agent_rows(|k| k.kv_bad_frames),
-    );
-    counter_family(
-        &mut reg,
-        "agent_kv_unknown_events",
-        "Agent: KV events of unknown type.",
-        agent_rows(|k| k.kv_unknown_events),
-    );
-    counter_family(
-        &mut reg,
-        "agent_kv_malformed_events",
-        "Agent: malformed KV events.",
-        agent_rows(|k| k.kv_malformed_events),
-    );
-    counter_family(
-        &mut reg,
-        "agent_log_malformed_lines",
-        "Agent: router log lines that failed to parse.",
-        agent_rows(|k| k.log_malformed_lines),
-    );
-    counter_family(
-        &mut reg,
-        "agent_decisions_unjoined",
-        "Agent: routing inputs never joined with a selection.",
-        agent_rows(|k| k.decisions_unjoined),
-    );
-    counter_family(
-        &mut reg,
-        "agent_publish_dropped",
-        "Agent: records dropped while NATS was away.",
-        agent_rows(|k| k.publish_dropped),
-    );
-    gauge_family(
-        &mut reg,
-        "agent_last_seen_seconds",
-        "Agent: time of its last heartbeat (UNIX seconds).",
-        a.agents().iter().map(|(id, st)| {
-            (
-                vec![("agent".to_string(), id.clone())],
-                st.last_seen_ns as f64 / 1e9,
-            )
-        }),
-    );
-    let mut out = String::new();
-    // Writing into a String cannot fail.
-    let _ = encode(&mut out, &reg);
-    // The NIXL pair histograms carry buckets merged from the agents' reports, which the
-    // client library cannot take: their text goes before the closing `# EOF`.
-    let pairs = crate::nixl::pairs(a.agents());
-    if !pairs.is_empty() {
-        let body_end = out.rfind("# EOF").unwrap_or(out.len());
-        out.insert_str(body_end, &crate::nixl::render(&pairs));
+
+    // Each agent's own counters as of its last heartbeat: the fleet's pipeline health
+    // from the collector alone, for agents Prometheus does not scrape.
+    type AgentCounter = fn(&kvscope_wire::AgentCounters) -> u64;
+    let agent_counters: [(&str, &str, AgentCounter); 9] = [
+        (
+            "kvscope_collector_agent_kv_decode_errors",
+            "Agent (last heartbeat): undecodable KV payloads.",
+            |k| k.kv_decode_errors,
+        ),
+        (
+            "kvscope_collector_agent_kv_bad_frames",
+            "Agent (last heartbeat): malformed ZMQ frames.",
+            |k| k.kv_bad_frames,
+        ),
+        (
+            "kvscope_collector_agent_kv_unknown_events",
+            "Agent (last heartbeat): KV events of unknown type.",
+            |k| k.kv_unknown_events,
+        ),
+        (
+            "kvscope_collector_agent_kv_malformed_events",
+            "Agent (last heartbeat): malformed KV events.",
+            |k| k.kv_malformed_events,
+        ),
+        (
+            "kvscope_collector_agent_kv_sequence_gaps",
+            "Agent (last heartbeat): gaps in publisher sequence numbers.",
+            |k| k.kv_sequence_gaps,
+        ),
+        (
+            "kvscope_collector_agent_log_malformed_lines",
+            "Agent (last heartbeat): router log lines that failed to parse.",
+            |k| k.log_malformed_lines,
+        ),
+        (
+            "kvscope_collector_agent_decisions_unjoined",
+            "Agent (last heartbeat): routing inputs never joined with a selection.",
+            |k| k.decisions_unjoined,
+        ),
+        (
+            "kvscope_collector_agent_publish_dropped",
+            "Agent (last heartbeat): records dropped while NATS was away.",
+            |k| k.publish_dropped,
+        ),
+        (
+            "kvscope_collector_agent_records_late",
+            "Agent (last heartbeat): records later than its reorder window.",
+            |k| k.records_late,
+        ),
+    ];
+    for (name, help, get) in agent_counters {
+        out.family(name, Kind::Counter, help);
+        for (id, st) in a.agents() {
+            out.counter(name, &labels(&[("agent", id)]), get(&st.heartbeat.counters));
+        }
     }
-    out
+    let name = "kvscope_collector_agent_buffered_records";
+    out.family(
+        name,
+        Kind::Gauge,
+        "Agent (last heartbeat): records waiting in its local buffer.",
+    );
+    for (id, st) in a.agents() {
+        out.gauge(name, &labels(&[("agent", id)]), st.heartbeat.buffered);
+    }
+    let name = "kvscope_collector_agent_last_seen_timestamp_seconds";
+    out.family(
+        name,
+        Kind::Gauge,
+        "Agent: time of its last heartbeat or report (UNIX seconds).",
+    );
+    for (id, st) in a.agents() {
+        out.gauge(
+            name,
+            &labels(&[("agent", id)]),
+            st.last_seen_ns as f64 / 1e9,
+        );
+    }
+    let mut text = out.finish();
+    text.push_str(&crate::nixl::render(&crate::nixl::pairs(a.agents())));
+    text.push_str("# EOF\n");
+    text
 }
 
-fn worker_labels(w: &kvscope_wire::WorkerKey) -> Labels {
-    vec![
-        ("worker_id".into(), w.worker_id.to_string()),
-        ("dp_rank".into(), w.dp_rank.to_string()),
-    ]
+fn token_histogram(out: &mut Exposition, name: &str, help: &str, h: &TokenHistogram) {
+    out.family(name, Kind::Histogram, help).histogram(
+        name,
+        "",
+        TOKEN_BOUNDS.iter().map(|le| *le as f64),
+        &h.buckets,
+        h.count,
+        h.sum as f64,
+    );
+}
+
+fn worker_labels(w: &kvscope_wire::WorkerKey) -> String {
+    labels(&[
+        ("worker_id", &w.worker_id.to_string()),
+        ("dp_rank", &w.dp_rank.to_string()),
+    ])
 }

@@ -4,9 +4,9 @@
 
 use crate::analyzer::AgentStatus;
 use kvscope_wire::nixl::{LatencySummary, XferStage, LATENCY_BOUNDS_NS};
+use kvscope_wire::prom::{labels, Exposition, Kind};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
-use std::fmt::Write as _;
 
 /// Latency merged from many summaries: exact count, sum and max; percentiles estimated
 /// from the shared buckets (upper bound of the bucket holding the quantile).
@@ -123,101 +123,76 @@ pub fn is_handshake(call: &str) -> bool {
     kvscope_wire::nixl::HANDSHAKE_CALLS.contains(&call)
 }
 
-use kvscope_wire::nixl::escape_label as esc;
-
-fn histogram(out: &mut String, name: &str, labels: &str, l: &MergedLatency) {
+fn histogram(out: &mut Exposition, name: &str, labels: &str, l: &MergedLatency) {
     kvscope_wire::nixl::write_latency_histogram(out, name, labels, &l.buckets, l.count, l.sum_ns);
 }
 
-/// Exposition text of the pairs (appended to the collector's `/metrics`).
+/// Exposition text of the pairs (appended to the collector's `/metrics`). Every pair has
+/// its ok and failed series, zero or not, so a rate over them always has data.
 pub fn render(pairs: &[NixlPair]) -> String {
-    let mut out = String::new();
-    let labels = |p: &NixlPair| {
-        format!(
-            "local_agent=\"{}\",remote_agent=\"{}\"",
-            esc(&p.local_agent),
-            esc(&p.remote_agent)
-        )
+    let mut out = Exposition::new();
+    let pair_labels = |p: &NixlPair, extra: &[(&str, &str)]| {
+        let mut l = vec![
+            ("local_agent", p.local_agent.as_str()),
+            ("remote_agent", p.remote_agent.as_str()),
+        ];
+        l.extend_from_slice(extra);
+        labels(&l)
     };
-    let _ = writeln!(
-        out,
-        "# HELP kvscope_nixl_pair_transfers NIXL transfers between two agents, fleet-wide."
+    let name = "kvscope_nixl_pair_transfers";
+    out.family(
+        name,
+        Kind::Counter,
+        "NIXL transfers between two agents, fleet-wide, by op and outcome (failed: at create, post or completion, or released in flight).",
     );
-    let _ = writeln!(out, "# TYPE kvscope_nixl_pair_transfers counter");
     for p in pairs {
         for (op, n) in &p.transfers_ok {
-            let _ = writeln!(
-                out,
-                "kvscope_nixl_pair_transfers_total{{{},op=\"{op}\",outcome=\"ok\"}} {n}",
-                labels(p)
-            );
+            out.counter(name, &pair_labels(p, &[("op", op), ("outcome", "ok")]), *n);
         }
-        let _ = writeln!(
-            out,
-            "kvscope_nixl_pair_transfers_total{{{},op=\"any\",outcome=\"failed\"}} {}",
-            labels(p),
-            p.transfers_failed
+        out.counter(
+            name,
+            &pair_labels(p, &[("op", "any"), ("outcome", "failed")]),
+            p.transfers_failed,
         );
     }
-    let _ = writeln!(out, "# HELP kvscope_nixl_pair_transfer_bytes Bytes of successful NIXL transfers between two agents.");
-    let _ = writeln!(out, "# TYPE kvscope_nixl_pair_transfer_bytes counter");
+    let name = "kvscope_nixl_pair_transfer_bytes";
+    out.family(
+        name,
+        Kind::Counter,
+        "Bytes of successful NIXL transfers between two agents.",
+    );
     for p in pairs {
-        let _ = writeln!(
-            out,
-            "kvscope_nixl_pair_transfer_bytes_total{{{}}} {}",
-            labels(p),
-            p.bytes_ok
-        );
+        out.counter(name, &pair_labels(p, &[]), p.bytes_ok);
     }
-    let _ = writeln!(out, "# HELP kvscope_nixl_pair_transfer_latency_seconds Post to done of successful NIXL transfers.");
-    let _ = writeln!(
-        out,
-        "# TYPE kvscope_nixl_pair_transfer_latency_seconds histogram"
+    let name = "kvscope_nixl_pair_transfer_latency_seconds";
+    out.family(
+        name,
+        Kind::Histogram,
+        "Post to done of successful NIXL transfers.",
     );
     for p in pairs.iter().filter(|p| p.latency.count > 0) {
-        histogram(
-            &mut out,
-            "kvscope_nixl_pair_transfer_latency_seconds",
-            &labels(p),
-            &p.latency,
-        );
+        histogram(&mut out, name, &pair_labels(p, &[]), &p.latency);
     }
-    let _ = writeln!(
-        out,
-        "# HELP kvscope_nixl_pair_handshakes NIXL metadata exchanges (handshakes) by outcome."
+    let name = "kvscope_nixl_pair_handshakes";
+    out.family(
+        name,
+        Kind::Counter,
+        "NIXL metadata exchanges (handshakes) by outcome. An empty remote_agent: the probes could not name the peer (unparsable metadata, or sent to an address).",
     );
-    let _ = writeln!(out, "# TYPE kvscope_nixl_pair_handshakes counter");
     for p in pairs {
-        let _ = writeln!(
-            out,
-            "kvscope_nixl_pair_handshakes_total{{{},outcome=\"ok\"}} {}",
-            labels(p),
-            p.handshakes_ok
-        );
-        let _ = writeln!(
-            out,
-            "kvscope_nixl_pair_handshakes_total{{{},outcome=\"failed\"}} {}",
-            labels(p),
-            p.handshakes_failed
+        out.counter(name, &pair_labels(p, &[("outcome", "ok")]), p.handshakes_ok);
+        out.counter(
+            name,
+            &pair_labels(p, &[("outcome", "failed")]),
+            p.handshakes_failed,
         );
     }
-    let _ = writeln!(
-        out,
-        "# HELP kvscope_nixl_pair_handshake_latency_seconds NIXL handshake call latency."
-    );
-    let _ = writeln!(
-        out,
-        "# TYPE kvscope_nixl_pair_handshake_latency_seconds histogram"
-    );
+    let name = "kvscope_nixl_pair_handshake_latency_seconds";
+    out.family(name, Kind::Histogram, "NIXL handshake call latency.");
     for p in pairs.iter().filter(|p| p.handshake_latency.count > 0) {
-        histogram(
-            &mut out,
-            "kvscope_nixl_pair_handshake_latency_seconds",
-            &labels(p),
-            &p.handshake_latency,
-        );
+        histogram(&mut out, name, &pair_labels(p, &[]), &p.handshake_latency);
     }
-    out
+    out.finish()
 }
 
 #[cfg(test)]

@@ -6,6 +6,7 @@
 
 pub mod hashing;
 pub mod nixl;
+pub mod prom;
 pub mod record;
 pub mod recording;
 pub mod subject;

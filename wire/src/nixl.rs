@@ -44,36 +44,25 @@ pub const HANDSHAKE_CALLS: [&str; 7] = [
     "invalidateRemoteMD",
 ];
 
-/// A label value escaped for the Prometheus text formats.
-pub fn escape_label(v: &str) -> String {
-    v.replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
-}
-
 /// Append one series of a latency histogram in seconds (cumulative `buckets` at
-/// [`LATENCY_BOUNDS_NS`], then `+Inf`, `_sum`, `_count`) in the Prometheus text format,
-/// as both the agent and the collector export them. `labels` is already escaped.
+/// [`LATENCY_BOUNDS_NS`]) as both the agent and the collector export them. `labels` is
+/// already escaped.
 pub fn write_latency_histogram(
-    out: &mut String,
+    out: &mut crate::prom::Exposition,
     name: &str,
     labels: &str,
     buckets: &[u64],
     count: u64,
     sum_ns: u64,
 ) {
-    use std::fmt::Write as _;
-    // Writing into a String cannot fail.
-    for (le, n) in LATENCY_BOUNDS_NS.iter().zip(buckets) {
-        let _ = writeln!(
-            out,
-            "{name}_bucket{{{labels},le=\"{}\"}} {n}",
-            *le as f64 / 1e9
-        );
-    }
-    let _ = writeln!(out, "{name}_bucket{{{labels},le=\"+Inf\"}} {count}");
-    let _ = writeln!(out, "{name}_sum{{{labels}}} {}", sum_ns as f64 / 1e9);
-    let _ = writeln!(out, "{name}_count{{{labels}}} {count}");
+    out.histogram(
+        name,
+        labels,
+        LATENCY_BOUNDS_NS.iter().map(|le| *le as f64 / 1e9),
+        buckets,
+        count,
+        sum_ns as f64 / 1e9,
+    );
 }
 
 /// A latency distribution: exact count, sum and max, percentiles from the agent's

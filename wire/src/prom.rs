@@ -1,0 +1,173 @@
+//! One way to write the Prometheus text format, for every kvscope `/metrics` (agent,
+//! collector, actuator): a family's `# HELP` and `# TYPE` lines, then its samples.
+//!
+//! Conventions it keeps: counters are declared without `_total` and sampled with it
+//! (valid in both the 0.0.4 text format and OpenMetrics); histograms are cumulative
+//! buckets at fixed bounds then `+Inf`, `_sum` and `_count`; label values are escaped.
+//! Names and label sets stay bounded by the caller (no request ids).
+
+use std::fmt::{Display, Write as _};
+
+/// A metric family's type.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Counter,
+    Gauge,
+    Histogram,
+}
+
+impl Kind {
+    fn as_str(self) -> &'static str {
+        match self {
+            Kind::Counter => "counter",
+            Kind::Gauge => "gauge",
+            Kind::Histogram => "histogram",
+        }
+    }
+}
+
+/// A label value escaped for the Prometheus text formats.
+pub fn escape_label(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+/// `k="v",…` with every value escaped.
+pub fn labels(pairs: &[(&str, &str)]) -> String {
+    let mut s = String::new();
+    for (i, (k, v)) in pairs.iter().enumerate() {
+        if i > 0 {
+            s.push(',');
+        }
+        let _ = write!(s, "{k}=\"{}\"", escape_label(v));
+    }
+    s
+}
+
+/// `name{labels}`, or `name` alone when there are no labels.
+fn series(name: &str, labels: &str) -> String {
+    if labels.is_empty() {
+        name.to_string()
+    } else {
+        format!("{name}{{{labels}}}")
+    }
+}
+
+/// Exposition text under construction.
+#[derive(Debug, Default)]
+pub struct Exposition {
+    out: String,
+}
+
+impl Exposition {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Start a family: its `# HELP` and `# TYPE` lines. `name` has no `_total`.
+    pub fn family(&mut self, name: &str, kind: Kind, help: &str) -> &mut Self {
+        debug_assert!(
+            !name.ends_with("_total"),
+            "{name}: counters are declared without _total"
+        );
+        // Writing into a String cannot fail.
+        let _ = writeln!(self.out, "# HELP {name} {}", help.replace('\n', " "));
+        let _ = writeln!(self.out, "# TYPE {name} {}", kind.as_str());
+        self
+    }
+
+    /// One counter sample: `{name}_total{labels} value`. `labels` is already escaped
+    /// (see [`labels`]).
+    pub fn counter(&mut self, name: &str, labels: &str, value: u64) -> &mut Self {
+        let _ = writeln!(
+            self.out,
+            "{} {value}",
+            series(&format!("{name}_total"), labels)
+        );
+        self
+    }
+
+    /// One gauge sample.
+    pub fn gauge(&mut self, name: &str, labels: &str, value: impl Display) -> &mut Self {
+        let _ = writeln!(self.out, "{} {value}", series(name, labels));
+        self
+    }
+
+    /// A family with a single counter sample.
+    pub fn single_counter(&mut self, name: &str, help: &str, labels: &str, value: u64) {
+        self.family(name, Kind::Counter, help)
+            .counter(name, labels, value);
+    }
+
+    /// A family with a single gauge sample.
+    pub fn single_gauge(&mut self, name: &str, help: &str, labels: &str, value: impl Display) {
+        self.family(name, Kind::Gauge, help)
+            .gauge(name, labels, value);
+    }
+
+    /// One histogram series: cumulative `buckets[i]` = observations ≤ `bounds[i]` (in
+    /// the family's unit), then `+Inf` = `count`, `_sum` and `_count`. A bucket list
+    /// shorter than the bounds repeats its last value (nothing above it was observed).
+    pub fn histogram(
+        &mut self,
+        name: &str,
+        labels: &str,
+        bounds: impl IntoIterator<Item = f64>,
+        buckets: &[u64],
+        count: u64,
+        sum: f64,
+    ) -> &mut Self {
+        let sep = if labels.is_empty() { "" } else { "," };
+        let mut last = 0;
+        for (i, le) in bounds.into_iter().enumerate() {
+            let n = buckets
+                .get(i)
+                .copied()
+                .unwrap_or(if buckets.is_empty() { 0 } else { last });
+            last = n;
+            let _ = writeln!(self.out, "{name}_bucket{{{labels}{sep}le=\"{le}\"}} {n}");
+        }
+        let _ = writeln!(
+            self.out,
+            "{name}_bucket{{{labels}{sep}le=\"+Inf\"}} {count}"
+        );
+        let _ = writeln!(self.out, "{} {sum}", series(&format!("{name}_sum"), labels));
+        let _ = writeln!(
+            self.out,
+            "{} {count}",
+            series(&format!("{name}_count"), labels)
+        );
+        self
+    }
+
+    pub fn finish(self) -> String {
+        self.out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn writes_families_and_escapes() {
+        let mut e = Exposition::new();
+        e.single_counter("x_requests", "Requests.", &labels(&[("a", "q\"\\\n")]), 3);
+        e.family("x_latency_seconds", Kind::Histogram, "Latency.")
+            .histogram("x_latency_seconds", "", [0.5, 1.0, 2.0], &[1, 2], 4, 3.5);
+        let t = e.finish();
+        assert_eq!(
+            t,
+            "# HELP x_requests Requests.\n# TYPE x_requests counter\n\
+             x_requests_total{a=\"q\\\"\\\\\\n\"} 3\n\
+             # HELP x_latency_seconds Latency.\n# TYPE x_latency_seconds histogram\n\
+             x_latency_seconds_bucket{le=\"0.5\"} 1\n\
+             x_latency_seconds_bucket{le=\"1\"} 2\n\
+             x_latency_seconds_bucket{le=\"2\"} 2\n\
+             x_latency_seconds_bucket{le=\"+Inf\"} 4\n\
+             x_latency_seconds_sum 3.5\n\
+             x_latency_seconds_count 4\n"
+        );
+    }
+}
