@@ -15,6 +15,7 @@ pub mod nats;
 pub mod paths;
 pub mod ports;
 pub mod process;
+pub mod prometheus;
 pub mod router_log;
 pub mod setup;
 pub mod workload;
