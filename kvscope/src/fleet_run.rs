@@ -23,6 +23,8 @@ pub struct FleetRunConfig {
     /// Collector window length and warm-up, in seconds.
     pub window_secs: f64,
     pub warmup_secs: f64,
+    /// More arguments for the agent (e.g. `--metrics-listen`, `--nixl-lib`).
+    pub agent_args: Vec<String>,
 }
 
 pub struct FleetRun {
@@ -77,6 +79,16 @@ impl FleetRun {
         format!("http://{}", self.collector_listen)
     }
 
+    /// The collector's listen address (`host:port`).
+    pub fn collector_addr(&self) -> &str {
+        &self.collector_listen
+    }
+
+    /// The NATS URL the agent and collector use.
+    pub fn nats_url(&self) -> &str {
+        &self.nats_url
+    }
+
     fn run_dir(&self) -> PathBuf {
         self.lab().run_dir().to_path_buf()
     }
@@ -119,6 +131,7 @@ impl FleetRun {
             .arg("--from-start")
             .arg("--record")
             .arg(&self.agent_recording)
+            .args(&self.cfg.agent_args)
             .env("RUST_LOG", "info");
         for w in lab.workers() {
             cmd.arg("--kv")

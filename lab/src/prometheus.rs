@@ -68,7 +68,7 @@ impl PrometheusServer {
         let storage = dir.join("prometheus-data");
         std::fs::create_dir_all(&storage).context("creating Prometheus' storage folder")?;
         let mut config = format!(
-            "global:\n  scrape_interval: {scrape_interval_secs}s\n  evaluation_interval: {scrape_interval_secs}s\nscrape_configs:\n"
+            "global:\n  scrape_interval: {scrape_interval_secs}s\n  scrape_timeout: {scrape_interval_secs}s\n  evaluation_interval: {scrape_interval_secs}s\nscrape_configs:\n"
         );
         for j in jobs {
             let targets: Vec<String> = j.targets.iter().map(|t| format!("\"{t}\"")).collect();
