@@ -7,7 +7,7 @@
 use crate::mode::Mode;
 use crate::policy::{FlipHold, InputHealth, SafetyTrigger, Transition};
 use crate::runtime::Actuator;
-use kvscope_wire::prom::{labels, Exposition, Kind};
+use kvscope_wire::prom::{labels, Exposition, Format, Kind};
 use std::collections::BTreeMap;
 
 /// Flip reasons besides the safety triggers' kinds.
@@ -119,9 +119,9 @@ fn one_hot(out: &mut Exposition, name: &str, help: &str, current: Option<Mode>) 
     }
 }
 
-/// The exposition text of `a` now.
+/// The exposition text (0.0.4) of `a` now.
 pub fn render(a: &Actuator) -> String {
-    let mut out = Exposition::new();
+    let mut out = Exposition::new(Format::Text);
     let c = a.counters();
     let status = a.status();
     one_hot(

@@ -5,7 +5,7 @@ use crate::counters::AgentStats;
 use crate::nixl::NixlTracer;
 use crate::record_sink::RecordSink;
 use kvscope_wire::nixl::{write_latency_histogram, LatencySummary, NixlReport};
-use kvscope_wire::prom::{labels, Exposition, Kind};
+use kvscope_wire::prom::{labels, Exposition, Format, Kind};
 use std::sync::Arc;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
@@ -13,7 +13,7 @@ use tokio::net::TcpListener;
 /// The exposition text.
 pub fn render(agent: &str, stats: &AgentStats, buffered: usize) -> String {
     let agent_labels = labels(&[("agent", agent)]);
-    let mut out = Exposition::new();
+    let mut out = Exposition::new(Format::Text);
     for (name, help, value) in stats.named() {
         out.single_counter(&format!("kvscope_agent_{name}"), help, &agent_labels, value);
     }
@@ -36,7 +36,7 @@ fn histogram(out: &mut Exposition, name: &str, labels: &str, l: &LatencySummary)
 /// agent names, ops, stages, methods and `nixl_status_t` names (the pid is the traced
 /// process's, forgotten when it exits).
 pub fn render_nixl(agent: &str, r: &NixlReport) -> String {
-    let mut out = Exposition::new();
+    let mut out = Exposition::new(Format::Text);
     let xfer_labels = |t: &kvscope_wire::nixl::NixlTransferStats| {
         labels(&[
             ("agent", agent),
@@ -165,7 +165,8 @@ pub async fn serve(
                 ("404 Not Found", "not found\n".to_string())
             };
             let resp = format!(
-                "HTTP/1.1 {status}\r\ncontent-type: text/plain; version=0.0.4\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                "HTTP/1.1 {status}\r\ncontent-type: {}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                Format::Text.content_type(),
                 body.len()
             );
             let _ = conn.write_all(resp.as_bytes()).await;

@@ -8,11 +8,11 @@
 
 use crate::analyzer::{FleetAnalyzer, TokenHistogram, TOKEN_BOUNDS};
 use crate::bus::BusStatus;
-use kvscope_wire::prom::{labels, Exposition, Kind};
+use kvscope_wire::prom::{labels, Exposition, Format, Kind};
 
-/// Render the OpenMetrics text for the current state.
-pub fn render(a: &FleetAnalyzer, bus: &BusStatus) -> String {
-    let mut out = Exposition::new();
+/// Render the exposition text for the current state, in `format`.
+pub fn render(a: &FleetAnalyzer, bus: &BusStatus, format: Format) -> String {
+    let mut out = Exposition::new(format);
     let c = a.counters();
     let counters: [(&str, &str, u64); 20] = [
         ("kvscope_collector_records", "Records applied.", c.records),
@@ -374,10 +374,8 @@ pub fn render(a: &FleetAnalyzer, bus: &BusStatus) -> String {
             st.last_seen_ns as f64 / 1e9,
         );
     }
-    let mut text = out.finish();
-    text.push_str(&crate::nixl::render(&crate::nixl::pairs(a.agents())));
-    text.push_str("# EOF\n");
-    text
+    crate::nixl::render(&mut out, &crate::nixl::pairs(a.agents()));
+    out.finish()
 }
 
 fn token_histogram(out: &mut Exposition, name: &str, help: &str, h: &TokenHistogram) {

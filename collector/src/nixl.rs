@@ -127,10 +127,9 @@ fn histogram(out: &mut Exposition, name: &str, labels: &str, l: &MergedLatency) 
     kvscope_wire::nixl::write_latency_histogram(out, name, labels, &l.buckets, l.count, l.sum_ns);
 }
 
-/// Exposition text of the pairs (appended to the collector's `/metrics`). Every pair has
-/// its ok and failed series, zero or not, so a rate over them always has data.
-pub fn render(pairs: &[NixlPair]) -> String {
-    let mut out = Exposition::new();
+/// The pairs' families, appended to the collector's `/metrics`. Every pair has its ok
+/// and failed series, zero or not, so a rate over them always has data.
+pub fn render(out: &mut Exposition, pairs: &[NixlPair]) {
     let pair_labels = |p: &NixlPair, extra: &[(&str, &str)]| {
         let mut l = vec![
             ("local_agent", p.local_agent.as_str()),
@@ -171,7 +170,7 @@ pub fn render(pairs: &[NixlPair]) -> String {
         "Post to done of successful NIXL transfers.",
     );
     for p in pairs.iter().filter(|p| p.latency.count > 0) {
-        histogram(&mut out, name, &pair_labels(p, &[]), &p.latency);
+        histogram(out, name, &pair_labels(p, &[]), &p.latency);
     }
     let name = "kvscope_nixl_pair_handshakes";
     out.family(
@@ -190,9 +189,8 @@ pub fn render(pairs: &[NixlPair]) -> String {
     let name = "kvscope_nixl_pair_handshake_latency_seconds";
     out.family(name, Kind::Histogram, "NIXL handshake call latency.");
     for p in pairs.iter().filter(|p| p.handshake_latency.count > 0) {
-        histogram(&mut out, name, &pair_labels(p, &[]), &p.handshake_latency);
+        histogram(out, name, &pair_labels(p, &[]), &p.handshake_latency);
     }
-    out.finish()
 }
 
 #[cfg(test)]
@@ -289,7 +287,9 @@ mod tests {
             "capped at the exact max"
         );
         assert_eq!((p.handshakes_ok, p.handshakes_failed), (0, 4));
-        let text = render(std::slice::from_ref(p));
+        let mut out = Exposition::new(kvscope_wire::prom::Format::Text);
+        render(&mut out, std::slice::from_ref(p));
+        let text = out.finish();
         assert!(text.contains("kvscope_nixl_pair_transfers_total{local_agent=\"d0\",remote_agent=\"d1\",op=\"READ\",outcome=\"ok\"} 3"));
         assert!(text.contains("kvscope_nixl_pair_handshakes_total{local_agent=\"d0\",remote_agent=\"d1\",outcome=\"failed\"} 4"));
         assert!(text.contains("kvscope_nixl_pair_transfer_latency_seconds_count{local_agent=\"d0\",remote_agent=\"d1\"} 3"));

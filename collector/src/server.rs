@@ -25,16 +25,17 @@ pub fn router(shared: Arc<Shared>) -> Router {
         .with_state(shared)
 }
 
-async fn metrics_text(State(s): State<Arc<Shared>>) -> impl IntoResponse {
+/// OpenMetrics for scrapers that ask for it (Prometheus does), else the text format.
+async fn metrics_text(
+    State(s): State<Arc<Shared>>,
+    headers: axum::http::HeaderMap,
+) -> impl IntoResponse {
+    let format = kvscope_wire::prom::Format::negotiate(
+        headers.get(header::ACCEPT).and_then(|v| v.to_str().ok()),
+    );
     let bus = lock(&s.bus).clone();
-    let body = metrics::render(&lock(&s.analyzer), &bus);
-    (
-        [(
-            header::CONTENT_TYPE,
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        )],
-        body,
-    )
+    let body = metrics::render(&lock(&s.analyzer), &bus, format);
+    ([(header::CONTENT_TYPE, format.content_type())], body)
 }
 
 async fn summary(State(s): State<Arc<Shared>>) -> impl IntoResponse {

@@ -10,7 +10,8 @@
 //! template variables at "All" and Grafana's macros set to the run's span. No panel is
 //! skipped: a panel without a query, a target without data, or a panel whose data is
 //! all NaN fails the test naming the dashboard, panel and expression. Each template
-//! variable's `label_values()` query must have values too.
+//! variable's `label_values()` query must have values too, and every `/metrics` must
+//! pass `promtool check metrics`.
 //!
 //! Needs root for the probes (CI runs as root) and Debian's prometheus (scripts/setup).
 
@@ -271,6 +272,20 @@ async fn every_dashboard_panel_has_data_from_a_real_prometheus() {
     let span_s = started.elapsed().as_secs() + 5;
 
     let mut failures = Vec::new();
+    // Every /metrics passes Prometheus' own lint (names, units, _total, help) in the
+    // text format; Prometheus itself scraped them as OpenMetrics where offered.
+    for (job, addr) in [
+        ("agent", agent_addr.as_str()),
+        ("collector", run.collector_addr()),
+        ("actuator", actuator_addr.as_str()),
+    ] {
+        let text = get(&format!("http://{addr}/metrics"))
+            .await
+            .unwrap_or_default();
+        if let Err(e) = kvscope_lab::prometheus::check_metrics(&text) {
+            failures.push(format!("the {job}'s /metrics: {e:#}"));
+        }
+    }
     let (mut n_panels, mut n_targets) = (0, 0);
     for (file, dash) in &dashboards {
         let mut vars = Vec::new();

@@ -240,9 +240,19 @@ async fn nixl_figures_reach_the_collector_pair_by_pair() {
         collector_text.contains("kvscope_nixl_pair_transfer_latency_seconds_bucket{"),
         "the collector exports per-pair latency histograms"
     );
+    // OpenMetrics for a scraper that asks for it (Prometheus does), text otherwise.
+    let openmetrics = reqwest::Client::new()
+        .get(format!("http://{collector_addr}/metrics"))
+        .header("accept", "application/openmetrics-text;version=1.0.0")
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
     assert!(
-        collector_text.trim_end().ends_with("# EOF"),
-        "valid OpenMetrics"
+        openmetrics.trim_end().ends_with("# EOF") && !collector_text.contains("# EOF"),
+        "OpenMetrics when asked for"
     );
     stop_all(&mut procs, Duration::from_secs(5));
 }

@@ -46,6 +46,35 @@ pub fn promtool(dir: &Path, args: &[&str]) -> Result<String> {
     Ok(text)
 }
 
+/// `promtool check metrics` on an exposition text (0.0.4): Prometheus' lint of metric
+/// names, types and help. The problems it lists, as an error.
+pub fn check_metrics(text: &str) -> Result<()> {
+    use std::io::Write as _;
+    let mut child = Command::new(binary("promtool")?)
+        .args(["check", "metrics"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .context("running promtool check metrics")?;
+    child
+        .stdin
+        .take()
+        .context("promtool's stdin")?
+        .write_all(text.as_bytes())
+        .context("writing to promtool")?;
+    let out = child.wait_with_output().context("waiting for promtool")?;
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    if !out.status.success() || !said.trim().is_empty() {
+        bail!("promtool check metrics ({}):\n{said}", out.status);
+    }
+    Ok(())
+}
+
 /// One scrape job: a name and its `host:port` targets.
 #[derive(Debug, Clone)]
 pub struct ScrapeJob {

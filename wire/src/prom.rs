@@ -1,12 +1,42 @@
 //! One way to write the Prometheus text format, for every kvscope `/metrics` (agent,
 //! collector, actuator): a family's `# HELP` and `# TYPE` lines, then its samples.
 //!
-//! Conventions it keeps: counters are declared without `_total` and sampled with it
-//! (valid in both the 0.0.4 text format and OpenMetrics); histograms are cumulative
-//! buckets at fixed bounds then `+Inf`, `_sum` and `_count`; label values are escaped.
-//! Names and label sets stay bounded by the caller (no request ids).
+//! Two formats: the classic text format 0.0.4 (a counter's `# TYPE`/`# HELP` name its
+//! `_total` sample) and OpenMetrics 1.0 (the family is named without `_total`, the text
+//! ends with `# EOF`); [`Format::negotiate`] picks one from a scraper's `Accept`.
+//! Histograms are cumulative buckets at fixed bounds then `+Inf`, `_sum` and `_count`;
+//! label values are escaped. Names and label sets stay bounded by the caller (no
+//! request ids).
 
 use std::fmt::{Display, Write as _};
+
+/// The exposition format.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Format {
+    /// `text/plain; version=0.0.4`: what `curl` and `promtool check metrics` read.
+    #[default]
+    Text,
+    /// `application/openmetrics-text; version=1.0.0`: what Prometheus asks for first.
+    OpenMetrics,
+}
+
+impl Format {
+    /// OpenMetrics when the `Accept` header offers it, else the text format.
+    pub fn negotiate(accept: Option<&str>) -> Self {
+        if accept.is_some_and(|a| a.contains("application/openmetrics-text")) {
+            Format::OpenMetrics
+        } else {
+            Format::Text
+        }
+    }
+
+    pub fn content_type(self) -> &'static str {
+        match self {
+            Format::Text => "text/plain; version=0.0.4; charset=utf-8",
+            Format::OpenMetrics => "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        }
+    }
+}
 
 /// A metric family's type.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -58,22 +88,32 @@ fn series(name: &str, labels: &str) -> String {
 #[derive(Debug, Default)]
 pub struct Exposition {
     out: String,
+    format: Format,
 }
 
 impl Exposition {
-    pub fn new() -> Self {
-        Self::default()
+    pub fn new(format: Format) -> Self {
+        Self {
+            out: String::new(),
+            format,
+        }
     }
 
-    /// Start a family: its `# HELP` and `# TYPE` lines. `name` has no `_total`.
+    /// Start a family: its `# HELP` and `# TYPE` lines. `name` has no `_total` (added
+    /// to a counter's declaration in the text format, where metadata names the sample).
     pub fn family(&mut self, name: &str, kind: Kind, help: &str) -> &mut Self {
         debug_assert!(
             !name.ends_with("_total"),
             "{name}: counters are declared without _total"
         );
+        let declared = if kind == Kind::Counter && self.format == Format::Text {
+            format!("{name}_total")
+        } else {
+            name.to_string()
+        };
         // Writing into a String cannot fail.
-        let _ = writeln!(self.out, "# HELP {name} {}", help.replace('\n', " "));
-        let _ = writeln!(self.out, "# TYPE {name} {}", kind.as_str());
+        let _ = writeln!(self.out, "# HELP {declared} {}", help.replace('\n', " "));
+        let _ = writeln!(self.out, "# TYPE {declared} {}", kind.as_str());
         self
     }
 
@@ -141,7 +181,11 @@ impl Exposition {
         self
     }
 
-    pub fn finish(self) -> String {
+    /// The text, with OpenMetrics' closing `# EOF`.
+    pub fn finish(mut self) -> String {
+        if self.format == Format::OpenMetrics {
+            self.out.push_str("# EOF\n");
+        }
         self.out
     }
 }
@@ -152,14 +196,14 @@ mod tests {
 
     #[test]
     fn writes_families_and_escapes() {
-        let mut e = Exposition::new();
+        let mut e = Exposition::new(Format::Text);
         e.single_counter("x_requests", "Requests.", &labels(&[("a", "q\"\\\n")]), 3);
         e.family("x_latency_seconds", Kind::Histogram, "Latency.")
             .histogram("x_latency_seconds", "", [0.5, 1.0, 2.0], &[1, 2], 4, 3.5);
         let t = e.finish();
         assert_eq!(
             t,
-            "# HELP x_requests Requests.\n# TYPE x_requests counter\n\
+            "# HELP x_requests_total Requests.\n# TYPE x_requests_total counter\n\
              x_requests_total{a=\"q\\\"\\\\\\n\"} 3\n\
              # HELP x_latency_seconds Latency.\n# TYPE x_latency_seconds histogram\n\
              x_latency_seconds_bucket{le=\"0.5\"} 1\n\
@@ -169,5 +213,19 @@ mod tests {
              x_latency_seconds_sum 3.5\n\
              x_latency_seconds_count 4\n"
         );
+        let mut e = Exposition::new(Format::OpenMetrics);
+        e.single_counter("x_requests", "Requests.", "", 3);
+        assert_eq!(
+            e.finish(),
+            "# HELP x_requests Requests.\n# TYPE x_requests counter\nx_requests_total 3\n# EOF\n"
+        );
+        assert_eq!(
+            Format::negotiate(Some(
+                "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"
+            )),
+            Format::OpenMetrics
+        );
+        assert_eq!(Format::negotiate(Some("*/*")), Format::Text);
+        assert_eq!(Format::negotiate(None), Format::Text);
     }
 }
