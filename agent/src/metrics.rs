@@ -4,8 +4,9 @@
 use crate::counters::AgentStats;
 use crate::nixl::NixlTracer;
 use crate::record_sink::RecordSink;
-use kvscope_wire::nixl::{write_latency_histogram, LatencySummary, NixlReport};
+use kvscope_wire::nixl::{write_latency_histogram, MergedLatency, NixlReport};
 use kvscope_wire::prom::{labels, Exposition, Format, Kind};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
@@ -26,26 +27,47 @@ pub fn render(agent: &str, stats: &AgentStats, buffered: usize) -> String {
     out.finish()
 }
 
-fn histogram(out: &mut Exposition, name: &str, labels: &str, l: &LatencySummary) {
+fn histogram(out: &mut Exposition, name: &str, labels: &str, l: &MergedLatency) {
     write_latency_histogram(out, name, labels, &l.buckets, l.count, l.sum_ns);
+}
+
+/// Counts, bytes and latency summed over the traced processes that share a label set.
+#[derive(Default)]
+struct Summed {
+    n: u64,
+    bytes: u64,
+    latency: MergedLatency,
 }
 
 /// The NIXL figures of the eBPF probes: transfers, bytes and post → done latency per
 /// peer, op, stage and status; calls (handshakes, notifications, registrations) per
 /// peer, method and status; probe health. Label values are bounded by the fleet: NIXL
-/// agent names, ops, stages, methods and `nixl_status_t` names (the pid is the traced
-/// process's, forgotten when it exits).
+/// agent names, ops, stages, methods and `nixl_status_t` names. Processes are summed
+/// (no `pid` label): a restarted worker keeps its series instead of adding new ones.
 pub fn render_nixl(agent: &str, r: &NixlReport) -> String {
     let mut out = Exposition::new(Format::Text);
-    let xfer_labels = |t: &kvscope_wire::nixl::NixlTransferStats| {
+    let mut transfers: BTreeMap<(&str, &str, &str, &str, &str), Summed> = BTreeMap::new();
+    for t in &r.transfers {
+        let key = (
+            t.local_agent.as_str(),
+            t.remote_agent.as_str(),
+            t.op.as_str(),
+            t.stage.as_str(),
+            t.status.as_str(),
+        );
+        let e = transfers.entry(key).or_default();
+        e.n += t.transfers;
+        e.bytes += t.bytes;
+        e.latency.add(&t.latency);
+    }
+    let xfer_labels = |(local, remote, op, stage, status): &(&str, &str, &str, &str, &str)| {
         labels(&[
             ("agent", agent),
-            ("pid", &t.pid.to_string()),
-            ("local_agent", &t.local_agent),
-            ("remote_agent", &t.remote_agent),
-            ("op", &t.op),
-            ("stage", t.stage.as_str()),
-            ("status", &t.status),
+            ("local_agent", local),
+            ("remote_agent", remote),
+            ("op", op),
+            ("stage", stage),
+            ("status", status),
         ])
     };
     let name = "kvscope_agent_nixl_transfers";
@@ -54,13 +76,13 @@ pub fn render_nixl(agent: &str, r: &NixlReport) -> String {
         Kind::Counter,
         "NIXL transfers by peer, op, stage reached and status.",
     );
-    for t in &r.transfers {
-        out.counter(name, &xfer_labels(t), t.transfers);
+    for (k, t) in &transfers {
+        out.counter(name, &xfer_labels(k), t.n);
     }
     let name = "kvscope_agent_nixl_transfer_bytes";
     out.family(name, Kind::Counter, "Bytes of NIXL transfers.");
-    for t in &r.transfers {
-        out.counter(name, &xfer_labels(t), t.bytes);
+    for (k, t) in &transfers {
+        out.counter(name, &xfer_labels(k), t.bytes);
     }
     let name = "kvscope_agent_nixl_transfer_latency_seconds";
     out.family(
@@ -68,17 +90,29 @@ pub fn render_nixl(agent: &str, r: &NixlReport) -> String {
         Kind::Histogram,
         "NIXL transfer post to terminal status.",
     );
-    for t in r.transfers.iter().filter(|t| t.latency.count > 0) {
-        histogram(&mut out, name, &xfer_labels(t), &t.latency);
+    for (k, t) in transfers.iter().filter(|(_, t)| t.latency.count > 0) {
+        histogram(&mut out, name, &xfer_labels(k), &t.latency);
     }
-    let call_labels = |c: &kvscope_wire::nixl::NixlCallStats| {
+    let mut calls: BTreeMap<(&str, &str, &str, &str), Summed> = BTreeMap::new();
+    for c in &r.calls {
+        let key = (
+            c.local_agent.as_str(),
+            c.remote_agent.as_str(),
+            c.call.as_str(),
+            c.status.as_str(),
+        );
+        let e = calls.entry(key).or_default();
+        e.n += c.calls;
+        e.bytes += c.bytes;
+        e.latency.add(&c.latency);
+    }
+    let call_labels = |(local, remote, call, status): &(&str, &str, &str, &str)| {
         labels(&[
             ("agent", agent),
-            ("pid", &c.pid.to_string()),
-            ("local_agent", &c.local_agent),
-            ("remote_agent", &c.remote_agent),
-            ("call", &c.call),
-            ("status", &c.status),
+            ("local_agent", local),
+            ("remote_agent", remote),
+            ("call", call),
+            ("status", status),
         ])
     };
     let name = "kvscope_agent_nixl_calls";
@@ -87,18 +121,18 @@ pub fn render_nixl(agent: &str, r: &NixlReport) -> String {
         Kind::Counter,
         "NIXL metadata (handshake), notification and memory registration calls by peer, method and status.",
     );
-    for c in &r.calls {
-        out.counter(name, &call_labels(c), c.calls);
+    for (k, c) in &calls {
+        out.counter(name, &call_labels(k), c.n);
     }
     let name = "kvscope_agent_nixl_call_bytes";
     out.family(name, Kind::Counter, "Bytes registered or deregistered.");
-    for c in r.calls.iter().filter(|c| c.bytes > 0) {
-        out.counter(name, &call_labels(c), c.bytes);
+    for (k, c) in calls.iter().filter(|(_, c)| c.bytes > 0) {
+        out.counter(name, &call_labels(k), c.bytes);
     }
     let name = "kvscope_agent_nixl_call_latency_seconds";
     out.family(name, Kind::Histogram, "NIXL call latency.");
-    for c in r.calls.iter().filter(|c| c.latency.count > 0) {
-        histogram(&mut out, name, &call_labels(c), &c.latency);
+    for (k, c) in calls.iter().filter(|(_, c)| c.latency.count > 0) {
+        histogram(&mut out, name, &call_labels(k), &c.latency);
     }
     let agent_labels = labels(&[("agent", agent)]);
     out.single_counter(
@@ -178,6 +212,47 @@ pub async fn serve(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvscope_wire::nixl::{LatencySummary, NixlTransferStats, XferStage};
+
+    #[test]
+    fn nixl_processes_are_summed_without_a_pid_label() {
+        let lat = |n: u64| LatencySummary {
+            count: n,
+            sum_ns: n * 1_000,
+            max_ns: 1_000,
+            buckets: vec![n; kvscope_wire::nixl::LATENCY_BOUNDS_NS.len()],
+            ..LatencySummary::default()
+        };
+        let xfer = |pid: u32, n: u64| NixlTransferStats {
+            pid,
+            local_agent: "d0".into(),
+            remote_agent: "d1".into(),
+            op: "READ".into(),
+            stage: XferStage::Complete,
+            status: "SUCCESS".into(),
+            transfers: n,
+            bytes: 10 * n,
+            descriptors: n,
+            latency: lat(n),
+        };
+        let r = NixlReport {
+            transfers: vec![xfer(11, 2), xfer(12, 3)],
+            ..NixlReport::default()
+        };
+        let text = render_nixl("node", &r);
+        let l = "agent=\"node\",local_agent=\"d0\",remote_agent=\"d1\",op=\"READ\",stage=\"complete\",status=\"SUCCESS\"";
+        assert!(
+            text.contains(&format!("kvscope_agent_nixl_transfers_total{{{l}}} 5\n")),
+            "{text}"
+        );
+        assert!(text.contains(&format!(
+            "kvscope_agent_nixl_transfer_bytes_total{{{l}}} 50\n"
+        )));
+        assert!(text.contains(&format!(
+            "kvscope_agent_nixl_transfer_latency_seconds_count{{{l}}} 5\n"
+        )));
+        assert!(!text.contains("pid="));
+    }
 
     #[test]
     fn renders_every_counter() {

@@ -3,62 +3,12 @@
 //! cumulative report, shown next to the spill figures.
 
 use crate::analyzer::AgentStatus;
-use kvscope_wire::nixl::{LatencySummary, XferStage, LATENCY_BOUNDS_NS};
+use kvscope_wire::nixl::XferStage;
 use kvscope_wire::prom::{labels, Exposition, Kind};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
-/// Latency merged from many summaries: exact count, sum and max; percentiles estimated
-/// from the shared buckets (upper bound of the bucket holding the quantile).
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct MergedLatency {
-    pub count: u64,
-    pub sum_ns: u64,
-    pub max_ns: u64,
-    pub buckets: Vec<u64>,
-}
-
-impl MergedLatency {
-    fn add(&mut self, l: &LatencySummary) {
-        self.add_parts(l.count, l.sum_ns, l.max_ns, &l.buckets);
-    }
-
-    /// Add another merged distribution (e.g. pairs summed fleet-wide).
-    pub fn merge(&mut self, other: &MergedLatency) {
-        self.add_parts(other.count, other.sum_ns, other.max_ns, &other.buckets);
-    }
-
-    fn add_parts(&mut self, count: u64, sum_ns: u64, max_ns: u64, buckets: &[u64]) {
-        if count == 0 {
-            return;
-        }
-        self.count += count;
-        self.sum_ns += sum_ns;
-        self.max_ns = self.max_ns.max(max_ns);
-        if self.buckets.len() < buckets.len() {
-            self.buckets.resize(buckets.len(), 0);
-        }
-        for (a, b) in self.buckets.iter_mut().zip(buckets) {
-            *a += b;
-        }
-    }
-
-    /// The upper bound of the bucket holding quantile `q`, capped at the exact max.
-    pub fn quantile_ns(&self, q: f64) -> Option<u64> {
-        if self.count == 0 {
-            return None;
-        }
-        let rank = (q.clamp(0.0, 1.0) * self.count as f64).ceil().max(1.0) as u64;
-        let le = self
-            .buckets
-            .iter()
-            .zip(LATENCY_BOUNDS_NS)
-            .find(|(n, _)| **n >= rank)
-            .map(|(_, le)| le)
-            .unwrap_or(self.max_ns);
-        Some(le.min(self.max_ns))
-    }
-}
+pub use kvscope_wire::nixl::MergedLatency;
 
 /// One local → remote NIXL agent pair.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -196,7 +146,9 @@ pub fn render(out: &mut Exposition, pairs: &[NixlPair]) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvscope_wire::nixl::{NixlCallStats, NixlReport, NixlTransferStats};
+    use kvscope_wire::nixl::{
+        LatencySummary, NixlCallStats, NixlReport, NixlTransferStats, LATENCY_BOUNDS_NS,
+    };
 
     fn lat(values_ns: &[u64]) -> LatencySummary {
         LatencySummary {
