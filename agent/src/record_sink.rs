@@ -23,7 +23,6 @@ use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
 use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{SystemTime, UNIX_EPOCH};
 use tokio::sync::Notify;
 
 /// A record ready to publish.
@@ -78,11 +77,7 @@ pub struct RecordSink {
     ready: Notify,
 }
 
-pub fn now_ns() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64)
-}
+pub use kvscope_wire::now_ns;
 
 impl RecordSink {
     /// `reorder_ns`: how long a record may wait for earlier ones (0: no reordering).
