@@ -14,6 +14,15 @@
 //! its source gives it (the log line's timestamp, the engine's batch timestamp) and waits
 //! up to the reorder window; records leave in event-time order. One arriving later than
 //! the window is released at once, stamped no earlier than its predecessor, and counted.
+//!
+//! The window is only the bound for a source that has gone quiet. Each tap is a
+//! [`SourceId`] whose records arrive in its own event-time order (one engine publisher,
+//! the router log), so once every source has delivered something from time t or later,
+//! nothing earlier than t can still come, and records up to t leave at once: under load
+//! a record waits until the slowest source has moved past it (a log poll, the next KV
+//! batch), not for the whole window. A source that stays silent holds records for the
+//! window, as before. Records from no source (heartbeats, NIXL reports) take their
+//! place in the order but hold nothing back.
 
 use crate::counters::AgentStats;
 use crate::internal_events::{InternalEvent, PublishDropped, RecordLate, RecordingWriteFailed};
@@ -58,8 +67,15 @@ impl Ord for Held {
     }
 }
 
+/// One input whose records reach the sink in event-time order (an engine's KV event
+/// publisher, the router log): see the module docs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SourceId(usize);
+
 struct Inner {
     held: BinaryHeap<Reverse<Held>>,
+    /// Per source, the latest event time it has delivered (0: nothing yet).
+    sources: Vec<u64>,
     arrivals: u64,
     buffer: VecDeque<Outgoing>,
     last_ns: u64,
@@ -75,6 +91,8 @@ pub struct RecordSink {
     stats: Arc<AgentStats>,
     inner: Mutex<Inner>,
     ready: Notify,
+    /// A record became the first to leave (the release timer re-arms).
+    head_changed: Notify,
 }
 
 pub use kvscope_wire::now_ns;
@@ -98,6 +116,7 @@ impl RecordSink {
             stats,
             inner: Mutex::new(Inner {
                 held: BinaryHeap::new(),
+                sources: Vec::new(),
                 arrivals: 0,
                 buffer: VecDeque::new(),
                 last_ns: 0,
@@ -105,6 +124,7 @@ impl RecordSink {
                 recording,
             }),
             ready: Notify::new(),
+            head_changed: Notify::new(),
         })
     }
 
@@ -112,33 +132,90 @@ impl RecordSink {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// A record whose source gives no time of its own (heartbeats): it happened now.
-    pub fn submit(&self, record: Record) {
-        self.submit_at(record, None, now_ns());
+    /// A new input whose records will arrive in their event-time order.
+    pub fn add_source(&self) -> SourceId {
+        let mut inner = self.lock();
+        inner.sources.push(0);
+        SourceId(inner.sources.len() - 1)
     }
 
-    /// A record that happened at `event_ns` (UNIX ns, the source's clock), if known.
-    pub fn submit_event(&self, record: Record, event_ns: Option<u64>) {
-        self.submit_at(record, event_ns, now_ns());
+    /// A record whose source gives no time of its own (heartbeats): it happened now.
+    pub fn submit(&self, record: Record) {
+        self.submit_at(None, record, None, now_ns());
+    }
+
+    /// A record from `source` that happened at `event_ns` (UNIX ns, the source's clock),
+    /// if known.
+    pub fn submit_event(&self, source: SourceId, record: Record, event_ns: Option<u64>) {
+        self.submit_at(Some(source), record, event_ns, now_ns());
+    }
+
+    /// `source` has got as far as `event_ns` without a record (a log line that is not a
+    /// decision): records up to then need not wait for it.
+    pub fn advance(&self, source: SourceId, event_ns: u64) {
+        self.advance_at(source, event_ns, now_ns());
+    }
+
+    /// [`Self::advance`] with an explicit clock reading (tests).
+    pub fn advance_at(&self, source: SourceId, event_ns: u64, now: u64) {
+        let mut inner = self.lock();
+        if let Some(last) = inner.sources.get_mut(source.0) {
+            *last = (*last).max(event_ns.min(now));
+        }
+        let released = self.release_locked(&mut inner, now, false);
+        drop(inner);
+        if released {
+            self.ready.notify_one();
+        }
     }
 
     /// [`Self::submit_event`] with an explicit clock reading (tests). An event time in
     /// the future (a source clock ahead of ours) counts as now.
-    pub fn submit_at(&self, record: Record, event_ns: Option<u64>, now_ns: u64) {
+    pub fn submit_at(
+        &self,
+        source: Option<SourceId>,
+        record: Record,
+        event_ns: Option<u64>,
+        now_ns: u64,
+    ) {
         let event_ns = event_ns.unwrap_or(now_ns).min(now_ns);
         let mut inner = self.lock();
+        if let Some(last) = source.and_then(|s| inner.sources.get_mut(s.0)) {
+            *last = (*last).max(event_ns);
+        }
         let arrival = inner.arrivals;
         inner.arrivals += 1;
+        let first = inner
+            .held
+            .peek()
+            .is_none_or(|Reverse(h)| event_ns < h.event_ns);
         inner.held.push(Reverse(Held {
             event_ns,
             arrival,
             record,
         }));
         let released = self.release_locked(&mut inner, now_ns, false);
+        let still_held = !inner.held.is_empty();
         drop(inner);
         if released {
             self.ready.notify_one();
         }
+        if first && still_held {
+            self.head_changed.notify_one();
+        }
+    }
+
+    /// When the first held record's window ends (UNIX ns), if any is held.
+    pub fn next_due_ns(&self) -> Option<u64> {
+        self.lock()
+            .held
+            .peek()
+            .map(|Reverse(h)| h.event_ns.saturating_add(self.reorder_ns))
+    }
+
+    /// Wait until a new record is the first to leave (its window may end sooner).
+    pub async fn head_changed(&self) {
+        self.head_changed.notified().await;
     }
 
     /// Release the records whose reorder window has passed (call it periodically).
@@ -165,9 +242,14 @@ impl RecordSink {
     }
 
     fn release_locked(&self, inner: &mut Inner, now_ns: u64, all: bool) -> bool {
+        // Every source has delivered up to here: nothing earlier can still arrive.
+        let passed = inner.sources.iter().copied().min().unwrap_or(u64::MAX);
         let mut released = false;
         while let Some(Reverse(top)) = inner.held.peek() {
-            if !all && top.event_ns.saturating_add(self.reorder_ns) > now_ns {
+            if !all
+                && top.event_ns > passed
+                && top.event_ns.saturating_add(self.reorder_ns) > now_ns
+            {
                 break;
             }
             let Some(Reverse(held)) = inner.held.pop() else {
@@ -280,9 +362,9 @@ mod tests {
             stats.clone(),
         )
         .unwrap();
-        sink.submit_at(hb(), None, 10);
-        sink.submit_at(hb(), None, 5);
-        sink.submit_at(hb(), None, 20);
+        sink.submit_at(None, hb(), None, 10);
+        sink.submit_at(None, hb(), None, 5);
+        sink.submit_at(None, hb(), None, 20);
         assert_eq!(stats.snapshot().publish_dropped, 1);
         let out = sink.peek(10);
         assert_eq!(
@@ -298,7 +380,7 @@ mod tests {
         assert_eq!(out[0].subject, "kvscope.c.agent.node_1");
         sink.ack(1);
         assert_eq!(sink.buffered(), 1);
-        sink.submit_at(hb(), None, 30);
+        sink.submit_at(None, hb(), None, 30);
         assert_eq!(
             sink.peek(10)
                 .iter()
@@ -319,13 +401,28 @@ mod tests {
     }
 
     #[test]
-    fn records_leave_in_event_time_order_after_the_window() {
+    fn records_leave_in_event_time_order_once_every_source_has_passed_them() {
         let stats = Arc::new(AgentStats::default());
         let sink = RecordSink::new("a", Subjects::new("c"), 100, 50, None, stats.clone()).unwrap();
-        // The decision (event time 100) reaches the agent after the KV batch it caused
-        // (event time 120).
-        sink.submit_at(hb(), Some(120), 125);
+        let (kv, log) = (sink.add_source(), sink.add_source());
+        let times = |sink: &RecordSink| -> Vec<u64> {
+            sink.peek(10)
+                .iter()
+                .map(|o| o.envelope.observed_ns)
+                .collect()
+        };
+        // The KV batch (event time 120) of a prefill reaches the agent before the
+        // decision that caused it (event time 100): the log has said nothing yet.
+        sink.submit_at(Some(kv), hb(), Some(120), 125);
+        assert_eq!(sink.next_due_ns(), Some(170));
+        sink.release_at(160);
+        assert_eq!(
+            sink.buffered(),
+            0,
+            "the log may still bring something earlier"
+        );
         sink.submit_at(
+            Some(log),
             Record::Heartbeat(AgentHeartbeat {
                 buffered: 7,
                 ..Default::default()
@@ -333,30 +430,34 @@ mod tests {
             Some(100),
             140,
         );
-        assert_eq!(sink.buffered(), 0, "both wait for the window");
-        sink.release_at(160);
-        let out = sink.peek(10);
-        assert_eq!(
-            out.len(),
-            1,
-            "only the record from t=100 is past its window"
-        );
-        assert_eq!(out[0].envelope.observed_ns, 100);
-        sink.release_at(170);
-        let times: Vec<u64> = sink
-            .peek(10)
-            .iter()
-            .map(|o| o.envelope.observed_ns)
-            .collect();
-        assert_eq!(times, vec![100, 120]);
-        // One later than the window: released at once, stamped after its predecessor, counted.
-        sink.submit_at(hb(), Some(110), 400);
-        sink.release_at(400);
-        assert_eq!(sink.peek(10).last().unwrap().envelope.observed_ns, 120);
+        assert_eq!(times(&sink), vec![100], "both sources are past 100");
+        // A log line without a record moves the log past 120: the batch leaves, long
+        // before its window would end.
+        sink.advance_at(log, 130, 141);
+        assert_eq!(times(&sink), vec![100, 120]);
+        // One later than its source's own order: released at once, stamped after its
+        // predecessor, counted.
+        sink.submit_at(Some(log), hb(), Some(110), 400);
+        assert_eq!(times(&sink), vec![100, 120, 120]);
         assert_eq!(stats.snapshot().records_late, 1);
-        // Shutdown releases what is still held.
-        sink.submit_at(hb(), Some(390), 400);
-        sink.release_all();
+        // A source that stays silent holds later records for the whole window.
+        sink.submit_at(Some(kv), hb(), Some(390), 400);
+        sink.release_at(439);
+        assert_eq!(sink.buffered(), 3);
+        sink.release_at(440);
         assert_eq!(sink.buffered(), 4);
+        // Records from no source wait like the others; shutdown releases everything.
+        sink.submit_at(None, hb(), None, 450);
+        assert_eq!(sink.buffered(), 4);
+        sink.release_all();
+        assert_eq!(times(&sink).last(), Some(&450));
+    }
+
+    #[test]
+    fn without_sources_nothing_waits() {
+        let stats = Arc::new(AgentStats::default());
+        let sink = RecordSink::new("a", Subjects::new("c"), 100, 50, None, stats).unwrap();
+        sink.submit_at(None, hb(), None, 10);
+        assert_eq!(sink.buffered(), 1);
     }
 }
