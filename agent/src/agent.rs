@@ -134,7 +134,6 @@ pub async fn start(cfg: AgentConfig) -> anyhow::Result<RunningAgent> {
             &cfg.agent_id,
             subjects.clone(),
             cfg.buffer_capacity,
-            cfg.reorder_window_ms * 1_000_000,
             cfg.record.as_deref(),
             stats.clone(),
         )
@@ -150,7 +149,7 @@ pub async fn start(cfg: AgentConfig) -> anyhow::Result<RunningAgent> {
         inputs.push(tokio::spawn(zmq_tap::run(
             ep.clone(),
             sink.clone(),
-            sink.add_source(),
+            sink.add_source(cfg.kv_reorder_window_ms() * 1_000_000),
             stats.clone(),
             stop_rx.clone(),
         )));
@@ -175,7 +174,7 @@ pub async fn start(cfg: AgentConfig) -> anyhow::Result<RunningAgent> {
             tap,
             rx,
             sink.clone(),
-            sink.add_source(),
+            sink.add_source(cfg.reorder_window_ms * 1_000_000),
             stats.clone(),
         )));
     }

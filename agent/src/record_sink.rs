@@ -20,9 +20,13 @@
 //! the router log), so once every source has delivered something from time t or later,
 //! nothing earlier than t can still come, and records up to t leave at once: under load
 //! a record waits until the slowest source has moved past it (a log poll, the next KV
-//! batch), not for the whole window. A source that stays silent holds records for the
-//! window, as before. Records from no source (heartbeats, NIXL reports) take their
-//! place in the order but hold nothing back.
+//! batch), not for the whole window. A source that stays silent holds records for its
+//! own window: how late its records can reach the agent. The router log's is long (its
+//! lines come tens of ms after the events); an engine publisher's batches arrive within
+//! a millisecond unless the agent falls behind, so its window may be far shorter (the
+//! trade-off: a batch later than that is counted as late, and a decision may already
+//! have been judged without it). Records from no source (heartbeats, NIXL reports) take
+//! their place in the order but hold nothing back.
 
 use crate::counters::AgentStats;
 use crate::internal_events::{InternalEvent, PublishDropped, RecordLate, RecordingWriteFailed};
@@ -72,10 +76,25 @@ impl Ord for Held {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SourceId(usize);
 
+/// How far one source has got.
+#[derive(Debug, Clone, Copy)]
+struct Progress {
+    /// The latest event time it has delivered (0: nothing yet).
+    last_ns: u64,
+    /// How late its records may reach the sink: records wait at most this long for it.
+    window_ns: u64,
+}
+
+impl Progress {
+    /// Whether nothing from this source can still come before `t` at `now`.
+    fn passed(&self, t: u64, now: u64) -> bool {
+        self.last_ns >= t || t.saturating_add(self.window_ns) <= now
+    }
+}
+
 struct Inner {
     held: BinaryHeap<Reverse<Held>>,
-    /// Per source, the latest event time it has delivered (0: nothing yet).
-    sources: Vec<u64>,
+    sources: Vec<Progress>,
     arrivals: u64,
     buffer: VecDeque<Outgoing>,
     last_ns: u64,
@@ -87,7 +106,6 @@ pub struct RecordSink {
     agent: String,
     subjects: Subjects,
     capacity: usize,
-    reorder_ns: u64,
     stats: Arc<AgentStats>,
     inner: Mutex<Inner>,
     ready: Notify,
@@ -98,12 +116,11 @@ pub struct RecordSink {
 pub use kvscope_wire::now_ns;
 
 impl RecordSink {
-    /// `reorder_ns`: how long a record may wait for earlier ones (0: no reordering).
+    /// Records wait for the sources added with [`Self::add_source`].
     pub fn new(
         agent: &str,
         subjects: Subjects,
         capacity: usize,
-        reorder_ns: u64,
         recording: Option<&Path>,
         stats: Arc<AgentStats>,
     ) -> anyhow::Result<Self> {
@@ -112,7 +129,6 @@ impl RecordSink {
             agent: agent.to_string(),
             subjects,
             capacity: capacity.max(1),
-            reorder_ns,
             stats,
             inner: Mutex::new(Inner {
                 held: BinaryHeap::new(),
@@ -132,10 +148,14 @@ impl RecordSink {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// A new input whose records will arrive in their event-time order.
-    pub fn add_source(&self) -> SourceId {
+    /// A new input whose records will arrive in their event-time order, at most
+    /// `window_ns` after they happened (0: records never wait for it).
+    pub fn add_source(&self, window_ns: u64) -> SourceId {
         let mut inner = self.lock();
-        inner.sources.push(0);
+        inner.sources.push(Progress {
+            last_ns: 0,
+            window_ns,
+        });
         SourceId(inner.sources.len() - 1)
     }
 
@@ -159,8 +179,8 @@ impl RecordSink {
     /// [`Self::advance`] with an explicit clock reading (tests).
     pub fn advance_at(&self, source: SourceId, event_ns: u64, now: u64) {
         let mut inner = self.lock();
-        if let Some(last) = inner.sources.get_mut(source.0) {
-            *last = (*last).max(event_ns.min(now));
+        if let Some(p) = inner.sources.get_mut(source.0) {
+            p.last_ns = p.last_ns.max(event_ns.min(now));
         }
         let released = self.release_locked(&mut inner, now, false);
         drop(inner);
@@ -180,8 +200,8 @@ impl RecordSink {
     ) {
         let event_ns = event_ns.unwrap_or(now_ns).min(now_ns);
         let mut inner = self.lock();
-        if let Some(last) = source.and_then(|s| inner.sources.get_mut(s.0)) {
-            *last = (*last).max(event_ns);
+        if let Some(p) = source.and_then(|s| inner.sources.get_mut(s.0)) {
+            p.last_ns = p.last_ns.max(event_ns);
         }
         let arrival = inner.arrivals;
         inner.arrivals += 1;
@@ -205,12 +225,21 @@ impl RecordSink {
         }
     }
 
-    /// When the first held record's window ends (UNIX ns), if any is held.
+    /// When the first held record stops waiting for the sources that have not passed it
+    /// (UNIX ns), if any is held.
     pub fn next_due_ns(&self) -> Option<u64> {
-        self.lock()
-            .held
-            .peek()
-            .map(|Reverse(h)| h.event_ns.saturating_add(self.reorder_ns))
+        let inner = self.lock();
+        let Reverse(h) = inner.held.peek()?;
+        let t = h.event_ns;
+        Some(
+            inner
+                .sources
+                .iter()
+                .filter(|p| p.last_ns < t)
+                .map(|p| t.saturating_add(p.window_ns))
+                .max()
+                .unwrap_or(t),
+        )
     }
 
     /// Wait until a new record is the first to leave (its window may end sooner).
@@ -242,14 +271,10 @@ impl RecordSink {
     }
 
     fn release_locked(&self, inner: &mut Inner, now_ns: u64, all: bool) -> bool {
-        // Every source has delivered up to here: nothing earlier can still arrive.
-        let passed = inner.sources.iter().copied().min().unwrap_or(u64::MAX);
         let mut released = false;
         while let Some(Reverse(top)) = inner.held.peek() {
-            if !all
-                && top.event_ns > passed
-                && top.event_ns.saturating_add(self.reorder_ns) > now_ns
-            {
+            // Released once no source can still bring anything earlier.
+            if !all && !inner.sources.iter().all(|p| p.passed(top.event_ns, now_ns)) {
                 break;
             }
             let Some(Reverse(held)) = inner.held.pop() else {
@@ -353,15 +378,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("rec.jsonl");
         let stats = Arc::new(AgentStats::default());
-        let sink = RecordSink::new(
-            "node 1",
-            Subjects::new("c"),
-            2,
-            0,
-            Some(&path),
-            stats.clone(),
-        )
-        .unwrap();
+        let sink =
+            RecordSink::new("node 1", Subjects::new("c"), 2, Some(&path), stats.clone()).unwrap();
         sink.submit_at(None, hb(), None, 10);
         sink.submit_at(None, hb(), None, 5);
         sink.submit_at(None, hb(), None, 20);
@@ -403,8 +421,8 @@ mod tests {
     #[test]
     fn records_leave_in_event_time_order_once_every_source_has_passed_them() {
         let stats = Arc::new(AgentStats::default());
-        let sink = RecordSink::new("a", Subjects::new("c"), 100, 50, None, stats.clone()).unwrap();
-        let (kv, log) = (sink.add_source(), sink.add_source());
+        let sink = RecordSink::new("a", Subjects::new("c"), 100, None, stats.clone()).unwrap();
+        let (kv, log) = (sink.add_source(50), sink.add_source(50));
         let times = |sink: &RecordSink| -> Vec<u64> {
             sink.peek(10)
                 .iter()
@@ -456,8 +474,47 @@ mod tests {
     #[test]
     fn without_sources_nothing_waits() {
         let stats = Arc::new(AgentStats::default());
-        let sink = RecordSink::new("a", Subjects::new("c"), 100, 50, None, stats).unwrap();
+        let sink = RecordSink::new("a", Subjects::new("c"), 100, None, stats).unwrap();
         sink.submit_at(None, hb(), None, 10);
         assert_eq!(sink.buffered(), 1);
+    }
+
+    #[test]
+    fn each_source_is_waited_for_no_longer_than_its_own_window() {
+        let stats = Arc::new(AgentStats::default());
+        let sink = RecordSink::new("a", Subjects::new("c"), 100, None, stats.clone()).unwrap();
+        let (log, kv) = (sink.add_source(250), sink.add_source(10));
+        // A decision (log time 100) waits for the silent publisher only 10.
+        sink.submit_at(Some(log), hb(), Some(100), 101);
+        assert_eq!(sink.next_due_ns(), Some(110));
+        sink.release_at(109);
+        assert_eq!(sink.buffered(), 0);
+        sink.release_at(110);
+        assert_eq!(sink.buffered(), 1);
+        // A KV batch (time 120) waits for the log up to 250.
+        sink.submit_at(Some(kv), hb(), Some(120), 121);
+        assert_eq!(sink.next_due_ns(), Some(370));
+        sink.release_at(369);
+        assert_eq!(sink.buffered(), 1);
+        sink.release_at(370);
+        assert_eq!(sink.buffered(), 2);
+        // Busy sources: each record leaves as soon as the other source has moved past it.
+        sink.submit_at(Some(kv), hb(), Some(380), 400);
+        sink.submit_at(Some(log), hb(), Some(395), 400);
+        assert_eq!(
+            sink.buffered(),
+            3,
+            "380 leaves; 395 waits for the publisher"
+        );
+        sink.submit_at(Some(kv), hb(), Some(390), 401);
+        assert_eq!(sink.buffered(), 4);
+        sink.submit_at(Some(kv), hb(), Some(396), 402);
+        assert_eq!(sink.buffered(), 5, "395 leaves; 396 waits for the log");
+        assert_eq!(stats.snapshot().records_late, 0);
+        // A batch older than what already left: at once, stamped after it, counted.
+        sink.submit_at(Some(kv), hb(), Some(300), 403);
+        assert_eq!(sink.buffered(), 6);
+        assert_eq!(sink.peek(10).last().unwrap().envelope.observed_ns, 395);
+        assert_eq!(stats.snapshot().records_late, 1);
     }
 }
