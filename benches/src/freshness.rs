@@ -242,11 +242,12 @@ const WORKER_ID_BASE: u64 = 7_000_000_000_000_000_000;
 
 struct Pipeline {
     dir: PathBuf,
-    _temp: Option<tempfile::TempDir>,
     nats: NatsServer,
     agent: Option<ManagedProcess>,
     collector: Option<ManagedProcess>,
     api: String,
+    /// Last, so the folder goes after NATS has stopped writing its store there.
+    _temp: Option<tempfile::TempDir>,
 }
 
 impl Pipeline {
