@@ -191,6 +191,13 @@ pub fn freshness(args: FreshnessArgs) -> anyhow::Result<()> {
         std::fs::write(path, serde_json::to_vec_pretty(&report)?)
             .with_context(|| format!("cannot write {}", path.display()))?;
     }
+    anyhow::ensure!(
+        report.event_to_verdict_ms.n > 0 && report.verdicts_missing == 0,
+        "{} of {} measured decisions have no verdict at the collector: the figures above \
+         are incomplete (see the logs named above; --out DIR keeps them)",
+        report.verdicts_missing,
+        report.measured_decisions
+    );
     Ok(())
 }
 
@@ -251,6 +258,34 @@ struct Pipeline {
 }
 
 impl Pipeline {
+    /// Keep the run folder (logs) on disk even when it is a temporary one.
+    fn keep_logs(&mut self) {
+        if let Some(t) = self._temp.take() {
+            let _ = t.keep();
+        }
+    }
+
+    /// Fails, naming the log to read (kept on disk), when the agent or the collector
+    /// has exited.
+    fn check_alive(&mut self) -> anyhow::Result<()> {
+        let dead = self
+            .agent
+            .iter_mut()
+            .chain(self.collector.iter_mut())
+            .find_map(|p| {
+                p.exited()
+                    .map(|status| (p.name.clone(), status, p.log.clone()))
+            });
+        if let Some((name, status, log)) = dead {
+            self.keep_logs();
+            bail!(
+                "the {name} exited ({status}) during the run; see {}",
+                log.display()
+            );
+        }
+        Ok(())
+    }
+
     fn stop(&mut self) {
         let mut procs: Vec<ManagedProcess> = self
             .collector
@@ -478,6 +513,7 @@ async fn run(args: &FreshnessArgs) -> anyhow::Result<FreshnessReport> {
          waiting for the collector to apply everything …",
         c.decisions, c.stored, c.removed
     );
+    pipeline.check_alive()?;
     let issued = gen.counts.decisions;
     let (stored, removed) = (gen.counts.stored, gen.counts.removed);
     let applied = |s: &Value| {
@@ -496,7 +532,12 @@ async fn run(args: &FreshnessArgs) -> anyhow::Result<FreshnessReport> {
         Ok(s) => s,
         Err(e) => {
             // Lost records show in the figures below; the report is still worth having.
-            eprintln!("kvscope-bench freshness: {e:#}");
+            pipeline.check_alive()?;
+            pipeline.keep_logs();
+            eprintln!(
+                "kvscope-bench freshness: {e:#}; logs kept in {}",
+                pipeline.dir.display()
+            );
             pipeline.get(&http, "/api/summary").await?
         }
     };
