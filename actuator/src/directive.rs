@@ -367,6 +367,7 @@ mod tests {
             generated_delta_tokens: 0,
             uncached_prefill_tokens: 100,
             overlaps: BTreeMap::new(),
+            available_ns: None,
         }
     }
 

@@ -37,12 +37,7 @@ pub enum RuntimeError {
     },
 }
 
-/// The current time, UNIX ns.
-pub fn now_ns() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64)
-}
+pub use kvscope_wire::now_ns;
 
 /// The last mode pushed to the backends.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]

@@ -94,6 +94,7 @@ fn spill(id: &str, decided_ns: u64, delta_blocks: u32) -> SpillVerdict {
         generated_delta_tokens: 0,
         uncached_prefill_tokens: u64::from(delta_blocks) * 16 + 40,
         overlaps: BTreeMap::new(),
+        available_ns: None,
     }
 }
 

@@ -134,7 +134,6 @@ pub async fn start(cfg: AgentConfig) -> anyhow::Result<RunningAgent> {
             &cfg.agent_id,
             subjects.clone(),
             cfg.buffer_capacity,
-            cfg.reorder_window_ms * 1_000_000,
             cfg.record.as_deref(),
             stats.clone(),
         )
@@ -150,6 +149,7 @@ pub async fn start(cfg: AgentConfig) -> anyhow::Result<RunningAgent> {
         inputs.push(tokio::spawn(zmq_tap::run(
             ep.clone(),
             sink.clone(),
+            sink.add_source(cfg.kv_reorder_window_ms() * 1_000_000),
             stats.clone(),
             stop_rx.clone(),
         )));
@@ -174,6 +174,7 @@ pub async fn start(cfg: AgentConfig) -> anyhow::Result<RunningAgent> {
             tap,
             rx,
             sink.clone(),
+            sink.add_source(cfg.reorder_window_ms * 1_000_000),
             stats.clone(),
         )));
     }
@@ -222,19 +223,22 @@ pub async fn start(cfg: AgentConfig) -> anyhow::Result<RunningAgent> {
         let sink = sink.clone();
         let stats = stats.clone();
         let period = Duration::from_secs_f64(cfg.heartbeat_interval_secs);
-        // Held records leave when their reorder window has passed, checked a few times
-        // per window.
-        let release_period = Duration::from_millis((cfg.reorder_window_ms / 4).clamp(5, 250));
+        // Records the taps' progress has not released leave when the first held one's
+        // reorder window ends: the timer is set to that moment, and re-set when a new
+        // record goes first.
+        let idle = Duration::from_millis(cfg.reorder_window_ms.max(1));
         tokio::spawn(async move {
             let mut beat = tokio::time::interval(period);
             beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             beat.tick().await;
-            let mut release = tokio::time::interval(release_period);
-            release.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
+                let wait = sink.next_due_ns().map_or(idle, |due| {
+                    Duration::from_nanos(due.saturating_sub(now_ns()))
+                });
                 tokio::select! {
                     _ = beat.tick() => heartbeat(&sink, &stats),
-                    _ = release.tick() => sink.release_due(),
+                    _ = tokio::time::sleep(wait) => sink.release_due(),
+                    _ = sink.head_changed() => {}
                 }
             }
         })

@@ -56,6 +56,11 @@ pub struct Cli {
     /// [default: 250; 0 = arrival order].
     #[arg(long)]
     pub reorder_window_ms: Option<u64>,
+    /// How long records wait for a quiet KV event publisher, in milliseconds
+    /// [default: the reorder window]. Publishers deliver within ~1 ms, so this can be
+    /// much shorter; a batch later than it is counted as late.
+    #[arg(long)]
+    pub kv_reorder_window_ms: Option<u64>,
     /// Trace NIXL with eBPF: libnixl.so files mapped by running processes, found by
     /// scanning /proc now and every few seconds. Needs root (or CAP_BPF+CAP_PERFMON).
     #[arg(long)]
@@ -122,6 +127,9 @@ impl Cli {
         }
         if let Some(v) = self.reorder_window_ms {
             cfg.reorder_window_ms = v;
+        }
+        if let Some(v) = self.kv_reorder_window_ms {
+            cfg.kv_reorder_window_ms = Some(v);
         }
         if self.nixl {
             cfg.nixl.enabled = true;

@@ -13,6 +13,8 @@
 //! heartbeat_interval_secs = 1.0
 //! stream_max_age_secs = 86400
 //! join_timeout_secs = 30.0
+//! reorder_window_ms = 250      # how long records wait for a quiet router log
+//! kv_reorder_window_ms = 20    # … and for a quiet KV event publisher (default: as above)
 //! metrics_listen = "127.0.0.1:9464"
 //!
 //! [nixl]             # eBPF tracing of libnixl.so (needs root or CAP_BPF+CAP_PERFMON)
@@ -81,6 +83,15 @@ pub struct AgentConfig {
     /// caused), in milliseconds (default 250; 0 sends in arrival order). Records leave
     /// in event-time order; see `record_sink`. Env: `KVSCOPE_AGENT_REORDER_WINDOW_MS`.
     pub reorder_window_ms: u64,
+    /// How long a record waits for an engine's KV event publisher that has gone quiet,
+    /// in milliseconds (default: `reorder_window_ms`). A publisher's batches reach the
+    /// agent within about a millisecond of the engine stamping them, so this can be far
+    /// shorter than the router log's window, and a decision then waits no longer for
+    /// idle workers; a batch delayed beyond it (an agent falling behind) is counted in
+    /// `records_late` and may miss the decisions it preceded.
+    /// Env: `KVSCOPE_AGENT_KV_REORDER_WINDOW_MS`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_reorder_window_ms: Option<u64>,
     /// How long a shutdown waits for buffered records to reach NATS, in seconds
     /// (default 5).
     pub shutdown_grace_secs: f64,
@@ -151,6 +162,7 @@ impl Default for AgentConfig {
             metrics_listen: None,
             log_poll_interval_ms: 20,
             reorder_window_ms: 250,
+            kv_reorder_window_ms: None,
             shutdown_grace_secs: 5.0,
             nixl: NixlTraceConfig::default(),
         }
@@ -235,6 +247,9 @@ impl AgentConfig {
         if let Some(v) = var("KVSCOPE_AGENT_REORDER_WINDOW_MS") {
             self.reorder_window_ms = parse("KVSCOPE_AGENT_REORDER_WINDOW_MS", &v)?;
         }
+        if let Some(v) = var("KVSCOPE_AGENT_KV_REORDER_WINDOW_MS") {
+            self.kv_reorder_window_ms = Some(parse("KVSCOPE_AGENT_KV_REORDER_WINDOW_MS", &v)?);
+        }
         if let Some(v) = var("KVSCOPE_AGENT_NIXL") {
             self.nixl.enabled = matches!(v.trim(), "1" | "true" | "yes");
         }
@@ -251,6 +266,11 @@ impl AgentConfig {
             self.nixl.enabled = true;
         }
         Ok(())
+    }
+
+    /// The window for KV event publishers (see `kv_reorder_window_ms`), in ms.
+    pub fn kv_reorder_window_ms(&self) -> u64 {
+        self.kv_reorder_window_ms.unwrap_or(self.reorder_window_ms)
     }
 
     /// Reject values the agent cannot run with.

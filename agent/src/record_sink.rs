@@ -14,6 +14,19 @@
 //! its source gives it (the log line's timestamp, the engine's batch timestamp) and waits
 //! up to the reorder window; records leave in event-time order. One arriving later than
 //! the window is released at once, stamped no earlier than its predecessor, and counted.
+//!
+//! The window is only the bound for a source that has gone quiet. Each tap is a
+//! [`SourceId`] whose records arrive in its own event-time order (one engine publisher,
+//! the router log), so once every source has delivered something from time t or later,
+//! nothing earlier than t can still come, and records up to t leave at once: under load
+//! a record waits until the slowest source has moved past it (a log poll, the next KV
+//! batch), not for the whole window. A source that stays silent holds records for its
+//! own window: how late its records can reach the agent. The router log's is long (its
+//! lines come tens of ms after the events); an engine publisher's batches arrive within
+//! a millisecond unless the agent falls behind, so its window may be far shorter (the
+//! trade-off: a batch later than that is counted as late, and a decision may already
+//! have been judged without it). Records from no source (heartbeats, NIXL reports) take
+//! their place in the order but hold nothing back.
 
 use crate::counters::AgentStats;
 use crate::internal_events::{InternalEvent, PublishDropped, RecordLate, RecordingWriteFailed};
@@ -23,7 +36,6 @@ use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
 use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{SystemTime, UNIX_EPOCH};
 use tokio::sync::Notify;
 
 /// A record ready to publish.
@@ -59,8 +71,30 @@ impl Ord for Held {
     }
 }
 
+/// One input whose records reach the sink in event-time order (an engine's KV event
+/// publisher, the router log): see the module docs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SourceId(usize);
+
+/// How far one source has got.
+#[derive(Debug, Clone, Copy)]
+struct Progress {
+    /// The latest event time it has delivered (0: nothing yet).
+    last_ns: u64,
+    /// How late its records may reach the sink: records wait at most this long for it.
+    window_ns: u64,
+}
+
+impl Progress {
+    /// Whether nothing from this source can still come before `t` at `now`.
+    fn passed(&self, t: u64, now: u64) -> bool {
+        self.last_ns >= t || t.saturating_add(self.window_ns) <= now
+    }
+}
+
 struct Inner {
     held: BinaryHeap<Reverse<Held>>,
+    sources: Vec<Progress>,
     arrivals: u64,
     buffer: VecDeque<Outgoing>,
     last_ns: u64,
@@ -72,25 +106,21 @@ pub struct RecordSink {
     agent: String,
     subjects: Subjects,
     capacity: usize,
-    reorder_ns: u64,
     stats: Arc<AgentStats>,
     inner: Mutex<Inner>,
     ready: Notify,
+    /// A record became the first to leave (the release timer re-arms).
+    head_changed: Notify,
 }
 
-pub fn now_ns() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64)
-}
+pub use kvscope_wire::now_ns;
 
 impl RecordSink {
-    /// `reorder_ns`: how long a record may wait for earlier ones (0: no reordering).
+    /// Records wait for the sources added with [`Self::add_source`].
     pub fn new(
         agent: &str,
         subjects: Subjects,
         capacity: usize,
-        reorder_ns: u64,
         recording: Option<&Path>,
         stats: Arc<AgentStats>,
     ) -> anyhow::Result<Self> {
@@ -99,10 +129,10 @@ impl RecordSink {
             agent: agent.to_string(),
             subjects,
             capacity: capacity.max(1),
-            reorder_ns,
             stats,
             inner: Mutex::new(Inner {
                 held: BinaryHeap::new(),
+                sources: Vec::new(),
                 arrivals: 0,
                 buffer: VecDeque::new(),
                 last_ns: 0,
@@ -110,6 +140,7 @@ impl RecordSink {
                 recording,
             }),
             ready: Notify::new(),
+            head_changed: Notify::new(),
         })
     }
 
@@ -117,33 +148,103 @@ impl RecordSink {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// A record whose source gives no time of its own (heartbeats): it happened now.
-    pub fn submit(&self, record: Record) {
-        self.submit_at(record, None, now_ns());
+    /// A new input whose records will arrive in their event-time order, at most
+    /// `window_ns` after they happened (0: records never wait for it).
+    pub fn add_source(&self, window_ns: u64) -> SourceId {
+        let mut inner = self.lock();
+        inner.sources.push(Progress {
+            last_ns: 0,
+            window_ns,
+        });
+        SourceId(inner.sources.len() - 1)
     }
 
-    /// A record that happened at `event_ns` (UNIX ns, the source's clock), if known.
-    pub fn submit_event(&self, record: Record, event_ns: Option<u64>) {
-        self.submit_at(record, event_ns, now_ns());
+    /// A record whose source gives no time of its own (heartbeats): it happened now.
+    pub fn submit(&self, record: Record) {
+        self.submit_at(None, record, None, now_ns());
+    }
+
+    /// A record from `source` that happened at `event_ns` (UNIX ns, the source's clock),
+    /// if known.
+    pub fn submit_event(&self, source: SourceId, record: Record, event_ns: Option<u64>) {
+        self.submit_at(Some(source), record, event_ns, now_ns());
+    }
+
+    /// `source` has got as far as `event_ns` without a record (a log line that is not a
+    /// decision): records up to then need not wait for it.
+    pub fn advance(&self, source: SourceId, event_ns: u64) {
+        self.advance_at(source, event_ns, now_ns());
+    }
+
+    /// [`Self::advance`] with an explicit clock reading (tests).
+    pub fn advance_at(&self, source: SourceId, event_ns: u64, now: u64) {
+        let mut inner = self.lock();
+        if let Some(p) = inner.sources.get_mut(source.0) {
+            p.last_ns = p.last_ns.max(event_ns.min(now));
+        }
+        let released = self.release_locked(&mut inner, now, false);
+        drop(inner);
+        if released {
+            self.ready.notify_one();
+        }
     }
 
     /// [`Self::submit_event`] with an explicit clock reading (tests). An event time in
     /// the future (a source clock ahead of ours) counts as now.
-    pub fn submit_at(&self, record: Record, event_ns: Option<u64>, now_ns: u64) {
+    pub fn submit_at(
+        &self,
+        source: Option<SourceId>,
+        record: Record,
+        event_ns: Option<u64>,
+        now_ns: u64,
+    ) {
         let event_ns = event_ns.unwrap_or(now_ns).min(now_ns);
         let mut inner = self.lock();
+        if let Some(p) = source.and_then(|s| inner.sources.get_mut(s.0)) {
+            p.last_ns = p.last_ns.max(event_ns);
+        }
         let arrival = inner.arrivals;
         inner.arrivals += 1;
+        let first = inner
+            .held
+            .peek()
+            .is_none_or(|Reverse(h)| event_ns < h.event_ns);
         inner.held.push(Reverse(Held {
             event_ns,
             arrival,
             record,
         }));
         let released = self.release_locked(&mut inner, now_ns, false);
+        let still_held = !inner.held.is_empty();
         drop(inner);
         if released {
             self.ready.notify_one();
         }
+        if first && still_held {
+            self.head_changed.notify_one();
+        }
+    }
+
+    /// When the first held record stops waiting for the sources that have not passed it
+    /// (UNIX ns), if any is held.
+    pub fn next_due_ns(&self) -> Option<u64> {
+        let inner = self.lock();
+        let Reverse(h) = inner.held.peek()?;
+        let t = h.event_ns;
+        Some(
+            inner
+                .sources
+                .iter()
+                .filter(|p| p.last_ns < t)
+                .map(|p| t.saturating_add(p.window_ns))
+                .max()
+                .unwrap_or(t),
+        )
+    }
+
+    /// Wait until a new record is the first to leave (its window may end sooner).
+    pub async fn head_changed(&self) {
+        self.head_changed.notified().await;
     }
 
     /// Release the records whose reorder window has passed (call it periodically).
@@ -172,7 +273,8 @@ impl RecordSink {
     fn release_locked(&self, inner: &mut Inner, now_ns: u64, all: bool) -> bool {
         let mut released = false;
         while let Some(Reverse(top)) = inner.held.peek() {
-            if !all && top.event_ns.saturating_add(self.reorder_ns) > now_ns {
+            // Released once no source can still bring anything earlier.
+            if !all && !inner.sources.iter().all(|p| p.passed(top.event_ns, now_ns)) {
                 break;
             }
             let Some(Reverse(held)) = inner.held.pop() else {
@@ -276,18 +378,11 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("rec.jsonl");
         let stats = Arc::new(AgentStats::default());
-        let sink = RecordSink::new(
-            "node 1",
-            Subjects::new("c"),
-            2,
-            0,
-            Some(&path),
-            stats.clone(),
-        )
-        .unwrap();
-        sink.submit_at(hb(), None, 10);
-        sink.submit_at(hb(), None, 5);
-        sink.submit_at(hb(), None, 20);
+        let sink =
+            RecordSink::new("node 1", Subjects::new("c"), 2, Some(&path), stats.clone()).unwrap();
+        sink.submit_at(None, hb(), None, 10);
+        sink.submit_at(None, hb(), None, 5);
+        sink.submit_at(None, hb(), None, 20);
         assert_eq!(stats.snapshot().publish_dropped, 1);
         let out = sink.peek(10);
         assert_eq!(
@@ -303,7 +398,7 @@ mod tests {
         assert_eq!(out[0].subject, "kvscope.c.agent.node_1");
         sink.ack(1);
         assert_eq!(sink.buffered(), 1);
-        sink.submit_at(hb(), None, 30);
+        sink.submit_at(None, hb(), None, 30);
         assert_eq!(
             sink.peek(10)
                 .iter()
@@ -324,13 +419,28 @@ mod tests {
     }
 
     #[test]
-    fn records_leave_in_event_time_order_after_the_window() {
+    fn records_leave_in_event_time_order_once_every_source_has_passed_them() {
         let stats = Arc::new(AgentStats::default());
-        let sink = RecordSink::new("a", Subjects::new("c"), 100, 50, None, stats.clone()).unwrap();
-        // The decision (event time 100) reaches the agent after the KV batch it caused
-        // (event time 120).
-        sink.submit_at(hb(), Some(120), 125);
+        let sink = RecordSink::new("a", Subjects::new("c"), 100, None, stats.clone()).unwrap();
+        let (kv, log) = (sink.add_source(50), sink.add_source(50));
+        let times = |sink: &RecordSink| -> Vec<u64> {
+            sink.peek(10)
+                .iter()
+                .map(|o| o.envelope.observed_ns)
+                .collect()
+        };
+        // The KV batch (event time 120) of a prefill reaches the agent before the
+        // decision that caused it (event time 100): the log has said nothing yet.
+        sink.submit_at(Some(kv), hb(), Some(120), 125);
+        assert_eq!(sink.next_due_ns(), Some(170));
+        sink.release_at(160);
+        assert_eq!(
+            sink.buffered(),
+            0,
+            "the log may still bring something earlier"
+        );
         sink.submit_at(
+            Some(log),
             Record::Heartbeat(AgentHeartbeat {
                 buffered: 7,
                 ..Default::default()
@@ -338,30 +448,73 @@ mod tests {
             Some(100),
             140,
         );
-        assert_eq!(sink.buffered(), 0, "both wait for the window");
-        sink.release_at(160);
-        let out = sink.peek(10);
-        assert_eq!(
-            out.len(),
-            1,
-            "only the record from t=100 is past its window"
-        );
-        assert_eq!(out[0].envelope.observed_ns, 100);
-        sink.release_at(170);
-        let times: Vec<u64> = sink
-            .peek(10)
-            .iter()
-            .map(|o| o.envelope.observed_ns)
-            .collect();
-        assert_eq!(times, vec![100, 120]);
-        // One later than the window: released at once, stamped after its predecessor, counted.
-        sink.submit_at(hb(), Some(110), 400);
-        sink.release_at(400);
-        assert_eq!(sink.peek(10).last().unwrap().envelope.observed_ns, 120);
+        assert_eq!(times(&sink), vec![100], "both sources are past 100");
+        // A log line without a record moves the log past 120: the batch leaves, long
+        // before its window would end.
+        sink.advance_at(log, 130, 141);
+        assert_eq!(times(&sink), vec![100, 120]);
+        // One later than its source's own order: released at once, stamped after its
+        // predecessor, counted.
+        sink.submit_at(Some(log), hb(), Some(110), 400);
+        assert_eq!(times(&sink), vec![100, 120, 120]);
         assert_eq!(stats.snapshot().records_late, 1);
-        // Shutdown releases what is still held.
-        sink.submit_at(hb(), Some(390), 400);
-        sink.release_all();
+        // A source that stays silent holds later records for the whole window.
+        sink.submit_at(Some(kv), hb(), Some(390), 400);
+        sink.release_at(439);
+        assert_eq!(sink.buffered(), 3);
+        sink.release_at(440);
         assert_eq!(sink.buffered(), 4);
+        // Records from no source wait like the others; shutdown releases everything.
+        sink.submit_at(None, hb(), None, 450);
+        assert_eq!(sink.buffered(), 4);
+        sink.release_all();
+        assert_eq!(times(&sink).last(), Some(&450));
+    }
+
+    #[test]
+    fn without_sources_nothing_waits() {
+        let stats = Arc::new(AgentStats::default());
+        let sink = RecordSink::new("a", Subjects::new("c"), 100, None, stats).unwrap();
+        sink.submit_at(None, hb(), None, 10);
+        assert_eq!(sink.buffered(), 1);
+    }
+
+    #[test]
+    fn each_source_is_waited_for_no_longer_than_its_own_window() {
+        let stats = Arc::new(AgentStats::default());
+        let sink = RecordSink::new("a", Subjects::new("c"), 100, None, stats.clone()).unwrap();
+        let (log, kv) = (sink.add_source(250), sink.add_source(10));
+        // A decision (log time 100) waits for the silent publisher only 10.
+        sink.submit_at(Some(log), hb(), Some(100), 101);
+        assert_eq!(sink.next_due_ns(), Some(110));
+        sink.release_at(109);
+        assert_eq!(sink.buffered(), 0);
+        sink.release_at(110);
+        assert_eq!(sink.buffered(), 1);
+        // A KV batch (time 120) waits for the log up to 250.
+        sink.submit_at(Some(kv), hb(), Some(120), 121);
+        assert_eq!(sink.next_due_ns(), Some(370));
+        sink.release_at(369);
+        assert_eq!(sink.buffered(), 1);
+        sink.release_at(370);
+        assert_eq!(sink.buffered(), 2);
+        // Busy sources: each record leaves as soon as the other source has moved past it.
+        sink.submit_at(Some(kv), hb(), Some(380), 400);
+        sink.submit_at(Some(log), hb(), Some(395), 400);
+        assert_eq!(
+            sink.buffered(),
+            3,
+            "380 leaves; 395 waits for the publisher"
+        );
+        sink.submit_at(Some(kv), hb(), Some(390), 401);
+        assert_eq!(sink.buffered(), 4);
+        sink.submit_at(Some(kv), hb(), Some(396), 402);
+        assert_eq!(sink.buffered(), 5, "395 leaves; 396 waits for the log");
+        assert_eq!(stats.snapshot().records_late, 0);
+        // A batch older than what already left: at once, stamped after it, counted.
+        sink.submit_at(Some(kv), hb(), Some(300), 403);
+        assert_eq!(sink.buffered(), 6);
+        assert_eq!(sink.peek(10).last().unwrap().envelope.observed_ns, 395);
+        assert_eq!(stats.snapshot().records_late, 1);
     }
 }

@@ -8,7 +8,7 @@ use crate::internal_events::{
     MigrationLineParsed,
 };
 use crate::log_follower::LogItem;
-use crate::record_sink::{now_ns, RecordSink};
+use crate::record_sink::{now_ns, RecordSink, SourceId};
 use kvscope_wire::Record;
 use tokio::sync::mpsc;
 
@@ -70,17 +70,27 @@ impl RouterTap {
     }
 }
 
-/// Run until the channel closes.
+/// Run until the channel closes. The log's records are `source` in the sink: it is read
+/// in order, so its timestamps only move forward (within the router's own write order).
 pub async fn run(
     mut tap: RouterTap,
     mut rx: mpsc::Receiver<LogItem>,
     sink: std::sync::Arc<RecordSink>,
+    source: SourceId,
     stats: std::sync::Arc<AgentStats>,
 ) {
     while let Some(item) = rx.recv().await {
-        for r in tap.item(&item, &stats) {
+        let records = tap.item(&item, &stats);
+        let at = tap.log_time_ns();
+        if records.is_empty() {
+            // Any timestamped line tells how far the log has got.
+            if let Some(t) = at {
+                sink.advance(source, t);
+            }
+        }
+        for r in records {
             // A decision happened when the router logged it, not when we read the line.
-            sink.submit_event(r, tap.log_time_ns());
+            sink.submit_event(source, r, at);
         }
     }
 }

@@ -14,7 +14,7 @@ use crate::internal_events::{
     KvSequenceReset, KvTapConnected, KvTapDisconnected, KvUnknownEvent,
 };
 use crate::kv_events::{decode_payload, split_frames, EventProblem};
-use crate::record_sink::RecordSink;
+use crate::record_sink::{RecordSink, SourceId};
 use crate::sequence::SequenceTracker;
 use kvscope_wire::{KvEventBatch, Record, SequenceStatus, WorkerKey};
 use std::sync::Arc;
@@ -126,10 +126,12 @@ impl KvTap {
     }
 }
 
-/// Tap `endpoint` until `stop` turns true.
+/// Tap `endpoint` until `stop` turns true; its batches are `source` in the sink (one
+/// publisher's batches come in its own order: engine time, one socket).
 pub async fn run(
     endpoint: KvEndpoint,
     sink: Arc<RecordSink>,
+    source: SourceId,
     stats: Arc<AgentStats>,
     mut stop: watch::Receiver<bool>,
 ) {
@@ -171,7 +173,7 @@ pub async fn run(
                 Ok(msg) => {
                     if let Some(record) = tap.message(&msg.into_vec()) {
                         let at = engine_time_ns(&record);
-                        sink.submit_event(record, at);
+                        sink.submit_event(source, record, at);
                     }
                 }
                 Err(e) => {

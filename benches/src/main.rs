@@ -11,6 +11,7 @@
 
 mod compare;
 mod contenders;
+mod freshness;
 mod measure;
 mod scale;
 mod synthetic;
@@ -37,6 +38,10 @@ enum Command {
     /// kvscope's mirror at fleet scale (default 1,000 workers × 50,000 blocks each):
     /// resident memory and query latency.
     Scale(scale::ScaleArgs),
+    /// Freshness through the real pipeline (load generator → `kvscope agent` → NATS
+    /// JetStream → `kvscope collector`): the delay from a KV event's publish to the
+    /// verdict that depends on it being available, p50/p99, at a sustained block rate.
+    Freshness(freshness::FreshnessArgs),
     /// One contender on one input (run by `compare` in a child process).
     #[command(hide = true)]
     RunOne(compare::RunOneArgs),
@@ -47,6 +52,7 @@ fn main() -> std::process::ExitCode {
     let result = match cli.command {
         Command::Compare(args) => compare::compare(args),
         Command::Scale(args) => scale::scale(args),
+        Command::Freshness(args) => freshness::freshness(args),
         Command::RunOne(args) => compare::run_one(args),
     };
     match result {

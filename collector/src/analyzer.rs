@@ -241,6 +241,15 @@ impl FleetAnalyzer {
         self.watermark_ns
     }
 
+    /// Note when the latest verdict became available to readers (a live collector's
+    /// wall clock, read by the bus reader right after [`Self::apply`] judged it; the fold
+    /// itself reads no clock).
+    pub fn stamp_latest_verdict(&mut self, available_ns: u64) {
+        if let Some(v) = self.verdicts.back_mut() {
+            v.available_ns = Some(available_ns);
+        }
+    }
+
     /// Apply one record. Returns the verdict when the record was a routing decision.
     pub fn apply(&mut self, env: &Envelope) -> Option<SpillVerdict> {
         self.counters.records += 1;
@@ -701,6 +710,18 @@ mod tests {
             decision("new-turn", 1, &(0..10).collect::<Vec<u32>>()),
         ));
         assert_eq!(a.counters().decisions_fully_cached, 1);
+    }
+
+    #[test]
+    fn only_a_live_collector_stamps_when_a_verdict_became_available() {
+        let mut a = FleetAnalyzer::new(cfg());
+        let toks: Vec<u32> = (0..8).collect();
+        let v = a.apply(&env(2, decision("r1", 1, &toks))).unwrap();
+        assert_eq!(v.available_ns, None, "the fold reads no clock");
+        a.stamp_latest_verdict(77);
+        a.apply(&env(3, decision("r2", 1, &toks)));
+        let stamps: Vec<_> = a.recent_verdicts().map(|v| v.available_ns).collect();
+        assert_eq!(stamps, vec![Some(77), None]);
     }
 
     #[test]

@@ -64,7 +64,13 @@ impl Shared {
     fn apply_payload(&self, payload: &[u8], seq: u64) {
         match Envelope::from_json(payload) {
             Ok(env) => {
-                lock(&self.analyzer).apply(&env);
+                {
+                    let mut analyzer = lock(&self.analyzer);
+                    if analyzer.apply(&env).is_some() {
+                        // Readers see the verdict once this lock is released.
+                        analyzer.stamp_latest_verdict(kvscope_wire::now_ns());
+                    }
+                }
                 let mut recorder = lock(&self.recorder);
                 if let Some(Err(e)) = recorder.as_mut().map(|r| r.write(&env)) {
                     error!(error = %e, "Cannot write the recording; recording stops.");

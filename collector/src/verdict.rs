@@ -33,6 +33,11 @@ pub struct SpillVerdict {
     /// Every worker's non-zero overlap, in blocks.
     #[serde(with = "kvscope_wire::worker_map")]
     pub overlaps: BTreeMap<WorkerKey, u32>,
+    /// When a live collector had this verdict ready to serve (UNIX ns, its own clock):
+    /// stamped by the bus reader as it applies the decision. A replay leaves it out, so
+    /// its figures never depend on when it runs. `kvscope-bench freshness` reads it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub available_ns: Option<u64>,
 }
 
 impl SpillVerdict {
@@ -94,6 +99,7 @@ impl SpillVerdict {
             generated_delta_tokens: u64::from(generated) * bs,
             uncached_prefill_tokens: decision.isl_tokens.saturating_sub(cached_tokens),
             overlaps,
+            available_ns: None,
         }
     }
 }
