@@ -9,6 +9,7 @@ pub mod nixl;
 pub mod record;
 pub mod recording;
 pub mod subject;
+pub mod vllm_events;
 
 pub use hashing::{local_block_hash, sequence_hashes, LocalBlockHash, SequenceHash};
 pub use record::worker_map;
