@@ -37,6 +37,14 @@ pub struct MigrationDirective {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub target_nixl_agent: Option<String>,
     pub blocks: BlockRange,
+    /// The Dynamo sequence hashes of the blocks in `blocks`, in chain order (the
+    /// verdict's `delta_block_hashes`): what the target will hold afterwards.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub block_hashes: Vec<u64>,
+    /// The sequence hash of the block they extend (position `blocks.first − 1`, which the
+    /// target already holds); none when `blocks.first` is 0.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent_block_hash: Option<u64>,
     /// The true delta, tokens.
     pub tokens: u64,
     /// When the router decided (UNIX ns, the agent's clock).
@@ -132,6 +140,8 @@ pub fn select(
                 count: v.best_overlap_blocks - v.chosen_overlap_blocks,
                 block_size: v.block_size,
             },
+            block_hashes: v.delta_block_hashes.clone(),
+            parent_block_hash: v.delta_parent_hash,
             tokens: v.true_delta_tokens,
             decided_ns: v.decided_ns,
             issued_ns: now_ns,
@@ -367,6 +377,8 @@ mod tests {
             generated_delta_tokens: 0,
             uncached_prefill_tokens: 100,
             overlaps: BTreeMap::new(),
+            delta_block_hashes: Vec::new(),
+            delta_parent_hash: None,
         }
     }
 
@@ -417,9 +429,13 @@ mod tests {
         let now = 100 * S;
         let mut ledger = DirectiveLedger::new(10);
         let verdicts = vec![
-            verdict("new-big", now - S, 10, 2010),  // 32000 tokens: yes
-            verdict("small", now - S, 10, 20),      // 160 tokens: below the gate
-            verdict("old", now - 60 * S, 0, 2000),  // too old
+            SpillVerdict {
+                delta_block_hashes: vec![11, 12],
+                delta_parent_hash: Some(10),
+                ..verdict("new-big", now - S, 10, 2010) // 32000 tokens: yes
+            },
+            verdict("small", now - S, 10, 20), // 160 tokens: below the gate
+            verdict("old", now - 60 * S, 0, 2000), // too old
             verdict("seen-cursor", 5 * S, 0, 2000), // before the cursor
         ];
         ledger.cursor_ns = 10 * S;
@@ -446,6 +462,11 @@ mod tests {
             }
         );
         assert_eq!(d0.source_nixl_agent.as_deref(), Some("a"));
+        assert_eq!(
+            (d0.block_hashes.as_slice(), d0.parent_block_hash),
+            (&[11, 12][..], Some(10)),
+            "the verdict's delta hashes travel with the directive"
+        );
         assert!(d0.predicted.net_benefit_s > 0.0);
         assert_eq!((skipped.below_min_tokens, skipped.too_old), (1, 1));
         // Issued once, never again.

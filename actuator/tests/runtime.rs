@@ -94,6 +94,8 @@ fn spill(id: &str, decided_ns: u64, delta_blocks: u32) -> SpillVerdict {
         generated_delta_tokens: 0,
         uncached_prefill_tokens: u64::from(delta_blocks) * 16 + 40,
         overlaps: BTreeMap::new(),
+        delta_block_hashes: Vec::new(),
+        delta_parent_hash: None,
     }
 }
 
