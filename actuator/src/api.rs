@@ -41,7 +41,9 @@ pub fn router(actuator: Arc<Mutex<Actuator>>, token: String) -> Router {
         })
 }
 
-fn authorized(headers: &HeaderMap, token: &str) -> bool {
+/// Whether `headers` carry `Authorization: Bearer <token>` (compared in constant time);
+/// an empty `token` refuses everything. Also guards the NIXL lab's directive endpoint.
+pub fn authorized(headers: &HeaderMap, token: &str) -> bool {
     let Some(given) = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
@@ -59,7 +61,8 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-fn unauthorized() -> Response {
+/// The 401 answer to a request without a valid bearer token.
+pub fn unauthorized() -> Response {
     (
         StatusCode::UNAUTHORIZED,
         [(header::WWW_AUTHENTICATE, "Bearer")],

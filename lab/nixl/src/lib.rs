@@ -11,6 +11,9 @@
 //!   `mixed` scenario by default) with in-process agents or one process per agent, and
 //!   returns the [`truth::Truth`].
 //! - [`bench::bench`]: a transfer loop for measuring probe overhead.
+//! - [`serve::serve`]: the workers as a long-running data plane for the actuator's
+//!   migration directives (HTTP), following their engines' KV events and publishing
+//!   the blocks migrated to them as vLLM-format KV events.
 //! - [`worker`]: one agent and its pool; [`protocol`]: the commands it takes.
 //! - [`status`]: NIXL status codes at the Rust, C API and `nixlAgent` layers.
 
@@ -20,6 +23,7 @@ pub mod link;
 pub mod plan;
 pub mod protocol;
 pub mod run;
+pub mod serve;
 pub mod setup;
 pub mod status;
 pub mod truth;
