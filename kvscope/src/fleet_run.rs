@@ -37,11 +37,23 @@ pub struct FleetRun {
     pub recording: PathBuf,
     /// The agent's own recording of every record it published.
     pub agent_recording: PathBuf,
+    /// More arguments for the agent (from [`Self::start_with`]).
+    agent_extra_args: Vec<String>,
 }
 
 impl FleetRun {
     /// Start the lab, then the collector, then the agent. `exe` is the `kvscope` binary.
     pub async fn start(exe: &Path, cfg: FleetRunConfig) -> anyhow::Result<Self> {
+        Self::start_with(exe, cfg, |_| Ok(Vec::new())).await
+    }
+
+    /// [`Self::start`], giving the agent the extra arguments `agent_args` returns once the
+    /// lab is up (e.g. more `--kv` taps for the lab's worker ids, `--nixl-lib`).
+    pub async fn start_with(
+        exe: &Path,
+        cfg: FleetRunConfig,
+        agent_args: impl FnOnce(&Lab) -> anyhow::Result<Vec<String>>,
+    ) -> anyhow::Result<Self> {
         let lab = Lab::start(cfg.lab.clone())
             .await
             .context("starting the lab")?;
@@ -61,7 +73,10 @@ impl FleetRun {
             lab: Some(lab),
             agent: None,
             collector: None,
+            agent_extra_args: Vec::new(),
         };
+        let extra = agent_args(run.lab())?;
+        run.agent_extra_args = extra;
         run.start_collector()?;
         run.wait_collector_up().await?;
         run.start_agent()?;
@@ -77,7 +92,8 @@ impl FleetRun {
         format!("http://{}", self.collector_listen)
     }
 
-    fn run_dir(&self) -> PathBuf {
+    /// The lab run's folder (logs, recordings).
+    pub fn run_dir(&self) -> PathBuf {
         self.lab().run_dir().to_path_buf()
     }
 
@@ -124,6 +140,7 @@ impl FleetRun {
             cmd.arg("--kv")
                 .arg(format!("{}={}", w.kv_events_endpoint, w.worker_id));
         }
+        cmd.args(&self.agent_extra_args);
         let log = self.run_dir().join("agent.log");
         self.agent = Some(ManagedProcess::spawn("agent", cmd, &log)?);
         Ok(())
@@ -195,7 +212,8 @@ impl FleetRun {
         self.get_json("/api/report").await
     }
 
-    async fn get_json<T: serde::de::DeserializeOwned>(&self, path: &str) -> anyhow::Result<T> {
+    /// GET a JSON document from the collector's API.
+    pub async fn get_json<T: serde::de::DeserializeOwned>(&self, path: &str) -> anyhow::Result<T> {
         Ok(reqwest::get(format!("{}{path}", self.api()))
             .await?
             .error_for_status()?
