@@ -63,6 +63,25 @@ pub fn lab_binary() -> std::path::PathBuf {
         cargo
             .args(["build", "-q", "-p", "kvscope-nixl-lab"])
             .current_dir(kvscope_lab::paths::workspace_dir());
+        // Not the variables cargo set for this test: build scripts that watch one (ring
+        // watches CARGO_MANIFEST_DIR) would rebuild half the tree here, and again on
+        // the next build from a shell.
+        for (k, _) in std::env::vars_os() {
+            let k = k.to_string_lossy();
+            if [
+                "CARGO_MANIFEST_",
+                "CARGO_PKG_",
+                "CARGO_CRATE_",
+                "CARGO_BIN_",
+                "CARGO_PRIMARY_",
+            ]
+            .iter()
+            .any(|p| k.starts_with(p))
+                || k == "CARGO_TARGET_TMPDIR"
+            {
+                cargo.env_remove(k.as_ref());
+            }
+        }
         if let Some(target_dir) = dir.parent() {
             cargo.arg("--target-dir").arg(target_dir);
         }
