@@ -40,22 +40,7 @@ pub struct PathFigures {
     pub handshake_from: FigureSource,
 }
 
-/// What one migration of `tokens` is predicted to cost and save.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Prediction {
-    pub tokens: u64,
-    pub bytes: u64,
-    pub handshake_s: f64,
-    pub transfer_s: f64,
-    pub dispatch_overhead_s: f64,
-    /// handshake + transfer + dispatch overhead.
-    pub migrate_s: f64,
-    /// tokens / prefill rate.
-    pub recompute_s: f64,
-    pub prefill_tok_per_s: f64,
-    /// recompute − migrate: positive means migrating is faster.
-    pub net_benefit_s: f64,
-}
+pub use kvscope_wire::directive::Prediction;
 
 /// Predict one migration; `None` when the path lacks a bandwidth or handshake figure.
 pub fn predict(

@@ -3,56 +3,14 @@
 //! from the verdict), rate-limited, with outcomes tracked. Selection, keys, the rate
 //! limiter and the ledger are pure; sending is in [`crate::sink`].
 
-use crate::cost::{self, NixlFigures, Prediction};
+use crate::cost::{self, NixlFigures};
 use crate::policy::{DirectiveStats, PolicyConfig};
 use kvscope_collector::verdict::SpillVerdict;
 use kvscope_collector::window::WindowSummary;
-use kvscope_wire::WorkerKey;
 use serde::{Deserialize, Serialize};
 use std::collections::{HashMap, VecDeque};
 
-/// The blocks to migrate: positions `first .. first + count` of the request's block chain
-/// (the part the source holds and the target does not).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct BlockRange {
-    pub first: u32,
-    pub count: u32,
-    pub block_size: u32,
-}
-
-/// One migration to perform: the source (holding the KV) serves as producer, the target
-/// pulls.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct MigrationDirective {
-    /// Stable for the same spill: a receiver that sees it twice performs it once.
-    pub idempotency_key: String,
-    pub request_id: String,
-    /// The session (conversation) when known; the collector's verdicts do not carry it yet.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub session_id: Option<String>,
-    pub source: WorkerKey,
-    pub target: WorkerKey,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub source_nixl_agent: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub target_nixl_agent: Option<String>,
-    pub blocks: BlockRange,
-    /// The Dynamo sequence hashes of the blocks in `blocks`, in chain order (the
-    /// verdict's `delta_block_hashes`): what the target will hold afterwards.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub block_hashes: Vec<u64>,
-    /// The sequence hash of the block they extend (position `blocks.first − 1`, which the
-    /// target already holds); none when `blocks.first` is 0.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub parent_block_hash: Option<u64>,
-    /// The true delta, tokens.
-    pub tokens: u64,
-    /// When the router decided (UNIX ns, the agent's clock).
-    pub decided_ns: u64,
-    /// When the actuator issued the directive (UNIX ns).
-    pub issued_ns: u64,
-    pub predicted: Prediction,
-}
+pub use kvscope_wire::directive::{BlockRange, MigrationDirective};
 
 /// The idempotency key of the directive for `v`: xxh3 over the request, the decision
 /// time, the pair and the block range.
@@ -350,6 +308,7 @@ impl TokenBucket {
 mod tests {
     use super::*;
     use kvscope_collector::nixl::{MergedLatency, NixlPair};
+    use kvscope_wire::WorkerKey;
     use std::collections::BTreeMap;
 
     const S: u64 = 1_000_000_000;

@@ -61,6 +61,15 @@ where
     }
 }
 
+/// Stops its processes when dropped, also when an assertion fails mid-test.
+struct StopOnDrop(Vec<ManagedProcess>);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        stop_all(&mut self.0, Duration::from_secs(5));
+    }
+}
+
 fn read_audit(path: &Path) -> Vec<AuditEntry> {
     std::fs::read_to_string(path)
         .unwrap_or_default()
@@ -214,7 +223,7 @@ max_age_secs = 10.0
         .env_remove("KVSCOPE_ACTUATOR_API_TOKEN");
     let actuator = ManagedProcess::spawn("actuator", cmd, &run_dir.join("actuator.log"))
         .expect("the actuator starts");
-    let mut actuator = [actuator];
+    let mut actuator = StopOnDrop(vec![actuator]);
     let status_url = format!("http://127.0.0.1:{api_port}/api/status");
 
     let wl = WorkloadConfig {
@@ -388,7 +397,7 @@ max_age_secs = 10.0
     assert!(got.iter().all(|p| p.transfers_failed == 0));
 
     // The audit log explains both flips.
-    stop_all(&mut actuator, Duration::from_secs(5));
+    stop_all(&mut actuator.0, Duration::from_secs(5));
     let audit = read_audit(&audit_path);
     let flips: Vec<_> = audit
         .iter()

@@ -7,12 +7,11 @@
 //! holds them on worker 101 — blocks its engine never computed. Needs the NIXL wheel
 //! (`scripts/setup`); no root (no eBPF here).
 
-use kvscope_actuator::cost::Prediction;
-use kvscope_actuator::directive::{BlockRange, MigrationDirective};
 use kvscope_lab::nats::NatsServer;
 use kvscope_lab::process::{stop_all, ManagedProcess};
 use kvscope_nixl_lab::serve::process::ServeProcess;
 use kvscope_nixl_lab::serve::{ServeStatus, ServeWorker};
+use kvscope_wire::directive::{BlockRange, MigrationDirective, Prediction};
 use kvscope_wire::hashing::{local_block_hashes, DYNAMO_HASH_SEED};
 use kvscope_wire::vllm_events::{encode_payload, frames};
 use kvscope_wire::{sequence_hashes, KvEvent, WorkerKey};

@@ -6,10 +6,9 @@
 
 use std::time::{Duration, Instant};
 
-use kvscope_actuator::cost::Prediction;
-use kvscope_actuator::directive::{BlockRange, MigrationDirective};
 use kvscope_nixl_lab::serve::process::ServeProcess;
 use kvscope_nixl_lab::serve::{MigrationOutcome, ServeStatus, ServeWorker};
+use kvscope_wire::directive::{BlockRange, MigrationDirective, Prediction};
 use kvscope_wire::hashing::{local_block_hashes, DYNAMO_HASH_SEED};
 use kvscope_wire::vllm_events::{decode_payload, encode_payload, frames, split_frames};
 use kvscope_wire::{sequence_hashes, KvEvent, WorkerKey};

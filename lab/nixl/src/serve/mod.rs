@@ -33,9 +33,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use kvscope_actuator::api::{authorized, unauthorized};
-use kvscope_actuator::directive::MigrationDirective;
-use kvscope_actuator::sink::IDEMPOTENCY_HEADER;
+use kvscope_wire::directive::{bearer_matches, MigrationDirective, IDEMPOTENCY_HEADER};
 use kvscope_wire::vllm_events::{decode_payload, encode_payload, frames, split_frames};
 use kvscope_wire::{KvEvent, WorkerKey};
 use serde::{Deserialize, Serialize};
@@ -233,6 +231,24 @@ struct Shared {
 }
 
 type AppState = Arc<Shared>;
+
+fn authorized(headers: &HeaderMap, token: &str) -> bool {
+    bearer_matches(
+        headers
+            .get(axum::http::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok()),
+        token,
+    )
+}
+
+fn unauthorized() -> Response {
+    (
+        StatusCode::UNAUTHORIZED,
+        [(axum::http::header::WWW_AUTHENTICATE, "Bearer")],
+        "a valid bearer token is required\n",
+    )
+        .into_response()
+}
 
 /// Start the fleet, the KV taps and publishers, and the HTTP API; print the ready line;
 /// serve until `stop` turns true, then shut the agents down.
