@@ -169,6 +169,8 @@ async fn directives_migrate_blocks_over_nixl_and_the_target_publishes_them() {
         let st = status(&http, &url).await;
         if st.workers[0].book_blocks == 4 && st.workers[1].book_blocks == 1 {
             assert_eq!(st.workers[0].book_faults.unknown_parent, 0);
+            assert_eq!(st.workers[0].engine_events_skipped, 0);
+            assert_eq!(st.workers[0].engine_messages_undecodable, 0);
             break;
         }
         assert!(

@@ -176,6 +176,8 @@ pub struct WorkerStatus {
     pub book_events: u64,
     pub book_faults: BookFaultsView,
     pub engine_messages_undecodable: u64,
+    /// Events of an unknown type or with bad fields in otherwise good messages (skipped).
+    pub engine_events_skipped: u64,
     pub published_batches: u64,
 }
 
@@ -210,6 +212,7 @@ struct WorkerState {
     fill_blocks: u32,
     book: Mutex<BlockBook>,
     undecodable: std::sync::atomic::AtomicU64,
+    skipped: std::sync::atomic::AtomicU64,
     published: std::sync::atomic::AtomicU64,
     publish: mpsc::UnboundedSender<Vec<KvEvent>>,
 }
@@ -306,6 +309,7 @@ pub async fn serve(cfg: ServeConfig, mut stop: watch::Receiver<bool>) -> anyhow:
             fill_blocks: cfg.blocks / 2,
             book: Mutex::new(BlockBook::new()),
             undecodable: Default::default(),
+            skipped: Default::default(),
             published: Default::default(),
             publish: tx,
         });
@@ -435,6 +439,11 @@ async fn follow_engine(shared: AppState, i: usize, mut stop: watch::Receiver<boo
                 .and_then(|(_, payload)| decode_payload(payload).map_err(|e| e.to_string()));
             match decoded {
                 Ok(p) => {
+                    if !p.problems.is_empty() {
+                        w.skipped
+                            .fetch_add(p.problems.len() as u64, Ordering::Relaxed);
+                        warn!(worker = %w.cfg.name, skipped = p.problems.len(), problems = ?p.problems, "Engine KV events skipped (counted).");
+                    }
                     let mut book = w.book.lock().unwrap_or_else(|e| e.into_inner());
                     for ev in &p.events {
                         book.apply(ev);
@@ -464,6 +473,7 @@ async fn status(State(s): State<AppState>) -> Json<ServeStatus> {
                 book_events: book.events,
                 book_faults: book.faults.into(),
                 engine_messages_undecodable: w.undecodable.load(Ordering::Relaxed),
+                engine_events_skipped: w.skipped.load(Ordering::Relaxed),
                 published_batches: w.published.load(Ordering::Relaxed),
             }
         })
