@@ -44,22 +44,15 @@ pub fn router(actuator: Arc<Mutex<Actuator>>, token: String) -> Router {
         })
 }
 
+/// Whether `headers` carry `Authorization: Bearer <token>` (compared in constant time);
+/// an empty `token` refuses everything.
 fn authorized(headers: &HeaderMap, token: &str) -> bool {
-    let Some(given) = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-    else {
-        return false;
-    };
-    !token.is_empty() && constant_time_eq(given.trim().as_bytes(), token.as_bytes())
-}
-
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    kvscope_wire::directive::bearer_matches(
+        headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok()),
+        token,
+    )
 }
 
 fn unauthorized() -> Response {

@@ -504,11 +504,10 @@ impl ActuatorConfig {
 
 /// Read a token file: its first line, trimmed.
 pub fn read_token(path: &Path) -> Result<String, ConfigError> {
-    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::TokenFile {
+    kvscope_wire::directive::read_token(path).map_err(|source| ConfigError::TokenFile {
         path: path.into(),
         source,
-    })?;
-    Ok(text.lines().next().unwrap_or("").trim().to_string())
+    })
 }
 
 #[cfg(test)]

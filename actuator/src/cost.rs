@@ -40,22 +40,7 @@ pub struct PathFigures {
     pub handshake_from: FigureSource,
 }
 
-/// What one migration of `tokens` is predicted to cost and save.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Prediction {
-    pub tokens: u64,
-    pub bytes: u64,
-    pub handshake_s: f64,
-    pub transfer_s: f64,
-    pub dispatch_overhead_s: f64,
-    /// handshake + transfer + dispatch overhead.
-    pub migrate_s: f64,
-    /// tokens / prefill rate.
-    pub recompute_s: f64,
-    pub prefill_tok_per_s: f64,
-    /// recompute − migrate: positive means migrating is faster.
-    pub net_benefit_s: f64,
-}
+pub use kvscope_wire::directive::Prediction;
 
 /// Predict one migration; `None` when the path lacks a bandwidth or handshake figure.
 pub fn predict(
@@ -191,7 +176,9 @@ impl<'a> NixlFigures<'a> {
     }
 
     /// Handshakes over the pairs that matter: between mapped agents when there is a
-    /// mapping, else every pair.
+    /// mapping, else every pair. A mapped agent's handshakes whose peer the probes could
+    /// not name (a `loadRemoteMD` of metadata that did not parse: empty remote) count
+    /// too — that is how a broken producer handshake looks from the loading side.
     pub fn handshakes(&self) -> HandshakeCounts {
         let agents: Vec<&str> = self.mapping.iter().map(|m| m.nixl_agent.as_str()).collect();
         self.pairs
@@ -199,7 +186,7 @@ impl<'a> NixlFigures<'a> {
             .filter(|p| {
                 agents.is_empty()
                     || (agents.contains(&p.local_agent.as_str())
-                        && agents.contains(&p.remote_agent.as_str()))
+                        && (p.remote_agent.is_empty() || agents.contains(&p.remote_agent.as_str())))
             })
             .fold(HandshakeCounts::default(), |c, p| HandshakeCounts {
                 ok: c.ok + p.handshakes_ok,
@@ -287,6 +274,17 @@ mod tests {
         let pairs = [
             pair("a", "b", 4e9, 2_000_000),
             pair("c", "d", 1e9, 40_000_000),
+            // Failed loads of unparsable metadata: the probes know the loader only.
+            NixlPair {
+                local_agent: "a".into(),
+                handshakes_failed: 3,
+                ..NixlPair::default()
+            },
+            NixlPair {
+                local_agent: "c".into(),
+                handshakes_failed: 7,
+                ..NixlPair::default()
+            },
         ];
         let mapping: Vec<WorkerAgent> = vec!["1=b".parse().unwrap(), "2=a".parse().unwrap()];
         let f = NixlFigures::new(&pairs, &mapping, 0.9);
@@ -308,8 +306,8 @@ mod tests {
         assert!((bw - 2.5e9).abs() < 1.0, "{bw}");
         assert_eq!(
             f.handshakes(),
-            HandshakeCounts { ok: 4, failed: 1 },
-            "only the pair between mapped agents"
+            HandshakeCounts { ok: 4, failed: 4 },
+            "the pair between mapped agents, and a mapped agent's loads of unnamed peers"
         );
         let none = NixlFigures::new(&[], &[], 0.9).path(&w(1), &w(2));
         assert_eq!(none.handshake_from, FigureSource::Missing);

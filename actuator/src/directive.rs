@@ -3,48 +3,14 @@
 //! from the verdict), rate-limited, with outcomes tracked. Selection, keys, the rate
 //! limiter and the ledger are pure; sending is in [`crate::sink`].
 
-use crate::cost::{self, NixlFigures, Prediction};
+use crate::cost::{self, NixlFigures};
 use crate::policy::{DirectiveStats, PolicyConfig};
 use kvscope_collector::verdict::SpillVerdict;
 use kvscope_collector::window::WindowSummary;
-use kvscope_wire::WorkerKey;
 use serde::{Deserialize, Serialize};
 use std::collections::{HashMap, VecDeque};
 
-/// The blocks to migrate: positions `first .. first + count` of the request's block chain
-/// (the part the source holds and the target does not).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct BlockRange {
-    pub first: u32,
-    pub count: u32,
-    pub block_size: u32,
-}
-
-/// One migration to perform: the source (holding the KV) serves as producer, the target
-/// pulls.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct MigrationDirective {
-    /// Stable for the same spill: a receiver that sees it twice performs it once.
-    pub idempotency_key: String,
-    pub request_id: String,
-    /// The session (conversation) when known; the collector's verdicts do not carry it yet.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub session_id: Option<String>,
-    pub source: WorkerKey,
-    pub target: WorkerKey,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub source_nixl_agent: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub target_nixl_agent: Option<String>,
-    pub blocks: BlockRange,
-    /// The true delta, tokens.
-    pub tokens: u64,
-    /// When the router decided (UNIX ns, the agent's clock).
-    pub decided_ns: u64,
-    /// When the actuator issued the directive (UNIX ns).
-    pub issued_ns: u64,
-    pub predicted: Prediction,
-}
+pub use kvscope_wire::directive::{BlockRange, MigrationDirective};
 
 /// The idempotency key of the directive for `v`: xxh3 over the request, the decision
 /// time, the pair and the block range.
@@ -132,6 +98,8 @@ pub fn select(
                 count: v.best_overlap_blocks - v.chosen_overlap_blocks,
                 block_size: v.block_size,
             },
+            block_hashes: v.delta_block_hashes.clone(),
+            parent_block_hash: v.delta_parent_hash,
             tokens: v.true_delta_tokens,
             decided_ns: v.decided_ns,
             issued_ns: now_ns,
@@ -340,6 +308,7 @@ impl TokenBucket {
 mod tests {
     use super::*;
     use kvscope_collector::nixl::{MergedLatency, NixlPair};
+    use kvscope_wire::WorkerKey;
     use std::collections::BTreeMap;
 
     const S: u64 = 1_000_000_000;
@@ -368,6 +337,8 @@ mod tests {
             uncached_prefill_tokens: 100,
             overlaps: BTreeMap::new(),
             available_ns: None,
+            delta_block_hashes: Vec::new(),
+            delta_parent_hash: None,
         }
     }
 
@@ -418,9 +389,13 @@ mod tests {
         let now = 100 * S;
         let mut ledger = DirectiveLedger::new(10);
         let verdicts = vec![
-            verdict("new-big", now - S, 10, 2010),  // 32000 tokens: yes
-            verdict("small", now - S, 10, 20),      // 160 tokens: below the gate
-            verdict("old", now - 60 * S, 0, 2000),  // too old
+            SpillVerdict {
+                delta_block_hashes: vec![11, 12],
+                delta_parent_hash: Some(10),
+                ..verdict("new-big", now - S, 10, 2010) // 32000 tokens: yes
+            },
+            verdict("small", now - S, 10, 20), // 160 tokens: below the gate
+            verdict("old", now - 60 * S, 0, 2000), // too old
             verdict("seen-cursor", 5 * S, 0, 2000), // before the cursor
         ];
         ledger.cursor_ns = 10 * S;
@@ -447,6 +422,11 @@ mod tests {
             }
         );
         assert_eq!(d0.source_nixl_agent.as_deref(), Some("a"));
+        assert_eq!(
+            (d0.block_hashes.as_slice(), d0.parent_block_hash),
+            (&[11, 12][..], Some(10)),
+            "the verdict's delta hashes travel with the directive"
+        );
         assert!(d0.predicted.net_benefit_s > 0.0);
         assert_eq!((skipped.below_min_tokens, skipped.too_old), (1, 1));
         // Issued once, never again.

@@ -272,6 +272,13 @@ pub enum SafetyTrigger {
         window_start_ns: u64,
         spill_lines: u64,
     },
+    /// The same failure seen without the fork's log lines: the receiver accepted the
+    /// actuator's own directives, yet the agents' eBPF probes saw no NIXL handshake
+    /// obtained between the mapped agents since LIVE began.
+    DirectivesWithoutHandshakes {
+        accepted: u64,
+        live_for_s: f64,
+    },
     DispatchFailures {
         window_start_ns: u64,
         failures: u64,
@@ -292,12 +299,13 @@ pub enum SafetyTrigger {
 
 impl SafetyTrigger {
     /// Every kind, as [`Self::kind`] names them (a bounded label set for `/metrics`).
-    pub const KINDS: [&'static str; 8] = [
+    pub const KINDS: [&'static str; 9] = [
         "input_missing",
         "stale",
         "no_agents",
         "agent_lost",
         "silent_failure",
+        "directives_without_handshakes",
         "dispatch_failures",
         "directive_failures",
         "handshake_failures",
@@ -311,6 +319,7 @@ impl SafetyTrigger {
             SafetyTrigger::NoAgents => "no_agents",
             SafetyTrigger::AgentLost { .. } => "agent_lost",
             SafetyTrigger::SilentFailure { .. } => "silent_failure",
+            SafetyTrigger::DirectivesWithoutHandshakes { .. } => "directives_without_handshakes",
             SafetyTrigger::DispatchFailures { .. } => "dispatch_failures",
             SafetyTrigger::DirectiveFailures { .. } => "directive_failures",
             SafetyTrigger::HandshakeFailures { .. } => "handshake_failures",
@@ -345,6 +354,13 @@ impl fmt::Display for SafetyTrigger {
                 f,
                 "silent NIXL failure: {spill_lines} KVMIGRATE_SPILL lines and zero \"producer handshake obtained\" in the window from {}",
                 fmt_utc(*window_start_ns)
+            ),
+            SafetyTrigger::DirectivesWithoutHandshakes {
+                accepted,
+                live_for_s,
+            } => write!(
+                f,
+                "silent NIXL failure: {accepted} migration directives accepted in the last window, yet zero NIXL handshakes obtained between the mapped agents in {live_for_s:.0} s of LIVE"
             ),
             SafetyTrigger::DispatchFailures {
                 window_start_ns,
@@ -514,6 +530,9 @@ pub struct PolicyState {
     pub input: Option<InputHealth>,
     /// (time, cumulative handshakes) samples for the recent handshake ratio.
     pub handshake_samples: VecDeque<(u64, HandshakeCounts)>,
+    /// Cumulative handshakes when LIVE began (for the silent failure without log lines).
+    #[serde(default)]
+    pub handshakes_at_live: Option<HandshakeCounts>,
 }
 
 impl Default for PolicyState {
@@ -527,6 +546,7 @@ impl Default for PolicyState {
             last_exit_ns: None,
             input: None,
             handshake_samples: VecDeque::new(),
+            handshakes_at_live: None,
         }
     }
 }
@@ -760,6 +780,11 @@ impl PolicyEngine {
         self.state.live_since_ns = match (to, from) {
             (Mode::Live, Mode::Live) => self.state.live_since_ns,
             (Mode::Live, _) => Some(now),
+            _ => None,
+        };
+        self.state.handshakes_at_live = match (to, from) {
+            (Mode::Live, Mode::Live) => self.state.handshakes_at_live,
+            (Mode::Live, _) => assessed.figures.as_ref().map(|f| f.nixl.handshakes),
             _ => None,
         };
         self.state.mode = to;
@@ -1019,6 +1044,25 @@ impl PolicyEngine {
                     ok: r.ok,
                     failed: r.failed,
                     min_ratio: cfg.min_handshake_success_ratio,
+                });
+            }
+        }
+        // The silent failure without the fork's lines: directives accepted, no handshake
+        // obtained since LIVE began. Checked once LIVE is older than a window plus the
+        // apply grace, so the agents' reports (every second or so) have caught up.
+        if let (Mode::Live, Some(since), Some(at_live)) = (
+            self.state.mode,
+            self.state.live_since_ns,
+            self.state.handshakes_at_live,
+        ) {
+            let live_for = now.saturating_sub(since);
+            if live_for >= span_ns + secs_ns(cfg.apply_grace_secs)
+                && d.accepted >= cfg.silent_failure_min_spill_lines.max(1)
+                && handshakes.since(&at_live).ok == 0
+            {
+                safety.push(SafetyTrigger::DirectivesWithoutHandshakes {
+                    accepted: d.accepted,
+                    live_for_s: live_for as f64 / 1e9,
                 });
             }
         }

@@ -7,8 +7,7 @@ use crate::directive::{DirectiveOutcome, MigrationDirective};
 use std::time::Duration;
 use tokio::sync::watch;
 
-/// The HTTP header carrying [`MigrationDirective::idempotency_key`].
-pub const IDEMPOTENCY_HEADER: &str = "Idempotency-Key";
+pub use kvscope_wire::directive::IDEMPOTENCY_HEADER;
 
 #[derive(Debug, thiserror::Error)]
 pub enum SinkError {

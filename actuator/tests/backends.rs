@@ -219,6 +219,8 @@ fn directive(request_id: &str) -> MigrationDirective {
             count: 2048,
             block_size: 16,
         },
+        block_hashes: vec![],
+        parent_block_hash: None,
         tokens: 32_768,
         decided_ns: 1,
         issued_ns: 2,

@@ -95,6 +95,8 @@ fn spill(id: &str, decided_ns: u64, delta_blocks: u32) -> SpillVerdict {
         uncached_prefill_tokens: u64::from(delta_blocks) * 16 + 40,
         overlaps: BTreeMap::new(),
         available_ns: None,
+        delta_block_hashes: Vec::new(),
+        delta_parent_hash: None,
     }
 }
 

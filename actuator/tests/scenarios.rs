@@ -307,6 +307,64 @@ fn dispatch_failures_over_budget_drop_to_dry() {
 }
 
 #[test]
+fn accepted_directives_without_any_handshake_drop_to_dry_without_fork_lines() {
+    // A router without the fork's KVMIGRATE lines (Dynamo 1.6.1): the actuator's own
+    // accepted directives stand in for the spill lines.
+    let no_lines = Spec {
+        spill_lines: 0,
+        ..Spec::good()
+    };
+    let eval_with = |e: &mut PolicyEngine, f: &Fleet, accepted: u64| {
+        let v = f.view();
+        e.evaluate(&Observation {
+            now_ns: f.now(),
+            input: Ok(&v),
+            directives: DirectiveStats {
+                sent: accepted,
+                accepted,
+                ..DirectiveStats::default()
+            },
+        })
+    };
+    // Healthy: every window brings new handshakes between the mapped agents.
+    let (mut e, mut f) = live_fleet(PolicyConfig::default());
+    for ok in [14, 18] {
+        f.push(no_lines.clone());
+        f.nixl = vec![nixl_pair("nixl-2", "nixl-1", 20e9, ok, 0)];
+        let ev = eval_with(&mut e, &f, 5);
+        assert_eq!(ev.to, Mode::Live, "{:#?}", ev.reasons);
+    }
+    // Silent: directives accepted, the probes see no handshake since LIVE began.
+    let (mut e, mut f) = live_fleet(PolicyConfig::default());
+    f.push(no_lines.clone());
+    let ev = eval_with(&mut e, &f, 5);
+    assert_eq!(
+        (ev.from, ev.to),
+        (Mode::Live, Mode::Dry),
+        "{:#?}",
+        ev.reasons
+    );
+    assert_eq!(ev.transition, Transition::SafetyDrop);
+    assert!(
+        matches!(
+            ev.safety[..],
+            [SafetyTrigger::DirectivesWithoutHandshakes { accepted: 5, .. }]
+        ),
+        "{:#?}",
+        ev.safety
+    );
+    assert!(
+        ev.reasons[0].starts_with("silent NIXL failure: 5 migration directives accepted"),
+        "{}",
+        ev.reasons[0]
+    );
+    // Too few directives to judge: stays LIVE.
+    let (mut e, mut f) = live_fleet(PolicyConfig::default());
+    f.push(no_lines);
+    assert_eq!(eval_with(&mut e, &f, 2).to, Mode::Live);
+}
+
+#[test]
 fn recent_nixl_handshake_failures_drop_to_dry() {
     let (mut e, mut f) = live_fleet(PolicyConfig::default());
     f.push(Spec::live_ok());

@@ -14,7 +14,8 @@ pub mod config;
 pub mod counters;
 pub mod decision_join;
 pub mod internal_events;
-pub mod kv_events;
+/// The vLLM KV event decoder, shared with the NIXL lab's publisher (in `kvscope-wire`).
+pub use kvscope_wire::vllm_events as kv_events;
 pub mod log_follower;
 pub mod metrics;
 pub mod nixl;

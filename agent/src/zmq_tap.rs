@@ -207,8 +207,19 @@ fn engine_time_ns(record: &Record) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kv_events::tests::{batch, encode};
     use rmpv::Value;
+
+    fn encode(v: &Value) -> Vec<u8> {
+        let mut out = Vec::new();
+        rmpv::encode::write_value(&mut out, v).unwrap();
+        out
+    }
+
+    fn batch(events: Vec<Value>, dp: Option<Value>) -> Value {
+        let mut a = vec![Value::F64(1.5), Value::Array(events)];
+        a.extend(dp);
+        Value::Array(a)
+    }
 
     fn tap(dp: Option<u32>) -> (KvTap, Arc<AgentStats>) {
         let stats = Arc::new(AgentStats::default());

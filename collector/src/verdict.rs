@@ -38,6 +38,15 @@ pub struct SpillVerdict {
     /// its figures never depend on when it runs. `kvscope-bench freshness` reads it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub available_ns: Option<u64>,
+    /// The Dynamo sequence hashes of the true delta's blocks — chain positions
+    /// `chosen_overlap_blocks .. best_overlap_blocks`, in order: what a migration moves.
+    /// Block positions alone do not let the target name what it received.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub delta_block_hashes: Vec<SequenceHash>,
+    /// The sequence hash of the block the delta extends (the chosen worker's last cached
+    /// block of the chain); none when the delta starts the chain.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub delta_parent_hash: Option<SequenceHash>,
 }
 
 impl SpillVerdict {
@@ -100,6 +109,9 @@ impl SpillVerdict {
             uncached_prefill_tokens: decision.isl_tokens.saturating_sub(cached_tokens),
             overlaps,
             available_ns: None,
+            delta_block_hashes: chain[chosen_overlap as usize..best_overlap as usize].to_vec(),
+            delta_parent_hash: (chosen_overlap > 0 && gap > 0)
+                .then(|| chain[chosen_overlap as usize - 1]),
         }
     }
 }
@@ -147,6 +159,10 @@ mod tests {
         assert_eq!(v.upper_bound_tokens, 8);
         assert_eq!(v.true_delta_tokens, 6);
         assert_eq!(v.uncached_prefill_tokens, 9 - 2);
+        // The delta by name: blocks 2..4 of the request's chain, extending block 1.
+        let chain = sequence_hashes(&decision(&toks, 2).local_hashes);
+        assert_eq!(v.delta_block_hashes, chain[1..4].to_vec());
+        assert_eq!(v.delta_parent_hash, Some(chain[0]));
     }
 
     #[test]
@@ -157,6 +173,7 @@ mod tests {
         assert_eq!(v.best, w(1));
         assert_eq!(v.true_delta_tokens, 0);
         assert_eq!(v.uncached_prefill_tokens, 1);
+        assert!(v.delta_block_hashes.is_empty() && v.delta_parent_hash.is_none());
     }
 
     #[test]

@@ -296,6 +296,8 @@ mod tests {
             uncached_prefill_tokens: delta,
             overlaps: BTreeMap::new(),
             available_ns: None,
+            delta_block_hashes: Vec::new(),
+            delta_parent_hash: None,
         };
         let mut open = OpenWindow::new(0, 1_000_000_000, false);
         open.add_verdict(&verdict(2, 1, 16384, true));

@@ -23,8 +23,6 @@ pub struct FleetRunConfig {
     /// Collector window length and warm-up, in seconds.
     pub window_secs: f64,
     pub warmup_secs: f64,
-    /// More arguments for the agent (e.g. `--metrics-listen`, `--nixl-lib`).
-    pub agent_args: Vec<String>,
 }
 
 pub struct FleetRun {
@@ -39,11 +37,24 @@ pub struct FleetRun {
     pub recording: PathBuf,
     /// The agent's own recording of every record it published.
     pub agent_recording: PathBuf,
+    /// More arguments for the agent (from [`Self::start_with`]).
+    agent_extra_args: Vec<String>,
 }
 
 impl FleetRun {
     /// Start the lab, then the collector, then the agent. `exe` is the `kvscope` binary.
     pub async fn start(exe: &Path, cfg: FleetRunConfig) -> anyhow::Result<Self> {
+        Self::start_with(exe, cfg, |_| Ok(Vec::new())).await
+    }
+
+    /// [`Self::start`], giving the agent the extra arguments `agent_args` returns once the
+    /// lab is up (e.g. more `--kv` taps for the lab's worker ids, `--nixl-lib`,
+    /// `--metrics-listen`).
+    pub async fn start_with(
+        exe: &Path,
+        cfg: FleetRunConfig,
+        agent_args: impl FnOnce(&Lab) -> anyhow::Result<Vec<String>>,
+    ) -> anyhow::Result<Self> {
         let lab = Lab::start(cfg.lab.clone())
             .await
             .context("starting the lab")?;
@@ -63,7 +74,10 @@ impl FleetRun {
             lab: Some(lab),
             agent: None,
             collector: None,
+            agent_extra_args: Vec::new(),
         };
+        let extra = agent_args(run.lab())?;
+        run.agent_extra_args = extra;
         run.start_collector()?;
         run.wait_collector_up().await?;
         run.start_agent()?;
@@ -89,7 +103,8 @@ impl FleetRun {
         &self.nats_url
     }
 
-    fn run_dir(&self) -> PathBuf {
+    /// The lab run's folder (logs, recordings).
+    pub fn run_dir(&self) -> PathBuf {
         self.lab().run_dir().to_path_buf()
     }
 
@@ -131,12 +146,12 @@ impl FleetRun {
             .arg("--from-start")
             .arg("--record")
             .arg(&self.agent_recording)
-            .args(&self.cfg.agent_args)
             .env("RUST_LOG", "info");
         for w in lab.workers() {
             cmd.arg("--kv")
                 .arg(format!("{}={}", w.kv_events_endpoint, w.worker_id));
         }
+        cmd.args(&self.agent_extra_args);
         let log = self.run_dir().join("agent.log");
         self.agent = Some(ManagedProcess::spawn("agent", cmd, &log)?);
         Ok(())
@@ -208,7 +223,8 @@ impl FleetRun {
         self.get_json("/api/report").await
     }
 
-    async fn get_json<T: serde::de::DeserializeOwned>(&self, path: &str) -> anyhow::Result<T> {
+    /// GET a JSON document from the collector's API.
+    pub async fn get_json<T: serde::de::DeserializeOwned>(&self, path: &str) -> anyhow::Result<T> {
         Ok(reqwest::get(format!("{}{path}", self.api()))
             .await?
             .error_for_status()?

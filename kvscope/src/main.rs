@@ -125,7 +125,6 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
             lab,
             window_secs: args.window_secs,
             warmup_secs: args.warmup_secs,
-            agent_args: Vec::new(),
         },
     )
     .await?;

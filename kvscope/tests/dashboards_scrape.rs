@@ -130,19 +130,21 @@ async fn every_dashboard_panel_has_data_from_a_real_prometheus() {
     let ports = kvscope_lab::ports::pick_ports(2).unwrap();
     let agent_addr = format!("127.0.0.1:{}", ports[0]);
     let actuator_addr = format!("127.0.0.1:{}", ports[1]);
-    let run = FleetRun::start(
+    let run = FleetRun::start_with(
         exe,
         FleetRunConfig {
             lab,
             window_secs: 2.0,
             warmup_secs: 2.0,
-            agent_args: vec![
+        },
+        |_| {
+            Ok(vec![
                 "--metrics-listen".into(),
                 agent_addr.clone(),
                 "--nixl-lib".into(),
                 libs.libnixl.display().to_string(),
                 "--no-nixl-discover".into(),
-            ],
+            ])
         },
     )
     .await

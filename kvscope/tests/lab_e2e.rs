@@ -44,7 +44,6 @@ async fn lab_fleet_end_to_end_with_a_collector_crash() {
             lab,
             window_secs: WINDOW_SECS,
             warmup_secs: WINDOW_SECS,
-            agent_args: Vec::new(),
         },
     )
     .await

@@ -4,12 +4,14 @@
 //! recording holds, is an [`Envelope`] around one [`Record`]. Keeping these types in one
 //! small crate means the two sides can never disagree about a field.
 
+pub mod directive;
 pub mod hashing;
 pub mod nixl;
 pub mod prom;
 pub mod record;
 pub mod recording;
 pub mod subject;
+pub mod vllm_events;
 
 pub use hashing::{local_block_hash, sequence_hashes, LocalBlockHash, SequenceHash};
 pub use record::worker_map;

@@ -11,6 +11,9 @@
 //!   `mixed` scenario by default) with in-process agents or one process per agent, and
 //!   returns the [`truth::Truth`].
 //! - [`bench::bench`]: a transfer loop for measuring probe overhead.
+//! - [`serve::serve`]: the workers as a long-running data plane for the actuator's
+//!   migration directives (HTTP), following their engines' KV events and publishing
+//!   the blocks migrated to them as vLLM-format KV events.
 //! - [`worker`]: one agent and its pool; [`protocol`]: the commands it takes.
 //! - [`status`]: NIXL status codes at the Rust, C API and `nixlAgent` layers.
 
@@ -20,6 +23,7 @@ pub mod link;
 pub mod plan;
 pub mod protocol;
 pub mod run;
+pub mod serve;
 pub mod setup;
 pub mod status;
 pub mod truth;
@@ -59,6 +63,25 @@ pub fn lab_binary() -> std::path::PathBuf {
         cargo
             .args(["build", "-q", "-p", "kvscope-nixl-lab"])
             .current_dir(kvscope_lab::paths::workspace_dir());
+        // Not the variables cargo set for this test: build scripts that watch one (ring
+        // watches CARGO_MANIFEST_DIR) would rebuild half the tree here, and again on
+        // the next build from a shell.
+        for (k, _) in std::env::vars_os() {
+            let k = k.to_string_lossy();
+            if [
+                "CARGO_MANIFEST_",
+                "CARGO_PKG_",
+                "CARGO_CRATE_",
+                "CARGO_BIN_",
+                "CARGO_PRIMARY_",
+            ]
+            .iter()
+            .any(|p| k.starts_with(p))
+                || k == "CARGO_TARGET_TMPDIR"
+            {
+                cargo.env_remove(k.as_ref());
+            }
+        }
         if let Some(target_dir) = dir.parent() {
             cargo.arg("--target-dir").arg(target_dir);
         }

@@ -88,6 +88,10 @@ enum Cmd {
     /// Transfer loop: N transfers of S bytes between two in-process agents; prints JSON
     /// with transfers/s, bytes/s and ns per transfer.
     Bench(BenchArgs),
+    /// Serve migration directives: the workers as a long-running NIXL data plane
+    /// (HTTP on 127.0.0.1, bearer token), each following its engine's KV events and
+    /// publishing the blocks migrated to it. Prints one JSON line once up.
+    Serve(ServeArgs),
     /// (internal) One agent, driven over stdin/stdout by `run --processes`.
     #[command(hide = true)]
     Worker(WorkerArgs),
@@ -203,6 +207,33 @@ struct BenchArgs {
 }
 
 #[derive(Args)]
+struct ServeArgs {
+    #[command(flatten)]
+    lab: LabDir,
+    /// A worker: `name=decode-0,worker_id=7[,dp_rank=0][,engine=tcp://127.0.0.1:5557]
+    /// [,kv=tcp://127.0.0.1:0]` — the NIXL agent name, the engine (router worker id) it
+    /// stands for, the engine's ZMQ KV event publisher to follow, and where to publish
+    /// its own KV events. At least two.
+    #[arg(long = "worker", required = true)]
+    workers: Vec<kvscope_nixl_lab::serve::ServeWorker>,
+    /// Address of the directive endpoint.
+    #[arg(long, default_value = "127.0.0.1:9470")]
+    listen: std::net::SocketAddr,
+    /// File whose first line is the bearer token (else $KVSCOPE_NIXL_LAB_TOKEN; ≥ 16 chars).
+    #[arg(long)]
+    token_file: Option<PathBuf>,
+    /// Blocks per worker pool (half source blocks, half landing blocks).
+    #[arg(long, default_value_t = 256)]
+    blocks: u32,
+    /// Bytes per KV block.
+    #[arg(long, default_value_t = 4096)]
+    block_size: u32,
+    /// Exit after this many seconds (the lab stays bounded).
+    #[arg(long, default_value_t = 3600)]
+    deadline_secs: u64,
+}
+
+#[derive(Args)]
 struct WorkerArgs {
     #[arg(long)]
     name: String,
@@ -253,6 +284,7 @@ fn main() -> Result<()> {
         Cmd::Env { lab } => print!("{}", NixlLibs::locate(&lab.path())?.shell_exports()),
         Cmd::Run(args) => run_cmd(*args)?,
         Cmd::Bench(args) => bench_cmd(args)?,
+        Cmd::Serve(args) => serve_cmd(args)?,
         Cmd::Worker(w) => {
             let spec = WorkerSpec {
                 name: w.name,
@@ -449,6 +481,40 @@ fn bench_cmd(args: BenchArgs) -> Result<()> {
         bail!("{} transfers failed", report.failures);
     }
     Ok(())
+}
+
+fn serve_cmd(args: ServeArgs) -> Result<()> {
+    let libs = find_libs(&args.lab, None)?;
+    ensure_env(&libs)?;
+    watchdog(args.deadline_secs);
+    let token = match &args.token_file {
+        Some(p) => kvscope_wire::directive::read_token(p)
+            .with_context(|| format!("reading the token file {}", p.display()))?,
+        None => std::env::var("KVSCOPE_NIXL_LAB_TOKEN").unwrap_or_default(),
+    };
+    let cfg = kvscope_nixl_lab::serve::ServeConfig {
+        workers: args.workers,
+        listen: args.listen,
+        token,
+        blocks: args.blocks,
+        block_size: args.block_size,
+        listener_delay_us: 1000,
+        progress_delay_us: 100,
+    };
+    let rt = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
+    rt.block_on(async move {
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        tokio::spawn(async move {
+            let mut term =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending().await } } => {}
+            }
+            let _ = stop_tx.send(true);
+        });
+        kvscope_nixl_lab::serve::serve(cfg, stop_rx).await
+    })
 }
 
 #[cfg(test)]

@@ -1,4 +1,5 @@
-//! Decoder for vLLM's KV event wire format (pure: bytes in, events and problems out).
+//! vLLM's KV event wire format (pure: bytes in, events and problems out; and the encoder
+//! the NIXL lab's workers publish with). The agent taps publishers with the decoder.
 //!
 //! A ZMQ message is the multipart `[topic, seq (u64 big-endian), payload]`; the payload
 //! is msgpack `[ts: f64, [event…], dp_rank]` (`dp_rank` may be nil or missing; a map
@@ -17,7 +18,7 @@
 //! An event of an unknown type or with bad fields is reported as an [`EventProblem`]
 //! and skipped; the rest of the batch is kept. Nothing here panics on any input.
 
-use kvscope_wire::KvEvent;
+use crate::KvEvent;
 use rmpv::Value;
 
 /// Deepest msgpack nesting accepted. A batch nests about six levels (extra_keys hold
@@ -285,21 +286,87 @@ fn type_name(v: &Value) -> &'static str {
     }
 }
 
+/// Encode a batch the way vLLM (since PR #42892) and Dynamo's mocker publish it: the
+/// payload `[ts, [event…], dp_rank]` with every event a map with a `type` key, block
+/// hashes as msgpack uint64. [`decode_payload`] reads it back unchanged.
+pub fn encode_payload(engine_ts: f64, events: &[KvEvent], dp_rank: u32) -> Vec<u8> {
+    fn hashes(xs: &[u64]) -> Value {
+        Value::Array(xs.iter().map(|&x| Value::from(x)).collect())
+    }
+    fn map(kv: Vec<(&str, Value)>) -> Value {
+        Value::Map(kv.into_iter().map(|(k, v)| (Value::from(k), v)).collect())
+    }
+    fn opt_str(x: Option<&str>) -> Value {
+        x.map_or(Value::Nil, Value::from)
+    }
+    let events = events
+        .iter()
+        .map(|e| match e {
+            KvEvent::BlockStored {
+                block_hashes,
+                parent_block_hash,
+                token_ids,
+                block_size,
+                lora_name,
+                medium,
+            } => map(vec![
+                ("type", Value::from("BlockStored")),
+                ("block_hashes", hashes(block_hashes)),
+                (
+                    "parent_block_hash",
+                    parent_block_hash.map_or(Value::Nil, Value::from),
+                ),
+                (
+                    "token_ids",
+                    Value::Array(token_ids.iter().map(|&t| Value::from(t)).collect()),
+                ),
+                ("block_size", Value::from(*block_size)),
+                ("lora_id", Value::Nil),
+                ("medium", opt_str(medium.as_deref())),
+                ("lora_name", opt_str(lora_name.as_deref())),
+            ]),
+            KvEvent::BlockRemoved {
+                block_hashes,
+                medium,
+            } => map(vec![
+                ("type", Value::from("BlockRemoved")),
+                ("block_hashes", hashes(block_hashes)),
+                ("medium", opt_str(medium.as_deref())),
+            ]),
+            KvEvent::AllBlocksCleared => map(vec![("type", Value::from("AllBlocksCleared"))]),
+        })
+        .collect();
+    let batch = Value::Array(vec![
+        Value::F64(engine_ts),
+        Value::Array(events),
+        Value::from(dp_rank),
+    ]);
+    let mut out = Vec::new();
+    // Writing into a Vec cannot fail.
+    let _ = rmpv::encode::write_value(&mut out, &batch);
+    out
+}
+
+/// The multipart message of one batch: `[topic, seq (u64 big-endian), payload]`.
+pub fn frames(topic: &[u8], seq: u64, payload: Vec<u8>) -> [Vec<u8>; 3] {
+    [topic.to_vec(), seq.to_be_bytes().to_vec(), payload]
+}
+
 #[cfg(test)]
-pub(crate) mod tests {
+mod tests {
     use super::*;
 
-    pub(crate) fn s(x: &str) -> Value {
+    fn s(x: &str) -> Value {
         Value::from(x)
     }
 
-    pub(crate) fn encode(v: &Value) -> Vec<u8> {
+    fn encode(v: &Value) -> Vec<u8> {
         let mut out = Vec::new();
         rmpv::encode::write_value(&mut out, v).unwrap();
         out
     }
 
-    pub(crate) fn batch(events: Vec<Value>, dp: Option<Value>) -> Value {
+    fn batch(events: Vec<Value>, dp: Option<Value>) -> Value {
         let mut a = vec![Value::F64(1.5), Value::Array(events)];
         if let Some(dp) = dp {
             a.push(dp);
@@ -324,6 +391,33 @@ pub(crate) mod tests {
             lora_name: None,
             medium: None,
         }
+    }
+
+    #[test]
+    fn the_encoder_round_trips_every_event_type() {
+        let events = vec![
+            KvEvent::BlockStored {
+                block_hashes: vec![u64::MAX, 2],
+                parent_block_hash: Some(7),
+                token_ids: vec![1, 2, 3, 4],
+                block_size: 2,
+                lora_name: None,
+                medium: Some("GPU".into()),
+            },
+            stored(vec![3], None, vec![5, 6], 2),
+            KvEvent::BlockRemoved {
+                block_hashes: vec![2],
+                medium: None,
+            },
+            KvEvent::AllBlocksCleared,
+        ];
+        let bytes = encode_payload(12.5, &events, 3);
+        let p = decode_payload(&bytes).unwrap();
+        assert_eq!((p.engine_ts, p.dp_rank), (12.5, Some(3)));
+        assert!(p.problems.is_empty(), "{:?}", p.problems);
+        assert_eq!(p.events, events);
+        let f = frames(b"", 9, bytes.clone());
+        assert_eq!(split_frames(&f).unwrap(), (9, bytes.as_slice()));
     }
 
     #[test]
@@ -687,7 +781,7 @@ pub(crate) mod tests {
         }
     }
 
-    pub(crate) fn hex(h: &str) -> Vec<u8> {
+    fn hex(h: &str) -> Vec<u8> {
         (0..h.len() / 2)
             .map(|i| u8::from_str_radix(&h[2 * i..2 * i + 2], 16).unwrap())
             .collect()

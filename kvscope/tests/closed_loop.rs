@@ -1,0 +1,485 @@
+//! The closed loop on the lab, every part real: Dynamo 1.6.1's KV router and 3 mocker
+//! workers spill under a chat workload; `kvscope agent` taps the mockers' KV events and
+//! the router's log, and traces NIXL with eBPF; `kvscope collector` measures spills;
+//! `kvscope-nixl-lab serve` runs one real NIXL 1.5.1 agent per mocker (the data plane:
+//! it follows its mocker's KV events, takes directives, publishes the blocks migrated to
+//! it as vLLM KV events the agent taps as the target worker); `kvscope actuator` reads
+//! the collector, flips DRY → LIVE (file backend) and sends directives to the lab.
+//!
+//! Asserts: with the (test-tuned) thresholds met the actuator goes LIVE and issues
+//! migrations the lab performs over NIXL; the agent's eBPF counts exactly the READs the
+//! lab made (start-up probes + migrations) and the handshakes; the collector applied
+//! the migrated blocks to the targets' mirrors; then injected handshake failures drive
+//! the actuator back to DRY, and the audit log explains both flips. Needs root (eBPF)
+//! and the lab (`scripts/setup`); fails saying so otherwise.
+
+use kvscope::fleet_run::{FleetRun, FleetRunConfig};
+use kvscope_actuator::audit::AuditEntry;
+use kvscope_actuator::audit::AuditEvent;
+use kvscope_actuator::mode::Mode;
+use kvscope_actuator::policy::{SafetyTrigger, Transition};
+use kvscope_collector::nixl::NixlPair;
+use kvscope_lab::process::{stop_all, ManagedProcess};
+use kvscope_lab::workload::{self, WorkloadConfig};
+use kvscope_lab::LabConfig;
+use kvscope_nixl_lab::serve::process::ServeProcess;
+use kvscope_nixl_lab::serve::{ServeStatus, ServeWorker};
+use kvscope_wire::recording::read_recording;
+use kvscope_wire::{KvEvent, Record, WorkerKey};
+use serde_json::Value;
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+const WINDOW_SECS: f64 = 4.0;
+const TOKEN: &str = "closed-loop-test-token-0123456789";
+
+async fn get_json<T: serde::de::DeserializeOwned>(url: &str) -> anyhow::Result<T> {
+    Ok(reqwest::get(url).await?.error_for_status()?.json().await?)
+}
+
+/// Poll `probe` every 250 ms until it returns Some, for at most `limit`; on time-out
+/// fail with `what` and the last state `show` gives.
+async fn wait_for<T, F, Fut>(what: &str, limit: Duration, mut probe: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, String>>,
+{
+    let deadline = Instant::now() + limit;
+    loop {
+        match probe().await {
+            Ok(v) => return v,
+            Err(last) => {
+                assert!(
+                    Instant::now() < deadline,
+                    "waited {limit:?} for {what}; last: {last}"
+                );
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+/// Stops its processes when dropped, also when an assertion fails mid-test.
+struct StopOnDrop(Vec<ManagedProcess>);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        stop_all(&mut self.0, Duration::from_secs(5));
+    }
+}
+
+fn read_audit(path: &Path) -> Vec<AuditEntry> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("audit line {l}: {e}")))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spills_go_live_migrate_over_nixl_and_handshake_failures_drop_to_dry() {
+    let lab_dir = kvscope_lab::paths::default_lab_dir();
+    kvscope_lab::setup::ensure_venv(&lab_dir).expect("the lab venv (scripts/setup makes it)");
+    let libs = kvscope_nixl_lab::NixlLibs::locate(&lab_dir).unwrap_or_else(|e| panic!("{e}"));
+    let exe = Path::new(env!("CARGO_BIN_EXE_kvscope"));
+    let lab = LabConfig {
+        workers: 3,
+        // A softmax temperature makes the router spill in every window even on a busy
+        // machine (0.2 left a window without a spill here once).
+        frontend_args: vec!["--router-temperature".into(), "0.5".into()],
+        // Room enough that a source rarely evicts a spill's blocks before its directive.
+        num_gpu_blocks: 2048,
+        ..LabConfig::default()
+    };
+    // The data plane's KV publishers get fixed ports, so the agent can tap them from the
+    // start (it retries until they bind).
+    let kv_ports = kvscope_lab::ports::pick_ports(3).unwrap();
+    let libnixl = libs.libnixl.display().to_string();
+    let mut run = FleetRun::start_with(
+        exe,
+        FleetRunConfig {
+            lab,
+            window_secs: WINDOW_SECS,
+            warmup_secs: WINDOW_SECS,
+        },
+        |lab| {
+            let mut args = vec!["--nixl-lib".to_string(), libnixl.clone()];
+            for (w, port) in lab.workers().iter().zip(&kv_ports) {
+                args.push("--kv".into());
+                args.push(format!("tcp://127.0.0.1:{port}={}", w.worker_id));
+            }
+            Ok(args)
+        },
+    )
+    .await
+    .expect("lab, agent (with eBPF) and collector start");
+    let run_dir = run.run_dir();
+    let mockers: Vec<(u64, String)> = run
+        .lab()
+        .workers()
+        .iter()
+        .map(|w| (w.worker_id, w.kv_events_endpoint.clone()))
+        .collect();
+
+    // The NIXL data plane, one agent per mocker, started after the agent so its probes
+    // see the start-up handshakes and probe READs.
+    // Agent names unique to this run: the probes see every process using the wheel's
+    // libnixl.so, other NIXL labs on this machine included, and those name their agents
+    // decode-0, decode-1, ….
+    let prefix = format!("loop{}-", std::process::id());
+    let agent_name = |i: usize| format!("{prefix}decode-{i}");
+    let serve_workers: Vec<ServeWorker> = mockers
+        .iter()
+        .enumerate()
+        .map(|(i, (id, ep))| ServeWorker {
+            name: agent_name(i),
+            worker: WorkerKey {
+                worker_id: *id,
+                dp_rank: 0,
+            },
+            engine: Some(ep.clone()),
+            kv_bind: format!("tcp://127.0.0.1:{}", kv_ports[i]),
+        })
+        .collect();
+    let serve = ServeProcess::start(
+        &kvscope_nixl_lab::lab_binary(),
+        &serve_workers,
+        TOKEN,
+        &run_dir.join("nixl-serve.log"),
+        &[],
+        Duration::from_secs(90),
+    )
+    .unwrap_or_else(|e| panic!("{e:#}"));
+    let serve_url = serve.url();
+
+    // The actuator, tuned so that the small lab qualifies within seconds: any spill of a
+    // block or more is worth migrating (recompute priced at 50 tok/s), 4 windows of 4 s.
+    let token_file = run_dir.join("token");
+    std::fs::write(&token_file, TOKEN).unwrap();
+    let audit_path = run_dir.join("actuator-audit.jsonl");
+    let mode_file = run_dir.join("migration.env");
+    let api_port = kvscope_lab::ports::pick_ports(1).unwrap()[0];
+    let mut mapping = String::new();
+    for (i, (id, _)) in mockers.iter().enumerate() {
+        mapping.push_str(&format!(
+            "[[worker_agents]]\nworker_id = {id}\nnixl_agent = \"{}\"\n\n",
+            agent_name(i)
+        ));
+    }
+    let config = format!(
+        r#"collector_url = "{collector}"
+interval_secs = 1.0
+audit_log = "{audit}"
+
+[policy]
+min_windows = 4
+min_true_delta_tok_per_s = 1.0
+min_beneficial_share = 0.5
+min_candidate_spills = 1
+min_tokens = 16
+kv_bytes_per_token = 256
+prefill_tok_per_s = 50.0
+use_measured_prefill = false
+dispatch_overhead_ms = 0.0
+min_handshakes = 3
+min_handshake_success_ratio = 0.9
+max_data_age_secs = 30.0
+max_agent_silence_secs = 30.0
+cooldown_secs = 5.0
+max_flips_per_hour = 6
+
+{mapping}[api]
+listen = "127.0.0.1:{api_port}"
+token_file = "{token}"
+
+[[mode_backends]]
+kind = "file"
+path = "{mode_file}"
+
+[directives]
+enabled = true
+url = "{serve_url}/v1/migrations"
+token_file = "{token}"
+rate_per_s = 20.0
+burst = 20
+max_age_secs = 10.0
+"#,
+        collector = run.api(),
+        audit = audit_path.display(),
+        token = token_file.display(),
+        mode_file = mode_file.display(),
+    );
+    let config_path = run_dir.join("actuator.toml");
+    std::fs::write(&config_path, config).unwrap();
+    let mut cmd = Command::new(exe);
+    cmd.arg("actuator")
+        .arg("--config")
+        .arg(&config_path)
+        .arg("run")
+        .env("RUST_LOG", "info")
+        .env_remove("KVSCOPE_ACTUATOR_API_TOKEN");
+    let actuator = ManagedProcess::spawn("actuator", cmd, &run_dir.join("actuator.log"))
+        .expect("the actuator starts");
+    let mut actuator = StopOnDrop(vec![actuator]);
+    let status_url = format!("http://127.0.0.1:{api_port}/api/status");
+
+    let wl = WorkloadConfig {
+        frontend: run.lab().frontend_url().to_string(),
+        sessions: 48,
+        families: 3,
+        max_turns: 40,
+        concurrency: 32,
+        rate: Some(20.0),
+        duration_secs: 120.0,
+        ..WorkloadConfig::default()
+    };
+    let workload = tokio::spawn(workload::run(wl));
+
+    // 1. LIVE on measured evidence.
+    wait_for(
+        "the actuator to go LIVE",
+        Duration::from_secs(90),
+        || async {
+            let s: Value = get_json(&status_url).await.map_err(|e| e.to_string())?;
+            if s["mode"] == "LIVE" {
+                Ok(())
+            } else {
+                Err(format!(
+                    "mode {}; reasons {}",
+                    s["mode"], s["last_evaluation"]["reasons"]
+                ))
+            }
+        },
+    )
+    .await;
+    assert_eq!(
+        std::fs::read_to_string(&mode_file).unwrap(),
+        "DYN_KV_MIGRATION=1\n",
+        "the file backend holds LIVE"
+    );
+
+    // 2. Migrations performed over NIXL.
+    let http = reqwest::Client::new();
+    let lab_status = |http: reqwest::Client, url: String| async move {
+        let s: ServeStatus = http
+            .get(format!("{url}/v1/status"))
+            .send()
+            .await
+            .map_err(|e| e.to_string())?
+            .json()
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok::<ServeStatus, String>(s)
+    };
+    wait_for("3 migrations", Duration::from_secs(60), || {
+        let f = lab_status(http.clone(), serve_url.clone());
+        async move {
+            let s = f.await?;
+            if s.directives.migrated >= 3 {
+                Ok(())
+            } else {
+                Err(format!("{:?}", s.directives))
+            }
+        }
+    })
+    .await;
+
+    // 3. Injected handshake failures: back to DRY.
+    let r = http
+        .post(format!("{serve_url}/v1/inject"))
+        .bearer_auth(TOKEN)
+        .json(&serde_json::json!({"handshake_failures": true}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    wait_for(
+        "the actuator to drop to DRY",
+        Duration::from_secs(60),
+        || async {
+            let s: Value = get_json(&status_url).await.map_err(|e| e.to_string())?;
+            if s["mode"] == "DRY" {
+                Ok(())
+            } else {
+                Err(format!(
+                    "mode {}; directives {}",
+                    s["mode"], s["directives"]
+                ))
+            }
+        },
+    )
+    .await;
+    assert_eq!(
+        std::fs::read_to_string(&mode_file).unwrap(),
+        "DYN_KV_MIGRATION=dry\n"
+    );
+    workload.abort();
+
+    // The lab's account of what it did; the eBPF figures must come to equal it exactly.
+    let want = |st: &ServeStatus| {
+        // Per (target, source): the READs the lab made (one start-up probe per ordered
+        // pair + every migration's); per target: the loads that failed.
+        let mut reads: BTreeMap<(String, String), u64> = BTreeMap::new();
+        for t in 0..3 {
+            for s in (0..3).filter(|&s| s != t) {
+                reads.insert((agent_name(t), agent_name(s)), 1);
+            }
+        }
+        let mut failed: BTreeMap<String, u64> = BTreeMap::new();
+        for o in &st.outcomes {
+            let (Some(src), Some(dst)) = (&o.source_agent, &o.target_agent) else {
+                continue;
+            };
+            *reads.entry((dst.clone(), src.clone())).or_default() += o.transfers;
+            if o.handshakes_failed > 0 {
+                *failed.entry(dst.clone()).or_default() += o.handshakes_failed;
+            }
+        }
+        (reads, failed)
+    };
+    let (got, lab_final) = wait_for(
+        "the agent's eBPF figures to equal the lab's READs and failed loads",
+        Duration::from_secs(30),
+        || {
+            let st = lab_status(http.clone(), serve_url.clone());
+            let api = run.api();
+            let prefix = prefix.clone();
+            let want = &want;
+            async move {
+                let st = st.await?;
+                let (want_reads, want_failed) = want(&st);
+                let pairs: Vec<NixlPair> = get_json(&format!("{api}/api/nixl"))
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let pairs: Vec<NixlPair> = pairs
+                    .into_iter()
+                    .filter(|p| p.local_agent.starts_with(&prefix))
+                    .collect();
+                let reads: BTreeMap<(String, String), u64> = pairs
+                    .iter()
+                    .filter_map(|p| {
+                        let n = p.transfers_ok.get("READ").copied().unwrap_or(0);
+                        (n > 0).then(|| ((p.local_agent.clone(), p.remote_agent.clone()), n))
+                    })
+                    .collect();
+                let failed: BTreeMap<String, u64> = pairs
+                    .iter()
+                    .filter(|p| p.handshakes_failed > 0)
+                    .map(|p| (p.local_agent.clone(), p.handshakes_failed))
+                    .collect();
+                if reads == want_reads && failed == want_failed {
+                    Ok((pairs, st))
+                } else {
+                    Err(format!(
+                        "reads {reads:?} vs {want_reads:?}; failed {failed:?} vs {want_failed:?}"
+                    ))
+                }
+            }
+        },
+    )
+    .await;
+    let migrated = lab_final
+        .outcomes
+        .iter()
+        .filter(|o| o.outcome == "migrated")
+        .count();
+    assert!(migrated >= 3, "{migrated} migrations");
+    assert!(
+        lab_final
+            .outcomes
+            .iter()
+            .any(|o| o.outcome == "handshake_failed" && o.handshakes_failed >= 1),
+        "the injected failures reached NIXL"
+    );
+    assert!(got.iter().all(|p| p.transfers_failed == 0));
+
+    // The audit log explains both flips.
+    stop_all(&mut actuator.0, Duration::from_secs(5));
+    let audit = read_audit(&audit_path);
+    let flips: Vec<_> = audit
+        .iter()
+        .filter_map(|e| match &e.event {
+            AuditEvent::ModeChanged { evaluation } => Some(evaluation),
+            _ => None,
+        })
+        .collect();
+    let live = flips
+        .iter()
+        .find(|e| e.to == Mode::Live)
+        .expect("an audited flip to LIVE");
+    assert_eq!(live.transition, Transition::EnterLive);
+    assert!(live.safety.is_empty());
+    let f = live.figures.as_ref().expect("the figures behind LIVE");
+    assert!(f.entry_streak >= 4, "{}", f.entry_streak);
+    assert!(f.nixl.proven, "the NIXL path was proven by the probes");
+    assert!(!live.reasons.is_empty());
+    let to_dry = flips
+        .iter()
+        .find(|e| e.from == Mode::Live && e.to == Mode::Dry)
+        .expect("an audited drop to DRY");
+    assert_eq!(to_dry.transition, Transition::SafetyDrop);
+    assert!(
+        to_dry.safety.iter().any(|t| matches!(
+            t,
+            SafetyTrigger::HandshakeFailures { .. } | SafetyTrigger::DirectiveFailures { .. }
+        )),
+        "the drop names the failing handshakes or directives: {:?}",
+        to_dry.safety
+    );
+    assert!(
+        audit
+            .iter()
+            .any(|e| matches!(&e.event, AuditEvent::DirectiveOutcomes { .. })),
+        "directive outcomes are audited"
+    );
+
+    // The collector applied the migrated blocks to the targets' mirrors: every batch the
+    // data plane published arrived from its publisher, under the target's worker id.
+    drop(serve);
+    run.stop_agent();
+    run.wait_drained(Duration::from_secs(1), Duration::from_secs(60))
+        .await
+        .expect("the collector catches up");
+    let summary = run.summary().await.unwrap();
+    let recording = run.recording.clone();
+    run.stop();
+    let rec = read_recording(&recording).unwrap();
+    let publishers: BTreeMap<String, WorkerKey> = serve_workers
+        .iter()
+        .map(|w| (w.kv_bind.clone(), w.worker))
+        .collect();
+    let mut landed = 0u64;
+    let mut blocks = BTreeSet::new();
+    for e in &rec.envelopes {
+        let Record::KvEvents(b) = &e.record else {
+            continue;
+        };
+        let Some(target) = publishers.get(&b.publisher) else {
+            continue;
+        };
+        assert_eq!(
+            b.worker, *target,
+            "a data-plane batch under its target's id"
+        );
+        for ev in &b.events {
+            let KvEvent::BlockStored { block_hashes, .. } = ev else {
+                panic!("the data plane only publishes stores: {ev:?}");
+            };
+            blocks.extend(block_hashes.iter().map(|h| (b.worker, *h)));
+        }
+        landed += 1;
+    }
+    let published: u64 = lab_final.workers.iter().map(|w| w.published_batches).sum();
+    assert!(published >= 3);
+    assert_eq!(
+        landed, published,
+        "every batch the data plane published reached the collector"
+    );
+    assert!(!blocks.is_empty());
+    let c = &summary["counters"];
+    assert_eq!(c["unknown_parent_events"], 0, "{c}");
+    assert_eq!(c["token_count_mismatches"], 0, "{c}");
+}
