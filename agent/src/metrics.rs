@@ -179,21 +179,33 @@ pub fn render_nixl(agent: &str, r: &NixlReport) -> String {
     out
 }
 
-pub async fn serve(
-    listener: TcpListener,
+/// Everything `/metrics` shows, rendered at each call: the one source of both
+/// `/metrics` and the OTLP metrics export.
+pub fn exposition(
     agent: String,
     stats: Arc<AgentStats>,
     sink: Arc<RecordSink>,
     nixl: Option<Arc<NixlTracer>>,
-) {
-    loop {
-        let Ok((mut conn, _)) = listener.accept().await else {
-            continue;
-        };
+    otlp: Arc<kvscope_otlp::ExportStats>,
+) -> kvscope_otlp::MetricsSource {
+    Arc::new(move || {
         let mut body = render(&agent, &stats, sink.buffered());
         if let Some(t) = &nixl {
             body.push_str(&render_nixl(&agent, &t.report()));
         }
+        body.push_str(
+            &otlp.render_prometheus("kvscope_agent", &format!("agent=\"{}\"", escape(&agent))),
+        );
+        body
+    })
+}
+
+pub async fn serve(listener: TcpListener, source: kvscope_otlp::MetricsSource) {
+    loop {
+        let Ok((mut conn, _)) = listener.accept().await else {
+            continue;
+        };
+        let body = source();
         tokio::spawn(async move {
             let mut head = Vec::new();
             let mut buf = [0u8; 1024];

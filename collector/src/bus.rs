@@ -49,6 +49,8 @@ pub struct Shared {
     pub analyzer: Mutex<FleetAnalyzer>,
     pub bus: Mutex<BusStatus>,
     pub recorder: Mutex<Option<RecordingWriter>>,
+    /// OTLP export health, shown on `/metrics`.
+    pub otlp: Arc<kvscope_otlp::ExportStats>,
 }
 
 impl Shared {
@@ -57,6 +59,7 @@ impl Shared {
             analyzer: Mutex::new(analyzer),
             bus: Mutex::new(BusStatus::default()),
             recorder: Mutex::new(recorder),
+            otlp: Arc::default(),
         })
     }
 

@@ -342,6 +342,19 @@ pub fn render(a: &FleetAnalyzer, bus: &BusStatus) -> String {
     out
 }
 
+/// Everything `/metrics` shows: the figures and the OTLP export health. The one source
+/// of both `/metrics` and the OTLP metrics export.
+pub fn exposition(shared: &crate::bus::Shared) -> String {
+    let bus = crate::bus::lock(&shared.bus).clone();
+    let mut out = render(&crate::bus::lock(&shared.analyzer), &bus);
+    let body_end = out.rfind("# EOF").unwrap_or(out.len());
+    out.insert_str(
+        body_end,
+        &shared.otlp.render_prometheus("kvscope_collector", ""),
+    );
+    out
+}
+
 fn worker_labels(w: &kvscope_wire::WorkerKey) -> Labels {
     vec![
         ("worker_id".into(), w.worker_id.to_string()),

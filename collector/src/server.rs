@@ -26,8 +26,7 @@ pub fn router(shared: Arc<Shared>) -> Router {
 }
 
 async fn metrics_text(State(s): State<Arc<Shared>>) -> impl IntoResponse {
-    let bus = lock(&s.bus).clone();
-    let body = metrics::render(&lock(&s.analyzer), &bus);
+    let body = metrics::exposition(&s);
     (
         [(
             header::CONTENT_TYPE,
