@@ -51,6 +51,8 @@ pub struct Shared {
     pub recorder: Mutex<Option<RecordingWriter>>,
     /// OTLP export health, shown on `/metrics`.
     pub otlp: Arc<kvscope_otlp::ExportStats>,
+    /// Where verdict and migration spans go, once OTLP export has started.
+    pub spans: std::sync::OnceLock<kvscope_otlp::SpanSink>,
 }
 
 impl Shared {
@@ -60,6 +62,7 @@ impl Shared {
             bus: Mutex::new(BusStatus::default()),
             recorder: Mutex::new(recorder),
             otlp: Arc::default(),
+            spans: std::sync::OnceLock::new(),
         })
     }
 
@@ -67,7 +70,12 @@ impl Shared {
     fn apply_payload(&self, payload: &[u8], seq: u64) {
         match Envelope::from_json(payload) {
             Ok(env) => {
-                lock(&self.analyzer).apply(&env);
+                let verdict = lock(&self.analyzer).apply(&env);
+                if let Some(sink) = self.spans.get().filter(|s| s.enabled()) {
+                    if !lock(&self.bus).rebuilding {
+                        crate::spans::record(sink, &env, verdict.as_ref(), seq);
+                    }
+                }
                 let mut recorder = lock(&self.recorder);
                 if let Some(Err(e)) = recorder.as_mut().map(|r| r.write(&env)) {
                     error!(error = %e, "Cannot write the recording; recording stops.");

@@ -178,6 +178,9 @@ async fn serve(cfg: CollectorConfig) -> anyhow::Result<()> {
         )
         .context("cannot start OTLP export")?
     };
+    if let Some(o) = &otlp {
+        let _ = shared.spans.set(o.spans());
+    }
     let http = tokio::spawn(async move { axum::serve(listener, app).await });
     let bus_cfg = BusConfig {
         nats_url: cfg.nats_url.clone(),

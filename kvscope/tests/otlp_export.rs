@@ -7,6 +7,10 @@
 //! metrics each process exports are the figures of its own `/metrics` (the collector's,
 //! once the run has settled, exactly; the agent's, still running, bracketed by the
 //! exports before and after a scrape); counters arrive as cumulative monotonic sums.
+//! Spans: one per spill the collector counted, each with its verdict's figures from the
+//! JSON API (Σ true delta equal), in a trace derived from the request id; KVMIGRATE
+//! lines appended to the router log become migration spans in the same trace, linked
+//! to the verdict span.
 
 mod otlp_receiver;
 
@@ -145,7 +149,7 @@ fn assert_resource(e: &MetricExport, service: &str, instance: Option<&str>) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn lab_metrics_reach_an_otlp_receiver_over_grpc_and_http() {
+async fn lab_metrics_and_spans_reach_an_otlp_receiver_over_grpc_and_http() {
     let rx = Receiver::start().await;
     let agent_metrics_port = kvscope_lab::ports::pick_ports(1).unwrap()[0];
     let agent_metrics = format!("127.0.0.1:{agent_metrics_port}");
@@ -251,6 +255,51 @@ async fn lab_metrics_reach_an_otlp_receiver_over_grpc_and_http() {
         "the same series on /metrics and over OTLP"
     );
 
+    // Migration log lines (the fork's KVMIGRATE, which Dynamo 1.6.1 does not write) for
+    // three spilled requests, appended to the router log the agent follows.
+    let verdicts: Vec<serde_json::Value> =
+        reqwest::get(format!("{}/api/verdicts?limit=100000", run.api()))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+    let spilled: Vec<&serde_json::Value> = verdicts.iter().filter(|v| v["spill"] == true).collect();
+    assert!(!spilled.is_empty(), "the router spilled");
+    let mut lines = String::new();
+    let mut migrations = Vec::new();
+    for (i, v) in spilled.iter().take(3).enumerate() {
+        let rid = v["request_id"].as_str().unwrap().to_string();
+        lines.push_str(&format!(
+            "  INFO dynamo_llm::kv_router::push_router: KVMIGRATE_SPILL: request routed off the worker holding its KV request_id=\"{rid}\" source={} target={} tokens={} migratable_tokens={} directive_id=d-{i} blocks={}\n",
+            v["best"]["worker_id"], v["chosen"]["worker_id"], v["isl_tokens"], v["upper_bound_tokens"], v["best_overlap_blocks"]
+        ));
+        migrations.push((rid.clone(), "dispatched"));
+        if i == 0 {
+            lines.push_str(&format!("  WARN dynamo_llm::kv_router::push_router: KVMIGRATE: producer dispatch failed request_id=\"{rid}\" error=\"no producer\"\n"));
+            migrations.push((rid, "dispatch_failed"));
+        }
+    }
+    {
+        use std::io::Write as _;
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(run.lab().router_log())
+            .unwrap();
+        f.write_all(lines.as_bytes()).unwrap();
+    }
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while run.summary().await.unwrap()["counters"]["migration_lines"].as_u64()
+        != Some(migrations.len() as u64)
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the collector did not see the {} KVMIGRATE lines",
+            migrations.len()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
     // The collector, once everything is applied and the agent stopped: its last export
     // and its /metrics agree exactly (but for the exporter's own counters).
     run.stop_agent();
@@ -296,5 +345,149 @@ async fn lab_metrics_reach_an_otlp_receiver_over_grpc_and_http() {
             assert_eq!(*v, Series::Counter(0.0), "{k:?}");
         }
     }
+
+    // Spans: one per spill verdict, with the verdict's figures, in its request's trace;
+    // one per migration line, in the same trace and linked to the verdict span.
+    let verdicts: Vec<serde_json::Value> =
+        reqwest::get(format!("{}/api/verdicts?limit=100000", run.api()))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+    assert_eq!(
+        verdicts.len() as u64,
+        decisions,
+        "the API holds every verdict of the run"
+    );
+    let spill_verdicts: BTreeMap<String, &serde_json::Value> = verdicts
+        .iter()
+        .filter(|v| v["spill"] == true)
+        .map(|v| (v["request_id"].as_str().unwrap().to_string(), v))
+        .collect();
+    assert_eq!(spill_verdicts.len() as u64, spills);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let spans = loop {
+        let spans = rx.spans("kvscope-collector");
+        let n = |name: &str| spans.iter().filter(|(_, _, s)| s.name == name).count();
+        if n(kvscope_collector::spans::SPILL_SPAN) as u64 >= spills
+            && n(kvscope_collector::spans::MIGRATION_SPAN) >= migrations.len()
+        {
+            break spans;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "spans missing after 20 s: {} received",
+            spans.len()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let spans = {
+        let later = rx.spans("kvscope-collector");
+        assert_eq!(later.len(), spans.len(), "no span arrives twice or late");
+        later
+    };
+    let (via, resource, _) = &spans[0];
+    assert_eq!(*via, Via::Grpc);
+    assert_eq!(resource["service.name"], "kvscope-collector");
+    assert!(resource.contains_key("host.name") && resource.contains_key("service.instance.id"));
+    let spill_spans: Vec<_> = spans
+        .iter()
+        .filter(|(_, _, s)| s.name == kvscope_collector::spans::SPILL_SPAN)
+        .map(|(_, _, s)| s)
+        .collect();
+    assert_eq!(spill_spans.len() as u64, spills, "one span per spill");
+    let mut delta_sum = 0u64;
+    for s in &spill_spans {
+        let a = string_attrs(&s.attributes);
+        let rid = &a["kvscope.request_id"];
+        let v = spill_verdicts
+            .get(rid)
+            .unwrap_or_else(|| panic!("span for {rid} is no spill verdict"));
+        assert_eq!(s.trace_id, kvscope_otlp::trace_id(rid));
+        assert_eq!(
+            s.start_time_unix_nano,
+            v["decided_ns"].as_u64().unwrap(),
+            "decision time"
+        );
+        for (attr, field) in [
+            ("kvscope.worker.chosen.id", &v["chosen"]["worker_id"]),
+            ("kvscope.worker.best.id", &v["best"]["worker_id"]),
+            ("kvscope.overlap.chosen_blocks", &v["chosen_overlap_blocks"]),
+            ("kvscope.overlap.best_blocks", &v["best_overlap_blocks"]),
+            ("kvscope.upper_bound_tokens", &v["upper_bound_tokens"]),
+            ("kvscope.true_delta_tokens", &v["true_delta_tokens"]),
+        ] {
+            assert_eq!(a[attr], field.to_string(), "{rid}: {attr}");
+        }
+        delta_sum += a["kvscope.true_delta_tokens"].parse::<u64>().unwrap();
+    }
+    let api_delta: u64 = spill_verdicts
+        .values()
+        .map(|v| v["true_delta_tokens"].as_u64().unwrap())
+        .sum();
+    assert_eq!(
+        delta_sum, api_delta,
+        "Σ true delta of the spans = the collector's"
+    );
+    assert!(delta_sum > 0);
+    let migration_spans: Vec<_> = spans
+        .iter()
+        .filter(|(_, _, s)| s.name == kvscope_collector::spans::MIGRATION_SPAN)
+        .map(|(_, _, s)| s)
+        .collect();
+    assert_eq!(migration_spans.len(), migrations.len());
+    for (rid, outcome) in &migrations {
+        let s = migration_spans
+            .iter()
+            .find(|s| {
+                let a = string_attrs(&s.attributes);
+                a.get("kvscope.request_id") == Some(rid)
+                    && a["kvscope.migration.outcome"] == *outcome
+            })
+            .unwrap_or_else(|| panic!("no {outcome} migration span for {rid}"));
+        let verdict_span = spill_spans
+            .iter()
+            .find(|v| string_attrs(&v.attributes)["kvscope.request_id"] == *rid)
+            .unwrap();
+        assert_eq!(
+            s.trace_id, verdict_span.trace_id,
+            "same trace as the verdict"
+        );
+        assert_eq!(s.links.len(), 1);
+        assert_eq!(
+            s.links[0].span_id, verdict_span.span_id,
+            "linked to the verdict"
+        );
+        let a = string_attrs(&s.attributes);
+        if *outcome == "dispatched" {
+            let v = spill_verdicts[rid];
+            assert_eq!(
+                a["kvscope.migration.source"],
+                v["best"]["worker_id"].to_string()
+            );
+            assert_eq!(
+                a["kvscope.migration.target"],
+                v["chosen"]["worker_id"].to_string()
+            );
+            assert_eq!(
+                a["kvscope.migration.blocks"],
+                v["best_overlap_blocks"].to_string()
+            );
+            assert!(a["kvscope.migration.directive_id"].starts_with("d-"));
+        } else {
+            assert_eq!(
+                s.status.as_ref().map(|st| st.code),
+                Some(2),
+                "a failed dispatch is an error span"
+            );
+        }
+    }
+    eprintln!(
+        "OTLP: {decisions} decisions, {spills} spill spans, Σ true delta {delta_sum} tokens, {} migration spans, {} collector exports",
+        migration_spans.len(),
+        rx.metric_exports("kvscope-collector").len()
+    );
     run.stop();
 }
