@@ -267,6 +267,12 @@ pub async fn start(cfg: AgentConfig) -> anyhow::Result<RunningAgent> {
         otlp_stats,
     )
     .context("cannot start OTLP export")?;
+    if let (Some(o), Some(t)) = (&otlp, &nixl) {
+        t.set_spans(crate::nixl::spans::NixlSpans {
+            sink: o.spans(),
+            agent_id: cfg.agent_id.clone(),
+        });
+    }
 
     let (metrics_addr, metrics) = match &cfg.metrics_listen {
         Some(addr) => {

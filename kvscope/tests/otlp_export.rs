@@ -491,3 +491,222 @@ async fn lab_metrics_and_spans_reach_an_otlp_receiver_over_grpc_and_http() {
     );
     run.stop();
 }
+
+/// The agent's NIXL spans (eBPF probes on the NIXL lab's real transfers) and its NIXL
+/// latency histograms over OTLP, configured from the agent's config file this time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nixl_transfer_and_handshake_spans_reach_an_otlp_receiver() {
+    use kvscope_lab::nats::NatsServer;
+    use kvscope_lab::process::{stop_all, ManagedProcess};
+    use kvscope_nixl_lab::truth::{CallOutcome, TransferOutcome, Truth};
+    use std::process::Command;
+
+    let rx = Receiver::start().await;
+    let exe = Path::new(env!("CARGO_BIN_EXE_kvscope"));
+    let libs = kvscope_nixl_lab::NixlLibs::ensure(&kvscope_lab::paths::default_lab_dir())
+        .unwrap_or_else(|e| panic!("the NIXL wheel is not set up: {e}"));
+    let dir = tempfile::tempdir().unwrap();
+    let nats = NatsServer::start_anywhere(dir.path()).expect("nats-server starts");
+    let metrics_addr = format!(
+        "127.0.0.1:{}",
+        kvscope_lab::ports::pick_ports(1).unwrap()[0]
+    );
+    let config = dir.path().join("agent.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[otlp]\nendpoint = \"{}\"\nexport_interval_secs = 0.5\n\
+             max_spans_per_second = 1000000\nresource_attributes = {{ \"deployment.environment.name\" = \"lab\" }}\n",
+            rx.grpc_url
+        ),
+    )
+    .unwrap();
+    let mut agent = Command::new(exe);
+    agent
+        .arg("agent")
+        .arg("--config")
+        .arg(&config)
+        .args(["--nats-url", &nats.url(), "--cluster", "otlpnixl"])
+        .args(["--agent-id", "nixl-node", "--metrics-listen", &metrics_addr])
+        .arg("--nixl-lib")
+        .arg(&libs.libnixl)
+        .arg("--no-nixl-discover")
+        // The config file alone configures export.
+        .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT");
+    let mut procs =
+        vec![ManagedProcess::spawn("agent", agent, &dir.path().join("agent.log")).unwrap()];
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while reqwest::get(format!("http://{metrics_addr}/metrics"))
+        .await
+        .is_err()
+        || rx.metric_exports("kvscope-agent").is_empty()
+    {
+        if let Some(status) = procs[0].exited() {
+            panic!(
+                "the agent exited ({status}): {}",
+                std::fs::read_to_string(dir.path().join("agent.log")).unwrap_or_default()
+            );
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the agent is not up and exporting in 30 s"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    let truth_path = dir.path().join("truth.json");
+    let out = Command::new(kvscope_nixl_lab::lab_binary())
+        .args(["run", "--scenario", "mixed", "--truth-out"])
+        .arg(&truth_path)
+        .output()
+        .expect("the NIXL lab runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let truth: Truth = serde_json::from_slice(&std::fs::read(&truth_path).unwrap()).unwrap();
+    let done: Vec<_> = truth
+        .transfers
+        .iter()
+        .filter(|x| x.outcome == TransferOutcome::Done)
+        .collect();
+    let terminal = truth
+        .transfers
+        .iter()
+        .filter(|x| {
+            x.outcome != TransferOutcome::FailedAtCreate
+                && x.outcome != TransferOutcome::FailedAtPost
+        })
+        .count();
+
+    let transfer_spans = |rx: &Receiver| {
+        rx.spans("kvscope-agent")
+            .into_iter()
+            .filter(|(_, _, s)| s.name == kvscope_agent::nixl::spans::TRANSFER_SPAN)
+            .map(|(_, r, s)| (r, s))
+            .collect::<Vec<_>>()
+    };
+    let complete = |spans: &[(
+        BTreeMap<String, String>,
+        kvscope_otlp::proto::trace::v1::Span,
+    )]| {
+        spans
+            .iter()
+            .filter(|(_, s)| string_attrs(&s.attributes)["nixl.stage"] == "complete")
+            .count()
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while complete(&transfer_spans(&rx)) < terminal {
+        assert!(
+            Instant::now() < deadline,
+            "{} of {terminal} completed transfer spans in 30 s",
+            complete(&transfer_spans(&rx))
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // The agent's figures and spans for the same transfers, after the lab is done.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let spans = transfer_spans(&rx);
+    assert_eq!(
+        complete(&spans),
+        terminal,
+        "a span per transfer that reached a terminal status"
+    );
+    assert_eq!(
+        spans.len(),
+        truth.transfers.len(),
+        "a span per transfer the lab made"
+    );
+    let (resource, _) = &spans[0];
+    assert_eq!(resource["service.name"], "kvscope-agent");
+    assert_eq!(resource["service.instance.id"], "nixl-node");
+    assert_eq!(resource["deployment.environment.name"], "lab");
+    assert!(!resource["host.name"].is_empty() && !resource["service.version"].is_empty());
+    let ok_spans: Vec<_> = spans
+        .iter()
+        .map(|(_, s)| (string_attrs(&s.attributes), s))
+        .filter(|(a, _)| a["nixl.stage"] == "complete" && a["nixl.status_code"] == "0")
+        .collect();
+    assert_eq!(ok_spans.len(), done.len(), "successful transfer spans");
+    let bytes: u64 = ok_spans
+        .iter()
+        .map(|(a, _)| a["nixl.bytes"].parse::<u64>().unwrap())
+        .sum();
+    assert_eq!(
+        bytes,
+        done.iter().map(|x| x.bytes).sum::<u64>(),
+        "Σ bytes = the lab's"
+    );
+    for (a, s) in &ok_spans {
+        assert!(
+            s.end_time_unix_nano > s.start_time_unix_nano,
+            "the span lasts its latency"
+        );
+        assert!(s.status.is_none(), "{a:?}");
+        assert!(!a["nixl.local_agent"].is_empty() && !a["nixl.remote_agent"].is_empty());
+        assert!(a["nixl.op"] == "READ" || a["nixl.op"] == "WRITE");
+    }
+    let failed = spans
+        .iter()
+        .filter(|(_, s)| s.status.as_ref().is_some_and(|st| st.code == 2))
+        .count();
+    assert_eq!(
+        failed,
+        truth.transfers.len() - done.len(),
+        "failed transfers are error spans"
+    );
+
+    // Handshakes: every metadata exchange of the lab, by local agent, method and outcome.
+    let mut want: BTreeMap<(String, String, bool), u64> = BTreeMap::new();
+    for h in &truth.handshakes {
+        let key = (
+            h.local.clone(),
+            h.call.method().to_string(),
+            h.outcome == CallOutcome::Ok,
+        );
+        *want.entry(key).or_default() += 1;
+    }
+    let mut got: BTreeMap<(String, String, bool), u64> = BTreeMap::new();
+    for (_, _, s) in rx.spans("kvscope-agent") {
+        if s.name == kvscope_agent::nixl::spans::TRANSFER_SPAN {
+            continue;
+        }
+        let a = string_attrs(&s.attributes);
+        assert_eq!(s.name, format!("nixl.{}", a["nixl.call"]));
+        let key = (
+            a["nixl.local_agent"].clone(),
+            a["nixl.call"].clone(),
+            a["nixl.status_code"] == "0",
+        );
+        *got.entry(key).or_default() += 1;
+    }
+    for (k, n) in &want {
+        assert_eq!(got.get(k), Some(n), "handshake spans {k:?}; all: {got:?}");
+    }
+
+    // The NIXL latency histograms arrive as histograms equal to /metrics (no transfer
+    // happens any more), and nothing was dropped.
+    let scrape_end = kvscope_otlp::now_ns();
+    let text = get_text(&format!("http://{metrics_addr}/metrics")).await;
+    let export = export_after(&rx, "kvscope-agent", scrape_end).await;
+    let (scraped, exported) = (scrape_series(&text), series(&export.metrics));
+    let mut histograms = 0;
+    for (k, v) in &scraped {
+        if let Series::Histogram { count, .. } = v {
+            assert_eq!(exported.get(k), Some(v), "{k:?}");
+            histograms += usize::from(*count > 0);
+        }
+        if k.0.contains("spans_dropped") || k.0.contains("export_failures") {
+            assert_eq!(*v, Series::Counter(0.0), "{k:?}");
+        }
+    }
+    assert!(histograms > 0, "latency histograms were exported");
+    eprintln!(
+        "OTLP NIXL: {} transfer spans ({} ok, Σ {bytes} bytes), {} handshake spans, {histograms} latency histograms",
+        spans.len(),
+        ok_spans.len(),
+        got.values().sum::<u64>()
+    );
+    stop_all(&mut procs, Duration::from_secs(5));
+}
