@@ -39,6 +39,7 @@ pub struct Cli {
 #[derive(Subcommand, Debug)]
 pub enum Command {
     /// Consume records from NATS JetStream and serve /metrics and the JSON API until stopped.
+    #[command(after_help = kvscope_otlp::HELP)]
     Run {
         /// NATS server URL (default nats://127.0.0.1:4222).
         #[arg(long, env = "KVSCOPE_COLLECTOR_NATS_URL")]
