@@ -494,11 +494,17 @@ async fn lab_metrics_and_spans_reach_an_otlp_receiver_over_grpc_and_http() {
 
 /// The agent's NIXL spans (eBPF probes on the NIXL lab's real transfers) and its NIXL
 /// latency histograms over OTLP, configured from the agent's config file this time.
+///
+/// The probes see every process using the lab's `libnixl.so`, including NIXL labs other
+/// tests run at the same time on this machine: figures are compared for this lab's
+/// processes (the pids in its truth).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nixl_transfer_and_handshake_spans_reach_an_otlp_receiver() {
     use kvscope_lab::nats::NatsServer;
     use kvscope_lab::process::{stop_all, ManagedProcess};
     use kvscope_nixl_lab::truth::{CallOutcome, TransferOutcome, Truth};
+    use kvscope_otlp::proto::trace::v1::Span;
+    use std::collections::BTreeSet;
     use std::process::Command;
 
     let rx = Receiver::start().await;
@@ -507,51 +513,60 @@ async fn nixl_transfer_and_handshake_spans_reach_an_otlp_receiver() {
         .unwrap_or_else(|e| panic!("the NIXL wheel is not set up: {e}"));
     let dir = tempfile::tempdir().unwrap();
     let nats = NatsServer::start_anywhere(dir.path()).expect("nats-server starts");
-    let metrics_addr = format!(
-        "127.0.0.1:{}",
-        kvscope_lab::ports::pick_ports(1).unwrap()[0]
-    );
-    let config = dir.path().join("agent.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[otlp]\nendpoint = \"{}\"\nexport_interval_secs = 0.5\n\
-             max_spans_per_second = 1000000\nresource_attributes = {{ \"deployment.environment.name\" = \"lab\" }}\n",
-            rx.grpc_url
-        ),
-    )
-    .unwrap();
-    let mut agent = Command::new(exe);
-    agent
-        .arg("agent")
-        .arg("--config")
-        .arg(&config)
-        .args(["--nats-url", &nats.url(), "--cluster", "otlpnixl"])
-        .args(["--agent-id", "nixl-node", "--metrics-listen", &metrics_addr])
-        .arg("--nixl-lib")
-        .arg(&libs.libnixl)
-        .arg("--no-nixl-discover")
-        // The config file alone configures export.
-        .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT");
-    let mut procs =
-        vec![ManagedProcess::spawn("agent", agent, &dir.path().join("agent.log")).unwrap()];
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while reqwest::get(format!("http://{metrics_addr}/metrics"))
-        .await
-        .is_err()
-        || rx.metric_exports("kvscope-agent").is_empty()
-    {
-        if let Some(status) = procs[0].exited() {
-            panic!(
-                "the agent exited ({status}): {}",
-                std::fs::read_to_string(dir.path().join("agent.log")).unwrap_or_default()
+    let ports = kvscope_lab::ports::pick_ports(2).unwrap();
+    let metrics_addr = format!("127.0.0.1:{}", ports[0]);
+    let capped_metrics = format!("127.0.0.1:{}", ports[1]);
+    // Two agents tracing the same library: one that exports every span, and one capped
+    // at one span per second (its service name set through OTEL_SERVICE_NAME).
+    let mut procs = Vec::new();
+    for (id, addr, cap, service) in [
+        ("nixl-node", &metrics_addr, 1_000_000, "kvscope-agent"),
+        ("nixl-capped", &capped_metrics, 1, "kvscope-agent-capped"),
+    ] {
+        let config = dir.path().join(format!("{id}.toml"));
+        std::fs::write(
+            &config,
+            format!(
+                "[otlp]\nendpoint = \"{}\"\nexport_interval_secs = 0.5\n\
+                 max_spans_per_second = {cap}\n\
+                 resource_attributes = {{ \"deployment.environment.name\" = \"lab\" }}\n",
+                rx.grpc_url
+            ),
+        )
+        .unwrap();
+        let mut agent = Command::new(exe);
+        agent
+            .arg("agent")
+            .arg("--config")
+            .arg(&config)
+            .args(["--nats-url", &nats.url(), "--cluster", "otlpnixl"])
+            .args(["--agent-id", id, "--metrics-listen", addr])
+            .arg("--nixl-lib")
+            .arg(&libs.libnixl)
+            .arg("--no-nixl-discover")
+            // The config file alone configures export.
+            .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+            .env("OTEL_SERVICE_NAME", service);
+        let log = dir.path().join(format!("{id}.log"));
+        procs.push(ManagedProcess::spawn(id, agent, &log).unwrap());
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while reqwest::get(format!("http://{addr}/metrics"))
+            .await
+            .is_err()
+            || rx.metric_exports(service).is_empty()
+        {
+            if let Some(status) = procs.last_mut().unwrap().exited() {
+                panic!(
+                    "agent {id} exited ({status}): {}",
+                    std::fs::read_to_string(&log).unwrap_or_default()
+                );
+            }
+            assert!(
+                Instant::now() < deadline,
+                "agent {id} is not up and exporting in 30 s"
             );
+            tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        assert!(
-            Instant::now() < deadline,
-            "the agent is not up and exporting in 30 s"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 
     let truth_path = dir.path().join("truth.json");
@@ -566,6 +581,13 @@ async fn nixl_transfer_and_handshake_spans_reach_an_otlp_receiver() {
         String::from_utf8_lossy(&out.stderr)
     );
     let truth: Truth = serde_json::from_slice(&std::fs::read(&truth_path).unwrap()).unwrap();
+    let pids: BTreeSet<String> = truth
+        .transfers
+        .iter()
+        .map(|x| x.pid)
+        .chain(truth.handshakes.iter().map(|h| h.pid))
+        .map(|p| p.to_string())
+        .collect();
     let done: Vec<_> = truth
         .transfers
         .iter()
@@ -580,34 +602,40 @@ async fn nixl_transfer_and_handshake_spans_reach_an_otlp_receiver() {
         })
         .count();
 
-    let transfer_spans = |rx: &Receiver| {
-        rx.spans("kvscope-agent")
+    // This lab's spans from `service`, with their attributes.
+    let lab_spans = |service: &str| -> Vec<(BTreeMap<String, String>, Span)> {
+        rx.spans(service)
             .into_iter()
-            .filter(|(_, _, s)| s.name == kvscope_agent::nixl::spans::TRANSFER_SPAN)
-            .map(|(_, r, s)| (r, s))
-            .collect::<Vec<_>>()
+            .map(|(_, r, s)| {
+                assert_eq!(r["deployment.environment.name"], "lab");
+                (string_attrs(&s.attributes), s)
+            })
+            .filter(|(a, _)| pids.contains(&a["process.pid"]))
+            .collect()
     };
-    let complete = |spans: &[(
-        BTreeMap<String, String>,
-        kvscope_otlp::proto::trace::v1::Span,
-    )]| {
+    let transfer_spans = || -> Vec<(BTreeMap<String, String>, Span)> {
+        lab_spans("kvscope-agent")
+            .into_iter()
+            .filter(|(_, s)| s.name == kvscope_agent::nixl::spans::TRANSFER_SPAN)
+            .collect()
+    };
+    let complete = |spans: &[(BTreeMap<String, String>, Span)]| {
         spans
             .iter()
-            .filter(|(_, s)| string_attrs(&s.attributes)["nixl.stage"] == "complete")
+            .filter(|(a, _)| a["nixl.stage"] == "complete")
             .count()
     };
     let deadline = Instant::now() + Duration::from_secs(30);
-    while complete(&transfer_spans(&rx)) < terminal {
+    while complete(&transfer_spans()) < terminal {
         assert!(
             Instant::now() < deadline,
             "{} of {terminal} completed transfer spans in 30 s",
-            complete(&transfer_spans(&rx))
+            complete(&transfer_spans())
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    // The agent's figures and spans for the same transfers, after the lab is done.
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let spans = transfer_spans(&rx);
+    let spans = transfer_spans();
     assert_eq!(
         complete(&spans),
         terminal,
@@ -618,14 +646,11 @@ async fn nixl_transfer_and_handshake_spans_reach_an_otlp_receiver() {
         truth.transfers.len(),
         "a span per transfer the lab made"
     );
-    let (resource, _) = &spans[0];
-    assert_eq!(resource["service.name"], "kvscope-agent");
+    let resource = &rx.spans("kvscope-agent")[0].1;
     assert_eq!(resource["service.instance.id"], "nixl-node");
-    assert_eq!(resource["deployment.environment.name"], "lab");
     assert!(!resource["host.name"].is_empty() && !resource["service.version"].is_empty());
     let ok_spans: Vec<_> = spans
         .iter()
-        .map(|(_, s)| (string_attrs(&s.attributes), s))
         .filter(|(a, _)| a["nixl.stage"] == "complete" && a["nixl.status_code"] == "0")
         .collect();
     assert_eq!(ok_spans.len(), done.len(), "successful transfer spans");
@@ -668,11 +693,10 @@ async fn nixl_transfer_and_handshake_spans_reach_an_otlp_receiver() {
         *want.entry(key).or_default() += 1;
     }
     let mut got: BTreeMap<(String, String, bool), u64> = BTreeMap::new();
-    for (_, _, s) in rx.spans("kvscope-agent") {
+    for (a, s) in lab_spans("kvscope-agent") {
         if s.name == kvscope_agent::nixl::spans::TRANSFER_SPAN {
             continue;
         }
-        let a = string_attrs(&s.attributes);
         assert_eq!(s.name, format!("nixl.{}", a["nixl.call"]));
         let key = (
             a["nixl.local_agent"].clone(),
@@ -685,25 +709,60 @@ async fn nixl_transfer_and_handshake_spans_reach_an_otlp_receiver() {
         assert_eq!(got.get(k), Some(n), "handshake spans {k:?}; all: {got:?}");
     }
 
-    // The NIXL latency histograms arrive as histograms equal to /metrics (no transfer
-    // happens any more), and nothing was dropped.
+    // This lab's NIXL latency histograms arrive as histograms equal to /metrics (its
+    // processes have exited: their figures no longer move).
     let scrape_end = kvscope_otlp::now_ns();
     let text = get_text(&format!("http://{metrics_addr}/metrics")).await;
     let export = export_after(&rx, "kvscope-agent", scrape_end).await;
     let (scraped, exported) = (scrape_series(&text), series(&export.metrics));
     let mut histograms = 0;
     for (k, v) in &scraped {
-        if let Series::Histogram { count, .. } = v {
+        let of_this_lab = pids
+            .iter()
+            .any(|p| k.1.contains(&format!("\"pid\": \"{p}\"")));
+        if let (Series::Histogram { count, .. }, true) = (v, of_this_lab) {
             assert_eq!(exported.get(k), Some(v), "{k:?}");
             histograms += usize::from(*count > 0);
         }
         if k.0.contains("spans_dropped") || k.0.contains("export_failures") {
-            assert_eq!(*v, Series::Counter(0.0), "{k:?}");
+            assert_eq!(
+                *v,
+                Series::Counter(0.0),
+                "{k:?}: {}",
+                std::fs::read_to_string(dir.path().join("nixl-node.log")).unwrap_or_default()
+            );
         }
     }
     assert!(histograms > 0, "latency histograms were exported");
+
+    // The capped agent: spans beyond one per second are dropped and counted, none
+    // lost otherwise.
+    let all = lab_spans("kvscope-agent").len();
+    let capped = lab_spans("kvscope-agent-capped").len();
+    let text = get_text(&format!("http://{capped_metrics}/metrics")).await;
+    let dropped = |reason: &str| -> f64 {
+        scrape_series(&text)
+            .iter()
+            .filter(|((n, attrs), _)| n.contains("spans_dropped") && attrs.contains(reason))
+            .map(|(_, v)| match v {
+                Series::Counter(c) => *c,
+                _ => 0.0,
+            })
+            .sum()
+    };
+    let (rate, queue, failed) = (
+        dropped("rate_cap"),
+        dropped("queue_full"),
+        dropped("export_failed"),
+    );
+    assert!(
+        rate > 0.0 && capped < all,
+        "one span per second drops some of the lab's {all}: {capped} exported, {rate} dropped"
+    );
+    assert_eq!((queue, failed), (0.0, 0.0));
     eprintln!(
-        "OTLP NIXL: {} transfer spans ({} ok, Σ {bytes} bytes), {} handshake spans, {histograms} latency histograms",
+        "OTLP NIXL: {} transfer spans ({} ok, Σ {bytes} bytes), {} handshake spans, \
+         {histograms} latency histograms; capped at 1/s: {capped} of {all} exported, {rate} dropped",
         spans.len(),
         ok_spans.len(),
         got.values().sum::<u64>()
