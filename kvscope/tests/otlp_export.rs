@@ -155,6 +155,8 @@ async fn lab_metrics_and_spans_reach_an_otlp_receiver_over_grpc_and_http() {
     let agent_metrics = format!("127.0.0.1:{agent_metrics_port}");
     let common = [
         ("OTEL_METRIC_EXPORT_INTERVAL", "500"),
+        // Generous: the test machine may be busy, and a failed export fails the test.
+        ("OTEL_EXPORTER_OTLP_TIMEOUT", "30000"),
         (
             "OTEL_RESOURCE_ATTRIBUTES",
             "deployment.environment.name=lab",
@@ -527,7 +529,7 @@ async fn nixl_transfer_and_handshake_spans_reach_an_otlp_receiver() {
         std::fs::write(
             &config,
             format!(
-                "[otlp]\nendpoint = \"{}\"\nexport_interval_secs = 0.5\n\
+                "[otlp]\nendpoint = \"{}\"\nexport_interval_secs = 0.5\ntimeout_secs = 30.0\n\
                  max_spans_per_second = {cap}\n\
                  resource_attributes = {{ \"deployment.environment.name\" = \"lab\" }}\n",
                 rx.grpc_url
