@@ -32,6 +32,7 @@ pub struct RunningAgent {
     metrics: Option<JoinHandle<()>>,
     nixl: Option<Arc<NixlTracer>>,
     nixl_reporter: Option<JoinHandle<()>>,
+    otlp: Option<kvscope_otlp::OtlpExport>,
     agent_id: String,
     grace: Duration,
 }
@@ -86,6 +87,9 @@ impl RunningAgent {
             publisher.abort();
         }
         self.sink.flush_recording();
+        if let Some(o) = self.otlp.take() {
+            o.shutdown(self.grace).await;
+        }
         if let Some(m) = self.metrics.take() {
             m.abort();
         }
@@ -244,6 +248,39 @@ pub async fn start(cfg: AgentConfig) -> anyhow::Result<RunningAgent> {
         })
     };
 
+    let otlp_stats = Arc::new(kvscope_otlp::ExportStats::default());
+    let exposition = crate::metrics::exposition(
+        cfg.agent_id.clone(),
+        stats.clone(),
+        sink.clone(),
+        nixl.clone(),
+        otlp_stats.clone(),
+    );
+    let otlp = kvscope_otlp::OtlpExport::start(
+        &cfg.otlp,
+        kvscope_otlp::ServiceIdentity {
+            name: "kvscope-agent",
+            version: env!("CARGO_PKG_VERSION"),
+            instance_id: cfg.agent_id.clone(),
+            attributes: vec![
+                ("kvscope.agent.id".into(), cfg.agent_id.clone()),
+                ("kvscope.cluster".into(), subjects.cluster().to_string()),
+            ],
+        },
+        {
+            let render = exposition.clone();
+            Arc::new(move || render(kvscope_wire::prom::Format::OpenMetrics))
+        },
+        otlp_stats,
+    )
+    .context("cannot start OTLP export")?;
+    if let (Some(o), Some(t)) = (&otlp, &nixl) {
+        t.set_spans(crate::nixl::spans::NixlSpans {
+            sink: o.spans(),
+            agent_id: cfg.agent_id.clone(),
+        });
+    }
+
     let (metrics_addr, metrics) = match &cfg.metrics_listen {
         Some(addr) => {
             let listener = tokio::net::TcpListener::bind(addr)
@@ -253,13 +290,7 @@ pub async fn start(cfg: AgentConfig) -> anyhow::Result<RunningAgent> {
             info!(addr = %local, "Serving /metrics.");
             (
                 Some(local),
-                Some(tokio::spawn(crate::metrics::serve(
-                    listener,
-                    cfg.agent_id.clone(),
-                    stats.clone(),
-                    sink.clone(),
-                    nixl.clone(),
-                ))),
+                Some(tokio::spawn(crate::metrics::serve(listener, exposition))),
             )
         }
         None => (None, None),
@@ -279,6 +310,7 @@ pub async fn start(cfg: AgentConfig) -> anyhow::Result<RunningAgent> {
         metrics,
         nixl,
         nixl_reporter,
+        otlp,
         agent_id: cfg.agent_id.clone(),
         grace: Duration::from_secs_f64(cfg.shutdown_grace_secs),
     })

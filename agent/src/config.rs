@@ -25,6 +25,9 @@
 //! report_interval_secs = 1.0
 //! # pid = 1234         # only this process
 //!
+//! [otlp]             # OTLP export (off without an endpoint; see kvscope_otlp::config)
+//! endpoint = "http://127.0.0.1:4317"
+//!
 //! [[kv_endpoints]]
 //! endpoint = "tcp://127.0.0.1:5557"
 //! worker_id = 7587886582197386541
@@ -98,6 +101,10 @@ pub struct AgentConfig {
     /// eBPF tracing of NIXL (default off). Env: `KVSCOPE_AGENT_NIXL` (`1`/`true`),
     /// `KVSCOPE_AGENT_NIXL_LIBS` (comma-separated paths), `KVSCOPE_AGENT_NIXL_PID`.
     pub nixl: NixlTraceConfig,
+    /// OTLP export of the agent's metrics and NIXL spans (default off: no endpoint).
+    /// Env: the standard `OTEL_EXPORTER_OTLP_*`, `OTEL_SERVICE_NAME`, ... (see
+    /// `kvscope_otlp::config`).
+    pub otlp: kvscope_otlp::OtlpConfig,
 }
 
 /// One engine publisher and the worker it belongs to.
@@ -165,6 +172,7 @@ impl Default for AgentConfig {
             kv_reorder_window_ms: None,
             shutdown_grace_secs: 5.0,
             nixl: NixlTraceConfig::default(),
+            otlp: kvscope_otlp::OtlpConfig::default(),
         }
     }
 }
@@ -265,6 +273,7 @@ impl AgentConfig {
             self.nixl.pid = Some(parse("KVSCOPE_AGENT_NIXL_PID", &v)?);
             self.nixl.enabled = true;
         }
+        self.otlp.apply_env(&var)?;
         Ok(())
     }
 
@@ -304,6 +313,7 @@ impl AgentConfig {
             self.nixl.report_interval_secs.is_finite() && self.nixl.report_interval_secs > 0.0,
             "nixl.report_interval_secs must be > 0"
         );
+        self.otlp.validate()?;
         Ok(())
     }
 }
@@ -342,6 +352,7 @@ mod tests {
             }]
         );
         assert_eq!(c.metrics_listen.as_deref(), Some("127.0.0.1:9464"));
+        assert!(c.otlp.target(kvscope_otlp::Signal::Metrics).is_some());
     }
 
     #[test]

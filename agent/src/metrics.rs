@@ -11,10 +11,9 @@ use std::sync::Arc;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
-/// The exposition text.
-pub fn render(agent: &str, stats: &AgentStats, buffered: usize) -> String {
+/// The agent's own counters and its buffer.
+pub fn write(out: &mut Exposition, agent: &str, stats: &AgentStats, buffered: usize) {
     let agent_labels = labels(&[("agent", agent)]);
-    let mut out = Exposition::new(Format::Text);
     for (name, help, value) in stats.named() {
         out.single_counter(&format!("kvscope_agent_{name}"), help, &agent_labels, value);
     }
@@ -24,7 +23,6 @@ pub fn render(agent: &str, stats: &AgentStats, buffered: usize) -> String {
         &agent_labels,
         buffered,
     );
-    out.finish()
 }
 
 fn histogram(out: &mut Exposition, name: &str, labels: &str, l: &MergedLatency) {
@@ -44,8 +42,7 @@ struct Summed {
 /// peer, method and status; probe health. Label values are bounded by the fleet: NIXL
 /// agent names, ops, stages, methods and `nixl_status_t` names. Processes are summed
 /// (no `pid` label): a restarted worker keeps its series instead of adding new ones.
-pub fn render_nixl(agent: &str, r: &NixlReport) -> String {
-    let mut out = Exposition::new(Format::Text);
+pub fn write_nixl(out: &mut Exposition, agent: &str, r: &NixlReport) {
     let mut transfers: BTreeMap<(&str, &str, &str, &str, &str), Summed> = BTreeMap::new();
     for t in &r.transfers {
         let key = (
@@ -91,7 +88,7 @@ pub fn render_nixl(agent: &str, r: &NixlReport) -> String {
         "NIXL transfer post to terminal status.",
     );
     for (k, t) in transfers.iter().filter(|(_, t)| t.latency.count > 0) {
-        histogram(&mut out, name, &xfer_labels(k), &t.latency);
+        histogram(out, name, &xfer_labels(k), &t.latency);
     }
     let mut calls: BTreeMap<(&str, &str, &str, &str), Summed> = BTreeMap::new();
     for c in &r.calls {
@@ -132,7 +129,7 @@ pub fn render_nixl(agent: &str, r: &NixlReport) -> String {
     let name = "kvscope_agent_nixl_call_latency_seconds";
     out.family(name, Kind::Histogram, "NIXL call latency.");
     for (k, c) in calls.iter().filter(|(_, c)| c.latency.count > 0) {
-        histogram(&mut out, name, &call_labels(k), &c.latency);
+        histogram(out, name, &call_labels(k), &c.latency);
     }
     let agent_labels = labels(&[("agent", agent)]);
     out.single_counter(
@@ -163,24 +160,37 @@ pub fn render_nixl(agent: &str, r: &NixlReport) -> String {
         ]);
         out.gauge(name, &l_labels, u8::from(l.degraded.is_none()));
     }
-    out.finish()
 }
 
-pub async fn serve(
-    listener: TcpListener,
+/// Everything `/metrics` shows, rendered at each call in the format asked for: the one
+/// source of both `/metrics` (text format) and the OTLP metrics export.
+pub type Render = Arc<dyn Fn(Format) -> String + Send + Sync>;
+
+/// The agent's [`Render`]: its counters, the NIXL probes' figures, the OTLP export health.
+pub fn exposition(
     agent: String,
     stats: Arc<AgentStats>,
     sink: Arc<RecordSink>,
     nixl: Option<Arc<NixlTracer>>,
-) {
+    otlp: Arc<kvscope_otlp::ExportStats>,
+) -> Render {
+    Arc::new(move |format| {
+        let mut out = Exposition::new(format);
+        write(&mut out, &agent, &stats, sink.buffered());
+        if let Some(t) = &nixl {
+            write_nixl(&mut out, &agent, &t.report());
+        }
+        otlp.write_prometheus(&mut out, "kvscope_agent", &labels(&[("agent", &agent)]));
+        out.finish()
+    })
+}
+
+pub async fn serve(listener: TcpListener, render: Render) {
     loop {
         let Ok((mut conn, _)) = listener.accept().await else {
             continue;
         };
-        let mut body = render(&agent, &stats, sink.buffered());
-        if let Some(t) = &nixl {
-            body.push_str(&render_nixl(&agent, &t.report()));
-        }
+        let body = render(Format::Text);
         tokio::spawn(async move {
             let mut head = Vec::new();
             let mut buf = [0u8; 1024];
@@ -239,7 +249,9 @@ mod tests {
             transfers: vec![xfer(11, 2), xfer(12, 3)],
             ..NixlReport::default()
         };
-        let text = render_nixl("node", &r);
+        let mut out = Exposition::new(Format::Text);
+        write_nixl(&mut out, "node", &r);
+        let text = out.finish();
         let l = "agent=\"node\",local_agent=\"d0\",remote_agent=\"d1\",op=\"READ\",stage=\"complete\",status=\"SUCCESS\"";
         assert!(
             text.contains(&format!("kvscope_agent_nixl_transfers_total{{{l}}} 5\n")),
@@ -258,7 +270,9 @@ mod tests {
     fn renders_every_counter() {
         let s = AgentStats::default();
         crate::counters::add(&s.kv_batches, 4);
-        let text = render("n\"1", &s, 2);
+        let mut out = Exposition::new(Format::Text);
+        write(&mut out, "n\"1", &s, 2);
+        let text = out.finish();
         assert!(text.contains("kvscope_agent_kv_batches_total{agent=\"n\\\"1\"} 4\n"));
         assert!(text.contains("kvscope_agent_buffered_records{agent=\"n\\\"1\"} 2\n"));
         assert_eq!(text.matches("_total{").count(), s.named().len());

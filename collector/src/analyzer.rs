@@ -779,11 +779,9 @@ mod tests {
         assert_eq!(t.workers[&w(1)].spills_out, 1);
         assert_eq!(t.workers[&w(2)].spills_in, 1);
         assert_eq!(t.workers[&w(2)].cached_prompt_tokens, 0);
-        let text = crate::metrics::render(
-            &a,
-            &crate::bus::BusStatus::default(),
-            kvscope_wire::prom::Format::OpenMetrics,
-        );
+        let mut out = kvscope_wire::prom::Exposition::new(kvscope_wire::prom::Format::OpenMetrics);
+        crate::metrics::write(&mut out, &a, &crate::bus::BusStatus::default());
+        let text = out.finish();
         for line in [
             "kvscope_spill_true_delta_tokens_bucket{le=\"16\"} 1\n",
             "kvscope_spill_true_delta_tokens_sum 6\n",

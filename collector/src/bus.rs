@@ -49,6 +49,10 @@ pub struct Shared {
     pub analyzer: Mutex<FleetAnalyzer>,
     pub bus: Mutex<BusStatus>,
     pub recorder: Mutex<Option<RecordingWriter>>,
+    /// OTLP export health, shown on `/metrics`.
+    pub otlp: Arc<kvscope_otlp::ExportStats>,
+    /// Where verdict and migration spans go, once OTLP export has started.
+    pub spans: std::sync::OnceLock<kvscope_otlp::SpanSink>,
 }
 
 impl Shared {
@@ -57,6 +61,8 @@ impl Shared {
             analyzer: Mutex::new(analyzer),
             bus: Mutex::new(BusStatus::default()),
             recorder: Mutex::new(recorder),
+            otlp: Arc::default(),
+            spans: std::sync::OnceLock::new(),
         })
     }
 
@@ -64,11 +70,18 @@ impl Shared {
     fn apply_payload(&self, payload: &[u8], seq: u64) {
         match Envelope::from_json(payload) {
             Ok(env) => {
-                {
+                let verdict = {
                     let mut analyzer = lock(&self.analyzer);
-                    if analyzer.apply(&env).is_some() {
+                    let verdict = analyzer.apply(&env);
+                    if verdict.is_some() {
                         // Readers see the verdict once this lock is released.
                         analyzer.stamp_latest_verdict(kvscope_wire::now_ns());
+                    }
+                    verdict
+                };
+                if let Some(sink) = self.spans.get().filter(|s| s.enabled()) {
+                    if !lock(&self.bus).rebuilding {
+                        crate::spans::record(sink, &env, verdict.as_ref(), seq);
                     }
                 }
                 let mut recorder = lock(&self.recorder);

@@ -9,6 +9,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use kvscope_wire::recording::RecordingWriter;
 use kvscope_wire::Subjects;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 use tracing::{error, info};
 
@@ -16,7 +17,7 @@ use tracing::{error, info};
 /// migratable delta per request, and serves them as Prometheus metrics, a JSON API and
 /// dry-run opportunity reports.
 #[derive(Parser, Debug)]
-#[command(name = "kvscope-collector", version)]
+#[command(name = "kvscope-collector", version, after_help = kvscope_otlp::HELP)]
 pub struct Cli {
     /// TOML config file (see README, "Collector configuration"). Flags and
     /// KVSCOPE_COLLECTOR_* variables override it.
@@ -38,6 +39,7 @@ pub struct Cli {
 #[derive(Subcommand, Debug)]
 pub enum Command {
     /// Consume records from NATS JetStream and serve /metrics and the JSON API until stopped.
+    #[command(after_help = kvscope_otlp::HELP)]
     Run {
         /// NATS server URL (default nats://127.0.0.1:4222).
         #[arg(long, env = "KVSCOPE_COLLECTOR_NATS_URL")]
@@ -80,6 +82,9 @@ pub enum Format {
 
 pub async fn run(cli: Cli) -> anyhow::Result<()> {
     let mut cfg = CollectorConfig::load(cli.config.as_deref())?;
+    cfg.otlp
+        .apply_env(|k| std::env::var(k).ok())
+        .context("bad OTEL_* environment variable")?;
     if let Some(v) = cli.window_secs {
         cfg.analyzer.window_secs = v;
     }
@@ -159,6 +164,26 @@ async fn serve(cfg: CollectorConfig) -> anyhow::Result<()> {
         })?;
     info!(listen = %listener.local_addr()?, "Serving /metrics and /api.");
     let app = server::router(shared.clone());
+    let otlp = {
+        let s = shared.clone();
+        kvscope_otlp::OtlpExport::start(
+            &cfg.otlp,
+            kvscope_otlp::ServiceIdentity {
+                name: "kvscope-collector",
+                version: env!("CARGO_PKG_VERSION"),
+                instance_id: format!("{}/{}", kvscope_otlp::host_name(), cfg.durable_name),
+                attributes: vec![("kvscope.cluster".into(), cfg.cluster.clone())],
+            },
+            Arc::new(move || {
+                crate::metrics::exposition(&s, kvscope_wire::prom::Format::OpenMetrics)
+            }),
+            shared.otlp.clone(),
+        )
+        .context("cannot start OTLP export")?
+    };
+    if let Some(o) = &otlp {
+        let _ = shared.spans.set(o.spans());
+    }
     let http = tokio::spawn(async move { axum::serve(listener, app).await });
     let bus_cfg = BusConfig {
         nats_url: cfg.nats_url.clone(),
@@ -190,6 +215,9 @@ async fn serve(cfg: CollectorConfig) -> anyhow::Result<()> {
     };
     flusher.abort();
     shared.flush_recording();
+    if let Some(o) = otlp {
+        o.shutdown(Duration::from_secs(5)).await;
+    }
     if let Some(dir) = &cfg.report_dir {
         let report = OpportunityReport::from_analyzer(&bus::lock(&shared.analyzer));
         if let Err(e) = write_report(dir, &report) {

@@ -27,6 +27,9 @@ pub struct CollectorConfig {
     /// Maximum age of records in the stream (when this collector creates it).
     pub stream_max_age_secs: u64,
     pub analyzer: AnalyzerConfig,
+    /// OTLP export of the collector's metrics and spans (default off: no endpoint). The
+    /// standard `OTEL_EXPORTER_OTLP_*` variables override it (see `kvscope_otlp::config`).
+    pub otlp: kvscope_otlp::OtlpConfig,
 }
 
 impl Default for CollectorConfig {
@@ -40,6 +43,7 @@ impl Default for CollectorConfig {
             report_dir: None,
             stream_max_age_secs: 24 * 3600,
             analyzer: AnalyzerConfig::default(),
+            otlp: kvscope_otlp::OtlpConfig::default(),
         }
     }
 }

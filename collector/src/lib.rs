@@ -15,5 +15,6 @@ pub mod nixl;
 pub mod replay;
 pub mod report;
 pub mod server;
+pub mod spans;
 pub mod verdict;
 pub mod window;

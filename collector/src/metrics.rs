@@ -10,9 +10,20 @@ use crate::analyzer::{FleetAnalyzer, TokenHistogram, TOKEN_BOUNDS};
 use crate::bus::BusStatus;
 use kvscope_wire::prom::{labels, Exposition, Format, Kind};
 
-/// Render the exposition text for the current state, in `format`.
-pub fn render(a: &FleetAnalyzer, bus: &BusStatus, format: Format) -> String {
+/// Everything `/metrics` shows, in `format`: the figures and the OTLP export health.
+/// The one source of both `/metrics` and the OTLP metrics export.
+pub fn exposition(shared: &crate::bus::Shared, format: Format) -> String {
+    let bus = crate::bus::lock(&shared.bus).clone();
     let mut out = Exposition::new(format);
+    write(&mut out, &crate::bus::lock(&shared.analyzer), &bus);
+    shared
+        .otlp
+        .write_prometheus(&mut out, "kvscope_collector", "");
+    out.finish()
+}
+
+/// The collector's figures for the current state.
+pub fn write(out: &mut Exposition, a: &FleetAnalyzer, bus: &BusStatus) {
     let c = a.counters();
     let counters: [(&str, &str, u64); 20] = [
         ("kvscope_collector_records", "Records applied.", c.records),
@@ -126,13 +137,13 @@ pub fn render(a: &FleetAnalyzer, bus: &BusStatus, format: Format) -> String {
         t.uncached_prefill_tokens,
     );
     token_histogram(
-        &mut out,
+        out,
         "kvscope_spill_true_delta_tokens",
         "True delta per spill: (overlap_best - overlap_chosen) x block size, what a migration would save.",
         &t.true_delta,
     );
     token_histogram(
-        &mut out,
+        out,
         "kvscope_spill_upper_bound_tokens",
         "Upper bound per spill: overlap_best x block size (the fork's migratable_tokens).",
         &t.upper_bound,
@@ -374,8 +385,7 @@ pub fn render(a: &FleetAnalyzer, bus: &BusStatus, format: Format) -> String {
             st.last_seen_ns as f64 / 1e9,
         );
     }
-    crate::nixl::render(&mut out, &crate::nixl::pairs(a.agents()));
-    out.finish()
+    crate::nixl::render(out, &crate::nixl::pairs(a.agents()));
 }
 
 fn token_histogram(out: &mut Exposition, name: &str, help: &str, h: &TokenHistogram) {

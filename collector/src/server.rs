@@ -33,8 +33,7 @@ async fn metrics_text(
     let format = kvscope_wire::prom::Format::negotiate(
         headers.get(header::ACCEPT).and_then(|v| v.to_str().ok()),
     );
-    let bus = lock(&s.bus).clone();
-    let body = metrics::render(&lock(&s.analyzer), &bus, format);
+    let body = metrics::exposition(&s, format);
     ([(header::CONTENT_TYPE, format.content_type())], body)
 }
 

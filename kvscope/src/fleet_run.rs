@@ -23,6 +23,9 @@ pub struct FleetRunConfig {
     /// Collector window length and warm-up, in seconds.
     pub window_secs: f64,
     pub warmup_secs: f64,
+    /// Extra environment of the agent and of the collector (e.g. `OTEL_*`).
+    pub agent_env: Vec<(String, String)>,
+    pub collector_env: Vec<(String, String)>,
 }
 
 pub struct FleetRun {
@@ -123,7 +126,8 @@ impl FleetRun {
             .args(["--listen", &self.collector_listen])
             .arg("--record")
             .arg(&self.recording)
-            .env("RUST_LOG", "info");
+            .env("RUST_LOG", "info")
+            .envs(self.cfg.collector_env.iter().map(|(k, v)| (k, v)));
         let log = self.run_dir().join("collector.log");
         self.collector = Some(ManagedProcess::spawn("collector", cmd, &log)?);
         Ok(())
@@ -146,7 +150,8 @@ impl FleetRun {
             .arg("--from-start")
             .arg("--record")
             .arg(&self.agent_recording)
-            .env("RUST_LOG", "info");
+            .env("RUST_LOG", "info")
+            .envs(self.cfg.agent_env.iter().map(|(k, v)| (k, v)));
         for w in lab.workers() {
             cmd.arg("--kv")
                 .arg(format!("{}={}", w.kv_events_endpoint, w.worker_id));

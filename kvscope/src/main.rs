@@ -125,6 +125,8 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
             lab,
             window_secs: args.window_secs,
             warmup_secs: args.warmup_secs,
+            agent_env: Vec::new(),
+            collector_env: Vec::new(),
         },
     )
     .await?;

@@ -104,6 +104,8 @@ async fn spills_go_live_migrate_over_nixl_and_handshake_failures_drop_to_dry() {
             lab,
             window_secs: WINDOW_SECS,
             warmup_secs: WINDOW_SECS,
+            agent_env: Vec::new(),
+            collector_env: Vec::new(),
         },
         |lab| {
             let mut args = vec!["--nixl-lib".to_string(), libnixl.clone()];

@@ -136,6 +136,8 @@ async fn every_dashboard_panel_has_data_from_a_real_prometheus() {
             lab,
             window_secs: 2.0,
             warmup_secs: 2.0,
+            agent_env: Vec::new(),
+            collector_env: Vec::new(),
         },
         |_| {
             Ok(vec![

@@ -44,6 +44,8 @@ async fn lab_fleet_end_to_end_with_a_collector_crash() {
             lab,
             window_secs: WINDOW_SECS,
             warmup_secs: WINDOW_SECS,
+            agent_env: Vec::new(),
+            collector_env: Vec::new(),
         },
     )
     .await

@@ -132,6 +132,27 @@ fn op_name(op: Option<i32>) -> &'static str {
     }
 }
 
+/// One transfer or call the probes saw end: what a span shows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Observed<'a> {
+    pub pid: u32,
+    pub local: &'a str,
+    pub remote: &'a str,
+    pub what: ObservedKind,
+    pub status: i32,
+    pub bytes: u64,
+    /// Post → terminal status for a transfer, entry → return for a call.
+    pub latency_ns: Option<u64>,
+    /// The probe's clock (`bpf_ktime_get_ns`) when it saw the end.
+    pub ts_ns: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ObservedKind {
+    Transfer { op: &'static str, stage: XferStage },
+    Call(NixlCall),
+}
+
 /// The fold.
 #[derive(Debug, Default)]
 pub struct NixlAggregator {
@@ -158,7 +179,14 @@ impl NixlAggregator {
             .unwrap_or_else(|| UNKNOWN_AGENT.to_string())
     }
 
-    fn count_transfer(&mut self, pid: u32, info: &RequestInfo, stage: XferStage, e: &NixlEvent) {
+    fn count_transfer(
+        &mut self,
+        pid: u32,
+        info: &RequestInfo,
+        stage: XferStage,
+        e: &NixlEvent,
+        observe: &mut dyn FnMut(Observed<'_>),
+    ) {
         let key = TransferKey {
             pid,
             local: info.local.clone(),
@@ -178,6 +206,19 @@ impl NixlAggregator {
             .entry(key)
             .or_insert_with(Tally::new)
             .add(bytes, descs, latency);
+        observe(Observed {
+            pid,
+            local: &info.local,
+            remote: &info.remote,
+            what: ObservedKind::Transfer {
+                op: op_name(info.op),
+                stage,
+            },
+            status: e.status,
+            bytes,
+            latency_ns: latency,
+            ts_ns: e.ts_ns,
+        });
     }
 
     /// Processes with agents or requests in flight.
@@ -202,6 +243,11 @@ impl NixlAggregator {
 
     /// Apply one probe event.
     pub fn apply(&mut self, e: &NixlEvent) {
+        self.apply_observing(e, &mut |_| {});
+    }
+
+    /// Apply one probe event; `observe` sees the transfer or call it ends, if any.
+    pub fn apply_observing(&mut self, e: &NixlEvent, observe: &mut dyn FnMut(Observed<'_>)) {
         let pid = e.pid;
         match e.kind {
             EventKind::AgentNew | EventKind::AgentSeen => {
@@ -224,7 +270,7 @@ impl NixlAggregator {
                 if e.status == 0 && e.req != 0 {
                     self.requests.insert((pid, e.req), info);
                 } else {
-                    self.count_transfer(pid, &info, XferStage::Create, e);
+                    self.count_transfer(pid, &info, XferStage::Create, e, observe);
                 }
             }
             EventKind::XferPost => {
@@ -250,15 +296,15 @@ impl NixlAggregator {
                 let info = info.clone();
                 match e.status {
                     1 => {} // in progress: the completion comes from getXferStatus
-                    0 => self.count_transfer(pid, &info, XferStage::Complete, e),
-                    _ => self.count_transfer(pid, &info, XferStage::Post, e),
+                    0 => self.count_transfer(pid, &info, XferStage::Complete, e, observe),
+                    _ => self.count_transfer(pid, &info, XferStage::Post, e, observe),
                 }
             }
             EventKind::XferDone => match self.requests.get_mut(&(pid, e.req)) {
                 Some(info) => {
                     info.awaiting = false;
                     let info = info.clone();
-                    self.count_transfer(pid, &info, XferStage::Complete, e)
+                    self.count_transfer(pid, &info, XferStage::Complete, e, observe)
                 }
                 None => self.unattributed += 1,
             },
@@ -268,7 +314,7 @@ impl NixlAggregator {
                     let info = info.unwrap_or_default();
                     let mut ev = e.clone();
                     ev.status = 1;
-                    self.count_transfer(pid, &info, XferStage::ReleasedInFlight, &ev);
+                    self.count_transfer(pid, &info, XferStage::ReleasedInFlight, &ev, observe);
                 } else if info.is_some_and(|i| i.awaiting) {
                     // In progress here, yet the probes' in-flight entry is gone: its
                     // completion was lost (the BPF map evicted it). Counted, not hidden.
@@ -292,6 +338,16 @@ impl NixlAggregator {
                     u64::from(e.descs),
                     Some(e.latency_ns),
                 );
+                observe(Observed {
+                    pid,
+                    local: &self.local_name(pid, e.agent),
+                    remote: &e.name,
+                    what: ObservedKind::Call(call),
+                    status: e.status,
+                    bytes: e.bytes,
+                    latency_ns: Some(e.latency_ns),
+                    ts_ns: e.ts_ns,
+                });
             }
         }
     }

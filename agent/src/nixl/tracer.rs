@@ -7,6 +7,7 @@ use super::discovery::{self, FileId};
 use super::event::NixlEvent;
 use super::library::NixlLibrary;
 use super::probes::{AttachScope, LoadedProbes};
+use super::spans::NixlSpans;
 use aya::maps::{MapData, RingBuf};
 use kvscope_wire::nixl::{NixlLibraryStatus, NixlReport};
 use serde::{Deserialize, Serialize};
@@ -59,6 +60,8 @@ struct State {
     malformed: u64,
     /// When a traced process was first seen gone.
     exited_at: std::collections::HashMap<u32, std::time::Instant>,
+    /// Spans of transfers and handshakes, once OTLP trace export is on.
+    spans: Option<NixlSpans>,
 }
 
 struct Attached {
@@ -170,6 +173,13 @@ impl NixlTracer {
         r.events_lost = lost;
         r.events_malformed += st.malformed;
         r
+    }
+
+    /// Send a span per transfer and handshake from now on (rate-capped by the sink).
+    pub fn set_spans(&self, spans: NixlSpans) {
+        if spans.sink.enabled() {
+            lock(&self.state).spans = Some(spans);
+        }
     }
 
     /// Libraries with probes attached.
@@ -319,12 +329,30 @@ async fn read_ring(ring: RingBuf<MapData>, state: Arc<Mutex<State>>) {
         if batch.is_empty() {
             continue;
         }
+        // Span times: the newest event of the batch happened about now (the ring is
+        // drained at least every DRAIN_INTERVAL); the others that much earlier by the
+        // probes' own clock.
+        let now = kvscope_otlp::now_ns();
+        let newest = batch
+            .iter()
+            .filter_map(|e| e.as_ref().ok().map(|e| e.ts_ns))
+            .max()
+            .unwrap_or(0);
         let mut st = lock(&state);
+        let State {
+            aggregator,
+            spans,
+            malformed,
+            ..
+        } = &mut *st;
         for e in batch {
-            match e {
-                Ok(e) => st.aggregator.apply(&e),
-                Err(err) => {
-                    st.malformed += 1;
+            match (e, spans.as_ref()) {
+                (Ok(e), Some(spans)) => aggregator.apply_observing(&e, &mut |o| {
+                    spans.record(&o, now.saturating_sub(newest.saturating_sub(o.ts_ns)))
+                }),
+                (Ok(e), None) => aggregator.apply(&e),
+                (Err(err), _) => {
+                    *malformed += 1;
                     tracing::debug!("{err}");
                 }
             }

@@ -1,0 +1,84 @@
+//! OTLP spans of NIXL transfers and handshakes as the probes see them end.
+//!
+//! At lab rates a node can make tens of thousands of transfers per second; the figures
+//! on `/metrics` (and in the OTLP metrics) stay exact, while spans are a bounded sample:
+//! the [`SpanSink`]'s per-second cap admits the first spans of each second and counts
+//! the rest (`kvscope_agent_otlp_spans_dropped_total{reason="rate_cap"}`), before any
+//! span is built.
+
+use super::aggregate::{Observed, ObservedKind};
+use kvscope_otlp::proto::trace::v1::{span, Span, Status};
+use kvscope_otlp::{attr_int, attr_str, span_id, trace_id, SpanSink};
+use kvscope_wire::nixl::{XferStage, HANDSHAKE_CALLS};
+
+/// Span name of a transfer.
+pub const TRANSFER_SPAN: &str = "nixl.transfer";
+/// Span names of handshakes: `nixl.` + the `nixlAgent` method.
+pub const HANDSHAKE_SPAN_PREFIX: &str = "nixl.";
+
+/// Where the tracer sends spans, and the agent they come from.
+#[derive(Clone)]
+pub struct NixlSpans {
+    pub sink: SpanSink,
+    pub agent_id: String,
+}
+
+impl NixlSpans {
+    /// A span for a transfer or a handshake (other calls — notifications, memory
+    /// registration — have figures, not spans). `end_ns` is the wall-clock end.
+    pub fn record(&self, o: &Observed<'_>, end_ns: u64) {
+        let name = match o.what {
+            ObservedKind::Transfer { .. } => TRANSFER_SPAN.to_string(),
+            ObservedKind::Call(c) if HANDSHAKE_CALLS.contains(&c.name()) => {
+                format!("{HANDSHAKE_SPAN_PREFIX}{}", c.name())
+            }
+            ObservedKind::Call(_) => return,
+        };
+        if !self.sink.admit() {
+            return;
+        }
+        self.sink.push_admitted(self.span(name, o, end_ns));
+    }
+
+    fn span(&self, name: String, o: &Observed<'_>, end_ns: u64) -> Span {
+        let start_ns = end_ns.saturating_sub(o.latency_ns.unwrap_or(0));
+        let mut attributes = vec![
+            attr_str("kvscope.agent.id", self.agent_id.clone()),
+            attr_int("process.pid", o.pid),
+            attr_str("nixl.local_agent", o.local),
+            attr_str("nixl.remote_agent", o.remote),
+            attr_str("nixl.status", super::event::status_name(o.status)),
+            attr_int("nixl.status_code", o.status),
+            attr_int("nixl.bytes", o.bytes),
+        ];
+        let failed = match o.what {
+            ObservedKind::Transfer { op, stage } => {
+                attributes.push(attr_str("nixl.op", op));
+                attributes.push(attr_str("nixl.stage", stage.as_str()));
+                o.status < 0 || stage == XferStage::ReleasedInFlight
+            }
+            ObservedKind::Call(c) => {
+                attributes.push(attr_str("nixl.call", c.name()));
+                o.status < 0
+            }
+        };
+        let key = format!(
+            "nixl/{}/{}/{}/{}/{}",
+            self.agent_id, o.pid, o.local, o.remote, o.ts_ns
+        );
+        Span {
+            trace_id: trace_id(&key),
+            span_id: span_id(&key),
+            name,
+            kind: span::SpanKind::Client as i32,
+            start_time_unix_nano: start_ns,
+            end_time_unix_nano: end_ns,
+            attributes,
+            status: failed.then(|| Status {
+                message: super::event::status_name(o.status).to_string(),
+                code: 2, // STATUS_CODE_ERROR
+            }),
+            ..Default::default()
+        }
+    }
+}

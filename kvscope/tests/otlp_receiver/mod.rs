@@ -1,0 +1,233 @@
+//! An OTLP receiver for tests: the gRPC MetricsService and TraceService of
+//! `opentelemetry-proto` (tonic), and the OTLP/HTTP protobuf endpoints (`/v1/metrics`,
+//! `/v1/traces`, axum + prost), on 127.0.0.1 with ephemeral ports. It keeps every
+//! request it receives.
+
+#![allow(dead_code)]
+
+use axum::body::Bytes;
+use axum::routing::post;
+use kvscope_otlp::proto::collector::metrics::v1::metrics_service_server::{
+    MetricsService, MetricsServiceServer,
+};
+use kvscope_otlp::proto::collector::metrics::v1::{
+    ExportMetricsServiceRequest, ExportMetricsServiceResponse,
+};
+use kvscope_otlp::proto::collector::trace::v1::trace_service_server::{
+    TraceService, TraceServiceServer,
+};
+use kvscope_otlp::proto::collector::trace::v1::{
+    ExportTraceServiceRequest, ExportTraceServiceResponse,
+};
+use kvscope_otlp::proto::common::v1::{any_value, KeyValue};
+use kvscope_otlp::proto::metrics::v1::Metric;
+use kvscope_otlp::proto::trace::v1::Span;
+use prost::Message as _;
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+
+/// How a request arrived.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Via {
+    Grpc,
+    Http,
+}
+
+#[derive(Default)]
+pub struct Inbox {
+    pub metrics: Mutex<Vec<(Via, ExportMetricsServiceRequest)>>,
+    pub traces: Mutex<Vec<(Via, ExportTraceServiceRequest)>>,
+}
+
+#[derive(Clone)]
+struct Grpc(Arc<Inbox>);
+
+#[tonic::async_trait]
+impl MetricsService for Grpc {
+    async fn export(
+        &self,
+        r: tonic::Request<ExportMetricsServiceRequest>,
+    ) -> Result<tonic::Response<ExportMetricsServiceResponse>, tonic::Status> {
+        self.0
+            .metrics
+            .lock()
+            .unwrap()
+            .push((Via::Grpc, r.into_inner()));
+        Ok(tonic::Response::new(ExportMetricsServiceResponse::default()))
+    }
+}
+
+#[tonic::async_trait]
+impl TraceService for Grpc {
+    async fn export(
+        &self,
+        r: tonic::Request<ExportTraceServiceRequest>,
+    ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+        self.0
+            .traces
+            .lock()
+            .unwrap()
+            .push((Via::Grpc, r.into_inner()));
+        Ok(tonic::Response::new(ExportTraceServiceResponse::default()))
+    }
+}
+
+pub struct Receiver {
+    pub inbox: Arc<Inbox>,
+    /// gRPC endpoint, e.g. `http://127.0.0.1:PORT`.
+    pub grpc_url: String,
+    /// OTLP/HTTP base, e.g. `http://127.0.0.1:PORT` (`/v1/…` appended by the exporter).
+    pub http_url: String,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Drop for Receiver {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+fn protobuf(body: Vec<u8>) -> impl axum::response::IntoResponse {
+    ([("content-type", "application/x-protobuf")], body)
+}
+
+impl Receiver {
+    pub async fn start() -> Self {
+        let inbox = Arc::new(Inbox::default());
+        let incoming = tonic::transport::server::TcpIncoming::bind("127.0.0.1:0".parse().unwrap())
+            .expect("bind the gRPC receiver");
+        let grpc_url = format!("http://{}", incoming.local_addr().unwrap());
+        let svc = Grpc(inbox.clone());
+        let grpc = tokio::spawn(async move {
+            tonic::transport::Server::builder()
+                .add_service(MetricsServiceServer::new(svc.clone()))
+                .add_service(TraceServiceServer::new(svc))
+                .serve_with_incoming(incoming)
+                .await
+                .expect("the gRPC receiver runs");
+        });
+        let (m, t) = (inbox.clone(), inbox.clone());
+        let app = axum::Router::new()
+            .route(
+                "/v1/metrics",
+                post(move |body: Bytes| {
+                    let m = m.clone();
+                    async move {
+                        let req = ExportMetricsServiceRequest::decode(body)
+                            .expect("a protobuf ExportMetricsServiceRequest");
+                        m.metrics.lock().unwrap().push((Via::Http, req));
+                        protobuf(ExportMetricsServiceResponse::default().encode_to_vec())
+                    }
+                }),
+            )
+            .route(
+                "/v1/traces",
+                post(move |body: Bytes| {
+                    let t = t.clone();
+                    async move {
+                        let req = ExportTraceServiceRequest::decode(body)
+                            .expect("a protobuf ExportTraceServiceRequest");
+                        t.traces.lock().unwrap().push((Via::Http, req));
+                        protobuf(ExportTraceServiceResponse::default().encode_to_vec())
+                    }
+                }),
+            );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let http_url = format!("http://{}", listener.local_addr().unwrap());
+        let http = tokio::spawn(async move {
+            axum::serve(listener, app)
+                .await
+                .expect("the HTTP receiver runs");
+        });
+        Self {
+            inbox,
+            grpc_url,
+            http_url,
+            tasks: vec![grpc, http],
+        }
+    }
+
+    /// Every metrics export from `service` (by `service.name`): (via, resource
+    /// attributes, time of its data, metrics).
+    pub fn metric_exports(&self, service: &str) -> Vec<MetricExport> {
+        self.inbox
+            .metrics
+            .lock()
+            .unwrap()
+            .iter()
+            .flat_map(|(via, r)| r.resource_metrics.iter().map(move |rm| (*via, rm)))
+            .map(|(via, rm)| {
+                let resource = string_attrs(&rm.resource.as_ref().unwrap().attributes);
+                let metrics: Vec<Metric> = rm
+                    .scope_metrics
+                    .iter()
+                    .flat_map(|s| s.metrics.clone())
+                    .collect();
+                MetricExport {
+                    via,
+                    time_ns: metrics.iter().filter_map(point_time).max().unwrap_or(0),
+                    resource,
+                    metrics,
+                }
+            })
+            .filter(|e| e.resource.get("service.name").map(String::as_str) == Some(service))
+            .collect()
+    }
+
+    /// Every span from `service`, with its resource attributes and how it came.
+    pub fn spans(&self, service: &str) -> Vec<(Via, BTreeMap<String, String>, Span)> {
+        self.inbox
+            .traces
+            .lock()
+            .unwrap()
+            .iter()
+            .flat_map(|(via, r)| r.resource_spans.iter().map(move |rs| (*via, rs)))
+            .filter_map(|(via, rs)| {
+                let res = string_attrs(&rs.resource.as_ref()?.attributes);
+                (res.get("service.name").map(String::as_str) == Some(service)).then(|| {
+                    rs.scope_spans
+                        .iter()
+                        .flat_map(|s| s.spans.clone())
+                        .map(|s| (via, res.clone(), s))
+                        .collect::<Vec<_>>()
+                })
+            })
+            .flatten()
+            .collect()
+    }
+}
+
+pub struct MetricExport {
+    pub via: Via,
+    pub time_ns: u64,
+    pub resource: BTreeMap<String, String>,
+    pub metrics: Vec<Metric>,
+}
+
+fn point_time(m: &Metric) -> Option<u64> {
+    use kvscope_otlp::proto::metrics::v1::metric::Data;
+    match m.data.as_ref()? {
+        Data::Sum(s) => s.data_points.first().map(|p| p.time_unix_nano),
+        Data::Gauge(g) => g.data_points.first().map(|p| p.time_unix_nano),
+        Data::Histogram(h) => h.data_points.first().map(|p| p.time_unix_nano),
+        _ => None,
+    }
+}
+
+/// Attributes as text (ints and bools printed).
+pub fn string_attrs(kv: &[KeyValue]) -> BTreeMap<String, String> {
+    kv.iter()
+        .map(|a| {
+            let v = match a.value.as_ref().and_then(|v| v.value.as_ref()) {
+                Some(any_value::Value::StringValue(s)) => s.clone(),
+                Some(any_value::Value::IntValue(i)) => i.to_string(),
+                Some(any_value::Value::BoolValue(b)) => b.to_string(),
+                Some(any_value::Value::DoubleValue(d)) => d.to_string(),
+                other => format!("{other:?}"),
+            };
+            (a.key.clone(), v)
+        })
+        .collect()
+}

@@ -1,0 +1,275 @@
+//! Sending OTLP requests: gRPC (tonic) or HTTP/protobuf (reqwest), with the configured
+//! headers and timeout, and the export health counters.
+
+use crate::config::{Protocol, SignalTarget};
+use kvscope_wire::prom::{Exposition, Kind};
+use opentelemetry_proto::tonic::collector::metrics::v1::{
+    metrics_service_client::MetricsServiceClient, ExportMetricsServiceRequest,
+    ExportMetricsServiceResponse,
+};
+use opentelemetry_proto::tonic::collector::trace::v1::{
+    trace_service_client::TraceServiceClient, ExportTraceServiceRequest, ExportTraceServiceResponse,
+};
+use prost::Message as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+use tonic::metadata::{MetadataKey, MetadataMap, MetadataValue};
+use tonic::transport::Channel;
+
+/// Why an export failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ExportError {
+    #[error("bad OTLP endpoint {url:?}: {reason}")]
+    Endpoint { url: String, reason: String },
+    #[error("OTLP header {0:?} is not a valid header name or value")]
+    Header(String),
+    #[error("OTLP export to {url} failed: {reason}")]
+    Send { url: String, reason: String },
+}
+
+/// Export health, shown on the process's `/metrics` (and so exported too).
+#[derive(Debug, Default)]
+pub struct ExportStats {
+    pub metric_exports: AtomicU64,
+    pub metric_export_failures: AtomicU64,
+    pub metric_points_rejected: AtomicU64,
+    /// Samples of `/metrics` that could not be converted (see `exposition`).
+    pub metric_samples_skipped: AtomicU64,
+    pub span_exports: AtomicU64,
+    pub span_export_failures: AtomicU64,
+    pub spans_exported: AtomicU64,
+    /// Spans in batches the receiver did not take (failed exports).
+    pub spans_failed: AtomicU64,
+    /// Spans the receiver reported as rejected (partial success).
+    pub spans_rejected: AtomicU64,
+    /// Spans over the `max_spans_per_second` cap.
+    pub spans_dropped_rate: AtomicU64,
+    /// Spans that found the export queue full (receiver slow or down).
+    pub spans_dropped_queue: AtomicU64,
+}
+
+pub(crate) fn add(c: &AtomicU64, n: u64) {
+    c.fetch_add(n, Ordering::Relaxed);
+}
+
+fn get(c: &AtomicU64) -> u64 {
+    c.load(Ordering::Relaxed)
+}
+
+impl ExportStats {
+    /// Write these counters, named `<prefix>_otlp_…`, with `labels` (already escaped
+    /// `k="v"` pairs, may be empty) on every sample, into the process's `/metrics`.
+    pub fn write_prometheus(&self, out: &mut Exposition, prefix: &str, labels: &str) {
+        let with = |extra: &str| match (labels.is_empty(), extra.is_empty()) {
+            (_, true) => labels.to_string(),
+            (true, false) => extra.to_string(),
+            (false, false) => format!("{labels},{extra}"),
+        };
+        let families: [(&str, &str, &[(&str, &AtomicU64)]); 6] = [
+            (
+                "exports",
+                "OTLP export requests that succeeded, by signal.",
+                &[
+                    ("signal=\"metrics\"", &self.metric_exports),
+                    ("signal=\"traces\"", &self.span_exports),
+                ],
+            ),
+            (
+                "export_failures",
+                "OTLP export requests that failed, by signal (see the log).",
+                &[
+                    ("signal=\"metrics\"", &self.metric_export_failures),
+                    ("signal=\"traces\"", &self.span_export_failures),
+                ],
+            ),
+            (
+                "rejected",
+                "Data points or spans the OTLP receiver rejected, by signal.",
+                &[
+                    ("signal=\"metrics\"", &self.metric_points_rejected),
+                    ("signal=\"traces\"", &self.spans_rejected),
+                ],
+            ),
+            (
+                "metric_samples_skipped",
+                "Samples of /metrics that could not be converted to OTLP.",
+                &[("", &self.metric_samples_skipped)],
+            ),
+            (
+                "spans_exported",
+                "Spans the OTLP receiver took.",
+                &[("", &self.spans_exported)],
+            ),
+            (
+                "spans_dropped",
+                "Spans not exported, by reason: export_failed, rate_cap (max_spans_per_second), queue_full (receiver slow or down).",
+                &[
+                    ("reason=\"export_failed\"", &self.spans_failed),
+                    ("reason=\"rate_cap\"", &self.spans_dropped_rate),
+                    ("reason=\"queue_full\"", &self.spans_dropped_queue),
+                ],
+            ),
+        ];
+        for (name, help, rows) in families {
+            let full = format!("{prefix}_otlp_{name}");
+            out.family(&full, Kind::Counter, help);
+            for (extra, v) in rows {
+                out.counter(&full, &with(extra), get(v));
+            }
+        }
+    }
+}
+
+enum Transport {
+    Grpc(Channel),
+    Http(reqwest::Client),
+}
+
+/// One signal's connection to its receiver.
+pub struct SignalExporter {
+    target: SignalTarget,
+    transport: Transport,
+    metadata: MetadataMap,
+    http_headers: reqwest::header::HeaderMap,
+}
+
+impl SignalExporter {
+    /// Check the target and prepare its connection (gRPC connects lazily, so a receiver
+    /// that is down does not stop the process; each export then fails and is counted).
+    pub fn new(target: SignalTarget) -> Result<Self, ExportError> {
+        let bad = |reason: String| ExportError::Endpoint {
+            url: target.url.clone(),
+            reason,
+        };
+        let mut metadata = MetadataMap::new();
+        let mut http_headers = reqwest::header::HeaderMap::new();
+        for (k, v) in &target.headers {
+            match target.protocol {
+                Protocol::Grpc => {
+                    let key = MetadataKey::from_bytes(k.to_ascii_lowercase().as_bytes())
+                        .map_err(|_| ExportError::Header(k.clone()))?;
+                    let val = MetadataValue::try_from(v.as_str())
+                        .map_err(|_| ExportError::Header(k.clone()))?;
+                    metadata.insert(key, val);
+                }
+                Protocol::HttpProtobuf => {
+                    let key = reqwest::header::HeaderName::from_bytes(k.as_bytes())
+                        .map_err(|_| ExportError::Header(k.clone()))?;
+                    let val = reqwest::header::HeaderValue::from_str(v)
+                        .map_err(|_| ExportError::Header(k.clone()))?;
+                    http_headers.insert(key, val);
+                }
+            }
+        }
+        let transport = match target.protocol {
+            Protocol::Grpc => {
+                if target.url.starts_with("https://") {
+                    return Err(bad(
+                        "this build has no TLS for gRPC: send to a local OpenTelemetry \
+                         Collector over http://, or use protocol http/protobuf"
+                            .into(),
+                    ));
+                }
+                let ep = tonic::transport::Endpoint::from_shared(target.url.clone())
+                    .map_err(|e| bad(e.to_string()))?
+                    .timeout(target.timeout)
+                    .connect_timeout(target.timeout);
+                Transport::Grpc(ep.connect_lazy())
+            }
+            Protocol::HttpProtobuf => {
+                reqwest::Url::parse(&target.url).map_err(|e| bad(e.to_string()))?;
+                if target.url.starts_with("https://") {
+                    return Err(bad(
+                        "this build has no TLS: send to a local OpenTelemetry Collector \
+                         over http://"
+                            .into(),
+                    ));
+                }
+                Transport::Http(
+                    reqwest::Client::builder()
+                        .timeout(target.timeout)
+                        .build()
+                        .map_err(|e| bad(e.to_string()))?,
+                )
+            }
+        };
+        Ok(Self {
+            target,
+            transport,
+            metadata,
+            http_headers,
+        })
+    }
+
+    pub fn target(&self) -> &SignalTarget {
+        &self.target
+    }
+
+    fn send_error(&self, reason: impl std::fmt::Display) -> ExportError {
+        ExportError::Send {
+            url: self.target.url.clone(),
+            reason: reason.to_string(),
+        }
+    }
+
+    async fn post<Resp: prost::Message + Default>(
+        &self,
+        client: &reqwest::Client,
+        body: Vec<u8>,
+    ) -> Result<Resp, ExportError> {
+        let resp = client
+            .post(&self.target.url)
+            .headers(self.http_headers.clone())
+            .header(reqwest::header::CONTENT_TYPE, "application/x-protobuf")
+            .body(body)
+            .send()
+            .await
+            .map_err(|e| self.send_error(e))?;
+        let status = resp.status();
+        let bytes = resp.bytes().await.map_err(|e| self.send_error(e))?;
+        if !status.is_success() {
+            return Err(self.send_error(format!("HTTP {status}")));
+        }
+        // An empty body is a full success.
+        Resp::decode(bytes.as_ref()).map_err(|e| self.send_error(format!("bad response: {e}")))
+    }
+
+    fn request<T>(&self, msg: T) -> tonic::Request<T> {
+        let mut r = tonic::Request::new(msg);
+        *r.metadata_mut() = self.metadata.clone();
+        r.set_timeout(self.target.timeout);
+        r
+    }
+
+    /// Export metrics; returns the number of data points the receiver rejected.
+    pub async fn export_metrics(
+        &self,
+        req: ExportMetricsServiceRequest,
+    ) -> Result<u64, ExportError> {
+        let resp: ExportMetricsServiceResponse = match &self.transport {
+            Transport::Grpc(ch) => MetricsServiceClient::new(ch.clone())
+                .export(self.request(req))
+                .await
+                .map_err(|s| self.send_error(format!("{}: {}", s.code(), s.message())))?
+                .into_inner(),
+            Transport::Http(c) => self.post(c, req.encode_to_vec()).await?,
+        };
+        Ok(resp
+            .partial_success
+            .map_or(0, |p| p.rejected_data_points.max(0) as u64))
+    }
+
+    /// Export spans; returns the number of spans the receiver rejected.
+    pub async fn export_spans(&self, req: ExportTraceServiceRequest) -> Result<u64, ExportError> {
+        let resp: ExportTraceServiceResponse = match &self.transport {
+            Transport::Grpc(ch) => TraceServiceClient::new(ch.clone())
+                .export(self.request(req))
+                .await
+                .map_err(|s| self.send_error(format!("{}: {}", s.code(), s.message())))?
+                .into_inner(),
+            Transport::Http(c) => self.post(c, req.encode_to_vec()).await?,
+        };
+        Ok(resp
+            .partial_success
+            .map_or(0, |p| p.rejected_spans.max(0) as u64))
+    }
+}
