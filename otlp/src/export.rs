@@ -64,7 +64,9 @@ impl ExportStats {
             (true, false) => extra.to_string(),
             (false, false) => format!("{labels},{extra}"),
         };
-        let families: [(&str, &str, &[(&str, &AtomicU64)]); 6] = [
+        // (family, help, [(extra labels, counter)])
+        type Family<'a> = (&'a str, &'a str, &'a [(&'a str, &'a AtomicU64)]);
+        let families: [Family; 6] = [
             (
                 "exports",
                 "OTLP export requests that succeeded, by signal.",
