@@ -7,7 +7,7 @@
 use crate::fleet_index::{FleetIndex, MirrorError};
 use crate::verdict::SpillVerdict;
 use crate::window::{ClosedWindow, MigrationLogWindow, OpenWindow, WindowSummary};
-use kvscope_wire::nixl::NixlReport;
+use kvscope_wire::nixl::{MergedLatency, NixlReport};
 use kvscope_wire::{
     sequence_hashes, AgentHeartbeat, Envelope, KvEvent, KvEventBatch, MigrationLogKind,
     MigrationLogLine, Record, RoutingDecision, SequenceHash, SequenceStatus, WorkerKey,
@@ -185,6 +185,7 @@ pub struct FleetAnalyzer {
     publisher_seqs: HashMap<(String, String), u64>,
     /// Per worker: the prompt blocks of decisions routed to it, with the decision time.
     recent_prompts: HashMap<WorkerKey, HashMap<SequenceHash, u64>>,
+    verdict_delay: MergedLatency,
 }
 
 impl FleetAnalyzer {
@@ -204,6 +205,7 @@ impl FleetAnalyzer {
             verdicts: VecDeque::new(),
             publisher_seqs: HashMap::new(),
             recent_prompts: HashMap::new(),
+            verdict_delay: MergedLatency::default(),
         }
     }
 
@@ -244,10 +246,22 @@ impl FleetAnalyzer {
     /// Note when the latest verdict became available to readers (a live collector's
     /// wall clock, read by the bus reader right after [`Self::apply`] judged it; the fold
     /// itself reads no clock).
-    pub fn stamp_latest_verdict(&mut self, available_ns: u64) {
+    /// `live`: the decision arrived live, not in the replay that rebuilds state at start,
+    /// so its decision → verdict delay counts in [`Self::verdict_delay`].
+    pub fn stamp_latest_verdict(&mut self, available_ns: u64, live: bool) {
         if let Some(v) = self.verdicts.back_mut() {
             v.available_ns = Some(available_ns);
+            if live {
+                self.verdict_delay
+                    .observe(available_ns.saturating_sub(v.decided_ns));
+            }
         }
+    }
+
+    /// Routing decision (the router's log time) → verdict available here, for the
+    /// decisions judged live.
+    pub fn verdict_delay(&self) -> &MergedLatency {
+        &self.verdict_delay
     }
 
     /// Apply one record. Returns the verdict when the record was a routing decision.
@@ -718,10 +732,16 @@ mod tests {
         let toks: Vec<u32> = (0..8).collect();
         let v = a.apply(&env(2, decision("r1", 1, &toks))).unwrap();
         assert_eq!(v.available_ns, None, "the fold reads no clock");
-        a.stamp_latest_verdict(77);
-        a.apply(&env(3, decision("r2", 1, &toks)));
+        // Replayed at start: stamped, but its delay is not the pipeline's.
+        a.stamp_latest_verdict(77, false);
+        let v2 = a.apply(&env(3, decision("r2", 1, &toks))).unwrap();
         let stamps: Vec<_> = a.recent_verdicts().map(|v| v.available_ns).collect();
         assert_eq!(stamps, vec![Some(77), None]);
+        assert_eq!(a.verdict_delay().count, 0);
+        a.stamp_latest_verdict(v2.decided_ns + 30_000_000, true);
+        let d = a.verdict_delay();
+        assert_eq!((d.count, d.sum_ns, d.max_ns), (1, 30_000_000, 30_000_000));
+        assert_eq!(d.quantile_ns(0.99), Some(30_000_000));
     }
 
     #[test]

@@ -70,17 +70,18 @@ impl Shared {
     fn apply_payload(&self, payload: &[u8], seq: u64) {
         match Envelope::from_json(payload) {
             Ok(env) => {
+                let rebuilding = lock(&self.bus).rebuilding;
                 let verdict = {
                     let mut analyzer = lock(&self.analyzer);
                     let verdict = analyzer.apply(&env);
                     if verdict.is_some() {
                         // Readers see the verdict once this lock is released.
-                        analyzer.stamp_latest_verdict(kvscope_wire::now_ns());
+                        analyzer.stamp_latest_verdict(kvscope_wire::now_ns(), !rebuilding);
                     }
                     verdict
                 };
                 if let Some(sink) = self.spans.get().filter(|s| s.enabled()) {
-                    if !lock(&self.bus).rebuilding {
+                    if !rebuilding {
                         crate::spans::record(sink, &env, verdict.as_ref(), seq);
                     }
                 }

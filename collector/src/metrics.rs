@@ -282,6 +282,14 @@ pub fn write(out: &mut Exposition, a: &FleetAnalyzer, bus: &BusStatus) {
         "",
         a.watermark_ns() as f64 / 1e9,
     );
+    let name = "kvscope_verdict_delay_seconds";
+    let d = a.verdict_delay();
+    out.family(
+        name,
+        Kind::Histogram,
+        "Routing decision (the router's log time) to its verdict available at this collector, for decisions judged live: the router's log lag, the agent's reorder wait, the bus. Across hosts it includes their clock skew.",
+    );
+    kvscope_wire::nixl::write_latency_histogram(out, name, "", &d.buckets, d.count, d.sum_ns);
     out.single_gauge(
         "kvscope_collector_bus_connected",
         "1 when connected to NATS.",

@@ -95,6 +95,15 @@ impl MergedLatency {
         self.add_parts(l.count, l.sum_ns, l.max_ns, &l.buckets);
     }
 
+    /// Add one observation of `ns`.
+    pub fn observe(&mut self, ns: u64) {
+        let buckets: Vec<u64> = LATENCY_BOUNDS_NS
+            .iter()
+            .map(|le| u64::from(ns <= *le))
+            .collect();
+        self.add_parts(1, ns, ns, &buckets);
+    }
+
     /// Add another merged distribution (e.g. pairs summed fleet-wide).
     pub fn merge(&mut self, other: &MergedLatency) {
         self.add_parts(other.count, other.sum_ns, other.max_ns, &other.buckets);
