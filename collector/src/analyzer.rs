@@ -742,6 +742,15 @@ mod tests {
         let d = a.verdict_delay();
         assert_eq!((d.count, d.sum_ns, d.max_ns), (1, 30_000_000, 30_000_000));
         assert_eq!(d.quantile_ns(0.99), Some(30_000_000));
+        // A decision stamped near the epoch (a synthetic or skewed source) saturates the
+        // sum instead of overflowing it.
+        let mut a = FleetAnalyzer::new(cfg());
+        for r in ["r3", "r4", "r5"] {
+            a.apply(&env(1, decision(r, 1, &toks)));
+            a.stamp_latest_verdict(u64::MAX / 2, true);
+        }
+        assert_eq!(a.verdict_delay().count, 3);
+        assert_eq!(a.verdict_delay().sum_ns, u64::MAX);
     }
 
     #[test]

@@ -113,8 +113,10 @@ impl MergedLatency {
         if count == 0 {
             return;
         }
-        self.count += count;
-        self.sum_ns += sum_ns;
+        // Saturating: a delay measured against a far-off clock (a record stamped near
+        // the epoch, a skewed host) must not overflow the sum.
+        self.count = self.count.saturating_add(count);
+        self.sum_ns = self.sum_ns.saturating_add(sum_ns);
         self.max_ns = self.max_ns.max(max_ns);
         if self.buckets.len() < buckets.len() {
             self.buckets.resize(buckets.len(), 0);
