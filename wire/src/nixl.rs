@@ -97,11 +97,16 @@ impl MergedLatency {
 
     /// Add one observation of `ns`.
     pub fn observe(&mut self, ns: u64) {
-        let buckets: Vec<u64> = LATENCY_BOUNDS_NS
-            .iter()
-            .map(|le| u64::from(ns <= *le))
-            .collect();
-        self.add_parts(1, ns, ns, &buckets);
+        // Called per verdict: no allocation.
+        if self.buckets.len() < LATENCY_BOUNDS_NS.len() {
+            self.buckets.resize(LATENCY_BOUNDS_NS.len(), 0);
+        }
+        self.count = self.count.saturating_add(1);
+        self.sum_ns = self.sum_ns.saturating_add(ns);
+        self.max_ns = self.max_ns.max(ns);
+        for (b, le) in self.buckets.iter_mut().zip(LATENCY_BOUNDS_NS) {
+            *b += u64::from(ns <= le);
+        }
     }
 
     /// Add another merged distribution (e.g. pairs summed fleet-wide).
