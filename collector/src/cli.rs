@@ -3,6 +3,7 @@
 use crate::bus::{self, BusConfig, Shared};
 use crate::config::CollectorConfig;
 use crate::report::OpportunityReport;
+use crate::supervise::{self, Essential};
 use crate::{analyzer::FleetAnalyzer, replay, server};
 use anyhow::Context as _;
 use clap::{Parser, Subcommand, ValueEnum};
@@ -11,7 +12,7 @@ use kvscope_wire::Subjects;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
-use tracing::{error, info};
+use tracing::{error, info, warn};
 
 /// Mirrors every worker's KV cache from the agents' records, measures spills and the true
 /// migratable delta per request, and serves them as Prometheus metrics, a JSON API and
@@ -164,7 +165,7 @@ async fn serve(cfg: CollectorConfig) -> anyhow::Result<()> {
         })?;
     info!(listen = %listener.local_addr()?, "Serving /metrics and /api.");
     let app = server::router(shared.clone());
-    let otlp = {
+    let mut otlp = {
         let s = shared.clone();
         kvscope_otlp::OtlpExport::start(
             &cfg.otlp,
@@ -184,7 +185,11 @@ async fn serve(cfg: CollectorConfig) -> anyhow::Result<()> {
     if let Some(o) = &otlp {
         let _ = shared.spans.set(o.spans());
     }
-    let http = tokio::spawn(async move { axum::serve(listener, app).await });
+    let http = tokio::spawn(async move {
+        axum::serve(listener, app)
+            .await
+            .context("serving /metrics and /api")
+    });
     let bus_cfg = BusConfig {
         nats_url: cfg.nats_url.clone(),
         subjects: Subjects::new(&cfg.cluster),
@@ -201,19 +206,23 @@ async fn serve(cfg: CollectorConfig) -> anyhow::Result<()> {
             }
         })
     };
-    let result = tokio::select! {
-        r = bus_task => match r {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(e)) => Err(e),
-            Err(e) => Err(anyhow::anyhow!("the bus reader stopped: {e}")),
-        },
-        r = http => Err(anyhow::anyhow!("the HTTP server stopped: {r:?}")),
-        _ = shutdown_signal() => {
-            info!("Shutting down.");
-            Ok(())
-        }
-    };
-    flusher.abort();
+    let mut essential = vec![
+        Essential::task("bus reader", bus_task),
+        Essential::task("HTTP server", http),
+        Essential::task("recording flusher", flusher),
+    ];
+    if let Some(o) = otlp.as_mut() {
+        essential.push(Essential::owned_elsewhere("OTLP export", o.ended()));
+    }
+    let result = supervise::until_shutdown_or_first_end(essential, async {
+        shutdown_signal().await;
+        info!("Shutting down.");
+    })
+    .await;
+    if result.is_err() {
+        // main prints which task and why once the cleanup below is done.
+        warn!("An essential task ended; the collector stops.");
+    }
     shared.flush_recording();
     if let Some(o) = otlp {
         o.shutdown(Duration::from_secs(5)).await;

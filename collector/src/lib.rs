@@ -16,5 +16,6 @@ pub mod replay;
 pub mod report;
 pub mod server;
 pub mod spans;
+pub mod supervise;
 pub mod verdict;
 pub mod window;

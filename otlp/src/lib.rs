@@ -370,6 +370,26 @@ impl OtlpExport {
         &self.stats
     }
 
+    /// Resolves when one of the export's tasks ends before [`Self::shutdown`]: they only
+    /// end early by panicking, and a process that keeps running without them exports
+    /// nothing more while its own `/metrics` looks healthy, so the caller should treat
+    /// this as fatal. Never resolves while all of them run.
+    pub async fn ended(&mut self) -> Result<(), tokio::task::JoinError> {
+        use std::future::Future as _;
+        let (i, r) = std::future::poll_fn(|cx| {
+            for (i, t) in self.tasks.iter_mut().enumerate() {
+                if let std::task::Poll::Ready(r) = std::pin::Pin::new(t).poll(cx) {
+                    return std::task::Poll::Ready((i, r));
+                }
+            }
+            std::task::Poll::Pending
+        })
+        .await;
+        // A finished JoinHandle must not be polled again, which shutdown would do.
+        self.tasks.swap_remove(i);
+        r
+    }
+
     /// Export the last metrics and every queued span, waiting at most `grace`.
     pub async fn shutdown(mut self, grace: Duration) {
         let _ = self.stop.send(true);
