@@ -19,7 +19,7 @@ use kvscope_actuator::audit::AuditEvent;
 use kvscope_actuator::mode::Mode;
 use kvscope_actuator::policy::{SafetyTrigger, Transition};
 use kvscope_collector::nixl::NixlPair;
-use kvscope_lab::process::{stop_all, ManagedProcess};
+use kvscope_lab::process::{ManagedProcess, StopOnDrop};
 use kvscope_lab::workload::{self, WorkloadConfig};
 use kvscope_lab::LabConfig;
 use kvscope_nixl_lab::serve::process::ServeProcess;
@@ -58,15 +58,6 @@ where
             }
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
-    }
-}
-
-/// Stops its processes when dropped, also when an assertion fails mid-test.
-struct StopOnDrop(Vec<ManagedProcess>);
-
-impl Drop for StopOnDrop {
-    fn drop(&mut self) {
-        stop_all(&mut self.0, Duration::from_secs(5));
     }
 }
 
@@ -399,7 +390,7 @@ max_age_secs = 10.0
     assert!(got.iter().all(|p| p.transfers_failed == 0));
 
     // The audit log explains both flips.
-    stop_all(&mut actuator.0, Duration::from_secs(5));
+    actuator.stop(Duration::from_secs(5));
     let audit = read_audit(&audit_path);
     let flips: Vec<_> = audit
         .iter()

@@ -16,7 +16,7 @@
 //! Needs root for the probes (CI runs as root) and Debian's prometheus (scripts/setup).
 
 use kvscope::fleet_run::{FleetRun, FleetRunConfig};
-use kvscope_lab::process::{stop_all, ManagedProcess};
+use kvscope_lab::process::{ManagedProcess, StopOnDrop};
 use kvscope_lab::prometheus::{PrometheusServer, ScrapeJob};
 use kvscope_lab::workload::{self, WorkloadConfig};
 use kvscope_lab::LabConfig;
@@ -161,10 +161,12 @@ async fn every_dashboard_panel_has_data_from_a_real_prometheus() {
         .args(["run", "--listen", &actuator_addr, "--interval-secs", "1"])
         .env_remove("KVSCOPE_ACTUATOR_CONFIG")
         .env("KVSCOPE_ACTUATOR_API_TOKEN", TOKEN);
-    let mut procs =
-        vec![
-            ManagedProcess::spawn("actuator", actuator, &dir.path().join("actuator.log")).unwrap(),
-        ];
+    let mut procs = StopOnDrop(vec![ManagedProcess::spawn(
+        "actuator",
+        actuator,
+        &dir.path().join("actuator.log"),
+    )
+    .unwrap()]);
 
     let prom = PrometheusServer::start(
         dir.path(),
@@ -385,7 +387,7 @@ async fn every_dashboard_panel_has_data_from_a_real_prometheus() {
     eprintln!(
         "slowest scrape per job: {scrape_times:?}; failed scrapes per job: {scrape_failures:?}"
     );
-    stop_all(&mut procs, Duration::from_secs(5));
+    procs.stop(Duration::from_secs(5));
     drop(prom);
     run.stop();
     assert!(

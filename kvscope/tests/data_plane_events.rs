@@ -8,7 +8,7 @@
 //! (`scripts/setup`); no root (no eBPF here).
 
 use kvscope_lab::nats::NatsServer;
-use kvscope_lab::process::{stop_all, ManagedProcess};
+use kvscope_lab::process::{ManagedProcess, StopOnDrop};
 use kvscope_nixl_lab::serve::process::ServeProcess;
 use kvscope_nixl_lab::serve::{ServeStatus, ServeWorker};
 use kvscope_wire::directive::{BlockRange, MigrationDirective, Prediction};
@@ -90,7 +90,7 @@ async fn migrated_blocks_appear_on_the_target_in_the_collector() {
         "127.0.0.1:{}",
         kvscope_lab::ports::pick_ports(1).unwrap()[0]
     );
-    let mut procs = Vec::new();
+    let mut procs = StopOnDrop::default();
     let mut collector = Command::new(exe);
     collector
         .args(["collector", "run", "--nats-url", &nats.url()])
@@ -241,5 +241,5 @@ async fn migrated_blocks_appear_on_the_target_in_the_collector() {
         "the data plane publishes under the engines' ids"
     );
     drop(serve);
-    stop_all(&mut procs, Duration::from_secs(5));
+    procs.stop(Duration::from_secs(5));
 }

@@ -10,7 +10,7 @@
 
 use kvscope_collector::nixl::NixlPair;
 use kvscope_lab::nats::NatsServer;
-use kvscope_lab::process::{stop_all, ManagedProcess};
+use kvscope_lab::process::{ManagedProcess, StopOnDrop};
 use kvscope_nixl_lab::truth::{CallOutcome, TransferOutcome, Truth};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -117,7 +117,7 @@ async fn nixl_figures_reach_the_collector_pair_by_pair() {
         format!("127.0.0.1:{}", ports[1]),
     );
 
-    let mut procs = Vec::new();
+    let mut procs = StopOnDrop::default();
     let mut collector = Command::new(exe);
     collector
         .args([
@@ -254,7 +254,7 @@ async fn nixl_figures_reach_the_collector_pair_by_pair() {
         openmetrics.trim_end().ends_with("# EOF") && !collector_text.contains("# EOF"),
         "OpenMetrics when asked for"
     );
-    stop_all(&mut procs, Duration::from_secs(5));
+    procs.stop(Duration::from_secs(5));
 }
 
 #[test]

@@ -503,7 +503,7 @@ async fn lab_metrics_and_spans_reach_an_otlp_receiver_over_grpc_and_http() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nixl_transfer_and_handshake_spans_reach_an_otlp_receiver() {
     use kvscope_lab::nats::NatsServer;
-    use kvscope_lab::process::{stop_all, ManagedProcess};
+    use kvscope_lab::process::{ManagedProcess, StopOnDrop};
     use kvscope_nixl_lab::truth::{CallOutcome, TransferOutcome, Truth};
     use kvscope_otlp::proto::trace::v1::Span;
     use std::collections::BTreeSet;
@@ -520,7 +520,7 @@ async fn nixl_transfer_and_handshake_spans_reach_an_otlp_receiver() {
     let capped_metrics = format!("127.0.0.1:{}", ports[1]);
     // Two agents tracing the same library: one that exports every span, and one capped
     // at one span per second (its service name set through OTEL_SERVICE_NAME).
-    let mut procs = Vec::new();
+    let mut procs = StopOnDrop::default();
     for (id, addr, cap, service) in [
         ("nixl-node", &metrics_addr, 1_000_000, "kvscope-agent"),
         ("nixl-capped", &capped_metrics, 1, "kvscope-agent-capped"),
@@ -776,5 +776,5 @@ async fn nixl_transfer_and_handshake_spans_reach_an_otlp_receiver() {
         ok_spans.len(),
         got.values().sum::<u64>()
     );
-    stop_all(&mut procs, Duration::from_secs(5));
+    procs.stop(Duration::from_secs(5));
 }

@@ -53,6 +53,42 @@ impl ManagedProcess {
     }
 }
 
+/// Processes stopped with [`stop_all`] when this is dropped: a test's processes must not
+/// outlive it when one of its assertions panics, where a `stop_all` at its end never
+/// runs (a dropped [`Child`] keeps running). Derefs to the `Vec`, so processes are
+/// pushed and inspected as in one.
+#[derive(Debug, Default)]
+pub struct StopOnDrop(pub Vec<ManagedProcess>);
+
+impl StopOnDrop {
+    /// Stop them all now, waiting up to `grace` for each to exit after SIGTERM. Stopped
+    /// processes are forgotten, so the drop does not signal their (maybe reused) group
+    /// ids again.
+    pub fn stop(&mut self, grace: Duration) {
+        stop_all(&mut self.0, grace);
+        self.0.clear();
+    }
+}
+
+impl std::ops::Deref for StopOnDrop {
+    type Target = Vec<ManagedProcess>;
+    fn deref(&self) -> &Self::Target {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for StopOnDrop {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.0
+    }
+}
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        self.stop(Duration::from_secs(5));
+    }
+}
+
 /// Sends `signal` (e.g. "TERM", "KILL") to the process group `pgid`. Errors (such as an
 /// already empty group) are ignored.
 pub fn signal_group(pgid: u32, signal: &str) {
@@ -102,5 +138,42 @@ pub fn stop_all(procs: &mut [ManagedProcess], grace: Duration) {
     }
     for p in procs.iter_mut() {
         let _ = p.child.wait();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sleeper() -> ManagedProcess {
+        let mut cmd = Command::new("sleep");
+        cmd.arg("600");
+        ManagedProcess::spawn("sleep", cmd, Path::new("/dev/null")).unwrap()
+    }
+
+    #[test]
+    fn processes_are_stopped_when_an_assertion_panics() {
+        let mut pgid = 0;
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let mut procs = StopOnDrop::default();
+            procs.push(sleeper());
+            pgid = procs[0].pid();
+            assert!(group_alive(pgid), "the process runs before the panic");
+            panic!("a failing assertion in a test");
+        }));
+        assert!(outcome.is_err());
+        assert!(
+            !group_alive(pgid),
+            "process group {pgid} survived the panic"
+        );
+    }
+
+    #[test]
+    fn an_explicit_stop_forgets_the_processes() {
+        let mut procs = StopOnDrop(vec![sleeper()]);
+        let pgid = procs[0].pid();
+        procs.stop(Duration::from_secs(5));
+        assert!(procs.is_empty());
+        assert!(!group_alive(pgid));
     }
 }
