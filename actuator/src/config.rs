@@ -59,6 +59,7 @@
 
 use crate::backend::ModeBackendConfig;
 use crate::policy::PolicyConfig;
+use kvscope_wire::config::{Env, EnvError};
 use kvscope_wire::WorkerKey;
 use serde::{Deserialize, Serialize};
 use std::net::SocketAddr;
@@ -264,12 +265,8 @@ pub enum ConfigError {
     },
     #[error("invalid config: {0}")]
     Toml(#[from] toml::de::Error),
-    #[error("{key}={value:?}: {message}")]
-    Env {
-        key: &'static str,
-        value: String,
-        message: String,
-    },
+    #[error(transparent)]
+    Env(#[from] EnvError),
     #[error("cannot read token file {path}: {source}")]
     TokenFile {
         path: PathBuf,
@@ -313,83 +310,65 @@ impl ActuatorConfig {
 
     /// Apply `KVSCOPE_ACTUATOR_*` overrides read through `var`.
     pub fn apply_env(&mut self, var: impl Fn(&str) -> Option<String>) -> Result<(), ConfigError> {
-        fn parse<T: std::str::FromStr>(key: &'static str, v: &str) -> Result<T, ConfigError>
-        where
-            T::Err: std::fmt::Display,
-        {
-            v.trim().parse().map_err(|e: T::Err| ConfigError::Env {
-                key,
-                value: v.to_string(),
-                message: e.to_string(),
-            })
-        }
-        let flag = |v: &str| matches!(v.trim(), "1" | "true" | "yes");
-        if let Some(v) = var("KVSCOPE_ACTUATOR_COLLECTOR_URL") {
+        let env = Env::new(var);
+        if let Some(v) = env.get("KVSCOPE_ACTUATOR_COLLECTOR_URL") {
             self.collector_url = v;
         }
-        if let Some(v) = var("KVSCOPE_ACTUATOR_INTERVAL_SECS") {
-            self.interval_secs = parse("KVSCOPE_ACTUATOR_INTERVAL_SECS", &v)?;
+        if let Some(v) = env.parse("KVSCOPE_ACTUATOR_INTERVAL_SECS")? {
+            self.interval_secs = v;
         }
-        if let Some(v) = var("KVSCOPE_ACTUATOR_AUDIT_LOG") {
+        if let Some(v) = env.get("KVSCOPE_ACTUATOR_AUDIT_LOG") {
             self.audit_log = v.into();
         }
-        if let Some(v) = var("KVSCOPE_ACTUATOR_API") {
-            self.api.enabled = flag(&v);
+        if let Some(v) = env.flag("KVSCOPE_ACTUATOR_API") {
+            self.api.enabled = v;
         }
-        if let Some(v) = var("KVSCOPE_ACTUATOR_API_LISTEN") {
-            self.api.listen = parse("KVSCOPE_ACTUATOR_API_LISTEN", &v)?;
+        if let Some(v) = env.parse("KVSCOPE_ACTUATOR_API_LISTEN")? {
+            self.api.listen = v;
         }
-        if let Some(v) = var("KVSCOPE_ACTUATOR_API_TOKEN_FILE") {
+        if let Some(v) = env.get("KVSCOPE_ACTUATOR_API_TOKEN_FILE") {
             self.api.token_file = Some(v.into());
         }
-        if let Some(v) = var("KVSCOPE_ACTUATOR_API_TOKEN") {
-            self.api.token_from_env = Some(v.trim().to_string()).filter(|t| !t.is_empty());
+        if let Some(v) = env.trimmed("KVSCOPE_ACTUATOR_API_TOKEN") {
+            self.api.token_from_env = Some(v).filter(|t| !t.is_empty());
         }
-        if let Some(v) = var("KVSCOPE_ACTUATOR_MIN_WINDOWS") {
-            self.policy.min_windows = parse("KVSCOPE_ACTUATOR_MIN_WINDOWS", &v)?;
+        if let Some(v) = env.parse("KVSCOPE_ACTUATOR_MIN_WINDOWS")? {
+            self.policy.min_windows = v;
         }
-        if let Some(v) = var("KVSCOPE_ACTUATOR_MIN_TOKENS") {
-            self.policy.min_tokens = parse("KVSCOPE_ACTUATOR_MIN_TOKENS", &v)?;
+        if let Some(v) = env.parse("KVSCOPE_ACTUATOR_MIN_TOKENS")? {
+            self.policy.min_tokens = v;
         }
-        if let Some(v) = var("KVSCOPE_ACTUATOR_KV_BYTES_PER_TOKEN") {
-            self.policy.kv_bytes_per_token = parse("KVSCOPE_ACTUATOR_KV_BYTES_PER_TOKEN", &v)?;
+        if let Some(v) = env.parse("KVSCOPE_ACTUATOR_KV_BYTES_PER_TOKEN")? {
+            self.policy.kv_bytes_per_token = v;
         }
-        if let Some(v) = var("KVSCOPE_ACTUATOR_PREFILL_TOK_PER_S") {
-            self.policy.prefill_tok_per_s = parse("KVSCOPE_ACTUATOR_PREFILL_TOK_PER_S", &v)?;
+        if let Some(v) = env.parse("KVSCOPE_ACTUATOR_PREFILL_TOK_PER_S")? {
+            self.policy.prefill_tok_per_s = v;
         }
-        if let Some(v) = var("KVSCOPE_ACTUATOR_WORKER_AGENTS") {
-            self.worker_agents = v
-                .split(',')
-                .filter(|s| !s.trim().is_empty())
-                .map(|s| parse("KVSCOPE_ACTUATOR_WORKER_AGENTS", s))
-                .collect::<Result<_, _>>()?;
+        if let Some(v) = env.list("KVSCOPE_ACTUATOR_WORKER_AGENTS")? {
+            self.worker_agents = v;
         }
-        if let Some(v) = var("KVSCOPE_ACTUATOR_EXPECTED_AGENTS") {
-            self.policy.expected_agents = v
-                .split(',')
-                .map(|s| s.trim().to_string())
-                .filter(|s| !s.is_empty())
-                .collect();
+        if let Some(v) = env.list("KVSCOPE_ACTUATOR_EXPECTED_AGENTS")? {
+            self.policy.expected_agents = v;
         }
-        if let Some(v) = var("KVSCOPE_ACTUATOR_DIRECTIVE_URL") {
+        if let Some(v) = env.get("KVSCOPE_ACTUATOR_DIRECTIVE_URL") {
             self.directives.url = Some(v);
             self.directives.enabled = true;
         }
         let mut env_backends = Vec::new();
-        if let Some(v) = var("KVSCOPE_ACTUATOR_MODE_HTTP") {
+        if let Some(v) = env.get("KVSCOPE_ACTUATOR_MODE_HTTP") {
             env_backends.push(ModeBackendConfig::Http {
                 url: v.trim().to_string(),
                 token_file: None,
                 timeout_secs: 10.0,
             });
         }
-        if let Some(v) = var("KVSCOPE_ACTUATOR_MODE_COMMAND") {
+        if let Some(v) = env.get("KVSCOPE_ACTUATOR_MODE_COMMAND") {
             env_backends.push(ModeBackendConfig::Command {
                 argv: v.split_whitespace().map(str::to_string).collect(),
                 timeout_secs: 60.0,
             });
         }
-        if let Some(v) = var("KVSCOPE_ACTUATOR_MODE_FILE") {
+        if let Some(v) = env.get("KVSCOPE_ACTUATOR_MODE_FILE") {
             env_backends.push(ModeBackendConfig::File {
                 path: v.trim().into(),
                 content: crate::backend::DEFAULT_FILE_CONTENT.into(),
@@ -513,6 +492,7 @@ pub fn read_token(path: &Path) -> Result<String, ConfigError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvscope_wire::config::documented_toml_example;
 
     #[test]
     fn an_empty_file_gives_the_defaults() {
@@ -527,15 +507,7 @@ mod tests {
 
     #[test]
     fn the_documented_example_parses() {
-        let doc = include_str!("config.rs");
-        let start = doc.find("//! ```toml").unwrap();
-        let end = start + doc[start..].find("//! ```\n").unwrap();
-        let example: String = doc[start..end]
-            .lines()
-            .skip(1)
-            .map(|l| l.trim_start_matches("//!").trim_start())
-            .collect::<Vec<_>>()
-            .join("\n");
+        let example = documented_toml_example(include_str!("config.rs")).unwrap();
         let c = ActuatorConfig::from_toml(&example).unwrap();
         c.validate().unwrap();
         assert_eq!(c.mode_backends.len(), 2);

@@ -36,6 +36,7 @@
 
 use crate::nixl::NixlTraceConfig;
 use anyhow::Context as _;
+use kvscope_wire::config::Env;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
@@ -207,70 +208,55 @@ impl AgentConfig {
 
     /// Apply `KVSCOPE_AGENT_*` overrides read through `var`.
     pub fn apply_env(&mut self, var: impl Fn(&str) -> Option<String>) -> anyhow::Result<()> {
-        fn parse<T: std::str::FromStr>(key: &str, v: &str) -> anyhow::Result<T>
-        where
-            T::Err: std::fmt::Display,
-        {
-            v.trim()
-                .parse()
-                .map_err(|e| anyhow::anyhow!("{key}={v:?}: {e}"))
-        }
-        if let Some(v) = var("KVSCOPE_AGENT_ID") {
+        let env = Env::new(&var);
+        if let Some(v) = env.get("KVSCOPE_AGENT_ID") {
             self.agent_id = v;
         }
-        if let Some(v) = var("KVSCOPE_AGENT_CLUSTER") {
+        if let Some(v) = env.get("KVSCOPE_AGENT_CLUSTER") {
             self.cluster = v;
         }
-        if let Some(v) = var("KVSCOPE_AGENT_NATS_URL") {
+        if let Some(v) = env.get("KVSCOPE_AGENT_NATS_URL") {
             self.nats_url = v;
         }
-        if let Some(v) = var("KVSCOPE_AGENT_KV") {
-            self.kv_endpoints = v
-                .split(',')
-                .filter(|s| !s.trim().is_empty())
-                .map(|s| parse("KVSCOPE_AGENT_KV", s))
-                .collect::<anyhow::Result<_>>()?;
+        if let Some(v) = env.list("KVSCOPE_AGENT_KV")? {
+            self.kv_endpoints = v;
         }
-        if let Some(v) = var("KVSCOPE_AGENT_ROUTER_LOG") {
+        if let Some(v) = env.get("KVSCOPE_AGENT_ROUTER_LOG") {
             self.router_log = Some(v);
         }
-        if let Some(v) = var("KVSCOPE_AGENT_FROM_START") {
-            self.from_start = matches!(v.trim(), "1" | "true" | "yes");
+        if let Some(v) = env.flag("KVSCOPE_AGENT_FROM_START") {
+            self.from_start = v;
         }
-        if let Some(v) = var("KVSCOPE_AGENT_RECORD") {
+        if let Some(v) = env.get("KVSCOPE_AGENT_RECORD") {
             self.record = Some(v.into());
         }
-        if let Some(v) = var("KVSCOPE_AGENT_BUFFER_CAPACITY") {
-            self.buffer_capacity = parse("KVSCOPE_AGENT_BUFFER_CAPACITY", &v)?;
+        if let Some(v) = env.parse("KVSCOPE_AGENT_BUFFER_CAPACITY")? {
+            self.buffer_capacity = v;
         }
-        if let Some(v) = var("KVSCOPE_AGENT_HEARTBEAT_SECS") {
-            self.heartbeat_interval_secs = parse("KVSCOPE_AGENT_HEARTBEAT_SECS", &v)?;
+        if let Some(v) = env.parse("KVSCOPE_AGENT_HEARTBEAT_SECS")? {
+            self.heartbeat_interval_secs = v;
         }
-        if let Some(v) = var("KVSCOPE_AGENT_STREAM_MAX_AGE_SECS") {
-            self.stream_max_age_secs = parse("KVSCOPE_AGENT_STREAM_MAX_AGE_SECS", &v)?;
+        if let Some(v) = env.parse("KVSCOPE_AGENT_STREAM_MAX_AGE_SECS")? {
+            self.stream_max_age_secs = v;
         }
-        if let Some(v) = var("KVSCOPE_AGENT_METRICS_LISTEN") {
+        if let Some(v) = env.get("KVSCOPE_AGENT_METRICS_LISTEN") {
             self.metrics_listen = Some(v);
         }
-        if let Some(v) = var("KVSCOPE_AGENT_REORDER_WINDOW_MS") {
-            self.reorder_window_ms = parse("KVSCOPE_AGENT_REORDER_WINDOW_MS", &v)?;
+        if let Some(v) = env.parse("KVSCOPE_AGENT_REORDER_WINDOW_MS")? {
+            self.reorder_window_ms = v;
         }
-        if let Some(v) = var("KVSCOPE_AGENT_KV_REORDER_WINDOW_MS") {
-            self.kv_reorder_window_ms = Some(parse("KVSCOPE_AGENT_KV_REORDER_WINDOW_MS", &v)?);
+        if let Some(v) = env.parse("KVSCOPE_AGENT_KV_REORDER_WINDOW_MS")? {
+            self.kv_reorder_window_ms = Some(v);
         }
-        if let Some(v) = var("KVSCOPE_AGENT_NIXL") {
-            self.nixl.enabled = matches!(v.trim(), "1" | "true" | "yes");
+        if let Some(v) = env.flag("KVSCOPE_AGENT_NIXL") {
+            self.nixl.enabled = v;
         }
-        if let Some(v) = var("KVSCOPE_AGENT_NIXL_LIBS") {
-            self.nixl.libraries = v
-                .split(',')
-                .filter(|s| !s.trim().is_empty())
-                .map(|s| PathBuf::from(s.trim()))
-                .collect();
+        if let Some(v) = env.list::<PathBuf>("KVSCOPE_AGENT_NIXL_LIBS")? {
+            self.nixl.libraries = v;
             self.nixl.enabled |= !self.nixl.libraries.is_empty();
         }
-        if let Some(v) = var("KVSCOPE_AGENT_NIXL_PID") {
-            self.nixl.pid = Some(parse("KVSCOPE_AGENT_NIXL_PID", &v)?);
+        if let Some(v) = env.parse("KVSCOPE_AGENT_NIXL_PID")? {
+            self.nixl.pid = Some(v);
             self.nixl.enabled = true;
         }
         self.otlp.apply_env(&var)?;
@@ -321,6 +307,7 @@ impl AgentConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvscope_wire::config::documented_toml_example;
 
     #[test]
     fn an_empty_file_gives_the_defaults() {
@@ -333,15 +320,7 @@ mod tests {
 
     #[test]
     fn the_documented_example_parses() {
-        let doc = include_str!("config.rs");
-        let start = doc.find("//! ```toml").unwrap();
-        let end = start + doc[start..].find("//! ```\n").unwrap();
-        let example: String = doc[start..end]
-            .lines()
-            .skip(1)
-            .map(|l| l.trim_start_matches("//!").trim_start())
-            .collect::<Vec<_>>()
-            .join("\n");
+        let example = documented_toml_example(include_str!("config.rs")).unwrap();
         let c = AgentConfig::from_toml(&example).unwrap();
         assert_eq!(
             c.kv_endpoints,

@@ -19,6 +19,7 @@
 //! enabled = true
 //! ```
 
+use kvscope_wire::config::Env;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -234,51 +235,55 @@ fn percent_decode(s: &str) -> String {
 impl OtlpConfig {
     /// Apply the standard `OTEL_*` variables read through `var` (they win over the file).
     pub fn apply_env(&mut self, var: impl Fn(&str) -> Option<String>) -> Result<(), ConfigError> {
-        let var = |k: &str| var(k).filter(|v| !v.trim().is_empty());
-        if var("OTEL_SDK_DISABLED").is_some_and(|v| v.trim().eq_ignore_ascii_case("true")) {
+        // The OTel spec treats an empty variable as unset.
+        let env = Env::new(|k: &str| var(k).filter(|v| !v.trim().is_empty()));
+        if env
+            .trimmed("OTEL_SDK_DISABLED")
+            .is_some_and(|v| v.eq_ignore_ascii_case("true"))
+        {
             self.endpoint = None;
             self.metrics.endpoint = None;
             self.traces.endpoint = None;
             return Ok(());
         }
-        if let Some(v) = var("OTEL_EXPORTER_OTLP_ENDPOINT") {
-            self.endpoint = Some(v.trim().to_string());
+        if let Some(v) = env.trimmed("OTEL_EXPORTER_OTLP_ENDPOINT") {
+            self.endpoint = Some(v);
         }
-        if let Some(v) = var("OTEL_EXPORTER_OTLP_PROTOCOL") {
+        if let Some(v) = env.get("OTEL_EXPORTER_OTLP_PROTOCOL") {
             self.protocol = v.parse()?;
         }
-        if let Some(v) = var("OTEL_EXPORTER_OTLP_HEADERS") {
+        if let Some(v) = env.get("OTEL_EXPORTER_OTLP_HEADERS") {
             self.headers
                 .extend(parse_key_values("OTEL_EXPORTER_OTLP_HEADERS", &v)?);
         }
-        if let Some(v) = var("OTEL_EXPORTER_OTLP_TIMEOUT") {
+        if let Some(v) = env.get("OTEL_EXPORTER_OTLP_TIMEOUT") {
             self.timeout_secs = millis("OTEL_EXPORTER_OTLP_TIMEOUT", &v)?;
         }
-        if let Some(v) = var("OTEL_METRIC_EXPORT_INTERVAL") {
+        if let Some(v) = env.get("OTEL_METRIC_EXPORT_INTERVAL") {
             self.export_interval_secs = millis("OTEL_METRIC_EXPORT_INTERVAL", &v)?;
         }
-        if let Some(v) = var("OTEL_SERVICE_NAME") {
-            self.service_name = Some(v.trim().to_string());
+        if let Some(v) = env.trimmed("OTEL_SERVICE_NAME") {
+            self.service_name = Some(v);
         }
-        if let Some(v) = var("OTEL_RESOURCE_ATTRIBUTES") {
+        if let Some(v) = env.get("OTEL_RESOURCE_ATTRIBUTES") {
             self.resource_attributes
                 .extend(parse_key_values("OTEL_RESOURCE_ATTRIBUTES", &v)?);
         }
         for (name, s) in [("METRICS", &mut self.metrics), ("TRACES", &mut self.traces)] {
             let key = |k: &str| format!("OTEL_EXPORTER_OTLP_{name}_{k}");
-            if let Some(v) = var(&key("ENDPOINT")) {
-                s.endpoint = Some(v.trim().to_string());
+            if let Some(v) = env.trimmed(&key("ENDPOINT")) {
+                s.endpoint = Some(v);
             }
-            if let Some(v) = var(&key("PROTOCOL")) {
+            if let Some(v) = env.get(&key("PROTOCOL")) {
                 s.protocol = Some(v.parse()?);
             }
-            if let Some(v) = var(&key("HEADERS")) {
+            if let Some(v) = env.get(&key("HEADERS")) {
                 s.headers.extend(parse_key_values(&key("HEADERS"), &v)?);
             }
-            if let Some(v) = var(&key("TIMEOUT")) {
+            if let Some(v) = env.get(&key("TIMEOUT")) {
                 s.timeout_secs = Some(millis(&key("TIMEOUT"), &v)?);
             }
-            if let Some(v) = var(&format!("OTEL_{name}_EXPORTER")) {
+            if let Some(v) = env.get(&format!("OTEL_{name}_EXPORTER")) {
                 s.enabled = v.split(',').any(|e| e.trim() == "otlp");
             }
         }
@@ -351,6 +356,7 @@ impl OtlpConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvscope_wire::config::documented_toml_example;
 
     #[derive(Deserialize)]
     struct Wrapper {
@@ -367,15 +373,7 @@ mod tests {
 
     #[test]
     fn the_documented_example_parses() {
-        let doc = include_str!("config.rs");
-        let start = doc.find("//! ```toml").unwrap();
-        let end = start + doc[start..].find("//! ```\n").unwrap();
-        let example: String = doc[start..end]
-            .lines()
-            .skip(1)
-            .map(|l| l.trim_start_matches("//!").trim_start())
-            .collect::<Vec<_>>()
-            .join("\n");
+        let example = documented_toml_example(include_str!("config.rs")).unwrap();
         let c = toml::from_str::<Wrapper>(&example).unwrap().otlp;
         c.validate().unwrap();
         let m = c.target(Signal::Metrics).unwrap();

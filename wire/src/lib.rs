@@ -4,6 +4,7 @@
 //! recording holds, is an [`Envelope`] around one [`Record`]. Keeping these types in one
 //! small crate means the two sides can never disagree about a field.
 
+pub mod config;
 pub mod directive;
 pub mod hashing;
 pub mod nixl;
