@@ -176,6 +176,7 @@ impl XferStage {
 /// Transfers of one (pid, local agent, remote agent, op, stage, status).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NixlTransferStats {
+    /// The traced process; 0 for the processes that exited, summed.
     pub pid: u32,
     pub local_agent: String,
     pub remote_agent: String,
@@ -196,6 +197,7 @@ pub struct NixlTransferStats {
 /// notifications, memory registration.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NixlCallStats {
+    /// The traced process; 0 for the processes that exited, summed.
     pub pid: u32,
     pub local_agent: String,
     /// The remote agent where the call carries one, else empty.

@@ -3,6 +3,11 @@
 //! local agent, remote agent, method, status) with latency.
 //!
 //! Pure: events in, [`NixlReport`] out, so it is unit-tested without BPF.
+//!
+//! A process that exits has its figures folded into those of pid [`EXITED_PID`] and
+//! its per-process state dropped, so memory follows the live processes, not every one
+//! ever traced, while every total (summed over pids, as on `/metrics` and in the
+//! collector) keeps growing monotonically.
 
 use super::event::{flags, status_name, EventKind, NixlCall, NixlEvent};
 use hdrhistogram::Histogram;
@@ -14,6 +19,10 @@ use std::collections::{BTreeMap, HashMap};
 /// The local agent label when the agent's name was never seen (created before the
 /// probes attached, on a build whose offsets are unknown).
 pub const UNKNOWN_AGENT: &str = "unknown";
+
+/// The pid under which the figures of processes that exited are kept, summed (no
+/// process has pid 0 in user space).
+pub const EXITED_PID: u32 = 0;
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 struct TransferKey {
@@ -68,6 +77,18 @@ impl Tally {
             self.sum_ns += ns;
             self.max_ns = self.max_ns.max(ns);
         }
+    }
+
+    /// Add `other`'s figures to these.
+    fn merge(&mut self, other: &Tally) {
+        self.count += other.count;
+        self.bytes += other.bytes;
+        self.descs += other.descs;
+        self.latency
+            .add(&other.latency)
+            .expect("every tally's histogram has the same bounds");
+        self.sum_ns = self.sum_ns.saturating_add(other.sum_ns);
+        self.max_ns = self.max_ns.max(other.max_ns);
     }
 
     fn summary(&self) -> LatencySummary {
@@ -221,24 +242,34 @@ impl NixlAggregator {
         });
     }
 
-    /// Processes with agents or requests in flight.
+    /// Processes with state here: agents, requests in flight, or figures of their own
+    /// (a process whose agent was created before the probes attached has only those).
     pub fn pids(&self) -> Vec<u32> {
         let mut p: Vec<u32> = self
             .agents
             .keys()
             .chain(self.requests.keys())
             .map(|(pid, _)| *pid)
+            .chain(self.transfers.keys().map(|k| k.pid))
+            .chain(self.calls.keys().map(|k| k.pid))
+            .filter(|&pid| pid != EXITED_PID)
             .collect();
         p.sort_unstable();
         p.dedup();
         p
     }
 
-    /// Forget everything about a process that exited (its handles and agents).
+    /// A process exited: forget its handles and agents (its pid may be reused), and fold
+    /// its figures into [`EXITED_PID`]'s so the totals stay while its series go.
     pub fn process_exited(&mut self, pid: u32) {
+        if pid == EXITED_PID {
+            return;
+        }
         self.agents.retain(|(p, _), _| *p != pid);
         self.agent_data.retain(|(p, _), _| *p != pid);
         self.requests.retain(|(p, _), _| *p != pid);
+        fold_pid(&mut self.transfers, pid);
+        fold_pid(&mut self.calls, pid);
     }
 
     /// Apply one probe event.
@@ -392,9 +423,52 @@ impl NixlAggregator {
     }
 }
 
+/// A series key: one process's.
+trait OfProcess: Ord + Clone {
+    fn pid(&self) -> u32;
+    fn set_pid(&mut self, pid: u32);
+}
+
+impl OfProcess for TransferKey {
+    fn pid(&self) -> u32 {
+        self.pid
+    }
+    fn set_pid(&mut self, pid: u32) {
+        self.pid = pid;
+    }
+}
+
+impl OfProcess for CallKey {
+    fn pid(&self) -> u32 {
+        self.pid
+    }
+    fn set_pid(&mut self, pid: u32) {
+        self.pid = pid;
+    }
+}
+
+/// Move `pid`'s tallies in `map` under [`EXITED_PID`], adding them to any already there.
+fn fold_pid<K: OfProcess>(map: &mut BTreeMap<K, Tally>, pid: u32) {
+    let keys: Vec<K> = map.keys().filter(|k| k.pid() == pid).cloned().collect();
+    for key in keys {
+        let Some(tally) = map.remove(&key) else {
+            continue;
+        };
+        let mut exited = key;
+        exited.set_pid(EXITED_PID);
+        match map.get_mut(&exited) {
+            Some(t) => t.merge(&tally),
+            None => {
+                map.insert(exited, tally);
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::BTreeSet;
 
     #[test]
     fn one_pass_buckets_equal_count_between() {
@@ -614,5 +688,119 @@ mod tests {
             .find(|c| c.call == "loadRemoteMD_async")
             .unwrap();
         assert_eq!(asynchronous.local_agent, "prefill");
+    }
+
+    /// A process's complete transfer to "peer" taking `latency_ns`, and one handshake.
+    fn traffic(a: &mut NixlAggregator, pid: u32, req: u64, latency_ns: u64) {
+        let at = |kind, f: &dyn Fn(&mut NixlEvent)| {
+            ev(kind, |e| {
+                e.pid = pid;
+                e.req = req;
+                f(e);
+            })
+        };
+        a.apply(&at(EventKind::AgentNew, &|e| e.name = "decode-0".into()));
+        a.apply(&at(EventKind::XferCreate, &|e| {
+            e.op = 1;
+            e.name = "peer".into();
+        }));
+        a.apply(&at(EventKind::XferPost, &|e| e.status = 1));
+        a.apply(&at(EventKind::XferDone, &|e| e.latency_ns = latency_ns));
+        a.apply(&at(EventKind::Call, &|e| {
+            e.call = Some(NixlCall::LoadRemoteMd);
+            e.name = "peer".into();
+        }));
+    }
+
+    /// The report's figures summed over pids, as `/metrics` and the collector show them.
+    fn totals(r: &NixlReport) -> BTreeMap<String, (u64, u64, u64, Vec<u64>)> {
+        let mut m: BTreeMap<String, (u64, u64, u64, Vec<u64>)> = BTreeMap::new();
+        let rows = r
+            .transfers
+            .iter()
+            .map(|t| {
+                let k = format!("{} {} {:?} {}", t.local_agent, t.op, t.stage, t.status);
+                (k, t.transfers, t.bytes, &t.latency)
+            })
+            .chain(r.calls.iter().map(|c| {
+                let k = format!("{} {} {}", c.local_agent, c.call, c.status);
+                (k, c.calls, c.bytes, &c.latency)
+            }));
+        for (k, n, bytes, latency) in rows {
+            let e = m.entry(k).or_default();
+            e.0 += n;
+            e.1 += bytes;
+            e.2 += latency.count;
+            e.3.resize(latency.buckets.len(), 0);
+            e.3.iter_mut()
+                .zip(&latency.buckets)
+                .for_each(|(a, b)| *a += b);
+        }
+        m
+    }
+
+    #[test]
+    fn an_exited_process_is_folded_into_the_totals_and_forgotten() {
+        let mut a = NixlAggregator::new();
+        traffic(&mut a, 7, 0xa, 3_000);
+        traffic(&mut a, 8, 0xa, 40_000);
+        // A process traced without its agent's creation: figures only.
+        a.apply(&ev(EventKind::Call, |e| {
+            e.pid = 9;
+            e.call = Some(NixlCall::GenNotif);
+        }));
+        assert_eq!(a.pids(), vec![7, 8, 9]);
+        let before = totals(&a.report());
+
+        a.process_exited(7);
+        a.process_exited(9);
+        let r = a.report();
+        assert_eq!(totals(&r), before, "folding keeps every total");
+        let pids: BTreeSet<u32> = r
+            .transfers
+            .iter()
+            .map(|t| t.pid)
+            .chain(r.calls.iter().map(|c| c.pid))
+            .collect();
+        assert_eq!(pids, BTreeSet::from([EXITED_PID, 8]));
+        assert_eq!(a.pids(), vec![8], "no state left of 7 and 9");
+        assert!(a.agents.keys().all(|(p, _)| *p == 8));
+        let done = |r: &NixlReport, pid| {
+            r.transfers
+                .iter()
+                .find(|t| t.pid == pid && t.stage == XferStage::Complete)
+                .map(|t| (t.transfers, t.latency.max_ns))
+        };
+        assert_eq!(done(&r, EXITED_PID), Some((1, 3_000)));
+
+        // The last process exits, then a new one reuses pid 7 and exits too: the folded
+        // figures only grow, with the merged latency.
+        a.process_exited(8);
+        traffic(&mut a, 7, 0xb, 90_000);
+        a.process_exited(7);
+        let r = a.report();
+        assert_eq!(a.pids(), Vec::<u32>::new());
+        assert_eq!(
+            r.transfers.iter().filter(|t| t.pid != EXITED_PID).count(),
+            0
+        );
+        assert_eq!(done(&r, EXITED_PID), Some((3, 90_000)));
+        let after = totals(&r);
+        for (k, (n, bytes, count, buckets)) in &before {
+            let (n2, bytes2, count2, buckets2) = &after[k];
+            assert!(
+                n2 >= n && bytes2 >= bytes && count2 >= count,
+                "{k} went down"
+            );
+            assert!(buckets2.iter().zip(buckets).all(|(b2, b)| b2 >= b), "{k}");
+        }
+        assert_eq!(after["decode-0 WRITE Complete SUCCESS"].0, 3);
+        let latency = &r
+            .transfers
+            .iter()
+            .find(|t| t.pid == EXITED_PID && t.stage == XferStage::Complete)
+            .unwrap()
+            .latency;
+        assert_eq!((latency.count, latency.sum_ns), (3, 133_000));
     }
 }

@@ -271,7 +271,8 @@ fn rescan(
 const EXITED_GRACE: Duration = Duration::from_secs(10);
 
 /// Forget the agents and request handles of processes that exited (their pids may be
-/// reused, and their handles would otherwise stay forever).
+/// reused, and their handles would otherwise stay forever), folding their figures into
+/// the exited processes' (see [`NixlAggregator::process_exited`]).
 fn forget_exited(st: &mut State) {
     let now = std::time::Instant::now();
     for pid in st.aggregator.pids() {
