@@ -20,7 +20,7 @@ use dynamo_kv_router::protocols::{
 use dynamo_kv_router::radix_tree::RadixTree;
 use dynamo_kv_router::ConcurrentRadixTreeCompressed;
 use kvscope_collector::fleet_index::FleetIndex;
-use kvscope_wire::{sequence_hashes, WorkerKey};
+use kvscope_wire::WorkerKey;
 use std::collections::{BTreeMap, HashMap};
 use std::hint::black_box;
 use std::ops::Range;
@@ -178,9 +178,10 @@ impl Contender for Kvscope {
 
     fn query(&mut self, trace: &Trace, locals: Span) -> Self::Answer {
         // What the analyzer does per routing decision: the decision carries the router's
-        // local hashes; the mirror is keyed by sequence hashes.
-        let chain = sequence_hashes(trace.hashes(locals));
-        self.index.overlaps(&chain)
+        // local hashes; the analyzer needs the chain's sequence hashes and the overlaps.
+        let matched = self.index.match_chain(trace.hashes(locals));
+        black_box(&matched.chain);
+        matched.overlaps
     }
 
     fn digest(answer: &Self::Answer) -> u64 {

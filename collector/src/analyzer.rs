@@ -9,8 +9,8 @@ use crate::verdict::SpillVerdict;
 use crate::window::{ClosedWindow, MigrationLogWindow, OpenWindow, WindowSummary};
 use kvscope_wire::nixl::{MergedLatency, NixlReport};
 use kvscope_wire::{
-    sequence_hashes, AgentHeartbeat, Envelope, KvEvent, KvEventBatch, MigrationLogKind,
-    MigrationLogLine, Record, RoutingDecision, SequenceHash, SequenceStatus, WorkerKey,
+    AgentHeartbeat, Envelope, KvEvent, KvEventBatch, MigrationLogKind, MigrationLogLine, Record,
+    RoutingDecision, SequenceHash, SequenceStatus, WorkerKey,
 };
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap, VecDeque};
@@ -467,8 +467,16 @@ impl FleetAnalyzer {
         if !self.index.knows_worker(&d.worker) {
             self.counters.decisions_for_unseen_workers += 1;
         }
-        let chain = sequence_hashes(&d.local_hashes);
-        let v = SpillVerdict::judge_chain(&self.index, d, &chain, t, self.cfg.min_spill_blocks);
+        let matched = self.index.match_chain(&d.local_hashes);
+        let chain = matched.chain;
+        let v = SpillVerdict::judge_matched(
+            &self.index,
+            d,
+            &chain,
+            matched.overlaps,
+            t,
+            self.cfg.min_spill_blocks,
+        );
         let prompts = self.recent_prompts.entry(d.worker).or_default();
         for b in chain {
             prompts.insert(b, t);

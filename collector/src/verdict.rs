@@ -71,6 +71,19 @@ impl SpillVerdict {
         min_blocks: u32,
     ) -> Self {
         let overlaps = index.overlaps(chain);
+        Self::judge_matched(index, decision, chain, overlaps, decided_ns, min_blocks)
+    }
+
+    /// [`Self::judge_chain`] with the chain already matched against the mirror
+    /// ([`FleetIndex::match_chain`]).
+    pub fn judge_matched(
+        index: &FleetIndex,
+        decision: &RoutingDecision,
+        chain: &[SequenceHash],
+        overlaps: BTreeMap<WorkerKey, u32>,
+        decided_ns: u64,
+        min_blocks: u32,
+    ) -> Self {
         let chosen = decision.worker;
         let chosen_overlap = overlaps.get(&chosen).copied().unwrap_or(0);
         // Best: the longest overlap; the chosen worker wins ties, then the lowest key, so

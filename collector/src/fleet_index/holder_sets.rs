@@ -17,7 +17,7 @@ const FOLD: u64 = 0x9e37_79b9_7f4a_7c15;
 /// Idle sets kept before they are freed (more in a fleet with many sets).
 const IDLE_SETS: usize = 256;
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(super) struct HolderSets {
     /// Worker index → key: the order of every set's members.
     keys: Vec<WorkerKey>,
@@ -30,6 +30,11 @@ pub(super) struct HolderSets {
     by_members: FastMap<Box<[WorkerIdx]>, SetId>,
     /// Direct-mapped; sized with the number of workers.
     transitions: Vec<Transition>,
+    /// The last transition taken: a store or an eviction moves a run of blocks from one
+    /// set to the same other set, so most transitions repeat the previous one.
+    last: LastTransition,
+    /// Bumped whenever sets are freed: `last` is valid while it has not moved.
+    frees: u32,
 }
 
 #[derive(Debug, Default)]
@@ -51,6 +56,16 @@ struct Transition {
     to_generation: u32,
 }
 
+#[derive(Debug, Clone, Copy)]
+struct LastTransition {
+    from: SetId,
+    worker: WorkerIdx,
+    add: bool,
+    to: Option<SetId>,
+    /// [`HolderSets::frees`] when it was taken.
+    frees: u32,
+}
+
 const NO_TRANSITION: Transition = Transition {
     from: EMPTY,
     from_generation: 0,
@@ -59,6 +74,27 @@ const NO_TRANSITION: Transition = Transition {
     to: EMPTY,
     to_generation: 0,
 };
+
+impl Default for HolderSets {
+    fn default() -> Self {
+        Self {
+            keys: Vec::new(),
+            slots: Vec::new(),
+            free: Vec::new(),
+            idle: Vec::new(),
+            by_members: FastMap::default(),
+            transitions: Vec::new(),
+            last: LastTransition {
+                from: EMPTY,
+                worker: WorkerIdx::MAX,
+                add: false,
+                to: None,
+                frees: 0,
+            },
+            frees: 0,
+        }
+    }
+}
 
 impl HolderSets {
     /// A new worker, with the next index.
@@ -70,19 +106,23 @@ impl HolderSets {
         }
     }
 
+    #[inline]
     pub(super) fn key(&self, w: WorkerIdx) -> WorkerKey {
         self.keys[w as usize]
     }
 
     /// The order of set members.
+    #[inline]
     pub(super) fn cmp(&self, a: WorkerIdx, b: WorkerIdx) -> Ordering {
         self.keys[a as usize].cmp(&self.keys[b as usize])
     }
 
+    #[inline]
     pub(super) fn members(&self, id: SetId) -> &[WorkerIdx] {
         &self.slots[id as usize].members
     }
 
+    #[inline]
     pub(super) fn contains(&self, id: SetId, w: WorkerIdx) -> bool {
         match self.members(id) {
             [only] => *only == w,
@@ -98,18 +138,24 @@ impl HolderSets {
         }
     }
 
+    #[inline]
     pub(super) fn retain(&mut self, id: SetId) {
         self.slots[id as usize].blocks += 1;
     }
 
+    #[inline]
     pub(super) fn release(&mut self, id: SetId) {
         let slot = &mut self.slots[id as usize];
         slot.blocks -= 1;
         if slot.blocks == 0 {
-            self.idle.push(id);
-            if self.idle.len() > IDLE_SETS.max(self.slots.len() / 8) {
-                self.free_idle();
-            }
+            self.now_idle(id);
+        }
+    }
+
+    fn now_idle(&mut self, id: SetId) {
+        self.idle.push(id);
+        if self.idle.len() > IDLE_SETS.max(self.slots.len() / 8) {
+            self.free_idle();
         }
     }
 
@@ -119,6 +165,7 @@ impl HolderSets {
             let slot = &mut self.slots[id as usize];
             // An id is listed again each time it empties; free it once.
             if slot.blocks == 0 && !slot.members.is_empty() {
+                self.frees = self.frees.wrapping_add(1);
                 let members = std::mem::take(&mut slot.members);
                 slot.generation = slot.generation.wrapping_add(1);
                 self.by_members.remove(&members);
@@ -128,17 +175,37 @@ impl HolderSets {
     }
 
     /// `from` ∪ {w}, for `w` not in `from` (`EMPTY`: the set {w}).
+    #[inline]
     pub(super) fn with(&mut self, from: SetId, w: WorkerIdx) -> SetId {
         self.transition(from, w, true)
             .expect("adding a worker never empties a set")
     }
 
     /// `from` ∖ {w}, for `w` in `from`; `None` when that is empty.
+    #[inline]
     pub(super) fn without(&mut self, from: SetId, w: WorkerIdx) -> Option<SetId> {
         self.transition(from, w, false)
     }
 
+    #[inline]
     fn transition(&mut self, from: SetId, w: WorkerIdx, add: bool) -> Option<SetId> {
+        let last = self.last;
+        if last.from == from && last.worker == w && last.add == add && last.frees == self.frees {
+            return last.to;
+        }
+        let to = self.cached_transition(from, w, add);
+        self.last = LastTransition {
+            from,
+            worker: w,
+            add,
+            to,
+            frees: self.frees,
+        };
+        to
+    }
+
+    #[inline(never)]
+    fn cached_transition(&mut self, from: SetId, w: WorkerIdx, add: bool) -> Option<SetId> {
         let from_generation = self.generation(from);
         let key = (u64::from(from) << 32 | u64::from(w)) ^ u64::from(add);
         let bits = self.transitions.len().trailing_zeros();

@@ -1,0 +1,264 @@
+//! The mirror's blocks: a trie over local hashes with one record per distinct block
+//! (sequence hash) in an arena, each record pointing at the interned set of workers
+//! holding it.
+//!
+//! Each record knows its parent, how many children it has, and one child (the first one
+//! made under it, or the one it led to last). The other children, and the chains' first
+//! blocks, are in a table keyed by sequence hash. So:
+//!
+//! - a chain that grows at its end (a prompt's new blocks, a decoded block) adds records
+//!   linked from their parent: no hashing beyond the sequence hash itself, no table;
+//! - following a chain the mirror holds — a worker storing a prefix another holds, a
+//!   routing query — checks the linked child (usually the next record in memory, as a
+//!   store's blocks are made together) and reads the sequence hash from it;
+//! - only at a branch does a step probe the table, which holds the branches and the
+//!   chains' first blocks only, so it stays small.
+//!
+//! A record whose last holder leaves is kept (a chain evicted and stored again finds its
+//! records) until unheld records outnumber a quarter of the held ones; then a sweep frees
+//! every unheld record without children, leaves first, so a live record's parent is
+//! always live.
+
+use super::holder_sets::{SetId, EMPTY};
+use super::FastMap;
+use kvscope_wire::hashing::{chain_hash, LocalBlockHash};
+use kvscope_wire::SequenceHash;
+use std::collections::hash_map::Entry;
+
+/// A record's position in [`Blocks`].
+pub(super) type BlockIdx = u32;
+/// No record: a first block's parent, a record without children.
+const NO_BLOCK: BlockIdx = BlockIdx::MAX;
+/// A freed record's holders (unheld records have `EMPTY`).
+const FREED: SetId = EMPTY - 1;
+/// The bit of [`Block::children`] that says the record is in the table.
+const IN_TABLE: u32 = 1 << 31;
+/// Unheld records kept before a sweep, at least (a handful in tests, so that they sweep
+/// often).
+#[cfg(not(test))]
+const MIN_UNHELD_KEPT: usize = 4096;
+#[cfg(test)]
+const MIN_UNHELD_KEPT: usize = 3;
+
+/// One distinct block: 32 bytes.
+#[derive(Debug, Clone, Copy)]
+struct Block {
+    seq: SequenceHash,
+    local: LocalBlockHash,
+    parent: BlockIdx,
+    /// The linked child; the others are in the table.
+    next: BlockIdx,
+    /// Who holds it; `EMPTY`: nobody (kept until a sweep); `FREED`: a free slot.
+    holders: SetId,
+    /// Children, and `IN_TABLE` when the record is in the table.
+    children: u32,
+}
+
+impl Block {
+    fn child_count(&self) -> u32 {
+        self.children & !IN_TABLE
+    }
+
+    /// Whether every child of this record is the linked one (or there are none): then a
+    /// step that misses the linked child needs no table probe.
+    fn children_all_linked(&self) -> bool {
+        self.child_count() <= u32::from(self.next != NO_BLOCK)
+    }
+}
+
+#[derive(Debug, Default)]
+pub(super) struct Blocks {
+    records: Vec<Block>,
+    /// Chains' first blocks and children other than the linked one.
+    table: FastMap<SequenceHash, BlockIdx>,
+    free: Vec<BlockIdx>,
+    /// Records with no holder, not yet swept.
+    unheld: usize,
+    /// Unheld records a sweep had to keep (they have children): the next sweep waits
+    /// for that many more.
+    kept_by_sweep: usize,
+}
+
+impl Blocks {
+    pub(super) fn seq(&self, b: BlockIdx) -> SequenceHash {
+        self.records[b as usize].seq
+    }
+
+    /// Who holds `b`: `EMPTY` when nobody does.
+    pub(super) fn holders(&self, b: BlockIdx) -> SetId {
+        self.records[b as usize].holders
+    }
+
+    pub(super) fn set_holders(&mut self, b: BlockIdx, to: SetId) {
+        let r = &mut self.records[b as usize];
+        let from = r.holders;
+        r.holders = to;
+        match (from == EMPTY, to == EMPTY) {
+            (true, false) => self.unheld -= 1,
+            (false, true) => self.unheld += 1,
+            _ => {}
+        }
+    }
+
+    /// Load these records, so that their cache misses overlap.
+    pub(super) fn touch(&self, blocks: impl Iterator<Item = BlockIdx>) -> u64 {
+        blocks.fold(0, |acc, b| {
+            acc ^ u64::from(self.records[b as usize].holders)
+        })
+    }
+
+    /// The record of the block `seq`, a child of `parent` (`None`: a chain's first block).
+    pub(super) fn find(&self, parent: Option<BlockIdx>, seq: SequenceHash) -> Option<BlockIdx> {
+        if let Some(p) = parent {
+            let r = &self.records[p as usize];
+            if r.next != NO_BLOCK && self.records[r.next as usize].seq == seq {
+                return Some(r.next);
+            }
+            if r.children_all_linked() {
+                return None;
+            }
+        }
+        self.table.get(&seq).copied()
+    }
+
+    /// The child `local` of `parent` (`None`: a chain's first block) if mirrored; else
+    /// its sequence hash.
+    pub(super) fn find_child(
+        &self,
+        parent: Option<BlockIdx>,
+        local: LocalBlockHash,
+    ) -> Result<BlockIdx, SequenceHash> {
+        let Some(p) = parent else {
+            let seq = chain_hash(None, local);
+            return self.table.get(&seq).copied().ok_or(seq);
+        };
+        let r = &self.records[p as usize];
+        if r.next != NO_BLOCK && self.records[r.next as usize].local == local {
+            return Ok(r.next);
+        }
+        let seq = chain_hash(Some(r.seq), local);
+        if r.children_all_linked() {
+            return Err(seq);
+        }
+        self.table.get(&seq).copied().ok_or(seq)
+    }
+
+    /// The child `local` of `parent` (`None`: a chain's first block), made (unheld) if
+    /// not mirrored yet.
+    pub(super) fn child(&mut self, parent: Option<BlockIdx>, local: LocalBlockHash) -> BlockIdx {
+        let Some(p) = parent else {
+            let seq = chain_hash(None, local);
+            return match self.table.entry(seq) {
+                Entry::Occupied(e) => *e.get(),
+                Entry::Vacant(e) => {
+                    let b = Self::make(&mut self.records, &mut self.free, seq, local, NO_BLOCK);
+                    self.records[b as usize].children |= IN_TABLE;
+                    self.unheld += 1;
+                    *e.insert(b)
+                }
+            };
+        };
+        let r = self.records[p as usize];
+        if r.next != NO_BLOCK && self.records[r.next as usize].local == local {
+            return r.next;
+        }
+        let seq = chain_hash(Some(r.seq), local);
+        let b = if r.children_all_linked() {
+            let b = Self::make(&mut self.records, &mut self.free, seq, local, p);
+            if r.next == NO_BLOCK {
+                self.records[p as usize].next = b;
+            } else {
+                self.records[b as usize].children |= IN_TABLE;
+                self.table.insert(seq, b);
+            }
+            b
+        } else {
+            match self.table.entry(seq) {
+                Entry::Occupied(e) => return *e.get(),
+                Entry::Vacant(e) => {
+                    let b = Self::make(&mut self.records, &mut self.free, seq, local, p);
+                    self.records[b as usize].children |= IN_TABLE;
+                    *e.insert(b)
+                }
+            }
+        };
+        self.records[p as usize].children += 1;
+        self.unheld += 1;
+        b
+    }
+
+    fn make(
+        records: &mut Vec<Block>,
+        free: &mut Vec<BlockIdx>,
+        seq: SequenceHash,
+        local: LocalBlockHash,
+        parent: BlockIdx,
+    ) -> BlockIdx {
+        let record = Block {
+            seq,
+            local,
+            parent,
+            next: NO_BLOCK,
+            holders: EMPTY,
+            children: 0,
+        };
+        match free.pop() {
+            Some(b) => {
+                records[b as usize] = record;
+                b
+            }
+            None => {
+                records.push(record);
+                (records.len() - 1) as BlockIdx
+            }
+        }
+    }
+
+    /// Free the unheld records once there are many of them. Call between operations
+    /// only: a record index held by the caller may be freed.
+    pub(super) fn maybe_sweep(&mut self) {
+        let held = self.records.len() - self.free.len() - self.unheld;
+        if self.unheld <= self.kept_by_sweep + MIN_UNHELD_KEPT.max(held / 4) {
+            return;
+        }
+        for b in 0..self.records.len() as BlockIdx {
+            // Leaves first: freeing a record may leave its parent unheld and childless.
+            let mut at = b;
+            loop {
+                let r = self.records[at as usize];
+                if r.holders != EMPTY || r.child_count() > 0 {
+                    break;
+                }
+                if r.children & IN_TABLE != 0 {
+                    self.table.remove(&r.seq);
+                }
+                self.records[at as usize] = Block {
+                    holders: FREED,
+                    parent: NO_BLOCK,
+                    next: NO_BLOCK,
+                    children: 0,
+                    ..r
+                };
+                self.free.push(at);
+                self.unheld -= 1;
+                if r.parent == NO_BLOCK {
+                    break;
+                }
+                let parent = &mut self.records[r.parent as usize];
+                parent.children -= 1;
+                if parent.next == at {
+                    // Its other children, if any, are all in the table.
+                    parent.next = NO_BLOCK;
+                }
+                at = r.parent;
+            }
+        }
+        self.kept_by_sweep = self.unheld;
+    }
+
+    /// Records in use (held or kept), for tests.
+    #[cfg(test)]
+    pub(super) fn live(&self) -> usize {
+        self.records.len() - self.free.len()
+    }
+}
