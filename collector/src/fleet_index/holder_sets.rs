@@ -12,6 +12,9 @@ use std::cmp::Ordering;
 pub(super) type SetId = u32;
 /// "No set": the empty set, as a transition's source or result.
 pub(super) const EMPTY: SetId = SetId::MAX;
+/// The bit that makes a set id a one-worker set, `SINGLE | worker`: most blocks have one
+/// holder, and such sets need no slot, no interning and no block count.
+const SINGLE: SetId = 1 << 31;
 
 const FOLD: u64 = 0x9e37_79b9_7f4a_7c15;
 /// Idle sets kept before they are freed (more in a fleet with many sets).
@@ -21,6 +24,8 @@ const IDLE_SETS: usize = 256;
 pub(super) struct HolderSets {
     /// Worker index → key: the order of every set's members.
     keys: Vec<WorkerKey>,
+    /// `singles[w] == w`: the members of the one-worker set {w}.
+    singles: Vec<WorkerIdx>,
     slots: Vec<HolderSet>,
     free: Vec<SetId>,
     /// Sets whose last block went away, not freed yet: a set often comes back soon (a
@@ -79,6 +84,7 @@ impl Default for HolderSets {
     fn default() -> Self {
         Self {
             keys: Vec::new(),
+            singles: Vec::new(),
             slots: Vec::new(),
             free: Vec::new(),
             idle: Vec::new(),
@@ -99,6 +105,10 @@ impl Default for HolderSets {
 impl HolderSets {
     /// A new worker, with the next index.
     pub(super) fn add_worker(&mut self, key: WorkerKey) {
+        // Below SINGLE | (SINGLE - 2), so that a one-worker set is never EMPTY or a
+        // caller's marker just below it.
+        assert!(self.keys.len() < (SINGLE - 2) as usize, "too many workers");
+        self.singles.push(self.keys.len() as WorkerIdx);
         self.keys.push(key);
         let want = (self.keys.len() * 8).next_power_of_two().clamp(64, 1 << 13);
         if want > self.transitions.len() {
@@ -119,32 +129,45 @@ impl HolderSets {
 
     #[inline]
     pub(super) fn members(&self, id: SetId) -> &[WorkerIdx] {
+        if id & SINGLE != 0 {
+            let w = (id & !SINGLE) as usize;
+            return &self.singles[w..=w];
+        }
         &self.slots[id as usize].members
     }
 
     #[inline]
     pub(super) fn contains(&self, id: SetId, w: WorkerIdx) -> bool {
-        match self.members(id) {
-            [only] => *only == w,
-            members => members.binary_search_by(|m| self.cmp(*m, w)).is_ok(),
+        if id & SINGLE != 0 {
+            return id == SINGLE | w;
         }
+        self.members(id)
+            .binary_search_by(|m| self.cmp(*m, w))
+            .is_ok()
     }
 
     fn generation(&self, id: SetId) -> u32 {
-        if id == EMPTY {
+        if id == EMPTY || id & SINGLE != 0 {
             0
         } else {
             self.slots[id as usize].generation
         }
     }
 
+    /// One more block points at set `id`.
     #[inline]
     pub(super) fn retain(&mut self, id: SetId) {
-        self.slots[id as usize].blocks += 1;
+        if id & SINGLE == 0 {
+            self.slots[id as usize].blocks += 1;
+        }
     }
 
+    /// One block fewer points at set `id`.
     #[inline]
     pub(super) fn release(&mut self, id: SetId) {
+        if id & SINGLE != 0 {
+            return;
+        }
         let slot = &mut self.slots[id as usize];
         slot.blocks -= 1;
         if slot.blocks == 0 {
@@ -189,6 +212,11 @@ impl HolderSets {
 
     #[inline]
     fn transition(&mut self, from: SetId, w: WorkerIdx, add: bool) -> Option<SetId> {
+        match (from, add) {
+            (EMPTY, true) => return Some(SINGLE | w),
+            (from, false) if from & SINGLE != 0 => return None,
+            _ => {}
+        }
         let last = self.last;
         if last.from == from && last.worker == w && last.add == add && last.frees == self.frees {
             return last.to;
@@ -231,10 +259,10 @@ impl HolderSets {
             }
             _ => unreachable!("adds a worker not in the set, removes one in it"),
         }
-        let to = if members.is_empty() {
-            EMPTY
-        } else {
-            self.intern(members)
+        let to = match members[..] {
+            [] => EMPTY,
+            [only] => SINGLE | only,
+            _ => self.intern(members),
         };
         self.transitions[slot] = Transition {
             from,
