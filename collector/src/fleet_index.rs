@@ -108,10 +108,58 @@ type FastMap<K, V> = HashMap<K, V, BuildHasherDefault<FoldHasher>>;
 /// A worker's position in [`FleetIndex::workers`].
 type WorkerIdx = u32;
 
+/// Above this many records the mirror is taken to be larger than the CPU caches: its
+/// table probes are then issued together first, so that their cache misses overlap.
+const COLD_RECORDS: usize = 1 << 16;
+
+/// Blocks a worker stored recently, by engine hash, direct-mapped: a store's parent is
+/// usually the last block stored in that conversation, and finding it here saves a probe
+/// of the worker's engine-hash table, which is large and cold in a big fleet. Always a
+/// subset of that table.
+#[derive(Debug)]
+struct RecentStores(Box<[(u64, BlockIdx); Self::SLOTS]>);
+
+impl Default for RecentStores {
+    fn default() -> Self {
+        Self(Box::new([(0, Self::NONE); Self::SLOTS]))
+    }
+}
+
+impl RecentStores {
+    const SLOTS: usize = 64;
+    const NONE: BlockIdx = BlockIdx::MAX;
+
+    fn slot(engine: u64) -> usize {
+        (engine.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 58) as usize
+    }
+
+    fn get(&self, engine: u64) -> Option<BlockIdx> {
+        let (e, b) = self.0[Self::slot(engine)];
+        (e == engine && b != Self::NONE).then_some(b)
+    }
+
+    fn put(&mut self, engine: u64, b: BlockIdx) {
+        self.0[Self::slot(engine)] = (engine, b);
+    }
+
+    fn forget(&mut self, engine: u64) {
+        let slot = &mut self.0[Self::slot(engine)];
+        if slot.0 == engine {
+            slot.1 = Self::NONE;
+        }
+    }
+
+    fn clear(&mut self) {
+        self.0.fill((0, Self::NONE));
+    }
+}
+
 #[derive(Debug, Default)]
 struct WorkerCache {
     /// Engine block hash → the block stored under it.
     by_engine: FastMap<u64, BlockIdx>,
+    /// The last stores of `by_engine`.
+    recent: RecentStores,
     /// Engine blocks stored more than once: the stores beyond the first. Engines may store
     /// the same block more than once (Dynamo's `EventDedupFilter` counts them the same
     /// way): it leaves the cache only when every store has been removed.
@@ -223,16 +271,22 @@ impl FleetIndex {
         locals: &[LocalBlockHash],
     ) -> Result<StoredSegment, MirrorError> {
         let w = self.worker_idx(worker);
+        let n = locals.len().min(engine_hashes.len());
+        let cache = &self.workers[w as usize];
+        if self.blocks.len() > COLD_RECORDS {
+            for engine in &engine_hashes[..n] {
+                black_box(cache.by_engine.get(engine));
+            }
+        }
         let parent = match parent_engine_hash {
             None => None,
             Some(p) => Some(
-                *self.workers[w as usize]
-                    .by_engine
-                    .get(&p)
-                    .ok_or(MirrorError::UnknownParent)?,
+                match cache.recent.get(p) {
+                    Some(b) => b,
+                    None => *cache.by_engine.get(&p).ok_or(MirrorError::UnknownParent)?,
+                },
             ),
         };
-        let n = locals.len().min(engine_hashes.len());
         if n == 0 && !engine_hashes.is_empty() {
             return Err(MirrorError::TokenCountMismatch);
         }
@@ -257,6 +311,7 @@ impl FleetIndex {
             match cache.by_engine.entry(*engine) {
                 Entry::Vacant(e) => {
                     e.insert(b);
+                    cache.recent.put(*engine, b);
                 }
                 Entry::Occupied(e) if *e.get() == b => {
                     *cache.restores.entry(*engine).or_insert(0) += 1;
@@ -265,6 +320,7 @@ impl FleetIndex {
                 Entry::Occupied(mut e) => {
                     // The engine reused a hash for other content: the old block is gone.
                     let old = e.insert(b);
+                    cache.recent.put(*engine, b);
                     cache.restores.remove(engine);
                     self.release(w, old);
                 }
@@ -294,6 +350,11 @@ impl FleetIndex {
         // In two passes, the second first touching the records it will change: an
         // eviction names many blocks, and their cache misses then overlap.
         let cache = &mut self.workers[w as usize];
+        if self.blocks.len() > COLD_RECORDS {
+            for engine in engine_hashes {
+                black_box(cache.by_engine.get(engine));
+            }
+        }
         let mut released = std::mem::take(&mut self.released);
         for engine in engine_hashes {
             if !cache.restores.is_empty() {
@@ -307,7 +368,10 @@ impl FleetIndex {
                 }
             }
             match cache.by_engine.remove(engine) {
-                Some(b) => released.push(b),
+                Some(b) => {
+                    cache.recent.forget(*engine);
+                    released.push(b);
+                }
                 None => out.unknown += 1,
             }
         }
@@ -332,6 +396,7 @@ impl FleetIndex {
         let cache = &mut self.workers[w as usize];
         let n = cache.cached as u64;
         let mut by_engine = std::mem::take(&mut cache.by_engine);
+        cache.recent.clear();
         cache.restores.clear();
         cache.extra_holds.clear();
         cache.generated.clear();

@@ -80,6 +80,11 @@ pub(super) struct Blocks {
 }
 
 impl Blocks {
+    /// Records allocated (live or free).
+    pub(super) fn len(&self) -> usize {
+        self.records.len()
+    }
+
     pub(super) fn seq(&self, b: BlockIdx) -> SequenceHash {
         self.records[b as usize].seq
     }
