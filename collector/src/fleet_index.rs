@@ -4,20 +4,21 @@
 //! Layout, chosen so that a fleet of 1,000 workers × 50k blocks fits in a few GiB, and
 //! so that following a chain the mirror already holds costs a few loads per block:
 //!
-//! - one record per distinct block ([`blocks`]), in a trie over local hashes: a store
-//!   of a prefix another worker holds, or a routing query, follows the records' child
-//!   hints and needs no hashing and no table probe while the chain is mirrored;
+//! - one record per distinct block ([`blocks`]), in a trie over local hashes: a chain
+//!   growing at its end links new records to their parent without any table, and a
+//!   store of a prefix another worker holds, or a routing query, follows the links with
+//!   no hashing and no table probe while the chain is mirrored;
 //! - each record points at the *set* of workers holding it; holder sets are interned
 //!   ([`holder_sets`]): every block held by the same workers points at the same set, so
 //!   a system prompt cached on 900 workers costs one 900-entry set, not 900 entries per
 //!   block, and a query walking a chain compares set ids, touching members only where
-//!   the set changes;
+//!   the set changes; a set of one worker is encoded in its id;
 //! - per worker, engine block hash → record (what `BlockRemoved` names), plus two small
 //!   side tables for what is rare: an engine block stored more than once, and one block
 //!   held through more than one engine block.
 //!
-//! The big tables are [`table::BlockTable`]s: open addressing with each key next to its
-//! value, one cache miss per lookup.
+//! The tables are std's (SwissTable) maps with a one-multiply hasher: the keys are
+//! hashes already.
 
 mod blocks;
 mod holder_sets;
@@ -280,12 +281,10 @@ impl FleetIndex {
         }
         let parent = match parent_engine_hash {
             None => None,
-            Some(p) => Some(
-                match cache.recent.get(p) {
-                    Some(b) => b,
-                    None => *cache.by_engine.get(&p).ok_or(MirrorError::UnknownParent)?,
-                },
-            ),
+            Some(p) => Some(match cache.recent.get(p) {
+                Some(b) => b,
+                None => *cache.by_engine.get(&p).ok_or(MirrorError::UnknownParent)?,
+            }),
         };
         if n == 0 && !engine_hashes.is_empty() {
             return Err(MirrorError::TokenCountMismatch);
@@ -490,10 +489,11 @@ impl FleetIndex {
         for local in locals {
             if mirrored {
                 match self.blocks.find_child(at, *local) {
-                    Ok(b) => {
-                        chain.push(self.blocks.seq(b));
+                    Ok((b, seq, holders)) => {
+                        chain.push(seq);
                         if walk.active() {
-                            walk.step(&self.sets, self.held_by(b), &mut left);
+                            let set = (holders != EMPTY).then_some(holders);
+                            walk.step(&self.sets, set, &mut left);
                         }
                         at = Some(b);
                         continue;

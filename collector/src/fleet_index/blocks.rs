@@ -2,9 +2,9 @@
 //! (sequence hash) in an arena, each record pointing at the interned set of workers
 //! holding it.
 //!
-//! Each record knows its parent, how many children it has, and one child (the first one
-//! made under it, or the one it led to last). The other children, and the chains' first
-//! blocks, are in a table keyed by sequence hash. So:
+//! Each record knows its parent, how many children it has, and one linked child (the
+//! first one made under it while it had none linked). The other children, and the
+//! chains' first blocks, are in a table keyed by sequence hash. So:
 //!
 //! - a chain that grows at its end (a prompt's new blocks, a decoded block) adds records
 //!   linked from their parent: no hashing beyond the sequence hash itself, no table;
@@ -15,9 +15,9 @@
 //!   chains' first blocks only, so it stays small.
 //!
 //! A record whose last holder leaves is kept (a chain evicted and stored again finds its
-//! records) until unheld records outnumber a quarter of the held ones; then a sweep frees
-//! every unheld record without children, leaves first, so a live record's parent is
-//! always live.
+//! records) until unheld records outnumber a quarter of the held ones (and 16k); then a
+//! sweep frees every unheld record without children, leaves first, so a live record's
+//! parent is always live.
 
 use super::holder_sets::{SetId, EMPTY};
 use super::FastMap;
@@ -33,10 +33,11 @@ const NO_BLOCK: BlockIdx = BlockIdx::MAX;
 const FREED: SetId = EMPTY - 1;
 /// The bit of [`Block::children`] that says the record is in the table.
 const IN_TABLE: u32 = 1 << 31;
-/// Unheld records kept before a sweep, at least (a handful in tests, so that they sweep
-/// often).
+/// Unheld records kept at least: 512 KiB of records, so that a small fleet, whose
+/// evicted chains come back most often, finds them (a handful in tests, so that they
+/// sweep often).
 #[cfg(not(test))]
-const MIN_UNHELD_KEPT: usize = 4096;
+const MIN_UNHELD_KEPT: usize = 16 * 1024;
 #[cfg(test)]
 const MIN_UNHELD_KEPT: usize = 3;
 
@@ -66,9 +67,62 @@ impl Block {
     }
 }
 
+/// The records, in chunks of fixed size: the arena is most of the mirror's memory, and a
+/// vector doubling its capacity would leave up to half of it allocated and unused (and
+/// copy it all at each doubling).
+#[derive(Debug, Default)]
+struct Arena {
+    // Boxed so that growing the vector moves chunk pointers, not chunks.
+    #[allow(clippy::vec_box)]
+    chunks: Vec<Box<[Block; Arena::CHUNK]>>,
+    len: usize,
+}
+
+impl Arena {
+    /// 2,048 records (64 KiB) a chunk; 8 in tests, so that the arena fills often.
+    #[cfg(not(test))]
+    const CHUNK_BITS: u32 = 11;
+    #[cfg(test)]
+    const CHUNK_BITS: u32 = 3;
+    const CHUNK: usize = 1 << Self::CHUNK_BITS;
+
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn push(&mut self, record: Block) {
+        if self.len == self.chunks.len() * Self::CHUNK {
+            let chunk: Box<[Block; Self::CHUNK]> = vec![record; Self::CHUNK]
+                .into_boxed_slice()
+                .try_into()
+                .expect("a chunk of CHUNK records");
+            self.chunks.push(chunk);
+        }
+        let i = self.len;
+        self.len += 1;
+        self[i] = record;
+    }
+}
+
+impl std::ops::Index<usize> for Arena {
+    type Output = Block;
+
+    #[inline(always)]
+    fn index(&self, i: usize) -> &Block {
+        &self.chunks[i >> Self::CHUNK_BITS][i & (Self::CHUNK - 1)]
+    }
+}
+
+impl std::ops::IndexMut<usize> for Arena {
+    #[inline(always)]
+    fn index_mut(&mut self, i: usize) -> &mut Block {
+        &mut self.chunks[i >> Self::CHUNK_BITS][i & (Self::CHUNK - 1)]
+    }
+}
+
 #[derive(Debug, Default)]
 pub(super) struct Blocks {
-    records: Vec<Block>,
+    records: Arena,
     /// Chains' first blocks and children other than the linked one.
     table: FastMap<SequenceHash, BlockIdx>,
     free: Vec<BlockIdx>,
@@ -126,26 +180,35 @@ impl Blocks {
         self.table.get(&seq).copied()
     }
 
-    /// The child `local` of `parent` (`None`: a chain's first block) if mirrored; else
-    /// its sequence hash.
+    /// The child `local` of `parent` (`None`: a chain's first block) if mirrored, with
+    /// its sequence hash and holders; else its sequence hash.
+    #[inline]
     pub(super) fn find_child(
         &self,
         parent: Option<BlockIdx>,
         local: LocalBlockHash,
-    ) -> Result<BlockIdx, SequenceHash> {
-        let Some(p) = parent else {
-            let seq = chain_hash(None, local);
-            return self.table.get(&seq).copied().ok_or(seq);
+    ) -> Result<(BlockIdx, SequenceHash, SetId), SequenceHash> {
+        let seq = match parent {
+            None => chain_hash(None, local),
+            Some(p) => {
+                let r = &self.records[p as usize];
+                if r.next != NO_BLOCK {
+                    let c = &self.records[r.next as usize];
+                    if c.local == local {
+                        return Ok((r.next, c.seq, c.holders));
+                    }
+                }
+                let seq = chain_hash(Some(r.seq), local);
+                if r.children_all_linked() {
+                    return Err(seq);
+                }
+                seq
+            }
         };
-        let r = &self.records[p as usize];
-        if r.next != NO_BLOCK && self.records[r.next as usize].local == local {
-            return Ok(r.next);
+        match self.table.get(&seq) {
+            Some(&b) => Ok((b, seq, self.records[b as usize].holders)),
+            None => Err(seq),
         }
-        let seq = chain_hash(Some(r.seq), local);
-        if r.children_all_linked() {
-            return Err(seq);
-        }
-        self.table.get(&seq).copied().ok_or(seq)
     }
 
     /// The child `local` of `parent` (`None`: a chain's first block), made (unheld) if
@@ -193,7 +256,7 @@ impl Blocks {
     }
 
     fn make(
-        records: &mut Vec<Block>,
+        records: &mut Arena,
         free: &mut Vec<BlockIdx>,
         seq: SequenceHash,
         local: LocalBlockHash,
@@ -219,8 +282,9 @@ impl Blocks {
         }
     }
 
-    /// Free the unheld records once there are many of them. Call between operations
-    /// only: a record index held by the caller may be freed.
+    /// Free the unheld records once there are many of them: a quarter of the held ones,
+    /// and at least [`MIN_UNHELD_KEPT`]. Call between operations only: a record index
+    /// held by the caller may be freed.
     pub(super) fn maybe_sweep(&mut self) {
         let held = self.records.len() - self.free.len() - self.unheld;
         if self.unheld <= self.kept_by_sweep + MIN_UNHELD_KEPT.max(held / 4) {

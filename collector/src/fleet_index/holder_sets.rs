@@ -127,7 +127,7 @@ impl HolderSets {
         self.keys[a as usize].cmp(&self.keys[b as usize])
     }
 
-    #[inline]
+    #[inline(always)]
     pub(super) fn members(&self, id: SetId) -> &[WorkerIdx] {
         if id & SINGLE != 0 {
             let w = (id & !SINGLE) as usize;
@@ -136,7 +136,7 @@ impl HolderSets {
         &self.slots[id as usize].members
     }
 
-    #[inline]
+    #[inline(always)]
     pub(super) fn contains(&self, id: SetId, w: WorkerIdx) -> bool {
         if id & SINGLE != 0 {
             return id == SINGLE | w;
@@ -155,7 +155,7 @@ impl HolderSets {
     }
 
     /// One more block points at set `id`.
-    #[inline]
+    #[inline(always)]
     pub(super) fn retain(&mut self, id: SetId) {
         if id & SINGLE == 0 {
             self.slots[id as usize].blocks += 1;
@@ -163,7 +163,7 @@ impl HolderSets {
     }
 
     /// One block fewer points at set `id`.
-    #[inline]
+    #[inline(always)]
     pub(super) fn release(&mut self, id: SetId) {
         if id & SINGLE != 0 {
             return;
@@ -175,6 +175,7 @@ impl HolderSets {
         }
     }
 
+    #[inline(never)]
     fn now_idle(&mut self, id: SetId) {
         self.idle.push(id);
         if self.idle.len() > IDLE_SETS.max(self.slots.len() / 8) {
@@ -198,19 +199,19 @@ impl HolderSets {
     }
 
     /// `from` ∪ {w}, for `w` not in `from` (`EMPTY`: the set {w}).
-    #[inline]
+    #[inline(always)]
     pub(super) fn with(&mut self, from: SetId, w: WorkerIdx) -> SetId {
         self.transition(from, w, true)
             .expect("adding a worker never empties a set")
     }
 
     /// `from` ∖ {w}, for `w` in `from`; `None` when that is empty.
-    #[inline]
+    #[inline(always)]
     pub(super) fn without(&mut self, from: SetId, w: WorkerIdx) -> Option<SetId> {
         self.transition(from, w, false)
     }
 
-    #[inline]
+    #[inline(always)]
     fn transition(&mut self, from: SetId, w: WorkerIdx, add: bool) -> Option<SetId> {
         match (from, add) {
             (EMPTY, true) => return Some(SINGLE | w),
