@@ -153,7 +153,7 @@ pub async fn start(cfg: AgentConfig) -> anyhow::Result<RunningAgent> {
         inputs.push(tokio::spawn(zmq_tap::run(
             ep.clone(),
             sink.clone(),
-            sink.add_source(cfg.kv_reorder_window_ms() * 1_000_000),
+            sink.add_publisher(cfg.kv_reorder_window_ms() * 1_000_000),
             stats.clone(),
             stop_rx.clone(),
         )));

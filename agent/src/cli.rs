@@ -56,9 +56,10 @@ pub struct Cli {
     /// [default: 250; 0 = arrival order].
     #[arg(long)]
     pub reorder_window_ms: Option<u64>,
-    /// How long records wait for a quiet KV event publisher, in milliseconds
-    /// [default: the reorder window]. Publishers deliver within ~1 ms, so this can be
-    /// much shorter; a batch later than it is counted as late.
+    /// The longest records wait for a quiet KV event publisher, in milliseconds
+    /// [default: the reorder window]. Within it the wait is twice the largest recent
+    /// delivery lag of KV batches plus 2 ms (a few ms on a healthy node); a batch later
+    /// than the wait is counted as late.
     #[arg(long)]
     pub kv_reorder_window_ms: Option<u64>,
     /// Trace NIXL with eBPF: libnixl.so files mapped by running processes, found by

@@ -14,7 +14,7 @@
 //! stream_max_age_secs = 86400
 //! join_timeout_secs = 30.0
 //! reorder_window_ms = 250      # how long records wait for a quiet router log
-//! kv_reorder_window_ms = 20    # … and for a quiet KV event publisher (default: as above)
+//! kv_reorder_window_ms = 250   # at most this for a quiet KV event publisher (default: as above)
 //! metrics_listen = "127.0.0.1:9464"
 //!
 //! [nixl]             # eBPF tracing of libnixl.so (needs root or CAP_BPF+CAP_PERFMON)
@@ -87,13 +87,13 @@ pub struct AgentConfig {
     /// caused), in milliseconds (default 250; 0 sends in arrival order). Records leave
     /// in event-time order; see `record_sink`. Env: `KVSCOPE_AGENT_REORDER_WINDOW_MS`.
     pub reorder_window_ms: u64,
-    /// How long a record waits for an engine's KV event publisher that has gone quiet,
-    /// in milliseconds (default: `reorder_window_ms`). A publisher's batches reach the
-    /// agent within about a millisecond of the engine stamping them, so this can be far
-    /// shorter than the router log's window, and a decision then waits no longer for
-    /// idle workers; a batch delayed beyond it (an agent falling behind) is counted in
-    /// `records_late` and may miss the decisions it preceded.
-    /// Env: `KVSCOPE_AGENT_KV_REORDER_WINDOW_MS`.
+    /// The longest a record waits for an engine's KV event publisher that has gone
+    /// quiet, in milliseconds (default: `reorder_window_ms`). Within it the wait is
+    /// measured: twice the largest delivery lag (engine stamp → arrival here) of any
+    /// publisher's batches in the last 5–10 s, plus 2 ms, so a decision waits a few ms
+    /// for idle workers on a healthy node and longer when the agent falls behind. A
+    /// batch delayed beyond the wait is counted in `records_late` and may miss the
+    /// decisions it preceded. Env: `KVSCOPE_AGENT_KV_REORDER_WINDOW_MS`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kv_reorder_window_ms: Option<u64>,
     /// How long a shutdown waits for buffered records to reach NATS, in seconds

@@ -177,6 +177,15 @@ pub fn exposition(
     Arc::new(move |format| {
         let mut out = Exposition::new(format);
         write(&mut out, &agent, &stats, sink.buffered());
+        if let Some(wait) = sink.publisher_wait_ns() {
+            out.single_gauge(
+                "kvscope_agent_kv_publisher_wait_seconds",
+                "How long records wait for a quiet KV event publisher: twice the largest \
+                 recent delivery lag of KV batches plus 2 ms, at most kv_reorder_window_ms.",
+                &labels(&[("agent", &agent)]),
+                wait as f64 / 1e9,
+            );
+        }
         if let Some(t) = &nixl {
             write_nixl(&mut out, &agent, &t.report());
         }

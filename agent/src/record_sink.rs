@@ -27,6 +27,15 @@
 //! trade-off: a batch later than that is counted as late, and a decision may already
 //! have been judged without it). Records from no source (heartbeats, NIXL reports) take
 //! their place in the order but hold nothing back.
+//!
+//! A quiet publisher need not cost its whole window, though: what the window guards
+//! against is a batch reaching the agent late, and how late batches reach it is measured
+//! on every batch. So a publisher (added with [`RecordSink::add_publisher`]) is waited
+//! for twice the largest delivery lag any publisher showed in the last 5–10 s, plus
+//! 2 ms, and never longer than its window. When the agent falls behind (a loaded host),
+//! the lags it measures grow and so does the wait; a batch later than even that is
+//! counted as late, as with a fixed window. Before any batch has been measured, the
+//! window applies.
 
 use crate::counters::AgentStats;
 use crate::internal_events::{InternalEvent, PublishDropped, RecordLate, RecordingWriteFailed};
@@ -83,18 +92,65 @@ struct Progress {
     last_ns: u64,
     /// How late its records may reach the sink: records wait at most this long for it.
     window_ns: u64,
+    /// An engine's KV event publisher: waited for as long as publishers' measured
+    /// delivery lag says, within the window.
+    publisher: bool,
 }
 
 impl Progress {
+    /// How long records wait for this source while it is quiet.
+    fn wait_ns(&self, lag: &DeliveryLag) -> u64 {
+        match (self.publisher, lag.bound_ns()) {
+            (true, Some(bound)) => bound.min(self.window_ns),
+            _ => self.window_ns,
+        }
+    }
+
     /// Whether nothing from this source can still come before `t` at `now`.
-    fn passed(&self, t: u64, now: u64) -> bool {
-        self.last_ns >= t || t.saturating_add(self.window_ns) <= now
+    fn passed(&self, t: u64, now: u64, lag: &DeliveryLag) -> bool {
+        self.last_ns >= t || t.saturating_add(self.wait_ns(lag)) <= now
+    }
+}
+
+/// The largest delay, from a KV batch's engine time stamp to its arrival here, over the
+/// last one or two periods.
+#[derive(Debug, Default)]
+struct DeliveryLag {
+    period_start: u64,
+    current: Option<u64>,
+    previous: Option<u64>,
+}
+
+impl DeliveryLag {
+    const PERIOD_NS: u64 = 5_000_000_000;
+    const MARGIN_NS: u64 = 2_000_000;
+
+    fn observe(&mut self, lag_ns: u64, now: u64) {
+        if now.saturating_sub(self.period_start) >= Self::PERIOD_NS {
+            // A period without batches leaves nothing to carry over.
+            let idle = now.saturating_sub(self.period_start) >= 2 * Self::PERIOD_NS;
+            self.previous = if idle { None } else { self.current };
+            self.current = None;
+            self.period_start = now;
+        }
+        self.current = Some(self.current.map_or(lag_ns, |m| m.max(lag_ns)));
+    }
+
+    /// How long a quiet publisher is waited for: twice the largest recent lag plus a
+    /// margin; `None` before any batch was measured.
+    fn bound_ns(&self) -> Option<u64> {
+        let max = match (self.current, self.previous) {
+            (Some(a), Some(b)) => a.max(b),
+            (a, b) => a.or(b)?,
+        };
+        Some(max.saturating_mul(2).saturating_add(Self::MARGIN_NS))
     }
 }
 
 struct Inner {
     held: BinaryHeap<Reverse<Held>>,
     sources: Vec<Progress>,
+    lag: DeliveryLag,
     arrivals: u64,
     buffer: VecDeque<Outgoing>,
     last_ns: u64,
@@ -133,6 +189,7 @@ impl RecordSink {
             inner: Mutex::new(Inner {
                 held: BinaryHeap::new(),
                 sources: Vec::new(),
+                lag: DeliveryLag::default(),
                 arrivals: 0,
                 buffer: VecDeque::new(),
                 last_ns: 0,
@@ -151,12 +208,35 @@ impl RecordSink {
     /// A new input whose records will arrive in their event-time order, at most
     /// `window_ns` after they happened (0: records never wait for it).
     pub fn add_source(&self, window_ns: u64) -> SourceId {
+        self.add(window_ns, false)
+    }
+
+    /// An engine's KV event publisher: like [`Self::add_source`], but while it is quiet
+    /// records wait for it only as long as publishers' measured delivery lag says (see
+    /// the module docs), at most `window_ns`.
+    pub fn add_publisher(&self, window_ns: u64) -> SourceId {
+        self.add(window_ns, true)
+    }
+
+    fn add(&self, window_ns: u64, publisher: bool) -> SourceId {
         let mut inner = self.lock();
         inner.sources.push(Progress {
             last_ns: 0,
             window_ns,
+            publisher,
         });
         SourceId(inner.sources.len() - 1)
+    }
+
+    /// How long records now wait for a quiet KV publisher (ns): the window until a batch
+    /// has been measured.
+    pub fn publisher_wait_ns(&self) -> Option<u64> {
+        let inner = self.lock();
+        inner
+            .sources
+            .iter()
+            .find(|p| p.publisher)
+            .map(|p| p.wait_ns(&inner.lag))
     }
 
     /// A record whose source gives no time of its own (heartbeats): it happened now.
@@ -202,6 +282,9 @@ impl RecordSink {
         let mut inner = self.lock();
         if let Some(p) = source.and_then(|s| inner.sources.get_mut(s.0)) {
             p.last_ns = p.last_ns.max(event_ns);
+            if p.publisher {
+                inner.lag.observe(now_ns - event_ns, now_ns);
+            }
         }
         let arrival = inner.arrivals;
         inner.arrivals += 1;
@@ -236,7 +319,7 @@ impl RecordSink {
                 .sources
                 .iter()
                 .filter(|p| p.last_ns < t)
-                .map(|p| t.saturating_add(p.window_ns))
+                .map(|p| t.saturating_add(p.wait_ns(&inner.lag)))
                 .max()
                 .unwrap_or(t),
         )
@@ -274,7 +357,13 @@ impl RecordSink {
         let mut released = false;
         while let Some(Reverse(top)) = inner.held.peek() {
             // Released once no source can still bring anything earlier.
-            if !all && !inner.sources.iter().all(|p| p.passed(top.event_ns, now_ns)) {
+            let lag = &inner.lag;
+            if !all
+                && !inner
+                    .sources
+                    .iter()
+                    .all(|p| p.passed(top.event_ns, now_ns, lag))
+            {
                 break;
             }
             let Some(Reverse(held)) = inner.held.pop() else {
@@ -516,5 +605,64 @@ mod tests {
         assert_eq!(sink.buffered(), 6);
         assert_eq!(sink.peek(10).last().unwrap().envelope.observed_ns, 395);
         assert_eq!(stats.snapshot().records_late, 1);
+    }
+
+    const MS: u64 = 1_000_000;
+
+    #[test]
+    fn a_quiet_publisher_is_waited_for_twice_the_measured_lag_within_its_window() {
+        let stats = Arc::new(AgentStats::default());
+        let sink = RecordSink::new("a", Subjects::new("c"), 100, None, stats.clone()).unwrap();
+        let log = sink.add_source(250 * MS);
+        let (busy, quiet) = (sink.add_publisher(250 * MS), sink.add_publisher(250 * MS));
+        // Nothing measured yet: the window.
+        assert_eq!(sink.publisher_wait_ns(), Some(250 * MS));
+        // A batch stamped 3 ms before it arrives: quiet publishers now cost 2 × 3 + 2 ms.
+        sink.submit_at(Some(busy), hb(), Some(997 * MS), 1000 * MS);
+        assert_eq!(sink.publisher_wait_ns(), Some(8 * MS));
+        // A decision at 1000 ms: the log has passed the batch at 997 ms, which now waits
+        // only for the quiet publisher, 8 ms; the decision waits for both publishers.
+        sink.submit_at(Some(log), hb(), Some(1000 * MS), 1001 * MS);
+        assert_eq!(sink.buffered(), 0);
+        assert_eq!(sink.next_due_ns(), Some(1005 * MS));
+        sink.release_at(1005 * MS - 1);
+        assert_eq!(sink.buffered(), 0);
+        sink.release_at(1005 * MS);
+        assert_eq!(sink.buffered(), 1, "the batch at 997 ms left");
+        assert_eq!(sink.next_due_ns(), Some(1008 * MS));
+        sink.release_at(1008 * MS);
+        assert_eq!(sink.buffered(), 2, "the decision left");
+        // A slow batch raises the wait, never past the window.
+        sink.submit_at(Some(quiet), hb(), Some(1010 * MS), 1040 * MS);
+        assert_eq!(sink.publisher_wait_ns(), Some(62 * MS));
+        sink.submit_at(Some(busy), hb(), Some(1050 * MS), 1250 * MS);
+        assert_eq!(sink.publisher_wait_ns(), Some(250 * MS));
+        // The log source keeps its own window whatever the lag.
+        sink.submit_at(Some(busy), hb(), Some(1300 * MS), 1301 * MS);
+        sink.submit_at(Some(quiet), hb(), Some(1300 * MS), 1301 * MS);
+        sink.submit_at(Some(busy), hb(), Some(1310 * MS), 1311 * MS);
+        assert_eq!(
+            sink.next_due_ns(),
+            Some(1550 * MS),
+            "1300 ms waits for the log"
+        );
+        assert_eq!(stats.snapshot().records_late, 0);
+    }
+
+    #[test]
+    fn measured_lag_is_forgotten_after_an_idle_period() {
+        let mut lag = DeliveryLag::default();
+        assert_eq!(lag.bound_ns(), None);
+        lag.observe(40 * MS, 1_000 * MS);
+        assert_eq!(lag.bound_ns(), Some(82 * MS));
+        // The next period keeps the previous one's maximum …
+        lag.observe(MS, 6_500 * MS);
+        assert_eq!(lag.bound_ns(), Some(82 * MS));
+        // … and the one after drops it.
+        lag.observe(MS, 12_000 * MS);
+        assert_eq!(lag.bound_ns(), Some(4 * MS));
+        // After 10 s without batches, nothing is carried over.
+        lag.observe(5 * MS, 30_000 * MS);
+        assert_eq!(lag.bound_ns(), Some(12 * MS));
     }
 }

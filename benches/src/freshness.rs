@@ -84,8 +84,9 @@ pub struct FreshnessArgs {
     /// The agent's reorder window (`reorder_window_ms`).
     #[arg(long, default_value_t = 250)]
     reorder_window_ms: u64,
-    /// The agent's window for quiet KV event publishers (`kv_reorder_window_ms`)
-    /// [default: the agent's, i.e. the reorder window].
+    /// The agent's longest wait for quiet KV event publishers (`kv_reorder_window_ms`;
+    /// within it the agent waits as its measured delivery lag says) [default: the
+    /// agent's, i.e. the reorder window].
     #[arg(long)]
     kv_reorder_window_ms: Option<u64>,
     /// How often the agent polls the router log (`log_poll_interval_ms`).
@@ -634,7 +635,9 @@ fn print_report(args: &FreshnessArgs, r: &FreshnessReport) {
     let a = &r.agent;
     let kv_window = r
         .kv_reorder_window_ms
-        .map_or("as the reorder window".to_string(), |ms| format!("{ms} ms"));
+        .map_or("measured, at most the reorder window".to_string(), |ms| {
+            format!("measured, at most {ms} ms")
+        });
     println!(
         "\nFreshness through agent → NATS JetStream → collector: {} workers, target {} \
          blocks/s, agent reorder window {} ms (KV publishers: {kv_window}), log poll {} ms, \
