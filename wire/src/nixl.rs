@@ -126,8 +126,9 @@ impl MergedLatency {
         if self.buckets.len() < buckets.len() {
             self.buckets.resize(buckets.len(), 0);
         }
+        // Bucket counts come from agents' reports: saturate like the count and sum.
         for (a, b) in self.buckets.iter_mut().zip(buckets) {
-            *a += b;
+            *a = a.saturating_add(*b);
         }
     }
 
