@@ -60,7 +60,7 @@
 use crate::backend::ModeBackendConfig;
 use crate::policy::PolicyConfig;
 use kvscope_wire::config::{Env, EnvError};
-use kvscope_wire::WorkerKey;
+use kvscope_wire::{WorkerKey, WorkerSpec};
 use serde::{Deserialize, Serialize};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -139,7 +139,11 @@ pub struct WorkerAgent {
 
 impl WorkerAgent {
     pub fn matches(&self, w: &WorkerKey) -> bool {
-        self.worker_id == w.worker_id && self.dp_rank.is_none_or(|d| d == w.dp_rank)
+        WorkerSpec {
+            worker_id: self.worker_id,
+            dp_rank: self.dp_rank,
+        }
+        .matches(w)
     }
 }
 
@@ -151,26 +155,16 @@ impl std::str::FromStr for WorkerAgent {
         let (worker, agent) = s
             .split_once('=')
             .ok_or_else(|| format!("{s:?} is not WORKER_ID[/DP]=AGENT"))?;
-        let (id, dp) = match worker.split_once('/') {
-            Some((id, dp)) => (id, Some(dp)),
-            None => (worker, None),
-        };
         let agent = agent.trim();
         if agent.is_empty() {
             return Err(format!("{s:?} has no agent name"));
         }
+        let w: WorkerSpec = worker
+            .parse()
+            .map_err(|e| format!("{s:?} is not WORKER_ID[/DP]=AGENT: {e}"))?;
         Ok(WorkerAgent {
-            worker_id: id
-                .trim()
-                .parse()
-                .map_err(|e| format!("bad worker id {id:?}: {e}"))?,
-            dp_rank: dp
-                .map(|d| {
-                    d.trim()
-                        .parse()
-                        .map_err(|e| format!("bad dp rank {d:?}: {e}"))
-                })
-                .transpose()?,
+            worker_id: w.worker_id,
+            dp_rank: w.dp_rank,
             nixl_agent: agent.to_string(),
         })
     }
@@ -610,8 +604,15 @@ mod tests {
             worker_id: 42,
             dp_rank: 0
         }));
-        for bad in ["42", "x=a", "42=", "42/y=a"] {
-            assert!(bad.parse::<WorkerAgent>().is_err(), "{bad}");
+        for bad in ["42", "x=a", "42=", "42/y=a", "/1=a", "42/1/2=a"] {
+            let e = bad.parse::<WorkerAgent>().unwrap_err();
+            assert!(e.contains(&format!("{bad:?}")), "{e}");
         }
+        // The shared parser's message (which part, which form) reaches the user.
+        let e = "42/y=a".parse::<WorkerAgent>().unwrap_err();
+        assert!(
+            e.contains("bad dp rank \"y\"") && e.contains("WORKER_ID[/DP]=AGENT"),
+            "{e}"
+        );
     }
 }

@@ -369,7 +369,9 @@ fn assert_latencies_within_the_lab_clock(report: &NixlReport, truth: &Truth) {
 
 /// A NIXL lab run in progress (its truth is read when it ends).
 struct LabRun {
-    child: std::process::Child,
+    /// The lab, in its own process group with the processes it starts: stopped if the
+    /// test fails before [`LabRun::finish`].
+    proc: kvscope_lab::process::StopOnDrop,
     truth_path: PathBuf,
     _dir: tempfile::TempDir,
 }
@@ -378,17 +380,17 @@ impl LabRun {
     fn spawn(args: &[&str]) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let truth_path = dir.path().join("truth.json");
-        let child = std::process::Command::new(kvscope_nixl_lab::lab_binary())
-            .arg("run")
+        let mut cmd = std::process::Command::new(kvscope_nixl_lab::lab_binary());
+        cmd.arg("run")
             .args(args)
             .arg("--truth-out")
             .arg(&truth_path)
             .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
+            .stderr(std::process::Stdio::piped());
+        let lab = kvscope_lab::process::ManagedProcess::spawn_with_stdio("nixl-lab", cmd)
             .expect("the NIXL lab starts");
         Self {
-            child,
+            proc: kvscope_lab::process::StopOnDrop(vec![lab]),
             truth_path,
             _dir: dir,
         }
@@ -396,11 +398,13 @@ impl LabRun {
 
     /// The lab keeps its pid when it re-executes itself with the libraries' environment.
     fn pid(&self) -> u32 {
-        self.child.id()
+        self.proc[0].pid()
     }
 
-    fn finish(self) -> Truth {
-        let out = self.child.wait_with_output().expect("the NIXL lab runs");
+    fn finish(mut self) -> Truth {
+        // Out of the guard: reaped here, so its group is never signalled afterwards.
+        let lab = self.proc.pop().expect("spawned with one process");
+        let out = lab.child.wait_with_output().expect("the NIXL lab runs");
         assert!(
             out.status.success(),
             "the NIXL lab failed ({}): {}",

@@ -5,6 +5,7 @@
 
 use futures::StreamExt;
 use kvscope_agent::config::{AgentConfig, KvEndpoint};
+use kvscope_lab::process::{ManagedProcess, StopOnDrop};
 use kvscope_wire::{
     AgentCounters, Envelope, KvEvent, KvEventBatch, MigrationLogKind, MigrationLogLine, Record,
     RoutingDecision, SequenceStatus, Subjects, WorkerKey,
@@ -13,7 +14,7 @@ use rmpv::Value;
 use std::collections::BTreeMap;
 use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 mod support;
@@ -21,14 +22,6 @@ use support::{mocker_sample, python};
 
 fn free_port() -> u16 {
     kvscope_lab::ports::pick_ports(1).unwrap()[0]
-}
-
-struct Killed(Child);
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 fn nats_server_path() -> PathBuf {
@@ -44,14 +37,15 @@ fn nats_server_path() -> PathBuf {
     panic!("nats-server is not installed (apt-get install nats-server): this test needs the real server");
 }
 
-fn start_nats(port: u16, store: &Path) -> Killed {
-    let child = Command::new(nats_server_path())
-        .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
-        .arg(store)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("cannot start nats-server");
+/// The server, stopped when the guard drops (a failing assertion included).
+fn start_nats(port: u16, store: &Path) -> StopOnDrop {
+    let mut cmd = Command::new(nats_server_path());
+    cmd.args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
+        .arg(store);
+    let log = store.with_extension("log");
+    let nats = StopOnDrop(vec![
+        ManagedProcess::spawn("nats-server", cmd, &log).expect("cannot start nats-server")
+    ]);
     let deadline = Instant::now() + Duration::from_secs(15);
     while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
         assert!(
@@ -60,12 +54,13 @@ fn start_nats(port: u16, store: &Path) -> Killed {
         );
         std::thread::sleep(Duration::from_millis(50));
     }
-    Killed(child)
+    nats
 }
 
 /// A pyzmq XPUB that sends `messages` (frames) once a subscriber is there.
 struct Publisher {
-    child: Killed,
+    /// One process, stopped if the test fails before [`Publisher::stop`].
+    child: StopOnDrop,
     out: std::io::BufReader<std::process::ChildStdout>,
 }
 
@@ -78,25 +73,24 @@ impl Publisher {
         });
         let path = dir.join(format!("{name}.json"));
         std::fs::write(&path, serde_json::to_vec(&spec).unwrap()).unwrap();
-        let mut child = Command::new(python())
-            .arg(concat!(
-                env!("CARGO_MANIFEST_DIR"),
-                "/tests/support/kv_publisher.py"
-            ))
-            .arg(endpoint)
-            .arg(&path)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap_or_else(|e| {
-                panic!(
-                    "cannot run {} (the lab venv with pyzmq; run scripts/setup): {e}",
-                    python().display()
-                )
-            });
-        let out = std::io::BufReader::new(child.stdout.take().unwrap());
+        let mut cmd = Command::new(python());
+        cmd.arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/support/kv_publisher.py"
+        ))
+        .arg(endpoint)
+        .arg(&path)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped());
+        let mut child = ManagedProcess::spawn_with_stdio(name, cmd).unwrap_or_else(|e| {
+            panic!(
+                "cannot run {} (the lab venv with pyzmq; run scripts/setup): {e:#}",
+                python().display()
+            )
+        });
+        let out = std::io::BufReader::new(child.child.stdout.take().unwrap());
         let mut p = Publisher {
-            child: Killed(child),
+            child: StopOnDrop(vec![child]),
             out,
         };
         assert_eq!(p.line(), "bound");
@@ -116,8 +110,11 @@ impl Publisher {
     }
 
     fn stop(mut self) {
-        drop(self.child.0.stdin.take());
-        let _ = self.child.0.wait();
+        // Closing stdin tells the script to exit; once reaped it is forgotten, so the
+        // guard never signals its (maybe reused) process group.
+        drop(self.child[0].child.stdin.take());
+        let _ = self.child[0].child.wait();
+        self.child.clear();
     }
 }
 

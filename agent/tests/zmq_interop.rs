@@ -1,6 +1,7 @@
 //! The pure-Rust `zeromq` crate's SUB socket against a real libzmq PUB (pyzmq), with the
 //! frames a Dynamo 1.6.1 mocker really sent (lab/fixtures/samples).
 
+use kvscope_lab::process::{ManagedProcess, StopOnDrop};
 use std::io::BufRead;
 use std::process::{Command, Stdio};
 use std::time::Duration;
@@ -22,17 +23,19 @@ async fn zeromq_sub_receives_a_pyzmq_pub() {
         .unwrap()
         .port();
     let endpoint = format!("tcp://127.0.0.1:{port}");
-    let mut child = Command::new(python())
-        .arg(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/tests/support/kv_publisher.py"
-        ))
-        .arg(&endpoint)
-        .arg(&spec_path)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("the lab venv's python with pyzmq");
+    let mut cmd = Command::new(python());
+    cmd.arg(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/support/kv_publisher.py"
+    ))
+    .arg(&endpoint)
+    .arg(&spec_path)
+    .stdin(Stdio::piped())
+    .stdout(Stdio::piped());
+    // Stopped on drop: a failing assertion or a receive timeout must not leak it.
+    let mut publisher = StopOnDrop(vec![ManagedProcess::spawn_with_stdio("kv_publisher", cmd)
+        .expect("the lab venv's python with pyzmq")]);
+    let child = &mut publisher[0].child;
     let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
     let mut line = String::new();
     out.read_line(&mut line).unwrap();
@@ -49,8 +52,10 @@ async fn zeromq_sub_receives_a_pyzmq_pub() {
             .unwrap();
         got.push(msg.into_vec());
     }
+    let child = &mut publisher[0].child;
     drop(child.stdin.take());
     let _ = child.wait();
+    publisher.clear();
     for (m, frames) in sample["messages"].as_array().unwrap().iter().zip(&got) {
         let want: Vec<String> = m["frames_hex"]
             .as_array()

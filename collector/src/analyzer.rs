@@ -118,7 +118,8 @@ pub struct TokenHistogram {
 impl TokenHistogram {
     pub fn observe(&mut self, tokens: u64) {
         self.count += 1;
-        self.sum += tokens;
+        // Tokens come from the wire: a crafted decision must not overflow the sum.
+        self.sum = self.sum.saturating_add(tokens);
         for (b, le) in self.buckets.iter_mut().zip(TOKEN_BOUNDS) {
             if tokens <= le {
                 *b += 1;
@@ -366,7 +367,10 @@ impl FleetAnalyzer {
         let last = self.publisher_seqs.insert(key, batch.seq);
         let expected = match (last, batch.sequence) {
             (Some(l), SequenceStatus::InOrder) => l.checked_add(1),
-            (Some(l), SequenceStatus::Gap { missed }) => l.checked_add(missed + 1),
+            // `missed` comes from the wire: near u64::MAX, `missed + 1` itself overflows.
+            (Some(l), SequenceStatus::Gap { missed }) => {
+                missed.checked_add(1).and_then(|m| l.checked_add(m))
+            }
             _ => return,
         };
         if expected != Some(batch.seq) {
@@ -382,7 +386,9 @@ impl FleetAnalyzer {
         match batch.sequence {
             SequenceStatus::Gap { missed } => {
                 self.counters.sequence_gaps += 1;
-                self.counters.missed_batches += missed;
+                // `missed` comes from the wire: saturate rather than panic (debug) or
+                // wrap (release) on a crafted record.
+                self.counters.missed_batches = self.counters.missed_batches.saturating_add(missed);
                 self.open_summary().data_faults += 1;
             }
             SequenceStatus::Reset => {
@@ -433,8 +439,10 @@ impl FleetAnalyzer {
                             e.segments += 1;
                             if seg.held_elsewhere >= min {
                                 e.spills += 1;
-                                e.delta_tokens +=
-                                    u64::from(seg.held_elsewhere) * u64::from(*block_size);
+                                // `block_size` comes from the wire.
+                                e.delta_tokens = e.delta_tokens.saturating_add(
+                                    u64::from(seg.held_elsewhere) * u64::from(*block_size),
+                                );
                             }
                         }
                         Err(MirrorError::UnknownParent) => {
@@ -501,18 +509,26 @@ impl FleetAnalyzer {
 
     fn add_totals(&mut self, v: &SpillVerdict) {
         let t = &mut self.totals;
-        t.prompt_tokens += v.isl_tokens;
-        t.uncached_prefill_tokens += v.uncached_prefill_tokens;
+        // Token counts come from the wire (a decision's `isl_tokens`, a block size):
+        // saturate so a crafted record cannot overflow a total.
+        t.prompt_tokens = t.prompt_tokens.saturating_add(v.isl_tokens);
+        t.uncached_prefill_tokens = t
+            .uncached_prefill_tokens
+            .saturating_add(v.uncached_prefill_tokens);
         let chosen = t.workers.entry(v.chosen).or_default();
         chosen.decisions += 1;
-        chosen.prompt_tokens += v.isl_tokens;
-        chosen.cached_prompt_tokens += v.isl_tokens.saturating_sub(v.uncached_prefill_tokens);
+        chosen.prompt_tokens = chosen.prompt_tokens.saturating_add(v.isl_tokens);
+        chosen.cached_prompt_tokens = chosen
+            .cached_prompt_tokens
+            .saturating_add(v.isl_tokens.saturating_sub(v.uncached_prefill_tokens));
         if v.spill {
             chosen.spills_in += 1;
             t.workers.entry(v.best).or_default().spills_out += 1;
             t.true_delta.observe(v.true_delta_tokens);
             t.upper_bound.observe(v.upper_bound_tokens);
-            t.generated_delta_tokens += v.generated_delta_tokens;
+            t.generated_delta_tokens = t
+                .generated_delta_tokens
+                .saturating_add(v.generated_delta_tokens);
         }
     }
 
@@ -530,7 +546,10 @@ impl FleetAnalyzer {
             match m.kind {
                 MigrationLogKind::Spill => {
                     w.spill_lines += 1;
-                    w.spill_migratable_tokens += m.migratable_tokens.unwrap_or(0);
+                    // Parsed from a router log line: saturate on a crafted value.
+                    w.spill_migratable_tokens = w
+                        .spill_migratable_tokens
+                        .saturating_add(m.migratable_tokens.unwrap_or(0));
                 }
                 MigrationLogKind::HandshakeObtained => w.handshakes_obtained += 1,
                 MigrationLogKind::DispatchFailed => w.dispatch_failures += 1,
@@ -699,6 +718,76 @@ mod tests {
         assert_eq!(c.unknown_parent_events, 1);
         assert_eq!(a.open_window().unwrap().data_faults, 4);
         assert_eq!(a.index().cached_blocks(&w(1)), 2);
+    }
+
+    #[test]
+    fn a_crafted_gap_near_u64_max_saturates_the_counter_instead_of_panicking() {
+        let mut a = FleetAnalyzer::new(cfg());
+        let toks: Vec<u32> = (0..2).collect();
+        a.apply(&env(1, stored(1, 0, SequenceStatus::First, &toks, &[1])));
+        let huge = u64::MAX - 1;
+        // `missed + 1` and `last + missed + 1` both overflow here: the order check must
+        // call it a fault, not panic.
+        a.apply(&env(
+            2,
+            stored(1, 1, SequenceStatus::Gap { missed: huge }, &toks, &[2]),
+        ));
+        assert_eq!(a.counters().missed_batches, huge);
+        a.apply(&env(
+            3,
+            stored(1, 2, SequenceStatus::Gap { missed: huge }, &toks, &[3]),
+        ));
+        // The largest gap a record can claim: `missed + 1` alone overflows.
+        a.apply(&env(
+            4,
+            stored(1, 3, SequenceStatus::Gap { missed: u64::MAX }, &toks, &[4]),
+        ));
+        let c = a.counters();
+        assert_eq!(c.missed_batches, u64::MAX, "saturated, not wrapped");
+        assert_eq!(c.sequence_gaps, 3);
+        assert_eq!(
+            c.batch_order_faults, 3,
+            "neither gap explains the next sequence number"
+        );
+    }
+
+    #[test]
+    fn crafted_token_counts_saturate_totals_and_window_sums() {
+        let mut a = FleetAnalyzer::new(cfg());
+        let toks: Vec<u32> = (0..8).collect();
+        a.apply(&env(
+            1,
+            stored(1, 0, SequenceStatus::First, &toks, &[1, 2, 3, 4]),
+        ));
+        for id in ["r1", "r2"] {
+            let Record::Decision(mut d) = decision(id, 2, &toks) else {
+                unreachable!()
+            };
+            d.isl_tokens = u64::MAX - 3;
+            a.apply(&env(2, Record::Decision(d)));
+        }
+        let t = a.totals();
+        assert_eq!(t.prompt_tokens, u64::MAX);
+        assert_eq!(t.uncached_prefill_tokens, u64::MAX);
+        assert_eq!(t.workers[&w(2)].prompt_tokens, u64::MAX);
+        let open = a.open_window().unwrap();
+        assert_eq!(open.isl_tokens, u64::MAX);
+        assert_eq!(open.workers[&w(2)].uncached_prefill_tokens, u64::MAX);
+        for tokens in [u64::MAX - 1, 5] {
+            a.apply(&env(
+                3,
+                Record::Migration(MigrationLogLine {
+                    kind: MigrationLogKind::Spill,
+                    request_id: None,
+                    source: None,
+                    target: None,
+                    tokens: None,
+                    migratable_tokens: Some(tokens),
+                    fields: Default::default(),
+                }),
+            ));
+        }
+        assert_eq!(a.totals().migration_log.spill_migratable_tokens, u64::MAX);
     }
 
     #[test]

@@ -38,20 +38,22 @@ pub fn pairs(agents: &BTreeMap<String, AgentStatus>) -> Vec<NixlPair> {
             let k = pair(&t.local_agent, &t.remote_agent);
             let p = by_pair.entry(k).or_default();
             if t.stage == XferStage::Complete && t.status == "SUCCESS" {
-                *p.transfers_ok.entry(t.op.clone()).or_default() += t.transfers;
-                p.bytes_ok += t.bytes;
+                // Counts come from agents' reports: saturate on a crafted one.
+                let ok = p.transfers_ok.entry(t.op.clone()).or_default();
+                *ok = ok.saturating_add(t.transfers);
+                p.bytes_ok = p.bytes_ok.saturating_add(t.bytes);
                 p.latency.add(&t.latency);
             } else {
-                p.transfers_failed += t.transfers;
+                p.transfers_failed = p.transfers_failed.saturating_add(t.transfers);
             }
         }
         for c in report.calls.iter().filter(|c| is_handshake(&c.call)) {
             let k = pair(&c.local_agent, &c.remote_agent);
             let p = by_pair.entry(k).or_default();
             if c.status == "SUCCESS" {
-                p.handshakes_ok += c.calls;
+                p.handshakes_ok = p.handshakes_ok.saturating_add(c.calls);
             } else {
-                p.handshakes_failed += c.calls;
+                p.handshakes_failed = p.handshakes_failed.saturating_add(c.calls);
             }
             p.handshake_latency.add(&c.latency);
         }
@@ -245,5 +247,40 @@ mod tests {
         assert!(text.contains("kvscope_nixl_pair_transfers_total{local_agent=\"d0\",remote_agent=\"d1\",op=\"READ\",outcome=\"ok\"} 3"));
         assert!(text.contains("kvscope_nixl_pair_handshakes_total{local_agent=\"d0\",remote_agent=\"d1\",outcome=\"failed\"} 4"));
         assert!(text.contains("kvscope_nixl_pair_transfer_latency_seconds_count{local_agent=\"d0\",remote_agent=\"d1\"} 3"));
+    }
+
+    #[test]
+    fn crafted_report_counts_saturate_instead_of_overflowing() {
+        let mut agents = BTreeMap::new();
+        for agent in ["node-a", "node-b"] {
+            let mut ok = xfer("d0", "d1", "SUCCESS", u64::MAX - 1, u64::MAX - 1, &[1_000]);
+            ok.latency.buckets = vec![u64::MAX - 1; LATENCY_BOUNDS_NS.len()];
+            agents.insert(
+                agent.to_string(),
+                AgentStatus {
+                    nixl: Some(NixlReport {
+                        transfers: vec![ok, xfer("d0", "d1", "ERR_BACKEND", u64::MAX, 0, &[])],
+                        calls: vec![NixlCallStats {
+                            pid: 1,
+                            local_agent: "d0".into(),
+                            remote_agent: "d1".into(),
+                            call: "loadRemoteMD".into(),
+                            status: "SUCCESS".into(),
+                            calls: u64::MAX,
+                            bytes: 0,
+                            latency: lat(&[]),
+                        }],
+                        ..NixlReport::default()
+                    }),
+                    ..AgentStatus::default()
+                },
+            );
+        }
+        let p = &pairs(&agents)[0];
+        assert_eq!(p.transfers_ok["READ"], u64::MAX);
+        assert_eq!(p.bytes_ok, u64::MAX);
+        assert_eq!(p.transfers_failed, u64::MAX);
+        assert_eq!(p.handshakes_ok, u64::MAX);
+        assert_eq!(p.latency.buckets[0], u64::MAX);
     }
 }

@@ -140,16 +140,24 @@ impl OpportunityReport {
             let _ = upper.add(&w.upper_bound);
             requests += s.requests;
             spills += s.spills;
-            td_sum += s.true_delta_tokens;
-            ub_sum += s.upper_bound_tokens;
-            generated_sum += s.generated_delta_tokens;
+            // Token sums carry wire-supplied counts (each window saturates them): adding
+            // windows saturates too, so a crafted record cannot overflow the report.
+            td_sum = td_sum.saturating_add(s.true_delta_tokens);
+            ub_sum = ub_sum.saturating_add(s.upper_bound_tokens);
+            generated_sum = generated_sum.saturating_add(s.generated_delta_tokens);
             agreement.decision_spills += s.spills;
-            agreement.decision_true_delta_tokens += s.true_delta_tokens;
+            agreement.decision_true_delta_tokens = agreement
+                .decision_true_delta_tokens
+                .saturating_add(s.true_delta_tokens);
             agreement.event_only_spills += s.event_only.spills;
-            agreement.event_only_delta_tokens += s.event_only.delta_tokens;
+            agreement.event_only_delta_tokens = agreement
+                .event_only_delta_tokens
+                .saturating_add(s.event_only.delta_tokens);
             let m = &mut migration_log;
             m.spill_lines += s.migration_log.spill_lines;
-            m.spill_migratable_tokens += s.migration_log.spill_migratable_tokens;
+            m.spill_migratable_tokens = m
+                .spill_migratable_tokens
+                .saturating_add(s.migration_log.spill_migratable_tokens);
             m.handshakes_obtained += s.migration_log.handshakes_obtained;
             m.dispatch_failures += s.migration_log.dispatch_failures;
             m.decoding_on_target += s.migration_log.decoding_on_target;
@@ -158,8 +166,12 @@ impl OpportunityReport {
                 t.requests += ww.requests;
                 t.spills_in += ww.spills_in;
                 t.spills_out += ww.spills_out;
-                t.uncached_prefill_tokens += ww.uncached_prefill_tokens;
-                t.true_delta_tokens_in += ww.true_delta_tokens_in;
+                t.uncached_prefill_tokens = t
+                    .uncached_prefill_tokens
+                    .saturating_add(ww.uncached_prefill_tokens);
+                t.true_delta_tokens_in = t
+                    .true_delta_tokens_in
+                    .saturating_add(ww.true_delta_tokens_in);
                 t.cached_blocks = ww.cached_blocks;
             }
         }

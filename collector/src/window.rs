@@ -176,19 +176,29 @@ impl OpenWindow {
     pub fn add_verdict(&mut self, v: &SpillVerdict) {
         let s = &mut self.summary;
         s.requests += 1;
-        s.isl_tokens += v.isl_tokens;
-        s.uncached_prefill_tokens += v.uncached_prefill_tokens;
+        // Token counts come from the wire (a decision's `isl_tokens`, its block size):
+        // saturate so a crafted record cannot overflow a window's sums.
+        s.isl_tokens = s.isl_tokens.saturating_add(v.isl_tokens);
+        s.uncached_prefill_tokens = s
+            .uncached_prefill_tokens
+            .saturating_add(v.uncached_prefill_tokens);
         let chosen = s.workers.entry(v.chosen).or_default();
         chosen.requests += 1;
-        chosen.uncached_prefill_tokens += v.uncached_prefill_tokens;
+        chosen.uncached_prefill_tokens = chosen
+            .uncached_prefill_tokens
+            .saturating_add(v.uncached_prefill_tokens);
         if v.spill {
             chosen.spills_in += 1;
-            chosen.true_delta_tokens_in += v.true_delta_tokens;
+            chosen.true_delta_tokens_in = chosen
+                .true_delta_tokens_in
+                .saturating_add(v.true_delta_tokens);
             s.workers.entry(v.best).or_default().spills_out += 1;
             s.spills += 1;
-            s.true_delta_tokens += v.true_delta_tokens;
-            s.upper_bound_tokens += v.upper_bound_tokens;
-            s.generated_delta_tokens += v.generated_delta_tokens;
+            s.true_delta_tokens = s.true_delta_tokens.saturating_add(v.true_delta_tokens);
+            s.upper_bound_tokens = s.upper_bound_tokens.saturating_add(v.upper_bound_tokens);
+            s.generated_delta_tokens = s
+                .generated_delta_tokens
+                .saturating_add(v.generated_delta_tokens);
             let pair = match s
                 .spill_pairs
                 .binary_search_by_key(&(v.best, v.chosen), |p| (p.source, p.target))
@@ -209,7 +219,7 @@ impl OpenWindow {
                 }
             };
             pair.spills += 1;
-            pair.true_delta_tokens += v.true_delta_tokens;
+            pair.true_delta_tokens = pair.true_delta_tokens.saturating_add(v.true_delta_tokens);
             let b = spill_delta_bucket(v.true_delta_tokens);
             if pair.delta_buckets.len() <= b {
                 pair.delta_buckets.resize(b + 1, 0);

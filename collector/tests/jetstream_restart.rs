@@ -6,6 +6,7 @@
 use async_nats::jetstream;
 use kvscope_collector::analyzer::{AnalyzerConfig, FleetAnalyzer};
 use kvscope_collector::report::OpportunityReport;
+use kvscope_lab::process::{signal_group, ManagedProcess, StopOnDrop};
 use kvscope_wire::hashing::{local_block_hashes, DYNAMO_HASH_SEED};
 use kvscope_wire::{
     AgentHeartbeat, Envelope, KvEvent, KvEventBatch, Record, RoutingDecision, SequenceStatus,
@@ -13,7 +14,7 @@ use kvscope_wire::{
 };
 use std::net::TcpListener;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 const S: u64 = 1_000_000_000;
@@ -26,30 +27,25 @@ fn free_port() -> u16 {
         .port()
 }
 
-struct Nats(Child);
-impl Drop for Nats {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn start_nats(dir: &Path) -> (Nats, String) {
+/// The server, stopped when the guard drops (a failing assertion included).
+fn start_nats(dir: &Path) -> (StopOnDrop, String) {
     let port = free_port();
-    let child = Command::new("nats-server")
-        .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
-        .arg(dir)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("nats-server must be installed (scripts/setup installs it from Debian)");
+    let mut cmd = Command::new("nats-server");
+    cmd.args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
+        .arg(dir);
+    let nats = StopOnDrop(vec![ManagedProcess::spawn(
+        "nats-server",
+        cmd,
+        &dir.with_extension("log"),
+    )
+    .expect("nats-server must be installed (scripts/setup installs it from Debian)")]);
     let url = format!("nats://127.0.0.1:{port}");
     let deadline = Instant::now() + Duration::from_secs(10);
     while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
         assert!(Instant::now() < deadline, "nats-server did not start");
         std::thread::sleep(Duration::from_millis(50));
     }
-    (Nats(child), url)
+    (nats, url)
 }
 
 /// A deterministic fleet trace: 3 workers storing growing conversations, decisions that
@@ -127,29 +123,40 @@ fn analyzer_config() -> AnalyzerConfig {
     }
 }
 
-fn spawn_collector(nats: &str, listen: &str, record: &Path) -> Child {
-    Command::new(env!("CARGO_BIN_EXE_kvscope-collector"))
-        .args([
-            "--window-secs",
-            "1",
-            "--warmup-secs",
-            "1",
-            "run",
-            "--cluster",
-            "t",
-            "--nats-url",
-            nats,
-            "--listen",
-            listen,
-            "--record",
-        ])
-        .arg(record)
-        .arg("--report-dir")
-        .arg(record.with_extension("reports"))
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap()
+/// The collector, stopped when the guard drops; its output goes to a log next to the
+/// recording (kept in the test's temporary directory).
+fn spawn_collector(nats: &str, listen: &str, record: &Path) -> StopOnDrop {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvscope-collector"));
+    cmd.args([
+        "--window-secs",
+        "1",
+        "--warmup-secs",
+        "1",
+        "run",
+        "--cluster",
+        "t",
+        "--nats-url",
+        nats,
+        "--listen",
+        listen,
+        "--record",
+    ])
+    .arg(record)
+    .arg("--report-dir")
+    .arg(record.with_extension("reports"));
+    let log = record.with_extension("collector.log");
+    StopOnDrop(vec![
+        ManagedProcess::spawn("collector", cmd, &log).expect("the collector starts")
+    ])
+}
+
+/// Send `signal` to the guarded collector, reap it, and forget it (so the guard never
+/// signals its maybe reused group id); its exit status.
+fn signal_and_reap(collector: &mut StopOnDrop, signal: &str) -> std::process::ExitStatus {
+    signal_group(collector[0].pid(), signal);
+    let status = collector[0].child.wait().unwrap();
+    collector.clear();
+    status
 }
 
 async fn get_json(url: &str) -> Option<serde_json::Value> {
@@ -210,8 +217,7 @@ async fn a_killed_collector_resumes_without_losing_or_repeating_records() {
     // More records while it runs; kill it hard in the middle of them.
     let publisher = tokio::spawn(publish(&records[600..1000]));
     tokio::time::sleep(Duration::from_millis(300)).await;
-    collector.kill().unwrap();
-    collector.wait().unwrap();
+    signal_and_reap(&mut collector, "KILL");
     publisher.await.unwrap();
     publish(&records[1000..1100]).await;
     let mut collector = spawn_collector(&url, &listen, &recording);
@@ -234,13 +240,8 @@ async fn a_killed_collector_resumes_without_losing_or_repeating_records() {
         "/api/report.html"
     );
     // A graceful stop flushes the recording.
-    let status = Command::new("kill")
-        .args(["-TERM", &collector.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
     assert!(
-        collector.wait().unwrap().success(),
+        signal_and_reap(&mut collector, "TERM").success(),
         "the collector exits cleanly on SIGTERM"
     );
     let written = std::fs::read_to_string(recording.with_extension("reports").join("report.html"));

@@ -21,7 +21,6 @@ pub struct ManagedProcess {
 impl ManagedProcess {
     /// Spawns `cmd` in a new process group with stdout and stderr appended to `log`.
     pub fn spawn(name: &str, mut cmd: Command, log: &Path) -> Result<Self> {
-        use std::os::unix::process::CommandExt;
         let out = File::options()
             .create(true)
             .append(true)
@@ -30,16 +29,26 @@ impl ManagedProcess {
         let err = out.try_clone()?;
         cmd.stdin(Stdio::null())
             .stdout(Stdio::from(out))
-            .stderr(Stdio::from(err))
-            .process_group(0);
+            .stderr(Stdio::from(err));
+        let mut p = Self::spawn_with_stdio(name, cmd)?;
+        p.log = log.to_path_buf();
+        Ok(p)
+    }
+
+    /// Spawns `cmd` in a new process group, its stdio left as the caller set it (a
+    /// test that talks to the child over pipes); `log` stays empty. The group is what
+    /// [`stop_all`] signals, so anything the child spawns is stopped with it.
+    pub fn spawn_with_stdio(name: &str, mut cmd: Command) -> Result<Self> {
+        use std::os::unix::process::CommandExt;
+        cmd.process_group(0);
         let child = cmd
             .spawn()
             .with_context(|| format!("spawning {name}: {cmd:?}"))?;
-        debug!(name, pid = child.id(), log = %log.display(), "Started process.");
+        debug!(name, pid = child.id(), "Started process.");
         Ok(Self {
             name: name.to_string(),
             child,
-            log: log.to_path_buf(),
+            log: PathBuf::new(),
         })
     }
 
@@ -166,6 +175,28 @@ mod tests {
             !group_alive(pgid),
             "process group {pgid} survived the panic"
         );
+    }
+
+    #[test]
+    fn a_piped_child_leads_its_own_group_and_is_stopped_with_it() {
+        let mut cmd = Command::new("sh");
+        // `exec` keeps the pid: the leader the drop reaps (a grandchild's zombie would
+        // linger until init reaps it, making the last check racy).
+        cmd.args(["-c", "echo started; exec sleep 600"])
+            .stdout(Stdio::piped());
+        let mut procs = StopOnDrop(vec![ManagedProcess::spawn_with_stdio("sh", cmd).unwrap()]);
+        let mut line = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(procs[0].child.stdout.as_mut().unwrap()),
+            &mut line,
+        )
+        .unwrap();
+        assert_eq!(line, "started\n", "stdout stays the caller's pipe");
+        let pgid = procs[0].pid();
+        // Only a group leader makes `kill -0 -pid` succeed.
+        assert!(group_alive(pgid), "the child leads group {pgid}");
+        drop(procs);
+        assert!(!group_alive(pgid), "the group is gone after the drop");
     }
 
     #[test]

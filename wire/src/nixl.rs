@@ -1,7 +1,11 @@
 //! NIXL figures an agent's probes measured: cumulative counters per process, local NIXL
 //! agent, remote agent, op and status, sent periodically. Cumulative (not deltas) so a
-//! lost or duplicated report never skews a total: the collector keeps the latest per
-//! (agent, pid) and takes differences itself.
+//! lost or duplicated report never skews a total: the collector keeps only the latest
+//! whole report per agent (keyed by the envelope's agent name, each one replacing the
+//! last) and sums its rows over pids per (local NIXL agent, remote NIXL agent) pair.
+//! Per-pid rows never go backwards because the agent folds the figures of a process
+//! that exits into pid 0 rather than dropping them; rates are left to whoever reads
+//! the cumulative counters (e.g. Prometheus `rate()` on the collector's `/metrics`).
 
 use serde::{Deserialize, Serialize};
 
@@ -126,8 +130,9 @@ impl MergedLatency {
         if self.buckets.len() < buckets.len() {
             self.buckets.resize(buckets.len(), 0);
         }
+        // Bucket counts come from agents' reports: saturate like the count and sum.
         for (a, b) in self.buckets.iter_mut().zip(buckets) {
-            *a += b;
+            *a = a.saturating_add(*b);
         }
     }
 

@@ -25,6 +25,88 @@ impl std::fmt::Display for WorkerKey {
     }
 }
 
+/// A worker as a user names one on a command line or in an environment variable:
+/// `WORKER_ID` or `WORKER_ID/DP`. Unlike [`WorkerKey`] the rank may be absent, which
+/// callers read as "the batch's own rank" (agent) or "every rank" (actuator), so the
+/// parse keeps that distinction instead of defaulting it to 0.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WorkerSpec {
+    pub worker_id: u64,
+    pub dp_rank: Option<u32>,
+}
+
+impl WorkerSpec {
+    /// The form, as every parse error names it.
+    pub const FORM: &'static str = "WORKER_ID[/DP]";
+
+    /// Whether `w` is this worker (at any rank when none was given).
+    pub fn matches(&self, w: &WorkerKey) -> bool {
+        self.worker_id == w.worker_id && self.dp_rank.is_none_or(|d| d == w.dp_rank)
+    }
+}
+
+impl std::str::FromStr for WorkerKey {
+    type Err = WorkerSpecError;
+
+    /// `WORKER_ID` (rank 0) or `WORKER_ID/DP`, as [`Display`](std::fmt::Display) writes
+    /// it: the key of [`worker_map`] objects.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let w: WorkerSpec = s.parse()?;
+        Ok(WorkerKey {
+            worker_id: w.worker_id,
+            dp_rank: w.dp_rank.unwrap_or(0),
+        })
+    }
+}
+
+/// Why a `WORKER_ID[/DP]` did not parse. Each message quotes the whole input and the
+/// expected form, since it ends up in front of whoever typed the flag.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum WorkerSpecError {
+    #[error("bad worker id {id:?} in {spec:?} (expected {form}, WORKER_ID an unsigned integer): {source}", form = WorkerSpec::FORM)]
+    WorkerId {
+        spec: String,
+        id: String,
+        source: std::num::ParseIntError,
+    },
+    #[error("bad dp rank {dp:?} in {spec:?} (expected {form}, DP an unsigned 32-bit integer): {source}", form = WorkerSpec::FORM)]
+    DpRank {
+        spec: String,
+        dp: String,
+        source: std::num::ParseIntError,
+    },
+}
+
+impl std::str::FromStr for WorkerSpec {
+    type Err = WorkerSpecError;
+
+    /// `WORKER_ID` or `WORKER_ID/DP`, spaces around either part ignored.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let (id, dp) = match s.split_once('/') {
+            Some((id, dp)) => (id, Some(dp)),
+            None => (s, None),
+        };
+        let worker_id = id
+            .trim()
+            .parse()
+            .map_err(|source| WorkerSpecError::WorkerId {
+                spec: s.to_string(),
+                id: id.to_string(),
+                source,
+            })?;
+        let dp_rank = dp
+            .map(|dp| {
+                dp.trim().parse().map_err(|source| WorkerSpecError::DpRank {
+                    spec: s.to_string(),
+                    dp: dp.to_string(),
+                    source,
+                })
+            })
+            .transpose()?;
+        Ok(WorkerSpec { worker_id, dp_rank })
+    }
+}
+
 /// A record with who saw it and when (UNIX nanoseconds on the agent's clock). The
 /// collector's windows are cut on `observed_ns`, so a replay of the same records gives
 /// the same windows whatever the wall clock says during the replay.
@@ -210,6 +292,61 @@ pub struct AgentHeartbeat {
 mod tests {
     use super::*;
 
+    fn spec(s: &str) -> Result<WorkerSpec, WorkerSpecError> {
+        s.parse()
+    }
+
+    #[test]
+    fn worker_specs_with_and_without_a_rank() {
+        let ok = |worker_id, dp_rank| Ok(WorkerSpec { worker_id, dp_rank });
+        assert_eq!(spec("42"), ok(42, None));
+        assert_eq!(spec("42/3"), ok(42, Some(3)));
+        assert_eq!(spec(" 42 / 0 "), ok(42, Some(0)), "spaces around parts");
+        assert_eq!(spec("0"), ok(0, None));
+        assert_eq!(
+            spec("18446744073709551615/4294967295"),
+            ok(u64::MAX, Some(u32::MAX))
+        );
+        let any = spec("42").unwrap();
+        let rank1 = spec("42/1").unwrap();
+        let key = |worker_id, dp_rank| WorkerKey { worker_id, dp_rank };
+        assert!(any.matches(&key(42, 0)) && any.matches(&key(42, 7)));
+        assert!(rank1.matches(&key(42, 1)) && !rank1.matches(&key(42, 0)));
+        assert!(!any.matches(&key(43, 0)));
+    }
+
+    #[test]
+    fn worker_keys_round_trip_through_their_display_and_default_to_rank_0() {
+        let k = WorkerKey {
+            worker_id: 7,
+            dp_rank: 2,
+        };
+        assert_eq!(k.to_string().parse::<WorkerKey>(), Ok(k));
+        assert_eq!("7".parse::<WorkerKey>().map(|k| k.dp_rank), Ok(0));
+        assert!(matches!(
+            "7/x".parse::<WorkerKey>(),
+            Err(WorkerSpecError::DpRank { .. })
+        ));
+    }
+
+    #[test]
+    fn bad_worker_specs_say_which_part_and_the_expected_form() {
+        for bad in ["", "x", "-1", "42x", "/1", "18446744073709551616", "1.5"] {
+            let e = spec(bad).unwrap_err();
+            assert!(matches!(e, WorkerSpecError::WorkerId { .. }), "{bad}: {e}");
+            assert!(e.to_string().contains("WORKER_ID[/DP]"), "{e}");
+        }
+        for bad in ["42/", "42/x", "42/-1", "42/4294967296", "42/1/2"] {
+            let e = spec(bad).unwrap_err();
+            assert!(matches!(e, WorkerSpecError::DpRank { .. }), "{bad}: {e}");
+            let msg = e.to_string();
+            assert!(
+                msg.contains("WORKER_ID[/DP]") && msg.contains(&format!("{bad:?}")),
+                "{msg}"
+            );
+        }
+    }
+
     #[test]
     fn envelope_round_trips_through_json() {
         let e = Envelope {
@@ -267,25 +404,6 @@ mod tests {
             Record::Heartbeat(h) => assert_eq!(h.counters.kv_batches, 2),
             other => panic!("unexpected {other:?}"),
         }
-    }
-}
-
-impl std::str::FromStr for WorkerKey {
-    type Err = String;
-
-    /// `"<worker_id>"` or `"<worker_id>/<dp_rank>"`.
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let (id, dp) = s.split_once('/').unwrap_or((s, "0"));
-        Ok(WorkerKey {
-            worker_id: id
-                .trim()
-                .parse()
-                .map_err(|e| format!("bad worker id {id:?}: {e}"))?,
-            dp_rank: dp
-                .trim()
-                .parse()
-                .map_err(|e| format!("bad dp rank {dp:?}: {e}"))?,
-        })
     }
 }
 
