@@ -37,6 +37,7 @@
 use crate::nixl::NixlTraceConfig;
 use anyhow::Context as _;
 use kvscope_wire::config::Env;
+use kvscope_wire::WorkerSpec;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
@@ -128,27 +129,15 @@ impl std::str::FromStr for KvEndpoint {
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         let (endpoint, worker) = s
             .rsplit_once('=')
-            .ok_or_else(|| format!("{s:?} is not ENDPOINT=WORKER_ID[/DP]"))?;
-        let (id, dp) = match worker.split_once('/') {
-            Some((id, dp)) => (id, Some(dp)),
-            None => (worker, None),
-        };
+            .ok_or_else(|| format!("{s:?} is not ENDPOINT={}", WorkerSpec::FORM))?;
         if endpoint.trim().is_empty() {
             return Err(format!("{s:?} has no endpoint"));
         }
+        let worker: WorkerSpec = worker.parse().map_err(|e| format!("{s:?}: {e}"))?;
         Ok(KvEndpoint {
             endpoint: endpoint.trim().to_string(),
-            worker_id: id
-                .trim()
-                .parse()
-                .map_err(|e| format!("bad worker id {id:?}: {e}"))?,
-            dp_rank: dp
-                .map(|d| {
-                    d.trim()
-                        .parse()
-                        .map_err(|e| format!("bad dp rank {d:?}: {e}"))
-                })
-                .transpose()?,
+            worker_id: worker.worker_id,
+            dp_rank: worker.dp_rank,
         })
     }
 }
