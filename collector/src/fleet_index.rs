@@ -456,30 +456,10 @@ impl FleetIndex {
         })
     }
 
-    /// For every worker holding at least the first block: how many leading blocks of
-    /// `chain` it holds (`overlap_w` in DESIGN.md).
-    pub fn overlaps(&self, chain: &[SequenceHash]) -> BTreeMap<WorkerKey, u32> {
-        let mut walk = Walk::new(None);
-        let mut left = Vec::new();
-        let mut at = None;
-        for seq in chain {
-            if !walk.active() {
-                break;
-            }
-            at = self.blocks.find(at, *seq);
-            walk.step(&self.sets, at.and_then(|b| self.held_by(b)), &mut left);
-            if at.is_none() {
-                break;
-            }
-        }
-        walk.finish(&mut left);
-        self.overlap_map(left)
-    }
-
     /// A request's local hashes matched against the mirror: the chain's sequence hashes
-    /// and every worker's overlap. Equal to [`sequence_hashes`](kvscope_wire::sequence_hashes)
-    /// then [`Self::overlaps`], and cheaper: while the chain is mirrored its sequence
-    /// hashes are read from the records, found by following the trie's hints.
+    /// and every worker's overlap. The
+    /// sequence hashes are read from the records while the chain is mirrored (found by
+    /// following the trie's links), computed past its end.
     pub fn match_chain(&self, locals: &[LocalBlockHash]) -> ChainMatch {
         let mut chain = Vec::with_capacity(locals.len());
         let mut walk = Walk::new(None);
@@ -697,8 +677,10 @@ mod tests {
         }
     }
 
-    fn chain(tokens: &[u32], bs: usize) -> Vec<SequenceHash> {
-        sequence_hashes(&local_block_hashes(tokens, bs, DYNAMO_HASH_SEED))
+    /// Every worker's overlap with the chain of `tokens` (block size 2).
+    fn overlaps(idx: &FleetIndex, tokens: &[u32]) -> BTreeMap<WorkerKey, u32> {
+        idx.match_chain(&local_block_hashes(tokens, 2, DYNAMO_HASH_SEED))
+            .overlaps
     }
 
     #[test]
@@ -713,7 +695,7 @@ mod tests {
             .unwrap();
         assert_eq!(seg.held_elsewhere, 1, "block 2 was on worker 1 already");
         assert_eq!(seg.held_by, Some(w(1)));
-        let o = idx.overlaps(&chain(&toks, 2));
+        let o = overlaps(&idx, &toks);
         assert_eq!(o[&w(1)], 4);
         assert_eq!(o[&w(2)], 2);
     }
@@ -732,7 +714,7 @@ mod tests {
                 unknown: 1
             }
         );
-        assert_eq!(idx.overlaps(&chain(&toks, 2))[&w(1)], 1);
+        assert_eq!(overlaps(&idx, &toks)[&w(1)], 1);
         assert_eq!(idx.remove(w(7), &[1]).unknown, 1);
     }
 
@@ -753,7 +735,7 @@ mod tests {
         idx.store(w(1), None, &[1, 2], &toks, 2, None).unwrap();
         idx.store(w(2), None, &[1, 2], &toks, 2, None).unwrap();
         assert_eq!(idx.clear(w(1)), 2);
-        let o = idx.overlaps(&chain(&toks, 2));
+        let o = overlaps(&idx, &toks);
         assert!(!o.contains_key(&w(1)));
         assert_eq!(o[&w(2)], 2);
     }
@@ -765,9 +747,9 @@ mod tests {
         idx.store(w(1), None, &[1], &toks, 2, None).unwrap();
         idx.store(w(1), None, &[2], &toks, 2, None).unwrap();
         idx.remove(w(1), &[1]);
-        assert_eq!(idx.overlaps(&chain(&toks, 2))[&w(1)], 1);
+        assert_eq!(overlaps(&idx, &toks)[&w(1)], 1);
         idx.remove(w(1), &[2]);
-        assert!(idx.overlaps(&chain(&toks, 2)).is_empty());
+        assert!(overlaps(&idx, &toks).is_empty());
     }
 
     #[test]
@@ -777,9 +759,9 @@ mod tests {
         idx.store(w(1), None, &[1], &toks, 2, None).unwrap();
         idx.store(w(1), None, &[1], &toks, 2, None).unwrap();
         assert_eq!(idx.remove(w(1), &[1]).still_stored, 1);
-        assert_eq!(idx.overlaps(&chain(&toks, 2))[&w(1)], 1);
+        assert_eq!(overlaps(&idx, &toks)[&w(1)], 1);
         assert_eq!(idx.remove(w(1), &[1]).removed, 1);
-        assert!(idx.overlaps(&chain(&toks, 2)).is_empty());
+        assert!(overlaps(&idx, &toks).is_empty());
     }
 
     #[test]
@@ -984,9 +966,12 @@ mod tests {
                     let locals: Vec<u64> = (0..1 + next(5)).map(|_| next(3)).collect();
                     let chain = sequence_hashes(&locals);
                     let want = model.overlaps(&chain);
-                    assert_eq!(idx.overlaps(&chain), want, "step {step}");
                     let matched = idx.match_chain(&locals);
-                    assert_eq!((matched.chain, matched.overlaps), (chain.clone(), want));
+                    assert_eq!(
+                        (matched.chain, matched.overlaps),
+                        (chain.clone(), want),
+                        "step {step}"
+                    );
                     for (w, c) in &model.workers {
                         let want = chain.iter().filter(|s| c.generated.contains(s)).count();
                         assert_eq!(idx.generated_among(w, &chain), want as u32);

@@ -1,7 +1,7 @@
 //! Per-request spill verdicts: the measurements of DESIGN.md for one routed request.
 
 use crate::fleet_index::FleetIndex;
-use kvscope_wire::{sequence_hashes, RoutingDecision, SequenceHash, WorkerKey};
+use kvscope_wire::{RoutingDecision, SequenceHash, WorkerKey};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -58,24 +58,19 @@ impl SpillVerdict {
         decided_ns: u64,
         min_blocks: u32,
     ) -> Self {
-        let chain = sequence_hashes(&decision.local_hashes);
-        Self::judge_chain(index, decision, &chain, decided_ns, min_blocks)
+        let matched = index.match_chain(&decision.local_hashes);
+        Self::judge_matched(
+            index,
+            decision,
+            &matched.chain,
+            matched.overlaps,
+            decided_ns,
+            min_blocks,
+        )
     }
 
-    /// [`Self::judge`] with the decision's sequence hashes already computed.
-    pub fn judge_chain(
-        index: &FleetIndex,
-        decision: &RoutingDecision,
-        chain: &[SequenceHash],
-        decided_ns: u64,
-        min_blocks: u32,
-    ) -> Self {
-        let overlaps = index.overlaps(chain);
-        Self::judge_matched(index, decision, chain, overlaps, decided_ns, min_blocks)
-    }
-
-    /// [`Self::judge_chain`] with the chain already matched against the mirror
-    /// ([`FleetIndex::match_chain`]).
+    /// [`Self::judge`] with the decision's chain already matched against the mirror
+    /// ([`FleetIndex::match_chain`]), for a caller that keeps the chain.
     pub fn judge_matched(
         index: &FleetIndex,
         decision: &RoutingDecision,
@@ -132,7 +127,7 @@ impl SpillVerdict {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvscope_wire::hashing::{local_block_hashes, DYNAMO_HASH_SEED};
+    use kvscope_wire::hashing::{local_block_hashes, sequence_hashes, DYNAMO_HASH_SEED};
 
     fn w(id: u64) -> WorkerKey {
         WorkerKey {

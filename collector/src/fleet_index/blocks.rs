@@ -166,20 +166,6 @@ impl Blocks {
         })
     }
 
-    /// The record of the block `seq`, a child of `parent` (`None`: a chain's first block).
-    pub(super) fn find(&self, parent: Option<BlockIdx>, seq: SequenceHash) -> Option<BlockIdx> {
-        if let Some(p) = parent {
-            let r = &self.records[p as usize];
-            if r.next != NO_BLOCK && self.records[r.next as usize].seq == seq {
-                return Some(r.next);
-            }
-            if r.children_all_linked() {
-                return None;
-            }
-        }
-        self.table.get(&seq).copied()
-    }
-
     /// The child `local` of `parent` (`None`: a chain's first block) if mirrored, with
     /// its sequence hash and holders; else its sequence hash.
     #[inline]
