@@ -160,12 +160,15 @@ fn routing_input(f: &Fields) -> Result<RoutingInput, String> {
             ));
         }
     }
-    Ok(RoutingInput {
+    let input = RoutingInput {
         request_id: f.require("request_id")?.to_string(),
         isl_tokens: f.parse("isl_tokens")?,
         block_size: f.parse("block_size")?,
         local_hashes,
-    })
+    };
+    kvscope_wire::check_prompt_blocks(input.isl_tokens, input.block_size, input.local_hashes.len())
+        .map_err(|e| e.to_string())?;
+    Ok(input)
 }
 
 fn selected_worker(f: &Fields) -> Result<SelectedWorker, String> {
@@ -586,6 +589,9 @@ mod tests {
             (r#"[ROUTING_INPUT] request local hashes request_id="r" isl_tokens=41 block_size=16 local_hashes=[1, -2]"#, LineKind::RoutingInput),
             (r#"[ROUTING_INPUT] request local hashes isl_tokens=41 block_size=16 local_hashes=[]"#, LineKind::RoutingInput),
             (r#"[ROUTING_INPUT] request_id="unterminated"#, LineKind::RoutingInput),
+            // Four full blocks, two hashes; a block size of 0.
+            (r#"[ROUTING_INPUT] request local hashes request_id="r" isl_tokens=64 block_size=16 local_hashes=[1, 2]"#, LineKind::RoutingInput),
+            (r#"[ROUTING_INPUT] request local hashes request_id="r" isl_tokens=0 block_size=0 local_hashes=[]"#, LineKind::RoutingInput),
             ("Selected worker request_id=\"r\"", LineKind::SelectedWorker),
             ("Selected worker request_id=\"r\" worker_id=-1", LineKind::SelectedWorker),
             ("Selected worker request_id=\"r\" worker_id=1 dp_rank=x", LineKind::SelectedWorker),

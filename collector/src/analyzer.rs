@@ -83,6 +83,9 @@ pub struct CollectorCounters {
     pub batch_order_faults: u64,
     pub decisions: u64,
     pub spills: u64,
+    /// Decisions whose prompt length, block size and block count cannot belong
+    /// together (corrupted or crafted): counted, not judged.
+    pub malformed_decisions: u64,
     /// Decisions for a worker that never published a KV event.
     pub decisions_for_unseen_workers: u64,
     /// Decisions whose whole prompt was already cached on the chosen worker. Repeated
@@ -275,7 +278,14 @@ impl FleetAnalyzer {
                 self.apply_kv(batch);
                 None
             }
-            Record::Decision(d) => Some(self.judge(d, env.observed_ns)),
+            Record::Decision(d) => {
+                if d.check_prompt_blocks().is_err() {
+                    self.counters.malformed_decisions += 1;
+                    self.open_summary().data_faults += 1;
+                    return None;
+                }
+                Some(self.judge(d, env.observed_ns))
+            }
             Record::Migration(m) => {
                 self.apply_migration_line(m);
                 None
@@ -752,18 +762,54 @@ mod tests {
     }
 
     #[test]
-    fn crafted_token_counts_saturate_totals_and_window_sums() {
+    fn decisions_with_impossible_token_counts_are_counted_not_judged() {
         let mut a = FleetAnalyzer::new(cfg());
         let toks: Vec<u32> = (0..8).collect();
         a.apply(&env(
             1,
             stored(1, 0, SequenceStatus::First, &toks, &[1, 2, 3, 4]),
         ));
+        let crafted = |id: &str, isl_tokens, block_size| {
+            let Record::Decision(mut d) = decision(id, 2, &toks) else {
+                unreachable!()
+            };
+            d.isl_tokens = isl_tokens;
+            d.block_size = block_size;
+            Record::Decision(d)
+        };
+        for (id, isl, bs) in [("huge", u64::MAX - 3, 2), ("short", 7, 2), ("zero", 8, 0)] {
+            assert_eq!(a.apply(&env(2, crafted(id, isl, bs))), None, "{id}");
+        }
+        // A partial last block is not hashed: 9 tokens in blocks of 2 are 4 blocks.
+        assert!(a.apply(&env(2, crafted("partial", 9, 2))).is_some());
+        let c = a.counters();
+        assert_eq!((c.malformed_decisions, c.decisions), (3, 1));
+        assert_eq!(a.totals().prompt_tokens, 9);
+        assert_eq!(a.open_window().unwrap().data_faults, 3);
+    }
+
+    #[test]
+    fn token_totals_and_window_sums_saturate() {
+        let mut a = FleetAnalyzer::new(cfg());
+        let toks: Vec<u32> = (0..8).collect();
+        a.apply(&env(
+            1,
+            stored(1, 0, SequenceStatus::First, &toks, &[1, 2, 3, 4]),
+        ));
+        // Well-formed decisions are bounded by their size, but not their sum over a
+        // long run: start the sums near the top.
+        a.apply(&env(2, decision("r0", 2, &toks)));
+        a.totals.prompt_tokens = u64::MAX - 3;
+        a.totals.uncached_prefill_tokens = u64::MAX - 3;
+        a.totals.workers.get_mut(&w(2)).unwrap().prompt_tokens = u64::MAX - 3;
+        let open = a.open_summary();
+        open.isl_tokens = u64::MAX - 3;
+        open.workers.get_mut(&w(2)).unwrap().uncached_prefill_tokens = u64::MAX - 3;
         for id in ["r1", "r2"] {
             let Record::Decision(mut d) = decision(id, 2, &toks) else {
                 unreachable!()
             };
-            d.isl_tokens = u64::MAX - 3;
+            d.isl_tokens += 1; // one uncached token past the cached blocks
             a.apply(&env(2, Record::Decision(d)));
         }
         let t = a.totals();

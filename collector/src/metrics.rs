@@ -25,7 +25,7 @@ pub fn exposition(shared: &crate::bus::Shared, format: Format) -> String {
 /// The collector's figures for the current state.
 pub fn write(out: &mut Exposition, a: &FleetAnalyzer, bus: &BusStatus) {
     let c = a.counters();
-    let counters: [(&str, &str, u64); 20] = [
+    let counters: [(&str, &str, u64); 21] = [
         ("kvscope_collector_records", "Records applied.", c.records),
         (
             "kvscope_collector_undecodable_records",
@@ -102,6 +102,11 @@ pub fn write(out: &mut Exposition, a: &FleetAnalyzer, bus: &BusStatus) {
             "kvscope_spills",
             "Routing decisions judged spills.",
             c.spills,
+        ),
+        (
+            "kvscope_malformed_decisions",
+            "Routing decisions whose prompt length, block size and block count cannot belong together: counted, not judged.",
+            c.malformed_decisions,
         ),
         (
             "kvscope_decisions_for_unseen_workers",

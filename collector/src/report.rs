@@ -390,9 +390,20 @@ impl OpportunityReport {
                 w.data_faults
             );
         }
-        let c = &self.collector;
         let _ = writeln!(md, "\n## Data quality\n\n| counter | value |\n|---|---|");
-        for (name, v) in [
+        for (name, v) in self.data_quality_rows() {
+            let _ = writeln!(md, "| {name} | {v} |");
+        }
+        md
+    }
+}
+
+impl OpportunityReport {
+    /// The data-quality counters, as (what, value) rows: the collector's, then each
+    /// agent's from its last heartbeat. The Markdown and HTML reports show these rows.
+    fn data_quality_rows(&self) -> Vec<(String, String)> {
+        let c = &self.collector;
+        let collector = [
             ("records", c.records),
             ("undecodable records", c.undecodable_records),
             ("sequence gaps", c.sequence_gaps),
@@ -413,6 +424,10 @@ impl OpportunityReport {
             ("removals of unknown blocks", c.unknown_removed_blocks),
             ("stores with token count mismatch", c.token_count_mismatches),
             (
+                "malformed decisions (token counts impossible; not judged)",
+                c.malformed_decisions,
+            ),
+            (
                 "decisions for workers with no KV events",
                 c.decisions_for_unseen_workers,
             ),
@@ -421,23 +436,33 @@ impl OpportunityReport {
                 c.decisions_fully_cached,
             ),
             ("late records", c.late_records),
-        ] {
-            let _ = writeln!(md, "| {name} | {v} |");
-        }
+        ];
+        let mut rows: Vec<(String, String)> = collector
+            .into_iter()
+            .map(|(name, v)| (name.to_string(), v.to_string()))
+            .collect();
         for (agent, st) in &self.agents {
             let k = &st.heartbeat.counters;
-            let _ = writeln!(
-                md,
-                "| agent {agent}: bad frames / decode errors / unknown events / malformed events | {} / {} / {} / {} |",
-                k.kv_bad_frames, k.kv_decode_errors, k.kv_unknown_events, k.kv_malformed_events
-            );
-            let _ = writeln!(
-                md,
-                "| agent {agent}: malformed log lines / unjoined decisions / dropped records | {} / {} / {} |",
-                k.log_malformed_lines, k.decisions_unjoined, k.publish_dropped
-            );
+            rows.push((
+                format!(
+                    "agent {agent}: bad frames / decode errors / unknown events / malformed events"
+                ),
+                format!(
+                    "{} / {} / {} / {}",
+                    k.kv_bad_frames, k.kv_decode_errors, k.kv_unknown_events, k.kv_malformed_events
+                ),
+            ));
+            rows.push((
+                format!(
+                    "agent {agent}: malformed log lines / unjoined decisions / dropped records"
+                ),
+                format!(
+                    "{} / {} / {}",
+                    k.log_malformed_lines, k.decisions_unjoined, k.publish_dropped
+                ),
+            ));
         }
-        md
+        rows
     }
 }
 

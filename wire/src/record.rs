@@ -211,6 +211,55 @@ pub struct RoutingDecision {
     pub router_mode: Option<String>,
 }
 
+impl RoutingDecision {
+    /// Whether the decision's prompt can be what the router hashed; see
+    /// [`check_prompt_blocks`].
+    pub fn check_prompt_blocks(&self) -> Result<(), PromptBlocksError> {
+        check_prompt_blocks(self.isl_tokens, self.block_size, self.local_hashes.len())
+    }
+}
+
+/// A prompt whose length, block size and block count cannot belong together.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PromptBlocksError {
+    #[error("block_size is 0")]
+    ZeroBlockSize,
+    #[error(
+        "isl_tokens={isl_tokens} in blocks of {block_size} is {full_blocks} full blocks, \
+         but the router hashed {hashed}"
+    )]
+    BlockCount {
+        isl_tokens: u64,
+        block_size: u32,
+        full_blocks: u64,
+        hashed: usize,
+    },
+}
+
+/// The router hashes one local hash per full block of a prompt (a partial last block is
+/// not hashed), so a prompt of `isl_tokens` tokens has exactly `isl_tokens / block_size`
+/// local hashes. A decision breaking that was corrupted or crafted: its token counts
+/// would feed every token total, so it is counted as malformed instead of judged.
+pub fn check_prompt_blocks(
+    isl_tokens: u64,
+    block_size: u32,
+    hashed: usize,
+) -> Result<(), PromptBlocksError> {
+    if block_size == 0 {
+        return Err(PromptBlocksError::ZeroBlockSize);
+    }
+    let full_blocks = isl_tokens / u64::from(block_size);
+    if full_blocks != hashed as u64 {
+        return Err(PromptBlocksError::BlockCount {
+            isl_tokens,
+            block_size,
+            full_blocks,
+            hashed,
+        });
+    }
+    Ok(())
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum MigrationLogKind {
@@ -294,6 +343,34 @@ mod tests {
 
     fn spec(s: &str) -> Result<WorkerSpec, WorkerSpecError> {
         s.parse()
+    }
+
+    #[test]
+    fn a_prompt_has_one_local_hash_per_full_block() {
+        assert_eq!(
+            check_prompt_blocks(41, 16, 2),
+            Ok(()),
+            "a partial block is not hashed"
+        );
+        assert_eq!(check_prompt_blocks(32, 16, 2), Ok(()));
+        assert_eq!(check_prompt_blocks(15, 16, 0), Ok(()), "no full block");
+        assert_eq!(
+            check_prompt_blocks(48, 16, 2),
+            Err(PromptBlocksError::BlockCount {
+                isl_tokens: 48,
+                block_size: 16,
+                full_blocks: 3,
+                hashed: 2
+            })
+        );
+        assert!(matches!(
+            check_prompt_blocks(u64::MAX - 3, 2, 4),
+            Err(PromptBlocksError::BlockCount { .. })
+        ));
+        assert_eq!(
+            check_prompt_blocks(0, 0, 0),
+            Err(PromptBlocksError::ZeroBlockSize)
+        );
     }
 
     #[test]

@@ -247,73 +247,11 @@ pub(super) fn windows_table(out: &mut String, r: &OpportunityReport) {
 }
 
 pub(super) fn data_quality(out: &mut String, r: &OpportunityReport) {
-    let c = &r.collector;
     out.push_str("<h2 id=\"data-quality\">Data quality</h2>");
-    let counters = [
-        ("records", c.records),
-        ("undecodable records", c.undecodable_records),
-        ("sequence gaps", c.sequence_gaps),
-        ("missed batches", c.missed_batches),
-        ("sequence resets (engine restarts)", c.sequence_resets),
-        (
-            "batches lost or reordered after the agent",
-            c.batch_order_faults,
-        ),
-        (
-            "stores and removals on host/disk tiers (not counted)",
-            c.lower_tier_events,
-        ),
-        (
-            "stores with unknown parent (dropped)",
-            c.unknown_parent_events,
-        ),
-        ("removals of unknown blocks", c.unknown_removed_blocks),
-        ("stores with token count mismatch", c.token_count_mismatches),
-        (
-            "decisions for workers with no KV events",
-            c.decisions_for_unseen_workers,
-        ),
-        (
-            "decisions whose whole prompt was cached on the chosen worker",
-            c.decisions_fully_cached,
-        ),
-        ("late records", c.late_records),
-    ];
-    table_open(
-        out,
-        "data-quality-table",
-        counters.len() + 2 * r.agents.len(),
-        &["counter", "value"],
-    );
-    for (name, v) in counters {
-        row(out, &[name.into(), v.to_string()]);
-    }
-    for (agent, st) in &r.agents {
-        let k = &st.heartbeat.counters;
-        row(
-            out,
-            &[
-                format!(
-                    "agent {agent}: bad frames / decode errors / unknown events / malformed events"
-                ),
-                format!(
-                    "{} / {} / {} / {}",
-                    k.kv_bad_frames, k.kv_decode_errors, k.kv_unknown_events, k.kv_malformed_events
-                ),
-            ],
-        );
-        row(
-            out,
-            &[
-                format!(
-                    "agent {agent}: malformed log lines / unjoined decisions / dropped records"
-                ),
-                format!(
-                    "{} / {} / {}",
-                    k.log_malformed_lines, k.decisions_unjoined, k.publish_dropped
-                ),
-            ],
-        );
+    let rows = r.data_quality_rows();
+    table_open(out, "data-quality-table", rows.len(), &["counter", "value"]);
+    for (name, v) in rows {
+        row(out, &[name, v]);
     }
     out.push_str("</tbody></table>\n");
 }
