@@ -13,6 +13,7 @@
 //! Needs `/usr/bin/chromium` (Debian: `apt-get install chromium`).
 
 use kvscope_collector::report::OpportunityReport;
+use kvscope_lab::process::{ManagedProcess, StopOnDrop};
 use kvscope_wire::hashing::{local_block_hashes, sequence_hashes, DYNAMO_HASH_SEED};
 use kvscope_wire::recording::RecordingWriter;
 use kvscope_wire::{
@@ -322,43 +323,49 @@ fn require_chromium() {
 fn chromium(work: &Path, name: &str, page: &Path, action: &[String], net_log: &Path) -> String {
     let stdout_path = work.join(format!("{name}.stdout"));
     let stderr_path = work.join(format!("{name}.stderr"));
-    let mut child = Command::new(CHROMIUM)
-        .args([
-            "--headless",
-            "--no-sandbox",
-            "--disable-gpu",
-            "--disable-quic",
-            "--no-first-run",
-            "--disable-background-networking",
-            "--disable-component-update",
-            "--disable-sync",
-            "--hide-scrollbars",
-            "--host-resolver-rules=MAP * ~NOTFOUND",
-        ])
-        .arg(format!(
-            "--user-data-dir={}",
-            work.join(format!("{name}-profile")).display()
-        ))
-        .arg(format!("--log-net-log={}", net_log.display()))
-        .args(action)
-        .arg(format!("file://{}", page.display()))
-        .stdin(Stdio::null())
-        .stdout(File::create(&stdout_path).unwrap())
-        .stderr(File::create(&stderr_path).unwrap())
-        .spawn()
-        .unwrap_or_else(|e| panic!("cannot start {CHROMIUM}: {e} (apt-get install chromium)"));
+    let mut cmd = Command::new(CHROMIUM);
+    cmd.args([
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--hide-scrollbars",
+        "--host-resolver-rules=MAP * ~NOTFOUND",
+    ])
+    .arg(format!(
+        "--user-data-dir={}",
+        work.join(format!("{name}-profile")).display()
+    ))
+    .arg(format!("--log-net-log={}", net_log.display()))
+    .args(action)
+    .arg(format!("file://{}", page.display()))
+    .stdin(Stdio::null())
+    .stdout(File::create(&stdout_path).unwrap())
+    .stderr(File::create(&stderr_path).unwrap());
+    // Chromium forks renderer and utility processes: its own process group, stopped
+    // (all of it) when this returns or panics.
+    let mut procs = StopOnDrop::default();
+    procs.push(
+        ManagedProcess::spawn_with_stdio(name, cmd).unwrap_or_else(|e| {
+            panic!("cannot start {CHROMIUM}: {e:#} (apt-get install chromium)")
+        }),
+    );
     let deadline = Instant::now() + Duration::from_secs(90);
     let status = loop {
-        if let Some(st) = child.try_wait().unwrap() {
+        if let Some(st) = procs[0].exited() {
             break st;
         }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("chromium ({name}) did not finish in 90 s");
-        }
+        assert!(
+            Instant::now() < deadline,
+            "chromium ({name}) did not finish in 90 s"
+        );
         std::thread::sleep(Duration::from_millis(50));
     };
+    procs.stop(Duration::from_secs(5));
     let stderr = std::fs::read_to_string(&stderr_path).unwrap_or_default();
     assert!(
         status.success(),
