@@ -299,12 +299,12 @@ impl FleetIndex {
         let mut left = Vec::new();
         let mut prev = parent;
         for (engine, local) in engine_hashes[..n].iter().zip(&locals[..n]) {
-            let b = self.blocks.child(prev, *local);
+            let (b, seq, holders) = self.blocks.child(prev, *local);
             prev = Some(b);
-            blocks.push(self.blocks.seq(b));
+            blocks.push(seq);
             stored.push(b);
             if walk.active() {
-                walk.step(&self.sets, self.held_by(b), &mut left);
+                walk.step(&self.sets, (holders != EMPTY).then_some(holders), &mut left);
             }
             let cache = &mut self.workers[w as usize];
             match cache.by_engine.entry(*engine) {
@@ -324,7 +324,8 @@ impl FleetIndex {
                     self.release(w, old);
                 }
             }
-            self.hold(w, b);
+            // `old` is another block: `b`'s holders are still the ones read above.
+            self.hold(w, b, holders);
         }
         walk.finish(&mut left);
         self.last_store = (w, stored);
@@ -523,9 +524,8 @@ impl FleetIndex {
         best
     }
 
-    /// `w` now holds block `b` through one more engine block.
-    fn hold(&mut self, w: WorkerIdx, b: BlockIdx) {
-        let from = self.blocks.holders(b);
+    /// `w` now holds block `b`, whose holders are `from`, through one more engine block.
+    fn hold(&mut self, w: WorkerIdx, b: BlockIdx, from: SetId) {
         let cache = &mut self.workers[w as usize];
         if from != EMPTY && self.sets.contains(from, w) {
             *cache.extra_holds.entry(b).or_insert(0) += 1;

@@ -198,24 +198,50 @@ impl Blocks {
     }
 
     /// The child `local` of `parent` (`None`: a chain's first block), made (unheld) if
-    /// not mirrored yet.
-    pub(super) fn child(&mut self, parent: Option<BlockIdx>, local: LocalBlockHash) -> BlockIdx {
+    /// not mirrored yet, with its sequence hash and holders.
+    #[inline(always)]
+    pub(super) fn child(
+        &mut self,
+        parent: Option<BlockIdx>,
+        local: LocalBlockHash,
+    ) -> (BlockIdx, SequenceHash, SetId) {
+        // A store following a chain the mirror holds finds the linked child: inline, each
+        // record read once.
+        if let Some(p) = parent {
+            let next = self.records[p as usize].next;
+            if next != NO_BLOCK {
+                let c = &self.records[next as usize];
+                if c.local == local {
+                    return (next, c.seq, c.holders);
+                }
+            }
+        }
+        self.child_elsewhere(parent, local)
+    }
+
+    /// [`Self::child`] when it is not the linked one: in the table, or new.
+    #[inline(never)]
+    fn child_elsewhere(
+        &mut self,
+        parent: Option<BlockIdx>,
+        local: LocalBlockHash,
+    ) -> (BlockIdx, SequenceHash, SetId) {
         let Some(p) = parent else {
             let seq = chain_hash(None, local);
             return match self.table.entry(seq) {
-                Entry::Occupied(e) => *e.get(),
+                Entry::Occupied(e) => {
+                    let b = *e.get();
+                    (b, seq, self.records[b as usize].holders)
+                }
                 Entry::Vacant(e) => {
                     let b = Self::make(&mut self.records, &mut self.free, seq, local, NO_BLOCK);
                     self.records[b as usize].children |= IN_TABLE;
                     self.unheld += 1;
-                    *e.insert(b)
+                    (*e.insert(b), seq, EMPTY)
                 }
             };
         };
         let r = self.records[p as usize];
-        if r.next != NO_BLOCK && self.records[r.next as usize].local == local {
-            return r.next;
-        }
         let seq = chain_hash(Some(r.seq), local);
         let b = if r.children_all_linked() {
             let b = Self::make(&mut self.records, &mut self.free, seq, local, p);
@@ -228,7 +254,10 @@ impl Blocks {
             b
         } else {
             match self.table.entry(seq) {
-                Entry::Occupied(e) => return *e.get(),
+                Entry::Occupied(e) => {
+                    let b = *e.get();
+                    return (b, seq, self.records[b as usize].holders);
+                }
                 Entry::Vacant(e) => {
                     let b = Self::make(&mut self.records, &mut self.free, seq, local, p);
                     self.records[b as usize].children |= IN_TABLE;
@@ -238,7 +267,7 @@ impl Blocks {
         };
         self.records[p as usize].children += 1;
         self.unheld += 1;
-        b
+        (b, seq, EMPTY)
     }
 
     fn make(
