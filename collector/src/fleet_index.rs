@@ -407,11 +407,7 @@ impl FleetIndex {
             for b in chunk {
                 // A block held through two engine blocks comes twice: the second finds
                 // the worker gone from its set already.
-                let from = self.blocks.holders(*b);
-                if from != EMPTY && self.sets.contains(from, w) {
-                    let to = self.sets.without(from, w);
-                    self.move_block(*b, from, to);
-                }
+                self.drop_holder(w, *b);
             }
         }
         by_engine.clear();
@@ -552,12 +548,9 @@ impl FleetIndex {
                 return;
             }
         }
-        let from = self.blocks.holders(b);
-        if from == EMPTY || !self.sets.contains(from, w) {
+        if !self.drop_holder(w, b) {
             return;
         }
-        let to = self.sets.without(from, w);
-        self.move_block(b, from, to);
         let cache = &mut self.workers[w as usize];
         cache.cached -= 1;
         if !cache.generated.is_empty() {
@@ -565,13 +558,21 @@ impl FleetIndex {
         }
     }
 
-    /// Block `b`'s holders change from set `from` to `to` (`None`: nobody).
-    fn move_block(&mut self, b: BlockIdx, from: SetId, to: Option<SetId>) {
+    /// Take `w` out of block `b`'s holders if it is one; whether it was.
+    #[inline(always)]
+    fn drop_holder(&mut self, w: WorkerIdx, b: BlockIdx) -> bool {
+        let holders = self.blocks.holders_mut(b);
+        let from = holders.get();
+        if from == EMPTY || !self.sets.contains(from, w) {
+            return false;
+        }
+        let to = self.sets.without(from, w);
         if let Some(to) = to {
             self.sets.retain(to);
         }
-        self.blocks.set_holders(b, to.unwrap_or(EMPTY));
+        holders.set(to.unwrap_or(EMPTY));
         self.sets.release(from);
+        true
     }
 }
 

@@ -133,6 +133,31 @@ pub(super) struct Blocks {
     kept_by_sweep: usize,
 }
 
+/// A record's holders, from [`Blocks::holders_mut`]: read, then changed, with the record
+/// indexed once (an arena index costs a bounds check and a load of the chunk pointer).
+pub(super) struct HoldersMut<'a> {
+    holders: &'a mut SetId,
+    unheld: &'a mut usize,
+}
+
+impl HoldersMut<'_> {
+    #[inline(always)]
+    pub(super) fn get(&self) -> SetId {
+        *self.holders
+    }
+
+    /// Change them, keeping [`Blocks`]'s count of unheld records.
+    #[inline(always)]
+    pub(super) fn set(self, to: SetId) {
+        let from = std::mem::replace(self.holders, to);
+        match (from == EMPTY, to == EMPTY) {
+            (true, false) => *self.unheld -= 1,
+            (false, true) => *self.unheld += 1,
+            _ => {}
+        }
+    }
+}
+
 impl Blocks {
     /// Records allocated (live or free).
     pub(super) fn len(&self) -> usize {
@@ -149,13 +174,15 @@ impl Blocks {
     }
 
     pub(super) fn set_holders(&mut self, b: BlockIdx, to: SetId) {
-        let r = &mut self.records[b as usize];
-        let from = r.holders;
-        r.holders = to;
-        match (from == EMPTY, to == EMPTY) {
-            (true, false) => self.unheld -= 1,
-            (false, true) => self.unheld += 1,
-            _ => {}
+        self.holders_mut(b).set(to);
+    }
+
+    /// `b`'s holders, to read and then change with one access to the record.
+    #[inline(always)]
+    pub(super) fn holders_mut(&mut self, b: BlockIdx) -> HoldersMut<'_> {
+        HoldersMut {
+            holders: &mut self.records[b as usize].holders,
+            unheld: &mut self.unheld,
         }
     }
 
