@@ -537,6 +537,9 @@ impl FleetIndex {
     }
 
     /// `w` holds block `b` through one engine block fewer.
+    // Inline: a removal releases its blocks in a loop, and a call's register saves and
+    // restores were a quarter of a release.
+    #[inline(always)]
     fn release(&mut self, w: WorkerIdx, b: BlockIdx) {
         let cache = &mut self.workers[w as usize];
         if !cache.extra_holds.is_empty() {
