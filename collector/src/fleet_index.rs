@@ -23,7 +23,7 @@
 mod blocks;
 mod holder_sets;
 
-use blocks::{BlockIdx, Blocks};
+use blocks::{BlockIdx, Blocks, Found};
 use holder_sets::{HolderSets, SetId, EMPTY};
 use kvscope_wire::hashing::{chain_hash, local_block_hashes, seed_for_lora, LocalBlockHash};
 use kvscope_wire::{SequenceHash, WorkerKey};
@@ -461,18 +461,19 @@ impl FleetIndex {
         let mut chain = Vec::with_capacity(locals.len());
         let mut walk = Walk::new(None);
         let mut left = Vec::new();
-        let mut at: Option<BlockIdx> = None;
+        let mut at: Option<Found> = None;
         let mut mirrored = true;
         for local in locals {
             if mirrored {
-                match self.blocks.find_child(at, *local) {
-                    Ok((b, seq, holders)) => {
-                        chain.push(seq);
+                match self.blocks.find_child(at.as_ref(), *local) {
+                    Ok(found) => {
+                        chain.push(found.seq());
                         if walk.active() {
+                            let holders = found.holders();
                             let set = (holders != EMPTY).then_some(holders);
                             walk.step(&self.sets, set, &mut left);
                         }
-                        at = Some(b);
+                        at = Some(found);
                         continue;
                     }
                     Err(seq) => {

@@ -158,6 +158,22 @@ impl HoldersMut<'_> {
     }
 }
 
+/// A record [`Blocks::find_child`] found, copied: a query's next step reads the link
+/// from here instead of indexing the arena again.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Found(Block);
+
+impl Found {
+    pub(super) fn seq(&self) -> SequenceHash {
+        self.0.seq
+    }
+
+    /// Who holds it: `EMPTY` when nobody does.
+    pub(super) fn holders(&self) -> SetId {
+        self.0.holders
+    }
+}
+
 impl Blocks {
     /// Records allocated (live or free).
     pub(super) fn len(&self) -> usize {
@@ -193,22 +209,21 @@ impl Blocks {
         })
     }
 
-    /// The child `local` of `parent` (`None`: a chain's first block) if mirrored, with
-    /// its sequence hash and holders; else its sequence hash.
+    /// The child `local` of `parent` (`None`: a chain's first block) if mirrored; else its
+    /// sequence hash.
     #[inline]
     pub(super) fn find_child(
         &self,
-        parent: Option<BlockIdx>,
+        parent: Option<&Found>,
         local: LocalBlockHash,
-    ) -> Result<(BlockIdx, SequenceHash, SetId), SequenceHash> {
+    ) -> Result<Found, SequenceHash> {
         let seq = match parent {
             None => chain_hash(None, local),
-            Some(p) => {
-                let r = &self.records[p as usize];
+            Some(Found(r)) => {
                 if r.next != NO_BLOCK {
                     let c = &self.records[r.next as usize];
                     if c.local == local {
-                        return Ok((r.next, c.seq, c.holders));
+                        return Ok(Found(*c));
                     }
                 }
                 let seq = chain_hash(Some(r.seq), local);
@@ -219,7 +234,7 @@ impl Blocks {
             }
         };
         match self.table.get(&seq) {
-            Some(&b) => Ok((b, seq, self.records[b as usize].holders)),
+            Some(&b) => Ok(Found(self.records[b as usize])),
             None => Err(seq),
         }
     }
