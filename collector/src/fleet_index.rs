@@ -297,11 +297,12 @@ impl FleetIndex {
         // worker out, so its own additions do not change what it sees).
         let mut walk = Walk::new(Some(w));
         let mut left = Vec::new();
-        let mut prev = parent;
+        let mut prev = parent.map(|p| self.blocks.found(p));
         for (engine, local) in engine_hashes[..n].iter().zip(&locals[..n]) {
-            let (b, seq, holders) = self.blocks.child(prev, *local);
-            prev = Some(b);
-            blocks.push(seq);
+            let found = self.blocks.child(prev.as_ref(), *local);
+            prev = Some(found);
+            let (b, holders) = (found.idx(), found.holders());
+            blocks.push(found.seq());
             stored.push(b);
             if walk.active() {
                 walk.step(&self.sets, (holders != EMPTY).then_some(holders), &mut left);

@@ -158,19 +158,27 @@ impl HoldersMut<'_> {
     }
 }
 
-/// A record [`Blocks::find_child`] found, copied: a query's next step reads the link
-/// from here instead of indexing the arena again.
+/// A record [`Blocks::find_child`] or [`Blocks::child`] found, copied: the next step along
+/// the chain reads the link from here instead of indexing the arena again. Its link is
+/// the record's until a child is made under it, which only that next step does.
 #[derive(Debug, Clone, Copy)]
-pub(super) struct Found(Block);
+pub(super) struct Found {
+    b: BlockIdx,
+    record: Block,
+}
 
 impl Found {
-    pub(super) fn seq(&self) -> SequenceHash {
-        self.0.seq
+    pub(super) fn idx(&self) -> BlockIdx {
+        self.b
     }
 
-    /// Who holds it: `EMPTY` when nobody does.
+    pub(super) fn seq(&self) -> SequenceHash {
+        self.record.seq
+    }
+
+    /// Who held it when found: `EMPTY` when nobody did.
     pub(super) fn holders(&self) -> SetId {
-        self.0.holders
+        self.record.holders
     }
 }
 
@@ -178,6 +186,14 @@ impl Blocks {
     /// Records allocated (live or free).
     pub(super) fn len(&self) -> usize {
         self.records.len()
+    }
+
+    /// Record `b`, for a walk along a chain from it.
+    pub(super) fn found(&self, b: BlockIdx) -> Found {
+        Found {
+            b,
+            record: self.records[b as usize],
+        }
     }
 
     pub(super) fn seq(&self, b: BlockIdx) -> SequenceHash {
@@ -219,11 +235,14 @@ impl Blocks {
     ) -> Result<Found, SequenceHash> {
         let seq = match parent {
             None => chain_hash(None, local),
-            Some(Found(r)) => {
+            Some(Found { record: r, .. }) => {
                 if r.next != NO_BLOCK {
                     let c = &self.records[r.next as usize];
                     if c.local == local {
-                        return Ok(Found(*c));
+                        return Ok(Found {
+                            b: r.next,
+                            record: *c,
+                        });
                     }
                 }
                 let seq = chain_hash(Some(r.seq), local);
@@ -234,52 +253,45 @@ impl Blocks {
             }
         };
         match self.table.get(&seq) {
-            Some(&b) => Ok(Found(self.records[b as usize])),
+            Some(&b) => Ok(self.found(b)),
             None => Err(seq),
         }
     }
 
     /// The child `local` of `parent` (`None`: a chain's first block), made (unheld) if
-    /// not mirrored yet, with its sequence hash and holders.
+    /// not mirrored yet.
     #[inline(always)]
-    pub(super) fn child(
-        &mut self,
-        parent: Option<BlockIdx>,
-        local: LocalBlockHash,
-    ) -> (BlockIdx, SequenceHash, SetId) {
-        // A store following a chain the mirror holds finds the linked child: inline, each
-        // record read once.
+    pub(super) fn child(&mut self, parent: Option<&Found>, local: LocalBlockHash) -> Found {
+        // A store following a chain the mirror holds finds the linked child: inline, one
+        // record read.
         if let Some(p) = parent {
-            let next = self.records[p as usize].next;
+            let next = p.record.next;
             if next != NO_BLOCK {
                 let c = &self.records[next as usize];
                 if c.local == local {
-                    return (next, c.seq, c.holders);
+                    return Found {
+                        b: next,
+                        record: *c,
+                    };
                 }
             }
         }
-        self.child_elsewhere(parent, local)
+        let b = self.child_elsewhere(parent.map(Found::idx), local);
+        self.found(b)
     }
 
     /// [`Self::child`] when it is not the linked one: in the table, or new.
     #[inline(never)]
-    fn child_elsewhere(
-        &mut self,
-        parent: Option<BlockIdx>,
-        local: LocalBlockHash,
-    ) -> (BlockIdx, SequenceHash, SetId) {
+    fn child_elsewhere(&mut self, parent: Option<BlockIdx>, local: LocalBlockHash) -> BlockIdx {
         let Some(p) = parent else {
             let seq = chain_hash(None, local);
             return match self.table.entry(seq) {
-                Entry::Occupied(e) => {
-                    let b = *e.get();
-                    (b, seq, self.records[b as usize].holders)
-                }
+                Entry::Occupied(e) => *e.get(),
                 Entry::Vacant(e) => {
                     let b = Self::make(&mut self.records, &mut self.free, seq, local, NO_BLOCK);
                     self.records[b as usize].children |= IN_TABLE;
                     self.unheld += 1;
-                    (*e.insert(b), seq, EMPTY)
+                    *e.insert(b)
                 }
             };
         };
@@ -296,10 +308,7 @@ impl Blocks {
             b
         } else {
             match self.table.entry(seq) {
-                Entry::Occupied(e) => {
-                    let b = *e.get();
-                    return (b, seq, self.records[b as usize].holders);
-                }
+                Entry::Occupied(e) => return *e.get(),
                 Entry::Vacant(e) => {
                     let b = Self::make(&mut self.records, &mut self.free, seq, local, p);
                     self.records[b as usize].children |= IN_TABLE;
@@ -309,7 +318,7 @@ impl Blocks {
         };
         self.records[p as usize].children += 1;
         self.unheld += 1;
-        (b, seq, EMPTY)
+        b
     }
 
     fn make(
