@@ -110,7 +110,8 @@ type FastMap<K, V> = HashMap<K, V, BuildHasherDefault<FoldHasher>>;
 type WorkerIdx = u32;
 
 /// Above this many records the mirror is taken to be larger than the CPU caches: its
-/// table probes are then issued together first, so that their cache misses overlap.
+/// table probes, and a removal's records, are then touched together first, so that their
+/// cache misses overlap (below it they would not miss, and the touches cost instructions).
 const COLD_RECORDS: usize = 1 << 16;
 
 /// Blocks a worker stored recently, by engine hash, direct-mapped: a store's parent is
@@ -348,8 +349,8 @@ impl FleetIndex {
             out.unknown = engine_hashes.len() as u64;
             return out;
         };
-        // In two passes, the second first touching the records it will change: an
-        // eviction names many blocks, and their cache misses then overlap.
+        // In two passes, the second first touching the records it will change (in a cold
+        // mirror): an eviction names many blocks, and their cache misses then overlap.
         let cache = &mut self.workers[w as usize];
         if self.blocks.len() > COLD_RECORDS {
             for engine in engine_hashes {
@@ -376,7 +377,7 @@ impl FleetIndex {
                 None => out.unknown += 1,
             }
         }
-        if released.len() > 1 {
+        if released.len() > 1 && self.blocks.len() > COLD_RECORDS {
             black_box(self.blocks.touch(released.iter().copied()));
         }
         for b in &released {
