@@ -631,8 +631,12 @@ impl Walk {
         if k == 0 {
             self.current = set;
             let except = self.except;
+            let members = sets.members(set);
+            // Reserved: a filter's length is not known, and a large set would grow the
+            // vector several times.
+            self.alive.reserve(members.len());
             self.alive
-                .extend(sets.members(set).iter().filter(|w| Some(**w) != except));
+                .extend(members.iter().filter(|w| Some(**w) != except));
             return;
         }
         if set == self.current {
