@@ -637,6 +637,8 @@ impl Walk {
             self.alive.reserve(members.len());
             self.alive
                 .extend(members.iter().filter(|w| Some(**w) != except));
+            // Each of them ends in `left`, once: room for all, rather than growing it.
+            left.reserve(self.alive.len());
             return;
         }
         if set == self.current {
