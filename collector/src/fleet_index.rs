@@ -498,10 +498,20 @@ impl FleetIndex {
     }
 
     fn overlap_map(&self, left: Vec<(WorkerIdx, u32)>) -> BTreeMap<WorkerKey, u32> {
-        // Workers come out in runs sorted by key: sorted cheaply, then built in bulk.
-        left.into_iter()
-            .map(|(w, n)| (self.sets.key(w), n))
-            .collect()
+        // A handful of workers (every query in a small fleet): inserted one by one, which
+        // costs less than collecting and sorting them first.
+        if left.len() <= 4 {
+            let mut map = BTreeMap::new();
+            for (w, n) in left {
+                map.insert(self.sets.key(w), n);
+            }
+            return map;
+        }
+        // Workers come out in runs sorted by key: sorted cheaply, then built in bulk, from
+        // a vector of the right size that `from_iter` takes over as it is.
+        let mut keyed = Vec::with_capacity(left.len());
+        keyed.extend(left.into_iter().map(|(w, n)| (self.sets.key(w), n)));
+        BTreeMap::from_iter(keyed)
     }
 
     /// Who holds block `b`, if anyone.
