@@ -23,7 +23,7 @@
 mod blocks;
 mod holder_sets;
 
-use blocks::{BlockIdx, Blocks};
+use blocks::{BlockIdx, Blocks, Found};
 use holder_sets::{HolderSets, SetId, EMPTY};
 use kvscope_wire::hashing::{chain_hash, local_block_hashes, seed_for_lora, LocalBlockHash};
 use kvscope_wire::{SequenceHash, WorkerKey};
@@ -110,7 +110,8 @@ type FastMap<K, V> = HashMap<K, V, BuildHasherDefault<FoldHasher>>;
 type WorkerIdx = u32;
 
 /// Above this many records the mirror is taken to be larger than the CPU caches: its
-/// table probes are then issued together first, so that their cache misses overlap.
+/// table probes, and a removal's records, are then touched together first, so that their
+/// cache misses overlap (below it they would not miss, and the touches cost instructions).
 const COLD_RECORDS: usize = 1 << 16;
 
 /// Blocks a worker stored recently, by engine hash, direct-mapped: a store's parent is
@@ -297,14 +298,15 @@ impl FleetIndex {
         // worker out, so its own additions do not change what it sees).
         let mut walk = Walk::new(Some(w));
         let mut left = Vec::new();
-        let mut prev = parent;
+        let mut prev = parent.map(|p| self.blocks.found(p));
         for (engine, local) in engine_hashes[..n].iter().zip(&locals[..n]) {
-            let b = self.blocks.child(prev, *local);
-            prev = Some(b);
-            blocks.push(self.blocks.seq(b));
+            let found = self.blocks.child(prev.as_ref(), *local);
+            prev = Some(found);
+            let (b, holders) = (found.idx(), found.holders());
+            blocks.push(found.seq());
             stored.push(b);
             if walk.active() {
-                walk.step(&self.sets, self.held_by(b), &mut left);
+                walk.step(&self.sets, (holders != EMPTY).then_some(holders), &mut left);
             }
             let cache = &mut self.workers[w as usize];
             match cache.by_engine.entry(*engine) {
@@ -324,7 +326,8 @@ impl FleetIndex {
                     self.release(w, old);
                 }
             }
-            self.hold(w, b);
+            // `old` is another block: `b`'s holders are still the ones read above.
+            self.hold(w, b, holders);
         }
         walk.finish(&mut left);
         self.last_store = (w, stored);
@@ -346,8 +349,8 @@ impl FleetIndex {
             out.unknown = engine_hashes.len() as u64;
             return out;
         };
-        // In two passes, the second first touching the records it will change: an
-        // eviction names many blocks, and their cache misses then overlap.
+        // In two passes, the second first touching the records it will change (in a cold
+        // mirror): an eviction names many blocks, and their cache misses then overlap.
         let cache = &mut self.workers[w as usize];
         if self.blocks.len() > COLD_RECORDS {
             for engine in engine_hashes {
@@ -374,7 +377,7 @@ impl FleetIndex {
                 None => out.unknown += 1,
             }
         }
-        if released.len() > 1 {
+        if released.len() > 1 && self.blocks.len() > COLD_RECORDS {
             black_box(self.blocks.touch(released.iter().copied()));
         }
         for b in &released {
@@ -406,11 +409,7 @@ impl FleetIndex {
             for b in chunk {
                 // A block held through two engine blocks comes twice: the second finds
                 // the worker gone from its set already.
-                let from = self.blocks.holders(*b);
-                if from != EMPTY && self.sets.contains(from, w) {
-                    let to = self.sets.without(from, w);
-                    self.move_block(*b, from, to);
-                }
+                self.drop_holder(w, *b);
             }
         }
         by_engine.clear();
@@ -464,18 +463,19 @@ impl FleetIndex {
         let mut chain = Vec::with_capacity(locals.len());
         let mut walk = Walk::new(None);
         let mut left = Vec::new();
-        let mut at: Option<BlockIdx> = None;
+        let mut at: Option<Found> = None;
         let mut mirrored = true;
         for local in locals {
             if mirrored {
-                match self.blocks.find_child(at, *local) {
-                    Ok((b, seq, holders)) => {
-                        chain.push(seq);
+                match self.blocks.find_child(at.as_ref(), *local) {
+                    Ok(found) => {
+                        chain.push(found.seq());
                         if walk.active() {
+                            let holders = found.holders();
                             let set = (holders != EMPTY).then_some(holders);
                             walk.step(&self.sets, set, &mut left);
                         }
-                        at = Some(b);
+                        at = Some(found);
                         continue;
                     }
                     Err(seq) => {
@@ -498,10 +498,20 @@ impl FleetIndex {
     }
 
     fn overlap_map(&self, left: Vec<(WorkerIdx, u32)>) -> BTreeMap<WorkerKey, u32> {
-        // Workers come out in runs sorted by key: sorted cheaply, then built in bulk.
-        left.into_iter()
-            .map(|(w, n)| (self.sets.key(w), n))
-            .collect()
+        // A handful of workers (every query in a small fleet): inserted one by one, which
+        // costs less than collecting and sorting them first.
+        if left.len() <= 4 {
+            let mut map = BTreeMap::new();
+            for (w, n) in left {
+                map.insert(self.sets.key(w), n);
+            }
+            return map;
+        }
+        // Workers come out in runs sorted by key: sorted cheaply, then built in bulk, from
+        // a vector of the right size that `from_iter` takes over as it is.
+        let mut keyed = Vec::with_capacity(left.len());
+        keyed.extend(left.into_iter().map(|(w, n)| (self.sets.key(w), n)));
+        BTreeMap::from_iter(keyed)
     }
 
     /// Who holds block `b`, if anyone.
@@ -523,9 +533,8 @@ impl FleetIndex {
         best
     }
 
-    /// `w` now holds block `b` through one more engine block.
-    fn hold(&mut self, w: WorkerIdx, b: BlockIdx) {
-        let from = self.blocks.holders(b);
+    /// `w` now holds block `b`, whose holders are `from`, through one more engine block.
+    fn hold(&mut self, w: WorkerIdx, b: BlockIdx, from: SetId) {
         let cache = &mut self.workers[w as usize];
         if from != EMPTY && self.sets.contains(from, w) {
             *cache.extra_holds.entry(b).or_insert(0) += 1;
@@ -541,6 +550,9 @@ impl FleetIndex {
     }
 
     /// `w` holds block `b` through one engine block fewer.
+    // Inline: a removal releases its blocks in a loop, and a call's register saves and
+    // restores were a quarter of a release.
+    #[inline(always)]
     fn release(&mut self, w: WorkerIdx, b: BlockIdx) {
         let cache = &mut self.workers[w as usize];
         if !cache.extra_holds.is_empty() {
@@ -552,12 +564,9 @@ impl FleetIndex {
                 return;
             }
         }
-        let from = self.blocks.holders(b);
-        if from == EMPTY || !self.sets.contains(from, w) {
+        if !self.drop_holder(w, b) {
             return;
         }
-        let to = self.sets.without(from, w);
-        self.move_block(b, from, to);
         let cache = &mut self.workers[w as usize];
         cache.cached -= 1;
         if !cache.generated.is_empty() {
@@ -565,13 +574,21 @@ impl FleetIndex {
         }
     }
 
-    /// Block `b`'s holders change from set `from` to `to` (`None`: nobody).
-    fn move_block(&mut self, b: BlockIdx, from: SetId, to: Option<SetId>) {
+    /// Take `w` out of block `b`'s holders if it is one; whether it was.
+    #[inline(always)]
+    fn drop_holder(&mut self, w: WorkerIdx, b: BlockIdx) -> bool {
+        let holders = self.blocks.holders_mut(b);
+        let from = holders.get();
+        if from == EMPTY || !self.sets.contains(from, w) {
+            return false;
+        }
+        let to = self.sets.without(from, w);
         if let Some(to) = to {
             self.sets.retain(to);
         }
-        self.blocks.set_holders(b, to.unwrap_or(EMPTY));
+        holders.set(to.unwrap_or(EMPTY));
         self.sets.release(from);
+        true
     }
 }
 
@@ -624,8 +641,14 @@ impl Walk {
         if k == 0 {
             self.current = set;
             let except = self.except;
+            let members = sets.members(set);
+            // Reserved: a filter's length is not known, and a large set would grow the
+            // vector several times.
+            self.alive.reserve(members.len());
             self.alive
-                .extend(sets.members(set).iter().filter(|w| Some(**w) != except));
+                .extend(members.iter().filter(|w| Some(**w) != except));
+            // Each of them ends in `left`, once: room for all, rather than growing it.
+            left.reserve(self.alive.len());
             return;
         }
         if set == self.current {

@@ -133,10 +133,67 @@ pub(super) struct Blocks {
     kept_by_sweep: usize,
 }
 
+/// A record's holders, from [`Blocks::holders_mut`]: read, then changed, with the record
+/// indexed once (an arena index costs a bounds check and a load of the chunk pointer).
+pub(super) struct HoldersMut<'a> {
+    holders: &'a mut SetId,
+    unheld: &'a mut usize,
+}
+
+impl HoldersMut<'_> {
+    #[inline(always)]
+    pub(super) fn get(&self) -> SetId {
+        *self.holders
+    }
+
+    /// Change them, keeping [`Blocks`]'s count of unheld records.
+    #[inline(always)]
+    pub(super) fn set(self, to: SetId) {
+        let from = std::mem::replace(self.holders, to);
+        match (from == EMPTY, to == EMPTY) {
+            (true, false) => *self.unheld -= 1,
+            (false, true) => *self.unheld += 1,
+            _ => {}
+        }
+    }
+}
+
+/// A record [`Blocks::find_child`] or [`Blocks::child`] found, copied: the next step along
+/// the chain reads the link from here instead of indexing the arena again. Its link is
+/// the record's until a child is made under it, which only that next step does.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Found {
+    b: BlockIdx,
+    record: Block,
+}
+
+impl Found {
+    pub(super) fn idx(&self) -> BlockIdx {
+        self.b
+    }
+
+    pub(super) fn seq(&self) -> SequenceHash {
+        self.record.seq
+    }
+
+    /// Who held it when found: `EMPTY` when nobody did.
+    pub(super) fn holders(&self) -> SetId {
+        self.record.holders
+    }
+}
+
 impl Blocks {
     /// Records allocated (live or free).
     pub(super) fn len(&self) -> usize {
         self.records.len()
+    }
+
+    /// Record `b`, for a walk along a chain from it.
+    pub(super) fn found(&self, b: BlockIdx) -> Found {
+        Found {
+            b,
+            record: self.records[b as usize],
+        }
     }
 
     pub(super) fn seq(&self, b: BlockIdx) -> SequenceHash {
@@ -149,13 +206,15 @@ impl Blocks {
     }
 
     pub(super) fn set_holders(&mut self, b: BlockIdx, to: SetId) {
-        let r = &mut self.records[b as usize];
-        let from = r.holders;
-        r.holders = to;
-        match (from == EMPTY, to == EMPTY) {
-            (true, false) => self.unheld -= 1,
-            (false, true) => self.unheld += 1,
-            _ => {}
+        self.holders_mut(b).set(to);
+    }
+
+    /// `b`'s holders, to read and then change with one access to the record.
+    #[inline(always)]
+    pub(super) fn holders_mut(&mut self, b: BlockIdx) -> HoldersMut<'_> {
+        HoldersMut {
+            holders: &mut self.records[b as usize].holders,
+            unheld: &mut self.unheld,
         }
     }
 
@@ -166,22 +225,24 @@ impl Blocks {
         })
     }
 
-    /// The child `local` of `parent` (`None`: a chain's first block) if mirrored, with
-    /// its sequence hash and holders; else its sequence hash.
+    /// The child `local` of `parent` (`None`: a chain's first block) if mirrored; else its
+    /// sequence hash.
     #[inline]
     pub(super) fn find_child(
         &self,
-        parent: Option<BlockIdx>,
+        parent: Option<&Found>,
         local: LocalBlockHash,
-    ) -> Result<(BlockIdx, SequenceHash, SetId), SequenceHash> {
+    ) -> Result<Found, SequenceHash> {
         let seq = match parent {
             None => chain_hash(None, local),
-            Some(p) => {
-                let r = &self.records[p as usize];
+            Some(Found { record: r, .. }) => {
                 if r.next != NO_BLOCK {
                     let c = &self.records[r.next as usize];
                     if c.local == local {
-                        return Ok((r.next, c.seq, c.holders));
+                        return Ok(Found {
+                            b: r.next,
+                            record: *c,
+                        });
                     }
                 }
                 let seq = chain_hash(Some(r.seq), local);
@@ -192,14 +253,36 @@ impl Blocks {
             }
         };
         match self.table.get(&seq) {
-            Some(&b) => Ok((b, seq, self.records[b as usize].holders)),
+            Some(&b) => Ok(self.found(b)),
             None => Err(seq),
         }
     }
 
     /// The child `local` of `parent` (`None`: a chain's first block), made (unheld) if
     /// not mirrored yet.
-    pub(super) fn child(&mut self, parent: Option<BlockIdx>, local: LocalBlockHash) -> BlockIdx {
+    #[inline(always)]
+    pub(super) fn child(&mut self, parent: Option<&Found>, local: LocalBlockHash) -> Found {
+        // A store following a chain the mirror holds finds the linked child: inline, one
+        // record read.
+        if let Some(p) = parent {
+            let next = p.record.next;
+            if next != NO_BLOCK {
+                let c = &self.records[next as usize];
+                if c.local == local {
+                    return Found {
+                        b: next,
+                        record: *c,
+                    };
+                }
+            }
+        }
+        let b = self.child_elsewhere(parent.map(Found::idx), local);
+        self.found(b)
+    }
+
+    /// [`Self::child`] when it is not the linked one: in the table, or new.
+    #[inline(never)]
+    fn child_elsewhere(&mut self, parent: Option<BlockIdx>, local: LocalBlockHash) -> BlockIdx {
         let Some(p) = parent else {
             let seq = chain_hash(None, local);
             return match self.table.entry(seq) {
@@ -213,9 +296,6 @@ impl Blocks {
             };
         };
         let r = self.records[p as usize];
-        if r.next != NO_BLOCK && self.records[r.next as usize].local == local {
-            return r.next;
-        }
         let seq = chain_hash(Some(r.seq), local);
         let b = if r.children_all_linked() {
             let b = Self::make(&mut self.records, &mut self.free, seq, local, p);
