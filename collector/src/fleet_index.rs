@@ -23,7 +23,7 @@
 mod blocks;
 mod holder_sets;
 
-use blocks::{BlockIdx, Blocks, Found};
+use blocks::{BlockIdx, Blocks, Visited};
 use holder_sets::{HolderSets, SetId, EMPTY};
 use kvscope_wire::hashing::{chain_hash, local_block_hashes, seed_for_lora, LocalBlockHash};
 use kvscope_wire::{SequenceHash, WorkerKey};
@@ -463,33 +463,37 @@ impl FleetIndex {
         let mut chain = Vec::with_capacity(locals.len());
         let mut walk = Walk::new(None);
         let mut left = Vec::new();
-        let mut at: Option<Found> = None;
-        let mut mirrored = true;
-        for local in locals {
-            if mirrored {
-                match self.blocks.find_child(at.as_ref(), *local) {
-                    Ok(found) => {
-                        chain.push(found.seq());
-                        if walk.active() {
-                            let holders = found.holders();
-                            let set = (holders != EMPTY).then_some(holders);
-                            walk.step(&self.sets, set, &mut left);
-                        }
-                        at = Some(found);
-                        continue;
+        let mut at: Option<Visited> = None;
+        let mut rest = locals;
+        // Along the records while the mirror holds the chain.
+        while let Some((local, tail)) = rest.split_first() {
+            rest = tail;
+            match self.blocks.find_child(at, *local) {
+                Ok(found) => {
+                    chain.push(found.seq());
+                    if walk.active() {
+                        let holders = found.holders();
+                        let set = (holders != EMPTY).then_some(holders);
+                        walk.step(&self.sets, set, &mut left);
                     }
-                    Err(seq) => {
-                        chain.push(seq);
-                        if walk.active() {
-                            walk.step(&self.sets, None, &mut left);
-                        }
-                        mirrored = false;
-                        continue;
+                    at = Some(found);
+                }
+                Err(seq) => {
+                    chain.push(seq);
+                    if walk.active() {
+                        walk.step(&self.sets, None, &mut left);
                     }
+                    break;
                 }
             }
-            chain.push(chain_hash(chain.last().copied(), *local));
         }
+        // Past its end: hashed.
+        let mut last = chain.last().copied();
+        chain.extend(rest.iter().map(|local| {
+            let seq = chain_hash(last, *local);
+            last = Some(seq);
+            seq
+        }));
         walk.finish(&mut left);
         ChainMatch {
             chain,

@@ -158,9 +158,25 @@ impl HoldersMut<'_> {
     }
 }
 
-/// A record [`Blocks::find_child`] or [`Blocks::child`] found, copied: the next step along
-/// the chain reads the link from here instead of indexing the arena again. Its link is
-/// the record's until a child is made under it, which only that next step does.
+/// A record a query met ([`Blocks::find_child`]), read in place: a query changes nothing,
+/// so it keeps a reference where a store keeps a copy ([`Found`]).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Visited<'a>(&'a Block);
+
+impl Visited<'_> {
+    pub(super) fn seq(self) -> SequenceHash {
+        self.0.seq
+    }
+
+    /// Who holds it: `EMPTY` when nobody does.
+    pub(super) fn holders(self) -> SetId {
+        self.0.holders
+    }
+}
+
+/// A record [`Blocks::child`] found, copied: the next step along the chain reads the link
+/// from here instead of indexing the arena again. Its link is the record's until a child
+/// is made under it, which only that next step does.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Found {
     b: BlockIdx,
@@ -228,21 +244,18 @@ impl Blocks {
     /// The child `local` of `parent` (`None`: a chain's first block) if mirrored; else its
     /// sequence hash.
     #[inline]
-    pub(super) fn find_child(
-        &self,
-        parent: Option<&Found>,
+    pub(super) fn find_child<'a>(
+        &'a self,
+        parent: Option<Visited<'a>>,
         local: LocalBlockHash,
-    ) -> Result<Found, SequenceHash> {
+    ) -> Result<Visited<'a>, SequenceHash> {
         let seq = match parent {
             None => chain_hash(None, local),
-            Some(Found { record: r, .. }) => {
+            Some(Visited(r)) => {
                 if r.next != NO_BLOCK {
                     let c = &self.records[r.next as usize];
                     if c.local == local {
-                        return Ok(Found {
-                            b: r.next,
-                            record: *c,
-                        });
+                        return Ok(Visited(c));
                     }
                 }
                 let seq = chain_hash(Some(r.seq), local);
@@ -253,7 +266,7 @@ impl Blocks {
             }
         };
         match self.table.get(&seq) {
-            Some(&b) => Ok(self.found(b)),
+            Some(&b) => Ok(Visited(&self.records[b as usize])),
             None => Err(seq),
         }
     }
