@@ -21,9 +21,11 @@
 //! hashes already.
 
 mod blocks;
+mod engine_map;
 mod holder_sets;
 
 use blocks::{BlockIdx, Blocks, Visited};
+use engine_map::EngineMap;
 use holder_sets::{HolderSets, SetId, EMPTY};
 use kvscope_wire::hashing::{chain_hash, local_block_hashes, seed_for_lora, LocalBlockHash};
 use kvscope_wire::{SequenceHash, WorkerKey};
@@ -159,7 +161,7 @@ impl RecentStores {
 #[derive(Debug, Default)]
 struct WorkerCache {
     /// Engine block hash → the block stored under it.
-    by_engine: FastMap<u64, BlockIdx>,
+    by_engine: EngineMap,
     /// The last stores of `by_engine`.
     recent: RecentStores,
     /// Engine blocks stored more than once: the stores beyond the first. Engines may store
@@ -276,15 +278,17 @@ impl FleetIndex {
         let n = locals.len().min(engine_hashes.len());
         let cache = &self.workers[w as usize];
         if self.blocks.len() > COLD_RECORDS {
-            for engine in &engine_hashes[..n] {
-                black_box(cache.by_engine.get(engine));
-            }
+            black_box(
+                engine_hashes[..n]
+                    .iter()
+                    .fold(0, |acc, e| acc ^ cache.by_engine.touch(*e)),
+            );
         }
         let parent = match parent_engine_hash {
             None => None,
             Some(p) => Some(match cache.recent.get(p) {
                 Some(b) => b,
-                None => *cache.by_engine.get(&p).ok_or(MirrorError::UnknownParent)?,
+                None => cache.by_engine.get(p).ok_or(MirrorError::UnknownParent)?,
             }),
         };
         if n == 0 && !engine_hashes.is_empty() {
@@ -309,18 +313,14 @@ impl FleetIndex {
                 walk.step(&self.sets, (holders != EMPTY).then_some(holders), &mut left);
             }
             let cache = &mut self.workers[w as usize];
-            match cache.by_engine.entry(*engine) {
-                Entry::Vacant(e) => {
-                    e.insert(b);
-                    cache.recent.put(*engine, b);
-                }
-                Entry::Occupied(e) if *e.get() == b => {
+            match cache.by_engine.insert(*engine, b) {
+                None => cache.recent.put(*engine, b),
+                Some(old) if old == b => {
                     *cache.restores.entry(*engine).or_insert(0) += 1;
                     continue;
                 }
-                Entry::Occupied(mut e) => {
+                Some(old) => {
                     // The engine reused a hash for other content: the old block is gone.
-                    let old = e.insert(b);
                     cache.recent.put(*engine, b);
                     cache.restores.remove(engine);
                     self.release(w, old);
@@ -353,9 +353,11 @@ impl FleetIndex {
         // mirror): an eviction names many blocks, and their cache misses then overlap.
         let cache = &mut self.workers[w as usize];
         if self.blocks.len() > COLD_RECORDS {
-            for engine in engine_hashes {
-                black_box(cache.by_engine.get(engine));
-            }
+            black_box(
+                engine_hashes
+                    .iter()
+                    .fold(0, |acc, e| acc ^ cache.by_engine.touch(*e)),
+            );
         }
         let mut released = std::mem::take(&mut self.released);
         for engine in engine_hashes {
@@ -369,7 +371,7 @@ impl FleetIndex {
                     continue;
                 }
             }
-            match cache.by_engine.remove(engine) {
+            match cache.by_engine.remove(*engine) {
                 Some(b) => {
                     cache.recent.forget(*engine);
                     released.push(b);
@@ -403,7 +405,7 @@ impl FleetIndex {
         cache.extra_holds.clear();
         cache.generated.clear();
         cache.cached = 0;
-        let held: Vec<BlockIdx> = by_engine.values().copied().collect();
+        let held: Vec<BlockIdx> = by_engine.blocks().collect();
         for chunk in held.chunks(64) {
             black_box(self.blocks.touch(chunk.iter().copied()));
             for b in chunk {

@@ -1,0 +1,328 @@
+//! A worker's table from engine block hash to the mirror's record: the one lookup every
+//! stored and every removed block needs, so the one most worth making cheap.
+//!
+//! Buckets of one cache line (five entries), two candidate buckets per key: a key lives
+//! in its first bucket unless that was full when it came, and each bucket counts the
+//! keys of its own that live in their second one. A lookup reads one line, and a second
+//! only when that count says a key of this bucket may be there; a removal frees its slot
+//! in place. In a fleet whose tables are far larger than the CPU caches, that is one
+//! cache miss per stored or removed block where std's SwissTable takes two (a control
+//! group, then the bucket).
+
+use super::blocks::BlockIdx;
+
+/// Entries in a bucket: as many as fit in 64 bytes with their blocks and two counts.
+const SLOTS: usize = 5;
+
+/// One cache line: five keys, their blocks, how many are used, and how many keys whose
+/// first bucket this is live in their second.
+#[derive(Debug, Clone, Copy)]
+#[repr(C, align(64))]
+struct Bucket {
+    engines: [u64; SLOTS],
+    blocks: [BlockIdx; SLOTS],
+    len: u8,
+    spilled: u8,
+}
+
+const EMPTY_BUCKET: Bucket = Bucket {
+    engines: [0; SLOTS],
+    blocks: [0; SLOTS],
+    len: 0,
+    spilled: 0,
+};
+
+impl Bucket {
+    /// The slot holding `engine`. Every slot is compared and the used ones kept by a
+    /// mask, without a branch per slot: where a key sits in its bucket is random, and
+    /// a loop that stops at it mispredicts about once per lookup.
+    #[inline(always)]
+    fn position(&self, engine: u64) -> Option<usize> {
+        let hits = self
+            .engines
+            .iter()
+            .enumerate()
+            .fold(0u32, |m, (i, e)| m | (u32::from(*e == engine) << i));
+        let hits = hits & ((1 << self.len) - 1);
+        (hits != 0).then(|| hits.trailing_zeros() as usize)
+    }
+
+    #[inline(always)]
+    fn push(&mut self, engine: u64, block: BlockIdx) {
+        let i = self.len as usize;
+        self.engines[i] = engine;
+        self.blocks[i] = block;
+        self.len += 1;
+    }
+
+    /// Remove slot `i`, moving the last slot into it.
+    #[inline(always)]
+    fn take(&mut self, i: usize) -> BlockIdx {
+        let block = self.blocks[i];
+        let last = self.len as usize - 1;
+        self.engines[i] = self.engines[last];
+        self.blocks[i] = self.blocks[last];
+        self.len -= 1;
+        block
+    }
+}
+
+#[derive(Debug, Default)]
+pub(super) struct EngineMap {
+    /// A power of two long (or empty).
+    buckets: Vec<Bucket>,
+    len: usize,
+}
+
+impl EngineMap {
+    /// Entries.
+    #[cfg(test)]
+    pub(super) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// The key's two buckets (distinct when there are two or more buckets). Engine hashes
+    /// are usually well mixed already, but tests and some engines number blocks: a
+    /// multiply spreads sequential keys.
+    #[inline(always)]
+    fn homes(&self, engine: u64) -> (usize, usize) {
+        let mask = self.buckets.len() - 1;
+        let h = engine.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        let first = (h >> 40) as usize & mask;
+        let second = (h >> 16) as usize & mask;
+        let second = if second == first { first ^ 1 } else { second } & mask;
+        (first, second)
+    }
+
+    /// Where `engine` lives: its bucket, the slot, and whether it is its second bucket.
+    #[inline(always)]
+    fn find(&self, engine: u64) -> Option<(usize, usize, bool)> {
+        if self.buckets.is_empty() {
+            return None;
+        }
+        let (first, second) = self.homes(engine);
+        let b = &self.buckets[first];
+        if let Some(i) = b.position(engine) {
+            return Some((first, i, false));
+        }
+        if b.spilled == 0 {
+            return None;
+        }
+        self.buckets[second]
+            .position(engine)
+            .map(|i| (second, i, true))
+    }
+
+    #[inline]
+    pub(super) fn get(&self, engine: u64) -> Option<BlockIdx> {
+        self.find(engine).map(|(b, i, _)| self.buckets[b].blocks[i])
+    }
+
+    /// Map `engine` to `block`; returns the block it mapped to before, if any.
+    #[inline]
+    pub(super) fn insert(&mut self, engine: u64, block: BlockIdx) -> Option<BlockIdx> {
+        // At most 4/5 full: two choices per key and a move to make room seldom fail
+        // below that.
+        if (self.len + 1) * 5 > self.buckets.len() * SLOTS * 4 {
+            self.grow();
+        }
+        // One look at each bucket serves both the search and the placing.
+        let (first, second) = self.homes(engine);
+        let b = &mut self.buckets[first];
+        if let Some(i) = b.position(engine) {
+            return Some(std::mem::replace(&mut b.blocks[i], block));
+        }
+        if b.spilled > 0 {
+            let b = &mut self.buckets[second];
+            if let Some(i) = b.position(engine) {
+                return Some(std::mem::replace(&mut b.blocks[i], block));
+            }
+        }
+        while !self.place(engine, block) {
+            self.grow();
+        }
+        self.len += 1;
+        None
+    }
+
+    /// Put a new key in its first bucket, or its second; when both are full, first make
+    /// room in its first bucket by moving a key there to its other bucket. False when
+    /// that fails too.
+    #[inline(always)]
+    fn place(&mut self, engine: u64, block: BlockIdx) -> bool {
+        let (first, second) = self.homes(engine);
+        if (self.buckets[first].len as usize) < SLOTS {
+            self.buckets[first].push(engine, block);
+            return true;
+        }
+        if (self.buckets[second].len as usize) < SLOTS && self.buckets[first].spilled < u8::MAX {
+            self.buckets[second].push(engine, block);
+            self.buckets[first].spilled += 1;
+            return true;
+        }
+        if self.make_room(first) {
+            self.buckets[first].push(engine, block);
+            return true;
+        }
+        false
+    }
+
+    /// Move one key out of full bucket `b` to its other bucket, if one has room there.
+    #[cold]
+    fn make_room(&mut self, b: usize) -> bool {
+        for i in 0..SLOTS {
+            let engine = self.buckets[b].engines[i];
+            let (first, second) = self.homes(engine);
+            let (to, from_first) = if first == b {
+                (second, true)
+            } else {
+                (first, false)
+            };
+            if (self.buckets[to].len as usize) == SLOTS
+                || (from_first && self.buckets[first].spilled == u8::MAX)
+            {
+                continue;
+            }
+            let block = self.buckets[b].take(i);
+            self.buckets[to].push(engine, block);
+            // Moved to its second bucket, or back to its first.
+            if from_first {
+                self.buckets[first].spilled += 1;
+            } else {
+                self.buckets[first].spilled -= 1;
+            }
+            return true;
+        }
+        false
+    }
+
+    /// Unmap `engine`; returns the block it mapped to, if any.
+    #[inline]
+    pub(super) fn remove(&mut self, engine: u64) -> Option<BlockIdx> {
+        let (b, i, spilled) = self.find(engine)?;
+        if spilled {
+            let (first, _) = self.homes(engine);
+            self.buckets[first].spilled -= 1;
+        }
+        self.len -= 1;
+        Some(self.buckets[b].take(i))
+    }
+
+    /// Every mapped block (a block mapped from two engine hashes comes twice).
+    pub(super) fn blocks(&self) -> impl Iterator<Item = BlockIdx> + '_ {
+        self.buckets
+            .iter()
+            .flat_map(|b| b.blocks[..b.len as usize].iter().copied())
+    }
+
+    /// Empty, keeping the allocation (a worker that restarts fills it again).
+    pub(super) fn clear(&mut self) {
+        self.buckets.fill(EMPTY_BUCKET);
+        self.len = 0;
+    }
+
+    /// Load `engine`'s first bucket, so that a batch's cache misses overlap.
+    #[inline]
+    pub(super) fn touch(&self, engine: u64) -> u64 {
+        if self.buckets.is_empty() {
+            return 0;
+        }
+        self.buckets[self.homes(engine).0].engines[0]
+    }
+
+    #[cold]
+    fn grow(&mut self) {
+        self.grow_to((self.buckets.len() * 2).max(4));
+    }
+
+    /// Rebuild with `n` buckets, or more if some key finds both its buckets full.
+    fn grow_to(&mut self, n: usize) {
+        let old = std::mem::replace(&mut self.buckets, vec![EMPTY_BUCKET; n]);
+        let all_placed = old
+            .iter()
+            .all(|b| (0..b.len as usize).all(|i| self.place(b.engines[i], b.blocks[i])));
+        if !all_placed {
+            self.buckets = old;
+            self.grow_to(n * 2);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    /// A small deterministic generator (no dependency needed for a test's keys).
+    struct Mix(u64);
+
+    impl Mix {
+        fn next(&mut self) -> u64 {
+            self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = self.0;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^ (z >> 31)
+        }
+    }
+
+    #[test]
+    fn a_bucket_is_one_cache_line() {
+        assert_eq!(std::mem::size_of::<Bucket>(), 64);
+    }
+
+    #[test]
+    fn agrees_with_a_hash_map_under_random_inserts_and_removals() {
+        // Keys from a small range collide, and spill to their second buckets; the
+        // table grows, churns and drains.
+        for (range, ops) in [(64u64, 20_000), (5_000, 60_000), (u64::MAX, 60_000)] {
+            let mut rng = Mix(range);
+            let mut map = EngineMap::default();
+            let mut model: HashMap<u64, BlockIdx> = HashMap::new();
+            for op in 0..ops {
+                let key = match range {
+                    u64::MAX => rng.next() % 3_000 * 0x1_0000_0001,
+                    r => rng.next() % r,
+                };
+                let block = (op % 1_000) as BlockIdx;
+                let insert = match op * 3 / ops {
+                    0 => !rng.next().is_multiple_of(4),
+                    1 => rng.next().is_multiple_of(2),
+                    _ => rng.next().is_multiple_of(4),
+                };
+                if insert {
+                    assert_eq!(map.insert(key, block), model.insert(key, block), "{key}");
+                } else {
+                    assert_eq!(map.remove(key), model.remove(&key), "{key}");
+                }
+                assert_eq!(map.len(), model.len());
+                if op % 997 == 0 {
+                    for (k, v) in &model {
+                        assert_eq!(map.get(*k), Some(*v), "{k}");
+                    }
+                    let mut got: Vec<BlockIdx> = map.blocks().collect();
+                    let mut want: Vec<BlockIdx> = model.values().copied().collect();
+                    got.sort_unstable();
+                    want.sort_unstable();
+                    assert_eq!(got, want);
+                }
+            }
+            for k in 0..range.min(10_000) {
+                assert_eq!(map.get(k), model.get(&k).copied(), "{k}");
+            }
+        }
+    }
+
+    #[test]
+    fn clear_keeps_the_buckets_and_forgets_every_entry() {
+        let mut map = EngineMap::default();
+        for k in 0..100 {
+            map.insert(k, k as BlockIdx);
+        }
+        let buckets = map.buckets.len();
+        map.clear();
+        assert_eq!((map.len(), map.buckets.len()), (0, buckets));
+        assert!((0..100).all(|k| map.get(k).is_none()));
+        assert_eq!(map.blocks().count(), 0);
+    }
+}
