@@ -310,7 +310,7 @@ impl FleetIndex {
             blocks.push(found.seq());
             stored.push(b);
             if walk.active() {
-                walk.step(&self.sets, (holders != EMPTY).then_some(holders), &mut left);
+                walk.step(&self.sets, holders, &mut left);
             }
             let cache = &mut self.workers[w as usize];
             match cache.by_engine.insert(*engine, b) {
@@ -438,10 +438,7 @@ impl FleetIndex {
             return;
         };
         self.mark_cursor = k + 1;
-        if self
-            .held_by(stored[k])
-            .is_some_and(|s| self.sets.contains(s, w))
-        {
+        if self.sets.contains(self.blocks.holders(stored[k]), w) {
             self.workers[w as usize].generated.insert(seq);
         }
     }
@@ -474,16 +471,14 @@ impl FleetIndex {
                 Ok(found) => {
                     chain.push(found.seq());
                     if walk.active() {
-                        let holders = found.holders();
-                        let set = (holders != EMPTY).then_some(holders);
-                        walk.step(&self.sets, set, &mut left);
+                        walk.step(&self.sets, found.holders(), &mut left);
                     }
                     at = Some(found);
                 }
                 Err(seq) => {
                     chain.push(seq);
                     if walk.active() {
-                        walk.step(&self.sets, None, &mut left);
+                        walk.step(&self.sets, EMPTY, &mut left);
                     }
                     break;
                 }
@@ -520,12 +515,6 @@ impl FleetIndex {
         BTreeMap::from_iter(keyed)
     }
 
-    /// Who holds block `b`, if anyone.
-    fn held_by(&self, b: BlockIdx) -> Option<SetId> {
-        let s = self.blocks.holders(b);
-        (s != EMPTY).then_some(s)
-    }
-
     /// Of the workers a walk reported, the one holding the longest run (the lowest
     /// worker key among equals), and that run.
     fn longest_run(&self, left: &[(WorkerIdx, u32)]) -> (u32, Option<WorkerKey>) {
@@ -542,7 +531,7 @@ impl FleetIndex {
     /// `w` now holds block `b`, whose holders are `from`, through one more engine block.
     fn hold(&mut self, w: WorkerIdx, b: BlockIdx, from: SetId) {
         let cache = &mut self.workers[w as usize];
-        if from != EMPTY && self.sets.contains(from, w) {
+        if self.sets.contains(from, w) {
             *cache.extra_holds.entry(b).or_insert(0) += 1;
             return;
         }
@@ -585,7 +574,7 @@ impl FleetIndex {
     fn drop_holder(&mut self, w: WorkerIdx, b: BlockIdx) -> bool {
         let holders = self.blocks.holders_mut(b);
         let from = holders.get();
-        if from == EMPTY || !self.sets.contains(from, w) {
+        if !self.sets.contains(from, w) {
             return false;
         }
         let to = self.sets.without(from, w);
@@ -624,12 +613,12 @@ impl Walk {
         self.blocks == 0 || !self.alive.is_empty()
     }
 
-    /// The next block is held by `set`: `(worker, n)` into `left` for every worker that
-    /// held all `n` blocks before it but not this one.
+    /// The next block is held by `set` (`EMPTY`: nobody): `(worker, n)` into `left` for
+    /// every worker that held all `n` blocks before it but not this one.
     #[inline]
-    fn step(&mut self, sets: &HolderSets, set: Option<SetId>, left: &mut Vec<(WorkerIdx, u32)>) {
+    fn step(&mut self, sets: &HolderSets, set: SetId, left: &mut Vec<(WorkerIdx, u32)>) {
         // Most blocks of a chain have the same holders as the one before.
-        if self.blocks > 0 && set == Some(self.current) {
+        if self.blocks > 0 && set == self.current {
             self.blocks += 1;
             return;
         }
@@ -637,13 +626,13 @@ impl Walk {
     }
 
     #[inline(never)]
-    fn step_to(&mut self, sets: &HolderSets, set: Option<SetId>, left: &mut Vec<(WorkerIdx, u32)>) {
+    fn step_to(&mut self, sets: &HolderSets, set: SetId, left: &mut Vec<(WorkerIdx, u32)>) {
         let k = self.blocks;
         self.blocks += 1;
-        let Some(set) = set else {
+        if set == EMPTY {
             left.extend(self.alive.drain(..).map(|w| (w, k)));
             return;
-        };
+        }
         if k == 0 {
             self.current = set;
             let except = self.except;
@@ -657,9 +646,7 @@ impl Walk {
             left.reserve(self.alive.len());
             return;
         }
-        if set == self.current {
-            return;
-        }
+        // Not `current`: `step` took that case.
         self.current = set;
         let members = sets.members(set);
         if self.alive.len() * 8 < members.len() {

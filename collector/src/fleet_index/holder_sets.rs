@@ -136,6 +136,8 @@ impl HolderSets {
         &self.slots[id as usize].members
     }
 
+    /// Whether set `id` has worker `w`; `EMPTY` has nobody (all its bits are set, so it
+    /// reads as the one-worker set of a worker index that is never given out).
     #[inline(always)]
     pub(super) fn contains(&self, id: SetId, w: WorkerIdx) -> bool {
         if id & SINGLE != 0 {
@@ -299,5 +301,26 @@ impl HolderSets {
         };
         self.by_members.insert(members, id);
         id
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn empty_contains_nobody_and_a_set_its_members() {
+        let mut sets = HolderSets::default();
+        for id in 0..3 {
+            sets.add_worker(WorkerKey {
+                worker_id: id,
+                dp_rank: 0,
+            });
+        }
+        assert!((0..3).all(|w| !sets.contains(EMPTY, w)));
+        let one = sets.with(EMPTY, 1);
+        let two = sets.with(one, 2);
+        assert!(sets.contains(one, 1) && !sets.contains(one, 2));
+        assert!(sets.contains(two, 1) && sets.contains(two, 2) && !sets.contains(two, 0));
     }
 }
