@@ -32,7 +32,6 @@ use kvscope_wire::{SequenceHash, WorkerKey};
 use std::collections::hash_map::Entry;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::hash::{BuildHasherDefault, Hasher};
-use std::hint::black_box;
 
 /// Why a KV event could not be applied to the mirror. Each is counted by the caller; none
 /// stops the collector.
@@ -278,11 +277,7 @@ impl FleetIndex {
         let n = locals.len().min(engine_hashes.len());
         let cache = &self.workers[w as usize];
         if self.blocks.len() > COLD_RECORDS {
-            black_box(
-                engine_hashes[..n]
-                    .iter()
-                    .fold(0, |acc, e| acc ^ cache.by_engine.touch(*e)),
-            );
+            cache.by_engine.touch(&engine_hashes[..n]);
         }
         let parent = match parent_engine_hash {
             None => None,
@@ -353,11 +348,7 @@ impl FleetIndex {
         // mirror): an eviction names many blocks, and their cache misses then overlap.
         let cache = &mut self.workers[w as usize];
         if self.blocks.len() > COLD_RECORDS {
-            black_box(
-                engine_hashes
-                    .iter()
-                    .fold(0, |acc, e| acc ^ cache.by_engine.touch(*e)),
-            );
+            cache.by_engine.touch(engine_hashes);
         }
         let mut released = std::mem::take(&mut self.released);
         for engine in engine_hashes {
@@ -380,7 +371,7 @@ impl FleetIndex {
             }
         }
         if released.len() > 1 && self.blocks.len() > COLD_RECORDS {
-            black_box(self.blocks.touch(released.iter().copied()));
+            self.blocks.touch(released.iter().copied());
         }
         for b in &released {
             self.release(w, *b);
@@ -407,7 +398,7 @@ impl FleetIndex {
         cache.cached = 0;
         let held: Vec<BlockIdx> = by_engine.blocks().collect();
         for chunk in held.chunks(64) {
-            black_box(self.blocks.touch(chunk.iter().copied()));
+            self.blocks.touch(chunk.iter().copied());
             for b in chunk {
                 // A block held through two engine blocks comes twice: the second finds
                 // the worker gone from its set already.

@@ -235,10 +235,10 @@ impl Blocks {
     }
 
     /// Load these records, so that their cache misses overlap.
-    pub(super) fn touch(&self, blocks: impl Iterator<Item = BlockIdx>) -> u64 {
-        blocks.fold(0, |acc, b| {
+    pub(super) fn touch(&self, blocks: impl Iterator<Item = BlockIdx>) {
+        std::hint::black_box(blocks.fold(0, |acc, b| {
             acc ^ u64::from(self.records[b as usize].holders)
-        })
+        }));
     }
 
     /// The child `local` of `parent` (`None`: a chain's first block) if mirrored; else its

@@ -101,6 +101,12 @@ impl EngineMap {
             return None;
         }
         let (first, second) = self.homes(engine);
+        self.find_in(engine, first, second)
+    }
+
+    /// [`Self::find`] with the key's buckets known.
+    #[inline(always)]
+    fn find_in(&self, engine: u64, first: usize, second: usize) -> Option<(usize, usize, bool)> {
         let b = &self.buckets[first];
         if let Some(i) = b.position(engine) {
             return Some((first, i, false));
@@ -126,17 +132,10 @@ impl EngineMap {
         if (self.len + 1) * 5 > self.buckets.len() * SLOTS * 4 {
             self.grow();
         }
-        // One look at each bucket serves both the search and the placing.
+        // The key's buckets, found once for both the search and the placing.
         let (first, second) = self.homes(engine);
-        let b = &mut self.buckets[first];
-        if let Some(i) = b.position(engine) {
-            return Some(std::mem::replace(&mut b.blocks[i], block));
-        }
-        if b.spilled > 0 {
-            let b = &mut self.buckets[second];
-            if let Some(i) = b.position(engine) {
-                return Some(std::mem::replace(&mut b.blocks[i], block));
-            }
+        if let Some((b, i, _)) = self.find_in(engine, first, second) {
+            return Some(std::mem::replace(&mut self.buckets[b].blocks[i], block));
         }
         while !self.place(engine, block) {
             self.grow();
@@ -221,13 +220,18 @@ impl EngineMap {
         self.len = 0;
     }
 
-    /// Load `engine`'s first bucket, so that a batch's cache misses overlap.
+    /// Load the first bucket of every key in `engines`, so that their cache misses
+    /// overlap before the batch is applied one key at a time.
     #[inline]
-    pub(super) fn touch(&self, engine: u64) -> u64 {
+    pub(super) fn touch(&self, engines: &[u64]) {
         if self.buckets.is_empty() {
-            return 0;
+            return;
         }
-        self.buckets[self.homes(engine).0].engines[0]
+        std::hint::black_box(
+            engines
+                .iter()
+                .fold(0, |acc, e| acc ^ self.buckets[self.homes(*e).0].engines[0]),
+        );
     }
 
     #[cold]
