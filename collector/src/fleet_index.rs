@@ -671,6 +671,20 @@ impl Walk {
     }
 }
 
+/// A deterministic generator for the mirror's randomized tests (xorshift; `seed` not
+/// 0): each call gives a number below its argument.
+#[cfg(test)]
+pub(super) fn test_rng(seed: u64) -> impl FnMut(u64) -> u64 {
+    assert_ne!(seed, 0, "xorshift stays at 0");
+    let mut rng = seed;
+    move |n| {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng % n
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -919,13 +933,7 @@ mod tests {
     }
 
     fn random_events_against_the_model(seed: u64) {
-        let mut rng = seed;
-        let mut next = move |n: u64| {
-            rng ^= rng << 13;
-            rng ^= rng >> 7;
-            rng ^= rng << 17;
-            rng % n
-        };
+        let mut next = test_rng(seed);
         let mut idx = FleetIndex::new();
         let mut model = Model::default();
         let key = |i: u64| WorkerKey {

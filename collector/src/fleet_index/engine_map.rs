@@ -257,19 +257,6 @@ mod tests {
     use super::*;
     use std::collections::HashMap;
 
-    /// A small deterministic generator (no dependency needed for a test's keys).
-    struct Mix(u64);
-
-    impl Mix {
-        fn next(&mut self) -> u64 {
-            self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            let mut z = self.0;
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            z ^ (z >> 31)
-        }
-    }
-
     #[test]
     fn a_bucket_is_one_cache_line() {
         assert_eq!(std::mem::size_of::<Bucket>(), 64);
@@ -280,19 +267,19 @@ mod tests {
         // Keys from a small range collide, and spill to their second buckets; the
         // table grows, churns and drains.
         for (range, ops) in [(64u64, 20_000), (5_000, 60_000), (u64::MAX, 60_000)] {
-            let mut rng = Mix(range);
+            let mut rng = crate::fleet_index::test_rng(range);
             let mut map = EngineMap::default();
             let mut model: HashMap<u64, BlockIdx> = HashMap::new();
             for op in 0..ops {
                 let key = match range {
-                    u64::MAX => rng.next() % 3_000 * 0x1_0000_0001,
-                    r => rng.next() % r,
+                    u64::MAX => rng(3_000) * 0x1_0000_0001,
+                    r => rng(r),
                 };
                 let block = (op % 1_000) as BlockIdx;
                 let insert = match op * 3 / ops {
-                    0 => !rng.next().is_multiple_of(4),
-                    1 => rng.next().is_multiple_of(2),
-                    _ => rng.next().is_multiple_of(4),
+                    0 => rng(4) != 0,
+                    1 => rng(2) == 0,
+                    _ => rng(4) == 0,
                 };
                 if insert {
                     assert_eq!(map.insert(key, block), model.insert(key, block), "{key}");
