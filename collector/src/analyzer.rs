@@ -642,6 +642,18 @@ mod tests {
         })
     }
 
+    /// An analyzer whose worker 1 has stored tokens 0..8 as four blocks of 2, at time 1;
+    /// and those tokens.
+    fn four_blocks_on_worker_1() -> (FleetAnalyzer, Vec<u32>) {
+        let mut a = FleetAnalyzer::new(cfg());
+        let toks: Vec<u32> = (0..8).collect();
+        a.apply(&env(
+            1,
+            stored(1, 0, SequenceStatus::First, &toks, &[1, 2, 3, 4]),
+        ));
+        (a, toks)
+    }
+
     fn cfg() -> AnalyzerConfig {
         AnalyzerConfig {
             window_secs: 1.0,
@@ -763,12 +775,7 @@ mod tests {
 
     #[test]
     fn decisions_with_impossible_token_counts_are_counted_not_judged() {
-        let mut a = FleetAnalyzer::new(cfg());
-        let toks: Vec<u32> = (0..8).collect();
-        a.apply(&env(
-            1,
-            stored(1, 0, SequenceStatus::First, &toks, &[1, 2, 3, 4]),
-        ));
+        let (mut a, toks) = four_blocks_on_worker_1();
         let crafted = |id: &str, isl_tokens, block_size| {
             let Record::Decision(mut d) = decision(id, 2, &toks) else {
                 unreachable!()
@@ -790,12 +797,7 @@ mod tests {
 
     #[test]
     fn token_totals_and_window_sums_saturate() {
-        let mut a = FleetAnalyzer::new(cfg());
-        let toks: Vec<u32> = (0..8).collect();
-        a.apply(&env(
-            1,
-            stored(1, 0, SequenceStatus::First, &toks, &[1, 2, 3, 4]),
-        ));
+        let (mut a, toks) = four_blocks_on_worker_1();
         // Well-formed decisions are bounded by their size, but not their sum over a
         // long run: start the sums near the top.
         a.apply(&env(2, decision("r0", 2, &toks)));
@@ -855,12 +857,7 @@ mod tests {
 
     #[test]
     fn a_decision_for_a_prompt_already_cached_whole_is_counted() {
-        let mut a = FleetAnalyzer::new(cfg());
-        let toks: Vec<u32> = (0..8).collect();
-        a.apply(&env(
-            1,
-            stored(1, 0, SequenceStatus::First, &toks, &[1, 2, 3, 4]),
-        ));
+        let (mut a, toks) = four_blocks_on_worker_1();
         a.apply(&env(2, decision("late", 1, &toks)));
         a.apply(&env(
             3,
@@ -982,12 +979,7 @@ mod tests {
 
     #[test]
     fn event_only_sees_recomputed_blocks_held_elsewhere() {
-        let mut a = FleetAnalyzer::new(cfg());
-        let toks: Vec<u32> = (0..8).collect();
-        a.apply(&env(
-            1,
-            stored(1, 0, SequenceStatus::First, &toks, &[1, 2, 3, 4]),
-        ));
+        let (mut a, toks) = four_blocks_on_worker_1();
         a.apply(&env(
             2,
             stored(2, 0, SequenceStatus::First, &toks[..6], &[5, 6, 7]),
