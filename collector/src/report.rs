@@ -396,9 +396,7 @@ impl OpportunityReport {
         }
         md
     }
-}
 
-impl OpportunityReport {
     /// The data-quality counters, as (what, value) rows: the collector's, then each
     /// agent's from its last heartbeat. The Markdown and HTML reports show these rows.
     fn data_quality_rows(&self) -> Vec<(String, String)> {
