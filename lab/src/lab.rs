@@ -215,7 +215,11 @@ impl Lab {
         let model_path = std::fs::canonicalize(&config.model_path)
             .with_context(|| format!("model path {}", config.model_path.display()))?;
 
-        let ports = crate::ports::pick_ports(2 + config.workers).context("choosing free ports")?;
+        // Held until the whole fleet is up, so nothing alongside takes a port before the
+        // process it is meant for binds it.
+        let reservation =
+            crate::ports::reserve_ports(2 + config.workers).context("choosing free ports")?;
+        let ports = reservation.ports();
         let (http_port, nats_port, zmq_ports) = (ports[0], ports[1], &ports[2..]);
 
         let mut lab = Lab {

@@ -37,8 +37,9 @@ impl NatsServer {
 
     /// Start on a free port under `dir`.
     pub fn start_anywhere(dir: &Path) -> Result<Self> {
-        let port = crate::ports::pick_ports(1).context("picking a port for NATS")?[0];
-        Self::start(dir, port)
+        // Held until the server accepts connections, so nothing alongside takes it first.
+        let reservation = crate::ports::reserve_ports(1).context("picking a port for NATS")?;
+        Self::start(dir, reservation.ports()[0])
     }
 
     pub fn url(&self) -> String {

@@ -93,7 +93,10 @@ impl PrometheusServer {
     /// Start on a free 127.0.0.1 port with storage, config and log under `dir`, scraping
     /// `jobs` every `scrape_interval_secs`; returns once it answers `/-/ready`.
     pub async fn start(dir: &Path, jobs: &[ScrapeJob], scrape_interval_secs: u32) -> Result<Self> {
-        let port = crate::ports::pick_ports(1).context("picking a port for Prometheus")?[0];
+        // Held until Prometheus answers, so nothing alongside takes the port first.
+        let reservation =
+            crate::ports::reserve_ports(1).context("picking a port for Prometheus")?;
+        let port = reservation.ports()[0];
         let storage = dir.join("prometheus-data");
         std::fs::create_dir_all(&storage).context("creating Prometheus' storage folder")?;
         let mut config = format!(

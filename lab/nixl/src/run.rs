@@ -84,7 +84,11 @@ pub fn run(opts: RunOptions) -> Result<Truth, RunError> {
     let started_unix_ns = unix_ns();
     let plan = Plan::build(&opts.config)?;
     let n = plan.names.len();
-    let ports = kvscope_lab::ports::pick_ports(n + plan.dead_ports).map_err(RunError::Ports)?;
+    // Held for the whole run: no lab alongside takes a listener's port before its agent
+    // binds it (after the start delay), nor a dead port meant to stay unanswered.
+    let reservation =
+        kvscope_lab::ports::reserve_ports(n + plan.dead_ports).map_err(RunError::Ports)?;
+    let ports = reservation.ports();
     let (ports, dead_ports) = (ports[..n].to_vec(), ports[n..].to_vec());
     if opts.mode == WorkerMode::InProcess && !opts.start_delay.is_zero() {
         // is_stub() dlopens libnixl_capi.so (and with it libnixl.so) without a NIXL call.

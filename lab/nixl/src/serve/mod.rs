@@ -266,8 +266,10 @@ pub async fn serve(cfg: ServeConfig, mut stop: watch::Receiver<bool>) -> anyhow:
     if cfg.workers.len() < 2 {
         bail!("serve needs at least two --worker (a migration has a source and a target)");
     }
-    let ports =
-        kvscope_lab::ports::pick_ports(cfg.workers.len()).context("picking NIXL listener ports")?;
+    // Held while serving, so nothing alongside takes a port before its agent binds it.
+    let reservation = kvscope_lab::ports::reserve_ports(cfg.workers.len())
+        .context("picking NIXL listener ports")?;
+    let ports = reservation.ports();
     let specs: Vec<WorkerSpec> = cfg
         .workers
         .iter()
