@@ -86,8 +86,10 @@ async fn spills_go_live_migrate_over_nixl_and_handshake_failures_drop_to_dry() {
         ..LabConfig::default()
     };
     // The data plane's KV publishers get fixed ports, so the agent can tap them from the
-    // start (it retries until they bind).
-    let kv_ports = kvscope_lab::ports::pick_ports(3).unwrap();
+    // start (it retries until they bind). Held until the test ends: the lab starts (and
+    // chooses its own ports) before the publishers bind these.
+    let kv_ports_held = kvscope_lab::ports::reserve_ports(3).unwrap();
+    let kv_ports = kv_ports_held.ports();
     let libnixl = libs.libnixl.display().to_string();
     let mut run = FleetRun::start_with(
         exe,
@@ -154,7 +156,8 @@ async fn spills_go_live_migrate_over_nixl_and_handshake_failures_drop_to_dry() {
     std::fs::write(&token_file, TOKEN).unwrap();
     let audit_path = run_dir.join("actuator-audit.jsonl");
     let mode_file = run_dir.join("migration.env");
-    let api_port = kvscope_lab::ports::pick_ports(1).unwrap()[0];
+    let api_port_held = kvscope_lab::ports::reserve_ports(1).unwrap();
+    let api_port = api_port_held.ports()[0];
     let mut mapping = String::new();
     for (i, (id, _)) in mockers.iter().enumerate() {
         mapping.push_str(&format!(

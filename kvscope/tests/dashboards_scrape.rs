@@ -127,7 +127,10 @@ async fn every_dashboard_panel_has_data_from_a_real_prometheus() {
         ..LabConfig::default()
     };
     kvscope_lab::setup::ensure_venv(&lab.lab_dir).expect("the lab venv (scripts/setup makes it)");
-    let ports = kvscope_lab::ports::pick_ports(2).unwrap();
+    // Held until the test ends: the lab starts (and chooses its own ports) before the
+    // agent and the actuator bind these.
+    let ports_held = kvscope_lab::ports::reserve_ports(2).unwrap();
+    let ports = ports_held.ports();
     let agent_addr = format!("127.0.0.1:{}", ports[0]);
     let actuator_addr = format!("127.0.0.1:{}", ports[1]);
     let run = FleetRun::start_with(
