@@ -137,24 +137,25 @@ impl EngineMap {
         if (self.len + 1) * 4 > self.buckets.len() * SLOTS * 3 {
             self.grow();
         }
-        // The key's buckets, found once for both the search and the placing.
-        let (first, second) = self.homes(engine);
-        if let Some((b, i, _)) = self.find_in(engine, first, second) {
+        // The key's buckets, found once for both the search and the placing (and again
+        // only if the table grows, which moves them).
+        let mut homes = self.homes(engine);
+        if let Some((b, i, _)) = self.find_in(engine, homes.0, homes.1) {
             return Some(std::mem::replace(&mut self.buckets[b].blocks[i], block));
         }
-        while !self.place(engine, block) {
+        while !self.place(engine, block, homes) {
             self.grow();
+            homes = self.homes(engine);
         }
         self.len += 1;
         None
     }
 
-    /// Put a new key in its first bucket, or its second; when both are full, first make
-    /// room in its first bucket by moving keys along a cuckoo walk. False when that fails
-    /// too.
+    /// Put a new key in its first bucket, or its second (its [`Self::homes`]); when both
+    /// are full, first make room in its first bucket by moving keys along a cuckoo walk.
+    /// False when that fails too.
     #[inline(always)]
-    fn place(&mut self, engine: u64, block: BlockIdx) -> bool {
-        let (first, second) = self.homes(engine);
+    fn place(&mut self, engine: u64, block: BlockIdx, (first, second): (usize, usize)) -> bool {
         if (self.buckets[first].len as usize) < SLOTS {
             self.buckets[first].push(engine, block);
             return true;
@@ -300,9 +301,12 @@ impl EngineMap {
     /// Rebuild with `n` buckets, or more if some key finds both its buckets full.
     fn grow_to(&mut self, n: usize) {
         let old = std::mem::replace(&mut self.buckets, vec![EMPTY_BUCKET; n]);
-        let all_placed = old
-            .iter()
-            .all(|b| (0..b.len as usize).all(|i| self.place(b.engines[i], b.blocks[i])));
+        let all_placed = old.iter().all(|b| {
+            (0..b.len as usize).all(|i| {
+                let engine = b.engines[i];
+                self.place(engine, b.blocks[i], self.homes(engine))
+            })
+        });
         if !all_placed {
             self.buckets = old;
             self.grow_to(n * 2);
