@@ -138,6 +138,7 @@ pub async fn start(cfg: AgentConfig) -> anyhow::Result<RunningAgent> {
             &cfg.agent_id,
             subjects.clone(),
             cfg.buffer_capacity,
+            cfg.buffer_max_bytes,
             cfg.record.as_deref(),
             stats.clone(),
         )
@@ -152,6 +153,7 @@ pub async fn start(cfg: AgentConfig) -> anyhow::Result<RunningAgent> {
         info!(publisher = %ep.endpoint, worker_id = ep.worker_id, dp_rank = ?ep.dp_rank, "Tapping KV events.");
         inputs.push(tokio::spawn(zmq_tap::run(
             ep.clone(),
+            cfg.kv_limits(),
             sink.clone(),
             sink.add_publisher(cfg.kv_reorder_window_ms() * 1_000_000),
             stats.clone(),
@@ -171,8 +173,14 @@ pub async fn start(cfg: AgentConfig) -> anyhow::Result<RunningAgent> {
         };
         info!(source = ?source, "Following the router log.");
         let (tx, rx) = mpsc::channel(10_000);
-        log_follower::spawn(source, tx, stats.clone(), log_stop.clone())
-            .context("cannot start the router log follower")?;
+        log_follower::spawn(
+            source,
+            cfg.max_line_bytes,
+            tx,
+            stats.clone(),
+            log_stop.clone(),
+        )
+        .context("cannot start the router log follower")?;
         let tap = RouterTap::new((cfg.join_timeout_secs * 1e9) as u64);
         inputs.push(tokio::spawn(router_tap::run(
             tap,

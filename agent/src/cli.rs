@@ -39,6 +39,17 @@ pub struct Cli {
     /// Records kept in memory while NATS is away [default: 100000].
     #[arg(long)]
     pub buffer_capacity: Option<usize>,
+    /// Bytes of records kept in memory while NATS is away [default: 268435456].
+    #[arg(long)]
+    pub buffer_max_bytes: Option<usize>,
+    /// The largest ZMQ message a KV publisher may send; one claiming more is
+    /// disconnected and counted [default: 67108864].
+    #[arg(long)]
+    pub kv_max_message_bytes: Option<u64>,
+    /// The longest router log line read; longer ones are skipped and counted
+    /// [default: 16777216].
+    #[arg(long)]
+    pub max_line_bytes: Option<usize>,
     /// Seconds between heartbeats [default: 1].
     #[arg(long)]
     pub heartbeat_secs: Option<f64>,
@@ -113,6 +124,15 @@ impl Cli {
         }
         if let Some(v) = self.buffer_capacity {
             cfg.buffer_capacity = v;
+        }
+        if let Some(v) = self.buffer_max_bytes {
+            cfg.buffer_max_bytes = v;
+        }
+        if let Some(v) = self.kv_max_message_bytes {
+            cfg.kv_max_message_bytes = v;
+        }
+        if let Some(v) = self.max_line_bytes {
+            cfg.max_line_bytes = v;
         }
         if let Some(v) = self.heartbeat_secs {
             cfg.heartbeat_interval_secs = v;

@@ -10,6 +10,9 @@
 //! from_start = false
 //! record = "/var/lib/kvscope/agent.jsonl"
 //! buffer_capacity = 100000
+//! buffer_max_bytes = 268435456  # and at most this much of their JSON
+//! kv_max_message_bytes = 67108864   # a publisher sending more in one message is dropped
+//! max_line_bytes = 16777216    # longer router log lines are skipped and counted
 //! heartbeat_interval_secs = 1.0
 //! stream_max_age_secs = 86400
 //! join_timeout_secs = 30.0
@@ -68,6 +71,18 @@ pub struct AgentConfig {
     /// Records kept in memory while NATS is away; beyond it new records are dropped and
     /// counted (default 100000). Env: `KVSCOPE_AGENT_BUFFER_CAPACITY`.
     pub buffer_capacity: usize,
+    /// Bytes of records' JSON kept in memory while NATS is away; beyond it new records
+    /// are dropped and counted (default 256 MiB). Env: `KVSCOPE_AGENT_BUFFER_MAX_BYTES`.
+    pub buffer_max_bytes: usize,
+    /// The largest ZMQ message (all frames) a KV event publisher may send; a publisher
+    /// that claims more is disconnected before anything of it is held, counted in
+    /// `kv_peer_violations`, and reconnected to (default 64 MiB: a batch of ~10M
+    /// tokens). Env: `KVSCOPE_AGENT_KV_MAX_MESSAGE_BYTES`.
+    pub kv_max_message_bytes: u64,
+    /// The longest router log line read; a longer one is skipped to its end and
+    /// counted in `log_lines_too_long`, never held whole (default 16 MiB; a decision
+    /// of a 1M-token prompt is ~1.4 MB). Env: `KVSCOPE_AGENT_MAX_LINE_BYTES`.
+    pub max_line_bytes: usize,
     /// Seconds between heartbeat records carrying the counters (default 1).
     /// Env: `KVSCOPE_AGENT_HEARTBEAT_SECS`.
     pub heartbeat_interval_secs: f64,
@@ -153,6 +168,9 @@ impl Default for AgentConfig {
             from_start: false,
             record: None,
             buffer_capacity: 100_000,
+            buffer_max_bytes: 256 << 20,
+            kv_max_message_bytes: 64 << 20,
+            max_line_bytes: 16 << 20,
             heartbeat_interval_secs: 1.0,
             stream_max_age_secs: 86_400,
             join_timeout_secs: 30.0,
@@ -222,6 +240,15 @@ impl AgentConfig {
         if let Some(v) = env.parse("KVSCOPE_AGENT_BUFFER_CAPACITY")? {
             self.buffer_capacity = v;
         }
+        if let Some(v) = env.parse("KVSCOPE_AGENT_BUFFER_MAX_BYTES")? {
+            self.buffer_max_bytes = v;
+        }
+        if let Some(v) = env.parse("KVSCOPE_AGENT_KV_MAX_MESSAGE_BYTES")? {
+            self.kv_max_message_bytes = v;
+        }
+        if let Some(v) = env.parse("KVSCOPE_AGENT_MAX_LINE_BYTES")? {
+            self.max_line_bytes = v;
+        }
         if let Some(v) = env.parse("KVSCOPE_AGENT_HEARTBEAT_SECS")? {
             self.heartbeat_interval_secs = v;
         }
@@ -252,6 +279,14 @@ impl AgentConfig {
         Ok(())
     }
 
+    /// What a KV event publisher may make a tap hold.
+    pub fn kv_limits(&self) -> crate::zmtp::Limits {
+        crate::zmtp::Limits {
+            max_message_bytes: self.kv_max_message_bytes,
+            ..Default::default()
+        }
+    }
+
     /// The window for KV event publishers (see `kv_reorder_window_ms`), in ms.
     pub fn kv_reorder_window_ms(&self) -> u64 {
         self.kv_reorder_window_ms.unwrap_or(self.reorder_window_ms)
@@ -261,6 +296,12 @@ impl AgentConfig {
     pub fn validate(&self) -> anyhow::Result<()> {
         anyhow::ensure!(!self.agent_id.trim().is_empty(), "agent_id is empty");
         anyhow::ensure!(self.buffer_capacity > 0, "buffer_capacity must be > 0");
+        anyhow::ensure!(self.buffer_max_bytes > 0, "buffer_max_bytes must be > 0");
+        anyhow::ensure!(
+            self.kv_max_message_bytes > 0,
+            "kv_max_message_bytes must be > 0"
+        );
+        anyhow::ensure!(self.max_line_bytes > 0, "max_line_bytes must be > 0");
         anyhow::ensure!(
             self.heartbeat_interval_secs.is_finite() && self.heartbeat_interval_secs > 0.0,
             "heartbeat_interval_secs must be > 0"

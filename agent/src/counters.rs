@@ -40,13 +40,18 @@ agent_stats!(
     kv_sequence_gaps: "Gaps in a publisher's batch sequence numbers (batches lost before the agent).",
     kv_missed_batches: "KV batches lost in sequence gaps.",
     kv_sequence_resets: "Publisher sequence restarts (engine restarts).",
+    kv_peer_violations: "Connections to a KV publisher dropped because the peer broke the ZMTP protocol or a size limit.",
+    kv_tap_panics: "KV event taps that panicked and were restarted.",
     log_lines: "Router log lines read.",
     log_malformed_lines: "Router decision lines that could not be parsed.",
+    log_lines_too_long: "Router log lines longer than max_line_bytes, skipped.",
     decisions_joined: "Routing decisions joined (routing input with its selected worker).",
     decisions_unjoined: "Routing inputs or selections never joined within the join timeout.",
     migration_lines: "KVMIGRATE log lines read.",
     published: "Records published to NATS.",
-    publish_dropped: "Records dropped because the local buffer was full while NATS was away.",
+    publish_dropped: "Records dropped because the local buffer was full (records or bytes) while NATS was away.",
+    records_split: "Records larger than one NATS message, sent in parts.",
+    records_set_aside: "Records JetStream refused (not the connection): set aside so the others go on.",
     publish_errors: "Failed publish attempts to NATS (retried).",
     records_late: "Records later than the reorder window (sent at once).",
 );
@@ -68,6 +73,6 @@ mod tests {
         let c = s.snapshot();
         assert_eq!(c.kv_batches, 2);
         assert_eq!(c.publish_dropped, 5);
-        assert_eq!(s.named().len(), 18);
+        assert_eq!(s.named().len(), 23);
     }
 }

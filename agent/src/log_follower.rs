@@ -4,11 +4,13 @@
 //! the same path (rotation: the inode changes) is drained and the new one read from its
 //! start; a file that shrinks (truncation) is read again from its start; a missing file
 //! is waited for. A line is only sent once its newline is written (a partial last line
-//! is held back), except at the end of a rotated file or of stdin.
+//! is held back), except at the end of a rotated file or of stdin. A line longer than
+//! the limit is dropped as soon as it passes it, skipped to its end and counted: a
+//! file without newlines cannot make the agent hold it whole.
 //! Runs on its own thread (blocking file I/O), feeding a channel.
 
 use crate::counters::AgentStats;
-use crate::internal_events::{InternalEvent, LogFileReopened, LogFileUnavailable};
+use crate::internal_events::{InternalEvent, LogFileReopened, LogFileUnavailable, LogLineTooLong};
 use std::fs::File;
 use std::io::{BufRead, BufReader, Seek, SeekFrom};
 use std::os::unix::fs::MetadataExt;
@@ -37,9 +39,11 @@ pub enum LogItem {
 }
 
 /// Start following on a new thread. It stops when `stop` is set (checked every poll)
-/// or the receiver is dropped.
+/// or the receiver is dropped. Lines longer than `max_line` bytes are skipped (never
+/// held whole) and counted.
 pub fn spawn(
     source: LogSource,
+    max_line: usize,
     tx: mpsc::Sender<LogItem>,
     stats: Arc<AgentStats>,
     stop: Arc<AtomicBool>,
@@ -47,12 +51,12 @@ pub fn spawn(
     std::thread::Builder::new()
         .name("router-log".into())
         .spawn(move || match source {
-            LogSource::Stdin => read_to_end(std::io::stdin().lock(), &tx),
+            LogSource::Stdin => read_to_end(std::io::stdin().lock(), max_line, &tx, &stats),
             LogSource::File {
                 path,
                 from_start,
                 poll,
-            } => follow(&path, from_start, poll, &tx, &stats, &stop),
+            } => follow(&path, from_start, poll, max_line, &tx, &stats, &stop),
         })
 }
 
@@ -62,18 +66,113 @@ fn send_line(tx: &mpsc::Sender<LogItem>, bytes: &[u8]) -> bool {
     tx.blocking_send(LogItem::Line(line.to_string())).is_ok()
 }
 
-fn read_to_end(mut r: impl BufRead, tx: &mpsc::Sender<LogItem>) {
-    let mut buf = Vec::new();
+/// Lines cut from a byte stream, holding at most `max` bytes of one: a longer line is
+/// dropped as soon as it passes the limit and skipped to its newline.
+struct Lines {
+    max: usize,
+    partial: Vec<u8>,
+    /// Bytes of the too-long line being skipped.
+    skipping: Option<u64>,
+}
+
+enum Got {
+    /// A complete line (with its newline).
+    Line(Vec<u8>),
+    /// A line longer than the limit ended; its length.
+    TooLong(u64),
+    /// Nothing more to read for now.
+    Nothing,
+}
+
+impl Lines {
+    fn new(max: usize) -> Self {
+        Self {
+            max: max.max(1),
+            partial: Vec::new(),
+            skipping: None,
+        }
+    }
+
+    /// Read on to the next line end, or until `r` has nothing more; also returns the
+    /// bytes consumed.
+    fn next(&mut self, r: &mut impl BufRead) -> std::io::Result<(Got, u64)> {
+        let mut consumed = 0u64;
+        loop {
+            let buf = r.fill_buf()?;
+            if buf.is_empty() {
+                return Ok((Got::Nothing, consumed));
+            }
+            let (n, found) = match buf.iter().position(|&b| b == b'\n') {
+                Some(i) => (i + 1, true),
+                None => (buf.len(), false),
+            };
+            match &mut self.skipping {
+                Some(skipped) => *skipped += n as u64,
+                None if self.partial.len() + n > self.max => {
+                    self.skipping = Some((self.partial.len() + n) as u64);
+                    self.partial = Vec::new();
+                }
+                None => self.partial.extend_from_slice(&buf[..n]),
+            }
+            r.consume(n);
+            consumed += n as u64;
+            if found {
+                let got = match self.skipping.take() {
+                    Some(len) => Got::TooLong(len),
+                    None => Got::Line(std::mem::take(&mut self.partial)),
+                };
+                return Ok((got, consumed));
+            }
+        }
+    }
+
+    /// The input ended: what is left of an unterminated last line.
+    fn finish(&mut self) -> Got {
+        match self.skipping.take() {
+            Some(len) => Got::TooLong(len),
+            None if !self.partial.is_empty() => Got::Line(std::mem::take(&mut self.partial)),
+            None => Got::Nothing,
+        }
+    }
+
+    /// Forget a partial line (the file was cut under it).
+    fn reset(&mut self) {
+        self.partial.clear();
+        self.skipping = None;
+    }
+}
+
+/// Send what `got` is; false when the receiver is gone.
+fn deliver(got: Got, tx: &mpsc::Sender<LogItem>, stats: &AgentStats, source: &str) -> bool {
+    match got {
+        Got::Line(bytes) => send_line(tx, &bytes),
+        Got::TooLong(bytes) => {
+            LogLineTooLong { source, bytes }.emit(stats);
+            true
+        }
+        Got::Nothing => true,
+    }
+}
+
+fn read_to_end(
+    mut r: impl BufRead,
+    max_line: usize,
+    tx: &mpsc::Sender<LogItem>,
+    stats: &AgentStats,
+) {
+    let mut lines = Lines::new(max_line);
     loop {
-        buf.clear();
-        match r.read_until(b'\n', &mut buf) {
-            Ok(0) | Err(_) => break,
-            Ok(_) => {
-                if !send_line(tx, &buf) {
+        match lines.next(&mut r) {
+            Ok((Got::Nothing, _)) | Err(_) => break,
+            Ok((got, _)) => {
+                if !deliver(got, tx, stats, "stdin") {
                     return;
                 }
             }
         }
+    }
+    if !deliver(lines.finish(), tx, stats, "stdin") {
+        return;
     }
     let _ = tx.blocking_send(LogItem::End);
 }
@@ -89,6 +188,7 @@ fn follow(
     path: &std::path::Path,
     from_start: bool,
     poll: Duration,
+    max_line: usize,
     tx: &mpsc::Sender<LogItem>,
     stats: &AgentStats,
     stop: &AtomicBool,
@@ -96,7 +196,7 @@ fn follow(
     let shown = path.display().to_string();
     let mut open: Option<Open> = None;
     let mut first_attempt = true;
-    let mut partial: Vec<u8> = Vec::new();
+    let mut lines = Lines::new(max_line);
     while !stop.load(Ordering::Relaxed) && !tx.is_closed() {
         let Some(cur) = open.as_mut() else {
             let seek_end = first_attempt && !from_start;
@@ -117,21 +217,18 @@ fn follow(
         // Read every complete line there is.
         let mut progressed = false;
         loop {
-            let before = partial.len();
-            match cur.reader.read_until(b'\n', &mut partial) {
-                Ok(0) => break,
-                Ok(n) => {
-                    cur.pos += n as u64;
-                    progressed = true;
-                    if partial.last() == Some(&b'\n') {
-                        if !send_line(tx, &partial) {
-                            return;
-                        }
-                        partial.clear();
+            match lines.next(&mut cur.reader) {
+                Ok((got, n)) => {
+                    cur.pos += n;
+                    progressed |= n > 0;
+                    if matches!(got, Got::Nothing) {
+                        break;
+                    }
+                    if !deliver(got, tx, stats, &shown) {
+                        return;
                     }
                 }
                 Err(e) => {
-                    partial.truncate(before);
                     LogFileUnavailable {
                         path: &shown,
                         error: &e.to_string(),
@@ -148,11 +245,8 @@ fn follow(
         match std::fs::metadata(path) {
             Ok(m) if m.dev() != cur.dev || m.ino() != cur.ino => {
                 // Rotation: the old file is fully read; its unterminated tail is a line.
-                if !partial.is_empty() {
-                    if !send_line(tx, &partial) {
-                        return;
-                    }
-                    partial.clear();
+                if !deliver(lines.finish(), tx, stats, &shown) {
+                    return;
                 }
                 LogFileReopened {
                     path: &shown,
@@ -168,7 +262,7 @@ fn follow(
                     reason: "truncated",
                 }
                 .emit(stats);
-                partial.clear();
+                lines.reset();
                 if cur.reader.seek(SeekFrom::Start(0)).is_ok() {
                     cur.pos = 0;
                 } else {
@@ -219,6 +313,7 @@ mod tests {
                 from_start,
                 poll: Duration::from_millis(10),
             },
+            64,
             tx,
             Arc::new(AgentStats::default()),
             stop.clone(),
@@ -310,9 +405,35 @@ mod tests {
     #[test]
     fn a_reader_ends_with_end() {
         let (tx, mut rx) = mpsc::channel(10);
-        read_to_end(&b"x\ny"[..], &tx);
+        let stats = AgentStats::default();
+        read_to_end(&b"x\ny"[..], 64, &tx, &stats);
         assert_eq!(rx.try_recv().unwrap(), LogItem::Line("x".into()));
         assert_eq!(rx.try_recv().unwrap(), LogItem::Line("y".into()));
         assert_eq!(rx.try_recv().unwrap(), LogItem::End);
+    }
+
+    #[test]
+    fn a_line_past_the_limit_is_skipped_and_counted_never_held() {
+        let (tx, mut rx) = mpsc::channel(10);
+        let stats = AgentStats::default();
+        let long = "y".repeat(10_000);
+        let input = format!("short\n{long}\nafter\n{long}");
+        // Read through a small buffer, as a file arrives in pieces.
+        let r = std::io::BufReader::with_capacity(7, input.as_bytes());
+        read_to_end(r, 100, &tx, &stats);
+        assert_eq!(rx.try_recv().unwrap(), LogItem::Line("short".into()));
+        assert_eq!(rx.try_recv().unwrap(), LogItem::Line("after".into()));
+        assert_eq!(rx.try_recv().unwrap(), LogItem::End);
+        assert_eq!(stats.snapshot().log_lines_too_long, 2);
+        let mut lines = Lines::new(100);
+        let mut r = std::io::BufReader::with_capacity(7, input.as_bytes());
+        let mut held = 0;
+        while let Ok((got, n)) = lines.next(&mut r) {
+            held = held.max(lines.partial.capacity());
+            if n == 0 && matches!(got, Got::Nothing) {
+                break;
+            }
+        }
+        assert!(held <= 200, "held {held} bytes of a 10,000-byte line");
     }
 }

@@ -6,13 +6,20 @@
 //! buffer. Records are sent in windows of up to [`WINDOW`] with the acks awaited in
 //! order; each carries a `Nats-Msg-Id` unique to this agent run, so re-sending a window
 //! after a failure cannot store a record twice (within the stream's duplicate window).
+//! A record larger than the server's `max_payload` (one long prompt's batch or
+//! decision) goes in consecutive parts that the collector joins (`kvscope_wire::parts`);
+//! one that JetStream itself refuses is set aside and counted, so it never holds back
+//! the records behind it.
 //! While NATS is away the client reconnects in the background and the records wait in
 //! the bounded buffer of [`RecordSink`].
 
 use crate::counters::AgentStats;
-use crate::internal_events::{InternalEvent, PublishFailed, RecordPublished, StreamReady};
+use crate::internal_events::{
+    InternalEvent, PublishFailed, RecordPublished, RecordSetAside, RecordSplit, StreamReady,
+};
 use crate::record_sink::RecordSink;
-use async_nats::jetstream::{self, message::PublishMessage};
+use async_nats::jetstream::{self, context::PublishErrorKind, message::PublishMessage};
+use kvscope_wire::parts;
 use kvscope_wire::subject::stream_config;
 use kvscope_wire::Subjects;
 use std::sync::Arc;
@@ -64,7 +71,7 @@ pub async fn run(
             }
         }
     };
-    let js = jetstream::new(client);
+    let js = jetstream::new(client.clone());
     let mut stream_ready = false;
     let mut backoff = Duration::from_millis(100);
     loop {
@@ -99,38 +106,9 @@ pub async fn run(
             continue;
         }
         let window = sink.peek(WINDOW);
-        let mut acks = Vec::with_capacity(window.len());
-        let mut error = None;
-        for out in &window {
-            let msg = PublishMessage::build()
-                .payload(out.envelope.to_json().into())
-                .message_id(format!("{}-{}", cfg.run_id, out.local_seq));
-            match js.send_publish(out.subject.clone(), msg).await {
-                Ok(ack) => acks.push(ack),
-                Err(e) => {
-                    error = Some(e.to_string());
-                    break;
-                }
-            }
-        }
-        let mut acked = 0;
-        for ack in acks {
-            match tokio::time::timeout(ACK_TIMEOUT, ack).await {
-                Ok(Ok(_)) => acked += 1,
-                Ok(Err(e)) => {
-                    error.get_or_insert(e.to_string());
-                    break;
-                }
-                Err(_) => {
-                    error.get_or_insert("no JetStream acknowledgement in time".into());
-                    break;
-                }
-            }
-        }
-        sink.ack(acked);
-        for _ in 0..acked {
-            RecordPublished.emit(&stats);
-        }
+        let part_bytes = part_bytes(client.max_payload(), &cfg.run_id);
+        let (done, error) = publish_window(&js, &cfg.run_id, &window, part_bytes, &stats).await;
+        sink.ack(done);
         if let Some(e) = error {
             // "no responders" means the stream is gone (or JetStream is off): set it up again.
             stream_ready = false;
@@ -139,6 +117,88 @@ pub async fn run(
             backoff = Duration::from_millis(100);
         }
     }
+}
+
+/// The largest part of a record that fits one message beside its headers (the
+/// de-duplication id and the part index count against the server's `max_payload`).
+fn part_bytes(max_payload: usize, run_id: &str) -> usize {
+    let headers = 256 + run_id.len();
+    max_payload.saturating_sub(headers).max(1024)
+}
+
+/// Publish `window`, a record per message or, past `part_bytes`, in parts (see
+/// `kvscope_wire::parts`), and wait for the acknowledgements in order. Returns how many
+/// records from the front are done — acknowledged whole, or refused by JetStream itself
+/// and set aside — and the error that stopped the rest, if any (they are retried).
+async fn publish_window(
+    js: &jetstream::Context,
+    run_id: &str,
+    window: &[crate::record_sink::Outgoing],
+    part_bytes: usize,
+    stats: &AgentStats,
+) -> (usize, Option<String>) {
+    let mut sent: Vec<Vec<jetstream::context::PublishAckFuture>> = Vec::new();
+    let mut error = None;
+    'records: for out in window {
+        let parts: Vec<&[u8]> = parts::split(&out.payload, part_bytes).collect();
+        let mut acks = Vec::with_capacity(parts.len());
+        for (i, part) in parts.iter().enumerate() {
+            let mut msg = PublishMessage::build().payload(out.payload.slice_ref(part));
+            if parts.len() == 1 {
+                msg = msg.message_id(parts::message_id(run_id, out.local_seq, None));
+            } else {
+                msg = msg
+                    .message_id(parts::message_id(run_id, out.local_seq, Some(i as u32)))
+                    .header(parts::PART_HEADER, format!("{i}/{}", parts.len()).as_str());
+            }
+            match js.send_publish(out.subject.clone(), msg).await {
+                Ok(ack) => acks.push(ack),
+                Err(e) => {
+                    error = Some(e.to_string());
+                    break 'records;
+                }
+            }
+        }
+        sent.push(acks);
+    }
+    let mut done = 0;
+    for (out, acks) in window.iter().zip(sent) {
+        let parts = acks.len();
+        let mut refused = None;
+        for ack in acks {
+            match tokio::time::timeout(ACK_TIMEOUT, ack).await {
+                Ok(Ok(_)) => {}
+                // JetStream answered, and refused this message: the record's own fault,
+                // so it must not hold back the ones behind it.
+                Ok(Err(e)) if e.kind() == PublishErrorKind::Other => {
+                    refused.get_or_insert(e.to_string());
+                }
+                Ok(Err(e)) => return (done, Some(e.to_string())),
+                Err(_) => return (done, Some("no JetStream acknowledgement in time".into())),
+            }
+        }
+        match refused {
+            Some(e) => RecordSetAside {
+                error: &e,
+                bytes: out.payload.len(),
+                subject: &out.subject,
+            }
+            .emit(stats),
+            None => {
+                if parts > 1 {
+                    RecordSplit {
+                        bytes: out.payload.len(),
+                        parts,
+                        subject: &out.subject,
+                    }
+                    .emit(stats);
+                }
+                RecordPublished.emit(stats);
+            }
+        }
+        done += 1;
+    }
+    (done, error)
 }
 
 async fn fail(

@@ -47,13 +47,15 @@ use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
 use tokio::sync::Notify;
 
-/// A record ready to publish.
+/// A record ready to publish: its envelope's JSON, serialized once when it was stamped.
 #[derive(Debug, Clone)]
 pub struct Outgoing {
     /// Position in this agent run's output, for JetStream's de-duplication id.
     pub local_seq: u64,
     pub subject: String,
-    pub envelope: Envelope,
+    /// The envelope's stamp (its `observed_ns`).
+    pub observed_ns: u64,
+    pub payload: bytes::Bytes,
 }
 
 /// A record waiting in the reorder window, ordered by event time, then arrival.
@@ -153,6 +155,8 @@ struct Inner {
     lag: DeliveryLag,
     arrivals: u64,
     buffer: VecDeque<Outgoing>,
+    /// Payload bytes in `buffer`.
+    buffered_bytes: usize,
     last_ns: u64,
     next_seq: u64,
     recording: Option<RecordingWriter>,
@@ -162,6 +166,7 @@ pub struct RecordSink {
     agent: String,
     subjects: Subjects,
     capacity: usize,
+    max_bytes: usize,
     stats: Arc<AgentStats>,
     inner: Mutex<Inner>,
     ready: Notify,
@@ -172,11 +177,13 @@ pub struct RecordSink {
 pub use kvscope_wire::now_ns;
 
 impl RecordSink {
-    /// Records wait for the sources added with [`Self::add_source`].
+    /// Records wait for the sources added with [`Self::add_source`]; the buffer holds
+    /// at most `capacity` records and `max_bytes` of their JSON.
     pub fn new(
         agent: &str,
         subjects: Subjects,
         capacity: usize,
+        max_bytes: usize,
         recording: Option<&Path>,
         stats: Arc<AgentStats>,
     ) -> anyhow::Result<Self> {
@@ -185,6 +192,7 @@ impl RecordSink {
             agent: agent.to_string(),
             subjects,
             capacity: capacity.max(1),
+            max_bytes: max_bytes.max(1),
             stats,
             inner: Mutex::new(Inner {
                 held: BinaryHeap::new(),
@@ -192,6 +200,7 @@ impl RecordSink {
                 lag: DeliveryLag::default(),
                 arrivals: 0,
                 buffer: VecDeque::new(),
+                buffered_bytes: 0,
                 last_ns: 0,
                 next_seq: 0,
                 recording,
@@ -399,9 +408,14 @@ impl RecordSink {
                 .emit(&self.stats);
             }
         }
-        if inner.buffer.len() >= self.capacity {
+        let payload = bytes::Bytes::from(envelope.to_json());
+        if inner.buffer.len() >= self.capacity
+            || inner.buffered_bytes + payload.len() > self.max_bytes
+        {
             PublishDropped {
                 capacity: self.capacity,
+                max_bytes: self.max_bytes,
+                bytes: payload.len(),
                 subject: &subject,
             }
             .emit(&self.stats);
@@ -409,10 +423,12 @@ impl RecordSink {
         }
         let local_seq = inner.next_seq;
         inner.next_seq += 1;
+        inner.buffered_bytes += payload.len();
         inner.buffer.push_back(Outgoing {
             local_seq,
             subject,
-            envelope,
+            observed_ns: envelope.observed_ns,
+            payload,
         });
         true
     }
@@ -422,15 +438,22 @@ impl RecordSink {
         self.lock().buffer.iter().take(n).cloned().collect()
     }
 
-    /// Remove the first `n` records: JetStream acknowledged them.
+    /// Remove the first `n` records: JetStream acknowledged them (or they were set
+    /// aside).
     pub fn ack(&self, n: usize) {
         let mut inner = self.lock();
         let n = n.min(inner.buffer.len());
-        inner.buffer.drain(..n);
+        let bytes: usize = inner.buffer.drain(..n).map(|o| o.payload.len()).sum();
+        inner.buffered_bytes -= bytes;
     }
 
     pub fn buffered(&self) -> usize {
         self.lock().buffer.len()
+    }
+
+    /// Bytes of JSON waiting in the buffer.
+    pub fn buffered_bytes(&self) -> usize {
+        self.lock().buffered_bytes
     }
 
     /// Wait until a record may be waiting.
@@ -467,17 +490,22 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("rec.jsonl");
         let stats = Arc::new(AgentStats::default());
-        let sink =
-            RecordSink::new("node 1", Subjects::new("c"), 2, Some(&path), stats.clone()).unwrap();
+        let sink = RecordSink::new(
+            "node 1",
+            Subjects::new("c"),
+            2,
+            usize::MAX,
+            Some(&path),
+            stats.clone(),
+        )
+        .unwrap();
         sink.submit_at(None, hb(), None, 10);
         sink.submit_at(None, hb(), None, 5);
         sink.submit_at(None, hb(), None, 20);
         assert_eq!(stats.snapshot().publish_dropped, 1);
         let out = sink.peek(10);
         assert_eq!(
-            out.iter()
-                .map(|o| o.envelope.observed_ns)
-                .collect::<Vec<_>>(),
+            out.iter().map(|o| o.observed_ns).collect::<Vec<_>>(),
             vec![10, 10]
         );
         assert_eq!(
@@ -510,13 +538,18 @@ mod tests {
     #[test]
     fn records_leave_in_event_time_order_once_every_source_has_passed_them() {
         let stats = Arc::new(AgentStats::default());
-        let sink = RecordSink::new("a", Subjects::new("c"), 100, None, stats.clone()).unwrap();
+        let sink = RecordSink::new(
+            "a",
+            Subjects::new("c"),
+            100,
+            usize::MAX,
+            None,
+            stats.clone(),
+        )
+        .unwrap();
         let (kv, log) = (sink.add_source(50), sink.add_source(50));
         let times = |sink: &RecordSink| -> Vec<u64> {
-            sink.peek(10)
-                .iter()
-                .map(|o| o.envelope.observed_ns)
-                .collect()
+            sink.peek(10).iter().map(|o| o.observed_ns).collect()
         };
         // The KV batch (event time 120) of a prefill reaches the agent before the
         // decision that caused it (event time 100): the log has said nothing yet.
@@ -563,7 +596,7 @@ mod tests {
     #[test]
     fn without_sources_nothing_waits() {
         let stats = Arc::new(AgentStats::default());
-        let sink = RecordSink::new("a", Subjects::new("c"), 100, None, stats).unwrap();
+        let sink = RecordSink::new("a", Subjects::new("c"), 100, usize::MAX, None, stats).unwrap();
         sink.submit_at(None, hb(), None, 10);
         assert_eq!(sink.buffered(), 1);
     }
@@ -571,7 +604,15 @@ mod tests {
     #[test]
     fn each_source_is_waited_for_no_longer_than_its_own_window() {
         let stats = Arc::new(AgentStats::default());
-        let sink = RecordSink::new("a", Subjects::new("c"), 100, None, stats.clone()).unwrap();
+        let sink = RecordSink::new(
+            "a",
+            Subjects::new("c"),
+            100,
+            usize::MAX,
+            None,
+            stats.clone(),
+        )
+        .unwrap();
         let (log, kv) = (sink.add_source(250), sink.add_source(10));
         // A decision (log time 100) waits for the silent publisher only 10.
         sink.submit_at(Some(log), hb(), Some(100), 101);
@@ -603,7 +644,7 @@ mod tests {
         // A batch older than what already left: at once, stamped after it, counted.
         sink.submit_at(Some(kv), hb(), Some(300), 403);
         assert_eq!(sink.buffered(), 6);
-        assert_eq!(sink.peek(10).last().unwrap().envelope.observed_ns, 395);
+        assert_eq!(sink.peek(10).last().unwrap().observed_ns, 395);
         assert_eq!(stats.snapshot().records_late, 1);
     }
 
@@ -612,7 +653,15 @@ mod tests {
     #[test]
     fn a_quiet_publisher_is_waited_for_twice_the_measured_lag_within_its_window() {
         let stats = Arc::new(AgentStats::default());
-        let sink = RecordSink::new("a", Subjects::new("c"), 100, None, stats.clone()).unwrap();
+        let sink = RecordSink::new(
+            "a",
+            Subjects::new("c"),
+            100,
+            usize::MAX,
+            None,
+            stats.clone(),
+        )
+        .unwrap();
         let log = sink.add_source(250 * MS);
         let (busy, quiet) = (sink.add_publisher(250 * MS), sink.add_publisher(250 * MS));
         // Nothing measured yet: the window.

@@ -1,26 +1,28 @@
-//! A tap on one engine's ZMQ KV event publisher (the pure-Rust `zeromq` crate).
+//! A tap on one engine's ZMQ KV event publisher, over the agent's own ZMTP client
+//! ([`crate::zmtp`]: a peer cannot make it allocate more than [`Limits`] allow).
 //!
 //! Subscribes to every topic, decodes each message with [`crate::kv_events`], classifies
 //! its sequence number with [`SequenceTracker`], marks it with the endpoint's configured
 //! worker, and hands the batch to the [`RecordSink`]. The connection is retried for
-//! ever with backoff (and the socket itself reconnects after a publisher restart), so an
-//! engine started later or restarted is picked up; its restart shows as a sequence
-//! reset.
+//! ever with backoff, so an engine started later or restarted is picked up (its restart
+//! shows as a sequence reset); a peer that breaks the protocol or a limit is dropped,
+//! counted, and reconnected to like any other.
 
 use crate::config::KvEndpoint;
 use crate::counters::AgentStats;
 use crate::internal_events::{
-    InternalEvent, KvBadFrame, KvBatchReceived, KvDecodeError, KvMalformedEvent, KvSequenceGap,
-    KvSequenceReset, KvTapConnected, KvTapDisconnected, KvUnknownEvent,
+    InternalEvent, KvBadFrame, KvBatchReceived, KvDecodeError, KvMalformedEvent, KvPeerViolation,
+    KvSequenceGap, KvSequenceReset, KvTapConnected, KvTapDisconnected, KvTapPanicked,
+    KvUnknownEvent,
 };
 use crate::kv_events::{decode_payload, split_frames, EventProblem};
 use crate::record_sink::{RecordSink, SourceId};
 use crate::sequence::SequenceTracker;
+use crate::zmtp::{Connection, Limits, SocketType, ZmtpError};
 use kvscope_wire::{KvEventBatch, Record, SequenceStatus, WorkerKey};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::watch;
-use zeromq::{Socket, SocketRecv, SubSocket};
 
 const MIN_BACKOFF: Duration = Duration::from_millis(100);
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
@@ -127,9 +129,64 @@ impl KvTap {
 }
 
 /// Tap `endpoint` until `stop` turns true; its batches are `source` in the sink (one
-/// publisher's batches come in its own order: engine time, one socket).
+/// publisher's batches come in its own order: engine time, one socket). A panic inside
+/// the tap (a bug, never the peer's input alone) ends only this tap's connection: it is
+/// counted and the tap starts again, its sequence numbering forgotten.
 pub async fn run(
     endpoint: KvEndpoint,
+    limits: Limits,
+    sink: Arc<RecordSink>,
+    source: SourceId,
+    stats: Arc<AgentStats>,
+    mut stop: watch::Receiver<bool>,
+) {
+    while !*stop.borrow() {
+        let tap = tokio::spawn(tap_until_stopped(
+            endpoint.clone(),
+            limits,
+            sink.clone(),
+            source,
+            stats.clone(),
+            stop.clone(),
+        ));
+        let abort = tap.abort_handle();
+        let _abort_on_drop = AbortOnDrop(abort);
+        match tap.await {
+            Ok(()) => return,
+            Err(e) if e.is_panic() => {
+                KvTapPanicked {
+                    publisher: &endpoint.endpoint,
+                    error: &panic_message(e.into_panic()),
+                }
+                .emit(&stats);
+                tokio::select! {
+                    _ = tokio::time::sleep(MAX_BACKOFF) => {}
+                    _ = stop.changed() => return,
+                }
+            }
+            Err(_) => return,
+        }
+    }
+}
+
+struct AbortOnDrop(tokio::task::AbortHandle);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic".into())
+}
+
+async fn tap_until_stopped(
+    endpoint: KvEndpoint,
+    limits: Limits,
     sink: Arc<RecordSink>,
     source: SourceId,
     stats: Arc<AgentStats>,
@@ -139,58 +196,73 @@ pub async fn run(
     let publisher = endpoint.endpoint.as_str();
     let mut backoff = MIN_BACKOFF;
     while !*stop.borrow() {
-        let mut socket = SubSocket::new();
         let connected = tokio::select! {
-            r = tokio::time::timeout(CONNECT_TIMEOUT, socket.connect(publisher)) => match r {
-                Ok(Ok(())) => socket.subscribe("").await.map_err(|e| e.to_string()),
-                Ok(Err(e)) => Err(e.to_string()),
-                Err(_) => Err("connect timed out".to_string()),
-            },
+            r = Connection::connect(publisher, SocketType::Sub, limits, CONNECT_TIMEOUT) => r,
             _ = stop.changed() => return,
         };
-        if let Err(error) = connected {
-            KvTapDisconnected {
-                publisher,
-                error: &error,
-                retry_in_ms: backoff.as_millis() as u64,
+        let subscribed = match connected {
+            Ok(mut c) => c.subscribe(b"").await.map(|()| c),
+            Err(e) => Err(e),
+        };
+        let mut conn = match subscribed {
+            Ok(c) => c,
+            Err(e) => {
+                disconnected(&stats, publisher, &e, backoff);
+                if !sleep_or_stop(&mut stop, &mut backoff).await {
+                    return;
+                }
+                continue;
             }
-            .emit(&stats);
-            tokio::select! {
-                _ = tokio::time::sleep(backoff) => {}
-                _ = stop.changed() => return,
-            }
-            backoff = (backoff * 2).min(MAX_BACKOFF);
-            continue;
-        }
+        };
         KvTapConnected { publisher }.emit(&stats);
         backoff = MIN_BACKOFF;
         loop {
             let msg = tokio::select! {
-                m = socket.recv() => m,
+                m = conn.recv() => m,
                 _ = stop.changed() => return,
             };
             match msg {
-                Ok(msg) => {
-                    if let Some(record) = tap.message(&msg.into_vec()) {
+                Ok(frames) => {
+                    if let Some(record) = tap.message(&frames) {
                         let at = engine_time_ns(&record);
                         sink.submit_event(source, record, at);
                     }
                 }
                 Err(e) => {
-                    KvTapDisconnected {
-                        publisher,
-                        error: &e.to_string(),
-                        retry_in_ms: backoff.as_millis() as u64,
-                    }
-                    .emit(&stats);
+                    disconnected(&stats, publisher, &e, backoff);
                     break;
                 }
             }
         }
-        tokio::select! {
-            _ = tokio::time::sleep(backoff) => {}
-            _ = stop.changed() => return,
+        if !sleep_or_stop(&mut stop, &mut backoff).await {
+            return;
         }
+    }
+}
+
+fn disconnected(stats: &AgentStats, publisher: &str, error: &ZmtpError, backoff: Duration) {
+    if error.is_peer_violation() {
+        KvPeerViolation {
+            publisher,
+            error: &error.to_string(),
+        }
+        .emit(stats);
+    }
+    KvTapDisconnected {
+        publisher,
+        error: &error.to_string(),
+        retry_in_ms: backoff.as_millis() as u64,
+    }
+    .emit(stats);
+}
+
+/// Wait out the backoff (doubling it); false when told to stop meanwhile.
+async fn sleep_or_stop(stop: &mut watch::Receiver<bool>, backoff: &mut Duration) -> bool {
+    let wait = *backoff;
+    *backoff = (*backoff * 2).min(MAX_BACKOFF);
+    tokio::select! {
+        _ = tokio::time::sleep(wait) => true,
+        _ = stop.changed() => false,
     }
 }
 

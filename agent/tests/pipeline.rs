@@ -362,13 +362,18 @@ async fn records_from_zmq_and_the_router_log_arrive_on_jetstream() {
         kv_sequence_gaps: 1,
         kv_missed_batches: 2,
         kv_sequence_resets: 1,
+        kv_peer_violations: 0,
+        kv_tap_panics: 0,
         log_lines: 9,
         log_malformed_lines: 1,
+        log_lines_too_long: 0,
         decisions_joined: 1,
         decisions_unjoined: 1,
         migration_lines: 2,
         published: 0, // not compared
         publish_dropped: 0,
+        records_split: 0,
+        records_set_aside: 0,
         publish_errors: 0,
         // The captured batches and log lines carry their capture-time timestamps, hours
         // older than the heartbeats stamped now, so some count as late: not compared.

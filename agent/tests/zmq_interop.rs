@@ -1,17 +1,17 @@
-//! The pure-Rust `zeromq` crate's SUB socket against a real libzmq PUB (pyzmq), with the
-//! frames a Dynamo 1.6.1 mocker really sent (lab/fixtures/samples).
+//! The agent's own ZMTP client (`kvscope_agent::zmtp`) as a SUB against a real libzmq
+//! PUB (pyzmq), with the frames a Dynamo 1.6.1 mocker really sent (lab/fixtures/samples).
 
+use kvscope_agent::zmtp::{Connection, Limits, SocketType};
 use kvscope_lab::process::{ManagedProcess, StopOnDrop};
 use std::io::BufRead;
 use std::process::{Command, Stdio};
 use std::time::Duration;
-use zeromq::{Socket, SocketRecv};
 
 mod support;
 use support::{mocker_sample, python};
 
 #[tokio::test]
-async fn zeromq_sub_receives_a_pyzmq_pub() {
+async fn the_zmtp_client_subscribes_to_a_pyzmq_pub() {
     let dir = tempfile::tempdir().unwrap();
     let sample: serde_json::Value = mocker_sample();
     let spec = serde_json::json!({ "messages": sample["messages"] });
@@ -41,16 +41,23 @@ async fn zeromq_sub_receives_a_pyzmq_pub() {
     out.read_line(&mut line).unwrap();
     assert_eq!(line.trim(), "bound");
 
-    let mut sub = zeromq::SubSocket::new();
-    sub.connect(&endpoint).await.unwrap();
-    sub.subscribe("").await.unwrap();
+    let mut sub = Connection::connect(
+        &endpoint,
+        SocketType::Sub,
+        Limits::default(),
+        Duration::from_secs(10),
+    )
+    .await
+    .unwrap();
+    assert_eq!(sub.peer_socket_type, "XPUB");
+    sub.subscribe(b"").await.unwrap();
     let mut got = Vec::new();
     for _ in 0..sample["messages"].as_array().unwrap().len() {
         let msg = tokio::time::timeout(Duration::from_secs(20), sub.recv())
             .await
             .unwrap()
             .unwrap();
-        got.push(msg.into_vec());
+        got.push(msg);
     }
     let child = &mut publisher[0].child;
     drop(child.stdin.take());

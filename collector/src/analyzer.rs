@@ -101,6 +101,9 @@ pub struct CollectorCounters {
     pub late_records: u64,
     /// Bus messages that were not valid records (counted by the bus reader).
     pub undecodable_records: u64,
+    /// Records sent in parts that never came whole (a part missing, out of order or
+    /// past the size limit; counted by the bus reader): dropped, never guessed at.
+    pub incomplete_records: u64,
 }
 
 /// Upper bounds (inclusive, tokens) of the per-spill token histograms on `/metrics`:

@@ -11,7 +11,9 @@
 use crate::analyzer::FleetAnalyzer;
 use anyhow::Context as _;
 use async_nats::jetstream::{self, consumer, stream};
+use async_nats::HeaderMap;
 use futures::StreamExt as _;
+use kvscope_wire::parts::{self, PartsLimits, PartsOutcome, Reassembler};
 use kvscope_wire::recording::RecordingWriter;
 use kvscope_wire::subject::stream_config;
 use kvscope_wire::{Envelope, Subjects};
@@ -47,6 +49,8 @@ pub struct BusConfig {
 
 pub struct Shared {
     pub analyzer: Mutex<FleetAnalyzer>,
+    /// Records arriving in parts, joined before they are applied.
+    parts: Mutex<Reassembler>,
     pub bus: Mutex<BusStatus>,
     pub recorder: Mutex<Option<RecordingWriter>>,
     /// OTLP export health, shown on `/metrics`.
@@ -59,6 +63,7 @@ impl Shared {
     pub fn new(analyzer: FleetAnalyzer, recorder: Option<RecordingWriter>) -> Arc<Self> {
         Arc::new(Self {
             analyzer: Mutex::new(analyzer),
+            parts: Mutex::new(Reassembler::new(PartsLimits::default())),
             bus: Mutex::new(BusStatus::default()),
             recorder: Mutex::new(recorder),
             otlp: Arc::default(),
@@ -66,7 +71,41 @@ impl Shared {
         })
     }
 
-    /// Decode and apply one bus message; undecodable ones are counted and skipped.
+    /// Join one bus message with the parts before it (see `kvscope_wire::parts`) and
+    /// apply the record once it is whole.
+    fn apply_message(&self, headers: Option<&HeaderMap>, payload: &[u8], seq: u64) {
+        let header = |name: &str| headers.and_then(|h| h.get(name)).map(|v| v.as_str());
+        let outcome = lock(&self.parts).accept(
+            header(async_nats::header::NATS_MESSAGE_ID.as_ref()),
+            header(parts::PART_HEADER),
+            payload,
+        );
+        self.apply_outcome(outcome, payload, seq);
+    }
+
+    fn apply_outcome(&self, outcome: PartsOutcome, payload: &[u8], seq: u64) {
+        match outcome {
+            PartsOutcome::Whole => self.apply_payload(payload, seq),
+            PartsOutcome::Complete(record) => self.apply_payload(&record, seq),
+            PartsOutcome::Pending => lock(&self.bus).applied_seq = seq,
+            PartsOutcome::Incomplete {
+                reason,
+                lost_parts,
+                then,
+            } => {
+                warn!(
+                    seq,
+                    reason,
+                    lost_parts,
+                    "A record sent in parts never came whole; dropped and counted."
+                );
+                lock(&self.analyzer).counters_mut().incomplete_records += 1;
+                self.apply_outcome(*then, payload, seq);
+            }
+        }
+    }
+
+    /// Decode and apply one record; undecodable ones are counted and skipped.
     fn apply_payload(&self, payload: &[u8], seq: u64) {
         match Envelope::from_json(payload) {
             Ok(env) => {
@@ -183,7 +222,7 @@ pub async fn run(cfg: BusConfig, shared: Arc<Shared>) -> anyhow::Result<()> {
             fill_gap(&stream, applied + 1, seq, &shared).await;
         }
         if seq > lock(&shared.bus).applied_seq {
-            shared.apply_payload(&msg.payload, seq);
+            shared.apply_message(msg.headers.as_ref(), &msg.payload, seq);
         }
         lock(&shared.bus).pending = pending;
         if let Err(e) = msg.ack().await {
@@ -198,7 +237,7 @@ pub async fn run(cfg: BusConfig, shared: Arc<Shared>) -> anyhow::Result<()> {
 async fn fill_gap(stream: &stream::Stream, from: u64, to: u64, shared: &Shared) {
     for s in from..to {
         match stream.get_raw_message(s).await {
-            Ok(m) => shared.apply_payload(&m.payload, s),
+            Ok(m) => shared.apply_message(Some(&m.headers), &m.payload, s),
             Err(e) => {
                 warn!(seq = s, error = %e, "A stream record is gone before it was applied; counted as missing.");
                 let mut bus = lock(&shared.bus);
@@ -233,7 +272,7 @@ async fn rebuild(stream: &stream::Stream, last: u64, shared: &Shared) -> anyhow:
         if seq > last {
             break;
         }
-        shared.apply_payload(&msg.payload, seq);
+        shared.apply_message(msg.headers.as_ref(), &msg.payload, seq);
         n += 1;
         if n.is_multiple_of(100_000) {
             info!(applied = n, of = last, "Rebuilding.");

@@ -25,12 +25,17 @@ pub fn exposition(shared: &crate::bus::Shared, format: Format) -> String {
 /// The collector's figures for the current state.
 pub fn write(out: &mut Exposition, a: &FleetAnalyzer, bus: &BusStatus) {
     let c = a.counters();
-    let counters: [(&str, &str, u64); 21] = [
+    let counters: [(&str, &str, u64); 22] = [
         ("kvscope_collector_records", "Records applied.", c.records),
         (
             "kvscope_collector_undecodable_records",
             "Bus messages that were not valid records.",
             c.undecodable_records,
+        ),
+        (
+            "kvscope_collector_incomplete_records",
+            "Records sent in parts that never came whole (dropped).",
+            c.incomplete_records,
         ),
         (
             "kvscope_collector_late_records",
@@ -323,7 +328,7 @@ pub fn write(out: &mut Exposition, a: &FleetAnalyzer, bus: &BusStatus) {
     // Each agent's own counters as of its last heartbeat: the fleet's pipeline health
     // from the collector alone, for agents Prometheus does not scrape.
     type AgentCounter = fn(&kvscope_wire::AgentCounters) -> u64;
-    let agent_counters: [(&str, &str, AgentCounter); 9] = [
+    let agent_counters: [(&str, &str, AgentCounter); 12] = [
         (
             "kvscope_collector_agent_kv_decode_errors",
             "Agent (last heartbeat): undecodable KV payloads.",
@@ -333,6 +338,21 @@ pub fn write(out: &mut Exposition, a: &FleetAnalyzer, bus: &BusStatus) {
             "kvscope_collector_agent_kv_bad_frames",
             "Agent (last heartbeat): malformed ZMQ frames.",
             |k| k.kv_bad_frames,
+        ),
+        (
+            "kvscope_collector_agent_kv_peer_violations",
+            "Agent (last heartbeat): KV publishers dropped for breaking the protocol or a size limit.",
+            |k| k.kv_peer_violations,
+        ),
+        (
+            "kvscope_collector_agent_log_lines_too_long",
+            "Agent (last heartbeat): router log lines past max_line_bytes, skipped.",
+            |k| k.log_lines_too_long,
+        ),
+        (
+            "kvscope_collector_agent_records_set_aside",
+            "Agent (last heartbeat): records JetStream refused, set aside.",
+            |k| k.records_set_aside,
         ),
         (
             "kvscope_collector_agent_kv_unknown_events",

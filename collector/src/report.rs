@@ -404,6 +404,10 @@ impl OpportunityReport {
         let collector = [
             ("records", c.records),
             ("undecodable records", c.undecodable_records),
+            (
+                "records sent in parts that never came whole",
+                c.incomplete_records,
+            ),
             ("sequence gaps", c.sequence_gaps),
             ("missed batches", c.missed_batches),
             ("sequence resets (engine restarts)", c.sequence_resets),
@@ -457,6 +461,15 @@ impl OpportunityReport {
                 format!(
                     "{} / {} / {}",
                     k.log_malformed_lines, k.decisions_unjoined, k.publish_dropped
+                ),
+            ));
+            rows.push((
+                format!(
+                    "agent {agent}: publishers dropped for breaking limits / log lines too long / records refused by JetStream"
+                ),
+                format!(
+                    "{} / {} / {}",
+                    k.kv_peer_violations, k.log_lines_too_long, k.records_set_aside
                 ),
             ));
         }

@@ -106,6 +106,14 @@ impl FleetRun {
         &self.nats_url
     }
 
+    /// The process groups of everything running: the lab's, the agent's and the
+    /// collector's.
+    pub fn process_groups(&self) -> Vec<u32> {
+        let mut groups = self.lab().manifest().process_groups();
+        groups.extend(self.agent.iter().chain(&self.collector).map(|p| p.pid()));
+        groups
+    }
+
     /// The lab run's folder (logs, recordings).
     pub fn run_dir(&self) -> PathBuf {
         self.lab().run_dir().to_path_buf()

@@ -10,8 +10,12 @@
 //! migrations the lab performs over NIXL; the agent's eBPF counts exactly the READs the
 //! lab made (start-up probes + migrations) and the handshakes; the collector applied
 //! the migrated blocks to the targets' mirrors; then injected handshake failures drive
-//! the actuator back to DRY, and the audit log explains both flips. Needs root (eBPF)
-//! and the lab (`scripts/setup`); fails saying so otherwise.
+//! the actuator back to DRY, and the audit log explains both flips. Throughout, every
+//! socket of every process of the loop (Dynamo's, NATS, the NIXL data plane with UCX,
+//! agent, collector, actuator) stays on 127.0.0.1: no connection to another address,
+//! and no listener off loopback except the wildcard binds inside Dynamo 1.6.1 that no
+//! setting changes, which the test lists. Needs root (eBPF) and the lab
+//! (`scripts/setup`); fails saying so otherwise.
 
 use kvscope::fleet_run::{FleetRun, FleetRunConfig};
 use kvscope_actuator::audit::AuditEntry;
@@ -20,6 +24,7 @@ use kvscope_actuator::mode::Mode;
 use kvscope_actuator::policy::{SafetyTrigger, Transition};
 use kvscope_collector::nixl::NixlPair;
 use kvscope_lab::process::{ManagedProcess, StopOnDrop};
+use kvscope_lab::sockets::{SocketInfo, SocketWatch};
 use kvscope_lab::workload::{self, WorkloadConfig};
 use kvscope_lab::LabConfig;
 use kvscope_nixl_lab::serve::process::ServeProcess;
@@ -59,6 +64,78 @@ where
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
+}
+
+/// No socket talks to or listens on anything but loopback, except the wildcard binds
+/// Dynamo 1.6.1 makes whatever its settings say (its event-plane PUBs, which bind
+/// `tcp://0.0.0.0:<port>` and only advertise `DYN_EVENT_PLANE_HOST`, and the mocker's
+/// vLLM-format publisher, bound on `tcp://*:<port>`): those are listed, and any other
+/// fails the test.
+fn assert_loopback_only(seen: &[SocketInfo], lab: &kvscope_lab::Lab) {
+    let manifest = lab.manifest();
+    let mut dynamo_wildcards: BTreeMap<u16, String> =
+        kvscope_lab::discovery::zmq_event_channels(&manifest.discovery_dir)
+            .unwrap()
+            .into_iter()
+            .filter_map(|(topic, ep)| {
+                let port = ep.rsplit(':').next()?.parse().ok()?;
+                Some((port, format!("event plane PUB ({topic})")))
+            })
+            .collect();
+    for w in &manifest.workers {
+        if let Some(port) = w
+            .kv_events_endpoint
+            .rsplit(':')
+            .next()
+            .and_then(|p| p.parse().ok())
+        {
+            dynamo_wildcards.insert(port, "mocker vLLM-format KV publisher".into());
+        }
+    }
+    let dynamo_pids: BTreeSet<u32> = kvscope_lab::sockets::pids_in_groups(
+        Path::new("/proc"),
+        &manifest
+            .workers
+            .iter()
+            .map(|w| w.process.pid)
+            .chain([manifest.frontend.pid])
+            .collect::<Vec<_>>(),
+    )
+    .into_iter()
+    .collect();
+    assert!(
+        seen.iter().any(|s| s.process.starts_with("kvscope-nixl")),
+        "the NIXL data plane's sockets were seen: {seen:#?}"
+    );
+    let off_loopback: Vec<String> = seen
+        .iter()
+        .filter(|s| !s.peer_is_loopback())
+        .map(|s| s.to_string())
+        .collect();
+    assert!(
+        off_loopback.is_empty(),
+        "connections off loopback: {off_loopback:#?}"
+    );
+    let mut listed = Vec::new();
+    let mut wrong = Vec::new();
+    for s in seen.iter().filter(|s| s.is_listener()) {
+        if kvscope_lab::sockets::is_loopback(s.local.ip()) {
+            continue;
+        }
+        match dynamo_wildcards.get(&s.local.port()) {
+            Some(role) if s.is_wildcard() && dynamo_pids.contains(&s.pid) => {
+                listed.push(format!("{s}: {role}"))
+            }
+            _ => wrong.push(s.to_string()),
+        }
+    }
+    assert!(wrong.is_empty(), "listeners off loopback: {wrong:#?}");
+    eprintln!(
+        "{} sockets seen, all on loopback but these wildcard binds inside Dynamo 1.6.1 \
+         (no setting changes them):\n  {}",
+        seen.len(),
+        listed.join("\n  ")
+    );
 }
 
 fn read_audit(path: &Path) -> Vec<AuditEntry> {
@@ -111,6 +188,7 @@ async fn spills_go_live_migrate_over_nixl_and_handshake_failures_drop_to_dry() {
     )
     .await
     .expect("lab, agent (with eBPF) and collector start");
+    let sockets = SocketWatch::start(run.process_groups(), Duration::from_millis(200));
     let run_dir = run.run_dir();
     let mockers: Vec<(u64, String)> = run
         .lab()
@@ -148,6 +226,7 @@ async fn spills_go_live_migrate_over_nixl_and_handshake_failures_drop_to_dry() {
         Duration::from_secs(90),
     )
     .unwrap_or_else(|e| panic!("{e:#}"));
+    sockets.add_groups(&[serve.process.pid()]);
     let serve_url = serve.url();
 
     // The actuator, tuned so that the small lab qualifies within seconds: any spill of a
@@ -219,6 +298,7 @@ max_age_secs = 10.0
         .env_remove("KVSCOPE_ACTUATOR_API_TOKEN");
     let actuator = ManagedProcess::spawn("actuator", cmd, &run_dir.join("actuator.log"))
         .expect("the actuator starts");
+    sockets.add_groups(&[actuator.pid()]);
     let mut actuator = StopOnDrop(vec![actuator]);
     let status_url = format!("http://127.0.0.1:{api_port}/api/status");
 
@@ -434,6 +514,8 @@ max_age_secs = 10.0
 
     // The collector applied the migrated blocks to the targets' mirrors: every batch the
     // data plane published arrived from its publisher, under the target's worker id.
+    let seen = sockets.finish();
+    assert_loopback_only(&seen, run.lab());
     drop(serve);
     run.stop_agent();
     run.wait_drained(Duration::from_secs(1), Duration::from_secs(60))

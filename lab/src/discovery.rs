@@ -174,6 +174,22 @@ fn str_field(doc: &Value, key: &str) -> String {
 }
 
 /// All JSON documents directly in `dir` (missing dir = none).
+/// Every event-plane channel in the store under `dir` with a ZMQ endpoint, as
+/// (topic, endpoint): the PUB sockets Dynamo's workers and frontends bind.
+pub fn zmq_event_channels(dir: &Path) -> Result<Vec<(String, String)>, DiscoveryError> {
+    Ok(read_docs(&dir.join("v1").join("event_channels"))?
+        .iter()
+        .filter_map(|doc| {
+            Some((
+                str_field(doc, "topic"),
+                doc.pointer("/transport/config/endpoint")?
+                    .as_str()?
+                    .to_string(),
+            ))
+        })
+        .collect())
+}
+
 fn read_docs(dir: &Path) -> Result<Vec<Value>, DiscoveryError> {
     let entries = match std::fs::read_dir(dir) {
         Ok(e) => e,

@@ -18,6 +18,7 @@ pub mod process;
 pub mod prometheus;
 pub mod router_log;
 pub mod setup;
+pub mod sockets;
 pub mod workload;
 
 pub use lab::{Lab, LabConfig, LabError, Manifest, ProcessInfo, WorkerInfo};

@@ -8,6 +8,7 @@ pub mod config;
 pub mod directive;
 pub mod hashing;
 pub mod nixl;
+pub mod parts;
 pub mod prom;
 pub mod record;
 pub mod recording;

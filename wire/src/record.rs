@@ -312,17 +312,30 @@ pub struct AgentCounters {
     pub kv_sequence_gaps: u64,
     pub kv_missed_batches: u64,
     pub kv_sequence_resets: u64,
+    /// Connections to a KV publisher dropped because the peer broke the ZMTP protocol
+    /// or a size limit (a frame claiming more than the tap allows, ...).
+    pub kv_peer_violations: u64,
+    /// KV event taps that panicked (a bug) and were restarted.
+    pub kv_tap_panics: u64,
     pub log_lines: u64,
     /// Lines that looked like router decision lines but could not be parsed.
     pub log_malformed_lines: u64,
+    /// Router log lines longer than the agent's `max_line_bytes`: skipped.
+    pub log_lines_too_long: u64,
     pub decisions_joined: u64,
     /// `[ROUTING_INPUT]` lines never followed by a `Selected worker` line (or the
     /// reverse) within the join timeout.
     pub decisions_unjoined: u64,
     pub migration_lines: u64,
     pub published: u64,
-    /// Records dropped because the local buffer was full while NATS was away.
+    /// Records dropped because the local buffer was full (in records or bytes) while
+    /// NATS was away.
     pub publish_dropped: u64,
+    /// Records larger than one NATS message, sent in parts (`kvscope_wire::parts`).
+    pub records_split: u64,
+    /// Records JetStream refused (not the connection): set aside, so the ones behind
+    /// them go on.
+    pub records_set_aside: u64,
     pub publish_errors: u64,
     /// Records that reached the agent later than its reorder window after an already
     /// published one: sent at once, stamped no earlier than their predecessor.

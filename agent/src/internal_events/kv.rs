@@ -3,7 +3,7 @@
 use super::{InternalEvent, LogLimiter};
 use crate::counters::{add, AgentStats};
 use crate::kv_events::{FrameError, PayloadError};
-use tracing::{debug, info, warn};
+use tracing::{debug, error, info, warn};
 
 /// A batch decoded (its good events are shipped).
 pub struct KvBatchReceived<'a> {
@@ -139,5 +139,37 @@ pub struct KvTapDisconnected<'a> {
 impl InternalEvent for KvTapDisconnected<'_> {
     fn emit(self, _stats: &AgentStats) {
         warn!(publisher = %self.publisher, error = %self.error, retry_in_ms = self.retry_in_ms, "KV event tap disconnected; reconnecting.");
+    }
+}
+
+/// A publisher broke the ZMTP protocol or one of the tap's limits (a frame or message
+/// larger than allowed, too many frames, a bad handshake): the connection was dropped
+/// before anything of what it claimed was held.
+pub struct KvPeerViolation<'a> {
+    pub publisher: &'a str,
+    pub error: &'a str,
+}
+
+static PEER_VIOLATION: LogLimiter = LogLimiter::new();
+
+impl InternalEvent for KvPeerViolation<'_> {
+    fn emit(self, stats: &AgentStats) {
+        if let Some(suppressed) = PEER_VIOLATION.check() {
+            warn!(publisher = %self.publisher, error = %self.error, suppressed, "KV publisher broke the protocol or a limit; connection dropped.");
+        }
+        add(&stats.kv_peer_violations, 1);
+    }
+}
+
+/// A tap panicked (a bug): only its own connection ended, and it starts again.
+pub struct KvTapPanicked<'a> {
+    pub publisher: &'a str,
+    pub error: &'a str,
+}
+
+impl InternalEvent for KvTapPanicked<'_> {
+    fn emit(self, stats: &AgentStats) {
+        error!(publisher = %self.publisher, error = %self.error, "KV event tap panicked; restarting it.");
+        add(&stats.kv_tap_panics, 1);
     }
 }

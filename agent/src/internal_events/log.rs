@@ -97,3 +97,20 @@ impl InternalEvent for LogFileUnavailable<'_> {
         }
     }
 }
+
+/// A router log line longer than the limit: skipped to its end, never held whole.
+pub struct LogLineTooLong<'a> {
+    pub source: &'a str,
+    pub bytes: u64,
+}
+
+static TOO_LONG: LogLimiter = LogLimiter::new();
+
+impl InternalEvent for LogLineTooLong<'_> {
+    fn emit(self, stats: &AgentStats) {
+        if let Some(suppressed) = TOO_LONG.check() {
+            warn!(source = %self.source, bytes = self.bytes, suppressed, "Router log line longer than max_line_bytes; skipped.");
+        }
+        add(&stats.log_lines_too_long, 1);
+    }
+}

@@ -119,6 +119,35 @@ mod tests {
         RecordPublished.emit(&s);
         PublishDropped {
             capacity: 1,
+            max_bytes: 10,
+            bytes: 11,
+            subject: "s",
+        }
+        .emit(&s);
+        KvPeerViolation {
+            publisher: "p",
+            error: "frame of 1099511627776 bytes refused",
+        }
+        .emit(&s);
+        KvTapPanicked {
+            publisher: "p",
+            error: "bug",
+        }
+        .emit(&s);
+        LogLineTooLong {
+            source: "f",
+            bytes: 1 << 30,
+        }
+        .emit(&s);
+        RecordSplit {
+            bytes: 2 << 20,
+            parts: 3,
+            subject: "s",
+        }
+        .emit(&s);
+        RecordSetAside {
+            error: "e",
+            bytes: 1,
             subject: "s",
         }
         .emit(&s);
@@ -145,13 +174,18 @@ mod tests {
                 kv_sequence_gaps: 1,
                 kv_missed_batches: 3,
                 kv_sequence_resets: 1,
+                kv_peer_violations: 1,
+                kv_tap_panics: 1,
                 log_lines: 1,
                 log_malformed_lines: 1,
+                log_lines_too_long: 1,
                 decisions_joined: 1,
                 decisions_unjoined: 1,
                 migration_lines: 1,
                 published: 1,
                 publish_dropped: 1,
+                records_split: 1,
+                records_set_aside: 1,
                 publish_errors: 1,
                 records_late: 1,
             }

@@ -2,7 +2,7 @@
 
 use super::{InternalEvent, LogLimiter};
 use crate::counters::{add, AgentStats};
-use tracing::{info, trace, warn};
+use tracing::{debug, error, info, trace, warn};
 
 /// A record acknowledged by JetStream.
 pub struct RecordPublished;
@@ -14,9 +14,13 @@ impl InternalEvent for RecordPublished {
     }
 }
 
-/// A record dropped because the local buffer was full while NATS was away.
+/// A record dropped because the local buffer was full (in records or in bytes) while
+/// NATS was away.
 pub struct PublishDropped<'a> {
     pub capacity: usize,
+    pub max_bytes: usize,
+    /// The record's size.
+    pub bytes: usize,
     pub subject: &'a str,
 }
 
@@ -25,9 +29,42 @@ static DROPPED: LogLimiter = LogLimiter::new();
 impl InternalEvent for PublishDropped<'_> {
     fn emit(self, stats: &AgentStats) {
         if let Some(suppressed) = DROPPED.check() {
-            warn!(capacity = self.capacity, subject = %self.subject, suppressed, "Local buffer full; record dropped.");
+            warn!(capacity = self.capacity, max_bytes = self.max_bytes, bytes = self.bytes, subject = %self.subject, suppressed, "Local buffer full; record dropped.");
         }
         add(&stats.publish_dropped, 1);
+    }
+}
+
+/// A record larger than one bus message was sent in parts (the collector joins them).
+pub struct RecordSplit<'a> {
+    pub bytes: usize,
+    pub parts: usize,
+    pub subject: &'a str,
+}
+
+impl InternalEvent for RecordSplit<'_> {
+    fn emit(self, stats: &AgentStats) {
+        debug!(bytes = self.bytes, parts = self.parts, subject = %self.subject, "Record sent in parts.");
+        add(&stats.records_split, 1);
+    }
+}
+
+/// JetStream refused a record itself (not the connection): it is set aside, counted,
+/// and the records behind it go on. The agent's recording still has it.
+pub struct RecordSetAside<'a> {
+    pub error: &'a str,
+    pub bytes: usize,
+    pub subject: &'a str,
+}
+
+static SET_ASIDE: LogLimiter = LogLimiter::new();
+
+impl InternalEvent for RecordSetAside<'_> {
+    fn emit(self, stats: &AgentStats) {
+        if let Some(suppressed) = SET_ASIDE.check() {
+            error!(error = %self.error, bytes = self.bytes, subject = %self.subject, suppressed, "JetStream refused a record; set aside, the others go on.");
+        }
+        add(&stats.records_set_aside, 1);
     }
 }
 

@@ -12,8 +12,18 @@
 //!   `LD_LIBRARY_PATH` once, at start-up;
 //! - `NIXL_PLUGIN_DIR` = the `plugins/` folder (NIXL looks for `libplugin_UCX.so` there).
 //!
-//! [`NixlLibs::child_env`] gives both for a child process; the `kvscope-nixl-lab` binary
-//! re-executes itself with them when started without.
+//! And two that keep its traffic on loopback, as every socket on the lab machines must:
+//!
+//! - `UCX_NET_DEVICES=lo`: left alone, UCX picks the machine's other interface (seen
+//!   listening on a 192.0.2.x address); shared memory transports are not network
+//!   devices and stay available;
+//! - `LD_PRELOAD` of the loopback shim (`shim/loopback_bind.c`, built by `build.rs`,
+//!   written next to the wheel as `loopback_bind.so`): NIXL's metadata listener binds
+//!   `INADDR_ANY` and has no setting for it, so every bind to "any address" in the
+//!   process becomes a bind to 127.0.0.1.
+//!
+//! [`NixlLibs::child_env`] gives all four for a child process; the `kvscope-nixl-lab`
+//! binary re-executes itself with them when started without.
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -36,6 +46,14 @@ pub const NIXL_SYS_VERSION: &str = "1.5.1";
 pub const PLUGIN_DIR_ENV: &str = "NIXL_PLUGIN_DIR";
 /// The dynamic loader's search path (read once, when a process starts).
 pub const LD_LIBRARY_PATH_ENV: &str = "LD_LIBRARY_PATH";
+/// Libraries the dynamic loader loads first (the loopback shim).
+pub const LD_PRELOAD_ENV: &str = "LD_PRELOAD";
+/// The network devices UCX may use.
+pub const UCX_NET_DEVICES_ENV: &str = "UCX_NET_DEVICES";
+/// The loopback shim, built from `shim/loopback_bind.c`.
+const LOOPBACK_SHIM: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/loopback_bind.so"));
+/// Its file name next to the wheel.
+const LOOPBACK_SHIM_FILE: &str = "loopback_bind.so";
 
 /// The folder under `<lab dir>` that holds everything NIXL.
 pub(crate) const NIXL_SUBDIR: &str = "nixl";
@@ -61,6 +79,14 @@ pub enum LibsError {
         dir: PathBuf,
         /// The first expected file that is absent.
         missing: PathBuf,
+    },
+    /// Writing the loopback shim failed.
+    #[error("writing {path}: {source}")]
+    Write {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
     },
     /// Reading a library file failed.
     #[error("reading {path}: {source}")]
@@ -91,6 +117,8 @@ pub struct NixlLibs {
     pub libnixl_capi: PathBuf,
     /// `plugins/libplugin_UCX.so`.
     pub ucx_plugin: PathBuf,
+    /// The loopback shim preloaded into NIXL processes (see the module docs).
+    pub loopback_shim: PathBuf,
     /// GNU build-id of `libnixl.so` (hex), when the file has one.
     pub build_id: Option<String>,
     /// The NIXL release ([`NIXL_VERSION`]).
@@ -113,6 +141,7 @@ impl NixlLibs {
             });
         }
         let build_id = read_build_id(&libs.libnixl)?;
+        write_shim(&libs.loopback_shim)?;
         Ok(Self { build_id, ..libs })
     }
 
@@ -134,6 +163,7 @@ impl NixlLibs {
             });
         }
         libs.build_id = read_build_id(&libs.libnixl)?;
+        write_shim(&libs.loopback_shim)?;
         Ok(libs)
     }
 
@@ -154,6 +184,7 @@ impl NixlLibs {
             libnixl_capi: lib_dir.join("libnixl_capi.so"),
             ucx_plugin: plugin_dir.join("libplugin_UCX.so"),
             bundled_dir: wheel_dir.join(BUNDLED_LIBS_SUBDIR),
+            loopback_shim: nixl_dir.join(LOOPBACK_SHIM_FILE),
             lib_dir,
             plugin_dir,
             build_id: None,
@@ -196,6 +227,11 @@ impl NixlLibs {
                 PLUGIN_DIR_ENV.to_string(),
                 self.plugin_dir.clone().into_os_string(),
             ),
+            (UCX_NET_DEVICES_ENV.to_string(), "lo".into()),
+            (
+                LD_PRELOAD_ENV.to_string(),
+                self.loopback_shim.clone().into_os_string(),
+            ),
         ]
     }
 
@@ -221,7 +257,10 @@ impl NixlLibs {
         let plugins = std::env::var_os(PLUGIN_DIR_ENV)
             .map(|v| same_dir(Path::new(&v), &self.plugin_dir))
             .unwrap_or(false);
-        on_path && plugins
+        let loopback = std::env::var_os(UCX_NET_DEVICES_ENV).is_some_and(|v| v == "lo")
+            && std::env::var_os(LD_PRELOAD_ENV)
+                .is_some_and(|v| Path::new(&v) == self.loopback_shim.as_path());
+        on_path && plugins && loopback
     }
 
     /// `export` lines for a POSIX shell (`eval "$(kvscope-nixl-lab env)"`).
@@ -231,6 +270,21 @@ impl NixlLibs {
             .map(|(k, v)| format!("export {k}={}\n", shell_quote(&v.to_string_lossy())))
             .collect()
     }
+}
+
+/// Write the embedded loopback shim to `path` unless it is already there, through a
+/// temporary file, so a process never preloads a half-written one.
+fn write_shim(path: &Path) -> Result<(), LibsError> {
+    if std::fs::read(path).is_ok_and(|b| b == LOOPBACK_SHIM) {
+        return Ok(());
+    }
+    let tmp = path.with_extension(format!("so.{}", std::process::id()));
+    let err = |source| LibsError::Write {
+        path: path.to_path_buf(),
+        source,
+    };
+    std::fs::write(&tmp, LOOPBACK_SHIM).map_err(err)?;
+    std::fs::rename(&tmp, path).map_err(err)
 }
 
 fn same_dir(a: &Path, b: &Path) -> bool {
