@@ -78,6 +78,7 @@ fn record_fleet(path: &Path) {
             Record::KvEvents(KvEventBatch {
                 worker: w(1),
                 publisher: "tcp://127.0.0.1:1".into(),
+                origin: Default::default(),
                 seq: i,
                 sequence: if i == 0 {
                     SequenceStatus::First
@@ -90,6 +91,7 @@ fn record_fleet(path: &Path) {
                     parent_block_hash: None,
                     token_ids: tokens.clone(),
                     block_size: BS,
+                    local_hashes: None,
                     lora_name: None,
                     medium: None,
                 }],

@@ -5,6 +5,7 @@ use crate::config::AgentConfig;
 use crate::counters::AgentStats;
 use crate::log_follower::{self, LogSource};
 use crate::nixl::NixlTracer;
+use crate::plane_tap::{PlaneContext, PlaneTaps};
 use crate::publisher::{self, PublisherConfig};
 use crate::record_sink::{now_ns, RecordSink};
 use crate::router_tap::{self, RouterTap};
@@ -149,10 +150,46 @@ pub async fn start(cfg: AgentConfig) -> anyhow::Result<RunningAgent> {
     let log_stop = Arc::new(AtomicBool::new(false));
     let mut inputs = Vec::new();
 
+    // Dynamo's discovery store, when configured: the fleet's workers, and the event
+    // plane's channels.
+    let discovery = cfg
+        .discovery
+        .backend()
+        .map_err(|e| anyhow::anyhow!("discovery: {e}"))?;
+    let (view_tx, view) = watch::channel(Arc::new(kvscope_discovery::Fleet::default()));
+    let fleet_view = discovery.is_some().then(|| view.clone());
+    if let Some(backend) = discovery {
+        let planes = cfg.taps_event_plane().then(|| {
+            PlaneTaps::new(PlaneContext {
+                sink: sink.clone(),
+                stats: stats.clone(),
+                view: view.clone(),
+                limits: cfg.kv_limits(),
+                window_ns: cfg.kv_reorder_window_ms() * 1_000_000,
+                nats_url: cfg
+                    .event_plane_nats_url
+                    .clone()
+                    .unwrap_or_else(|| cfg.nats_url.clone()),
+                stop: stop_rx.clone(),
+            })
+        });
+        info!(backend = %backend, event_plane = planes.is_some(), "Following Dynamo's discovery store.");
+        inputs.push(tokio::spawn(crate::fleet::run(
+            backend,
+            cfg.discovery.poll_interval(),
+            view_tx,
+            sink.clone(),
+            stats.clone(),
+            planes,
+            stop_rx.clone(),
+        )));
+    }
+
     for ep in &cfg.kv_endpoints {
-        info!(publisher = %ep.endpoint, worker_id = ep.worker_id, dp_rank = ?ep.dp_rank, "Tapping KV events.");
+        info!(publisher = %ep.endpoint, worker_id = ?ep.worker_id, dp_rank = ?ep.dp_rank, "Tapping KV events.");
         inputs.push(tokio::spawn(zmq_tap::run(
             ep.clone(),
+            fleet_view.clone(),
             cfg.kv_limits(),
             sink.clone(),
             sink.add_publisher(cfg.kv_reorder_window_ms() * 1_000_000),

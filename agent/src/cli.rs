@@ -22,11 +22,30 @@ pub struct Cli {
     /// NATS server [default: nats://127.0.0.1:4222].
     #[arg(long)]
     pub nats_url: Option<String>,
-    /// An engine's KV event publisher and its worker: ENDPOINT=WORKER_ID[/DP_RANK],
-    /// e.g. tcp://127.0.0.1:5557=7587886582197386541. Repeatable; replaces the
-    /// config's list.
-    #[arg(long = "kv", value_name = "ENDPOINT=WORKER_ID[/DP]")]
+    /// An engine's KV event publisher (vLLM's format), e.g. tcp://127.0.0.1:5557, and,
+    /// without discovery, its worker: ENDPOINT=WORKER_ID[/DP_RANK]. With discovery the
+    /// agent finds the worker itself (the process listening on the endpoint serves it).
+    /// Repeatable; replaces the config's list.
+    #[arg(long = "kv", value_name = "ENDPOINT[=WORKER_ID[/DP]]")]
     pub kv: Vec<KvEndpoint>,
+    /// Dynamo's discovery store: file, etcd or none [default: $DYN_DISCOVERY_BACKEND,
+    /// else none]. The file backend's root is $DYN_FILE_KV (or --discovery-root), etcd's
+    /// endpoints $ETCD_ENDPOINTS (or --etcd-endpoints), as Dynamo reads them.
+    #[arg(long, value_name = "BACKEND")]
+    pub discovery: Option<kvscope_discovery::config::BackendKind>,
+    /// The file discovery backend's root folder [default: $DYN_FILE_KV].
+    #[arg(long, value_name = "DIR")]
+    pub discovery_root: Option<PathBuf>,
+    /// etcd endpoints, comma-separated [default: $ETCD_ENDPOINTS, else http://localhost:2379].
+    #[arg(long, value_name = "URLS", value_delimiter = ',')]
+    pub etcd_endpoints: Vec<String>,
+    /// Tap Dynamo's event plane (every discovered KV publisher) [default: on with
+    /// discovery and no --kv].
+    #[arg(long, overrides_with = "no_event_plane")]
+    pub event_plane: bool,
+    /// Do not tap Dynamo's event plane.
+    #[arg(long)]
+    pub no_event_plane: bool,
     /// The router's log file to follow (like tail -F), or - for stdin.
     #[arg(long, value_name = "PATH|-")]
     pub router_log: Option<String>,
@@ -112,6 +131,21 @@ impl Cli {
         }
         if !self.kv.is_empty() {
             cfg.kv_endpoints = self.kv.clone();
+        }
+        if let Some(b) = self.discovery {
+            cfg.discovery.backend = b;
+        }
+        if let Some(d) = &self.discovery_root {
+            cfg.discovery.file_root = Some(d.clone());
+        }
+        if !self.etcd_endpoints.is_empty() {
+            cfg.discovery.etcd_endpoints = self.etcd_endpoints.clone();
+        }
+        if self.event_plane {
+            cfg.event_plane = Some(true);
+        }
+        if self.no_event_plane {
+            cfg.event_plane = Some(false);
         }
         if let Some(v) = &self.router_log {
             cfg.router_log = Some(v.clone());
@@ -228,9 +262,35 @@ mod tests {
         assert!(cfg.from_start);
         assert_eq!(cfg.kv_endpoints.len(), 2);
         assert_eq!(cfg.kv_endpoints[1].dp_rank, Some(1));
-        assert_eq!(cfg.kv_endpoints[0].worker_id, 9969664417447597980);
+        assert_eq!(cfg.kv_endpoints[0].worker_id, Some(9969664417447597980));
         cfg.validate().unwrap();
-        assert!(Cli::try_parse_from(["kvscope-agent", "--kv", "tcp://x"]).is_err());
+        // Without an id the endpoint's worker comes from discovery, which must be set.
+        let bare = Cli::try_parse_from(["kvscope-agent", "--kv", "tcp://127.0.0.1:5557"]).unwrap();
+        let mut cfg = AgentConfig::default();
+        bare.apply(&mut cfg);
+        let err = cfg.validate().unwrap_err().to_string();
+        assert!(
+            err.contains("no worker id") && err.contains("DYN_DISCOVERY_BACKEND"),
+            "{err}"
+        );
+        let with = Cli::try_parse_from([
+            "kvscope-agent",
+            "--kv",
+            "tcp://127.0.0.1:5557",
+            "--discovery",
+            "file",
+            "--discovery-root",
+            "/tmp/store",
+        ])
+        .unwrap();
+        let mut cfg = AgentConfig::default();
+        with.apply(&mut cfg);
+        cfg.validate().unwrap();
+        assert!(
+            !cfg.taps_event_plane(),
+            "engine taps given: no event plane by default"
+        );
+        assert!(Cli::try_parse_from(["kvscope-agent", "--discovery", "zookeeper"]).is_err());
     }
 
     #[test]

@@ -118,6 +118,20 @@ pub struct AgentConfig {
     /// eBPF tracing of NIXL (default off). Env: `KVSCOPE_AGENT_NIXL` (`1`/`true`),
     /// `KVSCOPE_AGENT_NIXL_LIBS` (comma-separated paths), `KVSCOPE_AGENT_NIXL_PID`.
     pub nixl: NixlTraceConfig,
+    /// Dynamo's discovery store (default none): workers, models, KV publishers. Env:
+    /// Dynamo's own `DYN_DISCOVERY_BACKEND`, `DYN_FILE_KV`, `ETCD_ENDPOINTS`,
+    /// `ETCD_AUTH_USERNAME`/`ETCD_AUTH_PASSWORD` (see `kvscope_discovery::config`).
+    pub discovery: kvscope_discovery::DiscoveryConfig,
+    /// Tap Dynamo's event plane: every discovered KV publisher's channel (ZMQ, or NATS
+    /// subjects), so one agent sees the fleet's KV events as the router does (default:
+    /// on when discovery is configured and no `kv_endpoints` are given).
+    /// Env: `KVSCOPE_AGENT_EVENT_PLANE` (`1`/`0`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub event_plane: Option<bool>,
+    /// The NATS server of Dynamo's event plane when it runs on NATS (default: Dynamo's
+    /// `NATS_SERVER`, else `nats_url`). Env: `NATS_SERVER`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub event_plane_nats_url: Option<String>,
     /// OTLP export of the agent's metrics and NIXL spans (default off: no endpoint).
     /// Env: the standard `OTEL_EXPORTER_OTLP_*`, `OTEL_SERVICE_NAME`, ... (see
     /// `kvscope_otlp::config`).
@@ -130,8 +144,12 @@ pub struct AgentConfig {
 pub struct KvEndpoint {
     /// ZMQ endpoint of the publisher, e.g. `tcp://127.0.0.1:5557`.
     pub endpoint: String,
-    /// The worker (instance) id the router logs for this engine.
-    pub worker_id: u64,
+    /// The worker (instance) id the router logs for this engine. When absent, the agent
+    /// finds it through discovery: the local process listening on the endpoint's port
+    /// also serves one worker's request-plane port (found again after every reconnect,
+    /// so a restarted engine is its new worker).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub worker_id: Option<u64>,
     /// Data-parallel rank; when absent, each batch's own `dp_rank` is used (else 0).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dp_rank: Option<u32>,
@@ -140,18 +158,25 @@ pub struct KvEndpoint {
 impl std::str::FromStr for KvEndpoint {
     type Err = String;
 
-    /// `ENDPOINT=WORKER_ID[/DP]`.
+    /// `ENDPOINT[=WORKER_ID[/DP]]`.
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let (endpoint, worker) = s
-            .rsplit_once('=')
-            .ok_or_else(|| format!("{s:?} is not ENDPOINT={}", WorkerSpec::FORM))?;
+        let Some((endpoint, worker)) = s.rsplit_once('=') else {
+            if s.trim().is_empty() {
+                return Err("an empty --kv endpoint".into());
+            }
+            return Ok(KvEndpoint {
+                endpoint: s.trim().to_string(),
+                worker_id: None,
+                dp_rank: None,
+            });
+        };
         if endpoint.trim().is_empty() {
             return Err(format!("{s:?} has no endpoint"));
         }
         let worker: WorkerSpec = worker.parse().map_err(|e| format!("{s:?}: {e}"))?;
         Ok(KvEndpoint {
             endpoint: endpoint.trim().to_string(),
-            worker_id: worker.worker_id,
+            worker_id: Some(worker.worker_id),
             dp_rank: worker.dp_rank,
         })
     }
@@ -180,6 +205,9 @@ impl Default for AgentConfig {
             kv_reorder_window_ms: None,
             shutdown_grace_secs: 5.0,
             nixl: NixlTraceConfig::default(),
+            discovery: kvscope_discovery::DiscoveryConfig::default(),
+            event_plane: None,
+            event_plane_nats_url: None,
             otlp: kvscope_otlp::OtlpConfig::default(),
         }
     }
@@ -275,8 +303,23 @@ impl AgentConfig {
             self.nixl.pid = Some(v);
             self.nixl.enabled = true;
         }
+        if let Some(v) = env.flag("KVSCOPE_AGENT_EVENT_PLANE") {
+            self.event_plane = Some(v);
+        }
+        if let Some(v) = env.trimmed("NATS_SERVER").filter(|v| !v.is_empty()) {
+            self.event_plane_nats_url = Some(v);
+        }
+        self.discovery.apply_env(&var)?;
         self.otlp.apply_env(&var)?;
         Ok(())
+    }
+
+    /// Whether the agent taps Dynamo's event plane (see `event_plane`).
+    pub fn taps_event_plane(&self) -> bool {
+        self.event_plane.unwrap_or(
+            self.discovery.backend != kvscope_discovery::config::BackendKind::None
+                && self.kv_endpoints.is_empty(),
+        )
     }
 
     /// What a KV event publisher may make a tap hold.
@@ -314,12 +357,28 @@ impl AgentConfig {
             self.shutdown_grace_secs.is_finite() && self.shutdown_grace_secs >= 0.0,
             "shutdown_grace_secs must be >= 0"
         );
+        let discovery = self
+            .discovery
+            .backend()
+            .map_err(|e| anyhow::anyhow!("discovery: {e}"))?;
         anyhow::ensure!(
             self.kv_endpoints.len()
                 + usize::from(self.router_log.is_some())
                 + usize::from(self.nixl.enabled)
+                + usize::from(self.taps_event_plane())
                 > 0,
-            "nothing to tap: give --kv, --router-log and/or --nixl"
+            "nothing to tap: give --kv, --router-log, --nixl, or Dynamo's discovery (DYN_DISCOVERY_BACKEND) for its event plane"
+        );
+        if let Some(ep) = self.kv_endpoints.iter().find(|e| e.worker_id.is_none()) {
+            anyhow::ensure!(
+                discovery.is_some(),
+                "--kv {} has no worker id: give ENDPOINT=WORKER_ID, or Dynamo's discovery (DYN_DISCOVERY_BACKEND, --discovery) so the agent finds it",
+                ep.endpoint
+            );
+        }
+        anyhow::ensure!(
+            !self.taps_event_plane() || discovery.is_some(),
+            "the event plane's channels come from Dynamo's discovery: set DYN_DISCOVERY_BACKEND or --discovery"
         );
         anyhow::ensure!(
             self.nixl.scan_interval_secs.is_finite() && self.nixl.scan_interval_secs > 0.0,
@@ -356,7 +415,7 @@ mod tests {
             c.kv_endpoints,
             vec![KvEndpoint {
                 endpoint: "tcp://127.0.0.1:5557".into(),
-                worker_id: 7587886582197386541,
+                worker_id: Some(7587886582197386541),
                 dp_rank: Some(0)
             }]
         );
@@ -390,7 +449,7 @@ mod tests {
             c.kv_endpoints[1],
             KvEndpoint {
                 endpoint: "tcp://127.0.0.1:2".into(),
-                worker_id: 6,
+                worker_id: Some(6),
                 dp_rank: Some(1)
             }
         );
@@ -403,10 +462,15 @@ mod tests {
     #[test]
     fn kv_endpoint_specs() {
         let e: KvEndpoint = "tcp://127.0.0.1:5557=42".parse().unwrap();
-        assert_eq!((e.worker_id, e.dp_rank), (42, None));
+        assert_eq!((e.worker_id, e.dp_rank), (Some(42), None));
         let e: KvEndpoint = "tcp://127.0.0.1:5557=42/3".parse().unwrap();
         assert_eq!(e.dp_rank, Some(3));
-        for bad in ["tcp://127.0.0.1:5557", "=4", "tcp://x=abc", "tcp://x=1/y"] {
+        let e: KvEndpoint = "tcp://127.0.0.1:5557".parse().unwrap();
+        assert_eq!(
+            (e.worker_id, e.endpoint.as_str()),
+            (None, "tcp://127.0.0.1:5557")
+        );
+        for bad in ["", "=4", "tcp://x=abc", "tcp://x=1/y"] {
             assert!(bad.parse::<KvEndpoint>().is_err(), "{bad}");
         }
     }

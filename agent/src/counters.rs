@@ -42,6 +42,8 @@ agent_stats!(
     kv_sequence_resets: "Publisher sequence restarts (engine restarts).",
     kv_peer_violations: "Connections to a KV publisher dropped because the peer broke the ZMTP protocol or a size limit.",
     kv_tap_panics: "KV event taps that panicked and were restarted.",
+    discovery_changes: "Workers and KV publishers that appeared, changed or went away in Dynamo's discovery store.",
+    discovery_errors: "Failed reads of Dynamo's discovery store (retried).",
     log_lines: "Router log lines read.",
     log_malformed_lines: "Router decision lines that could not be parsed.",
     log_lines_too_long: "Router log lines longer than max_line_bytes, skipped.",
@@ -73,6 +75,6 @@ mod tests {
         let c = s.snapshot();
         assert_eq!(c.kv_batches, 2);
         assert_eq!(c.publish_dropped, 5);
-        assert_eq!(s.named().len(), 23);
+        assert_eq!(s.named().len(), 25);
     }
 }

@@ -13,12 +13,14 @@ pub mod cli;
 pub mod config;
 pub mod counters;
 pub mod decision_join;
+pub mod fleet;
 pub mod internal_events;
 /// The vLLM KV event decoder, shared with the NIXL lab's publisher (in `kvscope-wire`).
 pub use kvscope_wire::vllm_events as kv_events;
 pub mod log_follower;
 pub mod metrics;
 pub mod nixl;
+pub mod plane_tap;
 pub mod publisher;
 pub mod record_sink;
 pub mod router_log;

@@ -237,6 +237,20 @@ impl RecordSink {
         SourceId(inner.sources.len() - 1)
     }
 
+    /// `source` will deliver nothing more (its publisher is gone): records stop waiting
+    /// for it.
+    pub fn retire_source(&self, source: SourceId) {
+        let mut inner = self.lock();
+        if let Some(p) = inner.sources.get_mut(source.0) {
+            p.last_ns = u64::MAX;
+        }
+        let released = self.release_locked(&mut inner, now_ns(), false);
+        drop(inner);
+        if released {
+            self.ready.notify_one();
+        }
+    }
+
     /// How long records now wait for a quiet KV publisher (ns): the window until a batch
     /// has been measured.
     pub fn publisher_wait_ns(&self) -> Option<u64> {

@@ -10,6 +10,7 @@
 
 use crate::config::KvEndpoint;
 use crate::counters::AgentStats;
+use crate::fleet::FleetView;
 use crate::internal_events::{
     InternalEvent, KvBadFrame, KvBatchReceived, KvDecodeError, KvMalformedEvent, KvPeerViolation,
     KvSequenceGap, KvSequenceReset, KvTapConnected, KvTapDisconnected, KvTapPanicked,
@@ -32,17 +33,75 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// loop in [`run`] feeds it).
 pub struct KvTap {
     endpoint: KvEndpoint,
-    sequence: SequenceTracker,
-    last_seq: Option<u64>,
+    /// The worker the batches belong to (configured, or found through discovery).
+    worker_id: u64,
+    sequence: PublisherSequence,
     stats: Arc<AgentStats>,
 }
 
+/// One publisher's sequence numbers, classified and their problems emitted.
+#[derive(Debug, Default)]
+pub(crate) struct PublisherSequence {
+    tracker: SequenceTracker,
+    last: Option<u64>,
+}
+
+impl PublisherSequence {
+    pub(crate) fn observe(
+        &mut self,
+        publisher: &str,
+        seq: u64,
+        stats: &AgentStats,
+    ) -> SequenceStatus {
+        let sequence = self.tracker.observe(publisher, seq);
+        match sequence {
+            SequenceStatus::Gap { missed } => KvSequenceGap {
+                publisher,
+                expected: seq - missed,
+                got: seq,
+                missed,
+            }
+            .emit(stats),
+            SequenceStatus::Reset => KvSequenceReset {
+                publisher,
+                previous: self.last.unwrap_or_default(),
+                got: seq,
+            }
+            .emit(stats),
+            SequenceStatus::First | SequenceStatus::InOrder => {}
+        }
+        self.last = Some(seq);
+        sequence
+    }
+}
+
+/// Emit each event a decoder skipped.
+pub(crate) fn emit_problems(publisher: &str, problems: &[EventProblem], stats: &AgentStats) {
+    for p in problems {
+        match p {
+            EventProblem::Unknown { event_type, .. } => KvUnknownEvent {
+                publisher,
+                event_type,
+            }
+            .emit(stats),
+            EventProblem::Malformed {
+                event_type, reason, ..
+            } => KvMalformedEvent {
+                publisher,
+                event_type,
+                reason,
+            }
+            .emit(stats),
+        }
+    }
+}
+
 impl KvTap {
-    pub fn new(endpoint: KvEndpoint, stats: Arc<AgentStats>) -> Self {
+    pub fn new(endpoint: KvEndpoint, worker_id: u64, stats: Arc<AgentStats>) -> Self {
         Self {
             endpoint,
-            sequence: SequenceTracker::new(),
-            last_seq: None,
+            worker_id,
+            sequence: PublisherSequence::default(),
             stats,
         }
     }
@@ -63,24 +122,7 @@ impl KvTap {
         };
         // The number is valid even when the payload is not: track it first, so one bad
         // payload does not look like a gap at the next batch.
-        let sequence = self.sequence.observe(publisher, seq);
-        match sequence {
-            SequenceStatus::Gap { missed } => KvSequenceGap {
-                publisher,
-                expected: seq - missed,
-                got: seq,
-                missed,
-            }
-            .emit(&self.stats),
-            SequenceStatus::Reset => KvSequenceReset {
-                publisher,
-                previous: self.last_seq.unwrap_or_default(),
-                got: seq,
-            }
-            .emit(&self.stats),
-            SequenceStatus::First | SequenceStatus::InOrder => {}
-        }
-        self.last_seq = Some(seq);
+        let sequence = self.sequence.observe(publisher, seq, &self.stats);
         let decoded = match decode_payload(payload) {
             Ok(d) => d,
             Err(error) => {
@@ -92,23 +134,7 @@ impl KvTap {
                 return None;
             }
         };
-        for p in &decoded.problems {
-            match p {
-                EventProblem::Unknown { event_type, .. } => KvUnknownEvent {
-                    publisher,
-                    event_type,
-                }
-                .emit(&self.stats),
-                EventProblem::Malformed {
-                    event_type, reason, ..
-                } => KvMalformedEvent {
-                    publisher,
-                    event_type,
-                    reason,
-                }
-                .emit(&self.stats),
-            }
-        }
+        emit_problems(publisher, &decoded.problems, &self.stats);
         KvBatchReceived {
             publisher,
             events: decoded.events.len(),
@@ -116,10 +142,11 @@ impl KvTap {
         .emit(&self.stats);
         Some(Record::KvEvents(KvEventBatch {
             worker: WorkerKey {
-                worker_id: self.endpoint.worker_id,
+                worker_id: self.worker_id,
                 dp_rank: self.endpoint.dp_rank.or(decoded.dp_rank).unwrap_or(0),
             },
             publisher: publisher.to_string(),
+            origin: Default::default(),
             seq,
             sequence,
             engine_ts: decoded.engine_ts,
@@ -134,6 +161,7 @@ impl KvTap {
 /// counted and the tap starts again, its sequence numbering forgotten.
 pub async fn run(
     endpoint: KvEndpoint,
+    fleet: Option<FleetView>,
     limits: Limits,
     sink: Arc<RecordSink>,
     source: SourceId,
@@ -143,6 +171,7 @@ pub async fn run(
     while !*stop.borrow() {
         let tap = tokio::spawn(tap_until_stopped(
             endpoint.clone(),
+            fleet.clone(),
             limits,
             sink.clone(),
             source,
@@ -186,16 +215,36 @@ fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
 
 async fn tap_until_stopped(
     endpoint: KvEndpoint,
+    mut fleet: Option<FleetView>,
     limits: Limits,
     sink: Arc<RecordSink>,
     source: SourceId,
     stats: Arc<AgentStats>,
     mut stop: watch::Receiver<bool>,
 ) {
-    let mut tap = KvTap::new(endpoint.clone(), stats.clone());
     let publisher = endpoint.endpoint.as_str();
+    let mut tap: Option<KvTap> = endpoint
+        .worker_id
+        .map(|id| KvTap::new(endpoint.clone(), id, stats.clone()));
     let mut backoff = MIN_BACKOFF;
     while !*stop.borrow() {
+        // Without a configured worker id, every connection starts by finding out whose
+        // publisher this is (after an engine restart it is a new worker).
+        if endpoint.worker_id.is_none() {
+            let Some(view) = fleet.as_mut() else {
+                return;
+            };
+            let Some(id) = crate::fleet::wait_for_worker(view, publisher, &stats, &mut stop).await
+            else {
+                return;
+            };
+            if tap.as_ref().is_none_or(|t| t.worker_id != id) {
+                tap = Some(KvTap::new(endpoint.clone(), id, stats.clone()));
+            }
+        }
+        let Some(tap) = tap.as_mut() else {
+            return;
+        };
         let connected = tokio::select! {
             r = Connection::connect(publisher, SocketType::Sub, limits, CONNECT_TIMEOUT) => r,
             _ = stop.changed() => return,
@@ -297,10 +346,10 @@ mod tests {
         let stats = Arc::new(AgentStats::default());
         let ep = KvEndpoint {
             endpoint: "tcp://127.0.0.1:1".into(),
-            worker_id: 9,
+            worker_id: Some(9),
             dp_rank: dp,
         };
-        (KvTap::new(ep, stats.clone()), stats)
+        (KvTap::new(ep, 9, stats.clone()), stats)
     }
 
     fn msg(seq: u64, payload: Vec<u8>) -> Vec<Vec<u8>> {

@@ -312,7 +312,7 @@ async fn records_from_zmq_and_the_router_log_arrive_on_jetstream() {
         nats_url: format!("nats://127.0.0.1:{nats_port}"),
         kv_endpoints: vec![KvEndpoint {
             endpoint: endpoint.clone(),
-            worker_id: WORKER,
+            worker_id: Some(WORKER),
             dp_rank: None,
         }],
         router_log: Some(log_path.display().to_string()),
@@ -364,6 +364,8 @@ async fn records_from_zmq_and_the_router_log_arrive_on_jetstream() {
         kv_sequence_resets: 1,
         kv_peer_violations: 0,
         kv_tap_panics: 0,
+        discovery_changes: 0,
+        discovery_errors: 0,
         log_lines: 9,
         log_malformed_lines: 1,
         log_lines_too_long: 0,
@@ -432,6 +434,7 @@ async fn records_from_zmq_and_the_router_log_arrive_on_jetstream() {
         KvEventBatch {
             worker,
             publisher: endpoint.clone(),
+            origin: Default::default(),
             seq: 0,
             sequence: SequenceStatus::First,
             engine_ts: real["decoded_payload"][0].as_f64().unwrap(),
@@ -440,6 +443,7 @@ async fn records_from_zmq_and_the_router_log_arrive_on_jetstream() {
                 parent_block_hash: None,
                 token_ids: real_tokens,
                 block_size: 16,
+                local_hashes: None,
                 lora_name: None,
                 medium: None,
             }],
@@ -447,6 +451,7 @@ async fn records_from_zmq_and_the_router_log_arrive_on_jetstream() {
         KvEventBatch {
             worker,
             publisher: endpoint.clone(),
+            origin: Default::default(),
             seq: 1,
             sequence: SequenceStatus::InOrder,
             engine_ts: 1795939426.5,
@@ -456,6 +461,7 @@ async fn records_from_zmq_and_the_router_log_arrive_on_jetstream() {
                     parent_block_hash: Some((-3i64) as u64),
                     token_ids: vec![1, 2, 3, 4],
                     block_size: 2,
+                    local_hashes: None,
                     lora_name: None,
                     medium: Some("GPU".into()),
                 },
@@ -468,6 +474,7 @@ async fn records_from_zmq_and_the_router_log_arrive_on_jetstream() {
         KvEventBatch {
             worker,
             publisher: endpoint.clone(),
+            origin: Default::default(),
             seq: 5,
             sequence: SequenceStatus::Gap { missed: 2 },
             engine_ts: 1795939427.0,
@@ -476,6 +483,7 @@ async fn records_from_zmq_and_the_router_log_arrive_on_jetstream() {
         KvEventBatch {
             worker,
             publisher: endpoint.clone(),
+            origin: Default::default(),
             seq: 0,
             sequence: SequenceStatus::Reset,
             engine_ts: 1795939500.0,

@@ -10,7 +10,7 @@ use crate::window::{ClosedWindow, MigrationLogWindow, OpenWindow, WindowSummary}
 use kvscope_wire::nixl::{MergedLatency, NixlReport};
 use kvscope_wire::{
     AgentHeartbeat, Envelope, KvEvent, KvEventBatch, MigrationLogKind, MigrationLogLine, Record,
-    RoutingDecision, SequenceHash, SequenceStatus, WorkerKey,
+    RoutingDecision, SequenceHash, SequenceStatus, WorkerKey, WorkerRecord, WorkerState,
 };
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap, VecDeque};
@@ -104,6 +104,12 @@ pub struct CollectorCounters {
     /// Records sent in parts that never came whole (a part missing, out of order or
     /// past the size limit; counted by the bus reader): dropped, never guessed at.
     pub incomplete_records: u64,
+    /// Workers whose registration went away in Dynamo's discovery store: their mirror
+    /// was dropped and no verdict names them afterwards.
+    pub workers_retired: u64,
+    /// KV batches for a retired worker (late events of a process that stopped): not
+    /// applied.
+    pub batches_for_retired_workers: u64,
 }
 
 /// Upper bounds (inclusive, tokens) of the per-spill token histograms on `/metrics`:
@@ -193,6 +199,8 @@ pub struct FleetAnalyzer {
     /// Per worker: the prompt blocks of decisions routed to it, with the decision time.
     recent_prompts: HashMap<WorkerKey, HashMap<SequenceHash, u64>>,
     verdict_delay: MergedLatency,
+    /// The workers discovery described, by instance id (retired ones included).
+    fleet: BTreeMap<u64, WorkerRecord>,
 }
 
 impl FleetAnalyzer {
@@ -213,6 +221,7 @@ impl FleetAnalyzer {
             publisher_seqs: HashMap::new(),
             recent_prompts: HashMap::new(),
             verdict_delay: MergedLatency::default(),
+            fleet: BTreeMap::new(),
         }
     }
 
@@ -233,6 +242,15 @@ impl FleetAnalyzer {
     }
     pub fn agents(&self) -> &BTreeMap<String, AgentStatus> {
         &self.agents
+    }
+    /// The workers discovery described (the latest record of each; retired ones too).
+    pub fn fleet(&self) -> &BTreeMap<u64, WorkerRecord> {
+        &self.fleet
+    }
+    fn retired(&self, worker_id: u64) -> bool {
+        self.fleet
+            .get(&worker_id)
+            .is_some_and(|w| w.state == WorkerState::Gone)
     }
     pub fn closed_windows(
         &self,
@@ -278,7 +296,15 @@ impl FleetAnalyzer {
         match &env.record {
             Record::KvEvents(batch) => {
                 self.check_batch_order(&env.agent, batch);
-                self.apply_kv(batch);
+                if self.retired(batch.worker.worker_id) {
+                    self.counters.batches_for_retired_workers += 1;
+                } else {
+                    self.apply_kv(batch);
+                }
+                None
+            }
+            Record::Worker(w) => {
+                self.apply_worker(w);
                 None
             }
             Record::Decision(d) => {
@@ -308,6 +334,29 @@ impl FleetAnalyzer {
                 None
             }
         }
+    }
+
+    /// A worker appeared, changed or went away in discovery. A retired worker's caches
+    /// are dropped, all its ranks: the process is gone, and a restarted engine comes
+    /// back under a new id.
+    fn apply_worker(&mut self, w: &WorkerRecord) {
+        let was_up = self
+            .fleet
+            .get(&w.worker_id)
+            .is_some_and(|old| old.state == WorkerState::Up);
+        if w.state == WorkerState::Gone && was_up {
+            self.counters.workers_retired += 1;
+            let ranks: Vec<WorkerKey> = self
+                .index
+                .workers()
+                .filter(|k| k.worker_id == w.worker_id)
+                .collect();
+            for k in ranks {
+                self.counters.cleared_blocks += self.index.clear(k);
+                self.recent_prompts.remove(&k);
+            }
+        }
+        self.fleet.insert(w.worker_id, w.clone());
     }
 
     fn advance_clock(&mut self, t: u64) {
@@ -425,16 +474,28 @@ impl FleetAnalyzer {
                     token_ids,
                     block_size,
                     lora_name,
+                    local_hashes,
                     ..
                 } => {
-                    match self.index.store(
-                        worker,
-                        *parent_block_hash,
-                        block_hashes,
-                        token_ids,
-                        *block_size,
-                        lora_name.as_deref(),
-                    ) {
+                    // Dynamo's event plane hands the local hashes over; an engine, the
+                    // tokens they are hashed from.
+                    let stored = match local_hashes {
+                        Some(locals) if token_ids.is_empty() => self.index.store_hashed(
+                            worker,
+                            *parent_block_hash,
+                            block_hashes,
+                            locals,
+                        ),
+                        _ => self.index.store(
+                            worker,
+                            *parent_block_hash,
+                            block_hashes,
+                            token_ids,
+                            *block_size,
+                            lora_name.as_deref(),
+                        ),
+                    };
+                    match stored {
                         Ok(seg) => {
                             self.counters.stored_blocks += seg.blocks.len() as u64;
                             let prompts = self.recent_prompts.get(&worker);
@@ -616,6 +677,7 @@ mod tests {
                 parent_block_hash: None,
                 token_ids: tokens.to_vec(),
                 block_size: 2,
+                local_hashes: None,
                 lora_name: None,
                 medium: None,
             }],
@@ -626,6 +688,7 @@ mod tests {
         Record::KvEvents(KvEventBatch {
             worker: w(worker),
             publisher: format!("p{worker}"),
+            origin: Default::default(),
             seq,
             sequence: status,
             engine_ts: 0.0,
@@ -655,6 +718,46 @@ mod tests {
             stored(1, 0, SequenceStatus::First, &toks, &[1, 2, 3, 4]),
         ));
         (a, toks)
+    }
+
+    fn worker(id: u64, state: WorkerState) -> Record {
+        Record::Worker(WorkerRecord {
+            worker_id: id,
+            state,
+            model: Some("m".into()),
+            block_size: Some(2),
+            total_kv_blocks: Some(8),
+            dp_ranks: vec![0],
+            worker_type: None,
+        })
+    }
+
+    #[test]
+    fn a_worker_that_leaves_discovery_is_retired_and_never_named_again() {
+        let (mut a, toks) = four_blocks_on_worker_1();
+        a.apply(&env(2, worker(1, WorkerState::Up)));
+        a.apply(&env(2, worker(2, WorkerState::Up)));
+        let v = a.apply(&env(3, decision("r1", 2, &toks))).unwrap();
+        assert_eq!((v.best, v.best_overlap_blocks), (w(1), 4));
+        a.apply(&env(4, worker(1, WorkerState::Gone)));
+        assert_eq!(a.index().cached_blocks(&w(1)), 0, "its mirror is dropped");
+        assert_eq!(a.counters().workers_retired, 1);
+        // Its late events are not applied; no later verdict names it.
+        a.apply(&env(
+            5,
+            stored(1, 1, SequenceStatus::InOrder, &toks, &[1, 2, 3, 4]),
+        ));
+        assert_eq!(a.counters().batches_for_retired_workers, 1);
+        let v = a.apply(&env(6, decision("r2", 2, &toks))).unwrap();
+        assert!(
+            v.overlaps.keys().all(|k| k.worker_id != 1),
+            "{:?}",
+            v.overlaps
+        );
+        assert_eq!(a.fleet()[&1].state, WorkerState::Gone);
+        // A second Gone counts nothing more.
+        a.apply(&env(7, worker(1, WorkerState::Gone)));
+        assert_eq!(a.counters().workers_retired, 1);
     }
 
     fn cfg() -> AnalyzerConfig {
@@ -724,6 +827,7 @@ mod tests {
                         parent_block_hash: Some(77),
                         token_ids: vec![1, 2],
                         block_size: 2,
+                        local_hashes: None,
                         lora_name: None,
                         medium: None,
                     },
@@ -918,6 +1022,7 @@ mod tests {
                     parent_block_hash: Some(2),
                     token_ids: output.clone(),
                     block_size: 2,
+                    local_hashes: None,
                     lora_name: None,
                     medium: None,
                 }],

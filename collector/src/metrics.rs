@@ -25,12 +25,22 @@ pub fn exposition(shared: &crate::bus::Shared, format: Format) -> String {
 /// The collector's figures for the current state.
 pub fn write(out: &mut Exposition, a: &FleetAnalyzer, bus: &BusStatus) {
     let c = a.counters();
-    let counters: [(&str, &str, u64); 22] = [
+    let counters: [(&str, &str, u64); 24] = [
         ("kvscope_collector_records", "Records applied.", c.records),
         (
             "kvscope_collector_undecodable_records",
             "Bus messages that were not valid records.",
             c.undecodable_records,
+        ),
+        (
+            "kvscope_collector_workers_retired",
+            "Workers whose registration went away in Dynamo's discovery: their mirror was dropped.",
+            c.workers_retired,
+        ),
+        (
+            "kvscope_collector_batches_for_retired_workers",
+            "KV batches of a retired worker, arriving after it left discovery: not applied.",
+            c.batches_for_retired_workers,
         ),
         (
             "kvscope_collector_incomplete_records",

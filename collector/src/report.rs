@@ -408,6 +408,11 @@ impl OpportunityReport {
                 "records sent in parts that never came whole",
                 c.incomplete_records,
             ),
+            ("workers retired (left discovery)", c.workers_retired),
+            (
+                "KV batches of retired workers (not applied)",
+                c.batches_for_retired_workers,
+            ),
             ("sequence gaps", c.sequence_gaps),
             ("missed batches", c.missed_batches),
             ("sequence resets (engine restarts)", c.sequence_resets),

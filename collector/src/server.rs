@@ -49,6 +49,7 @@ async fn summary(State(s): State<Arc<Shared>>) -> impl IntoResponse {
         "open_window": a.open_window(),
         "counters": a.counters(),
         "agents": a.agents(),
+        "fleet": a.fleet(),
     }))
 }
 

@@ -108,6 +108,7 @@ fn fleet_records() -> Vec<Envelope> {
                 Record::KvEvents(KvEventBatch {
                     worker: key(chosen),
                     publisher: format!("tcp://10.0.0.{chosen}:5557"),
+                    origin: Default::default(),
                     seq: *s,
                     sequence,
                     engine_ts: (t / S) as f64,
@@ -117,6 +118,7 @@ fn fleet_records() -> Vec<Envelope> {
                         token_ids: tokens[have * BLOCK as usize..chain.len() * BLOCK as usize]
                             .to_vec(),
                         block_size: BLOCK,
+                        local_hashes: None,
                         lora_name: None,
                         medium: Some("GPU".into()),
                     }],

@@ -1,7 +1,13 @@
-//! A lab fleet with kvscope attached: the lab's processes, plus `kvscope agent` (tapping
-//! every mocker's ZMQ KV events and following the router's log) and `kvscope collector
-//! run` (recording what it applies), both as child processes of this one so a test can
-//! kill and restart them.
+//! A lab fleet with kvscope attached: the lab's processes, plus `kvscope agent` (reading
+//! the fleet's KV events and following the router's log) and `kvscope collector run`
+//! (recording what it applies), both as child processes of this one so a test can kill
+//! and restart them.
+//!
+//! The agent is given what a Dynamo deployment gives its pods — the discovery
+//! variables (`DYN_DISCOVERY_BACKEND` with `DYN_FILE_KV` or `ETCD_ENDPOINTS`,
+//! `NATS_SERVER`) — and no worker id: with [`KvSource::EngineTaps`] it taps each mocker's
+//! vLLM-format publisher by address and finds whose it is; with [`KvSource::EventPlane`]
+//! it reads Dynamo's event plane from discovery alone.
 
 use anyhow::{bail, Context as _};
 use kvscope_collector::report::OpportunityReport;
@@ -17,9 +23,20 @@ use tracing::info;
 /// The cluster name the lab's records travel under.
 pub const LAB_CLUSTER: &str = "lab";
 
+/// Where the agent reads the fleet's KV events.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KvSource {
+    /// Each engine's own vLLM-format publisher, by address (`--kv ENDPOINT`).
+    #[default]
+    EngineTaps,
+    /// Dynamo's event plane, every publisher discovery lists.
+    EventPlane,
+}
+
 #[derive(Debug, Clone)]
 pub struct FleetRunConfig {
     pub lab: LabConfig,
+    pub kv_source: KvSource,
     /// Collector window length and warm-up, in seconds.
     pub window_secs: f64,
     pub warmup_secs: f64,
@@ -159,10 +176,12 @@ impl FleetRun {
             .arg("--record")
             .arg(&self.agent_recording)
             .env("RUST_LOG", "info")
+            .envs(lab.manifest().dynamo_env())
             .envs(self.cfg.agent_env.iter().map(|(k, v)| (k, v)));
-        for w in lab.workers() {
-            cmd.arg("--kv")
-                .arg(format!("{}={}", w.kv_events_endpoint, w.worker_id));
+        if self.cfg.kv_source == KvSource::EngineTaps {
+            for w in lab.workers() {
+                cmd.arg("--kv").arg(&w.kv_events_endpoint);
+            }
         }
         cmd.args(&self.agent_extra_args);
         let log = self.run_dir().join("agent.log");
@@ -195,6 +214,31 @@ impl FleetRun {
                 );
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Stop lab mocker `index` and start it again (a new worker id): see
+    /// [`Lab::restart_worker`]. Returns (old id, new id).
+    pub async fn restart_worker(&mut self, index: usize) -> anyhow::Result<(u64, u64)> {
+        let lab = self.lab.as_mut().context("the lab is stopped")?;
+        tokio::task::block_in_place(|| lab.restart_worker(index))
+    }
+
+    /// Wait until the collector has judged at least `n` decisions.
+    pub async fn wait_for_decisions(&self, n: u64, timeout: Duration) -> anyhow::Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let s = self.summary().await?;
+            if s["counters"]["decisions"].as_u64().unwrap_or(0) >= n {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "waited {timeout:?} for {n} decisions; counters {}",
+                    s["counters"]
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
         }
     }
 

@@ -20,7 +20,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run the per-node agent (same as `kvscope-agent`).
-    Agent(kvscope_agent::cli::Cli),
+    Agent(Box<kvscope_agent::cli::Cli>),
     /// Run the collector or write reports (same as `kvscope-collector`).
     Collector(kvscope_collector::cli::Cli),
     /// Flip KV migration OFF / DRY / LIVE from the collector's measurements, plan, audit
@@ -85,7 +85,7 @@ async fn main() -> std::process::ExitCode {
         .with_writer(std::io::stderr)
         .init();
     let result = match Cli::parse().command {
-        Command::Agent(cli) => kvscope_agent::cli::run(cli).await,
+        Command::Agent(cli) => kvscope_agent::cli::run(*cli).await,
         Command::Collector(cli) => kvscope_collector::cli::run(cli).await,
         Command::Actuator(cli) => kvscope_actuator::cli::run(cli).await,
         Command::Demo(args) => demo(args).await,
@@ -122,6 +122,7 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
     let run = FleetRun::start(
         &exe,
         FleetRunConfig {
+            kv_source: Default::default(),
             lab,
             window_secs: args.window_secs,
             warmup_secs: args.warmup_secs,

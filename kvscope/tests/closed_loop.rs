@@ -23,8 +23,8 @@ use kvscope_actuator::audit::AuditEvent;
 use kvscope_actuator::mode::Mode;
 use kvscope_actuator::policy::{SafetyTrigger, Transition};
 use kvscope_collector::nixl::NixlPair;
+use kvscope_discovery::procfs::{SocketInfo, SocketWatch};
 use kvscope_lab::process::{ManagedProcess, StopOnDrop};
-use kvscope_lab::sockets::{SocketInfo, SocketWatch};
 use kvscope_lab::workload::{self, WorkloadConfig};
 use kvscope_lab::LabConfig;
 use kvscope_nixl_lab::serve::process::ServeProcess;
@@ -73,13 +73,16 @@ where
 /// fails the test.
 fn assert_loopback_only(seen: &[SocketInfo], lab: &kvscope_lab::Lab) {
     let manifest = lab.manifest();
+    let entries = kvscope_discovery::backend::read_file_store(&manifest.discovery_dir).unwrap();
     let mut dynamo_wildcards: BTreeMap<u16, String> =
-        kvscope_lab::discovery::zmq_event_channels(&manifest.discovery_dir)
-            .unwrap()
+        kvscope_discovery::event_channels(entries.iter().map(|(k, v)| (k.as_str(), v)))
             .into_iter()
-            .filter_map(|(topic, ep)| {
-                let port = ep.rsplit(':').next()?.parse().ok()?;
-                Some((port, format!("event plane PUB ({topic})")))
+            .filter_map(|(topic, ch)| match ch {
+                kvscope_discovery::Channel::Zmq { endpoint } => {
+                    let port = endpoint.rsplit(':').next()?.parse().ok()?;
+                    Some((port, format!("event plane PUB ({topic})")))
+                }
+                kvscope_discovery::Channel::Nats { .. } => None,
             })
             .collect();
     for w in &manifest.workers {
@@ -92,7 +95,7 @@ fn assert_loopback_only(seen: &[SocketInfo], lab: &kvscope_lab::Lab) {
             dynamo_wildcards.insert(port, "mocker vLLM-format KV publisher".into());
         }
     }
-    let dynamo_pids: BTreeSet<u32> = kvscope_lab::sockets::pids_in_groups(
+    let dynamo_pids: BTreeSet<u32> = kvscope_discovery::procfs::pids_in_groups(
         Path::new("/proc"),
         &manifest
             .workers
@@ -119,7 +122,7 @@ fn assert_loopback_only(seen: &[SocketInfo], lab: &kvscope_lab::Lab) {
     let mut listed = Vec::new();
     let mut wrong = Vec::new();
     for s in seen.iter().filter(|s| s.is_listener()) {
-        if kvscope_lab::sockets::is_loopback(s.local.ip()) {
+        if kvscope_discovery::procfs::is_loopback(s.local.ip()) {
             continue;
         }
         match dynamo_wildcards.get(&s.local.port()) {
@@ -171,6 +174,7 @@ async fn spills_go_live_migrate_over_nixl_and_handshake_failures_drop_to_dry() {
     let mut run = FleetRun::start_with(
         exe,
         FleetRunConfig {
+            kv_source: Default::default(),
             lab,
             window_secs: WINDOW_SECS,
             warmup_secs: WINDOW_SECS,

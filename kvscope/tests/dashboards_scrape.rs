@@ -136,6 +136,7 @@ async fn every_dashboard_panel_has_data_from_a_real_prometheus() {
     let run = FleetRun::start_with(
         exe,
         FleetRunConfig {
+            kv_source: Default::default(),
             lab,
             window_secs: 2.0,
             warmup_secs: 2.0,

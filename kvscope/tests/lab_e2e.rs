@@ -41,6 +41,7 @@ async fn lab_fleet_end_to_end_with_a_collector_crash() {
     let mut run = FleetRun::start(
         exe,
         FleetRunConfig {
+            kv_source: Default::default(),
             lab,
             window_secs: WINDOW_SECS,
             warmup_secs: WINDOW_SECS,
@@ -142,26 +143,7 @@ async fn lab_fleet_end_to_end_with_a_collector_crash() {
         .iter()
         .filter_map(|e| analyzer.apply(e))
         .collect();
-    let expected = oracle::dynamo_overlaps(&rec.envelopes);
-    assert_eq!(verdicts.len(), expected.len());
-    let mismatches: Vec<_> = verdicts
-        .iter()
-        .zip(&expected)
-        .filter(|(v, (id, o))| v.request_id != *id || v.overlaps != *o)
-        .map(|(v, (_, o))| {
-            format!(
-                "{}: kvscope {:?} vs dynamo {:?}",
-                v.request_id, v.overlaps, o
-            )
-        })
-        .collect();
-    assert!(
-        mismatches.is_empty(),
-        "{} of {} decisions differ from Dynamo's indexer: {:#?}",
-        mismatches.len(),
-        verdicts.len(),
-        &mismatches[..mismatches.len().min(5)]
-    );
+    oracle::assert_overlaps_equal(&verdicts, &rec.envelopes);
     assert!(
         verdicts.iter().any(|v| !v.overlaps.is_empty()),
         "some requests hit a cached prefix"

@@ -174,6 +174,7 @@ async fn million_token_prefills_are_judged_exactly_and_hold_nothing_back() {
     let mut run = FleetRun::start_with(
         exe,
         FleetRunConfig {
+            kv_source: Default::default(),
             lab,
             window_secs: 4.0,
             warmup_secs: 4.0,
@@ -284,15 +285,7 @@ async fn million_token_prefills_are_judged_exactly_and_hold_nothing_back() {
     );
     let isl: Vec<u64> = verdicts.iter().map(|v| v.isl_tokens).collect();
     assert_eq!(isl, sent, "decisions in the order the requests were sent");
-    let expected = oracle::dynamo_overlaps(&rec.envelopes);
-    for (v, (id, o)) in verdicts.iter().zip(&expected) {
-        assert_eq!(&v.request_id, id);
-        assert_eq!(
-            &v.overlaps, o,
-            "{}: kvscope vs dynamo-kv-router",
-            v.request_id
-        );
-    }
+    oracle::assert_overlaps_equal(&verdicts, &rec.envelopes);
     // The repeated long prompts found their whole prefix on the worker holding it.
     for (i, tokens) in [(1, 131_072u64), (3, 1_048_576)] {
         let best = verdicts[i].overlaps.values().max().copied().unwrap_or(0);

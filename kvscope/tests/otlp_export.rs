@@ -178,6 +178,7 @@ async fn lab_metrics_and_spans_reach_an_otlp_receiver_over_grpc_and_http() {
     let mut run = FleetRun::start(
         Path::new(env!("CARGO_BIN_EXE_kvscope")),
         FleetRunConfig {
+            kv_source: Default::default(),
             lab,
             window_secs: WINDOW_SECS,
             warmup_secs: WINDOW_SECS,

@@ -10,7 +10,6 @@ use anyhow::Context;
 use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
 
-use crate::discovery;
 use crate::paths;
 use crate::process::{group_alive, stop_all, ManagedProcess};
 use crate::router_log::{parse_added_worker, strip_ansi};
@@ -55,6 +54,29 @@ pub struct LabConfig {
     pub startup_timeout_secs: f64,
     /// Grace period between SIGTERM and SIGKILL when stopping, in seconds. Default 5.
     pub stop_grace_secs: f64,
+    /// Dynamo's discovery backend: `file` (a folder in the run dir) or `etcd` (a real
+    /// etcd on loopback). Default file.
+    pub discovery: LabDiscovery,
+    /// Dynamo's event plane: `zmq` or `nats` (the lab's NATS server). Default zmq.
+    pub event_plane: LabEventPlane,
+}
+
+/// Where the lab's Dynamo keeps its discovery store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LabDiscovery {
+    #[default]
+    File,
+    Etcd,
+}
+
+/// How the lab's Dynamo carries its events.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LabEventPlane {
+    #[default]
+    Zmq,
+    Nats,
 }
 
 impl Default for LabConfig {
@@ -76,6 +98,8 @@ impl Default for LabConfig {
             mocker_args: Vec::new(),
             startup_timeout_secs: 120.0,
             stop_grace_secs: 5.0,
+            discovery: LabDiscovery::File,
+            event_plane: LabEventPlane::Zmq,
         }
     }
 }
@@ -113,8 +137,17 @@ pub struct Manifest {
     pub nats_url: Option<String>,
     /// The frontend's log: KV router decisions (`[ROUTING_INPUT]`, `Selected worker`).
     pub router_log: PathBuf,
-    /// `DYN_FILE_KV`: the discovery store (see [`crate::discovery`]).
+    /// `DYN_FILE_KV`: the file discovery store (see `kvscope_discovery`); unused with etcd.
     pub discovery_dir: PathBuf,
+    #[serde(default)]
+    pub discovery: LabDiscovery,
+    /// `ETCD_ENDPOINTS` when the lab runs etcd discovery.
+    #[serde(default)]
+    pub etcd_url: Option<String>,
+    #[serde(default)]
+    pub etcd: Option<ProcessInfo>,
+    #[serde(default)]
+    pub event_plane: LabEventPlane,
     pub block_size: u32,
     pub num_gpu_blocks: u32,
     pub speedup_ratio: f64,
@@ -138,7 +171,35 @@ impl Manifest {
         let mut v: Vec<u32> = self.workers.iter().map(|w| w.process.pid).collect();
         v.push(self.frontend.pid);
         v.extend(self.nats.as_ref().map(|n| n.pid));
+        v.extend(self.etcd.as_ref().map(|n| n.pid));
         v
+    }
+
+    /// The variables through which Dynamo's processes find each other, as a Dynamo
+    /// deployment sets them for every pod: what a kvscope process given the fleet's
+    /// environment reads (`DYN_DISCOVERY_BACKEND`, `DYN_FILE_KV` or `ETCD_ENDPOINTS`,
+    /// `NATS_SERVER` with the NATS event plane).
+    pub fn dynamo_env(&self) -> Vec<(String, String)> {
+        let mut env = Vec::new();
+        match (self.discovery, &self.etcd_url) {
+            (LabDiscovery::Etcd, Some(url)) => {
+                env.push(("DYN_DISCOVERY_BACKEND".into(), "etcd".into()));
+                env.push(("ETCD_ENDPOINTS".into(), url.clone()));
+            }
+            _ => {
+                env.push(("DYN_DISCOVERY_BACKEND".into(), "file".into()));
+                env.push((
+                    "DYN_FILE_KV".into(),
+                    self.discovery_dir.display().to_string(),
+                ));
+            }
+        }
+        if self.event_plane == LabEventPlane::Nats {
+            if let Some(url) = &self.nats_url {
+                env.push(("NATS_SERVER".into(), url.clone()));
+            }
+        }
+        env
     }
 }
 
@@ -174,6 +235,10 @@ pub struct Lab {
     manifest: Manifest,
     procs: Vec<ManagedProcess>,
     stop_grace: Duration,
+    /// Each mocker's command, to start it again ([`Lab::restart_worker`]).
+    mocker_cmds: Vec<Command>,
+    startup_timeout: Duration,
+    restarts: usize,
 }
 
 struct PendingWorker {
@@ -218,9 +283,15 @@ impl Lab {
         // Held until the whole fleet is up, so nothing alongside takes a port before the
         // process it is meant for binds it.
         let reservation =
-            crate::ports::reserve_ports(2 + config.workers).context("choosing free ports")?;
+            crate::ports::reserve_ports(4 + config.workers).context("choosing free ports")?;
         let ports = reservation.ports();
-        let (http_port, nats_port, zmq_ports) = (ports[0], ports[1], &ports[2..]);
+        let (http_port, nats_port, etcd_ports, zmq_ports) =
+            (ports[0], ports[1], [ports[2], ports[3]], &ports[4..]);
+        if config.event_plane == LabEventPlane::Nats && !config.nats {
+            return Err(LabError::Other(anyhow::anyhow!(
+                "the NATS event plane needs the lab's NATS server (nats = true)"
+            )));
+        }
 
         let mut lab = Lab {
             manifest: Manifest {
@@ -231,6 +302,10 @@ impl Lab {
                 nats_url: None,
                 router_log: run_dir.join("frontend.log"),
                 discovery_dir: discovery_dir.clone(),
+                discovery: config.discovery,
+                etcd_url: None,
+                etcd: None,
+                event_plane: config.event_plane,
                 block_size: config.block_size,
                 num_gpu_blocks: config.num_gpu_blocks,
                 speedup_ratio: config.speedup_ratio,
@@ -246,6 +321,9 @@ impl Lab {
             },
             procs: Vec::new(),
             stop_grace: Duration::from_secs_f64(config.stop_grace_secs),
+            mocker_cmds: Vec::new(),
+            startup_timeout: Duration::from_secs_f64(config.startup_timeout_secs),
+            restarts: 0,
         };
         // From here on, an early return drops `lab`, which stops what was started.
 
@@ -261,7 +339,58 @@ impl Lab {
             lab.procs.push(p);
         }
 
+        if config.discovery == LabDiscovery::Etcd {
+            let p = crate::etcd::spawn(&run_dir, etcd_ports[0], etcd_ports[1])?;
+            lab.manifest.etcd = Some(ProcessInfo {
+                name: "etcd".into(),
+                pid: p.pid(),
+                log: p.log.clone(),
+            });
+            lab.manifest.etcd_url = Some(format!("http://127.0.0.1:{}", etcd_ports[0]));
+            lab.procs.push(p);
+            // Dynamo's processes exit if etcd does not answer at their start.
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while TcpStream::connect_timeout(
+                &([127, 0, 0, 1], etcd_ports[0]).into(),
+                Duration::from_millis(200),
+            )
+            .is_err()
+            {
+                if Instant::now() > deadline {
+                    return Err(LabError::Other(anyhow::anyhow!(
+                        "etcd did not listen on 127.0.0.1:{} within 30 s; see {}",
+                        etcd_ports[0],
+                        run_dir.join("etcd.log").display()
+                    )));
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        let planes: Vec<String> = [
+            "--discovery-backend",
+            match config.discovery {
+                LabDiscovery::File => "file",
+                LabDiscovery::Etcd => "etcd",
+            },
+            "--event-plane",
+            match config.event_plane {
+                LabEventPlane::Zmq => "zmq",
+                LabEventPlane::Nats => "nats",
+            },
+            "--request-plane",
+            "tcp",
+        ]
+        .map(str::to_string)
+        .to_vec();
+        let etcd_url = lab.manifest.etcd_url.clone();
+        let nats_url = lab.manifest.nats_url.clone();
         let dyn_env = |cmd: &mut Command, filter: &str| {
+            if let Some(url) = &etcd_url {
+                cmd.env("ETCD_ENDPOINTS", url);
+            }
+            if let Some(url) = &nats_url {
+                cmd.env("NATS_SERVER", url);
+            }
             cmd.env("DYN_LOG", filter)
                 .env("DYN_EVENT_PLANE_HOST", "127.0.0.1")
                 .env("DYN_TCP_RPC_HOST", "127.0.0.1")
@@ -285,7 +414,7 @@ impl Lab {
         fe.args(["-m", "dynamo.frontend", "--router-mode", "kv"])
             .args(["--http-host", "127.0.0.1", "--http-port"])
             .arg(http_port.to_string())
-            .args(PLANES)
+            .args(&planes)
             .args(&config.frontend_args)
             .current_dir(&run_dir);
         dyn_env(&mut fe, &config.frontend_log_filter);
@@ -307,12 +436,13 @@ impl Lab {
                 ])
                 .args(["--speedup-ratio", &config.speedup_ratio.to_string()])
                 .args(["--zmq-kv-events-ports", &port.to_string()])
-                .args(PLANES)
+                .args(&planes)
                 .args(&config.mocker_args)
                 .current_dir(&run_dir);
             dyn_env(&mut cmd, &config.worker_log_filter);
             let name = format!("mocker-{index}");
             let log = run_dir.join(format!("{name}.log"));
+            lab.mocker_cmds.push(copy_command(&cmd));
             let p = ManagedProcess::spawn(&name, cmd, &log)?;
             pending.push(PendingWorker {
                 index,
@@ -406,14 +536,19 @@ impl Lab {
             std::thread::sleep(Duration::from_millis(100));
         }
 
-        // Cross-check with the discovery store.
-        let discovered: BTreeSet<u64> = discovery::read_workers(&discovery_dir)
-            .map(|ws| ws.into_iter().map(|w| w.worker_id).collect())
+        // Cross-check with the file discovery store.
+        let discovered: BTreeSet<u64> = kvscope_discovery::backend::read_file_store(&discovery_dir)
+            .map(|entries| {
+                kvscope_discovery::Fleet::from_entries(entries.iter().map(|(k, v)| (k.as_str(), v)))
+                    .workers
+                    .into_keys()
+                    .collect()
+            })
             .unwrap_or_default();
         for w in &pending {
             let p = &lab.procs[w.proc_idx];
             let worker_id = w.worker_id.unwrap_or_default();
-            if !discovered.contains(&worker_id) {
+            if config.discovery == LabDiscovery::File && !discovered.contains(&worker_id) {
                 warn!(
                     worker_id,
                     "Worker id from the mocker log is not in the discovery store."
@@ -475,6 +610,60 @@ impl Lab {
         self.stop_inner();
     }
 
+    /// Stop mocker `index` (SIGTERM, as an orchestrator stops a pod: it deregisters from
+    /// discovery) and start it again with the same command; it comes back under a new
+    /// worker id, as a restarted Dynamo worker does. Returns (old id, new id) once the
+    /// router has added the new one; the manifest is updated.
+    pub fn restart_worker(&mut self, index: usize) -> anyhow::Result<(u64, u64)> {
+        let name = format!("mocker-{index}");
+        let w = self
+            .manifest
+            .workers
+            .iter()
+            .position(|w| w.index == index)
+            .with_context(|| format!("no worker {index}"))?;
+        let old = self.manifest.workers[w].worker_id;
+        let p = self
+            .procs
+            .iter()
+            .position(|p| p.name == name)
+            .with_context(|| format!("{name} is not running"))?;
+        let mut stopped = vec![self.procs.remove(p)];
+        stop_all(&mut stopped, self.stop_grace);
+        self.restarts += 1;
+        let log = self
+            .manifest
+            .run_dir
+            .join(format!("{name}-restart{}.log", self.restarts));
+        let cmd = copy_command(&self.mocker_cmds[index]);
+        let proc = ManagedProcess::spawn(&name, cmd, &log)?;
+        let pid = proc.pid();
+        self.procs.push(proc);
+        let deadline = Instant::now() + self.startup_timeout;
+        let new = loop {
+            if let Some(id) = worker_id_from_log(&log) {
+                if added_workers(&self.manifest.router_log).contains(&id) {
+                    break id;
+                }
+            }
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "{name} did not come back within {:?}; see {}",
+                self.startup_timeout,
+                log.display()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        };
+        let info = &mut self.manifest.workers[w];
+        info.worker_id = new;
+        info.process = ProcessInfo { name, pid, log };
+        let path = self.manifest_path();
+        std::fs::write(&path, serde_json::to_vec_pretty(&self.manifest)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+        info!(index, old, new, "Mocker restarted under a new worker id.");
+        Ok((old, new))
+    }
+
     fn stop_inner(&mut self) {
         if self.procs.is_empty() {
             return;
@@ -514,17 +703,6 @@ impl Drop for Lab {
     }
 }
 
-/// How every lab process finds the others without NATS or etcd: file discovery, the
-/// ZMQ event plane and the TCP request plane.
-const PLANES: [&str; 6] = [
-    "--discovery-backend",
-    "file",
-    "--event-plane",
-    "zmq",
-    "--request-plane",
-    "tcp",
-];
-
 fn fresh_run_dir(lab_dir: &Path) -> anyhow::Result<PathBuf> {
     let secs = SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -547,6 +725,22 @@ fn fresh_run_dir(lab_dir: &Path) -> anyhow::Result<PathBuf> {
 
 /// The worker id a mocker logs at startup:
 /// `Initializing KvEventPublisher for worker 2129558125179076404 on serving endpoint …`.
+/// A new command with `cmd`'s program, arguments, environment changes and folder.
+fn copy_command(cmd: &Command) -> Command {
+    let mut c = Command::new(cmd.get_program());
+    c.args(cmd.get_args());
+    for (k, v) in cmd.get_envs() {
+        match v {
+            Some(v) => c.env(k, v),
+            None => c.env_remove(k),
+        };
+    }
+    if let Some(d) = cmd.get_current_dir() {
+        c.current_dir(d);
+    }
+    c
+}
+
 fn worker_id_from_log(log: &Path) -> Option<u64> {
     let bytes = std::fs::read(log).ok()?;
     let text = String::from_utf8_lossy(&bytes);

@@ -9,7 +9,7 @@
 //! - [`workload`]: the chat workload and its summary.
 //! - [`router_log`]: just enough parsing of the router's log to check a run.
 
-pub mod discovery;
+pub mod etcd;
 mod lab;
 pub mod nats;
 pub mod paths;
@@ -18,7 +18,8 @@ pub mod process;
 pub mod prometheus;
 pub mod router_log;
 pub mod setup;
-pub mod sockets;
 pub mod workload;
 
-pub use lab::{Lab, LabConfig, LabError, Manifest, ProcessInfo, WorkerInfo};
+pub use lab::{
+    Lab, LabConfig, LabDiscovery, LabError, LabEventPlane, Manifest, ProcessInfo, WorkerInfo,
+};

@@ -6,7 +6,7 @@ use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use kvscope_lab::workload::{self, WorkloadConfig};
-use kvscope_lab::{discovery, router_log, Lab, LabConfig};
+use kvscope_lab::{router_log, Lab, LabConfig};
 
 fn pid_alive(pid: u32) -> bool {
     // A reaped process has no /proc entry; a zombie would show state Z.
@@ -67,11 +67,13 @@ async fn lab_routes_every_request_and_stops_cleanly() {
     // Worker ids: the lab's (from mocker logs) match the discovery store's.
     let ids: BTreeSet<u64> = manifest.workers.iter().map(|w| w.worker_id).collect();
     assert_eq!(ids.len(), 3, "distinct worker ids");
-    let discovered: BTreeSet<u64> = discovery::read_workers(&manifest.discovery_dir)
-        .expect("discovery store readable")
-        .iter()
-        .map(|w| w.worker_id)
-        .collect();
+    let entries = kvscope_discovery::backend::read_file_store(&manifest.discovery_dir)
+        .expect("discovery store readable");
+    let discovered: BTreeSet<u64> =
+        kvscope_discovery::Fleet::from_entries(entries.iter().map(|(k, v)| (k.as_str(), v)))
+            .workers
+            .into_keys()
+            .collect();
     assert_eq!(
         discovered, ids,
         "discovery store lists exactly the lab's workers"

@@ -6,6 +6,7 @@
 
 pub mod config;
 pub mod directive;
+pub mod dynamo_events;
 pub mod hashing;
 pub mod nixl;
 pub mod parts;

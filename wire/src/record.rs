@@ -142,6 +142,40 @@ pub enum Record {
     Heartbeat(AgentHeartbeat),
     /// NIXL transfers and handshakes the agent's eBPF probes measured (cumulative).
     Nixl(crate::nixl::NixlReport),
+    /// A worker as Dynamo's discovery store describes it: appeared or changed, or gone.
+    Worker(WorkerRecord),
+}
+
+/// Whether a worker is registered.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WorkerState {
+    /// Registered (first seen, or what the store says of it changed).
+    Up,
+    /// Its registration went away: the process stopped or its lease expired. Its id is
+    /// not reused; a restarted engine registers under a new one.
+    Gone,
+}
+
+/// One worker instance (every dp rank of it), as discovery describes it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkerRecord {
+    /// Dynamo's instance id: the router's `worker_id`.
+    pub worker_id: u64,
+    pub state: WorkerState,
+    /// The model it serves.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block_size: Option<u32>,
+    /// KV capacity of each dp rank, in blocks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub total_kv_blocks: Option<u64>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub dp_ranks: Vec<u32>,
+    /// `aggregated`, `prefill` or `decode`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub worker_type: Option<String>,
 }
 
 /// How a batch's publisher sequence number relates to the previous one seen from the
@@ -159,11 +193,33 @@ pub enum SequenceStatus {
     Reset,
 }
 
+/// Where a batch of KV events was read.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KvOrigin {
+    /// An engine's own publisher (vLLM's format): the engine's events as it emits them.
+    #[default]
+    Engine,
+    /// Dynamo's event plane: the same events after the worker's publisher has
+    /// normalized them (local hashes instead of tokens, removals of blocks stored twice
+    /// already filtered), exactly what Dynamo's router indexes.
+    EventPlane,
+}
+
+impl KvOrigin {
+    pub fn is_engine(&self) -> bool {
+        *self == KvOrigin::Engine
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct KvEventBatch {
     pub worker: WorkerKey,
-    /// The ZMQ endpoint the batch came from.
+    /// The endpoint the batch came from (a ZMQ endpoint, or the event plane's channel
+    /// and publisher).
     pub publisher: String,
+    #[serde(default, skip_serializing_if = "KvOrigin::is_engine")]
+    pub origin: KvOrigin,
     pub seq: u64,
     pub sequence: SequenceStatus,
     /// The engine's own timestamp (seconds), as sent.
@@ -180,8 +236,14 @@ pub enum KvEvent {
     BlockStored {
         block_hashes: Vec<u64>,
         parent_block_hash: Option<u64>,
+        /// The blocks' tokens (vLLM's events); empty when the source carries only their
+        /// hashes (Dynamo's event plane), then in `local_hashes`.
         token_ids: Vec<u32>,
         block_size: u32,
+        /// Dynamo's local hash of each block (xxh3 of its tokens, seeded), as Dynamo's
+        /// event plane carries them instead of the tokens.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        local_hashes: Option<Vec<u64>>,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         lora_name: Option<String>,
         #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -317,6 +379,10 @@ pub struct AgentCounters {
     pub kv_peer_violations: u64,
     /// KV event taps that panicked (a bug) and were restarted.
     pub kv_tap_panics: u64,
+    /// Workers and KV publishers that appeared, changed or went away in discovery.
+    pub discovery_changes: u64,
+    /// Failed reads of Dynamo's discovery store.
+    pub discovery_errors: u64,
     pub log_lines: u64,
     /// Lines that looked like router decision lines but could not be parsed.
     pub log_malformed_lines: u64,
@@ -448,6 +514,7 @@ mod tests {
                     dp_rank: 0,
                 },
                 publisher: "tcp://127.0.0.1:5557".into(),
+                origin: Default::default(),
                 seq: 4,
                 sequence: SequenceStatus::Gap { missed: 2 },
                 engine_ts: 1.5,
@@ -457,6 +524,7 @@ mod tests {
                         parent_block_hash: None,
                         token_ids: vec![1, 2, 3, 4],
                         block_size: 2,
+                        local_hashes: None,
                         lora_name: None,
                         medium: Some("GPU".into()),
                     },

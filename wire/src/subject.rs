@@ -37,6 +37,7 @@ impl Subjects {
             Record::Migration(_) => format!("kvscope.{}.migration", self.cluster),
             Record::Heartbeat(_) => format!("kvscope.{}.agent.{}", self.cluster, token(agent)),
             Record::Nixl(_) => format!("kvscope.{}.nixl.{}", self.cluster, token(agent)),
+            Record::Worker(_) => format!("kvscope.{}.fleet", self.cluster),
         }
     }
 }

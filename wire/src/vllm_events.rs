@@ -180,6 +180,7 @@ fn decode_event(raw: &Value) -> Result<KvEvent, EventError> {
                 Some(v) => Some(block_hash(v).map_err(|e| bad(format!("parent_block_hash: {e}")))?),
             },
             token_ids: token_ids(fields.get(3, "token_ids")).map_err(bad)?,
+            local_hashes: None,
             block_size: fields
                 .get(4, "block_size")
                 .and_then(Value::as_u64)
@@ -309,6 +310,8 @@ pub fn encode_payload(engine_ts: f64, events: &[KvEvent], dp_rank: u32) -> Vec<u
                 block_size,
                 lora_name,
                 medium,
+                // vLLM's format carries tokens, not Dynamo's hashes of them.
+                local_hashes: _,
             } => map(vec![
                 ("type", Value::from("BlockStored")),
                 ("block_hashes", hashes(block_hashes)),
@@ -388,6 +391,7 @@ mod tests {
             parent_block_hash: parent,
             token_ids: tokens,
             block_size: bs,
+            local_hashes: None,
             lora_name: None,
             medium: None,
         }
@@ -401,6 +405,7 @@ mod tests {
                 parent_block_hash: Some(7),
                 token_ids: vec![1, 2, 3, 4],
                 block_size: 2,
+                local_hashes: None,
                 lora_name: None,
                 medium: Some("GPU".into()),
             },
@@ -460,6 +465,7 @@ mod tests {
                     parent_block_hash: Some(7),
                     token_ids: vec![1, 2, 3, 4],
                     block_size: 2,
+                    local_hashes: None,
                     lora_name: Some("adapter".into()),
                     medium: Some("GPU".into()),
                 },

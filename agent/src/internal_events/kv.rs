@@ -2,7 +2,7 @@
 
 use super::{InternalEvent, LogLimiter};
 use crate::counters::{add, AgentStats};
-use crate::kv_events::{FrameError, PayloadError};
+use crate::kv_events::PayloadError;
 use tracing::{debug, error, info, warn};
 
 /// A batch decoded (its good events are shipped).
@@ -19,10 +19,11 @@ impl InternalEvent for KvBatchReceived<'_> {
     }
 }
 
-/// A ZMQ message that was not a `[topic, seq, payload]` multipart.
+/// A ZMQ message that was not the multipart its format has (vLLM's `[topic, seq,
+/// payload]`, Dynamo's four frames).
 pub struct KvBadFrame<'a> {
     pub publisher: &'a str,
-    pub error: &'a FrameError,
+    pub error: &'a dyn std::fmt::Display,
 }
 
 static BAD_FRAME: LogLimiter = LogLimiter::new();
@@ -171,5 +172,51 @@ impl InternalEvent for KvTapPanicked<'_> {
     fn emit(self, stats: &AgentStats) {
         error!(publisher = %self.publisher, error = %self.error, "KV event tap panicked; restarting it.");
         add(&stats.kv_tap_panics, 1);
+    }
+}
+
+/// An engine tap given no worker id cannot tell its worker yet (discovery has not
+/// listed it, or the endpoint's process serves none or several): it waits.
+pub struct KvWorkerUnresolved<'a> {
+    pub publisher: &'a str,
+    pub reason: &'a str,
+}
+
+impl InternalEvent for KvWorkerUnresolved<'_> {
+    fn emit(self, _stats: &AgentStats) {
+        info!(publisher = %self.publisher, reason = %self.reason, "Waiting to learn which worker this KV publisher belongs to.");
+    }
+}
+
+/// A read of Dynamo's discovery store that changed something.
+pub struct DiscoveryRead<'a> {
+    pub backend: &'a str,
+    pub workers: usize,
+    pub publishers: usize,
+    pub changes: usize,
+}
+
+impl InternalEvent for DiscoveryRead<'_> {
+    fn emit(self, stats: &AgentStats) {
+        info!(backend = %self.backend, workers = self.workers, kv_publishers = self.publishers, changes = self.changes, "Fleet changed in discovery.");
+        add(&stats.discovery_changes, self.changes as u64);
+    }
+}
+
+/// Dynamo's discovery store could not be read; what was known is kept (nothing is
+/// retired on a failed read), and it is read again at the next poll.
+pub struct DiscoveryFailed<'a> {
+    pub backend: &'a str,
+    pub error: &'a str,
+}
+
+static DISCOVERY_FAILED: LogLimiter = LogLimiter::new();
+
+impl InternalEvent for DiscoveryFailed<'_> {
+    fn emit(self, stats: &AgentStats) {
+        if let Some(suppressed) = DISCOVERY_FAILED.check() {
+            warn!(backend = %self.backend, error = %self.error, suppressed, "Cannot read Dynamo's discovery store; keeping the last read.");
+        }
+        add(&stats.discovery_errors, 1);
     }
 }

@@ -176,6 +176,8 @@ mod tests {
                 kv_sequence_resets: 1,
                 kv_peer_violations: 1,
                 kv_tap_panics: 1,
+                discovery_changes: 0,
+                discovery_errors: 0,
                 log_lines: 1,
                 log_malformed_lines: 1,
                 log_lines_too_long: 1,

@@ -53,12 +53,12 @@ use std::sync::atomic::AtomicU32;
 use std::sync::Arc;
 
 use dynamo_kv_router::protocols::{
-    ExternalSequenceBlockHash, KvCacheEventData, LocalBlockHash, RouterEvent, StorageTier,
-    WorkerWithDpRank,
+    ExternalSequenceBlockHash, KvCacheEvent, KvCacheEventData, KvCacheRemoveData, KvCacheStoreData,
+    KvCacheStoredBlockData, LocalBlockHash, RouterEvent, StorageTier, WorkerWithDpRank,
 };
 use dynamo_kv_router::radix_tree::RadixTree;
 use dynamo_kv_router::zmq_wire::{BlockHashValue, RawKvEvent, ZmqEventNormalizer};
-use kvscope_wire::{Envelope, KvEvent, Record, WorkerKey};
+use kvscope_wire::{Envelope, KvEvent, KvEventBatch, KvOrigin, Record, WorkerKey};
 
 /// Replays kvscope records in order into dynamo-kv-router's RadixTree and returns, for each
 /// Record::Decision in the input, the request id and the overlap (in blocks) of every worker
@@ -66,9 +66,18 @@ use kvscope_wire::{Envelope, KvEvent, Record, WorkerKey};
 pub fn dynamo_overlaps(records: &[Envelope]) -> Vec<(String, BTreeMap<WorkerKey, u32>)> {
     let mut oracle = DynamoOracle::new();
     let mut out = Vec::new();
+    let mut removed = std::collections::HashSet::new();
     for env in records {
         match &env.record {
-            Record::KvEvents(batch) => oracle.apply_batch(batch.worker, &batch.events),
+            // The router stops listening to a worker that left discovery.
+            Record::KvEvents(batch) if removed.contains(&batch.worker.worker_id) => {}
+            Record::KvEvents(batch) => oracle.apply(batch),
+            // Dynamo's router drops a worker from its index when the worker leaves
+            // discovery (`indexer.remove_worker`).
+            Record::Worker(w) if w.state == kvscope_wire::WorkerState::Gone => {
+                oracle.tree_mut().remove_worker(w.worker_id);
+                removed.insert(w.worker_id);
+            }
             Record::Decision(d) => {
                 out.push((d.request_id.clone(), oracle.overlaps(&d.local_hashes)));
             }
@@ -76,6 +85,34 @@ pub fn dynamo_overlaps(records: &[Envelope]) -> Vec<(String, BTreeMap<WorkerKey,
         }
     }
     out
+}
+
+/// Assert that every verdict's per-worker overlaps equal Dynamo's for the same records
+/// (the verdicts judged from `records`, in order), naming the first that differ.
+pub fn assert_overlaps_equal(
+    verdicts: &[kvscope_collector::verdict::SpillVerdict],
+    records: &[Envelope],
+) {
+    let expected = dynamo_overlaps(records);
+    assert_eq!(verdicts.len(), expected.len(), "verdicts vs decisions");
+    let mismatches: Vec<String> = verdicts
+        .iter()
+        .zip(&expected)
+        .filter(|(v, (id, o))| v.request_id != *id || v.overlaps != *o)
+        .map(|(v, (_, o))| {
+            format!(
+                "{}: kvscope {:?} vs dynamo {:?}",
+                v.request_id, v.overlaps, o
+            )
+        })
+        .collect();
+    assert!(
+        mismatches.is_empty(),
+        "{} of {} decisions differ from Dynamo's indexer: {:#?}",
+        mismatches.len(),
+        verdicts.len(),
+        &mismatches[..mismatches.len().min(5)]
+    );
 }
 
 /// What happened to the events the oracle was given (for tests that want to know
@@ -132,11 +169,83 @@ impl DynamoOracle {
         }
     }
 
+    /// One batch, from an engine's publisher (through the worker-side steps) or from
+    /// Dynamo's event plane (straight to the tree, as the router applies it).
+    pub fn apply(&mut self, batch: &KvEventBatch) {
+        match batch.origin {
+            KvOrigin::Engine => self.apply_batch(batch.worker, &batch.events),
+            KvOrigin::EventPlane => {
+                for ev in &batch.events {
+                    self.apply_plane_event(batch.worker, ev);
+                }
+            }
+        }
+    }
+
     /// One ZMQ batch of one worker key, events in order.
     pub fn apply_batch(&mut self, worker: WorkerKey, events: &[KvEvent]) {
         for ev in events {
             self.apply_one(worker, ev);
         }
+    }
+
+    /// An event as Dynamo's event plane carried it: the worker's publisher already
+    /// normalized and de-duplicated it, so the router applies it to its tree as is.
+    fn apply_plane_event(&mut self, worker: WorkerKey, ev: &KvEvent) {
+        let dyn_worker = WorkerWithDpRank::new(worker.worker_id, worker.dp_rank);
+        let state = self.publishers.entry(worker).or_default();
+        let event_id = state.next_event_id;
+        state.next_event_id += 1;
+        let medium = match ev {
+            KvEvent::BlockStored { medium, .. } | KvEvent::BlockRemoved { medium, .. } => {
+                medium.as_deref()
+            }
+            KvEvent::AllBlocksCleared => None,
+        };
+        if !matches!(medium, None | Some("GPU")) {
+            self.counters.lower_tier += 1;
+            return;
+        }
+        let data = match ev {
+            KvEvent::BlockStored {
+                block_hashes,
+                parent_block_hash,
+                local_hashes,
+                ..
+            } => KvCacheEventData::Stored(KvCacheStoreData {
+                parent_hash: parent_block_hash.map(ExternalSequenceBlockHash),
+                start_position: None,
+                blocks: block_hashes
+                    .iter()
+                    .zip(local_hashes.iter().flatten())
+                    .map(|(&h, &l)| KvCacheStoredBlockData {
+                        block_hash: ExternalSequenceBlockHash(h),
+                        tokens_hash: LocalBlockHash(l),
+                        mm_extra_info: None,
+                    })
+                    .collect(),
+            }),
+            KvEvent::BlockRemoved { block_hashes, .. } => {
+                KvCacheEventData::Removed(KvCacheRemoveData {
+                    block_hashes: block_hashes
+                        .iter()
+                        .copied()
+                        .map(ExternalSequenceBlockHash)
+                        .collect(),
+                })
+            }
+            KvEvent::AllBlocksCleared => KvCacheEventData::Cleared,
+        };
+        self.counters.converted += 1;
+        let event = RouterEvent::new(
+            dyn_worker.worker_id,
+            KvCacheEvent {
+                event_id,
+                data,
+                dp_rank: dyn_worker.dp_rank,
+            },
+        );
+        self.apply_to_tree(event);
     }
 
     fn apply_one(&mut self, worker: WorkerKey, ev: &KvEvent) {
@@ -219,6 +328,10 @@ impl DynamoOracle {
             self.counters.lower_tier += 1;
             return;
         }
+        self.apply_to_tree(router_event);
+    }
+
+    fn apply_to_tree(&mut self, router_event: RouterEvent) {
         match self.tree.apply_event(router_event) {
             Ok(()) => {}
             Err(e) => {
@@ -275,6 +388,7 @@ fn to_raw(ev: &KvEvent) -> RawKvEvent {
             block_size,
             lora_name,
             medium,
+            local_hashes: _,
         } => RawKvEvent::BlockStored {
             block_hashes: block_hashes
                 .iter()

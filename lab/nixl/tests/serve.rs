@@ -31,6 +31,7 @@ fn stored(hashes: &[u64], parent: Option<u64>, tokens: &[u32]) -> KvEvent {
         parent_block_hash: parent,
         token_ids: tokens.to_vec(),
         block_size: BS as u32,
+        local_hashes: None,
         lora_name: None,
         medium: None,
     }

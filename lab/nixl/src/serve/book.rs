@@ -134,6 +134,7 @@ mod tests {
             parent_block_hash: parent,
             token_ids: tokens.to_vec(),
             block_size: 2,
+            local_hashes: None,
             lora_name: None,
             medium: None,
         }

@@ -729,6 +729,7 @@ async fn migrate(
                 .flat_map(|b| b.tokens.iter().copied())
                 .collect(),
             block_size,
+            local_hashes: None,
             lora_name: None,
             medium: None,
         };

@@ -1,5 +1,7 @@
-//! Which TCP and UDP sockets a set of processes holds, and where they point: the lab's
-//! check that its traffic stays on 127.0.0.1.
+//! Which TCP and UDP sockets a set of processes holds, and where they point: how a node
+//! agent tells which local process serves an endpoint (an engine's own KV publisher and
+//! its Dynamo request-plane port belong to one process), and the lab's check that its
+//! traffic stays on 127.0.0.1.
 //!
 //! Read from procfs, as `ss -p` does: each process's `fd/` links name the socket inodes
 //! it holds, and `net/{tcp,tcp6,udp,udp6}` give each inode's local and remote address and
@@ -169,6 +171,29 @@ pub fn sockets_of(proc_root: &Path, pids: &[u32]) -> Vec<SocketInfo> {
     out
 }
 
+/// Every process under `proc_root`.
+pub fn all_pids(proc_root: &Path) -> Vec<u32> {
+    std::fs::read_dir(proc_root)
+        .map(|entries| {
+            entries
+                .flatten()
+                .filter_map(|e| e.file_name().to_str()?.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The processes with a TCP socket listening on `port` (on any local address).
+pub fn listening_on(sockets: &[SocketInfo], port: u16) -> Vec<u32> {
+    let mut pids: Vec<u32> = sockets
+        .iter()
+        .filter(|s| s.state == "LISTEN" && s.local.port() == port)
+        .map(|s| s.pid)
+        .collect();
+    pids.dedup();
+    pids
+}
+
 /// Every process in the process groups `pgids` (the lab starts each child in its own
 /// group), read from `<proc_root>/*/stat`.
 pub fn pids_in_groups(proc_root: &Path, pgids: &[u32]) -> Vec<u32> {
@@ -300,5 +325,11 @@ mod tests {
         assert!(!s[1].peer_is_loopback());
         assert_eq!(s[1].process, "python");
         assert_eq!(pids_in_groups(root.path(), &[42]), vec![42]);
+        assert_eq!(all_pids(root.path()), vec![42]);
+        assert_eq!(listening_on(&s, 9000), vec![42]);
+        assert!(
+            listening_on(&s, 8080).is_empty(),
+            "not this process's socket"
+        );
     }
 }

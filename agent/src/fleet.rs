@@ -1,0 +1,186 @@
+//! The fleet as Dynamo's discovery store describes it, followed live: the agent reads the
+//! store every poll interval, publishes a [`WorkerRecord`] for each worker that appears,
+//! changes or goes away (so the collector knows models and block sizes and retires the
+//! workers that stopped), keeps the latest read for the taps that need it (an engine
+//! tap without a configured worker id finds its worker through it), and, when it taps
+//! Dynamo's event plane, starts and stops one tap per KV publisher as they come and go.
+
+use crate::counters::AgentStats;
+use crate::internal_events::{DiscoveryFailed, DiscoveryRead, InternalEvent};
+use crate::plane_tap::PlaneTaps;
+use crate::record_sink::RecordSink;
+use kvscope_discovery::procfs;
+use kvscope_discovery::{Backend, Fleet, FleetChange, Worker};
+use kvscope_wire::{Record, WorkerRecord, WorkerState};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::watch;
+
+/// The latest read of the store.
+pub type FleetView = watch::Receiver<Arc<Fleet>>;
+
+pub fn worker_record(w: &Worker, state: WorkerState) -> WorkerRecord {
+    WorkerRecord {
+        worker_id: w.instance_id,
+        state,
+        model: w.model.clone(),
+        block_size: w.block_size,
+        total_kv_blocks: w.total_kv_blocks,
+        dp_ranks: w.dp_ranks.clone(),
+        worker_type: w.worker_type.clone(),
+    }
+}
+
+/// Follow the store until `stop`; `view` gets every read, the sink the worker records,
+/// `planes` (when tapping the event plane) every publisher change.
+pub async fn run(
+    backend: Backend,
+    poll: Duration,
+    view: watch::Sender<Arc<Fleet>>,
+    sink: Arc<RecordSink>,
+    stats: Arc<AgentStats>,
+    mut planes: Option<PlaneTaps>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let http = reqwest::Client::new();
+    let mut known = Fleet::default();
+    let mut tick = tokio::time::interval(poll);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let shown = backend.to_string();
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = stop.changed() => break,
+        }
+        let fleet = match backend.read(&http).await {
+            Ok(entries) => Fleet::from_entries(entries.iter().map(|(k, v)| (k.as_str(), v))),
+            Err(e) => {
+                // The store is unreachable: keep what was known, never retire on it.
+                DiscoveryFailed {
+                    backend: &shown,
+                    error: &e.to_string(),
+                }
+                .emit(&stats);
+                continue;
+            }
+        };
+        let changes = fleet.changes(&known);
+        if changes.is_empty() {
+            continue;
+        }
+        DiscoveryRead {
+            backend: &shown,
+            workers: fleet.workers.len(),
+            publishers: fleet.kv_publishers.len(),
+            changes: changes.len(),
+        }
+        .emit(&stats);
+        let fleet = Arc::new(fleet);
+        // Taps read the new view before they are started or stopped.
+        view.send_replace(fleet.clone());
+        for change in changes {
+            match &change {
+                FleetChange::Worker(w) => {
+                    sink.submit(Record::Worker(worker_record(w, WorkerState::Up)))
+                }
+                FleetChange::WorkerGone(id) => {
+                    if let Some(w) = known.workers.get(id) {
+                        sink.submit(Record::Worker(worker_record(w, WorkerState::Gone)));
+                    }
+                }
+                FleetChange::Publisher(_) | FleetChange::PublisherGone(_) => {}
+            }
+            if let Some(p) = planes.as_mut() {
+                p.apply(&change).await;
+            }
+        }
+        known = (*fleet).clone();
+    }
+    if let Some(p) = planes.take() {
+        p.stop().await;
+    }
+}
+
+/// The worker whose process serves `endpoint` (`tcp://HOST:PORT`) on this node: the
+/// process listening on that port also listens on one worker's request-plane port.
+/// `None` while that is not (yet) so, or when it is ambiguous (two workers in one
+/// process); the reason is in the error.
+pub fn resolve_endpoint(fleet: &Fleet, endpoint: &str, proc_root: &Path) -> Result<u64, String> {
+    let port = endpoint
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.parse::<u16>().ok())
+        .ok_or_else(|| format!("{endpoint} has no TCP port to look up"))?;
+    let sockets = procfs::sockets_of(proc_root, &procfs::all_pids(proc_root));
+    let owners = procfs::listening_on(&sockets, port);
+    let [pid] = owners[..] else {
+        return Err(if owners.is_empty() {
+            format!("no local process listens on port {port}")
+        } else {
+            format!("several processes listen on port {port}: {owners:?}")
+        });
+    };
+    let mut found = Vec::new();
+    for w in fleet.workers.values() {
+        let Some(rp_port) = w
+            .request_plane
+            .as_deref()
+            .and_then(|rp| rp.split('/').next())
+            .and_then(|hp| hp.rsplit(':').next())
+            .and_then(|p| p.parse::<u16>().ok())
+        else {
+            continue;
+        };
+        if procfs::listening_on(&sockets, rp_port).contains(&pid) {
+            found.push(w.instance_id);
+        }
+    }
+    match found[..] {
+        [id] => Ok(id),
+        [] => Err(format!(
+            "process {pid} (listening on {port}) serves no worker registered in discovery yet"
+        )),
+        _ => Err(format!(
+            "process {pid} serves several workers ({found:?}); give --kv {endpoint}=WORKER_ID"
+        )),
+    }
+}
+
+/// Wait until `endpoint`'s worker can be told from the fleet (see [`resolve_endpoint`]),
+/// re-checking at every new read of the store and every second; `None` if told to stop.
+pub async fn wait_for_worker(
+    view: &mut FleetView,
+    endpoint: &str,
+    stats: &AgentStats,
+    stop: &mut watch::Receiver<bool>,
+) -> Option<u64> {
+    let mut last_error = String::new();
+    loop {
+        let fleet = view.borrow_and_update().clone();
+        let ep = endpoint.to_string();
+        // Reading /proc is blocking file I/O.
+        let resolved =
+            tokio::task::spawn_blocking(move || resolve_endpoint(&fleet, &ep, Path::new("/proc")))
+                .await
+                .unwrap_or_else(|e| Err(e.to_string()));
+        match resolved {
+            Ok(id) => return Some(id),
+            Err(e) => {
+                if e != last_error {
+                    crate::internal_events::KvWorkerUnresolved {
+                        publisher: endpoint,
+                        reason: &e,
+                    }
+                    .emit(stats);
+                    last_error = e;
+                }
+            }
+        }
+        tokio::select! {
+            _ = view.changed() => {}
+            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+            _ = stop.changed() => return None,
+        }
+    }
+}

@@ -1,0 +1,192 @@
+//! Where to find Dynamo's discovery store: the `[discovery]` section of the agent's
+//! config, over which Dynamo's own variables apply, so a kvscope process given the
+//! fleet's environment finds what Dynamo finds.
+//!
+//! ```toml
+//! [discovery]
+//! backend = "etcd"                          # file | etcd | none (DYN_DISCOVERY_BACKEND)
+//! file_root = "/var/run/dynamo/discovery"   # the file backend's root (DYN_FILE_KV)
+//! etcd_endpoints = ["http://127.0.0.1:2379"]  # (ETCD_ENDPOINTS, comma-separated)
+//! poll_interval_secs = 1.0
+//! ```
+//!
+//! etcd credentials come only from `ETCD_AUTH_USERNAME` / `ETCD_AUTH_PASSWORD`, as
+//! Dynamo reads them, never from the file.
+
+use crate::backend::Backend;
+use kvscope_wire::config::{Env, EnvError};
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+
+/// Which store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum BackendKind {
+    /// No discovery: workers only as configured by hand (`--kv ENDPOINT=WORKER_ID`).
+    #[default]
+    None,
+    File,
+    Etcd,
+}
+
+impl std::str::FromStr for BackendKind {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim() {
+            "" | "none" => Ok(Self::None),
+            "file" => Ok(Self::File),
+            "etcd" => Ok(Self::Etcd),
+            "kubernetes" => Err(
+                "the kubernetes discovery backend is not built yet; run Dynamo with etcd or file discovery, or give the workers by hand".into(),
+            ),
+            "mem" => Err("the mem backend lives inside one Dynamo process and cannot be read from outside it".into()),
+            other => Err(format!("unknown discovery backend {other:?} (expected file, etcd or none)")),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DiscoveryConfig {
+    /// The store (default none). Env: `DYN_DISCOVERY_BACKEND`.
+    pub backend: BackendKind,
+    /// The file backend's root folder. Env: `DYN_FILE_KV`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub file_root: Option<PathBuf>,
+    /// etcd endpoints, tried in order (default `http://localhost:2379`, as Dynamo's).
+    /// Env: `ETCD_ENDPOINTS`, comma-separated.
+    pub etcd_endpoints: Vec<String>,
+    /// Seconds between reads of the store (default 1).
+    pub poll_interval_secs: f64,
+    /// From `ETCD_AUTH_USERNAME` / `ETCD_AUTH_PASSWORD` only.
+    #[serde(skip)]
+    pub etcd_username: Option<String>,
+    #[serde(skip)]
+    pub etcd_password: Option<String>,
+}
+
+impl Default for DiscoveryConfig {
+    fn default() -> Self {
+        Self {
+            backend: BackendKind::None,
+            file_root: None,
+            etcd_endpoints: vec!["http://localhost:2379".into()],
+            poll_interval_secs: 1.0,
+            etcd_username: None,
+            etcd_password: None,
+        }
+    }
+}
+
+impl DiscoveryConfig {
+    /// Apply Dynamo's variables, read through `var`.
+    pub fn apply_env(&mut self, var: impl Fn(&str) -> Option<String>) -> Result<(), EnvError> {
+        let env = Env::new(&var);
+        if let Some(v) = env.parse("DYN_DISCOVERY_BACKEND")? {
+            self.backend = v;
+        }
+        if let Some(v) = env.trimmed("DYN_FILE_KV").filter(|v| !v.is_empty()) {
+            self.file_root = Some(v.into());
+        }
+        if let Some(v) = env.list::<String>("ETCD_ENDPOINTS")? {
+            if !v.is_empty() {
+                self.etcd_endpoints = v;
+            }
+        }
+        self.etcd_username = env.get("ETCD_AUTH_USERNAME").filter(|v| !v.is_empty());
+        self.etcd_password = env.get("ETCD_AUTH_PASSWORD");
+        Ok(())
+    }
+
+    /// The backend to read, or `None` without discovery; an error names what is missing.
+    pub fn backend(&self) -> Result<Option<Backend>, String> {
+        match self.backend {
+            BackendKind::None => Ok(None),
+            BackendKind::File => match &self.file_root {
+                Some(root) => Ok(Some(Backend::File { root: root.clone() })),
+                None => Err(
+                    "file discovery needs its root folder: DYN_FILE_KV or discovery.file_root"
+                        .into(),
+                ),
+            },
+            BackendKind::Etcd => {
+                if self.etcd_endpoints.is_empty() {
+                    return Err("etcd discovery needs an endpoint: ETCD_ENDPOINTS or discovery.etcd_endpoints".into());
+                }
+                Ok(Some(Backend::Etcd {
+                    endpoints: self.etcd_endpoints.clone(),
+                    username: self.etcd_username.clone(),
+                    password: self.etcd_password.clone(),
+                }))
+            }
+        }
+    }
+
+    pub fn poll_interval(&self) -> std::time::Duration {
+        std::time::Duration::from_secs_f64(self.poll_interval_secs.clamp(0.05, 3600.0))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dynamos_variables_choose_the_backend() {
+        let mut c = DiscoveryConfig::default();
+        assert_eq!(c.backend(), Ok(None));
+        c.apply_env(|k| match k {
+            "DYN_DISCOVERY_BACKEND" => Some("etcd".into()),
+            "ETCD_ENDPOINTS" => Some("http://127.0.0.1:2379, http://127.0.0.1:2380".into()),
+            "ETCD_AUTH_USERNAME" => Some("root".into()),
+            "ETCD_AUTH_PASSWORD" => Some("pw".into()),
+            _ => None,
+        })
+        .unwrap();
+        assert_eq!(
+            c.backend().unwrap(),
+            Some(Backend::Etcd {
+                endpoints: vec![
+                    "http://127.0.0.1:2379".into(),
+                    "http://127.0.0.1:2380".into()
+                ],
+                username: Some("root".into()),
+                password: Some("pw".into())
+            })
+        );
+        let mut f = DiscoveryConfig::default();
+        f.apply_env(|k| (k == "DYN_DISCOVERY_BACKEND").then(|| "file".into()))
+            .unwrap();
+        assert!(f.backend().unwrap_err().contains("DYN_FILE_KV"));
+        f.apply_env(|k| match k {
+            "DYN_DISCOVERY_BACKEND" => Some("file".into()),
+            "DYN_FILE_KV" => Some("/d".into()),
+            _ => None,
+        })
+        .unwrap();
+        assert_eq!(
+            f.backend().unwrap(),
+            Some(Backend::File { root: "/d".into() })
+        );
+        let mut k = DiscoveryConfig::default();
+        let e = k
+            .apply_env(|k| (k == "DYN_DISCOVERY_BACKEND").then(|| "kubernetes".into()))
+            .unwrap_err();
+        assert!(e.to_string().contains("not built yet"), "{e}");
+    }
+
+    #[test]
+    fn the_section_parses_and_secrets_never_serialize() {
+        let c: DiscoveryConfig =
+            toml_like(r#"{"backend":"file","file_root":"/x","poll_interval_secs":0.5}"#);
+        assert_eq!(c.backend, BackendKind::File);
+        let mut c = c;
+        c.etcd_password = Some("secret".into());
+        assert!(!serde_json::to_string(&c).unwrap().contains("secret"));
+    }
+
+    fn toml_like(json: &str) -> DiscoveryConfig {
+        serde_json::from_str(json).unwrap()
+    }
+}
