@@ -6,7 +6,7 @@
 
 use crate::fleet_index::{FleetIndex, MirrorError};
 use crate::verdict::SpillVerdict;
-use crate::window::{ClosedWindow, MigrationLogWindow, OpenWindow, WindowSummary};
+use crate::window::{ClosedWindow, MigrationLogWindow, ModelFigures, OpenWindow, WindowSummary};
 use kvscope_wire::nixl::{MergedLatency, NixlReport};
 use kvscope_wire::{
     AgentHeartbeat, Envelope, KvEvent, KvEventBatch, MigrationLogKind, MigrationLogLine, Record,
@@ -36,6 +36,10 @@ pub struct AnalyzerConfig {
     /// worker stores that is in no prompt routed to it within this time was generated
     /// while decoding (an output block).
     pub prompt_memory_secs: f64,
+    /// Measure only these models (empty: every model). A large fleet can be split
+    /// across collectors by model on the same stream: the others' workers are not
+    /// mirrored and their decisions not judged (both counted).
+    pub models: Vec<String>,
 }
 
 impl Default for AnalyzerConfig {
@@ -48,6 +52,7 @@ impl Default for AnalyzerConfig {
             keep_windows: 5760,
             keep_verdicts: 1000,
             prompt_memory_secs: 600.0,
+            models: Vec::new(),
         }
     }
 }
@@ -110,6 +115,10 @@ pub struct CollectorCounters {
     /// KV batches for a retired worker (late events of a process that stopped): not
     /// applied.
     pub batches_for_retired_workers: u64,
+    /// KV batches and decisions of models this collector does not measure
+    /// (`analyzer.models`): skipped.
+    pub batches_other_models: u64,
+    pub decisions_other_models: u64,
 }
 
 /// Upper bounds (inclusive, tokens) of the per-spill token histograms on `/metrics`:
@@ -167,6 +176,8 @@ pub struct FleetTotals {
     /// The part of the true delta in decode-generated blocks.
     pub generated_delta_tokens: u64,
     pub workers: BTreeMap<WorkerKey, WorkerTotals>,
+    /// Per model, when discovery named the workers' models.
+    pub models: BTreeMap<String, ModelFigures>,
     /// The fork's KVMIGRATE log lines by kind.
     pub migration_log: MigrationLogWindow,
 }
@@ -247,6 +258,17 @@ impl FleetAnalyzer {
     pub fn fleet(&self) -> &BTreeMap<u64, WorkerRecord> {
         &self.fleet
     }
+    /// The model a worker serves, as discovery said.
+    pub fn model_of(&self, worker_id: u64) -> Option<&str> {
+        self.fleet.get(&worker_id).and_then(|w| w.model.as_deref())
+    }
+    /// Whether this collector measures `worker_id`'s model (`analyzer.models`).
+    fn measures(&self, worker_id: u64) -> bool {
+        self.cfg.models.is_empty()
+            || self
+                .model_of(worker_id)
+                .is_some_and(|m| self.cfg.models.iter().any(|x| x == m))
+    }
     fn retired(&self, worker_id: u64) -> bool {
         self.fleet
             .get(&worker_id)
@@ -298,6 +320,8 @@ impl FleetAnalyzer {
                 self.check_batch_order(&env.agent, batch);
                 if self.retired(batch.worker.worker_id) {
                     self.counters.batches_for_retired_workers += 1;
+                } else if !self.measures(batch.worker.worker_id) {
+                    self.counters.batches_other_models += 1;
                 } else {
                     self.apply_kv(batch);
                 }
@@ -308,6 +332,10 @@ impl FleetAnalyzer {
                 None
             }
             Record::Decision(d) => {
+                if !self.measures(d.worker.worker_id) {
+                    self.counters.decisions_other_models += 1;
+                    return None;
+                }
                 if d.check_prompt_blocks().is_err() {
                     self.counters.malformed_decisions += 1;
                     self.open_summary().data_faults += 1;
@@ -551,14 +579,23 @@ impl FleetAnalyzer {
         }
         let matched = self.index.match_chain(&d.local_hashes);
         let chain = matched.chain;
-        let v = SpillVerdict::judge_matched(
+        // The router could only have chosen among the workers serving the request's
+        // model (the chosen worker's): a worker of another model holding the same
+        // tokens is no candidate, whatever its overlap.
+        let model = self.model_of(d.worker.worker_id).map(str::to_string);
+        let mut overlaps = matched.overlaps;
+        if let Some(m) = &model {
+            overlaps.retain(|w, _| self.model_of(w.worker_id) == Some(m.as_str()));
+        }
+        let mut v = SpillVerdict::judge_matched(
             &self.index,
             d,
             &chain,
-            matched.overlaps,
+            overlaps,
             t,
             self.cfg.min_spill_blocks,
         );
+        v.model = model;
         let prompts = self.recent_prompts.entry(d.worker).or_default();
         for b in chain {
             prompts.insert(b, t);
@@ -583,6 +620,9 @@ impl FleetAnalyzer {
 
     fn add_totals(&mut self, v: &SpillVerdict) {
         let t = &mut self.totals;
+        if let Some(m) = &v.model {
+            t.models.entry(m.clone()).or_default().add(v);
+        }
         // Token counts come from the wire (a decision's `isl_tokens`, a block size):
         // saturate so a crafted record cannot overflow a total.
         t.prompt_tokens = t.prompt_tokens.saturating_add(v.isl_tokens);

@@ -33,6 +33,16 @@ pub struct Cli {
     /// Smallest gap between the best and chosen overlap, in blocks, that counts as a spill (default 1).
     #[arg(long, global = true, env = "KVSCOPE_COLLECTOR_MIN_SPILL_BLOCKS")]
     min_spill_blocks: Option<u32>,
+    /// Measure only these models (comma-separated; default every model): a large fleet
+    /// is split across collectors by model on one stream. Models come from Dynamo's
+    /// discovery, through the agents.
+    #[arg(
+        long,
+        global = true,
+        env = "KVSCOPE_COLLECTOR_MODELS",
+        value_delimiter = ','
+    )]
+    models: Vec<String>,
     #[command(subcommand)]
     command: Command,
 }
@@ -94,6 +104,9 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
     }
     if let Some(v) = cli.min_spill_blocks {
         cfg.analyzer.min_spill_blocks = v;
+    }
+    if !cli.models.is_empty() {
+        cfg.analyzer.models = cli.models.clone();
     }
     anyhow::ensure!(
         cfg.analyzer.window_secs > 0.0,

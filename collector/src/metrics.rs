@@ -25,7 +25,7 @@ pub fn exposition(shared: &crate::bus::Shared, format: Format) -> String {
 /// The collector's figures for the current state.
 pub fn write(out: &mut Exposition, a: &FleetAnalyzer, bus: &BusStatus) {
     let c = a.counters();
-    let counters: [(&str, &str, u64); 24] = [
+    let counters: [(&str, &str, u64); 26] = [
         ("kvscope_collector_records", "Records applied.", c.records),
         (
             "kvscope_collector_undecodable_records",
@@ -41,6 +41,16 @@ pub fn write(out: &mut Exposition, a: &FleetAnalyzer, bus: &BusStatus) {
             "kvscope_collector_batches_for_retired_workers",
             "KV batches of a retired worker, arriving after it left discovery: not applied.",
             c.batches_for_retired_workers,
+        ),
+        (
+            "kvscope_collector_batches_other_models",
+            "KV batches of models this collector does not measure (--models): skipped.",
+            c.batches_other_models,
+        ),
+        (
+            "kvscope_collector_decisions_other_models",
+            "Decisions for models this collector does not measure (--models): skipped.",
+            c.decisions_other_models,
         ),
         (
             "kvscope_collector_incomplete_records",
@@ -427,6 +437,41 @@ pub fn write(out: &mut Exposition, a: &FleetAnalyzer, bus: &BusStatus) {
             &labels(&[("agent", id)]),
             st.last_seen_ns as f64 / 1e9,
         );
+    }
+    type ModelFigure = fn(&crate::window::ModelFigures) -> u64;
+    let per_model: [(&str, &str, ModelFigure); 6] = [
+        (
+            "kvscope_model_decisions",
+            "Routing decisions judged, by model.",
+            |m| m.requests,
+        ),
+        ("kvscope_model_spills", "Spills, by model.", |m| m.spills),
+        (
+            "kvscope_model_prompt_tokens",
+            "Prompt tokens of judged decisions, by model.",
+            |m| m.isl_tokens,
+        ),
+        (
+            "kvscope_model_uncached_prefill_tokens",
+            "Prompt tokens not cached on the chosen worker, by model.",
+            |m| m.uncached_prefill_tokens,
+        ),
+        (
+            "kvscope_model_true_delta_tokens",
+            "Σ true delta over spills (best − chosen overlap among the model's workers), by model.",
+            |m| m.true_delta_tokens,
+        ),
+        (
+            "kvscope_model_upper_bound_tokens",
+            "Σ upper bound (best overlap) over spills, by model.",
+            |m| m.upper_bound_tokens,
+        ),
+    ];
+    for (name, help, get) in per_model {
+        out.family(name, Kind::Counter, help);
+        for (model, m) in &a.totals().models {
+            out.counter(name, &labels(&[("model", model)]), get(m));
+        }
     }
     crate::nixl::render(out, &crate::nixl::pairs(a.agents()));
 }

@@ -9,7 +9,8 @@ mod tables;
 
 use crate::analyzer::{AgentStatus, CollectorCounters, FleetAnalyzer};
 use crate::window::{
-    token_histogram, MigrationLogWindow, TokenDistribution, WindowSummary, WorkerWindow,
+    token_histogram, MigrationLogWindow, ModelFigures, TokenDistribution, WindowSummary,
+    WorkerWindow,
 };
 use hdrhistogram::Histogram;
 use kvscope_wire::WorkerKey;
@@ -116,6 +117,9 @@ pub struct OpportunityReport {
     pub migration_log: MigrationLogWindow,
     #[serde(with = "kvscope_wire::worker_map")]
     pub workers: BTreeMap<WorkerKey, WorkerWindow>,
+    /// Per model over the measured windows, when discovery named the models.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub models: BTreeMap<String, ModelFigures>,
     pub collector: CollectorCounters,
     pub agents: BTreeMap<String, AgentStatus>,
     /// Every closed window, warm-up included (flagged).
@@ -131,6 +135,7 @@ impl OpportunityReport {
         let mut agreement = Agreement::default();
         let mut migration_log = MigrationLogWindow::default();
         let mut workers: BTreeMap<WorkerKey, WorkerWindow> = BTreeMap::new();
+        let mut models: BTreeMap<String, ModelFigures> = BTreeMap::new();
         let (mut requests, mut spills, mut td_sum, mut ub_sum) = (0, 0, 0u64, 0u64);
         let mut generated_sum = 0u64;
         for w in &measured {
@@ -161,6 +166,17 @@ impl OpportunityReport {
             m.handshakes_obtained += s.migration_log.handshakes_obtained;
             m.dispatch_failures += s.migration_log.dispatch_failures;
             m.decoding_on_target += s.migration_log.decoding_on_target;
+            for (name, m) in &s.models {
+                let t = models.entry(name.clone()).or_default();
+                t.requests += m.requests;
+                t.spills += m.spills;
+                t.isl_tokens = t.isl_tokens.saturating_add(m.isl_tokens);
+                t.uncached_prefill_tokens = t
+                    .uncached_prefill_tokens
+                    .saturating_add(m.uncached_prefill_tokens);
+                t.true_delta_tokens = t.true_delta_tokens.saturating_add(m.true_delta_tokens);
+                t.upper_bound_tokens = t.upper_bound_tokens.saturating_add(m.upper_bound_tokens);
+            }
             for (k, ww) in &s.workers {
                 let t = workers.entry(*k).or_default();
                 t.requests += ww.requests;
@@ -220,6 +236,7 @@ impl OpportunityReport {
             agreement,
             migration_log,
             workers,
+            models,
             collector: a.counters().clone(),
             agents: a.agents().clone(),
             windows: a.closed_windows().map(|w| w.summary.clone()).collect(),
@@ -359,6 +376,22 @@ impl OpportunityReport {
                 m.dispatch_failures,
                 m.decoding_on_target
             );
+        }
+        if !self.models.is_empty() {
+            let _ = writeln!(md, "\n## Models\n\nEach request judged among the workers serving its model.\n\n| model | requests | spills | spill rate | true delta tokens | upper bound tokens | uncached prefill tokens |\n|---|---|---|---|---|---|---|");
+            for (name, m) in &self.models {
+                let rate = (m.requests > 0).then(|| m.spills as f64 / m.requests as f64);
+                let _ = writeln!(
+                    md,
+                    "| {name} | {} | {} | {} | {} | {} | {} |",
+                    m.requests,
+                    m.spills,
+                    pct(rate),
+                    m.true_delta_tokens,
+                    m.upper_bound_tokens,
+                    m.uncached_prefill_tokens
+                );
+            }
         }
         let _ = writeln!(md, "\n## Workers\n\n| worker | requests | spills in | spills out | uncached prefill tokens | true delta tokens in | cached blocks |\n|---|---|---|---|---|---|---|");
         for (k, w) in &self.workers {

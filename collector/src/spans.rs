@@ -46,7 +46,10 @@ pub fn verdict_span(v: &SpillVerdict, agent: &str) -> Span {
             attr_int("kvscope.generated_delta_tokens", v.generated_delta_tokens),
             attr_int("kvscope.uncached_prefill_tokens", v.uncached_prefill_tokens),
             attr_str("kvscope.agent.id", agent.to_string()),
-        ],
+        ]
+        .into_iter()
+        .chain(v.model.clone().map(|m| attr_str("kvscope.model", m)))
+        .collect(),
         ..Default::default()
     }
 }

@@ -10,6 +10,10 @@ use std::collections::BTreeMap;
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SpillVerdict {
     pub request_id: String,
+    /// The model the request was for (the chosen worker's, from discovery): the best
+    /// worker is only ever one serving it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
     pub decided_ns: u64,
     pub chosen: WorkerKey,
     pub chosen_overlap_blocks: u32,
@@ -103,6 +107,7 @@ impl SpillVerdict {
         };
         SpillVerdict {
             request_id: decision.request_id.clone(),
+            model: None,
             decided_ns,
             chosen,
             chosen_overlap_blocks: chosen_overlap,

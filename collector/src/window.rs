@@ -53,6 +53,34 @@ pub struct WorkerWindow {
     pub cached_blocks: u64,
 }
 
+/// One model's share of a window (or, in the totals, of everything since start): the
+/// decisions for requests to that model, judged among the workers serving it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModelFigures {
+    pub requests: u64,
+    pub spills: u64,
+    pub isl_tokens: u64,
+    pub uncached_prefill_tokens: u64,
+    pub true_delta_tokens: u64,
+    pub upper_bound_tokens: u64,
+}
+
+impl ModelFigures {
+    /// Count one verdict (token sums saturate: they come from the wire).
+    pub fn add(&mut self, v: &SpillVerdict) {
+        self.requests += 1;
+        self.isl_tokens = self.isl_tokens.saturating_add(v.isl_tokens);
+        self.uncached_prefill_tokens = self
+            .uncached_prefill_tokens
+            .saturating_add(v.uncached_prefill_tokens);
+        if v.spill {
+            self.spills += 1;
+            self.true_delta_tokens = self.true_delta_tokens.saturating_add(v.true_delta_tokens);
+            self.upper_bound_tokens = self.upper_bound_tokens.saturating_add(v.upper_bound_tokens);
+        }
+    }
+}
+
 /// Event-only figures: prefill segments seen in `BlockStored` chains.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct EventOnlyWindow {
@@ -149,6 +177,9 @@ pub struct WindowSummary {
     pub data_faults: u64,
     #[serde(with = "kvscope_wire::worker_map")]
     pub workers: BTreeMap<WorkerKey, WorkerWindow>,
+    /// Per model, when discovery named the workers' models.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub models: BTreeMap<String, ModelFigures>,
 }
 
 /// A window still collecting.
@@ -175,6 +206,9 @@ impl OpenWindow {
 
     pub fn add_verdict(&mut self, v: &SpillVerdict) {
         let s = &mut self.summary;
+        if let Some(m) = &v.model {
+            s.models.entry(m.clone()).or_default().add(v);
+        }
         s.requests += 1;
         // Token counts come from the wire (a decision's `isl_tokens`, its block size):
         // saturate so a crafted record cannot overflow a window's sums.
@@ -291,6 +325,7 @@ mod tests {
             dp_rank: 0,
         };
         let verdict = |best, chosen, delta: u64, spill| SpillVerdict {
+            model: None,
             request_id: "r".into(),
             decided_ns: 1,
             chosen: w(chosen),

@@ -28,6 +28,10 @@ pub struct LabConfig {
     pub model_path: PathBuf,
     /// Served model name (what `/v1/models` lists and requests name). Default `kvscope-tiny`.
     pub model_name: String,
+    /// The model name of each mocker, by index, for a fleet serving several models
+    /// behind one frontend (mockers past the list, and all when it is empty, serve
+    /// `model_name`). Default empty.
+    pub worker_models: Vec<String>,
     /// Number of mocker workers (one process each). Default 3.
     pub workers: usize,
     /// KV block size in tokens. Default 16.
@@ -86,6 +90,7 @@ impl Default for LabConfig {
             run_dir: None,
             model_path: paths::model_fixture_dir(),
             model_name: "kvscope-tiny".into(),
+            worker_models: Vec::new(),
             workers: 3,
             block_size: 16,
             num_gpu_blocks: 256,
@@ -104,6 +109,23 @@ impl Default for LabConfig {
     }
 }
 
+impl LabConfig {
+    /// The model mocker `index` serves.
+    pub fn worker_model(&self, index: usize) -> &str {
+        self.worker_models
+            .get(index)
+            .map_or(self.model_name.as_str(), String::as_str)
+    }
+
+    /// Every model the lab serves, each once.
+    pub fn served_models(&self) -> Vec<&str> {
+        let mut m: Vec<&str> = (0..self.workers).map(|i| self.worker_model(i)).collect();
+        m.sort_unstable();
+        m.dedup();
+        m
+    }
+}
+
 /// One started process, as recorded in the manifest.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ProcessInfo {
@@ -117,6 +139,9 @@ pub struct ProcessInfo {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct WorkerInfo {
     pub index: usize,
+    /// The model it serves.
+    #[serde(default)]
+    pub model: String,
     /// Dynamo worker id, exactly as the router logs it (`Selected worker … worker_id=`).
     pub worker_id: u64,
     pub dp_rank: u32,
@@ -428,7 +453,7 @@ impl Lab {
             let mut cmd = Command::new(&python);
             cmd.args(["-m", "dynamo.mocker", "--model-path"])
                 .arg(&model_path)
-                .args(["--model-name", &config.model_name])
+                .args(["--model-name", config.worker_model(index)])
                 .args(["--block-size", &config.block_size.to_string()])
                 .args([
                     "--num-gpu-blocks-override",
@@ -485,7 +510,10 @@ impl Lab {
             router_workers.extend(added_workers(&lab.procs[frontend_idx].log));
             if !model_served && last_models_probe.elapsed() >= Duration::from_millis(500) {
                 last_models_probe = Instant::now();
-                model_served = models_lists(http_port, &config.model_name);
+                model_served = config
+                    .served_models()
+                    .iter()
+                    .all(|m| models_lists(http_port, m));
             }
             let all_ids = pending.iter().all(|w| w.worker_id.is_some());
             let all_routed = all_ids
@@ -508,7 +536,7 @@ impl Lab {
                     }
                 }
                 if !model_served {
-                    waiting.push(format!("/v1/models to list '{}'", config.model_name));
+                    waiting.push(format!("/v1/models to list {:?}", config.served_models()));
                 }
                 let logs: Vec<String> = lab
                     .procs
@@ -556,6 +584,7 @@ impl Lab {
             }
             lab.manifest.workers.push(WorkerInfo {
                 index: w.index,
+                model: config.worker_model(w.index).to_string(),
                 worker_id,
                 dp_rank: 0,
                 kv_events_endpoint: format!("tcp://127.0.0.1:{}", w.port),

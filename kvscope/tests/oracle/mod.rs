@@ -67,8 +67,16 @@ pub fn dynamo_overlaps(records: &[Envelope]) -> Vec<(String, BTreeMap<WorkerKey,
     let mut oracle = DynamoOracle::new();
     let mut out = Vec::new();
     let mut removed = std::collections::HashSet::new();
+    // Dynamo's router keeps one index per model: a request is matched only against the
+    // workers of its model (the chosen worker's).
+    let mut models: HashMap<u64, String> = HashMap::new();
     for env in records {
         match &env.record {
+            Record::Worker(w) if w.state == kvscope_wire::WorkerState::Up => {
+                if let Some(m) = &w.model {
+                    models.insert(w.worker_id, m.clone());
+                }
+            }
             // The router stops listening to a worker that left discovery.
             Record::KvEvents(batch) if removed.contains(&batch.worker.worker_id) => {}
             Record::KvEvents(batch) => oracle.apply(batch),
@@ -79,7 +87,11 @@ pub fn dynamo_overlaps(records: &[Envelope]) -> Vec<(String, BTreeMap<WorkerKey,
                 removed.insert(w.worker_id);
             }
             Record::Decision(d) => {
-                out.push((d.request_id.clone(), oracle.overlaps(&d.local_hashes)));
+                let mut o = oracle.overlaps(&d.local_hashes);
+                if let Some(m) = models.get(&d.worker.worker_id) {
+                    o.retain(|w, _| models.get(&w.worker_id) == Some(m));
+                }
+                out.push((d.request_id.clone(), o));
             }
             _ => {}
         }
