@@ -218,7 +218,7 @@ pub async fn start(cfg: AgentConfig) -> anyhow::Result<RunningAgent> {
             log_stop.clone(),
         )
         .context("cannot start the router log follower")?;
-        let tap = RouterTap::new((cfg.join_timeout_secs * 1e9) as u64);
+        let tap = RouterTap::new((cfg.join_timeout_secs * 1e9) as u64, cfg.max_line_bytes);
         inputs.push(tokio::spawn(router_tap::run(
             tap,
             rx,

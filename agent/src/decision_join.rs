@@ -506,3 +506,56 @@ mod tests {
         eprintln!("plain {} coloured {}", all[0].len(), all[1].len());
     }
 }
+
+#[cfg(test)]
+mod captured_jsonl {
+    use super::*;
+
+    /// A real Dynamo 1.6.1 frontend's JSON-lines log (`DYN_LOGGING_JSONL=1`, router at
+    /// debug) and the replica-sync `AddRequest` events the same frontend published for
+    /// the same requests: every decision read from the log names the worker the event
+    /// names, and its local hashes chain to exactly the sequence hashes the event carries.
+    #[test]
+    fn jsonl_decisions_match_the_routers_own_replica_sync_events() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../lab/fixtures/samples/");
+        let log = std::fs::read_to_string(format!("{dir}router_log_jsonl.log")).unwrap();
+        let events: serde_json::Value = serde_json::from_slice(
+            &std::fs::read(format!("{dir}router_replica_sync_adds.json")).unwrap(),
+        )
+        .unwrap();
+        let mut p = RouterLogProcessor::new(30 * 1_000_000_000, 1000);
+        let mut decisions = Vec::new();
+        for line in log.lines() {
+            for out in p.line(line, 0) {
+                match out {
+                    LogOutput::Decision(d) => decisions.push(d),
+                    LogOutput::Malformed(e) => panic!("{e}: {line}"),
+                    _ => {}
+                }
+            }
+        }
+        let adds = events["add_requests"].as_array().unwrap();
+        assert_eq!(decisions.len(), 9);
+        assert_eq!(adds.len(), 9);
+        for a in adds {
+            let id = a["request_id"].as_str().unwrap();
+            let d = decisions
+                .iter()
+                .find(|d| d.request_id == id)
+                .unwrap_or_else(|| panic!("no decision for {id}"));
+            assert_eq!(
+                d.worker.worker_id,
+                a["worker"]["worker_id"].as_u64().unwrap(),
+                "{id}"
+            );
+            let seq: Vec<u64> = a["token_sequence"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|h| h.as_u64().unwrap())
+                .collect();
+            assert_eq!(kvscope_wire::sequence_hashes(&d.local_hashes), seq, "{id}");
+            assert_eq!(d.block_size, 16);
+        }
+    }
+}

@@ -12,6 +12,7 @@ pub mod agent;
 pub mod cli;
 pub mod config;
 pub mod counters;
+pub mod cri;
 pub mod decision_join;
 pub mod fleet;
 pub mod internal_events;

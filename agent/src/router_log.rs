@@ -13,6 +13,9 @@
 //! `KVMIGRATE: producer handshake obtained`, `KVMIGRATE: producer dispatch failed`,
 //! `KVMIGRATE: decoding on target with migrated KV`.
 //!
+//! With `DYN_LOGGING_JSONL=1` the same events are JSON objects, one per line, their
+//! fields as keys; both forms are read ([`parse_json_line`]).
+//!
 //! ANSI colour is stripped; fields are read as `key=value` pairs after the message
 //! marker (quoted values may hold spaces, bracketed lists are one value), never by
 //! position. The event's own fields come before the span fields tracing appends, so the
@@ -107,46 +110,135 @@ const MIGRATION_MESSAGES: &[(&str, MigrationLogKind)] = &[
     ),
 ];
 
-/// Parse one log line (with or without its trailing newline).
+/// Parse one log line (with or without its trailing newline): tracing's text format,
+/// or a JSON line (`DYN_LOGGING_JSONL=1`, see [`parse_json_line`]).
 pub fn parse_line(raw: &str) -> Result<ParsedLine, MalformedLine> {
     let line = strip_ansi(raw);
     let line = line.trim_end_matches(['\n', '\r']);
+    if line.trim_start().starts_with('{') {
+        if let Some(parsed) = parse_json_line(line.trim_start()) {
+            return parsed;
+        }
+    }
     let ts_ns = line.split_whitespace().next().and_then(parse_rfc3339_ns);
-    let malformed = |kind, reason: String| MalformedLine {
-        kind,
-        ts_ns,
-        reason,
+    let Some((kind, rest)) = marker(line) else {
+        return Ok(ParsedLine {
+            ts_ns,
+            content: LineContent::Other,
+        });
     };
-    let content = if let Some(pos) = line.find(ROUTING_INPUT) {
-        let fields = Fields::read(&line[pos + ROUTING_INPUT.len()..])
-            .map_err(|e| malformed(LineKind::RoutingInput, e))?;
-        LineContent::RoutingInput(
-            routing_input(&fields).map_err(|e| malformed(LineKind::RoutingInput, e))?,
-        )
-    } else if let Some(pos) = line.find(SELECTED_WORKER) {
-        let fields = Fields::read(&line[pos + SELECTED_WORKER.len()..])
-            .map_err(|e| malformed(LineKind::SelectedWorker, e))?;
-        LineContent::SelectedWorker(
-            selected_worker(&fields).map_err(|e| malformed(LineKind::SelectedWorker, e))?,
-        )
-    } else if line.contains(KVMIGRATE) {
-        let Some((kind, rest)) = MIGRATION_MESSAGES
-            .iter()
-            .find_map(|(msg, kind)| line.find(msg).map(|p| (*kind, &line[p + msg.len()..])))
-        else {
-            return Err(malformed(
-                LineKind::Migration,
-                "unknown KVMIGRATE message".into(),
-            ));
-        };
-        let fields = Fields::read(rest).map_err(|e| malformed(LineKind::Migration, e))?;
-        LineContent::Migration(
-            migration(kind, fields).map_err(|e| malformed(LineKind::Migration, e))?,
+    let fields = match rest {
+        Some(rest) => Fields::read(rest),
+        None => Err("unknown KVMIGRATE message".into()),
+    };
+    content(kind, fields)
+        .map(|content| ParsedLine { ts_ns, content })
+        .map_err(|reason| MalformedLine {
+            kind: kind.line_kind(),
+            ts_ns,
+            reason,
+        })
+}
+
+/// A JSON log line (`DYN_LOGGING_JSONL=1`): `time`, `level`, `target`, `message` and
+/// the event's fields as keys (numbers or strings: `dp_rank` is a string, `worker_id` a
+/// number past 2^53, `local_hashes` the string `"[h1, h2, …]"`). `None` when the line
+/// is not a JSON object (it is read as text then).
+pub fn parse_json_line(line: &str) -> Option<Result<ParsedLine, MalformedLine>> {
+    let serde_json::Value::Object(obj) = serde_json::from_str::<serde_json::Value>(line).ok()?
+    else {
+        return None;
+    };
+    let ts_ns = obj
+        .get("time")
+        .or_else(|| obj.get("timestamp"))
+        .and_then(|t| t.as_str())
+        .and_then(parse_rfc3339_ns);
+    let message = obj
+        .get("message")
+        .and_then(|m| m.as_str())
+        .unwrap_or_default();
+    let Some((kind, _)) = marker(message) else {
+        return Some(Ok(ParsedLine {
+            ts_ns,
+            content: LineContent::Other,
+        }));
+    };
+    let pairs = obj
+        .iter()
+        .filter(|(k, _)| !matches!(k.as_str(), "time" | "level" | "target" | "message"))
+        .map(|(k, v)| {
+            let text = match v {
+                serde_json::Value::String(s) => s.clone(),
+                other => other.to_string(),
+            };
+            (k.clone(), text)
+        })
+        .collect();
+    Some(
+        content(kind, Ok(Fields { pairs }))
+            .map(|content| ParsedLine { ts_ns, content })
+            .map_err(|reason| MalformedLine {
+                kind: kind.line_kind(),
+                ts_ns,
+                reason,
+            }),
+    )
+}
+
+/// What a message is, and where its fields start in a text line (`None` for a
+/// KVMIGRATE message of an unknown kind).
+#[derive(Debug, Clone, Copy)]
+enum Marker {
+    RoutingInput,
+    SelectedWorker,
+    Migration(Option<MigrationLogKind>),
+}
+
+impl Marker {
+    fn line_kind(self) -> LineKind {
+        match self {
+            Marker::RoutingInput => LineKind::RoutingInput,
+            Marker::SelectedWorker => LineKind::SelectedWorker,
+            Marker::Migration(_) => LineKind::Migration,
+        }
+    }
+}
+
+fn marker(text: &str) -> Option<(Marker, Option<&str>)> {
+    if let Some(pos) = text.find(ROUTING_INPUT) {
+        Some((
+            Marker::RoutingInput,
+            Some(&text[pos + ROUTING_INPUT.len()..]),
+        ))
+    } else if let Some(pos) = text.find(SELECTED_WORKER) {
+        Some((
+            Marker::SelectedWorker,
+            Some(&text[pos + SELECTED_WORKER.len()..]),
+        ))
+    } else if text.contains(KVMIGRATE) {
+        Some(
+            MIGRATION_MESSAGES
+                .iter()
+                .find_map(|(msg, kind)| {
+                    text.find(msg)
+                        .map(|p| (Marker::Migration(Some(*kind)), Some(&text[p + msg.len()..])))
+                })
+                .unwrap_or((Marker::Migration(None), None)),
         )
     } else {
-        LineContent::Other
-    };
-    Ok(ParsedLine { ts_ns, content })
+        None
+    }
+}
+
+fn content(kind: Marker, fields: Result<Fields, String>) -> Result<LineContent, String> {
+    let fields = fields?;
+    Ok(match kind {
+        Marker::RoutingInput => LineContent::RoutingInput(routing_input(&fields)?),
+        Marker::SelectedWorker => LineContent::SelectedWorker(selected_worker(&fields)?),
+        Marker::Migration(Some(k)) => LineContent::Migration(migration(k, fields)?),
+        Marker::Migration(None) => return Err("unknown KVMIGRATE message".into()),
+    })
 }
 
 fn routing_input(f: &Fields) -> Result<RoutingInput, String> {

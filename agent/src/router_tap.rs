@@ -2,9 +2,10 @@
 //! of [`crate::decision_join`], out as decision and migration records.
 
 use crate::counters::AgentStats;
+use crate::cri::{CriJoiner, CriOutput};
 use crate::decision_join::{LogOutput, RouterLogProcessor};
 use crate::internal_events::{
-    DecisionJoined, DecisionUnjoined, InternalEvent, LogLineMalformed, LogLineRead,
+    DecisionJoined, DecisionUnjoined, InternalEvent, LogLineMalformed, LogLineRead, LogLineTooLong,
     MigrationLineParsed,
 };
 use crate::log_follower::LogItem;
@@ -17,12 +18,16 @@ pub const MAX_PENDING: usize = 100_000;
 
 pub struct RouterTap {
     processor: RouterLogProcessor,
+    /// Kubernetes' container log format, unwrapped (other lines pass through).
+    cri: CriJoiner,
 }
 
 impl RouterTap {
-    pub fn new(join_timeout_ns: u64) -> Self {
+    /// Lines joined from CRI partials are held up to `max_line_bytes`.
+    pub fn new(join_timeout_ns: u64, max_line_bytes: usize) -> Self {
         Self {
             processor: RouterLogProcessor::new(join_timeout_ns, MAX_PENDING),
+            cri: CriJoiner::new(max_line_bytes),
         }
     }
 
@@ -33,13 +38,31 @@ impl RouterTap {
 
     /// One input item → records; every line and problem is counted.
     pub fn item(&mut self, item: &LogItem, stats: &AgentStats) -> Vec<Record> {
-        let outputs = match item {
+        let mut lines = Vec::new();
+        match item {
             LogItem::Line(line) => {
                 LogLineRead.emit(stats);
-                self.processor.line(line, now_ns())
+                lines.push(self.cri.push(line));
             }
-            LogItem::End => self.processor.finish(),
-        };
+            LogItem::End => lines.extend(self.cri.finish()),
+        }
+        let mut outputs = Vec::new();
+        for l in lines {
+            match l {
+                CriOutput::Line { text, .. } => {
+                    outputs.extend(self.processor.line(&text, now_ns()))
+                }
+                CriOutput::TooLong(bytes) => LogLineTooLong {
+                    source: "a CRI line joined from partials",
+                    bytes,
+                }
+                .emit(stats),
+                CriOutput::Pending => {}
+            }
+        }
+        if matches!(item, LogItem::End) {
+            outputs.extend(self.processor.finish());
+        }
         let mut records = Vec::new();
         for o in outputs {
             match o {
@@ -102,7 +125,7 @@ mod tests {
     #[test]
     fn counts_lines_decisions_and_problems() {
         let stats = AgentStats::default();
-        let mut t = RouterTap::new(1_000_000_000);
+        let mut t = RouterTap::new(1_000_000_000, 1 << 20);
         let lines = [
             r#"2026-11-29T07:50:01Z DEBUG r: [ROUTING_INPUT] request local hashes request_id="a" isl_tokens=32 block_size=16 num_blocks=2 local_hashes=[1, 2]"#,
             "random noise",

@@ -48,6 +48,9 @@ pub struct LabConfig {
     pub ansi_logs: bool,
     /// `DYN_LOG` for the frontend. Default `info,dynamo_kv_router=debug`.
     pub frontend_log_filter: String,
+    /// The frontend logs JSON lines (`DYN_LOGGING_JSONL=1`), as production often runs
+    /// it. Default false.
+    pub frontend_jsonl_logs: bool,
     /// `DYN_LOG` for the mockers. Default `info`.
     pub worker_log_filter: String,
     /// Extra arguments for `python -m dynamo.frontend` (e.g. `--router-track-output-blocks`).
@@ -98,6 +101,7 @@ impl Default for LabConfig {
             nats: true,
             ansi_logs: false,
             frontend_log_filter: "info,dynamo_kv_router=debug".into(),
+            frontend_jsonl_logs: false,
             worker_log_filter: "info".into(),
             frontend_args: Vec::new(),
             mocker_args: Vec::new(),
@@ -443,6 +447,9 @@ impl Lab {
             .args(&config.frontend_args)
             .current_dir(&run_dir);
         dyn_env(&mut fe, &config.frontend_log_filter);
+        if config.frontend_jsonl_logs {
+            fe.env("DYN_LOGGING_JSONL", "1");
+        }
         let p = ManagedProcess::spawn("frontend", fe, &lab.manifest.router_log)?;
         lab.manifest.frontend.pid = p.pid();
         let frontend_idx = lab.procs.len();
