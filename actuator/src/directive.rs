@@ -323,6 +323,7 @@ mod tests {
     fn verdict(id: &str, t: u64, chosen_blocks: u32, best_blocks: u32) -> SpillVerdict {
         SpillVerdict {
             model: None,
+            incomplete_mirror: false,
             request_id: id.into(),
             decided_ns: t,
             chosen: w(2),

@@ -81,6 +81,7 @@ fn config(dir: &Path, directive_url: &str) -> ActuatorConfig {
 fn spill(id: &str, decided_ns: u64, delta_blocks: u32) -> SpillVerdict {
     SpillVerdict {
         model: None,
+        incomplete_mirror: false,
         request_id: id.into(),
         decided_ns,
         chosen: worker(2),

@@ -150,6 +150,11 @@ pub struct KvEndpoint {
     /// so a restarted engine is its new worker).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub worker_id: Option<u64>,
+    /// The publisher's replay socket (vLLM's `replay_endpoint`, the mocker's
+    /// `--zmq-replay-ports`): batches missed in a gap, or before the agent first saw the
+    /// publisher, are asked from it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replay_endpoint: Option<String>,
     /// Data-parallel rank; when absent, each batch's own `dp_rank` is used (else 0).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dp_rank: Option<u32>,
@@ -158,26 +163,30 @@ pub struct KvEndpoint {
 impl std::str::FromStr for KvEndpoint {
     type Err = String;
 
-    /// `ENDPOINT[=WORKER_ID[/DP]]`.
+    /// `ENDPOINT[@REPLAY_ENDPOINT][=WORKER_ID[/DP]]`.
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let Some((endpoint, worker)) = s.rsplit_once('=') else {
-            if s.trim().is_empty() {
-                return Err("an empty --kv endpoint".into());
-            }
-            return Ok(KvEndpoint {
-                endpoint: s.trim().to_string(),
-                worker_id: None,
-                dp_rank: None,
-            });
+        let (addresses, worker) = match s.rsplit_once('=') {
+            Some((a, w)) => (a, Some(w)),
+            None => (s, None),
         };
-        if endpoint.trim().is_empty() {
+        let (endpoint, replay) = match addresses.split_once('@') {
+            Some((e, r)) => (e.trim(), Some(r.trim())),
+            None => (addresses.trim(), None),
+        };
+        if endpoint.is_empty() {
             return Err(format!("{s:?} has no endpoint"));
         }
-        let worker: WorkerSpec = worker.parse().map_err(|e| format!("{s:?}: {e}"))?;
+        if replay.is_some_and(str::is_empty) {
+            return Err(format!("{s:?} has an empty replay endpoint after @"));
+        }
+        let worker: Option<WorkerSpec> = worker
+            .map(|w| w.parse().map_err(|e| format!("{s:?}: {e}")))
+            .transpose()?;
         Ok(KvEndpoint {
-            endpoint: endpoint.trim().to_string(),
-            worker_id: Some(worker.worker_id),
-            dp_rank: worker.dp_rank,
+            endpoint: endpoint.to_string(),
+            worker_id: worker.map(|w| w.worker_id),
+            dp_rank: worker.and_then(|w| w.dp_rank),
+            replay_endpoint: replay.map(str::to_string),
         })
     }
 }
@@ -415,6 +424,7 @@ mod tests {
             c.kv_endpoints,
             vec![KvEndpoint {
                 endpoint: "tcp://127.0.0.1:5557".into(),
+                replay_endpoint: None,
                 worker_id: Some(7587886582197386541),
                 dp_rank: Some(0)
             }]
@@ -449,6 +459,7 @@ mod tests {
             c.kv_endpoints[1],
             KvEndpoint {
                 endpoint: "tcp://127.0.0.1:2".into(),
+                replay_endpoint: None,
                 worker_id: Some(6),
                 dp_rank: Some(1)
             }
@@ -470,7 +481,7 @@ mod tests {
             (e.worker_id, e.endpoint.as_str()),
             (None, "tcp://127.0.0.1:5557")
         );
-        for bad in ["", "=4", "tcp://x=abc", "tcp://x=1/y"] {
+        for bad in ["", "=4", "tcp://x=abc", "tcp://x=1/y", "@tcp://r"] {
             assert!(bad.parse::<KvEndpoint>().is_err(), "{bad}");
         }
     }

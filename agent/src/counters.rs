@@ -42,6 +42,9 @@ agent_stats!(
     kv_sequence_resets: "Publisher sequence restarts (engine restarts).",
     kv_peer_violations: "Connections to a KV publisher dropped because the peer broke the ZMTP protocol or a size limit.",
     kv_tap_panics: "KV event taps that panicked and were restarted.",
+    kv_batches_replayed: "KV batches recovered through a publisher's replay socket.",
+    kv_gaps_recovered: "Gaps and late starts whose every missed batch the replay socket sent again.",
+    kv_replay_failures: "Replay requests that failed (the missed batches stay missing).",
     discovery_changes: "Workers and KV publishers that appeared, changed or went away in Dynamo's discovery store.",
     discovery_errors: "Failed reads of Dynamo's discovery store (retried).",
     log_lines: "Router log lines read.",
@@ -75,6 +78,6 @@ mod tests {
         let c = s.snapshot();
         assert_eq!(c.kv_batches, 2);
         assert_eq!(c.publish_dropped, 5);
-        assert_eq!(s.named().len(), 25);
+        assert_eq!(s.named().len(), 28);
     }
 }

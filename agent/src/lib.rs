@@ -24,6 +24,7 @@ pub mod nixl;
 pub mod plane_tap;
 pub mod publisher;
 pub mod record_sink;
+pub mod replay;
 pub mod router_log;
 pub mod router_tap;
 pub mod sequence;

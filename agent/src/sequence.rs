@@ -17,16 +17,26 @@ impl SequenceTracker {
 
     /// Classify `seq` from `publisher` against the previous number seen from it.
     pub fn observe(&mut self, publisher: &str, seq: u64) -> SequenceStatus {
-        let status = match self.last.get(publisher) {
+        let status = self.peek(publisher, seq);
+        self.last.insert(publisher.to_string(), seq);
+        status
+    }
+
+    /// [`Self::observe`] without taking the number.
+    pub fn peek(&self, publisher: &str, seq: u64) -> SequenceStatus {
+        match self.last.get(publisher) {
             None => SequenceStatus::First,
             Some(&last) if last.checked_add(1) == Some(seq) => SequenceStatus::InOrder,
             Some(&last) if seq > last => SequenceStatus::Gap {
                 missed: seq - last - 1,
             },
             Some(_) => SequenceStatus::Reset,
-        };
+        }
+    }
+
+    /// Take `seq` as the last number seen (a batch recovered out of band).
+    pub fn set(&mut self, publisher: &str, seq: u64) {
         self.last.insert(publisher.to_string(), seq);
-        status
     }
 }
 

@@ -12,9 +12,9 @@ use crate::config::KvEndpoint;
 use crate::counters::AgentStats;
 use crate::fleet::FleetView;
 use crate::internal_events::{
-    InternalEvent, KvBadFrame, KvBatchReceived, KvDecodeError, KvMalformedEvent, KvPeerViolation,
-    KvSequenceGap, KvSequenceReset, KvTapConnected, KvTapDisconnected, KvTapPanicked,
-    KvUnknownEvent,
+    InternalEvent, KvBadFrame, KvBatchReceived, KvBatchReplayed, KvDecodeError, KvMalformedEvent,
+    KvPeerViolation, KvReplayDone, KvReplayFailed, KvSequenceGap, KvSequenceReset, KvTapConnected,
+    KvTapDisconnected, KvTapPanicked, KvUnknownEvent,
 };
 use crate::kv_events::{decode_payload, split_frames, EventProblem};
 use crate::record_sink::{RecordSink, SourceId};
@@ -68,10 +68,26 @@ impl PublisherSequence {
                 got: seq,
             }
             .emit(stats),
-            SequenceStatus::First | SequenceStatus::InOrder => {}
+            SequenceStatus::First | SequenceStatus::InOrder | SequenceStatus::Replayed => {}
         }
         self.last = Some(seq);
         sequence
+    }
+
+    /// What `seq` would be classified as, without taking it.
+    pub(crate) fn peek(&self, publisher: &str, seq: u64) -> SequenceStatus {
+        self.tracker.peek(publisher, seq)
+    }
+
+    /// The number expected next (`None` before the first).
+    pub(crate) fn expected(&self) -> Option<u64> {
+        self.last.and_then(|l| l.checked_add(1))
+    }
+
+    /// `seq` arrived through the replay socket: the numbering continues from it.
+    pub(crate) fn replayed(&mut self, publisher: &str, seq: u64) {
+        self.tracker.set(publisher, seq);
+        self.last = Some(seq);
     }
 }
 
@@ -106,6 +122,64 @@ impl KvTap {
         }
     }
 
+    /// What the next message's number `seq` would be, and where a replay would have to
+    /// start to fill what is missing before it (a gap, or a publisher seen past its
+    /// start); `None` when nothing is missing.
+    pub fn missing_before(&self, seq: u64) -> Option<u64> {
+        match self.sequence.peek(&self.endpoint.endpoint, seq) {
+            SequenceStatus::Gap { .. } => self.sequence.expected(),
+            SequenceStatus::First | SequenceStatus::Reset if seq > 0 => Some(0),
+            _ => None,
+        }
+    }
+
+    /// Batches the replay socket sent for what is missing before `next` (from `from`
+    /// on): the run of them that follows on without a hole becomes records, the first
+    /// marked with what is still missing before it (nothing: `Replayed`). Returns the
+    /// records and whether everything missing was recovered.
+    pub fn replayed(
+        &mut self,
+        from: u64,
+        next: u64,
+        mut batches: Vec<crate::replay::Replayed>,
+    ) -> (Vec<Record>, bool) {
+        batches.retain(|(s, _)| (from..next).contains(s));
+        batches.sort_by_key(|(s, _)| *s);
+        batches.dedup_by_key(|(s, _)| *s);
+        let publisher = self.endpoint.endpoint.clone();
+        let mut records = Vec::new();
+        let mut expected = None;
+        for (seq, payload) in batches {
+            if expected.is_some_and(|e| e != seq) {
+                break;
+            }
+            let status = match expected {
+                Some(_) => SequenceStatus::Replayed,
+                None if seq == from => SequenceStatus::Replayed,
+                // The buffer did not reach back far enough: the part before is lost.
+                None => match self.sequence.peek(&publisher, seq) {
+                    SequenceStatus::Gap { .. } => SequenceStatus::Gap { missed: seq - from },
+                    other => other,
+                },
+            };
+            self.sequence.replayed(&publisher, seq);
+            expected = Some(seq + 1);
+            KvBatchReplayed {
+                publisher: &publisher,
+                seq,
+            }
+            .emit(&self.stats);
+            if let Some(r) = self.batch(seq, status, &payload) {
+                records.push(r);
+            }
+        }
+        let complete = expected == Some(next)
+            && records.first().is_some_and(
+                |r| matches!(r, Record::KvEvents(b) if b.sequence == SequenceStatus::Replayed),
+            );
+        (records, complete)
+    }
+
     /// One ZMQ message → at most one batch record; every problem is emitted.
     pub fn message<B: AsRef<[u8]>>(&mut self, frames: &[B]) -> Option<Record> {
         let publisher = self.endpoint.endpoint.as_str();
@@ -123,6 +197,12 @@ impl KvTap {
         // The number is valid even when the payload is not: track it first, so one bad
         // payload does not look like a gap at the next batch.
         let sequence = self.sequence.observe(publisher, seq, &self.stats);
+        self.batch(seq, sequence, payload)
+    }
+
+    /// A batch's record from its number, status and payload; every problem is emitted.
+    fn batch(&self, seq: u64, sequence: SequenceStatus, payload: &[u8]) -> Option<Record> {
+        let publisher = self.endpoint.endpoint.as_str();
         let decoded = match decode_payload(payload) {
             Ok(d) => d,
             Err(error) => {
@@ -272,6 +352,13 @@ async fn tap_until_stopped(
             };
             match msg {
                 Ok(frames) => {
+                    if let (Some(replay), Ok((seq, _))) =
+                        (&endpoint.replay_endpoint, split_frames(&frames))
+                    {
+                        if let Some(from) = tap.missing_before(seq) {
+                            recover(tap, replay, from, seq, limits, &sink, source, &stats).await;
+                        }
+                    }
                     if let Some(record) = tap.message(&frames) {
                         let at = engine_time_ns(&record);
                         sink.submit_event(source, record, at);
@@ -286,6 +373,46 @@ async fn tap_until_stopped(
         if !sleep_or_stop(&mut stop, &mut backoff).await {
             return;
         }
+    }
+}
+
+/// Fill what is missing before batch `next` from the publisher's replay socket; what
+/// cannot be recovered stays a gap (or a late start) in the numbering, counted.
+#[allow(clippy::too_many_arguments)]
+async fn recover(
+    tap: &mut KvTap,
+    replay: &str,
+    from: u64,
+    next: u64,
+    limits: Limits,
+    sink: &RecordSink,
+    source: SourceId,
+    stats: &AgentStats,
+) {
+    let publisher = tap.endpoint.endpoint.clone();
+    match crate::replay::fetch(replay, from, limits).await {
+        Ok(batches) => {
+            let (records, complete) = tap.replayed(from, next, batches);
+            let n = records.len();
+            for r in records {
+                let at = engine_time_ns(&r);
+                sink.submit_event(source, r, at);
+            }
+            KvReplayDone {
+                publisher: &publisher,
+                from,
+                next,
+                batches: n,
+                complete,
+            }
+            .emit(stats);
+        }
+        Err(e) => KvReplayFailed {
+            publisher: &publisher,
+            replay,
+            error: &e.to_string(),
+        }
+        .emit(stats),
     }
 }
 
@@ -346,6 +473,7 @@ mod tests {
         let stats = Arc::new(AgentStats::default());
         let ep = KvEndpoint {
             endpoint: "tcp://127.0.0.1:1".into(),
+            replay_endpoint: None,
             worker_id: Some(9),
             dp_rank: dp,
         };

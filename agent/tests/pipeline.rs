@@ -312,6 +312,7 @@ async fn records_from_zmq_and_the_router_log_arrive_on_jetstream() {
         nats_url: format!("nats://127.0.0.1:{nats_port}"),
         kv_endpoints: vec![KvEndpoint {
             endpoint: endpoint.clone(),
+            replay_endpoint: None,
             worker_id: Some(WORKER),
             dp_rank: None,
         }],
@@ -364,6 +365,9 @@ async fn records_from_zmq_and_the_router_log_arrive_on_jetstream() {
         kv_sequence_resets: 1,
         kv_peer_violations: 0,
         kv_tap_panics: 0,
+        kv_batches_replayed: 0,
+        kv_gaps_recovered: 0,
+        kv_replay_failures: 0,
         discovery_changes: 0,
         discovery_errors: 0,
         log_lines: 9,

@@ -115,6 +115,13 @@ pub struct CollectorCounters {
     /// KV batches for a retired worker (late events of a process that stopped): not
     /// applied.
     pub batches_for_retired_workers: u64,
+    /// KV batches a publisher's replay socket sent again to fill a gap or a late start:
+    /// recovered, not lost.
+    pub replayed_batches: u64,
+    /// Decisions judged while a worker that could have been chosen had an incomplete
+    /// mirror (batches lost for good, or a publisher first seen past its start): their
+    /// verdicts are flagged, and each counts as a data fault of its window.
+    pub verdicts_on_incomplete_mirror: u64,
     /// KV batches and decisions of models this collector does not measure
     /// (`analyzer.models`): skipped.
     pub batches_other_models: u64,
@@ -212,6 +219,9 @@ pub struct FleetAnalyzer {
     verdict_delay: MergedLatency,
     /// The workers discovery described, by instance id (retired ones included).
     fleet: BTreeMap<u64, WorkerRecord>,
+    /// Workers whose mirror lacks events lost for good, until their cache starts
+    /// anew (cleared, or an engine restart seen from its first batch).
+    incomplete: std::collections::BTreeSet<WorkerKey>,
 }
 
 impl FleetAnalyzer {
@@ -233,6 +243,7 @@ impl FleetAnalyzer {
             recent_prompts: HashMap::new(),
             verdict_delay: MergedLatency::default(),
             fleet: BTreeMap::new(),
+            incomplete: std::collections::BTreeSet::new(),
         }
     }
 
@@ -253,6 +264,10 @@ impl FleetAnalyzer {
     }
     pub fn agents(&self) -> &BTreeMap<String, AgentStatus> {
         &self.agents
+    }
+    /// Workers whose mirror is incomplete now (see `verdicts_on_incomplete_mirror`).
+    pub fn incomplete_workers(&self) -> impl Iterator<Item = &WorkerKey> {
+        self.incomplete.iter()
     }
     /// The workers discovery described (the latest record of each; retired ones too).
     pub fn fleet(&self) -> &BTreeMap<u64, WorkerRecord> {
@@ -383,6 +398,7 @@ impl FleetAnalyzer {
                 self.counters.cleared_blocks += self.index.clear(k);
                 self.recent_prompts.remove(&k);
             }
+            self.incomplete.retain(|k| k.worker_id != w.worker_id);
         }
         self.fleet.insert(w.worker_id, w.clone());
     }
@@ -484,9 +500,14 @@ impl FleetAnalyzer {
             SequenceStatus::Reset => {
                 self.counters.sequence_resets += 1;
                 self.counters.cleared_blocks += self.index.clear(worker);
+                self.incomplete.remove(&worker);
                 self.open_summary().data_faults += 1;
             }
+            SequenceStatus::Replayed => self.counters.replayed_batches += 1,
             SequenceStatus::First | SequenceStatus::InOrder => {}
+        }
+        if batch.sequence.leaves_mirror_incomplete(batch.seq) {
+            self.incomplete.insert(worker);
         }
         for ev in &batch.events {
             self.counters.kv_events += 1;
@@ -567,6 +588,8 @@ impl FleetAnalyzer {
                 }
                 KvEvent::AllBlocksCleared => {
                     self.counters.cleared_blocks += self.index.clear(worker);
+                    // Whatever was missed is gone now.
+                    self.incomplete.remove(&worker);
                 }
             }
         }
@@ -596,6 +619,16 @@ impl FleetAnalyzer {
             self.cfg.min_spill_blocks,
         );
         v.model = model;
+        // Any worker the router could have chosen with a mirror missing events makes the
+        // best (or the chosen worker's overlap) possibly wrong.
+        v.incomplete_mirror = self
+            .incomplete
+            .iter()
+            .any(|w| v.model.is_none() || self.model_of(w.worker_id) == v.model.as_deref());
+        if v.incomplete_mirror {
+            self.counters.verdicts_on_incomplete_mirror += 1;
+            self.open_summary().data_faults += 1;
+        }
         let prompts = self.recent_prompts.entry(d.worker).or_default();
         for b in chain {
             prompts.insert(b, t);

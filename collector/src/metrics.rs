@@ -25,7 +25,7 @@ pub fn exposition(shared: &crate::bus::Shared, format: Format) -> String {
 /// The collector's figures for the current state.
 pub fn write(out: &mut Exposition, a: &FleetAnalyzer, bus: &BusStatus) {
     let c = a.counters();
-    let counters: [(&str, &str, u64); 26] = [
+    let counters: [(&str, &str, u64); 28] = [
         ("kvscope_collector_records", "Records applied.", c.records),
         (
             "kvscope_collector_undecodable_records",
@@ -41,6 +41,16 @@ pub fn write(out: &mut Exposition, a: &FleetAnalyzer, bus: &BusStatus) {
             "kvscope_collector_batches_for_retired_workers",
             "KV batches of a retired worker, arriving after it left discovery: not applied.",
             c.batches_for_retired_workers,
+        ),
+        (
+            "kvscope_kv_replayed_batches",
+            "KV batches a publisher's replay socket sent again (recovered, not lost).",
+            c.replayed_batches,
+        ),
+        (
+            "kvscope_verdicts_on_incomplete_mirror",
+            "Decisions judged while a worker they could have gone to had an incomplete mirror (flagged).",
+            c.verdicts_on_incomplete_mirror,
         ),
         (
             "kvscope_collector_batches_other_models",

@@ -447,6 +447,11 @@ impl OpportunityReport {
                 c.batches_for_retired_workers,
             ),
             ("sequence gaps", c.sequence_gaps),
+            ("batches recovered through replay", c.replayed_batches),
+            (
+                "verdicts judged on an incomplete mirror",
+                c.verdicts_on_incomplete_mirror,
+            ),
             ("missed batches", c.missed_batches),
             ("sequence resets (engine restarts)", c.sequence_resets),
             (

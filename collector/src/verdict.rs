@@ -14,6 +14,10 @@ pub struct SpillVerdict {
     /// worker is only ever one serving it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model: Option<String>,
+    /// Judged while a worker it could have gone to had an incomplete mirror (events lost
+    /// for good): its overlaps may be short.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub incomplete_mirror: bool,
     pub decided_ns: u64,
     pub chosen: WorkerKey,
     pub chosen_overlap_blocks: u32,
@@ -108,6 +112,7 @@ impl SpillVerdict {
         SpillVerdict {
             request_id: decision.request_id.clone(),
             model: None,
+            incomplete_mirror: false,
             decided_ns,
             chosen,
             chosen_overlap_blocks: chosen_overlap,

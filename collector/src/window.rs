@@ -326,6 +326,7 @@ mod tests {
         };
         let verdict = |best, chosen, delta: u64, spill| SpillVerdict {
             model: None,
+            incomplete_mirror: false,
             request_id: "r".into(),
             decided_ns: 1,
             chosen: w(chosen),

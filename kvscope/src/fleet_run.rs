@@ -31,6 +31,8 @@ pub enum KvSource {
     EngineTaps,
     /// Dynamo's event plane, every publisher discovery lists.
     EventPlane,
+    /// Only what the caller passes (`start_with`'s `--kv` arguments).
+    Given,
 }
 
 #[derive(Debug, Clone)]
@@ -180,7 +182,11 @@ impl FleetRun {
             .envs(self.cfg.agent_env.iter().map(|(k, v)| (k, v)));
         if self.cfg.kv_source == KvSource::EngineTaps {
             for w in lab.workers() {
-                cmd.arg("--kv").arg(&w.kv_events_endpoint);
+                let tap = match &w.kv_replay_endpoint {
+                    Some(replay) => format!("{}@{replay}", w.kv_events_endpoint),
+                    None => w.kv_events_endpoint.clone(),
+                };
+                cmd.arg("--kv").arg(tap);
             }
         }
         cmd.args(&self.agent_extra_args);

@@ -66,6 +66,9 @@ pub struct LabConfig {
     pub discovery: LabDiscovery,
     /// Dynamo's event plane: `zmq` or `nats` (the lab's NATS server). Default zmq.
     pub event_plane: LabEventPlane,
+    /// Each mocker keeps its last KV batches behind a replay socket
+    /// (`--zmq-replay-ports`), as vLLM's publisher can. Default true.
+    pub replay: bool,
 }
 
 /// Where the lab's Dynamo keeps its discovery store.
@@ -109,6 +112,7 @@ impl Default for LabConfig {
             stop_grace_secs: 5.0,
             discovery: LabDiscovery::File,
             event_plane: LabEventPlane::Zmq,
+            replay: true,
         }
     }
 }
@@ -151,6 +155,9 @@ pub struct WorkerInfo {
     pub dp_rank: u32,
     /// The vLLM-format KV event publisher (ZMQ PUB) of this worker.
     pub kv_events_endpoint: String,
+    /// Its replay socket (ZMQ ROUTER), when the lab runs with replay.
+    #[serde(default)]
+    pub kv_replay_endpoint: Option<String>,
     pub process: ProcessInfo,
 }
 
@@ -312,10 +319,10 @@ impl Lab {
         // Held until the whole fleet is up, so nothing alongside takes a port before the
         // process it is meant for binds it.
         let reservation =
-            crate::ports::reserve_ports(4 + config.workers).context("choosing free ports")?;
+            crate::ports::reserve_ports(4 + 2 * config.workers).context("choosing free ports")?;
         let ports = reservation.ports();
-        let (http_port, nats_port, etcd_ports, zmq_ports) =
-            (ports[0], ports[1], [ports[2], ports[3]], &ports[4..]);
+        let (http_port, nats_port, etcd_ports) = (ports[0], ports[1], [ports[2], ports[3]]);
+        let (zmq_ports, replay_ports) = ports[4..].split_at(config.workers);
         if config.event_plane == LabEventPlane::Nats && !config.nats {
             return Err(LabError::Other(anyhow::anyhow!(
                 "the NATS event plane needs the lab's NATS server (nats = true)"
@@ -469,6 +476,14 @@ impl Lab {
                 .args(["--speedup-ratio", &config.speedup_ratio.to_string()])
                 .args(["--zmq-kv-events-ports", &port.to_string()])
                 .args(&planes)
+                .args(if config.replay {
+                    vec![
+                        "--zmq-replay-ports".to_string(),
+                        replay_ports[index].to_string(),
+                    ]
+                } else {
+                    Vec::new()
+                })
                 .args(&config.mocker_args)
                 .current_dir(&run_dir);
             dyn_env(&mut cmd, &config.worker_log_filter);
@@ -595,6 +610,9 @@ impl Lab {
                 worker_id,
                 dp_rank: 0,
                 kv_events_endpoint: format!("tcp://127.0.0.1:{}", w.port),
+                kv_replay_endpoint: config
+                    .replay
+                    .then(|| format!("tcp://127.0.0.1:{}", replay_ports[w.index])),
                 process: ProcessInfo {
                     name: p.name.clone(),
                     pid: p.pid(),

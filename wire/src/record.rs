@@ -191,6 +191,22 @@ pub enum SequenceStatus {
     Gap { missed: u64 },
     /// The number went backwards: the engine restarted and its cache is new.
     Reset,
+    /// A batch the publisher's replay socket sent again, to fill a gap or the start of
+    /// a publisher seen late: what would have been lost, recovered.
+    Replayed,
+}
+
+impl SequenceStatus {
+    /// Whether batches before this one are missing for good (not replayed): the
+    /// worker's mirror lacks what they held. `seq` is the batch's number; a publisher
+    /// first seen past its number 0 missed its start.
+    pub fn leaves_mirror_incomplete(&self, seq: u64) -> bool {
+        match self {
+            SequenceStatus::Gap { .. } => true,
+            SequenceStatus::First | SequenceStatus::Reset => seq > 0,
+            SequenceStatus::InOrder | SequenceStatus::Replayed => false,
+        }
+    }
 }
 
 /// Where a batch of KV events was read.
@@ -379,6 +395,12 @@ pub struct AgentCounters {
     pub kv_peer_violations: u64,
     /// KV event taps that panicked (a bug) and were restarted.
     pub kv_tap_panics: u64,
+    /// KV batches recovered through a publisher's replay socket.
+    pub kv_batches_replayed: u64,
+    /// Gaps and late starts whose every missed batch was replayed.
+    pub kv_gaps_recovered: u64,
+    /// Replay requests that failed.
+    pub kv_replay_failures: u64,
     /// Workers and KV publishers that appeared, changed or went away in discovery.
     pub discovery_changes: u64,
     /// Failed reads of Dynamo's discovery store.

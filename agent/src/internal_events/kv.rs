@@ -220,3 +220,55 @@ impl InternalEvent for DiscoveryFailed<'_> {
         add(&stats.discovery_errors, 1);
     }
 }
+
+/// A batch recovered through its publisher's replay socket.
+pub struct KvBatchReplayed<'a> {
+    pub publisher: &'a str,
+    pub seq: u64,
+}
+
+impl InternalEvent for KvBatchReplayed<'_> {
+    fn emit(self, stats: &AgentStats) {
+        debug!(publisher = %self.publisher, seq = self.seq, "KV batch replayed.");
+        add(&stats.kv_batches_replayed, 1);
+    }
+}
+
+/// A replay for what was missing before batch `next` ended.
+pub struct KvReplayDone<'a> {
+    pub publisher: &'a str,
+    pub from: u64,
+    pub next: u64,
+    pub batches: usize,
+    /// Everything missing was recovered.
+    pub complete: bool,
+}
+
+impl InternalEvent for KvReplayDone<'_> {
+    fn emit(self, stats: &AgentStats) {
+        if self.complete {
+            info!(publisher = %self.publisher, from = self.from, next = self.next, batches = self.batches, "Missed KV batches recovered from the replay socket.");
+            add(&stats.kv_gaps_recovered, 1);
+        } else {
+            warn!(publisher = %self.publisher, from = self.from, next = self.next, batches = self.batches, "The replay socket no longer holds every missed KV batch; the worker's mirror stays incomplete.");
+        }
+    }
+}
+
+/// The replay socket could not be asked (down, refused, broke a limit).
+pub struct KvReplayFailed<'a> {
+    pub publisher: &'a str,
+    pub replay: &'a str,
+    pub error: &'a str,
+}
+
+static REPLAY_FAILED: LogLimiter = LogLimiter::new();
+
+impl InternalEvent for KvReplayFailed<'_> {
+    fn emit(self, stats: &AgentStats) {
+        if let Some(suppressed) = REPLAY_FAILED.check() {
+            warn!(publisher = %self.publisher, replay = %self.replay, error = %self.error, suppressed, "KV event replay failed; the missed batches stay missing.");
+        }
+        add(&stats.kv_replay_failures, 1);
+    }
+}

@@ -1,0 +1,104 @@
+//! The replay socket of an engine's KV event publisher: what a tap asks for the batches
+//! it missed (a sequence gap, or the start of a publisher it saw late).
+//!
+//! vLLM's `ZmqEventPublisher` (and Dynamo's mocker, `--zmq-replay-ports`) keeps its last
+//! batches (10,000 by default) behind a ROUTER socket. A DEALER sends `[b"", start_seq
+//! (u64 BE)]`; the publisher answers with one message per buffered batch numbered from
+//! `start_seq` on, `[b"", (topic,) seq (u64 BE), payload]` — the live socket's frames
+//! after an empty delimiter (older vLLM and SGLang omit the topic) — and ends with the
+//! marker `seq = u64::MAX`, empty payload. A start older than the buffer gets the whole
+//! buffer, so the caller checks what it got; a start past the newest gets the marker
+//! alone. Everything goes through [`crate::zmtp`], within the tap's limits, and the
+//! whole answer within a deadline and a batch count.
+
+use crate::zmtp::{Connection, Limits, SocketType, ZmtpError};
+use std::time::Duration;
+
+/// Batches one answer may hold: vLLM's default buffer, and some.
+pub const MAX_REPLAYED: usize = 16_384;
+/// How long one replay may take, connection included.
+pub const REPLAY_TIMEOUT: Duration = Duration::from_secs(10);
+const END_MARKER: u64 = u64::MAX;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReplayError {
+    #[error(transparent)]
+    Zmtp(#[from] ZmtpError),
+    #[error("no complete answer within {0:?}")]
+    Timeout(Duration),
+    #[error("a replayed message of {0} frames (expected at least 2)")]
+    Shape(usize),
+    #[error("a replayed sequence frame of {0} bytes (expected 8)")]
+    SeqLength(usize),
+    #[error("more than {MAX_REPLAYED} batches in one answer")]
+    TooMany,
+}
+
+/// One replayed batch: its number and payload.
+pub type Replayed = (u64, bytes::Bytes);
+
+/// Ask `endpoint` for every batch from `from_seq` on.
+pub async fn fetch(
+    endpoint: &str,
+    from_seq: u64,
+    limits: Limits,
+) -> Result<Vec<Replayed>, ReplayError> {
+    tokio::time::timeout(REPLAY_TIMEOUT, fetch_inner(endpoint, from_seq, limits))
+        .await
+        .map_err(|_| ReplayError::Timeout(REPLAY_TIMEOUT))?
+}
+
+async fn fetch_inner(
+    endpoint: &str,
+    from_seq: u64,
+    limits: Limits,
+) -> Result<Vec<Replayed>, ReplayError> {
+    let mut conn =
+        Connection::connect(endpoint, SocketType::Dealer, limits, REPLAY_TIMEOUT).await?;
+    conn.send(&[b"", &from_seq.to_be_bytes()]).await?;
+    let mut out = Vec::new();
+    loop {
+        let frames = conn.recv().await?;
+        let (seq, payload) = split(&frames)?;
+        if seq == END_MARKER {
+            return Ok(out);
+        }
+        if out.len() >= MAX_REPLAYED {
+            return Err(ReplayError::TooMany);
+        }
+        out.push((seq, payload));
+    }
+}
+
+/// The last two frames of a replayed message: its number and payload.
+pub fn split(frames: &[bytes::Bytes]) -> Result<Replayed, ReplayError> {
+    let [.., seq, payload] = frames else {
+        return Err(ReplayError::Shape(frames.len()));
+    };
+    let seq: [u8; 8] = seq[..]
+        .try_into()
+        .map_err(|_| ReplayError::SeqLength(seq.len()))?;
+    Ok((u64::from_be_bytes(seq), payload.clone()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bytes::Bytes;
+
+    #[test]
+    fn replayed_messages_with_or_without_a_topic() {
+        let b = |x: &[u8]| Bytes::copy_from_slice(x);
+        let with_topic = [b(b""), b(b""), b(&5u64.to_be_bytes()), b(b"p")];
+        assert_eq!(split(&with_topic).unwrap(), (5, b(b"p")));
+        let without = [b(b""), b(&6u64.to_be_bytes()), b(b"q")];
+        assert_eq!(split(&without).unwrap(), (6, b(b"q")));
+        let end = [b(b""), b(b""), b(&u64::MAX.to_be_bytes()), b(b"")];
+        assert_eq!(split(&end).unwrap().0, END_MARKER);
+        assert!(matches!(split(&[b(b"")]), Err(ReplayError::Shape(1))));
+        assert!(matches!(
+            split(&[b(b""), b(b"x"), b(b"p")]),
+            Err(ReplayError::SeqLength(1))
+        ));
+    }
+}

@@ -1,0 +1,222 @@
+//! Lost KV batches, recovered or flagged: the lab's mocker 0 publishes through a relay
+//! (this test, a ZMQ SUB → PUB) that drops one message in five; `kvscope agent` taps
+//! the relay, and asks the mocker's own replay socket (`--zmq-replay-ports`, as vLLM's
+//! `replay_endpoint`) for what it missed.
+//!
+//! With replay: every batch the mocker published reaches the collector exactly once —
+//! the dropped ones replayed, in order — so its mirror is the engine's, verdicts equal
+//! `dynamo-kv-router`'s over the same events, and the report counts the gaps as
+//! recovered (replayed batches, no sequence gap, no verdict on an incomplete mirror).
+//! Without replay: the gaps stay, worker 0's mirror is marked incomplete, and the
+//! verdicts judged meanwhile are flagged and counted.
+
+mod oracle;
+
+use kvscope::fleet_run::{FleetRun, FleetRunConfig, KvSource};
+use kvscope_collector::analyzer::{AnalyzerConfig, FleetAnalyzer};
+use kvscope_collector::report::OpportunityReport;
+use kvscope_lab::workload::{self, WorkloadConfig};
+use kvscope_lab::LabConfig;
+use kvscope_wire::recording::read_recording;
+use kvscope_wire::{Record, SequenceStatus};
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use zeromq::{Socket, SocketRecv, SocketSend};
+
+const WINDOW_SECS: f64 = 4.0;
+
+/// Relay `from` (a PUB) to a PUB bound on `to`, dropping every fifth message; counts
+/// what it passed and dropped.
+async fn relay(from: String, to: String, passed: Arc<AtomicU64>, dropped: Arc<AtomicU64>) {
+    let mut out = zeromq::PubSocket::new();
+    out.bind(&to).await.expect("the relay binds");
+    let mut sub = zeromq::SubSocket::new();
+    sub.connect(&from)
+        .await
+        .expect("the relay reaches the mocker");
+    sub.subscribe("").await.unwrap();
+    let mut n = 0u64;
+    while let Ok(msg) = sub.recv().await {
+        n += 1;
+        if n % 5 == 3 {
+            dropped.fetch_add(1, Ordering::Relaxed);
+            continue;
+        }
+        if out.send(msg).await.is_err() {
+            return;
+        }
+        passed.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+struct Outcome {
+    analyzer: FleetAnalyzer,
+    batches_of_worker0: Vec<(u64, SequenceStatus)>,
+    dropped: u64,
+    records: Vec<kvscope_wire::Envelope>,
+    verdicts: Vec<kvscope_collector::verdict::SpillVerdict>,
+}
+
+async fn run_through_relay(replay: bool) -> Outcome {
+    let lab = LabConfig {
+        workers: 3,
+        frontend_args: vec!["--router-temperature".into(), "0.2".into()],
+        ..LabConfig::default()
+    };
+    kvscope_lab::setup::ensure_venv(&lab.lab_dir).expect("the lab venv (scripts/setup makes it)");
+    let exe = Path::new(env!("CARGO_BIN_EXE_kvscope"));
+    let relay_port = kvscope_lab::ports::reserve_ports(1).unwrap();
+    let relay_ep = format!("tcp://127.0.0.1:{}", relay_port.ports()[0]);
+    let (passed, dropped) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let mut worker0 = 0;
+    let run = FleetRun::start_with(
+        exe,
+        FleetRunConfig {
+            lab,
+            kv_source: KvSource::Given,
+            window_secs: WINDOW_SECS,
+            warmup_secs: WINDOW_SECS,
+            agent_env: Vec::new(),
+            collector_env: Vec::new(),
+        },
+        |lab| {
+            let mut args = Vec::new();
+            for (i, w) in lab.workers().iter().enumerate() {
+                let replay_ep = w
+                    .kv_replay_endpoint
+                    .clone()
+                    .expect("the lab runs replay sockets");
+                let tap = if i == 0 {
+                    worker0 = w.worker_id;
+                    tokio::spawn(relay(
+                        w.kv_events_endpoint.clone(),
+                        relay_ep.clone(),
+                        passed.clone(),
+                        dropped.clone(),
+                    ));
+                    // The relay is this test's, so its worker is named here.
+                    format!("{relay_ep}@{replay_ep}={}", w.worker_id)
+                } else {
+                    format!("{}@{replay_ep}", w.kv_events_endpoint)
+                };
+                args.push("--kv".to_string());
+                args.push(if replay || i > 0 {
+                    tap
+                } else {
+                    format!("{relay_ep}={}", w.worker_id)
+                });
+            }
+            Ok(args)
+        },
+    )
+    .await
+    .expect("lab, relay, agent and collector start");
+    drop(relay_port);
+    let summary = workload::run(WorkloadConfig {
+        frontend: run.lab().frontend_url().to_string(),
+        sessions: 18,
+        families: 3,
+        max_turns: 30,
+        concurrency: 9,
+        rate: Some(12.0),
+        duration_secs: 14.0,
+        ..WorkloadConfig::default()
+    })
+    .await
+    .expect("the workload runs");
+    assert!(summary.ok >= 50);
+    run.wait_for_decisions(summary.ok as u64, Duration::from_secs(60))
+        .await
+        .expect("every decision reaches the collector");
+    let mut run = run;
+    run.stop_agent();
+    run.wait_drained(Duration::from_secs(1), Duration::from_secs(60))
+        .await
+        .expect("the collector catches up");
+    let recording = run.recording.clone();
+    run.stop();
+    let rec = read_recording(&recording).unwrap();
+    let mut analyzer = FleetAnalyzer::new(AnalyzerConfig {
+        window_secs: WINDOW_SECS,
+        warmup_secs: WINDOW_SECS,
+        ..AnalyzerConfig::default()
+    });
+    let verdicts: Vec<_> = rec
+        .envelopes
+        .iter()
+        .filter_map(|e| analyzer.apply(e))
+        .collect();
+    let batches_of_worker0 = rec
+        .envelopes
+        .iter()
+        .filter_map(|e| match &e.record {
+            Record::KvEvents(b) if b.worker.worker_id == worker0 => Some((b.seq, b.sequence)),
+            _ => None,
+        })
+        .collect();
+    assert!(
+        dropped.load(Ordering::Relaxed) >= 5,
+        "the relay dropped messages"
+    );
+    Outcome {
+        analyzer,
+        batches_of_worker0,
+        dropped: dropped.load(Ordering::Relaxed),
+        records: rec.envelopes,
+        verdicts,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gaps_are_repaired_through_the_replay_socket() {
+    let o = run_through_relay(true).await;
+    let seqs: Vec<u64> = o.batches_of_worker0.iter().map(|(s, _)| *s).collect();
+    let max = *seqs.iter().max().unwrap();
+    // Every batch the mocker published up to its last, exactly once, in order (the
+    // last dropped message may have had no successor to reveal it).
+    assert_eq!(seqs, (0..=max).collect::<Vec<_>>(), "worker 0's batches");
+    let replayed = o
+        .batches_of_worker0
+        .iter()
+        .filter(|(_, s)| *s == SequenceStatus::Replayed)
+        .count() as u64;
+    assert!(
+        replayed + 1 >= o.dropped,
+        "{replayed} replayed of {} dropped",
+        o.dropped
+    );
+    let c = o.analyzer.counters();
+    assert_eq!(c.sequence_gaps, 0, "{c:?}");
+    assert_eq!(c.replayed_batches, replayed);
+    assert_eq!(c.verdicts_on_incomplete_mirror, 0);
+    assert!(o.verdicts.iter().all(|v| !v.incomplete_mirror));
+    oracle::assert_overlaps_equal(&o.verdicts, &o.records);
+    let report = OpportunityReport::from_analyzer(&o.analyzer);
+    let md = report.to_markdown();
+    assert!(md.contains("batches recovered through replay"), "{md}");
+    eprintln!(
+        "relay dropped {}, {replayed} replayed; {} decisions equal to Dynamo's indexer",
+        o.dropped,
+        o.verdicts.len()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_replay_the_worker_is_marked_incomplete_and_its_verdicts_flagged() {
+    let o = run_through_relay(false).await;
+    let c = o.analyzer.counters();
+    assert!(c.sequence_gaps >= 1, "{c:?}");
+    assert_eq!(c.replayed_batches, 0);
+    assert!(c.verdicts_on_incomplete_mirror > 0, "{c:?}");
+    let flagged = o.verdicts.iter().filter(|v| v.incomplete_mirror).count() as u64;
+    assert_eq!(flagged, c.verdicts_on_incomplete_mirror);
+    // Until the first gap nothing is flagged.
+    assert!(!o.verdicts[0].incomplete_mirror);
+    let report = OpportunityReport::from_analyzer(&o.analyzer);
+    assert!(report.windows_with_data_faults > 0);
+    assert!(report
+        .to_markdown()
+        .contains("verdicts judged on an incomplete mirror"));
+}
