@@ -109,6 +109,7 @@ fn record_fleet(path: &Path) {
                 isl_tokens: prompt.len() as u64,
                 block_size: BS,
                 local_hashes: local_block_hashes(&prompt, BS as usize, DYNAMO_HASH_SEED),
+                sequence_hashes: None,
                 worker_type: None,
                 router_mode: None,
             }),

@@ -218,12 +218,17 @@ pub async fn start(cfg: AgentConfig) -> anyhow::Result<RunningAgent> {
             log_stop.clone(),
         )
         .context("cannot start the router log follower")?;
-        let tap = RouterTap::new((cfg.join_timeout_secs * 1e9) as u64, cfg.max_line_bytes);
+        let tap = RouterTap::new(
+            (cfg.join_timeout_secs * 1e9) as u64,
+            cfg.max_line_bytes,
+            cfg.decisions,
+        );
         inputs.push(tokio::spawn(router_tap::run(
             tap,
             rx,
             sink.clone(),
             sink.add_source(cfg.reorder_window_ms * 1_000_000),
+            cfg.request_trace_window_ms * 1_000_000,
             stats.clone(),
         )));
     }

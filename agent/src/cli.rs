@@ -69,6 +69,12 @@ pub struct Cli {
     /// [default: 16777216].
     #[arg(long)]
     pub max_line_bytes: Option<usize>,
+    /// Where decisions come from: auto, routing-input or request-trace [default: auto].
+    #[arg(long, value_name = "SOURCE")]
+    pub decisions: Option<crate::decision_join::DecisionSource>,
+    /// How long records wait for request-trace decisions, in ms [default: 10000].
+    #[arg(long)]
+    pub request_trace_window_ms: Option<u64>,
     /// Seconds between heartbeats [default: 1].
     #[arg(long)]
     pub heartbeat_secs: Option<f64>,
@@ -167,6 +173,12 @@ impl Cli {
         }
         if let Some(v) = self.max_line_bytes {
             cfg.max_line_bytes = v;
+        }
+        if let Some(v) = self.decisions {
+            cfg.decisions = v;
+        }
+        if let Some(v) = self.request_trace_window_ms {
+            cfg.request_trace_window_ms = v;
         }
         if let Some(v) = self.heartbeat_secs {
             cfg.heartbeat_interval_secs = v;

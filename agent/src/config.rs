@@ -92,6 +92,16 @@ pub struct AgentConfig {
     /// How long, in the log's own time, half a routing decision waits for its other
     /// half before it counts as unjoined (default 30).
     pub join_timeout_secs: f64,
+    /// Which log lines decisions come from: `auto` (the router's DEBUG `[ROUTING_INPUT]`
+    /// and `Selected worker` lines, and Dynamo's request trace for requests those never
+    /// named), `routing_input`, or `request_trace` (`DYN_REQUEST_TRACE=1`, any level).
+    /// Env: `KVSCOPE_AGENT_DECISIONS`.
+    pub decisions: crate::decision_join::DecisionSource,
+    /// Once decisions come from the request trace (written when each request ends),
+    /// every record waits this long, in milliseconds, so a decision slots in at its
+    /// request's arrival time; a request that ends later than that is judged late and
+    /// counted in `records_late` (default 10000). Env: `KVSCOPE_AGENT_REQUEST_TRACE_WINDOW_MS`.
+    pub request_trace_window_ms: u64,
     /// Serve Prometheus `/metrics` of the agent's counters here (default none).
     /// Env: `KVSCOPE_AGENT_METRICS_LISTEN`.
     pub metrics_listen: Option<String>,
@@ -208,6 +218,8 @@ impl Default for AgentConfig {
             heartbeat_interval_secs: 1.0,
             stream_max_age_secs: 86_400,
             join_timeout_secs: 30.0,
+            decisions: Default::default(),
+            request_trace_window_ms: 10_000,
             metrics_listen: None,
             log_poll_interval_ms: 20,
             reorder_window_ms: 250,
@@ -285,6 +297,12 @@ impl AgentConfig {
         }
         if let Some(v) = env.parse("KVSCOPE_AGENT_MAX_LINE_BYTES")? {
             self.max_line_bytes = v;
+        }
+        if let Some(v) = env.parse("KVSCOPE_AGENT_DECISIONS")? {
+            self.decisions = v;
+        }
+        if let Some(v) = env.parse("KVSCOPE_AGENT_REQUEST_TRACE_WINDOW_MS")? {
+            self.request_trace_window_ms = v;
         }
         if let Some(v) = env.parse("KVSCOPE_AGENT_HEARTBEAT_SECS")? {
             self.heartbeat_interval_secs = v;

@@ -52,6 +52,7 @@ agent_stats!(
     log_lines_too_long: "Router log lines longer than max_line_bytes, skipped.",
     decisions_joined: "Routing decisions joined (routing input with its selected worker).",
     decisions_unjoined: "Routing inputs or selections never joined within the join timeout.",
+    decisions_traced: "Routing decisions read from Dynamo's request trace (DYN_REQUEST_TRACE).",
     migration_lines: "KVMIGRATE log lines read.",
     published: "Records published to NATS.",
     publish_dropped: "Records dropped because the local buffer was full (records or bytes) while NATS was away.",
@@ -78,6 +79,6 @@ mod tests {
         let c = s.snapshot();
         assert_eq!(c.kv_batches, 2);
         assert_eq!(c.publish_dropped, 5);
-        assert_eq!(s.named().len(), 28);
+        assert_eq!(s.named().len(), 29);
     }
 }

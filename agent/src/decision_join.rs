@@ -208,18 +208,86 @@ fn join(input: RoutingInput, sel: SelectedWorker) -> RoutingDecision {
         isl_tokens: input.isl_tokens,
         block_size: input.block_size,
         local_hashes: input.local_hashes,
+        sequence_hashes: None,
         worker_type: sel.worker_type,
         router_mode: sel.router_mode,
     }
 }
 
 /// What one log line yields.
+/// Which log lines routing decisions are taken from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DecisionSource {
+    /// The router's `[ROUTING_INPUT]` (DEBUG) and `Selected worker` lines, at the
+    /// routing moment; and, for requests no such line named, Dynamo's request trace.
+    #[default]
+    Auto,
+    /// Only `[ROUTING_INPUT]` + `Selected worker`.
+    RoutingInput,
+    /// Only the request trace (`DYN_REQUEST_TRACE=1`), at any log level.
+    RequestTrace,
+}
+
+impl std::str::FromStr for DecisionSource {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim() {
+            "auto" => Ok(Self::Auto),
+            "routing-input" | "routing_input" => Ok(Self::RoutingInput),
+            "request-trace" | "request_trace" => Ok(Self::RequestTrace),
+            other => Err(format!(
+                "unknown decision source {other:?} (expected auto, routing-input or request-trace)"
+            )),
+        }
+    }
+}
+
+/// Request ids recently decided from routing lines, so that their request-trace
+/// records (written at the end of the same requests) are not decisions twice.
+#[derive(Debug, Default)]
+struct RecentIds {
+    set: std::collections::HashSet<String>,
+    order: std::collections::VecDeque<String>,
+}
+
+impl RecentIds {
+    const CAP: usize = 100_000;
+
+    fn insert(&mut self, id: &str) {
+        if self.set.insert(id.to_string()) {
+            self.order.push_back(id.to_string());
+            if self.order.len() > Self::CAP {
+                if let Some(old) = self.order.pop_front() {
+                    self.set.remove(&old);
+                }
+            }
+        }
+    }
+
+    fn contains(&self, id: &str) -> bool {
+        self.set.contains(id)
+    }
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub enum LogOutput {
     Decision(RoutingDecision),
+    /// A decision from the request trace: it happened at `at_ns` (the request's arrival),
+    /// long before its line was written.
+    TracedDecision {
+        decision: RoutingDecision,
+        at_ns: u64,
+    },
+    /// A request-trace record for a request already decided from its routing lines.
+    TraceDuplicate,
     Migration(MigrationLogLine),
     Malformed(MalformedLine),
-    Unjoined { request_id: String, half: Half },
+    Unjoined {
+        request_id: String,
+        half: Half,
+    },
 }
 
 /// Parser and joiner together: log lines in, records and problems out.
@@ -227,13 +295,21 @@ pub enum LogOutput {
 pub struct RouterLogProcessor {
     joiner: DecisionJoiner,
     last_ts_ns: Option<u64>,
+    source: DecisionSource,
+    routed: RecentIds,
 }
 
 impl RouterLogProcessor {
     pub fn new(timeout_ns: u64, max_pending: usize) -> Self {
+        Self::with_source(timeout_ns, max_pending, DecisionSource::Auto)
+    }
+
+    pub fn with_source(timeout_ns: u64, max_pending: usize, source: DecisionSource) -> Self {
         Self {
             joiner: DecisionJoiner::new(timeout_ns, max_pending),
             last_ts_ns: None,
+            source,
+            routed: RecentIds::default(),
         }
     }
 
@@ -256,27 +332,68 @@ impl RouterLogProcessor {
             self.last_ts_ns = Some(ts);
         }
         let now = self.last_ts_ns.unwrap_or(fallback_ns);
+        let routing_lines = self.source != DecisionSource::RequestTrace;
         let joined = match parsed.content {
-            LineContent::RoutingInput(i) => self.joiner.input(now, i),
-            LineContent::SelectedWorker(s) => self.joiner.selected(now, s),
+            LineContent::RoutingInput(i) if routing_lines => self.joiner.input(now, i),
+            LineContent::SelectedWorker(s) if routing_lines => self.joiner.selected(now, s),
+            LineContent::RoutingInput(_) | LineContent::SelectedWorker(_) => {
+                self.joiner.advance(now)
+            }
+            LineContent::RequestTrace(t) => {
+                let mut out: Vec<LogOutput> = self
+                    .joiner
+                    .advance(now)
+                    .into_iter()
+                    .map(|j| self.output(j))
+                    .collect();
+                out.push(match self.source {
+                    DecisionSource::RoutingInput => return out,
+                    _ if self.routed.contains(&t.request_id) => LogOutput::TraceDuplicate,
+                    _ => LogOutput::TracedDecision {
+                        at_ns: t.received_ns,
+                        decision: RoutingDecision {
+                            request_id: t.request_id,
+                            worker: t.worker,
+                            isl_tokens: t.isl_tokens,
+                            block_size: t.block_size,
+                            local_hashes: Vec::new(),
+                            sequence_hashes: Some(t.sequence_hashes),
+                            worker_type: None,
+                            router_mode: None,
+                        },
+                    },
+                });
+                return out;
+            }
             LineContent::Migration(m) => {
                 let mut out: Vec<LogOutput> = self
                     .joiner
                     .advance(now)
                     .into_iter()
-                    .map(from_join)
+                    .map(|j| self.output(j))
                     .collect();
                 out.push(LogOutput::Migration(m));
                 return out;
             }
             LineContent::Other => self.joiner.advance(now),
         };
-        joined.into_iter().map(from_join).collect()
+        joined.into_iter().map(|j| self.output(j)).collect()
     }
 
     /// End of input: every waiting half is unjoined.
     pub fn finish(&mut self) -> Vec<LogOutput> {
-        self.joiner.flush().into_iter().map(from_join).collect()
+        self.joiner
+            .flush()
+            .into_iter()
+            .map(|j| self.output(j))
+            .collect()
+    }
+
+    fn output(&mut self, j: JoinOutput) -> LogOutput {
+        if let JoinOutput::Joined(d) = &j {
+            self.routed.insert(&d.request_id);
+        }
+        from_join(j)
     }
 
     pub fn pending(&self) -> usize {
@@ -325,6 +442,7 @@ mod tests {
             isl_tokens: 41,
             block_size: 16,
             local_hashes: vec![1, 2],
+            sequence_hashes: None,
             worker_type: Some("decode".into()),
             router_mode: Some("kv".into()),
         })
@@ -557,5 +675,68 @@ mod captured_jsonl {
             assert_eq!(kvscope_wire::sequence_hashes(&d.local_hashes), seq, "{id}");
             assert_eq!(d.block_size, 16);
         }
+    }
+}
+
+#[cfg(test)]
+mod captured_trace {
+    use super::*;
+
+    fn read(name: &str) -> String {
+        std::fs::read_to_string(format!(
+            "{}/../lab/fixtures/samples/{name}",
+            env!("CARGO_MANIFEST_DIR")
+        ))
+        .unwrap()
+    }
+
+    /// One Dynamo 1.6.1 run (3 mockers, 9 requests) logged both ways: the router's DEBUG
+    /// routing lines (JSON lines) and the request trace's file sink. Decisions from the
+    /// trace alone name the same workers, and their sequence hashes are the routing
+    /// lines' local hashes chained; with both in one log (`auto`), each request is one
+    /// decision.
+    #[test]
+    fn request_trace_decisions_equal_the_routing_lines() {
+        let debug = read("router_log_jsonl_debug_with_trace.log");
+        let trace = read("request_trace.jsonl");
+        let decide = |source: DecisionSource, text: &str| {
+            let mut p = RouterLogProcessor::with_source(30 * 1_000_000_000, 1000, source);
+            let mut out = Vec::new();
+            for line in text.lines() {
+                for o in p.line(line, 0) {
+                    match o {
+                        LogOutput::Decision(d) => out.push((d, None)),
+                        LogOutput::TracedDecision { decision, at_ns } => {
+                            out.push((decision, Some(at_ns)))
+                        }
+                        LogOutput::Malformed(e) => panic!("{e}: {line}"),
+                        _ => {}
+                    }
+                }
+            }
+            out
+        };
+        let routed = decide(DecisionSource::RoutingInput, &debug);
+        let traced = decide(DecisionSource::RequestTrace, &trace);
+        assert_eq!((routed.len(), traced.len()), (9, 9));
+        for (d, _) in &routed {
+            let (t, at) = traced
+                .iter()
+                .find(|(t, _)| t.request_id == d.request_id)
+                .unwrap_or_else(|| panic!("{} not traced", d.request_id));
+            assert_eq!(t.worker, d.worker);
+            assert_eq!((t.isl_tokens, t.block_size), (d.isl_tokens, d.block_size));
+            assert_eq!(
+                t.sequence_hashes.as_deref(),
+                Some(&kvscope_wire::sequence_hashes(&d.local_hashes)[..])
+            );
+            assert!(at.is_some_and(|ns| ns > 1_796_000_000_000_000_000));
+            t.check_prompt_blocks().unwrap();
+        }
+        // Both kinds of lines in one input: one decision per request, from the routing lines.
+        let both = decide(DecisionSource::Auto, &format!("{debug}\n{trace}"));
+        assert_eq!(both.len(), 9);
+        assert!(both.iter().all(|(_, at)| at.is_none()));
+        assert!(decide(DecisionSource::RoutingInput, &trace).is_empty());
     }
 }

@@ -97,6 +97,9 @@ struct Progress {
     /// An engine's KV event publisher: waited for as long as publishers' measured
     /// delivery lag says, within the window.
     publisher: bool,
+    /// Its records may come out of their time order (within the window): every record
+    /// waits the whole window for it, whatever it delivered last.
+    held: bool,
 }
 
 impl Progress {
@@ -110,7 +113,7 @@ impl Progress {
 
     /// Whether nothing from this source can still come before `t` at `now`.
     fn passed(&self, t: u64, now: u64, lag: &DeliveryLag) -> bool {
-        self.last_ns >= t || t.saturating_add(self.wait_ns(lag)) <= now
+        (!self.held && self.last_ns >= t) || t.saturating_add(self.wait_ns(lag)) <= now
     }
 }
 
@@ -233,8 +236,19 @@ impl RecordSink {
             last_ns: 0,
             window_ns,
             publisher,
+            held: false,
         });
         SourceId(inner.sources.len() - 1)
+    }
+
+    /// From now on `source`'s records may come out of order by up to `window_ns`: every
+    /// record waits that long for it.
+    pub fn hold_source(&self, source: SourceId, window_ns: u64) {
+        let mut inner = self.lock();
+        if let Some(p) = inner.sources.get_mut(source.0) {
+            p.held = true;
+            p.window_ns = p.window_ns.max(window_ns);
+        }
     }
 
     /// `source` will deliver nothing more (its publisher is gone): records stop waiting
@@ -243,6 +257,7 @@ impl RecordSink {
         let mut inner = self.lock();
         if let Some(p) = inner.sources.get_mut(source.0) {
             p.last_ns = u64::MAX;
+            p.held = false;
         }
         let released = self.release_locked(&mut inner, now_ns(), false);
         drop(inner);
@@ -341,7 +356,7 @@ impl RecordSink {
             inner
                 .sources
                 .iter()
-                .filter(|p| p.last_ns < t)
+                .filter(|p| p.held || p.last_ns < t)
                 .map(|p| t.saturating_add(p.wait_ns(&inner.lag)))
                 .max()
                 .unwrap_or(t),
@@ -708,6 +723,39 @@ mod tests {
             sink.next_due_ns(),
             Some(1550 * MS),
             "1300 ms waits for the log"
+        );
+        assert_eq!(stats.snapshot().records_late, 0);
+    }
+
+    #[test]
+    fn a_held_source_makes_every_record_wait_its_window_and_takes_older_ones_in_order() {
+        let stats = Arc::new(AgentStats::default());
+        let sink = RecordSink::new(
+            "a",
+            Subjects::new("c"),
+            100,
+            usize::MAX,
+            None,
+            stats.clone(),
+        )
+        .unwrap();
+        let (log, kv) = (sink.add_source(50), sink.add_source(10));
+        sink.hold_source(log, 1000);
+        // The log moved far ahead, yet a KV batch at 100 still waits the log's window.
+        sink.advance_at(log, 5000, 101);
+        sink.submit_at(Some(kv), hb(), Some(100), 102);
+        sink.release_at(1099);
+        assert_eq!(sink.buffered(), 0);
+        // A decision from the request trace for a request that arrived at 90, written at
+        // its end: it goes before the batch.
+        sink.submit_at(Some(log), hb(), Some(90), 600);
+        sink.release_at(1100);
+        assert_eq!(
+            sink.peek(10)
+                .iter()
+                .map(|o| o.observed_ns)
+                .collect::<Vec<_>>(),
+            vec![90, 100]
         );
         assert_eq!(stats.snapshot().records_late, 0);
     }

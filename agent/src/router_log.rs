@@ -43,10 +43,30 @@ pub struct SelectedWorker {
     pub router_mode: Option<String>,
 }
 
+/// A record of Dynamo's request trace (`DYN_REQUEST_TRACE=1`): one per request, written
+/// when the request ends, at any log level. It names the worker and the prompt's blocks
+/// as sequence hashes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TracedRequest {
+    pub request_id: String,
+    pub worker: kvscope_wire::WorkerKey,
+    pub isl_tokens: u64,
+    pub block_size: u32,
+    /// The sequence hashes of the prompt's full blocks (the trace's trailing partial
+    /// block dropped).
+    pub sequence_hashes: Vec<u64>,
+    /// When the frontend received the request (UNIX ns): the decision was made then.
+    pub received_ns: u64,
+}
+
+/// The request trace's schema name.
+pub const REQUEST_TRACE_SCHEMA: &str = "dynamo.request.trace.v1";
+
 #[derive(Debug, Clone, PartialEq)]
 pub enum LineContent {
     RoutingInput(RoutingInput),
     SelectedWorker(SelectedWorker),
+    RequestTrace(TracedRequest),
     Migration(MigrationLogLine),
     /// Any other line: counted, not parsed.
     Other,
@@ -65,6 +85,7 @@ pub enum LineKind {
     RoutingInput,
     SelectedWorker,
     Migration,
+    RequestTrace,
 }
 
 impl LineKind {
@@ -73,6 +94,7 @@ impl LineKind {
             LineKind::RoutingInput => "routing_input",
             LineKind::SelectedWorker => "selected_worker",
             LineKind::Migration => "migration",
+            LineKind::RequestTrace => "request_trace",
         }
     }
 }
@@ -149,6 +171,19 @@ pub fn parse_json_line(line: &str) -> Option<Result<ParsedLine, MalformedLine>> 
     else {
         return None;
     };
+    // The request trace: bare on stderr, `{"timestamp", "event"}` in its file sink.
+    let trace = if obj.contains_key("schema") {
+        Some(serde_json::Value::Object(obj.clone()))
+    } else {
+        obj.get("event")
+            .filter(|e| e.get("schema").is_some())
+            .cloned()
+    };
+    if let Some(t) = trace {
+        if t.get("schema").and_then(|s| s.as_str()) == Some(REQUEST_TRACE_SCHEMA) {
+            return Some(request_trace(&t));
+        }
+    }
     let ts_ns = obj
         .get("time")
         .or_else(|| obj.get("timestamp"))
@@ -184,6 +219,72 @@ pub fn parse_json_line(line: &str) -> Option<Result<ParsedLine, MalformedLine>> 
                 reason,
             }),
     )
+}
+
+fn request_trace(t: &serde_json::Value) -> Result<ParsedLine, MalformedLine> {
+    let ts_ns = t
+        .get("event_time_unix_ms")
+        .and_then(|v| v.as_u64())
+        .map(|ms| ms.saturating_mul(1_000_000));
+    if t.get("event_type").and_then(|v| v.as_str()) != Some("request_end") {
+        return Ok(ParsedLine {
+            ts_ns,
+            content: LineContent::Other,
+        });
+    }
+    let malformed = |reason: &str| MalformedLine {
+        kind: LineKind::RequestTrace,
+        ts_ns,
+        reason: reason.to_string(),
+    };
+    let r = t.get("request").ok_or_else(|| malformed("no request"))?;
+    let u64_at = |p: &str| r.pointer(p).and_then(|v| v.as_u64());
+    let request_id = r
+        .get("request_id")
+        .and_then(|v| v.as_str())
+        .ok_or_else(|| malformed("no request_id"))?
+        .to_string();
+    let worker_id = u64_at("/worker/decode_worker_id")
+        .or_else(|| u64_at("/worker/prefill_worker_id"))
+        .ok_or_else(|| malformed("no worker"))?;
+    let dp_rank = u64_at("/worker/decode_dp_rank")
+        .or_else(|| u64_at("/worker/prefill_dp_rank"))
+        .and_then(|d| u32::try_from(d).ok())
+        .unwrap_or(0);
+    let block_size = u64_at("/replay/trace_block_size")
+        .and_then(|b| u32::try_from(b).ok())
+        .filter(|b| *b > 0)
+        .ok_or_else(|| malformed("no replay.trace_block_size"))?;
+    let isl_tokens = u64_at("/replay/input_length")
+        .or_else(|| u64_at("/input_tokens"))
+        .ok_or_else(|| malformed("no input length"))?;
+    let hashes = r
+        .pointer("/replay/input_sequence_hashes")
+        .and_then(|v| v.as_array())
+        .ok_or_else(|| malformed("no replay.input_sequence_hashes"))?;
+    let full = (isl_tokens / u64::from(block_size)) as usize;
+    if hashes.len() < full {
+        return Err(malformed("fewer sequence hashes than full blocks"));
+    }
+    let sequence_hashes = hashes[..full]
+        .iter()
+        .map(|h| h.as_u64())
+        .collect::<Option<Vec<u64>>>()
+        .ok_or_else(|| malformed("a sequence hash is not a u64"))?;
+    let received_ns = u64_at("/request_received_ms")
+        .ok_or_else(|| malformed("no request_received_ms"))?
+        .saturating_mul(1_000_000);
+    Ok(ParsedLine {
+        ts_ns,
+        content: LineContent::RequestTrace(TracedRequest {
+            request_id,
+            worker: kvscope_wire::WorkerKey { worker_id, dp_rank },
+            isl_tokens,
+            block_size,
+            sequence_hashes,
+            received_ns,
+        }),
+    })
 }
 
 /// What a message is, and where its fields start in a text line (`None` for a
@@ -771,7 +872,9 @@ mod tests {
                         assert_eq!(s.router_mode.as_deref(), Some("kv"));
                         selected += 1;
                     }
-                    LineContent::Migration(_) => panic!("no migration lines in upstream Dynamo"),
+                    LineContent::Migration(_) | LineContent::RequestTrace(_) => {
+                        panic!("no migration or trace lines in this capture")
+                    }
                     LineContent::Other => other += 1,
                 }
             }

@@ -3,10 +3,10 @@
 
 use crate::counters::AgentStats;
 use crate::cri::{CriJoiner, CriOutput};
-use crate::decision_join::{LogOutput, RouterLogProcessor};
+use crate::decision_join::{DecisionSource, LogOutput, RouterLogProcessor};
 use crate::internal_events::{
-    DecisionJoined, DecisionUnjoined, InternalEvent, LogLineMalformed, LogLineRead, LogLineTooLong,
-    MigrationLineParsed,
+    DecisionJoined, DecisionTraced, DecisionUnjoined, InternalEvent, LogLineMalformed, LogLineRead,
+    LogLineTooLong, MigrationLineParsed,
 };
 use crate::log_follower::LogItem;
 use crate::record_sink::{now_ns, RecordSink, SourceId};
@@ -22,11 +22,15 @@ pub struct RouterTap {
     cri: CriJoiner,
 }
 
+/// A record from the log, and when it happened if not at its line's time (a decision
+/// from the request trace happened when its request arrived).
+pub type LogRecord = (Record, Option<u64>);
+
 impl RouterTap {
     /// Lines joined from CRI partials are held up to `max_line_bytes`.
-    pub fn new(join_timeout_ns: u64, max_line_bytes: usize) -> Self {
+    pub fn new(join_timeout_ns: u64, max_line_bytes: usize, source: DecisionSource) -> Self {
         Self {
-            processor: RouterLogProcessor::new(join_timeout_ns, MAX_PENDING),
+            processor: RouterLogProcessor::with_source(join_timeout_ns, MAX_PENDING, source),
             cri: CriJoiner::new(max_line_bytes),
         }
     }
@@ -37,7 +41,7 @@ impl RouterTap {
     }
 
     /// One input item → records; every line and problem is counted.
-    pub fn item(&mut self, item: &LogItem, stats: &AgentStats) -> Vec<Record> {
+    pub fn item(&mut self, item: &LogItem, stats: &AgentStats) -> Vec<LogRecord> {
         let mut lines = Vec::new();
         match item {
             LogItem::Line(line) => {
@@ -71,11 +75,19 @@ impl RouterTap {
                         request_id: &d.request_id,
                     }
                     .emit(stats);
-                    records.push(Record::Decision(d));
+                    records.push((Record::Decision(d), None));
                 }
+                LogOutput::TracedDecision { decision, at_ns } => {
+                    DecisionTraced {
+                        request_id: &decision.request_id,
+                    }
+                    .emit(stats);
+                    records.push((Record::Decision(decision), Some(at_ns)));
+                }
+                LogOutput::TraceDuplicate => {}
                 LogOutput::Migration(m) => {
                     MigrationLineParsed { kind: m.kind }.emit(stats);
-                    records.push(Record::Migration(m));
+                    records.push((Record::Migration(m), None));
                 }
                 LogOutput::Malformed(e) => LogLineMalformed {
                     kind: e.kind.as_str(),
@@ -95,13 +107,19 @@ impl RouterTap {
 
 /// Run until the channel closes. The log's records are `source` in the sink: it is read
 /// in order, so its timestamps only move forward (within the router's own write order).
+/// Decisions from the request trace are the exception: each is written when its
+/// request ends, long after it happened, so from the first one on every record waits
+/// `trace_window_ns` for the log (however far the log has got), and a traced decision
+/// slots in at its request's arrival time if it comes within that window.
 pub async fn run(
     mut tap: RouterTap,
     mut rx: mpsc::Receiver<LogItem>,
     sink: std::sync::Arc<RecordSink>,
     source: SourceId,
+    trace_window_ns: u64,
     stats: std::sync::Arc<AgentStats>,
 ) {
+    let mut held = false;
     while let Some(item) = rx.recv().await {
         let records = tap.item(&item, &stats);
         let at = tap.log_time_ns();
@@ -111,9 +129,13 @@ pub async fn run(
                 sink.advance(source, t);
             }
         }
-        for r in records {
+        for (r, happened) in records {
+            if happened.is_some() && !held {
+                sink.hold_source(source, trace_window_ns);
+                held = true;
+            }
             // A decision happened when the router logged it, not when we read the line.
-            sink.submit_event(source, r, at);
+            sink.submit_event(source, r, happened.or(at));
         }
     }
 }
@@ -125,7 +147,7 @@ mod tests {
     #[test]
     fn counts_lines_decisions_and_problems() {
         let stats = AgentStats::default();
-        let mut t = RouterTap::new(1_000_000_000, 1 << 20);
+        let mut t = RouterTap::new(1_000_000_000, 1 << 20, DecisionSource::Auto);
         let lines = [
             r#"2026-11-29T07:50:01Z DEBUG r: [ROUTING_INPUT] request local hashes request_id="a" isl_tokens=32 block_size=16 num_blocks=2 local_hashes=[1, 2]"#,
             "random noise",
@@ -140,7 +162,10 @@ mod tests {
         }
         records.extend(t.item(&LogItem::End, &stats));
         assert!(
-            matches!(&records[..], [Record::Decision(_), Record::Migration(_)]),
+            matches!(
+                &records[..],
+                [(Record::Decision(_), None), (Record::Migration(_), None)]
+            ),
             "{records:?}"
         );
         let c = stats.snapshot();

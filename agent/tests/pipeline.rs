@@ -375,6 +375,7 @@ async fn records_from_zmq_and_the_router_log_arrive_on_jetstream() {
         log_lines_too_long: 0,
         decisions_joined: 1,
         decisions_unjoined: 1,
+        decisions_traced: 0,
         migration_lines: 2,
         published: 0, // not compared
         publish_dropped: 0,
@@ -511,6 +512,7 @@ async fn records_from_zmq_and_the_router_log_arrive_on_jetstream() {
             isl_tokens: 41,
             block_size: 16,
             local_hashes: vec![10190339484985224020, 8425628386841907966],
+            sequence_hashes: None,
             worker_type: Some("decode".into()),
             router_mode: Some("kv".into()),
         }]

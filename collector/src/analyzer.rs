@@ -600,7 +600,10 @@ impl FleetAnalyzer {
         if !self.index.knows_worker(&d.worker) {
             self.counters.decisions_for_unseen_workers += 1;
         }
-        let matched = self.index.match_chain(&d.local_hashes);
+        let matched = match &d.sequence_hashes {
+            Some(seq) => self.index.match_seq_chain(seq),
+            None => self.index.match_chain(&d.local_hashes),
+        };
         let chain = matched.chain;
         // The router could only have chosen among the workers serving the request's
         // model (the chosen worker's): a worker of another model holding the same
@@ -633,7 +636,7 @@ impl FleetAnalyzer {
         for b in chain {
             prompts.insert(b, t);
         }
-        if !d.local_hashes.is_empty() && v.chosen_overlap_blocks as usize == d.local_hashes.len() {
+        if d.blocks() > 0 && v.chosen_overlap_blocks as usize == d.blocks() {
             self.counters.decisions_fully_cached += 1;
         }
         if v.spill {
@@ -776,6 +779,7 @@ mod tests {
             isl_tokens: tokens.len() as u64,
             block_size: 2,
             local_hashes: local_block_hashes(tokens, 2, DYNAMO_HASH_SEED),
+            sequence_hashes: None,
             worker_type: None,
             router_mode: None,
         })

@@ -489,6 +489,36 @@ impl FleetIndex {
         }
     }
 
+    /// [`Self::match_chain`] for a request known by its blocks' sequence hashes (what
+    /// Dynamo's request trace and replica-sync events carry) instead of their local
+    /// hashes: the same walk, each step found by the hash it names.
+    pub fn match_seq_chain(&self, chain: &[SequenceHash]) -> ChainMatch {
+        let mut walk = Walk::new(None);
+        let mut left = Vec::new();
+        let mut at: Option<Visited> = None;
+        for seq in chain {
+            match self.blocks.find_child_seq(at, *seq) {
+                Some(found) => {
+                    if walk.active() {
+                        walk.step(&self.sets, found.holders(), &mut left);
+                    }
+                    at = Some(found);
+                }
+                None => {
+                    if walk.active() {
+                        walk.step(&self.sets, EMPTY, &mut left);
+                    }
+                    break;
+                }
+            }
+        }
+        walk.finish(&mut left);
+        ChainMatch {
+            chain: chain.to_vec(),
+            overlaps: self.overlap_map(left),
+        }
+    }
+
     fn overlap_map(&self, left: Vec<(WorkerIdx, u32)>) -> BTreeMap<WorkerKey, u32> {
         // A handful of workers (every query in a small fleet): inserted one by one, which
         // costs less than collecting and sorting them first.
@@ -698,10 +728,15 @@ mod tests {
         }
     }
 
-    /// Every worker's overlap with the chain of `tokens` (block size 2).
+    /// Every worker's overlap with the chain of `tokens` (block size 2), matched by its
+    /// local hashes and, the same, by its sequence hashes.
     fn overlaps(idx: &FleetIndex, tokens: &[u32]) -> BTreeMap<WorkerKey, u32> {
-        idx.match_chain(&local_block_hashes(tokens, 2, DYNAMO_HASH_SEED))
-            .overlaps
+        let locals = local_block_hashes(tokens, 2, DYNAMO_HASH_SEED);
+        let by_local = idx.match_chain(&locals);
+        let by_seq = idx.match_seq_chain(&sequence_hashes(&locals));
+        assert_eq!(by_local.overlaps, by_seq.overlaps, "by sequence hash");
+        assert_eq!(by_local.chain, by_seq.chain);
+        by_local.overlaps
     }
 
     #[test]
@@ -982,6 +1017,8 @@ mod tests {
                     let chain = sequence_hashes(&locals);
                     let want = model.overlaps(&chain);
                     let matched = idx.match_chain(&locals);
+                    let by_seq = idx.match_seq_chain(&chain);
+                    assert_eq!(by_seq.overlaps, want, "by sequence hash, step {step}");
                     assert_eq!(
                         (matched.chain, matched.overlaps),
                         (chain.clone(), want),

@@ -66,7 +66,10 @@ impl SpillVerdict {
         decided_ns: u64,
         min_blocks: u32,
     ) -> Self {
-        let matched = index.match_chain(&decision.local_hashes);
+        let matched = match &decision.sequence_hashes {
+            Some(seq) => index.match_seq_chain(seq),
+            None => index.match_chain(&decision.local_hashes),
+        };
         Self::judge_matched(
             index,
             decision,
@@ -153,6 +156,7 @@ mod tests {
             isl_tokens: tokens.len() as u64,
             block_size: 2,
             local_hashes: local_block_hashes(tokens, 2, DYNAMO_HASH_SEED),
+            sequence_hashes: None,
             worker_type: None,
             router_mode: None,
         }

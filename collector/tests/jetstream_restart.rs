@@ -108,6 +108,7 @@ fn trace(n: usize) -> Vec<Envelope> {
                 isl_tokens: tokens.len() as u64 + 3,
                 block_size: bs,
                 local_hashes: local_block_hashes(&tokens, bs as usize, DYNAMO_HASH_SEED),
+                sequence_hashes: None,
                 worker_type: None,
                 router_mode: Some("kv".into()),
             }))),

@@ -88,6 +88,7 @@ fn fleet_records() -> Vec<Envelope> {
                 isl_tokens: tokens.len() as u64,
                 block_size: BLOCK,
                 local_hashes: locals.clone(),
+                sequence_hashes: None,
                 worker_type: None,
                 router_mode: None,
             }),

@@ -76,6 +76,7 @@ fn decision(id: &str, worker: WorkerKey, tokens: &[u32]) -> Record {
         isl_tokens: tokens.len() as u64,
         block_size: BS,
         local_hashes: local_block_hashes(tokens, BS as usize, DYNAMO_HASH_SEED),
+        sequence_hashes: None,
         worker_type: None,
         router_mode: Some("kv".into()),
     })

@@ -51,6 +51,9 @@ pub struct LabConfig {
     /// The frontend logs JSON lines (`DYN_LOGGING_JSONL=1`), as production often runs
     /// it. Default false.
     pub frontend_jsonl_logs: bool,
+    /// The frontend writes Dynamo's request trace (`DYN_REQUEST_TRACE=1`, stderr sink)
+    /// into its log: one record per request, whatever the log level. Default false.
+    pub request_trace: bool,
     /// `DYN_LOG` for the mockers. Default `info`.
     pub worker_log_filter: String,
     /// Extra arguments for `python -m dynamo.frontend` (e.g. `--router-track-output-blocks`).
@@ -105,6 +108,7 @@ impl Default for LabConfig {
             ansi_logs: false,
             frontend_log_filter: "info,dynamo_kv_router=debug".into(),
             frontend_jsonl_logs: false,
+            request_trace: false,
             worker_log_filter: "info".into(),
             frontend_args: Vec::new(),
             mocker_args: Vec::new(),
@@ -456,6 +460,12 @@ impl Lab {
         dyn_env(&mut fe, &config.frontend_log_filter);
         if config.frontend_jsonl_logs {
             fe.env("DYN_LOGGING_JSONL", "1");
+        }
+        if config.request_trace {
+            fe.env("DYN_REQUEST_TRACE", "1")
+                .env("DYN_REQUEST_TRACE_SINKS", "stderr");
+        } else {
+            fe.env_remove("DYN_REQUEST_TRACE");
         }
         let p = ManagedProcess::spawn("frontend", fe, &lab.manifest.router_log)?;
         lab.manifest.frontend.pid = p.pid();

@@ -281,8 +281,14 @@ pub struct RoutingDecision {
     pub worker: WorkerKey,
     pub isl_tokens: u64,
     pub block_size: u32,
-    /// The router's local block hashes of the request's full blocks, in order.
+    /// The router's local block hashes of the request's full blocks, in order (empty
+    /// when the source gives `sequence_hashes` instead).
     pub local_hashes: Vec<u64>,
+    /// The request's full blocks as Dynamo's sequence hashes, when that is what the
+    /// source gives (the request trace, replica-sync events): what the chain is matched
+    /// by then.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sequence_hashes: Option<Vec<u64>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub worker_type: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -293,7 +299,14 @@ impl RoutingDecision {
     /// Whether the decision's prompt can be what the router hashed; see
     /// [`check_prompt_blocks`].
     pub fn check_prompt_blocks(&self) -> Result<(), PromptBlocksError> {
-        check_prompt_blocks(self.isl_tokens, self.block_size, self.local_hashes.len())
+        check_prompt_blocks(self.isl_tokens, self.block_size, self.blocks())
+    }
+
+    /// The number of full blocks the decision names.
+    pub fn blocks(&self) -> usize {
+        self.sequence_hashes
+            .as_ref()
+            .map_or(self.local_hashes.len(), Vec::len)
     }
 }
 
@@ -414,6 +427,8 @@ pub struct AgentCounters {
     /// `[ROUTING_INPUT]` lines never followed by a `Selected worker` line (or the
     /// reverse) within the join timeout.
     pub decisions_unjoined: u64,
+    /// Decisions read from Dynamo's request trace.
+    pub decisions_traced: u64,
     pub migration_lines: u64,
     pub published: u64,
     /// Records dropped because the local buffer was full (in records or bytes) while

@@ -114,3 +114,15 @@ impl InternalEvent for LogLineTooLong<'_> {
         add(&stats.log_lines_too_long, 1);
     }
 }
+
+/// A routing decision read from Dynamo's request trace (no routing lines named it).
+pub struct DecisionTraced<'a> {
+    pub request_id: &'a str,
+}
+
+impl InternalEvent for DecisionTraced<'_> {
+    fn emit(self, stats: &AgentStats) {
+        debug!(request_id = %self.request_id, "Routing decision from the request trace.");
+        add(&stats.decisions_traced, 1);
+    }
+}

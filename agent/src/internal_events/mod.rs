@@ -186,6 +186,7 @@ mod tests {
                 log_lines_too_long: 1,
                 decisions_joined: 1,
                 decisions_unjoined: 1,
+                decisions_traced: 0,
                 migration_lines: 1,
                 published: 1,
                 publish_dropped: 1,

@@ -271,6 +271,30 @@ impl Blocks {
         }
     }
 
+    /// The mirrored block with sequence hash `seq`, a child of `parent` (`None`: a
+    /// chain's first block). A sequence hash names its whole prefix, so the block found
+    /// is that child.
+    pub(super) fn find_child_seq<'a>(
+        &'a self,
+        parent: Option<Visited<'a>>,
+        seq: SequenceHash,
+    ) -> Option<Visited<'a>> {
+        if let Some(Visited(r)) = parent {
+            if r.next != NO_BLOCK {
+                let c = &self.records[r.next as usize];
+                if c.seq == seq {
+                    return Some(Visited(c));
+                }
+            }
+            if r.children_all_linked() {
+                return None;
+            }
+        }
+        self.table
+            .get(&seq)
+            .map(|&b| Visited(&self.records[b as usize]))
+    }
+
     /// The child `local` of `parent` (`None`: a chain's first block), made (unheld) if
     /// not mirrored yet.
     #[inline(always)]

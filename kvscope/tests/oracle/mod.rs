@@ -87,7 +87,11 @@ pub fn dynamo_overlaps(records: &[Envelope]) -> Vec<(String, BTreeMap<WorkerKey,
                 removed.insert(w.worker_id);
             }
             Record::Decision(d) => {
-                let mut o = oracle.overlaps(&d.local_hashes);
+                let locals = match &d.sequence_hashes {
+                    Some(seq) => oracle.locals_of(seq),
+                    None => d.local_hashes.clone(),
+                };
+                let mut o = oracle.overlaps(&locals);
                 if let Some(m) = models.get(&d.worker.worker_id) {
                     o.retain(|w, _| models.get(&w.worker_id) == Some(m));
                 }
@@ -160,6 +164,11 @@ struct PublisherState {
 /// own queries.
 pub struct DynamoOracle {
     tree: RadixTree,
+    /// Every stored block's sequence hash → its local hash, and engine hash → sequence
+    /// hash (to chain a store onto its parent): how a decision known by sequence hashes
+    /// (the request trace) is put to the tree, which matches by local hash.
+    seq_to_local: HashMap<u64, u64>,
+    engine_to_seq: HashMap<(WorkerKey, u64), u64>,
     publishers: HashMap<WorkerKey, PublisherState>,
     warnings: Arc<AtomicU32>,
     pub counters: OracleCounters,
@@ -175,15 +184,59 @@ impl DynamoOracle {
     pub fn new() -> Self {
         Self {
             tree: RadixTree::new(),
+            seq_to_local: HashMap::new(),
+            engine_to_seq: HashMap::new(),
             publishers: HashMap::new(),
             warnings: Arc::new(AtomicU32::new(0)),
             counters: OracleCounters::default(),
         }
     }
 
+    /// The local hashes of a chain known by its sequence hashes, up to the first block
+    /// never stored anywhere (no worker can hold it or anything after it).
+    pub fn locals_of(&self, seq: &[u64]) -> Vec<u64> {
+        seq.iter()
+            .map_while(|s| self.seq_to_local.get(s).copied())
+            .collect()
+    }
+
+    fn learn_hashes(&mut self, worker: WorkerKey, ev: &KvEvent) {
+        let KvEvent::BlockStored {
+            block_hashes,
+            parent_block_hash,
+            token_ids,
+            block_size,
+            lora_name,
+            local_hashes,
+            ..
+        } = ev
+        else {
+            return;
+        };
+        let locals = match local_hashes {
+            Some(l) => l.clone(),
+            None => kvscope_wire::hashing::local_block_hashes(
+                token_ids,
+                *block_size as usize,
+                kvscope_wire::hashing::seed_for_lora(lora_name.as_deref()),
+            ),
+        };
+        let mut prev =
+            parent_block_hash.and_then(|p| self.engine_to_seq.get(&(worker, p)).copied());
+        for (engine, local) in block_hashes.iter().zip(&locals) {
+            let seq = kvscope_wire::hashing::chain_hash(prev, *local);
+            self.seq_to_local.insert(seq, *local);
+            self.engine_to_seq.insert((worker, *engine), seq);
+            prev = Some(seq);
+        }
+    }
+
     /// One batch, from an engine's publisher (through the worker-side steps) or from
     /// Dynamo's event plane (straight to the tree, as the router applies it).
     pub fn apply(&mut self, batch: &KvEventBatch) {
+        for ev in &batch.events {
+            self.learn_hashes(batch.worker, ev);
+        }
         match batch.origin {
             KvOrigin::Engine => self.apply_batch(batch.worker, &batch.events),
             KvOrigin::EventPlane => {
