@@ -50,6 +50,8 @@ agent_stats!(
     log_lines: "Router log lines read.",
     log_malformed_lines: "Router decision lines that could not be parsed.",
     log_lines_too_long: "Router log lines longer than max_line_bytes, skipped.",
+    log_lines_future: "Router log lines dated more than 60 s ahead of this host's clock: their time was not taken.",
+    log_truncations: "Times the router log was cut under the follower (copytruncate) and read again from its start.",
     decisions_joined: "Routing decisions joined (routing input with its selected worker).",
     decisions_unjoined: "Routing inputs or selections never joined within the join timeout.",
     decisions_traced: "Routing decisions read from Dynamo's request trace (DYN_REQUEST_TRACE).",
@@ -79,6 +81,6 @@ mod tests {
         let c = s.snapshot();
         assert_eq!(c.kv_batches, 2);
         assert_eq!(c.publish_dropped, 5);
-        assert_eq!(s.named().len(), 29);
+        assert_eq!(s.named().len(), 31);
     }
 }

@@ -98,8 +98,10 @@ impl DecisionJoiner {
                 half: Half::InputOnly,
             });
         }
+        // Waiting is measured on the joiner's clock, which never goes back: a line dated
+        // before its predecessors (a clock stepped back) waits its full timeout.
         self.order
-            .push_back((ts_ns, generation, Half::InputOnly, id));
+            .push_back((self.now_ns, generation, Half::InputOnly, id));
         self.enforce_cap(&mut out);
         out
     }
@@ -129,7 +131,7 @@ impl DecisionJoiner {
             });
         }
         self.order
-            .push_back((ts_ns, generation, Half::SelectionOnly, id));
+            .push_back((self.now_ns, generation, Half::SelectionOnly, id));
         self.enforce_cap(&mut out);
         out
     }
@@ -244,6 +246,10 @@ impl std::str::FromStr for DecisionSource {
     }
 }
 
+/// How far ahead of this host's clock a log line may be dated (clocks of two hosts
+/// disagree by this much at most); beyond it the line's time is not taken.
+pub const FUTURE_TOLERANCE_NS: u64 = 60_000_000_000;
+
 /// Request ids recently decided from routing lines, so that their request-trace
 /// records (written at the end of the same requests) are not decisions twice.
 #[derive(Debug, Default)]
@@ -282,6 +288,12 @@ pub enum LogOutput {
     },
     /// A request-trace record for a request already decided from its routing lines.
     TraceDuplicate,
+    /// A line dated further ahead of this host's clock than clocks can disagree: its
+    /// time is not taken (it would stop every join until real time caught up).
+    FutureLine {
+        ts_ns: u64,
+        ahead_ns: u64,
+    },
     Migration(MigrationLogLine),
     Malformed(MalformedLine),
     Unjoined {
@@ -313,10 +325,12 @@ impl RouterLogProcessor {
         }
     }
 
-    /// Process one line. `fallback_ns` is the record time used only while the log has
-    /// shown no timestamp at all.
-    pub fn line(&mut self, raw: &str, fallback_ns: u64) -> Vec<LogOutput> {
-        let parsed = match parse_line(raw) {
+    /// Process one line. `wall_ns` is this host's clock: the record time used while the
+    /// log has shown no timestamp at all, and what a line's own time is checked against
+    /// (0: no clock, e.g. a log read long after it was written, no check).
+    pub fn line(&mut self, raw: &str, wall_ns: u64) -> Vec<LogOutput> {
+        let fallback_ns = wall_ns;
+        let mut parsed = match parse_line(raw) {
             Ok(p) => p,
             Err(e) => {
                 let mut out = Vec::new();
@@ -328,10 +342,28 @@ impl RouterLogProcessor {
                 return out;
             }
         };
+        let mut future = None;
         if let Some(ts) = parsed.ts_ns {
-            self.last_ts_ns = Some(ts);
+            if wall_ns > 0 && ts > wall_ns.saturating_add(FUTURE_TOLERANCE_NS) {
+                future = Some(LogOutput::FutureLine {
+                    ts_ns: ts,
+                    ahead_ns: ts - wall_ns,
+                });
+                parsed.ts_ns = None;
+            }
+        }
+        if let Some(ts) = parsed.ts_ns {
+            // Never backwards: a line dated before its predecessors (a clock stepped
+            // back) keeps the clock where it was.
+            self.last_ts_ns = Some(self.last_ts_ns.map_or(ts, |l| l.max(ts)));
         }
         let now = self.last_ts_ns.unwrap_or(fallback_ns);
+        let mut out: Vec<LogOutput> = future.into_iter().collect();
+        out.extend(self.decide(parsed, now));
+        out
+    }
+
+    fn decide(&mut self, parsed: crate::router_log::ParsedLine, now: u64) -> Vec<LogOutput> {
         let routing_lines = self.source != DecisionSource::RequestTrace;
         let joined = match parsed.content {
             LineContent::RoutingInput(i) if routing_lines => self.joiner.input(now, i),
@@ -430,6 +462,33 @@ mod tests {
         format!(
             r#"2026-11-29T07:50:{t}Z  INFO dynamo_kv_router::scheduling::selector: Selected worker router_mode="kv" request_id="{id}" worker_id={worker} worker_type=decode dp_rank=0 logit=1.5"#
         )
+    }
+
+    #[test]
+    fn a_line_dated_an_hour_ahead_or_a_clock_stepped_back_stops_no_join() {
+        // The agent's clock reads 07:50:30.
+        let wall = crate::router_log::parse_rfc3339_ns("2026-11-29T07:50:30Z").unwrap();
+        let mut p = RouterLogProcessor::new(30 * SEC, 1000);
+        let mut out = Vec::new();
+        let future =
+            r#"2026-11-29T08:50:00Z  INFO dynamo_llm::http: request received request_id=x"#;
+        out.extend(p.line(future, wall));
+        assert!(matches!(out[..], [LogOutput::FutureLine { .. }]), "{out:?}");
+        // The following decisions join as if that line had not been there.
+        out.clear();
+        for (t, id) in [("01", "a"), ("02", "b")] {
+            out.extend(p.line(&input_line(t, id), wall));
+            out.extend(p.line(&selected_line(t, id, 7), wall));
+        }
+        assert_eq!(out, vec![decision("a", 7), decision("b", 7)]);
+        // A clock stepped back an hour: halves still wait their timeout, and join.
+        out.clear();
+        let back = |l: String| l.replace("07:50:", "06:50:");
+        out.extend(p.line(&back(input_line("03", "c")), wall));
+        out.extend(p.line(&input_line("04", "d"), wall));
+        out.extend(p.line(&back(selected_line("05", "c", 8)), wall));
+        out.extend(p.line(&selected_line("06", "d", 8), wall));
+        assert_eq!(out, vec![decision("c", 8), decision("d", 8)]);
     }
 
     fn decision(id: &str, worker: u64) -> LogOutput {

@@ -10,7 +10,9 @@
 //! Runs on its own thread (blocking file I/O), feeding a channel.
 
 use crate::counters::AgentStats;
-use crate::internal_events::{InternalEvent, LogFileReopened, LogFileUnavailable, LogLineTooLong};
+use crate::internal_events::{
+    InternalEvent, LogFileReopened, LogFileTruncated, LogFileUnavailable, LogLineTooLong,
+};
 use std::fs::File;
 use std::io::{BufRead, BufReader, Seek, SeekFrom};
 use std::os::unix::fs::MetadataExt;
@@ -182,6 +184,45 @@ struct Open {
     dev: u64,
     ino: u64,
     pos: u64,
+    /// The file's first bytes as last read (up to [`FINGERPRINT`]): a file truncated
+    /// and written again past our position (`copytruncate` between two polls) keeps its
+    /// inode and may have grown past it, but not its first bytes.
+    head: Vec<u8>,
+}
+
+const FINGERPRINT: usize = 1024;
+
+impl Open {
+    /// The file's first bytes now (up to [`FINGERPRINT`]).
+    fn read_head(&self) -> std::io::Result<Vec<u8>> {
+        use std::os::unix::fs::FileExt;
+        let mut buf = vec![0u8; FINGERPRINT];
+        let n = self.reader.get_ref().read_at(&mut buf, 0)?;
+        buf.truncate(n);
+        Ok(buf)
+    }
+
+    /// Whether the file was cut under us: shorter than our position, or its first
+    /// bytes are no longer those we read. Keeps the fingerprint up to date.
+    fn cut(&mut self, len: u64) -> bool {
+        if len < self.pos {
+            return true;
+        }
+        let Ok(now) = self.read_head() else {
+            return false;
+        };
+        let known = self.head.len().min(now.len());
+        if now[..known] != self.head[..known] || (now.len() < self.head.len()) {
+            return true;
+        }
+        // Only bytes we have read count: the fingerprint grows with the file up to
+        // our position.
+        let upto = (self.pos as usize).min(now.len());
+        if upto > self.head.len() {
+            self.head = now[..upto].to_vec();
+        }
+        false
+    }
 }
 
 fn follow(
@@ -197,6 +238,10 @@ fn follow(
     let mut open: Option<Open> = None;
     let mut first_attempt = true;
     let mut lines = Lines::new(max_line);
+    // After a poll's sleep the file is checked for a cut before anything new is read:
+    // read first, and the start of a rewritten file would be taken for the old one's
+    // continuation.
+    let mut woke = false;
     while !stop.load(Ordering::Relaxed) && !tx.is_closed() {
         let Some(cur) = open.as_mut() else {
             let seek_end = first_attempt && !from_start;
@@ -214,6 +259,14 @@ fn follow(
             }
             continue;
         };
+        if std::mem::take(&mut woke) {
+            if let Ok(len) = cur.reader.get_ref().metadata().map(|m| m.len()) {
+                if cur.cut(len) {
+                    restart(cur, &mut lines, stats, &shown, len);
+                    continue;
+                }
+            }
+        }
         // Read every complete line there is.
         let mut progressed = false;
         loop {
@@ -256,23 +309,42 @@ fn follow(
                 open = None;
                 continue;
             }
-            Ok(m) if m.len() < cur.pos => {
-                LogFileReopened {
-                    path: &shown,
-                    reason: "truncated",
-                }
-                .emit(stats);
-                lines.reset();
-                if cur.reader.seek(SeekFrom::Start(0)).is_ok() {
-                    cur.pos = 0;
-                } else {
+            Ok(m) if cur.cut(m.len()) => {
+                if !restart(cur, &mut lines, stats, &shown, m.len()) {
                     open = None;
                 }
                 continue;
             }
             // Unchanged, or gone for now (removed before its replacement appears).
-            _ => std::thread::sleep(poll),
+            _ => {
+                std::thread::sleep(poll);
+                woke = true;
+            }
         }
+    }
+}
+
+/// The file was cut under us: read it again from its start (false: it cannot be, and
+/// must be opened again).
+fn restart(cur: &mut Open, lines: &mut Lines, stats: &AgentStats, shown: &str, len: u64) -> bool {
+    LogFileReopened {
+        path: shown,
+        reason: "truncated",
+    }
+    .emit(stats);
+    LogFileTruncated {
+        path: shown,
+        position: cur.pos,
+        size_now: len,
+    }
+    .emit(stats);
+    cur.head.clear();
+    lines.reset();
+    if cur.reader.seek(SeekFrom::Start(0)).is_ok() {
+        cur.pos = 0;
+        true
+    } else {
+        false
     }
 }
 
@@ -284,12 +356,17 @@ fn open_at(path: &std::path::Path, seek_end: bool) -> std::io::Result<Open> {
     } else {
         0
     };
-    Ok(Open {
+    let mut open = Open {
         reader: BufReader::new(file),
         dev: m.dev(),
         ino: m.ino(),
         pos,
-    })
+        head: Vec::new(),
+    };
+    // What we skip when starting at the end counts as read.
+    open.head = open.read_head()?;
+    open.head.truncate((pos as usize).min(FINGERPRINT));
+    Ok(open)
 }
 
 #[cfg(test)]
@@ -374,6 +451,51 @@ mod tests {
         std::thread::sleep(Duration::from_millis(50));
         append(&path, "after truncation\n");
         assert_eq!(next(&mut rx), "after truncation");
+        stop.store(true, Ordering::Relaxed);
+        h.join().unwrap();
+    }
+
+    #[test]
+    fn a_file_cut_and_written_past_our_position_between_polls_is_read_from_its_start() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("router.log");
+        let (tx, mut rx) = mpsc::channel(1000);
+        let stop = Arc::new(AtomicBool::new(false));
+        let stats = Arc::new(AgentStats::default());
+        // A slow poll, so the cut and the rewrite both land between two looks.
+        let h = spawn(
+            LogSource::File {
+                path: path.clone(),
+                from_start: true,
+                poll: Duration::from_millis(300),
+            },
+            1 << 20,
+            tx,
+            stats.clone(),
+            stop.clone(),
+        )
+        .unwrap();
+        append(&path, "2026-12-01T00:00:00Z first line of the old file\n");
+        assert_eq!(
+            next(&mut rx),
+            "2026-12-01T00:00:00Z first line of the old file"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+        // copytruncate: cut to zero, and before the next poll more than was read is
+        // written again.
+        std::fs::OpenOptions::new()
+            .write(true)
+            .truncate(true)
+            .open(&path)
+            .unwrap();
+        let rewritten: Vec<String> = (0..40)
+            .map(|i| format!("2026-12-01T00:00:01Z new line {i}"))
+            .collect();
+        append(&path, &(rewritten.join("\n") + "\n"));
+        for want in &rewritten {
+            assert_eq!(&next(&mut rx), want, "nothing of the new file is skipped");
+        }
+        assert_eq!(stats.snapshot().log_truncations, 1);
         stop.store(true, Ordering::Relaxed);
         h.join().unwrap();
     }

@@ -5,8 +5,8 @@ use crate::counters::AgentStats;
 use crate::cri::{CriJoiner, CriOutput};
 use crate::decision_join::{DecisionSource, LogOutput, RouterLogProcessor};
 use crate::internal_events::{
-    DecisionJoined, DecisionTraced, DecisionUnjoined, InternalEvent, LogLineMalformed, LogLineRead,
-    LogLineTooLong, MigrationLineParsed,
+    DecisionJoined, DecisionTraced, DecisionUnjoined, InternalEvent, LogLineFuture,
+    LogLineMalformed, LogLineRead, LogLineTooLong, MigrationLineParsed,
 };
 use crate::log_follower::LogItem;
 use crate::record_sink::{now_ns, RecordSink, SourceId};
@@ -85,6 +85,9 @@ impl RouterTap {
                     records.push((Record::Decision(decision), Some(at_ns)));
                 }
                 LogOutput::TraceDuplicate => {}
+                LogOutput::FutureLine { ts_ns, ahead_ns } => {
+                    LogLineFuture { ts_ns, ahead_ns }.emit(stats)
+                }
                 LogOutput::Migration(m) => {
                     MigrationLineParsed { kind: m.kind }.emit(stats);
                     records.push((Record::Migration(m), None));

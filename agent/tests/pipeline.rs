@@ -373,6 +373,8 @@ async fn records_from_zmq_and_the_router_log_arrive_on_jetstream() {
         log_lines: 9,
         log_malformed_lines: 1,
         log_lines_too_long: 0,
+        log_truncations: 0,
+        log_lines_future: 0,
         decisions_joined: 1,
         decisions_unjoined: 1,
         decisions_traced: 0,

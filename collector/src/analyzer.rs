@@ -106,6 +106,9 @@ pub struct CollectorCounters {
     pub late_records: u64,
     /// Bus messages that were not valid records (counted by the bus reader).
     pub undecodable_records: u64,
+    /// Records stamped more than 60 s ahead of the collector's clock (a wrong clock or a
+    /// forged record): not applied, so they cannot move the windows or the watermark.
+    pub future_records: u64,
     /// Records sent in parts that never came whole (a part missing, out of order or
     /// past the size limit; counted by the bus reader): dropped, never guessed at.
     pub incomplete_records: u64,

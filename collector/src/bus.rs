@@ -21,6 +21,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tracing::{error, info, warn};
 
+/// How far ahead of this host's clock a record may be stamped (agents' clocks disagree
+/// by this much at most).
+pub const FUTURE_TOLERANCE_NS: u64 = 60_000_000_000;
+
 /// Where the bus reader is; shown on `/metrics` and the API.
 #[derive(Debug, Default, Clone, serde::Serialize)]
 pub struct BusStatus {
@@ -108,6 +112,14 @@ impl Shared {
     /// Decode and apply one record; undecodable ones are counted and skipped.
     fn apply_payload(&self, payload: &[u8], seq: u64) {
         match Envelope::from_json(payload) {
+            Ok(env)
+                if env.observed_ns > kvscope_wire::now_ns().saturating_add(FUTURE_TOLERANCE_NS) =>
+            {
+                // A record dated far ahead of this host's clock would move every window
+                // and the watermark to its date: quarantined, counted.
+                lock(&self.analyzer).counters_mut().future_records += 1;
+                warn!(seq, agent = %env.agent, observed_ns = env.observed_ns, "A record dated far in the future; not applied, counted.");
+            }
             Ok(env) => {
                 let rebuilding = lock(&self.bus).rebuilding;
                 let verdict = {

@@ -25,7 +25,7 @@ pub fn exposition(shared: &crate::bus::Shared, format: Format) -> String {
 /// The collector's figures for the current state.
 pub fn write(out: &mut Exposition, a: &FleetAnalyzer, bus: &BusStatus) {
     let c = a.counters();
-    let counters: [(&str, &str, u64); 28] = [
+    let counters: [(&str, &str, u64); 29] = [
         ("kvscope_collector_records", "Records applied.", c.records),
         (
             "kvscope_collector_undecodable_records",
@@ -61,6 +61,11 @@ pub fn write(out: &mut Exposition, a: &FleetAnalyzer, bus: &BusStatus) {
             "kvscope_collector_decisions_other_models",
             "Decisions for models this collector does not measure (--models): skipped.",
             c.decisions_other_models,
+        ),
+        (
+            "kvscope_collector_future_records",
+            "Records stamped far ahead of the collector's clock: not applied.",
+            c.future_records,
         ),
         (
             "kvscope_collector_incomplete_records",

@@ -438,6 +438,10 @@ impl OpportunityReport {
             ("records", c.records),
             ("undecodable records", c.undecodable_records),
             (
+                "records dated far ahead of the collector's clock (not applied)",
+                c.future_records,
+            ),
+            (
                 "records sent in parts that never came whole",
                 c.incomplete_records,
             ),

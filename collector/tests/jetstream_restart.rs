@@ -325,3 +325,47 @@ fn assert_same(a: &OpportunityReport, b: &OpportunityReport, what: &str) {
         panic!("{what}: first difference at {d}");
     }
 }
+
+/// A record stamped 50 years ahead — a wrong clock, or anyone who can reach NATS —
+/// must not move the collector's windows and watermark to its date: it is quarantined
+/// and counted, and the real records after it are applied as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_dated_far_ahead_is_quarantined_not_applied() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_nats, url) = start_nats(&dir.path().join("js"));
+    let subjects = Subjects::new("t");
+    let js = jetstream::new(async_nats::connect(&url).await.unwrap());
+    js.get_or_create_stream(kvscope_wire::subject::stream_config(
+        &subjects,
+        Duration::from_secs(3600),
+    ))
+    .await
+    .unwrap();
+    let now = kvscope_wire::now_ns();
+    let beat = |agent: &str, t: u64| Envelope {
+        agent: agent.into(),
+        observed_ns: t,
+        record: Record::Heartbeat(AgentHeartbeat::default()),
+    };
+    let fifty_years = 50 * 365 * 86_400 * 1_000_000_000u64;
+    let records = [
+        beat("real", now),
+        beat("forger", now + fifty_years),
+        beat("real", now + 1_000_000_000),
+    ];
+    for e in &records {
+        js.publish(subjects.for_record(&e.agent, &e.record), e.to_json().into())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+    let listen = format!("127.0.0.1:{}", free_port());
+    let api = format!("http://{listen}");
+    let recording = dir.path().join("rec.jsonl");
+    let _collector = spawn_collector(&url, &listen, &recording);
+    let s = wait_applied(&api, 3).await;
+    assert_eq!(s["counters"]["future_records"], 1, "{s}");
+    assert_eq!(s["watermark_ns"].as_u64(), Some(now + 1_000_000_000));
+    assert_eq!(s["counters"]["heartbeats"], 2);
+}

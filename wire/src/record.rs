@@ -423,6 +423,10 @@ pub struct AgentCounters {
     pub log_malformed_lines: u64,
     /// Router log lines longer than the agent's `max_line_bytes`: skipped.
     pub log_lines_too_long: u64,
+    /// Times the router log was truncated under the follower and read from its start.
+    pub log_truncations: u64,
+    /// Router log lines dated far ahead of the agent's clock: their time not taken.
+    pub log_lines_future: u64,
     pub decisions_joined: u64,
     /// `[ROUTING_INPUT]` lines never followed by a `Selected worker` line (or the
     /// reverse) within the join timeout.

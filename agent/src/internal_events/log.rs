@@ -126,3 +126,43 @@ impl InternalEvent for DecisionTraced<'_> {
         add(&stats.decisions_traced, 1);
     }
 }
+
+/// The router log was cut under the follower (truncated in place, `copytruncate`,
+/// possibly written again past where it had read): it is read again from its start.
+/// Lines written between the follower's last read and the cut went to the copy and are
+/// not read: counted here.
+pub struct LogFileTruncated<'a> {
+    pub path: &'a str,
+    pub position: u64,
+    pub size_now: u64,
+}
+
+impl InternalEvent for LogFileTruncated<'_> {
+    fn emit(self, stats: &AgentStats) {
+        warn!(path = %self.path, position = self.position, size_now = self.size_now, "Router log truncated under the follower; reading it again from its start (lines written just before the cut may be missed).");
+        add(&stats.log_truncations, 1);
+    }
+}
+
+/// A router log line dated too far ahead of this host's clock (a wrong clock, or a
+/// forged line): its time is not taken, so it cannot stop the joins.
+pub struct LogLineFuture {
+    pub ts_ns: u64,
+    pub ahead_ns: u64,
+}
+
+static FUTURE: LogLimiter = LogLimiter::new();
+
+impl InternalEvent for LogLineFuture {
+    fn emit(self, stats: &AgentStats) {
+        if let Some(suppressed) = FUTURE.check() {
+            warn!(
+                ts_ns = self.ts_ns,
+                ahead_s = self.ahead_ns as f64 / 1e9,
+                suppressed,
+                "Router log line dated ahead of this host's clock; its time is ignored."
+            );
+        }
+        add(&stats.log_lines_future, 1);
+    }
+}

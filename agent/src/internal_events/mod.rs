@@ -184,6 +184,8 @@ mod tests {
                 log_lines: 1,
                 log_malformed_lines: 1,
                 log_lines_too_long: 1,
+                log_truncations: 0,
+                log_lines_future: 0,
                 decisions_joined: 1,
                 decisions_unjoined: 1,
                 decisions_traced: 0,
