@@ -69,8 +69,8 @@ where
 /// No socket talks to or listens on anything but loopback, except the wildcard binds
 /// Dynamo 1.6.1 makes whatever its settings say (its event-plane PUBs, which bind
 /// `tcp://0.0.0.0:<port>` and only advertise `DYN_EVENT_PLANE_HOST`, and the mocker's
-/// vLLM-format publisher, bound on `tcp://*:<port>`): those are listed, and any other
-/// fails the test.
+/// vLLM-format publisher and replay socket, bound on `tcp://*:<port>`): those are
+/// listed, and any other fails the test.
 fn assert_loopback_only(seen: &[SocketInfo], lab: &kvscope_lab::Lab) {
     let manifest = lab.manifest();
     let entries = kvscope_discovery::backend::read_file_store(&manifest.discovery_dir).unwrap();
@@ -85,14 +85,13 @@ fn assert_loopback_only(seen: &[SocketInfo], lab: &kvscope_lab::Lab) {
                 kvscope_discovery::Channel::Nats { .. } => None,
             })
             .collect();
+    let port_of = |ep: &str| ep.rsplit(':').next().and_then(|p| p.parse::<u16>().ok());
     for w in &manifest.workers {
-        if let Some(port) = w
-            .kv_events_endpoint
-            .rsplit(':')
-            .next()
-            .and_then(|p| p.parse().ok())
-        {
+        if let Some(port) = port_of(&w.kv_events_endpoint) {
             dynamo_wildcards.insert(port, "mocker vLLM-format KV publisher".into());
+        }
+        if let Some(port) = w.kv_replay_endpoint.as_deref().and_then(port_of) {
+            dynamo_wildcards.insert(port, "mocker KV replay socket (ROUTER)".into());
         }
     }
     let dynamo_pids: BTreeSet<u32> = kvscope_discovery::procfs::pids_in_groups(
