@@ -114,6 +114,33 @@ struct LabArgs {
     /// Seconds to wait for the lab to be ready.
     #[arg(long, default_value_t = 120.0)]
     startup_timeout: f64,
+    /// Dynamo's discovery backend: file, or etcd (a real etcd on loopback).
+    #[arg(long, value_enum, default_value_t = DiscoveryArg::File)]
+    discovery: DiscoveryArg,
+    /// Dynamo's event plane: zmq, or nats (the lab's NATS server).
+    #[arg(long, value_enum, default_value_t = EventPlaneArg::Zmq)]
+    event_plane: EventPlaneArg,
+    /// Run the mockers without their KV replay sockets.
+    #[arg(long)]
+    no_replay: bool,
+    /// The frontend writes Dynamo's request trace into its log (DYN_REQUEST_TRACE=1).
+    #[arg(long)]
+    request_trace: bool,
+    /// The frontend logs JSON lines (DYN_LOGGING_JSONL=1).
+    #[arg(long)]
+    jsonl_logs: bool,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum DiscoveryArg {
+    File,
+    Etcd,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum EventPlaneArg {
+    Zmq,
+    Nats,
 }
 
 impl LabArgs {
@@ -134,6 +161,17 @@ impl LabArgs {
             frontend_args: self.frontend_args.clone(),
             mocker_args: self.mocker_args.clone(),
             startup_timeout_secs: self.startup_timeout,
+            discovery: match self.discovery {
+                DiscoveryArg::File => kvscope_lab::LabDiscovery::File,
+                DiscoveryArg::Etcd => kvscope_lab::LabDiscovery::Etcd,
+            },
+            event_plane: match self.event_plane {
+                EventPlaneArg::Zmq => kvscope_lab::LabEventPlane::Zmq,
+                EventPlaneArg::Nats => kvscope_lab::LabEventPlane::Nats,
+            },
+            replay: !self.no_replay,
+            request_trace: self.request_trace,
+            frontend_jsonl_logs: self.jsonl_logs,
             ..d
         }
     }
