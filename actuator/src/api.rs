@@ -9,7 +9,9 @@
 //! - `POST /api/override` — `{"state": "off" | "dry" | "auto", "note": "…"}`: hold OFF,
 //!   hold DRY, or hand the mode back to the policy (from DRY). Bearer token.
 //!
-//! The token is compared in constant time; a missing or wrong one gets 401.
+//! The token is compared in constant time; a missing or wrong one gets 401, after a
+//! one-second delay, one refusal at a time (counted in
+//! `kvscope_actuator_api_refusals_total`).
 
 use crate::audit;
 use crate::mode::Override;
@@ -27,7 +29,18 @@ use tokio::sync::Mutex;
 struct ApiState {
     actuator: Arc<Mutex<Actuator>>,
     token: Arc<String>,
+    refusals: Arc<Refusals>,
 }
+
+/// Wrong tokens, slowed down: each refusal is answered only after [`REFUSAL_DELAY`],
+/// one at a time, so guessing costs a second a try however many run in parallel.
+#[derive(Default)]
+struct Refusals {
+    count: std::sync::atomic::AtomicU64,
+    one_at_a_time: Mutex<()>,
+}
+
+const REFUSAL_DELAY: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// The API over `actuator`; every write and audit read needs `token` (an empty token
 /// refuses them all).
@@ -41,6 +54,7 @@ pub fn router(actuator: Arc<Mutex<Actuator>>, token: String) -> Router {
         .with_state(ApiState {
             actuator,
             token: Arc::new(token),
+            refusals: Arc::default(),
         })
 }
 
@@ -55,7 +69,12 @@ fn authorized(headers: &HeaderMap, token: &str) -> bool {
     )
 }
 
-fn unauthorized() -> Response {
+async fn unauthorized(s: &ApiState) -> Response {
+    s.refusals
+        .count
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let _turn = s.refusals.one_at_a_time.lock().await;
+    tokio::time::sleep(REFUSAL_DELAY).await;
     (
         StatusCode::UNAUTHORIZED,
         [(header::WWW_AUTHENTICATE, "Bearer")],
@@ -65,7 +84,8 @@ fn unauthorized() -> Response {
 }
 
 async fn metrics_text(State(s): State<ApiState>) -> impl IntoResponse {
-    let body = crate::metrics::render(&*s.actuator.lock().await);
+    let refused = s.refusals.count.load(std::sync::atomic::Ordering::Relaxed);
+    let body = crate::metrics::render(&*s.actuator.lock().await, refused);
     (
         [(
             header::CONTENT_TYPE,
@@ -90,7 +110,7 @@ async fn audit_tail(
     Query(q): Query<Limit>,
 ) -> Response {
     if !authorized(&headers, &s.token) {
-        return unauthorized();
+        return unauthorized(&s).await;
     }
     let path = s.actuator.lock().await.audit_path().to_path_buf();
     match audit::tail(&path, q.limit.unwrap_or(100).min(10_000), 64 << 20) {
@@ -113,7 +133,7 @@ async fn override_mode(
     body: axum::body::Bytes,
 ) -> Response {
     if !authorized(&headers, &s.token) {
-        return unauthorized();
+        return unauthorized(&s).await;
     }
     let req: OverrideRequest = match serde_json::from_slice(&body) {
         Ok(r) => r,

@@ -120,8 +120,15 @@ fn one_hot(out: &mut Exposition, name: &str, help: &str, current: Option<Mode>) 
 }
 
 /// The exposition text (0.0.4) of `a` now.
-pub fn render(a: &Actuator) -> String {
+/// `api_refusals`: API requests refused for a missing or wrong token.
+pub fn render(a: &Actuator, api_refusals: u64) -> String {
     let mut out = Exposition::new(Format::Text);
+    out.single_counter(
+        "kvscope_actuator_api_refusals",
+        "API requests refused for a missing or wrong token (each answered after a 1 s delay, one at a time).",
+        "",
+        api_refusals,
+    );
     let c = a.counters();
     let status = a.status();
     one_hot(

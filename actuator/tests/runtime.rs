@@ -240,7 +240,7 @@ async fn dry_to_live_with_directives_then_back_to_dry_all_audited() {
         .lines()
         .all(|l| serde_json::from_str::<serde_json::Value>(l).is_ok()));
 
-    let text = kvscope_actuator::metrics::render(&a);
+    let text = kvscope_actuator::metrics::render(&a, 0);
     for line in [
         "kvscope_actuator_flips_total{from=\"dry\",to=\"live\",reason=\"thresholds_met\"} 1",
         "kvscope_actuator_flips_total{from=\"live\",to=\"dry\",reason=\"silent_failure\"} 1",
@@ -271,7 +271,7 @@ async fn dry_to_live_with_directives_then_back_to_dry_all_audited() {
         "{:#?}",
         ev.reasons
     );
-    let text = kvscope_actuator::metrics::render(&b);
+    let text = kvscope_actuator::metrics::render(&b, 0);
     assert!(
         text.contains("kvscope_actuator_flips_held_back_total{reason=\"cooldown\"} 1"),
         "only the cooldown held LIVE back:\n{text}"
@@ -336,7 +336,7 @@ async fn a_live_that_a_backend_cannot_apply_is_rolled_back_and_sends_nothing() {
     let ev = a.tick(Ok(f.view()), f.now()).await;
     assert_eq!(ev.to, Mode::Dry);
     assert!(ev.reasons.iter().any(|r| r.starts_with("cooldown:")));
-    let text = kvscope_actuator::metrics::render(&a);
+    let text = kvscope_actuator::metrics::render(&a, 0);
     for line in [
         "kvscope_actuator_flips_total{from=\"live\",to=\"dry\",reason=\"backend_failed\"} 1",
         "kvscope_actuator_mode_apply_failures_total 1",
@@ -397,6 +397,19 @@ async fn the_api_needs_the_token_for_writes_and_the_audit() {
         }
         assert_eq!(req.send().await.unwrap().status(), 401);
     }
+    // Every refusal is counted (and was slowed down).
+    let metrics = http
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("kvscope_actuator_api_refusals_total 6"),
+        "{metrics}"
+    );
     assert_eq!(
         mode_file(dir.path()),
         "DYN_KV_MIGRATION=dry\n",

@@ -215,6 +215,20 @@ impl KvTap {
             }
         };
         emit_problems(publisher, &decoded.problems, &self.stats);
+        // NaN or infinity would not survive JSON (null), and would lose the batch at the
+        // collector: such a stamp is dropped (the batch then counts as happening when it
+        // arrived), and counted.
+        let engine_ts = if decoded.engine_ts.is_finite() {
+            decoded.engine_ts
+        } else {
+            KvMalformedEvent {
+                publisher,
+                event_type: "batch",
+                reason: "timestamp is not a finite number",
+            }
+            .emit(&self.stats);
+            0.0
+        };
         KvBatchReceived {
             publisher,
             events: decoded.events.len(),
@@ -229,7 +243,7 @@ impl KvTap {
             origin: Default::default(),
             seq,
             sequence,
-            engine_ts: decoded.engine_ts,
+            engine_ts,
             events: decoded.events,
         }))
     }

@@ -91,6 +91,9 @@ pub struct CollectorCounters {
     /// Decisions whose prompt length, block size and block count cannot belong
     /// together (corrupted or crafted): counted, not judged.
     pub malformed_decisions: u64,
+    /// Decisions for a request id already judged (among the last 100,000): counted, not
+    /// judged again.
+    pub duplicate_decisions: u64,
     /// Decisions for a worker that never published a KV event.
     pub decisions_for_unseen_workers: u64,
     /// Decisions whose whole prompt was already cached on the chosen worker. Repeated
@@ -225,6 +228,8 @@ pub struct FleetAnalyzer {
     /// Workers whose mirror lacks events lost for good, until their cache starts
     /// anew (cleared, or an engine restart seen from its first batch).
     incomplete: std::collections::BTreeSet<WorkerKey>,
+    /// Request ids judged lately, oldest first, to refuse a decision seen twice.
+    judged_ids: (std::collections::HashSet<String>, VecDeque<String>),
 }
 
 impl FleetAnalyzer {
@@ -247,6 +252,7 @@ impl FleetAnalyzer {
             verdict_delay: MergedLatency::default(),
             fleet: BTreeMap::new(),
             incomplete: std::collections::BTreeSet::new(),
+            judged_ids: Default::default(),
         }
     }
 
@@ -359,6 +365,10 @@ impl FleetAnalyzer {
                     self.open_summary().data_faults += 1;
                     return None;
                 }
+                if !self.first_judgement(&d.request_id) {
+                    self.counters.duplicate_decisions += 1;
+                    return None;
+                }
                 Some(self.judge(d, env.observed_ns))
             }
             Record::Migration(m) => {
@@ -380,6 +390,22 @@ impl FleetAnalyzer {
                 None
             }
         }
+    }
+
+    /// Whether `id` was not judged lately (and remember it).
+    fn first_judgement(&mut self, id: &str) -> bool {
+        const KEEP: usize = 100_000;
+        let (set, order) = &mut self.judged_ids;
+        if !set.insert(id.to_string()) {
+            return false;
+        }
+        order.push_back(id.to_string());
+        if order.len() > KEEP {
+            if let Some(old) = order.pop_front() {
+                set.remove(&old);
+            }
+        }
+        true
     }
 
     /// A worker appeared, changed or went away in discovery. A retired worker's caches
@@ -819,6 +845,9 @@ mod tests {
         a.apply(&env(2, worker(2, WorkerState::Up)));
         let v = a.apply(&env(3, decision("r1", 2, &toks))).unwrap();
         assert_eq!((v.best, v.best_overlap_blocks), (w(1), 4));
+        // The same request decided again is counted, not judged twice.
+        assert!(a.apply(&env(3, decision("r1", 2, &toks))).is_none());
+        assert_eq!(a.counters().duplicate_decisions, 1);
         a.apply(&env(4, worker(1, WorkerState::Gone)));
         assert_eq!(a.index().cached_blocks(&w(1)), 0, "its mirror is dropped");
         assert_eq!(a.counters().workers_retired, 1);

@@ -168,12 +168,19 @@ pub fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 /// Rebuild from the stream, then follow it for ever (until the task is dropped).
 pub async fn run(cfg: BusConfig, shared: Arc<Shared>) -> anyhow::Result<()> {
-    let client = async_nats::connect(&cfg.nats_url).await.with_context(|| {
-        format!(
-            "cannot connect to NATS at {}; is nats-server -js running there?",
-            cfg.nats_url
-        )
-    })?;
+    // NATS may come up after the collector (a pod started first): wait for it, with
+    // backoff, rather than exit.
+    let mut backoff = Duration::from_millis(200);
+    let client = loop {
+        match async_nats::connect(&cfg.nats_url).await {
+            Ok(c) => break c,
+            Err(e) => {
+                warn!(nats = %cfg.nats_url, error = %e, retry_in_ms = backoff.as_millis() as u64, "NATS not reachable yet; waiting for it (is nats-server -js running there?).");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+            }
+        }
+    };
     let js = jetstream::new(client);
     let mut stream = js
         .get_or_create_stream(stream_config(&cfg.subjects, cfg.stream_max_age))

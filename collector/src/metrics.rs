@@ -25,7 +25,7 @@ pub fn exposition(shared: &crate::bus::Shared, format: Format) -> String {
 /// The collector's figures for the current state.
 pub fn write(out: &mut Exposition, a: &FleetAnalyzer, bus: &BusStatus) {
     let c = a.counters();
-    let counters: [(&str, &str, u64); 29] = [
+    let counters: [(&str, &str, u64); 30] = [
         ("kvscope_collector_records", "Records applied.", c.records),
         (
             "kvscope_collector_undecodable_records",
@@ -147,6 +147,11 @@ pub fn write(out: &mut Exposition, a: &FleetAnalyzer, bus: &BusStatus) {
             "kvscope_malformed_decisions",
             "Routing decisions whose prompt length, block size and block count cannot belong together: counted, not judged.",
             c.malformed_decisions,
+        ),
+        (
+            "kvscope_duplicate_decisions",
+            "Decisions for a request id already judged: counted, not judged again.",
+            c.duplicate_decisions,
         ),
         (
             "kvscope_decisions_for_unseen_workers",

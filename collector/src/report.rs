@@ -477,6 +477,10 @@ impl OpportunityReport {
                 c.malformed_decisions,
             ),
             (
+                "decisions for a request already judged (not judged again)",
+                c.duplicate_decisions,
+            ),
+            (
                 "decisions for workers with no KV events",
                 c.decisions_for_unseen_workers,
             ),

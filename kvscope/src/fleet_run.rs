@@ -10,9 +10,12 @@
 //! it reads Dynamo's event plane from discovery alone.
 
 use anyhow::{bail, Context as _};
+use kvscope_collector::analyzer::{AnalyzerConfig, FleetAnalyzer};
 use kvscope_collector::report::OpportunityReport;
+use kvscope_collector::verdict::SpillVerdict;
 use kvscope_lab::process::{stop_all, ManagedProcess};
 use kvscope_lab::{Lab, LabConfig};
+use kvscope_wire::Envelope;
 use kvscope_wire::Subjects;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -33,6 +36,43 @@ pub enum KvSource {
     EventPlane,
     /// Only what the caller passes (`start_with`'s `--kv` arguments).
     Given,
+}
+
+/// A recording judged again, as `kvscope collector report --replay` does: the analyzer
+/// afterwards, every verdict in order, and the records.
+pub struct Replayed {
+    pub analyzer: FleetAnalyzer,
+    pub verdicts: Vec<SpillVerdict>,
+    pub envelopes: Vec<Envelope>,
+}
+
+/// Judge `recording` again with windows (and warm-up) of `window_secs`, and, when
+/// given, only `models`.
+pub fn replay(recording: &Path, window_secs: f64, models: &[&str]) -> anyhow::Result<Replayed> {
+    let rec = kvscope_wire::recording::read_recording(recording)
+        .with_context(|| format!("reading {}", recording.display()))?;
+    anyhow::ensure!(
+        rec.bad_lines.is_empty(),
+        "{} bad lines in {}",
+        rec.bad_lines.len(),
+        recording.display()
+    );
+    let mut analyzer = FleetAnalyzer::new(AnalyzerConfig {
+        window_secs,
+        warmup_secs: window_secs,
+        models: models.iter().map(|m| m.to_string()).collect(),
+        ..AnalyzerConfig::default()
+    });
+    let verdicts = rec
+        .envelopes
+        .iter()
+        .filter_map(|e| analyzer.apply(e))
+        .collect();
+    Ok(Replayed {
+        analyzer,
+        verdicts,
+        envelopes: rec.envelopes,
+    })
 }
 
 #[derive(Debug, Clone)]
@@ -61,6 +101,21 @@ pub struct FleetRun {
     pub agent_recording: PathBuf,
     /// More arguments for the agent (from [`Self::start_with`]).
     agent_extra_args: Vec<String>,
+}
+
+impl FleetRunConfig {
+    /// `lab` with the agent tapping the engines, windows and warm-up of `window_secs`,
+    /// no extra environment.
+    pub fn new(lab: LabConfig, window_secs: f64) -> Self {
+        Self {
+            lab,
+            kv_source: KvSource::default(),
+            window_secs,
+            warmup_secs: window_secs,
+            agent_env: Vec::new(),
+            collector_env: Vec::new(),
+        }
+    }
 }
 
 impl FleetRun {
@@ -325,6 +380,18 @@ impl FleetRun {
     }
 
     /// Stop the collector gracefully (it flushes its recording), then the agent and the lab.
+    /// The end of a run: stop the agent, let the collector apply everything it sent,
+    /// stop everything; the collector's recording.
+    pub async fn finish(mut self) -> anyhow::Result<PathBuf> {
+        self.stop_agent();
+        self.wait_drained(Duration::from_secs(1), Duration::from_secs(60))
+            .await
+            .context("the collector did not catch up with the agent")?;
+        let recording = self.recording.clone();
+        self.stop();
+        Ok(recording)
+    }
+
     pub fn stop(mut self) {
         let grace = Duration::from_secs(5);
         let mut procs: Vec<ManagedProcess> = self

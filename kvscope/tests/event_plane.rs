@@ -38,12 +38,8 @@ async fn run_shape(event_plane: LabEventPlane, restart_a_worker: bool) {
     let mut run = FleetRun::start(
         exe,
         FleetRunConfig {
-            lab,
             kv_source: KvSource::EventPlane,
-            window_secs: WINDOW_SECS,
-            warmup_secs: WINDOW_SECS,
-            agent_env: Vec::new(),
-            collector_env: Vec::new(),
+            ..FleetRunConfig::new(lab, WINDOW_SECS)
         },
     )
     .await
@@ -80,13 +76,8 @@ async fn run_shape(event_plane: LabEventPlane, restart_a_worker: bool) {
     run.wait_for_decisions(ids.len() as u64, Duration::from_secs(60))
         .await
         .expect("every decision reaches the collector");
-    run.stop_agent();
-    run.wait_drained(Duration::from_secs(1), Duration::from_secs(60))
-        .await
-        .expect("the collector catches up");
-    let recording = run.recording.clone();
     let workers_now: BTreeSet<u64> = run.lab().workers().iter().map(|w| w.worker_id).collect();
-    run.stop();
+    let recording = run.finish().await.expect("the collector catches up");
 
     let rec = read_recording(&recording).unwrap();
     assert!(rec.bad_lines.is_empty());

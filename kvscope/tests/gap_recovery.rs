@@ -12,12 +12,11 @@
 
 mod oracle;
 
-use kvscope::fleet_run::{FleetRun, FleetRunConfig, KvSource};
-use kvscope_collector::analyzer::{AnalyzerConfig, FleetAnalyzer};
+use kvscope::fleet_run::{FleetRun, FleetRunConfig, KvSource, Replayed};
+use kvscope_collector::analyzer::FleetAnalyzer;
 use kvscope_collector::report::OpportunityReport;
 use kvscope_lab::workload::{self, WorkloadConfig};
 use kvscope_lab::LabConfig;
-use kvscope_wire::recording::read_recording;
 use kvscope_wire::{Record, SequenceStatus};
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -74,12 +73,8 @@ async fn run_through_relay(replay: bool) -> Outcome {
     let run = FleetRun::start_with(
         exe,
         FleetRunConfig {
-            lab,
             kv_source: KvSource::Given,
-            window_secs: WINDOW_SECS,
-            warmup_secs: WINDOW_SECS,
-            agent_env: Vec::new(),
-            collector_env: Vec::new(),
+            ..FleetRunConfig::new(lab, WINDOW_SECS)
         },
         |lab| {
             let mut args = Vec::new();
@@ -130,26 +125,13 @@ async fn run_through_relay(replay: bool) -> Outcome {
     run.wait_for_decisions(summary.ok as u64, Duration::from_secs(60))
         .await
         .expect("every decision reaches the collector");
-    let mut run = run;
-    run.stop_agent();
-    run.wait_drained(Duration::from_secs(1), Duration::from_secs(60))
-        .await
-        .expect("the collector catches up");
-    let recording = run.recording.clone();
-    run.stop();
-    let rec = read_recording(&recording).unwrap();
-    let mut analyzer = FleetAnalyzer::new(AnalyzerConfig {
-        window_secs: WINDOW_SECS,
-        warmup_secs: WINDOW_SECS,
-        ..AnalyzerConfig::default()
-    });
-    let verdicts: Vec<_> = rec
-        .envelopes
-        .iter()
-        .filter_map(|e| analyzer.apply(e))
-        .collect();
-    let batches_of_worker0 = rec
-        .envelopes
+    let recording = run.finish().await.expect("the collector catches up");
+    let Replayed {
+        analyzer,
+        verdicts,
+        envelopes,
+    } = kvscope::fleet_run::replay(&recording, WINDOW_SECS, &[]).unwrap();
+    let batches_of_worker0 = envelopes
         .iter()
         .filter_map(|e| match &e.record {
             Record::KvEvents(b) if b.worker.worker_id == worker0 => Some((b.seq, b.sequence)),
@@ -164,7 +146,7 @@ async fn run_through_relay(replay: bool) -> Outcome {
         analyzer,
         batches_of_worker0,
         dropped: dropped.load(Ordering::Relaxed),
-        records: rec.envelopes,
+        records: envelopes,
         verdicts,
     }
 }

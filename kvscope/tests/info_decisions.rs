@@ -13,7 +13,6 @@
 mod oracle;
 
 use kvscope::fleet_run::{FleetRun, FleetRunConfig};
-use kvscope_collector::analyzer::{AnalyzerConfig, FleetAnalyzer};
 use kvscope_collector::verdict::SpillVerdict;
 use kvscope_lab::process::{stop_all, ManagedProcess};
 use kvscope_lab::workload::{self, WorkloadConfig};
@@ -28,14 +27,8 @@ use std::time::Duration;
 const WINDOW_SECS: f64 = 4.0;
 
 fn verdicts(path: &Path) -> (Vec<SpillVerdict>, Vec<kvscope_wire::Envelope>) {
-    let rec = read_recording(path).unwrap();
-    let mut a = FleetAnalyzer::new(AnalyzerConfig {
-        window_secs: WINDOW_SECS,
-        warmup_secs: WINDOW_SECS,
-        ..AnalyzerConfig::default()
-    });
-    let v = rec.envelopes.iter().filter_map(|e| a.apply(e)).collect();
-    (v, rec.envelopes)
+    let r = kvscope::fleet_run::replay(path, WINDOW_SECS, &[]).unwrap();
+    (r.verdicts, r.envelopes)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -48,19 +41,9 @@ async fn request_trace_verdicts_measure_what_the_debug_lines_measure() {
     };
     kvscope_lab::setup::ensure_venv(&lab.lab_dir).expect("the lab venv (scripts/setup makes it)");
     let exe = Path::new(env!("CARGO_BIN_EXE_kvscope"));
-    let mut run = FleetRun::start(
-        exe,
-        FleetRunConfig {
-            lab,
-            kv_source: Default::default(),
-            window_secs: WINDOW_SECS,
-            warmup_secs: WINDOW_SECS,
-            agent_env: Vec::new(),
-            collector_env: Vec::new(),
-        },
-    )
-    .await
-    .expect("lab (request trace on), agent and collector start");
+    let run = FleetRun::start(exe, FleetRunConfig::new(lab, WINDOW_SECS))
+        .await
+        .expect("lab (request trace on), agent and collector start");
     let run_dir = run.run_dir();
     // The INFO-level agent: the same mockers, decisions from the trace only.
     let info_recording = run_dir.join("info-agent.jsonl");
@@ -122,12 +105,7 @@ async fn request_trace_verdicts_measure_what_the_debug_lines_measure() {
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
     stop_all(&mut info_agent, Duration::from_secs(10));
-    run.stop_agent();
-    run.wait_drained(Duration::from_secs(1), Duration::from_secs(60))
-        .await
-        .expect("the collector catches up");
-    let recording = run.recording.clone();
-    run.stop();
+    let recording = run.finish().await.expect("the collector catches up");
 
     let (debug, _) = verdicts(&recording);
     let (info, info_records) = verdicts(&info_recording);

@@ -162,19 +162,9 @@ async fn json_lines_and_kubernetes_cri_logs_give_the_decisions_of_the_router() {
     };
     kvscope_lab::setup::ensure_venv(&lab.lab_dir).expect("the lab venv (scripts/setup makes it)");
     let exe = Path::new(env!("CARGO_BIN_EXE_kvscope"));
-    let mut run = FleetRun::start(
-        exe,
-        FleetRunConfig {
-            lab,
-            kv_source: Default::default(),
-            window_secs: WINDOW_SECS,
-            warmup_secs: WINDOW_SECS,
-            agent_env: Vec::new(),
-            collector_env: Vec::new(),
-        },
-    )
-    .await
-    .expect("lab (JSON-lines frontend log), agent and collector start");
+    let run = FleetRun::start(exe, FleetRunConfig::new(lab, WINDOW_SECS))
+        .await
+        .expect("lab (JSON-lines frontend log), agent and collector start");
     let run_dir = run.run_dir();
     let pods = run_dir.join("pods/dynamo_frontend-0_0a1b/frontend");
     std::fs::create_dir_all(&pods).unwrap();
@@ -257,12 +247,7 @@ async fn json_lines_and_kubernetes_cri_logs_give_the_decisions_of_the_router() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     stop_all(&mut cri_agent, Duration::from_secs(5));
-    run.stop_agent();
-    run.wait_drained(Duration::from_secs(1), Duration::from_secs(60))
-        .await
-        .expect("the collector catches up");
-    let recording = run.recording.clone();
-    run.stop();
+    let recording = run.finish().await.expect("the collector catches up");
 
     let rec = read_recording(&recording).unwrap();
     let mut analyzer = FleetAnalyzer::new(AnalyzerConfig {

@@ -171,18 +171,9 @@ async fn million_token_prefills_are_judged_exactly_and_hold_nothing_back() {
     ];
     let _vllm = vllm_publisher(dir.path(), &vllm_endpoint, &vllm_batches);
     let tap = format!("{vllm_endpoint}={VLLM_WORKER}");
-    let mut run = FleetRun::start_with(
-        exe,
-        FleetRunConfig {
-            kv_source: Default::default(),
-            lab,
-            window_secs: 4.0,
-            warmup_secs: 4.0,
-            agent_env: Vec::new(),
-            collector_env: Vec::new(),
-        },
-        |_| Ok(vec!["--kv".into(), tap]),
-    )
+    let run = FleetRun::start_with(exe, FleetRunConfig::new(lab, 4.0), |_| {
+        Ok(vec!["--kv".into(), tap])
+    })
     .await
     .expect("lab, agent and collector start");
     let frontend = run.lab().frontend_url().to_string();
@@ -219,13 +210,8 @@ async fn million_token_prefills_are_judged_exactly_and_hold_nothing_back() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 
-    run.stop_agent();
-    run.wait_drained(Duration::from_secs(1), Duration::from_secs(120))
-        .await
-        .expect("the collector catches up");
-    let recording = run.recording.clone();
     let agent_recording = run.agent_recording.clone();
-    run.stop();
+    let recording = run.finish().await.expect("the collector catches up");
 
     let rec = read_recording(&recording).unwrap();
     let observed = read_recording(&agent_recording).unwrap();

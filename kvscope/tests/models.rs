@@ -48,19 +48,9 @@ async fn two_models_are_measured_apart_and_a_collector_can_take_one() {
     };
     kvscope_lab::setup::ensure_venv(&lab.lab_dir).expect("the lab venv (scripts/setup makes it)");
     let exe = Path::new(env!("CARGO_BIN_EXE_kvscope"));
-    let run = FleetRun::start(
-        exe,
-        FleetRunConfig {
-            lab,
-            kv_source: Default::default(),
-            window_secs: WINDOW_SECS,
-            warmup_secs: WINDOW_SECS,
-            agent_env: Vec::new(),
-            collector_env: Vec::new(),
-        },
-    )
-    .await
-    .expect("lab, agent and collector start");
+    let run = FleetRun::start(exe, FleetRunConfig::new(lab, WINDOW_SECS))
+        .await
+        .expect("lab, agent and collector start");
     let models: BTreeMap<u64, String> = run
         .lab()
         .workers()
@@ -96,13 +86,8 @@ async fn two_models_are_measured_apart_and_a_collector_can_take_one() {
         .text()
         .await
         .unwrap();
-    let mut run = run;
-    run.stop_agent();
-    run.wait_drained(Duration::from_secs(1), Duration::from_secs(60))
-        .await
-        .expect("the collector catches up");
-    let recording = run.recording.clone();
-    run.stop();
+
+    let recording = run.finish().await.expect("the collector catches up");
     let rec = read_recording(&recording).unwrap();
 
     // Every verdict is judged among its model's workers.
