@@ -324,6 +324,7 @@ mod tests {
         SpillVerdict {
             model: None,
             incomplete_mirror: false,
+            after_own_prefill: false,
             request_id: id.into(),
             decided_ns: t,
             chosen: w(2),

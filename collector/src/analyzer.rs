@@ -94,6 +94,11 @@ pub struct CollectorCounters {
     /// Decisions for a request id already judged (among the last 100,000): counted, not
     /// judged again.
     pub duplicate_decisions: u64,
+    /// Decisions whose whole prompt was cached on the chosen worker by a store that
+    /// ended its chain less than 250 ms before the decision: most likely judged after
+    /// their own prefill (the router's and the engines' clocks disagree, or the agent's
+    /// reorder window was too short). Flagged, and a data fault of their window.
+    pub verdicts_after_own_prefill: u64,
     /// Decisions for a worker that never published a KV event.
     pub decisions_for_unseen_workers: u64,
     /// Decisions whose whole prompt was already cached on the chosen worker. Repeated
@@ -133,6 +138,12 @@ pub struct CollectorCounters {
     pub batches_other_models: u64,
     pub decisions_other_models: u64,
 }
+
+/// Stores remembered per worker for [`CollectorCounters::verdicts_after_own_prefill`].
+const RECENT_STORE_ENDS: usize = 64;
+/// How soon after the store ending its chain a fully cached decision looks like its
+/// own prefill's (see [`CollectorCounters::verdicts_after_own_prefill`]).
+const OWN_PREFILL_NS: u64 = 250_000_000;
 
 /// Upper bounds (inclusive, tokens) of the per-spill token histograms on `/metrics`:
 /// one block of 16 tokens up to 256k tokens, doubling.
@@ -228,6 +239,10 @@ pub struct FleetAnalyzer {
     /// Workers whose mirror lacks events lost for good, until their cache starts
     /// anew (cleared, or an engine restart seen from its first batch).
     incomplete: std::collections::BTreeSet<WorkerKey>,
+    /// Per worker, the last block of each of its latest stores and when: a decision
+    /// whose whole chain ends in a block its chosen worker stored just before was
+    /// probably applied after its own prefill.
+    recent_store_ends: HashMap<WorkerKey, VecDeque<(SequenceHash, u64)>>,
     /// Request ids judged lately, oldest first, to refuse a decision seen twice.
     judged_ids: (std::collections::HashSet<String>, VecDeque<String>),
 }
@@ -253,6 +268,7 @@ impl FleetAnalyzer {
             fleet: BTreeMap::new(),
             incomplete: std::collections::BTreeSet::new(),
             judged_ids: Default::default(),
+            recent_store_ends: HashMap::new(),
         }
     }
 
@@ -347,7 +363,7 @@ impl FleetAnalyzer {
                 } else if !self.measures(batch.worker.worker_id) {
                     self.counters.batches_other_models += 1;
                 } else {
-                    self.apply_kv(batch);
+                    self.apply_kv(batch, env.observed_ns);
                 }
                 None
             }
@@ -514,7 +530,7 @@ impl FleetAnalyzer {
         }
     }
 
-    fn apply_kv(&mut self, batch: &KvEventBatch) {
+    fn apply_kv(&mut self, batch: &KvEventBatch, t: u64) {
         let worker = batch.worker;
         self.counters.kv_batches += 1;
         self.index.touch(worker);
@@ -576,6 +592,13 @@ impl FleetAnalyzer {
                     match stored {
                         Ok(seg) => {
                             self.counters.stored_blocks += seg.blocks.len() as u64;
+                            if let Some(&last) = seg.blocks.last() {
+                                let ends = self.recent_store_ends.entry(worker).or_default();
+                                ends.push_back((last, t));
+                                if ends.len() > RECENT_STORE_ENDS {
+                                    ends.pop_front();
+                                }
+                            }
                             let prompts = self.recent_prompts.get(&worker);
                             for b in &seg.blocks {
                                 if !prompts.is_some_and(|p| p.contains_key(b)) {
@@ -661,12 +684,22 @@ impl FleetAnalyzer {
             self.counters.verdicts_on_incomplete_mirror += 1;
             self.open_summary().data_faults += 1;
         }
+        let last = chain.last().copied();
         let prompts = self.recent_prompts.entry(d.worker).or_default();
         for b in chain {
             prompts.insert(b, t);
         }
         if d.blocks() > 0 && v.chosen_overlap_blocks as usize == d.blocks() {
             self.counters.decisions_fully_cached += 1;
+            let just_stored = self.recent_store_ends.get(&d.worker).is_some_and(|ends| {
+                ends.iter()
+                    .any(|(b, at)| Some(*b) == last && t.saturating_sub(*at) < OWN_PREFILL_NS)
+            });
+            if just_stored {
+                v.after_own_prefill = true;
+                self.counters.verdicts_after_own_prefill += 1;
+                self.open_summary().data_faults += 1;
+            }
         }
         if v.spill {
             self.counters.spills += 1;
@@ -836,6 +869,23 @@ mod tests {
             dp_ranks: vec![0],
             worker_type: None,
         })
+    }
+
+    #[test]
+    fn a_decision_applied_right_after_its_own_prefill_is_flagged() {
+        // Worker 1 stores the prompt at time 1 ns; the router's log, 50 ms behind the
+        // engine's clock, puts the decision for that very prompt after it.
+        let (mut a, toks) = four_blocks_on_worker_1();
+        let v = a
+            .apply(&env(50_000_000, decision("skewed", 1, &toks)))
+            .unwrap();
+        assert!(v.after_own_prefill);
+        assert_eq!(a.counters().verdicts_after_own_prefill, 1);
+        // The same prompt seconds later (a repeated prompt): fully cached, not flagged.
+        let v = a.apply(&env(5 * S, decision("repeat", 1, &toks))).unwrap();
+        assert!(!v.after_own_prefill);
+        assert_eq!(a.counters().decisions_fully_cached, 2);
+        assert_eq!(a.counters().verdicts_after_own_prefill, 1);
     }
 
     #[test]

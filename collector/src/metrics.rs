@@ -25,7 +25,7 @@ pub fn exposition(shared: &crate::bus::Shared, format: Format) -> String {
 /// The collector's figures for the current state.
 pub fn write(out: &mut Exposition, a: &FleetAnalyzer, bus: &BusStatus) {
     let c = a.counters();
-    let counters: [(&str, &str, u64); 30] = [
+    let counters: [(&str, &str, u64); 31] = [
         ("kvscope_collector_records", "Records applied.", c.records),
         (
             "kvscope_collector_undecodable_records",
@@ -147,6 +147,11 @@ pub fn write(out: &mut Exposition, a: &FleetAnalyzer, bus: &BusStatus) {
             "kvscope_malformed_decisions",
             "Routing decisions whose prompt length, block size and block count cannot belong together: counted, not judged.",
             c.malformed_decisions,
+        ),
+        (
+            "kvscope_verdicts_after_own_prefill",
+            "Decisions whose whole prompt the chosen worker had stored just before: most likely judged after their own prefill (clock skew).",
+            c.verdicts_after_own_prefill,
         ),
         (
             "kvscope_duplicate_decisions",

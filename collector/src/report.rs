@@ -481,6 +481,10 @@ impl OpportunityReport {
                 c.duplicate_decisions,
             ),
             (
+                "verdicts most likely judged after their own prefill (clock skew)",
+                c.verdicts_after_own_prefill,
+            ),
+            (
                 "decisions for workers with no KV events",
                 c.decisions_for_unseen_workers,
             ),

@@ -18,6 +18,10 @@ pub struct SpillVerdict {
     /// for good): its overlaps may be short.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub incomplete_mirror: bool,
+    /// Its whole prompt was cached on the chosen worker by a store just before it: most
+    /// likely judged after its own prefill (clock skew between router and engines).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub after_own_prefill: bool,
     pub decided_ns: u64,
     pub chosen: WorkerKey,
     pub chosen_overlap_blocks: u32,
@@ -116,6 +120,7 @@ impl SpillVerdict {
             request_id: decision.request_id.clone(),
             model: None,
             incomplete_mirror: false,
+            after_own_prefill: false,
             decided_ns,
             chosen,
             chosen_overlap_blocks: chosen_overlap,

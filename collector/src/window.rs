@@ -327,6 +327,7 @@ mod tests {
         let verdict = |best, chosen, delta: u64, spill| SpillVerdict {
             model: None,
             incomplete_mirror: false,
+            after_own_prefill: false,
             request_id: "r".into(),
             decided_ns: 1,
             chosen: w(chosen),
