@@ -179,7 +179,11 @@ async fn serve_collector(recording: &Path) -> String {
         },
     )
     .unwrap();
-    let app = kvscope_collector::server::router(Shared::new(analyzer, None));
+    let app = kvscope_collector::server::router(Shared::new(
+        analyzer,
+        None,
+        kvscope_wire::Subjects::new("test"),
+    ));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move { axum::serve(listener, app).await });

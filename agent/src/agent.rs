@@ -166,10 +166,7 @@ pub async fn start(cfg: AgentConfig) -> anyhow::Result<RunningAgent> {
                 view: view.clone(),
                 limits: cfg.kv_limits(),
                 window_ns: cfg.kv_reorder_window_ms() * 1_000_000,
-                nats_url: cfg
-                    .event_plane_nats_url
-                    .clone()
-                    .unwrap_or_else(|| cfg.nats_url.clone()),
+                nats: cfg.event_plane_nats(),
                 stop: stop_rx.clone(),
             })
         });
@@ -263,6 +260,8 @@ pub async fn start(cfg: AgentConfig) -> anyhow::Result<RunningAgent> {
     let publisher = tokio::spawn(publisher::run(
         PublisherConfig {
             nats_url: cfg.nats_url.clone(),
+            security: cfg.nats.clone(),
+            inbox_prefix: subjects.inbox_prefix(&cfg.agent_id),
             subjects: subjects.clone(),
             stream_max_age: Duration::from_secs(cfg.stream_max_age_secs),
             run_id: format!("{}-{}", cfg.agent_id, now_ns()),
@@ -346,7 +345,7 @@ pub async fn start(cfg: AgentConfig) -> anyhow::Result<RunningAgent> {
         None => (None, None),
     };
 
-    info!(agent = %cfg.agent_id, cluster = %subjects.cluster(), nats = %cfg.nats_url, "Agent started.");
+    info!(agent = %cfg.agent_id, cluster = %subjects.cluster(), nats = %cfg.nats_url, nats_security = %cfg.nats.describe(), "Agent started.");
     Ok(RunningAgent {
         stats,
         sink,

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 /// Per-node kvscope agent: taps engines' ZMQ KV events and the router's log, and ships
 /// normalized records to NATS JetStream.
 #[derive(Debug, Clone, Parser)]
-#[command(name = "kvscope-agent", version, after_help = kvscope_otlp::HELP)]
+#[command(name = "kvscope-agent", version, after_help = format!("{}\n\n{}", kvscope_otlp::HELP, kvscope_wire::nats_security::HELP))]
 pub struct Cli {
     /// TOML config file (every field optional; see the `config` module docs).
     #[arg(long)]

@@ -28,6 +28,10 @@
 //! report_interval_secs = 1.0
 //! # pid = 1234         # only this process
 //!
+//! [nats]             # who this agent is to NATS (see kvscope_wire::nats_security)
+//! creds_file = "/var/run/secrets/kvscope/agent.creds"
+//! tls_ca_file = "/var/run/secrets/kvscope/ca.pem"
+//!
 //! [otlp]             # OTLP export (off without an endpoint; see kvscope_otlp::config)
 //! endpoint = "http://127.0.0.1:4317"
 //!
@@ -142,6 +146,14 @@ pub struct AgentConfig {
     /// `NATS_SERVER`, else `nats_url`). Env: `NATS_SERVER`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub event_plane_nats_url: Option<String>,
+    /// How the agent authenticates to kvscope's bus and checks its TLS (default: none).
+    /// Env: `KVSCOPE_NATS_*` (see `kvscope_wire::nats_security`). A server that limits
+    /// each agent to its own subjects gives this agent `kvscope.<cluster>.<agent_id>.>`.
+    pub nats: kvscope_wire::NatsSecurity,
+    /// The credentials of Dynamo's NATS, for the event-plane tap: from Dynamo's own
+    /// `NATS_AUTH_*` variables only, as Dynamo's processes read them.
+    #[serde(skip)]
+    pub event_plane_nats: kvscope_wire::NatsSecurity,
     /// OTLP export of the agent's metrics and NIXL spans (default off: no endpoint).
     /// Env: the standard `OTEL_EXPORTER_OTLP_*`, `OTEL_SERVICE_NAME`, ... (see
     /// `kvscope_otlp::config`).
@@ -229,6 +241,8 @@ impl Default for AgentConfig {
             discovery: kvscope_discovery::DiscoveryConfig::default(),
             event_plane: None,
             event_plane_nats_url: None,
+            nats: Default::default(),
+            event_plane_nats: Default::default(),
             otlp: kvscope_otlp::OtlpConfig::default(),
         }
     }
@@ -336,6 +350,8 @@ impl AgentConfig {
         if let Some(v) = env.trimmed("NATS_SERVER").filter(|v| !v.is_empty()) {
             self.event_plane_nats_url = Some(v);
         }
+        self.event_plane_nats = kvscope_wire::NatsSecurity::from_dynamo_env(&var);
+        self.nats.apply_env(&var)?;
         self.discovery.apply_env(&var)?;
         self.otlp.apply_env(&var)?;
         Ok(())
@@ -347,6 +363,21 @@ impl AgentConfig {
             self.discovery.backend != kvscope_discovery::config::BackendKind::None
                 && self.kv_endpoints.is_empty(),
         )
+    }
+
+    /// Dynamo's NATS for the event-plane tap, and how to authenticate to it: Dynamo's
+    /// `NATS_AUTH_*` when given; else, where it is kvscope's own bus, the bus's settings.
+    pub fn event_plane_nats(&self) -> (String, kvscope_wire::NatsSecurity) {
+        let url = self
+            .event_plane_nats_url
+            .clone()
+            .unwrap_or_else(|| self.nats_url.clone());
+        let security = if !self.event_plane_nats.authenticates() && url == self.nats_url {
+            self.nats.clone()
+        } else {
+            self.event_plane_nats.clone()
+        };
+        (url, security)
     }
 
     /// What a KV event publisher may make a tap hold.
@@ -415,6 +446,7 @@ impl AgentConfig {
             self.nixl.report_interval_secs.is_finite() && self.nixl.report_interval_secs > 0.0,
             "nixl.report_interval_secs must be > 0"
         );
+        self.nats.validate()?;
         self.otlp.validate()?;
         Ok(())
     }

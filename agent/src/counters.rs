@@ -61,6 +61,7 @@ agent_stats!(
     records_split: "Records larger than one NATS message, sent in parts.",
     records_set_aside: "Records JetStream refused (not the connection): set aside so the others go on.",
     publish_errors: "Failed publish attempts to NATS (retried).",
+    bus_refusals: "Times NATS refused this agent: its credentials, or a subject its permissions do not allow.",
     records_late: "Records later than the reorder window (sent at once).",
 );
 
@@ -81,6 +82,6 @@ mod tests {
         let c = s.snapshot();
         assert_eq!(c.kv_batches, 2);
         assert_eq!(c.publish_dropped, 5);
-        assert_eq!(s.named().len(), 31);
+        assert_eq!(s.named().len(), 32);
     }
 }

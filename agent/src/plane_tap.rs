@@ -43,8 +43,8 @@ pub struct PlaneContext {
     pub limits: Limits,
     /// The longest a record waits for a quiet publisher (ns).
     pub window_ns: u64,
-    /// Dynamo's NATS server, for NATS channels.
-    pub nats_url: String,
+    /// Dynamo's NATS server, for NATS channels, and how to authenticate to it.
+    pub nats: (String, kvscope_wire::NatsSecurity),
     pub stop: watch::Receiver<bool>,
 }
 
@@ -326,11 +326,19 @@ async fn nats_subject(ctx: PlaneContext, subject: String) {
     let mut stop = ctx.stop.clone();
     let label = format!("nats:{subject}");
     let client = loop {
-        let connect = async_nats::ConnectOptions::new()
-            .retry_on_initial_connect()
-            .max_reconnects(None)
-            .connection_timeout(CONNECT_TIMEOUT)
-            .connect(ctx.nats_url.as_str());
+        let (url, security) = &ctx.nats;
+        let connect = async {
+            security
+                .connect_options(None)
+                .await
+                .map_err(|e| e.to_string())?
+                .retry_on_initial_connect()
+                .max_reconnects(None)
+                .connection_timeout(CONNECT_TIMEOUT)
+                .connect(url.as_str())
+                .await
+                .map_err(|e| e.to_string())
+        };
         match tokio::select! { c = connect => c, _ = stop.changed() => return } {
             Ok(c) => break c,
             Err(e) => {

@@ -11,17 +11,21 @@
 //! one that JetStream itself refuses is set aside and counted, so it never holds back
 //! the records behind it.
 //! While NATS is away the client reconnects in the background and the records wait in
-//! the bounded buffer of [`RecordSink`].
+//! the bounded buffer of [`RecordSink`]. The agent authenticates as its `[nats]` settings
+//! say and publishes only under `kvscope.<cluster>.<agent_id>.`, which is what a server's
+//! permissions give it; a refusal by the server is counted in `bus_refusals`.
 
 use crate::counters::AgentStats;
 use crate::internal_events::{
-    InternalEvent, PublishFailed, RecordPublished, RecordSetAside, RecordSplit, StreamReady,
+    BusRefused, InternalEvent, PublishFailed, RecordPublished, RecordSetAside, RecordSplit,
+    StreamReady,
 };
 use crate::record_sink::RecordSink;
 use async_nats::jetstream::{self, context::PublishErrorKind, message::PublishMessage};
+use kvscope_wire::nats_security::{refusal, refused_connection};
 use kvscope_wire::parts;
 use kvscope_wire::subject::stream_config;
-use kvscope_wire::Subjects;
+use kvscope_wire::{NatsSecurity, Subjects};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::watch;
@@ -33,6 +37,10 @@ const MAX_BACKOFF: Duration = Duration::from_secs(5);
 
 pub struct PublisherConfig {
     pub nats_url: String,
+    /// Credentials and TLS (see `kvscope_wire::nats_security`).
+    pub security: NatsSecurity,
+    /// Where the server's replies to this agent go (`Subjects::inbox_prefix`).
+    pub inbox_prefix: String,
     pub subjects: Subjects,
     pub stream_max_age: Duration,
     /// Prefix of the de-duplication ids: unique per agent run.
@@ -48,32 +56,23 @@ pub async fn run(
     mut stop: watch::Receiver<bool>,
     mut give_up: watch::Receiver<bool>,
 ) {
+    let mut backoff = Duration::from_millis(100);
     let client = loop {
-        match async_nats::ConnectOptions::new()
-            .retry_on_initial_connect()
-            .max_reconnects(None)
-            .connection_timeout(Duration::from_secs(5))
-            .connect(cfg.nats_url.as_str())
-            .await
-        {
+        match connect(&cfg, &stats).await {
             Ok(c) => break c,
             Err(e) => {
-                // Only a bad URL fails here (connection itself is retried in the background).
-                PublishFailed {
-                    error: &e.to_string(),
-                    buffered: sink.buffered(),
-                }
-                .emit(&stats);
-                tokio::select! {
-                    _ = tokio::time::sleep(MAX_BACKOFF) => {}
-                    _ = give_up.changed() => return,
+                // Not reachable, or refused (counted apart): retried, with backoff, and with
+                // the credentials read again (a rotated secret is picked up).
+                fail(&stats, &sink, &e, &mut backoff, &mut give_up).await;
+                if *give_up.borrow() {
+                    return;
                 }
             }
         }
     };
     let js = jetstream::new(client.clone());
     let mut stream_ready = false;
-    let mut backoff = Duration::from_millis(100);
+    backoff = Duration::from_millis(100);
     loop {
         let stopping = *stop.borrow();
         if *give_up.borrow() || (stopping && sink.buffered() == 0) {
@@ -117,6 +116,39 @@ pub async fn run(
             backoff = Duration::from_millis(100);
         }
     }
+}
+
+/// Connect once. The server refusing the credentials, there or later on the live
+/// connection (a permissions violation too), is counted as a refusal.
+async fn connect(
+    cfg: &PublisherConfig,
+    stats: &Arc<AgentStats>,
+) -> Result<async_nats::Client, String> {
+    let events = stats.clone();
+    let options = cfg
+        .security
+        .connect_options(Some(&cfg.inbox_prefix))
+        .await
+        .map_err(|e| e.to_string())?
+        .event_callback(move |event| {
+            let stats = events.clone();
+            async move {
+                if let Some(e) = refusal(&event) {
+                    BusRefused { error: &e }.emit(&stats);
+                }
+            }
+        })
+        .max_reconnects(None)
+        .connection_timeout(Duration::from_secs(5));
+    options.connect(cfg.nats_url.as_str()).await.map_err(|e| {
+        if refused_connection(&e) {
+            BusRefused {
+                error: &e.to_string(),
+            }
+            .emit(stats);
+        }
+        e.to_string()
+    })
 }
 
 /// The largest part of a record that fits one message beside its headers (the

@@ -541,7 +541,7 @@ mod tests {
             out.iter().map(|o| o.local_seq).collect::<Vec<_>>(),
             vec![0, 1]
         );
-        assert_eq!(out[0].subject, "kvscope.c.agent.node_1");
+        assert_eq!(out[0].subject, "kvscope.c.node_1.heartbeat");
         sink.ack(1);
         assert_eq!(sink.buffered(), 1);
         sink.submit_at(None, hb(), None, 30);

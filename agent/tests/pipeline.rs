@@ -384,6 +384,7 @@ async fn records_from_zmq_and_the_router_log_arrive_on_jetstream() {
         records_split: 0,
         records_set_aside: 0,
         publish_errors: 0,
+        bus_refusals: 0,
         // The captured batches and log lines carry their capture-time timestamps, hours
         // older than the heartbeats stamped now, so some count as late: not compared.
         records_late: 0,

@@ -117,6 +117,10 @@ pub struct CollectorCounters {
     /// Records stamped more than 60 s ahead of the collector's clock (a wrong clock or a
     /// forged record): not applied, so they cannot move the windows or the watermark.
     pub future_records: u64,
+    /// Records whose `agent` is not the agent their subject names (a forged record, or
+    /// an agent publishing another's records): not applied. A server's permissions let
+    /// each agent publish under its own name only, so this is what makes the name hold.
+    pub foreign_records: u64,
     /// Records sent in parts that never came whole (a part missing, out of order or
     /// past the size limit; counted by the bus reader): dropped, never guessed at.
     pub incomplete_records: u64,

@@ -46,12 +46,16 @@ pub struct BusStatus {
 #[derive(Debug, Clone)]
 pub struct BusConfig {
     pub nats_url: String,
+    /// Credentials and TLS (see `kvscope_wire::nats_security`).
+    pub security: kvscope_wire::NatsSecurity,
     pub subjects: Subjects,
     pub durable_name: String,
     pub stream_max_age: Duration,
 }
 
 pub struct Shared {
+    /// The cluster's subjects: which agent each record's subject names.
+    subjects: Subjects,
     pub analyzer: Mutex<FleetAnalyzer>,
     /// Records arriving in parts, joined before they are applied.
     parts: Mutex<Reassembler>,
@@ -64,8 +68,13 @@ pub struct Shared {
 }
 
 impl Shared {
-    pub fn new(analyzer: FleetAnalyzer, recorder: Option<RecordingWriter>) -> Arc<Self> {
+    pub fn new(
+        analyzer: FleetAnalyzer,
+        recorder: Option<RecordingWriter>,
+        subjects: Subjects,
+    ) -> Arc<Self> {
         Arc::new(Self {
+            subjects,
             analyzer: Mutex::new(analyzer),
             parts: Mutex::new(Reassembler::new(PartsLimits::default())),
             bus: Mutex::new(BusStatus::default()),
@@ -77,20 +86,20 @@ impl Shared {
 
     /// Join one bus message with the parts before it (see `kvscope_wire::parts`) and
     /// apply the record once it is whole.
-    fn apply_message(&self, headers: Option<&HeaderMap>, payload: &[u8], seq: u64) {
+    fn apply_message(&self, subject: &str, headers: Option<&HeaderMap>, payload: &[u8], seq: u64) {
         let header = |name: &str| headers.and_then(|h| h.get(name)).map(|v| v.as_str());
         let outcome = lock(&self.parts).accept(
             header(async_nats::header::NATS_MESSAGE_ID.as_ref()),
             header(parts::PART_HEADER),
             payload,
         );
-        self.apply_outcome(outcome, payload, seq);
+        self.apply_outcome(subject, outcome, payload, seq);
     }
 
-    fn apply_outcome(&self, outcome: PartsOutcome, payload: &[u8], seq: u64) {
+    fn apply_outcome(&self, subject: &str, outcome: PartsOutcome, payload: &[u8], seq: u64) {
         match outcome {
-            PartsOutcome::Whole => self.apply_payload(payload, seq),
-            PartsOutcome::Complete(record) => self.apply_payload(&record, seq),
+            PartsOutcome::Whole => self.apply_payload(subject, payload, seq),
+            PartsOutcome::Complete(record) => self.apply_payload(subject, &record, seq),
             PartsOutcome::Pending => lock(&self.bus).applied_seq = seq,
             PartsOutcome::Incomplete {
                 reason,
@@ -104,14 +113,21 @@ impl Shared {
                     "A record sent in parts never came whole; dropped and counted."
                 );
                 lock(&self.analyzer).counters_mut().incomplete_records += 1;
-                self.apply_outcome(*then, payload, seq);
+                self.apply_outcome(subject, *then, payload, seq);
             }
         }
     }
 
-    /// Decode and apply one record; undecodable ones are counted and skipped.
-    fn apply_payload(&self, payload: &[u8], seq: u64) {
+    /// Decode and apply one record; undecodable ones, and ones whose agent is not the
+    /// one their subject names, are counted and skipped.
+    fn apply_payload(&self, subject: &str, payload: &[u8], seq: u64) {
         match Envelope::from_json(payload) {
+            Ok(env) if !self.subjects.subject_matches_agent(subject, &env.agent) => {
+                // The server's permissions bind a subject to one agent's credentials; a
+                // record naming another agent is forged (or misrouted): never applied.
+                lock(&self.analyzer).counters_mut().foreign_records += 1;
+                warn!(seq, subject, agent = %env.agent, "A record whose agent is not the one its subject names; not applied, counted.");
+            }
             Ok(env)
                 if env.observed_ns > kvscope_wire::now_ns().saturating_add(FUTURE_TOLERANCE_NS) =>
             {
@@ -166,16 +182,32 @@ pub fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// Connect once, as the `[nats]` settings say; replies come to this collector's own
+/// inbox. A refusal by the live server (a permissions violation) is logged.
+async fn connect(cfg: &BusConfig) -> anyhow::Result<async_nats::Client> {
+    let options = cfg
+        .security
+        .connect_options(Some(&cfg.subjects.inbox_prefix(&cfg.durable_name)))
+        .await?
+        .event_callback(|event| async move {
+            if let Some(e) = kvscope_wire::nats_security::refusal(&event) {
+                warn!(error = %e, "NATS refused this collector (check its [nats] credentials and the server's permissions).");
+            }
+        })
+        .max_reconnects(None);
+    Ok(options.connect(cfg.nats_url.as_str()).await?)
+}
+
 /// Rebuild from the stream, then follow it for ever (until the task is dropped).
 pub async fn run(cfg: BusConfig, shared: Arc<Shared>) -> anyhow::Result<()> {
     // NATS may come up after the collector (a pod started first): wait for it, with
     // backoff, rather than exit.
     let mut backoff = Duration::from_millis(200);
     let client = loop {
-        match async_nats::connect(&cfg.nats_url).await {
+        match connect(&cfg).await {
             Ok(c) => break c,
             Err(e) => {
-                warn!(nats = %cfg.nats_url, error = %e, retry_in_ms = backoff.as_millis() as u64, "NATS not reachable yet; waiting for it (is nats-server -js running there?).");
+                warn!(nats = %cfg.nats_url, error = %e, retry_in_ms = backoff.as_millis() as u64, "Cannot connect to NATS yet; waiting for it (is nats-server -js running there, and does it accept this collector's [nats] credentials?).");
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(Duration::from_secs(5));
             }
@@ -241,7 +273,7 @@ pub async fn run(cfg: BusConfig, shared: Arc<Shared>) -> anyhow::Result<()> {
             fill_gap(&stream, applied + 1, seq, &shared).await;
         }
         if seq > lock(&shared.bus).applied_seq {
-            shared.apply_message(msg.headers.as_ref(), &msg.payload, seq);
+            shared.apply_message(&msg.subject, msg.headers.as_ref(), &msg.payload, seq);
         }
         lock(&shared.bus).pending = pending;
         if let Err(e) = msg.ack().await {
@@ -256,7 +288,7 @@ pub async fn run(cfg: BusConfig, shared: Arc<Shared>) -> anyhow::Result<()> {
 async fn fill_gap(stream: &stream::Stream, from: u64, to: u64, shared: &Shared) {
     for s in from..to {
         match stream.get_raw_message(s).await {
-            Ok(m) => shared.apply_message(Some(&m.headers), &m.payload, s),
+            Ok(m) => shared.apply_message(&m.subject, Some(&m.headers), &m.payload, s),
             Err(e) => {
                 warn!(seq = s, error = %e, "A stream record is gone before it was applied; counted as missing.");
                 let mut bus = lock(&shared.bus);
@@ -291,7 +323,7 @@ async fn rebuild(stream: &stream::Stream, last: u64, shared: &Shared) -> anyhow:
         if seq > last {
             break;
         }
-        shared.apply_message(msg.headers.as_ref(), &msg.payload, seq);
+        shared.apply_message(&msg.subject, msg.headers.as_ref(), &msg.payload, seq);
         n += 1;
         if n.is_multiple_of(100_000) {
             info!(applied = n, of = last, "Rebuilding.");

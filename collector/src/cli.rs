@@ -18,7 +18,7 @@ use tracing::{error, info, warn};
 /// migratable delta per request, and serves them as Prometheus metrics, a JSON API and
 /// dry-run opportunity reports.
 #[derive(Parser, Debug)]
-#[command(name = "kvscope-collector", version, after_help = kvscope_otlp::HELP)]
+#[command(name = "kvscope-collector", version, after_help = format!("{}\n\n{}", kvscope_otlp::HELP, kvscope_wire::nats_security::HELP))]
 pub struct Cli {
     /// TOML config file (see README, "Collector configuration"). Flags and
     /// KVSCOPE_COLLECTOR_* variables override it.
@@ -50,7 +50,7 @@ pub struct Cli {
 #[derive(Subcommand, Debug)]
 pub enum Command {
     /// Consume records from NATS JetStream and serve /metrics and the JSON API until stopped.
-    #[command(after_help = kvscope_otlp::HELP)]
+    #[command(after_help = format!("{}\n\n{}", kvscope_otlp::HELP, kvscope_wire::nats_security::HELP))]
     Run {
         /// NATS server URL (default nats://127.0.0.1:4222).
         #[arg(long, env = "KVSCOPE_COLLECTOR_NATS_URL")]
@@ -96,6 +96,9 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
     cfg.otlp
         .apply_env(|k| std::env::var(k).ok())
         .context("bad OTEL_* environment variable")?;
+    cfg.nats
+        .apply_env(|k| std::env::var(k).ok())
+        .context("bad [nats] settings or KVSCOPE_NATS_* variable")?;
     if let Some(v) = cli.window_secs {
         cfg.analyzer.window_secs = v;
     }
@@ -167,7 +170,11 @@ async fn serve(cfg: CollectorConfig) -> anyhow::Result<()> {
         }
         None => None,
     };
-    let shared = Shared::new(FleetAnalyzer::new(cfg.analyzer.clone()), recorder);
+    let shared = Shared::new(
+        FleetAnalyzer::new(cfg.analyzer.clone()),
+        recorder,
+        Subjects::new(&cfg.cluster),
+    );
     let listener = tokio::net::TcpListener::bind(cfg.listen)
         .await
         .with_context(|| {
@@ -205,6 +212,7 @@ async fn serve(cfg: CollectorConfig) -> anyhow::Result<()> {
     });
     let bus_cfg = BusConfig {
         nats_url: cfg.nats_url.clone(),
+        security: cfg.nats.clone(),
         subjects: Subjects::new(&cfg.cluster),
         durable_name: cfg.durable_name.clone(),
         stream_max_age: Duration::from_secs(cfg.stream_max_age_secs),

@@ -30,6 +30,9 @@ pub struct CollectorConfig {
     /// OTLP export of the collector's metrics and spans (default off: no endpoint). The
     /// standard `OTEL_EXPORTER_OTLP_*` variables override it (see `kvscope_otlp::config`).
     pub otlp: kvscope_otlp::OtlpConfig,
+    /// How the collector authenticates to NATS and checks its TLS (default: none).
+    /// `KVSCOPE_NATS_*` override it (see `kvscope_wire::nats_security`).
+    pub nats: kvscope_wire::NatsSecurity,
 }
 
 impl Default for CollectorConfig {
@@ -44,6 +47,7 @@ impl Default for CollectorConfig {
             stream_max_age_secs: 24 * 3600,
             analyzer: AnalyzerConfig::default(),
             otlp: kvscope_otlp::OtlpConfig::default(),
+            nats: Default::default(),
         }
     }
 }

@@ -25,7 +25,7 @@ pub fn exposition(shared: &crate::bus::Shared, format: Format) -> String {
 /// The collector's figures for the current state.
 pub fn write(out: &mut Exposition, a: &FleetAnalyzer, bus: &BusStatus) {
     let c = a.counters();
-    let counters: [(&str, &str, u64); 31] = [
+    let counters: [(&str, &str, u64); 32] = [
         ("kvscope_collector_records", "Records applied.", c.records),
         (
             "kvscope_collector_undecodable_records",
@@ -66,6 +66,11 @@ pub fn write(out: &mut Exposition, a: &FleetAnalyzer, bus: &BusStatus) {
             "kvscope_collector_future_records",
             "Records stamped far ahead of the collector's clock: not applied.",
             c.future_records,
+        ),
+        (
+            "kvscope_collector_foreign_records",
+            "Records whose agent is not the one their subject names (forged): not applied.",
+            c.foreign_records,
         ),
         (
             "kvscope_collector_incomplete_records",

@@ -442,6 +442,10 @@ impl OpportunityReport {
                 c.future_records,
             ),
             (
+                "records whose agent is not their subject's (not applied)",
+                c.foreign_records,
+            ),
+            (
                 "records sent in parts that never came whole",
                 c.incomplete_records,
             ),

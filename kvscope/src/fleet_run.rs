@@ -180,6 +180,32 @@ impl FleetRun {
         &self.nats_url
     }
 
+    /// `KVSCOPE_NATS_*` for a kvscope process logging in to the lab's bus as `user`
+    /// (nothing when the bus runs without security).
+    pub fn bus_env(&self, user: &str) -> anyhow::Result<Vec<(String, String)>> {
+        match &self.lab().manifest().bus_security {
+            Some(s) => s.kvscope_env(user),
+            None => Ok(Vec::new()),
+        }
+    }
+
+    /// [`Self::bus_env`] for the agent `agent_id` (one of `LabConfig::bus_agents`).
+    pub fn agent_bus_env(&self, agent_id: &str) -> anyhow::Result<Vec<(String, String)>> {
+        self.bus_env(&kvscope_lab::bus_security::agent_user(agent_id))
+    }
+
+    /// A client of the lab's bus that may read stream state only.
+    pub async fn observe_bus(&self) -> anyhow::Result<async_nats::Client> {
+        let env = self.bus_env(kvscope_lab::bus_security::OBSERVER_USER)?;
+        let mut security = kvscope_wire::NatsSecurity::default();
+        security.apply_env(|k| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone()))?;
+        Ok(security
+            .connect_options(None)
+            .await?
+            .connect(self.nats_url.as_str())
+            .await?)
+    }
+
     /// The process groups of everything running: the lab's, the agent's and the
     /// collector's.
     pub fn process_groups(&self) -> Vec<u32> {
@@ -209,6 +235,7 @@ impl FleetRun {
             .arg("--record")
             .arg(&self.recording)
             .env("RUST_LOG", "info")
+            .envs(self.bus_env(kvscope_lab::bus_security::COLLECTOR_USER)?)
             .envs(self.cfg.collector_env.iter().map(|(k, v)| (k, v)));
         let log = self.run_dir().join("collector.log");
         self.collector = Some(ManagedProcess::spawn("collector", cmd, &log)?);
@@ -233,6 +260,7 @@ impl FleetRun {
             .arg("--record")
             .arg(&self.agent_recording)
             .env("RUST_LOG", "info")
+            .envs(self.agent_bus_env("lab-node")?)
             .envs(lab.manifest().dynamo_env())
             .envs(self.cfg.agent_env.iter().map(|(k, v)| (k, v)));
         if self.cfg.kv_source == KvSource::EngineTaps {
@@ -355,7 +383,7 @@ impl FleetRun {
     /// `settle`, is applied.
     pub async fn wait_drained(&self, settle: Duration, timeout: Duration) -> anyhow::Result<()> {
         tokio::time::sleep(settle).await;
-        let js = async_nats::jetstream::new(async_nats::connect(&self.nats_url).await?);
+        let js = async_nats::jetstream::new(self.observe_bus().await?);
         let mut stream = js
             .get_stream(Subjects::new(LAB_CLUSTER).stream_name())
             .await?;

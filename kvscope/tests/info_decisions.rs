@@ -14,6 +14,7 @@ mod oracle;
 
 use kvscope::fleet_run::{FleetRun, FleetRunConfig};
 use kvscope_collector::verdict::SpillVerdict;
+use kvscope_lab::bus_security::BusAgent;
 use kvscope_lab::process::{stop_all, ManagedProcess};
 use kvscope_lab::workload::{self, WorkloadConfig};
 use kvscope_lab::LabConfig;
@@ -37,6 +38,10 @@ async fn request_trace_verdicts_measure_what_the_debug_lines_measure() {
         workers: 3,
         request_trace: true,
         frontend_args: vec!["--router-temperature".into(), "0.2".into()],
+        bus_agents: vec![
+            BusAgent::new("lab-node", "lab"),
+            BusAgent::new("info-node", "info"),
+        ],
         ..LabConfig::default()
     };
     kvscope_lab::setup::ensure_venv(&lab.lab_dir).expect("the lab venv (scripts/setup makes it)");
@@ -56,6 +61,7 @@ async fn request_trace_verdicts_measure_what_the_debug_lines_measure() {
         .arg("--record")
         .arg(&info_recording)
         .envs(run.lab().manifest().dynamo_env())
+        .envs(run.agent_bus_env("info-node").unwrap())
         .env("RUST_LOG", "info");
     for w in run.lab().workers() {
         let replay = w.kv_replay_endpoint.clone().unwrap();

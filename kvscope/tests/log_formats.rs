@@ -15,6 +15,7 @@ mod oracle;
 
 use kvscope::fleet_run::{FleetRun, FleetRunConfig};
 use kvscope_collector::analyzer::{AnalyzerConfig, FleetAnalyzer};
+use kvscope_lab::bus_security::BusAgent;
 use kvscope_lab::process::{stop_all, ManagedProcess};
 use kvscope_lab::workload::{self, SplitMix64, WorkloadConfig};
 use kvscope_lab::LabConfig;
@@ -158,6 +159,10 @@ async fn json_lines_and_kubernetes_cri_logs_give_the_decisions_of_the_router() {
         workers: 3,
         frontend_jsonl_logs: true,
         frontend_args: vec!["--router-temperature".into(), "0.2".into()],
+        bus_agents: vec![
+            BusAgent::new("lab-node", "lab"),
+            BusAgent::new("cri-node", "cri"),
+        ],
         ..LabConfig::default()
     };
     kvscope_lab::setup::ensure_venv(&lab.lab_dir).expect("the lab venv (scripts/setup makes it)");
@@ -187,6 +192,7 @@ async fn json_lines_and_kubernetes_cri_logs_give_the_decisions_of_the_router() {
         .arg(&cri_log)
         .arg("--record")
         .arg(&cri_recording)
+        .envs(run.agent_bus_env("cri-node").unwrap())
         .env("RUST_LOG", "info");
     let mut cri_agent =
         vec![ManagedProcess::spawn("cri-agent", cmd, &run_dir.join("cri-agent.log")).unwrap()];

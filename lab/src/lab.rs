@@ -44,6 +44,13 @@ pub struct LabConfig {
     /// Start a `nats-server -js` on loopback (Dynamo itself doesn't need it here; the
     /// kvscope agent and collector use it as their bus). Default true.
     pub nats: bool,
+    /// Run NATS as a production bus would: TLS, kvscope and Dynamo in accounts of their
+    /// own, a user per agent allowed to publish under its own name only (see
+    /// [`crate::bus_security`]). Default true.
+    pub bus_security: bool,
+    /// The agents that get a user on the secured bus, each for its cluster. Default
+    /// `lab-node` in cluster `lab`.
+    pub bus_agents: Vec<crate::bus_security::BusAgent>,
     /// Leave ANSI colours in the router log. Default false (`DYN_SDK_DISABLE_ANSI_LOGGING=1`).
     pub ansi_logs: bool,
     /// `DYN_LOG` for the frontend. Default `info,dynamo_kv_router=debug`.
@@ -105,6 +112,8 @@ impl Default for LabConfig {
             num_gpu_blocks: 256,
             speedup_ratio: 2.0,
             nats: true,
+            bus_security: true,
+            bus_agents: vec![crate::bus_security::BusAgent::new("lab-node", "lab")],
             ansi_logs: false,
             frontend_log_filter: "info,dynamo_kv_router=debug".into(),
             frontend_jsonl_logs: false,
@@ -175,6 +184,15 @@ pub struct Manifest {
     pub model_path: PathBuf,
     /// `nats://127.0.0.1:<port>` when NATS was started.
     pub nats_url: Option<String>,
+    /// The bus's CA and users, when it runs secured (`LabConfig::bus_security`).
+    #[serde(default)]
+    pub bus_security: Option<crate::bus_security::BusSecurity>,
+    /// Dynamo's NATS (`NATS_SERVER` for Dynamo's processes): the bus itself, or beside a
+    /// secured bus a server of its own, started with the NATS event plane.
+    #[serde(default)]
+    pub dynamo_nats_url: Option<String>,
+    #[serde(default)]
+    pub dynamo_nats: Option<ProcessInfo>,
     /// The frontend's log: KV router decisions (`[ROUTING_INPUT]`, `Selected worker`).
     pub router_log: PathBuf,
     /// `DYN_FILE_KV`: the file discovery store (see `kvscope_discovery`); unused with etcd.
@@ -211,6 +229,7 @@ impl Manifest {
         let mut v: Vec<u32> = self.workers.iter().map(|w| w.process.pid).collect();
         v.push(self.frontend.pid);
         v.extend(self.nats.as_ref().map(|n| n.pid));
+        v.extend(self.dynamo_nats.as_ref().map(|n| n.pid));
         v.extend(self.etcd.as_ref().map(|n| n.pid));
         v
     }
@@ -218,7 +237,8 @@ impl Manifest {
     /// The variables through which Dynamo's processes find each other, as a Dynamo
     /// deployment sets them for every pod: what a kvscope process given the fleet's
     /// environment reads (`DYN_DISCOVERY_BACKEND`, `DYN_FILE_KV` or `ETCD_ENDPOINTS`,
-    /// `NATS_SERVER` with the NATS event plane).
+    /// `NATS_SERVER` with the NATS event plane, and on a secured bus Dynamo's user in
+    /// `NATS_AUTH_*` and the CA in `SSL_CERT_FILE`).
     pub fn dynamo_env(&self) -> Vec<(String, String)> {
         let mut env = Vec::new();
         match (self.discovery, &self.etcd_url) {
@@ -235,10 +255,11 @@ impl Manifest {
             }
         }
         if self.event_plane == LabEventPlane::Nats {
-            if let Some(url) = &self.nats_url {
+            if let Some(url) = &self.dynamo_nats_url {
                 env.push(("NATS_SERVER".into(), url.clone()));
             }
         }
+        env.extend(self.bus_security.iter().flat_map(|s| s.dynamo_env()));
         env
     }
 }
@@ -323,10 +344,11 @@ impl Lab {
         // Held until the whole fleet is up, so nothing alongside takes a port before the
         // process it is meant for binds it.
         let reservation =
-            crate::ports::reserve_ports(4 + 2 * config.workers).context("choosing free ports")?;
+            crate::ports::reserve_ports(5 + 2 * config.workers).context("choosing free ports")?;
         let ports = reservation.ports();
         let (http_port, nats_port, etcd_ports) = (ports[0], ports[1], [ports[2], ports[3]]);
-        let (zmq_ports, replay_ports) = ports[4..].split_at(config.workers);
+        let dynamo_nats_port = ports[4];
+        let (zmq_ports, replay_ports) = ports[5..].split_at(config.workers);
         if config.event_plane == LabEventPlane::Nats && !config.nats {
             return Err(LabError::Other(anyhow::anyhow!(
                 "the NATS event plane needs the lab's NATS server (nats = true)"
@@ -340,6 +362,9 @@ impl Lab {
                 model_name: config.model_name.clone(),
                 model_path: model_path.clone(),
                 nats_url: None,
+                bus_security: None,
+                dynamo_nats_url: None,
+                dynamo_nats: None,
                 router_log: run_dir.join("frontend.log"),
                 discovery_dir: discovery_dir.clone(),
                 discovery: config.discovery,
@@ -368,7 +393,16 @@ impl Lab {
         // From here on, an early return drops `lab`, which stops what was started.
 
         if config.nats {
-            let p = crate::nats::spawn(&run_dir, nats_port)?;
+            let security = if config.bus_security {
+                Some(crate::bus_security::BusSecurity::create(
+                    &run_dir.join("nats-security"),
+                    &config.bus_agents,
+                )?)
+            } else {
+                None
+            };
+            let p = crate::nats::spawn(&run_dir, nats_port, security.as_ref())?;
+            lab.manifest.bus_security = security;
             let log = p.log.clone();
             lab.manifest.nats = Some(ProcessInfo {
                 name: "nats-server".into(),
@@ -377,6 +411,23 @@ impl Lab {
             });
             lab.manifest.nats_url = Some(format!("nats://127.0.0.1:{nats_port}"));
             lab.procs.push(p);
+            lab.manifest.dynamo_nats_url = lab.manifest.nats_url.clone();
+            match &lab.manifest.bus_security {
+                Some(s) if config.event_plane == LabEventPlane::Nats => {
+                    let p = crate::nats::spawn_dynamo(&run_dir, dynamo_nats_port, s)?;
+                    lab.manifest.dynamo_nats = Some(ProcessInfo {
+                        name: "dynamo-nats-server".into(),
+                        pid: p.pid(),
+                        log: p.log.clone(),
+                    });
+                    lab.manifest.dynamo_nats_url =
+                        Some(format!("nats://127.0.0.1:{dynamo_nats_port}"));
+                    lab.procs.push(p);
+                }
+                // Dynamo's processes use NATS only for its event plane here: none.
+                Some(_) => lab.manifest.dynamo_nats_url = None,
+                None => {}
+            }
         }
 
         if config.discovery == LabDiscovery::Etcd {
@@ -423,7 +474,13 @@ impl Lab {
         .map(str::to_string)
         .to_vec();
         let etcd_url = lab.manifest.etcd_url.clone();
-        let nats_url = lab.manifest.nats_url.clone();
+        let nats_url = lab.manifest.dynamo_nats_url.clone();
+        let nats_auth: Vec<(String, String)> = lab
+            .manifest
+            .bus_security
+            .iter()
+            .flat_map(|s| s.dynamo_env())
+            .collect();
         let dyn_env = |cmd: &mut Command, filter: &str| {
             if let Some(url) = &etcd_url {
                 cmd.env("ETCD_ENDPOINTS", url);
@@ -431,6 +488,7 @@ impl Lab {
             if let Some(url) = &nats_url {
                 cmd.env("NATS_SERVER", url);
             }
+            cmd.envs(nats_auth.iter().map(|(k, v)| (k, v)));
             cmd.env("DYN_LOG", filter)
                 .env("DYN_EVENT_PLANE_HOST", "127.0.0.1")
                 .env("DYN_TCP_RPC_HOST", "127.0.0.1")
@@ -632,11 +690,11 @@ impl Lab {
         }
         lab.manifest.startup_secs = t0.elapsed().as_secs_f64();
         let manifest_path = run_dir.join("lab.json");
-        std::fs::write(
+        // Owner-only: on a secured bus it holds the users' passwords.
+        crate::bus_security::write_private(
             &manifest_path,
-            serde_json::to_vec_pretty(&lab.manifest).context("encoding manifest")?,
-        )
-        .with_context(|| format!("writing {}", manifest_path.display()))?;
+            &serde_json::to_string_pretty(&lab.manifest).context("encoding manifest")?,
+        )?;
         info!(
             frontend = %lab.manifest.frontend_url,
             startup_secs = format!("{:.1}", lab.manifest.startup_secs),

@@ -9,6 +9,7 @@
 //! - [`workload`]: the chat workload and its summary.
 //! - [`router_log`]: just enough parsing of the router's log to check a run.
 
+pub mod bus_security;
 pub mod etcd;
 mod lab;
 pub mod nats;

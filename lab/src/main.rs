@@ -99,6 +99,15 @@ struct LabArgs {
     /// Do not start nats-server.
     #[arg(long)]
     no_nats: bool,
+    /// Run NATS without TLS and users (by default the bus is secured: TLS with the run's
+    /// CA, a user per process; <run dir>/nats-security/<user>.env holds each kvscope
+    /// user's KVSCOPE_NATS_* variables, e.g. `set -a; . kvscope-agent-lab-node.env`).
+    #[arg(long)]
+    open_bus: bool,
+    /// An agent that gets a user on the secured bus, as AGENT_ID@CLUSTER (repeatable;
+    /// default lab-node@lab).
+    #[arg(long = "bus-agent", value_parser = parse_bus_agent)]
+    bus_agents: Vec<kvscope_lab::bus_security::BusAgent>,
     /// Keep ANSI colours in the router log.
     #[arg(long)]
     ansi_logs: bool,
@@ -131,6 +140,17 @@ struct LabArgs {
     jsonl_logs: bool,
 }
 
+fn parse_bus_agent(s: &str) -> Result<kvscope_lab::bus_security::BusAgent, String> {
+    match s.split_once('@') {
+        Some((id, cluster)) if !id.is_empty() && !cluster.is_empty() => {
+            Ok(kvscope_lab::bus_security::BusAgent::new(id, cluster))
+        }
+        _ => Err(format!(
+            "{s:?}: expected AGENT_ID@CLUSTER, e.g. lab-node@lab"
+        )),
+    }
+}
+
 #[derive(Clone, Copy, clap::ValueEnum)]
 enum DiscoveryArg {
     File,
@@ -156,6 +176,12 @@ impl LabArgs {
             num_gpu_blocks: self.num_gpu_blocks,
             speedup_ratio: self.speedup_ratio,
             nats: !self.no_nats,
+            bus_security: !self.open_bus,
+            bus_agents: if self.bus_agents.is_empty() {
+                d.bus_agents.clone()
+            } else {
+                self.bus_agents.clone()
+            },
             ansi_logs: self.ansi_logs,
             frontend_log_filter: self.frontend_log.clone(),
             frontend_args: self.frontend_args.clone(),

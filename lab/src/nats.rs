@@ -1,6 +1,7 @@
 //! A `nats-server -js` on loopback with its store in a folder: the lab's bus, and the
 //! one way tests start a real NATS.
 
+use crate::bus_security::BusSecurity;
 use crate::process::{stop_all, ManagedProcess};
 use anyhow::{Context as _, Result};
 use std::path::Path;
@@ -11,16 +12,24 @@ use std::time::{Duration, Instant};
 pub struct NatsServer {
     process: Vec<ManagedProcess>,
     port: u16,
+    security: Option<BusSecurity>,
 }
 
 impl NatsServer {
     /// Start on 127.0.0.1:`port` with JetStream stored under `dir` (log in
     /// `dir/nats.log`); returns once it accepts connections.
     pub fn start(dir: &Path, port: u16) -> Result<Self> {
-        let process = spawn(dir, port)?;
+        Self::start_with(dir, port, None)
+    }
+
+    /// [`Self::start`] with TLS, accounts and users as `security` says (see
+    /// [`crate::bus_security`]).
+    pub fn start_with(dir: &Path, port: u16, security: Option<BusSecurity>) -> Result<Self> {
+        let process = spawn(dir, port, security.as_ref())?;
         let server = Self {
             process: vec![process],
             port,
+            security,
         };
         let deadline = Instant::now() + Duration::from_secs(10);
         while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
@@ -49,19 +58,48 @@ impl NatsServer {
     pub fn pid(&self) -> u32 {
         self.process[0].pid()
     }
+
+    /// The users and CA, when it runs secured.
+    pub fn security(&self) -> Option<&BusSecurity> {
+        self.security.as_ref()
+    }
 }
 
 /// Spawn `nats-server -js` on 127.0.0.1:`port`, store under `dir/nats`, log in
 /// `dir/nats.log`, without waiting for it (the lab waits for its whole fleet at once).
-pub fn spawn(dir: &Path, port: u16) -> Result<ManagedProcess> {
+/// With `security`, its configuration file (mode 0600, it holds the passwords) sets TLS,
+/// the accounts and the users.
+pub fn spawn(dir: &Path, port: u16, security: Option<&BusSecurity>) -> Result<ManagedProcess> {
     let store = dir.join("nats");
     std::fs::create_dir_all(&store).context("creating the NATS store folder")?;
     let mut cmd = Command::new(crate::setup::nats_server_path()?);
-    cmd.args(["-js", "-a", "127.0.0.1", "-p"])
-        .arg(port.to_string())
-        .arg("-sd")
-        .arg(&store);
+    match security {
+        None => {
+            cmd.args(["-js", "-a", "127.0.0.1", "-p"])
+                .arg(port.to_string())
+                .arg("-sd")
+                .arg(&store);
+        }
+        Some(s) => {
+            let conf = dir.join("nats-server.conf");
+            crate::bus_security::write_private(&conf, &s.server_config(port, &store))?;
+            cmd.arg("-c").arg(&conf);
+        }
+    }
     ManagedProcess::spawn("nats-server", cmd, &dir.join("nats.log"))
+}
+
+/// Spawn Dynamo's own NATS beside a secured bus (see [`crate::bus_security`] for why
+/// it is a server of its own): 127.0.0.1:`port`, store under `dir/dynamo-nats`, log in
+/// `dir/dynamo-nats.log`, Dynamo's user only.
+pub fn spawn_dynamo(dir: &Path, port: u16, security: &BusSecurity) -> Result<ManagedProcess> {
+    let store = dir.join("dynamo-nats");
+    std::fs::create_dir_all(&store).context("creating Dynamo's NATS store folder")?;
+    let conf = dir.join("dynamo-nats-server.conf");
+    crate::bus_security::write_private(&conf, &security.dynamo_server_config(port, &store))?;
+    let mut cmd = Command::new(crate::setup::nats_server_path()?);
+    cmd.arg("-c").arg(&conf);
+    ManagedProcess::spawn("dynamo-nats-server", cmd, &dir.join("dynamo-nats.log"))
 }
 
 impl Drop for NatsServer {

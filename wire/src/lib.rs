@@ -8,6 +8,7 @@ pub mod config;
 pub mod directive;
 pub mod dynamo_events;
 pub mod hashing;
+pub mod nats_security;
 pub mod nixl;
 pub mod parts;
 pub mod prom;
@@ -17,6 +18,7 @@ pub mod subject;
 pub mod vllm_events;
 
 pub use hashing::{local_block_hash, sequence_hashes, LocalBlockHash, SequenceHash};
+pub use nats_security::NatsSecurity;
 pub use record::worker_map;
 pub use record::*;
-pub use subject::Subjects;
+pub use subject::{Permissions, Subjects};

@@ -444,6 +444,10 @@ pub struct AgentCounters {
     /// them go on.
     pub records_set_aside: u64,
     pub publish_errors: u64,
+    /// Times NATS refused this agent: its credentials (an authorization violation), or
+    /// a subject its permissions do not allow it to publish to.
+    #[serde(default)]
+    pub bus_refusals: u64,
     /// Records that reached the agent later than its reorder window after an already
     /// published one: sent at once, stamped no earlier than their predecessor.
     pub records_late: u64,

@@ -1,5 +1,10 @@
-//! NATS subject names: `kvscope.<cluster>.<kind>[.<worker or agent>]`, all in one
+//! NATS subject names: `kvscope.<cluster>.<agent>.<kind>[.<worker>]`, all in one
 //! JetStream stream per cluster so the collector sees one total order.
+//!
+//! Every subject names the agent that published it, so a server's permissions can let
+//! each agent publish under its own name only ([`Subjects::of_agent`]), and the
+//! collector can refuse a record whose `agent` is not the one its subject names
+//! ([`Subjects::agent_of`]).
 
 use crate::record::Record;
 
@@ -30,15 +35,123 @@ impl Subjects {
         format!("kvscope.{}.>", self.cluster)
     }
 
+    /// Every subject the agent `agent` publishes: what its NATS user may publish to.
+    pub fn of_agent(&self, agent: &str) -> String {
+        format!("kvscope.{}.{}.>", self.cluster, token(agent))
+    }
+
     pub fn for_record(&self, agent: &str, record: &Record) -> String {
+        let agent = token(agent);
+        let c = &self.cluster;
         match record {
-            Record::KvEvents(b) => format!("kvscope.{}.kv.{}", self.cluster, b.worker.worker_id),
-            Record::Decision(_) => format!("kvscope.{}.decision", self.cluster),
-            Record::Migration(_) => format!("kvscope.{}.migration", self.cluster),
-            Record::Heartbeat(_) => format!("kvscope.{}.agent.{}", self.cluster, token(agent)),
-            Record::Nixl(_) => format!("kvscope.{}.nixl.{}", self.cluster, token(agent)),
-            Record::Worker(_) => format!("kvscope.{}.fleet", self.cluster),
+            Record::KvEvents(b) => format!("kvscope.{c}.{agent}.kv.{}", b.worker.worker_id),
+            Record::Decision(_) => format!("kvscope.{c}.{agent}.decision"),
+            Record::Migration(_) => format!("kvscope.{c}.{agent}.migration"),
+            Record::Heartbeat(_) => format!("kvscope.{c}.{agent}.heartbeat"),
+            Record::Nixl(_) => format!("kvscope.{c}.{agent}.nixl"),
+            Record::Worker(_) => format!("kvscope.{c}.{agent}.fleet"),
         }
+    }
+
+    /// The agent token a subject of this cluster names, or `None` for a subject that is
+    /// not one of this cluster's record subjects.
+    pub fn agent_of<'a>(&self, subject: &'a str) -> Option<&'a str> {
+        let rest = subject
+            .strip_prefix("kvscope.")?
+            .strip_prefix(self.cluster.as_str())?
+            .strip_prefix('.')?;
+        let (agent, kind) = rest.split_once('.')?;
+        (!agent.is_empty() && !kind.is_empty()).then_some(agent)
+    }
+
+    /// Whether a record claiming to come from `agent` may travel on `subject`.
+    pub fn subject_matches_agent(&self, subject: &str, agent: &str) -> bool {
+        self.agent_of(subject) == Some(token(agent).as_str())
+    }
+
+    /// What a server must let the agent `agent` do, and no more: publish its own records,
+    /// create or update the cluster's stream (either side may start first), read its own
+    /// replies.
+    pub fn agent_permissions(&self, agent: &str) -> Permissions {
+        let s = self.stream_name();
+        Permissions {
+            publish: vec![
+                self.of_agent(agent),
+                format!("$JS.API.STREAM.INFO.{s}"),
+                format!("$JS.API.STREAM.CREATE.{s}"),
+                format!("$JS.API.STREAM.UPDATE.{s}"),
+            ],
+            subscribe: vec![format!("{}.>", self.inbox_prefix(agent))],
+        }
+    }
+
+    /// What a server must let the collector with durable consumer `durable` do: open
+    /// the stream, read it (its durable consumer, the ordered one of a rebuild, records
+    /// fetched by sequence to fill a gap), acknowledge; it publishes no record.
+    pub fn collector_permissions(&self, durable: &str) -> Permissions {
+        let s = self.stream_name();
+        Permissions {
+            publish: vec![
+                format!("$JS.API.STREAM.INFO.{s}"),
+                format!("$JS.API.STREAM.CREATE.{s}"),
+                format!("$JS.API.STREAM.UPDATE.{s}"),
+                format!("$JS.API.STREAM.MSG.GET.{s}"),
+                format!("$JS.API.DIRECT.GET.{s}"),
+                format!("$JS.API.CONSUMER.CREATE.{s}"),
+                format!("$JS.API.CONSUMER.CREATE.{s}.>"),
+                format!("$JS.API.CONSUMER.DURABLE.CREATE.{s}.>"),
+                format!("$JS.API.CONSUMER.INFO.{s}.>"),
+                format!("$JS.API.CONSUMER.DELETE.{s}.>"),
+                format!("$JS.API.CONSUMER.MSG.NEXT.{s}.>"),
+                format!("$JS.ACK.{s}.>"),
+            ],
+            subscribe: vec![format!("{}.>", self.inbox_prefix(durable))],
+        }
+    }
+
+    /// Where NATS replies to the process `identity` (an agent id, or a collector's durable
+    /// name) go: its own inbox, so that permissions can let it read only its replies.
+    pub fn inbox_prefix(&self, identity: &str) -> String {
+        format!("_INBOX_kvscope.{}.{}", self.cluster, token(identity))
+    }
+}
+
+/// Subjects a NATS user may publish to and subscribe to.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Permissions {
+    pub publish: Vec<String>,
+    pub subscribe: Vec<String>,
+}
+
+impl Permissions {
+    /// Both, each list merged and without repeats (one user for several clusters).
+    pub fn merge(mut self, other: Permissions) -> Self {
+        for (mine, theirs) in [
+            (&mut self.publish, other.publish),
+            (&mut self.subscribe, other.subscribe),
+        ] {
+            for s in theirs {
+                if !mine.contains(&s) {
+                    mine.push(s);
+                }
+            }
+        }
+        self
+    }
+
+    /// As a user's `permissions` block in a `nats-server` configuration file.
+    pub fn to_nats_conf(&self) -> String {
+        let list = |v: &[String]| {
+            v.iter()
+                .map(|s| format!("\"{s}\""))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        format!(
+            "permissions: {{ publish: {{ allow: [{}] }}, subscribe: {{ allow: [{}] }} }}",
+            list(&self.publish),
+            list(&self.subscribe)
+        )
     }
 }
 
@@ -85,5 +198,67 @@ mod tests {
         let s = Subjects::new("lab.1 x");
         assert_eq!(s.all(), "kvscope.lab_1_x.>");
         assert_eq!(s.stream_name(), "KVSCOPE_LAB_1_X");
+    }
+
+    #[test]
+    fn every_subject_names_its_agent() {
+        use crate::record::{AgentHeartbeat, Record};
+        let s = Subjects::new("prod");
+        let hb = Record::Heartbeat(AgentHeartbeat::default());
+        let subject = s.for_record("node 1", &hb);
+        assert_eq!(subject, "kvscope.prod.node_1.heartbeat");
+        assert_eq!(s.agent_of(&subject), Some("node_1"));
+        assert!(s.subject_matches_agent(&subject, "node 1"));
+        assert!(!s.subject_matches_agent(&subject, "node-2"));
+        assert!(subject.starts_with(s.of_agent("node 1").trim_end_matches('>')));
+        for bad in [
+            "kvscope.prod.x",
+            "kvscope.other.a.kv.1",
+            "kvscope.prodx.a.kv",
+            "x.prod.a.kv",
+        ] {
+            assert_eq!(s.agent_of(bad), None, "{bad}");
+        }
+        assert_eq!(
+            s.inbox_prefix("kvscope-collector"),
+            "_INBOX_kvscope.prod.kvscope-collector"
+        );
+    }
+
+    #[test]
+    fn an_agent_may_publish_its_own_records_only_and_the_collector_none() {
+        let s = Subjects::new("prod");
+        let a = s.agent_permissions("node-1");
+        assert_eq!(a.publish[0], "kvscope.prod.node-1.>");
+        assert!(a.publish[1..]
+            .iter()
+            .all(|p| p.starts_with("$JS.API.STREAM.")));
+        assert_eq!(a.subscribe, ["_INBOX_kvscope.prod.node-1.>"]);
+        let c = s.collector_permissions("kvscope-collector");
+        assert!(c.publish.iter().all(|p| p.starts_with("$JS.")), "{c:?}");
+        let both = a
+            .clone()
+            .merge(Subjects::new("dev").agent_permissions("node-1"));
+        assert_eq!(both.publish.len(), 8);
+        assert_eq!(a.clone().merge(a.clone()), a);
+        assert!(a
+            .to_nats_conf()
+            .starts_with("permissions: { publish: { allow: [\"kvscope.prod.node-1.>\""));
+    }
+
+    /// The README shows operators these lists for cluster `prod`: they must stay the
+    /// ones the product needs.
+    #[test]
+    fn the_readme_lists_these_permissions() {
+        let readme = include_str!("../../README.md");
+        let s = Subjects::new("prod");
+        let a = s.agent_permissions("node-1");
+        let c = s.collector_permissions("kvscope-collector");
+        for p in [a, c]
+            .iter()
+            .flat_map(|p| p.publish.iter().chain(&p.subscribe))
+        {
+            assert!(readme.contains(&format!("\"{p}\"")), "README lacks {p}");
+        }
     }
 }

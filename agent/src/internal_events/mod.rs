@@ -195,6 +195,7 @@ mod tests {
                 records_split: 1,
                 records_set_aside: 1,
                 publish_errors: 1,
+                bus_refusals: 0,
                 records_late: 1,
             }
         );

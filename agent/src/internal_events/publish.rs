@@ -103,6 +103,23 @@ impl InternalEvent for PublishFailed<'_> {
     }
 }
 
+/// The NATS server refused this agent: its credentials, or a subject its permissions
+/// do not allow. Counted in `bus_refusals`; the connection is retried.
+pub struct BusRefused<'a> {
+    pub error: &'a str,
+}
+
+static REFUSED: LogLimiter = LogLimiter::new();
+
+impl InternalEvent for BusRefused<'_> {
+    fn emit(self, stats: &AgentStats) {
+        if let Some(suppressed) = REFUSED.check() {
+            warn!(error = %self.error, suppressed, "NATS refused this agent (check its [nats] credentials and the server's permissions for kvscope.<cluster>.<agent_id>.>); retrying.");
+        }
+        add(&stats.bus_refusals, 1);
+    }
+}
+
 /// The stream exists with the agent's configuration. No counter.
 pub struct StreamReady<'a> {
     pub stream: &'a str,
