@@ -325,6 +325,7 @@ mod tests {
             model: None,
             incomplete_mirror: false,
             after_own_prefill: false,
+            clock_behind_ms: None,
             request_id: id.into(),
             decided_ns: t,
             chosen: w(2),

@@ -112,6 +112,7 @@ fn record_fleet(path: &Path) {
                 sequence_hashes: None,
                 worker_type: None,
                 router_mode: None,
+                clock_behind_ms: None,
             }),
         ))
         .unwrap();

@@ -83,6 +83,7 @@ fn spill(id: &str, decided_ns: u64, delta_blocks: u32) -> SpillVerdict {
         model: None,
         incomplete_mirror: false,
         after_own_prefill: false,
+        clock_behind_ms: None,
         request_id: id.into(),
         decided_ns,
         chosen: worker(2),

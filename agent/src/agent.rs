@@ -189,7 +189,7 @@ pub async fn start(cfg: AgentConfig) -> anyhow::Result<RunningAgent> {
             fleet_view.clone(),
             cfg.kv_limits(),
             sink.clone(),
-            sink.add_publisher(cfg.kv_reorder_window_ms() * 1_000_000),
+            sink.add_publisher(&ep.endpoint, cfg.kv_reorder_window_ms() * 1_000_000),
             stats.clone(),
             stop_rx.clone(),
         )));
@@ -224,7 +224,7 @@ pub async fn start(cfg: AgentConfig) -> anyhow::Result<RunningAgent> {
             tap,
             rx,
             sink.clone(),
-            sink.add_source(cfg.reorder_window_ms * 1_000_000),
+            sink.add_source("router_log", cfg.reorder_window_ms * 1_000_000),
             cfg.request_trace_window_ms * 1_000_000,
             stats.clone(),
         )));

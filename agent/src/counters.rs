@@ -63,6 +63,8 @@ agent_stats!(
     publish_errors: "Failed publish attempts to NATS (retried).",
     bus_refusals: "Times NATS refused this agent: its credentials, or a subject its permissions do not allow.",
     records_late: "Records later than the reorder window (sent at once).",
+    records_clock_corrected: "Records from a source whose clock reads ahead of this host's, stamped back by its estimated offset.",
+    decisions_clock_behind: "Decisions from a router log whose lines all reached the agent at least 50 ms late (its clock may be behind): flagged.",
 );
 
 /// Add `n` to a counter.
@@ -82,6 +84,6 @@ mod tests {
         let c = s.snapshot();
         assert_eq!(c.kv_batches, 2);
         assert_eq!(c.publish_dropped, 5);
-        assert_eq!(s.named().len(), 32);
+        assert_eq!(s.named().len(), 34);
     }
 }

@@ -213,6 +213,7 @@ fn join(input: RoutingInput, sel: SelectedWorker) -> RoutingDecision {
         sequence_hashes: None,
         worker_type: sel.worker_type,
         router_mode: sel.router_mode,
+        clock_behind_ms: None,
     }
 }
 
@@ -392,6 +393,7 @@ impl RouterLogProcessor {
                             sequence_hashes: Some(t.sequence_hashes),
                             worker_type: None,
                             router_mode: None,
+                            clock_behind_ms: None,
                         },
                     },
                 });
@@ -504,6 +506,7 @@ mod tests {
             sequence_hashes: None,
             worker_type: Some("decode".into()),
             router_mode: Some("kv".into()),
+            clock_behind_ms: None,
         })
     }
 

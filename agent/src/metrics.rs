@@ -3,7 +3,7 @@
 
 use crate::counters::AgentStats;
 use crate::nixl::NixlTracer;
-use crate::record_sink::RecordSink;
+use crate::record_sink::{RecordSink, SourceClockReading};
 use kvscope_wire::nixl::{write_latency_histogram, MergedLatency, NixlReport};
 use kvscope_wire::prom::{labels, Exposition, Format, Kind};
 use std::collections::BTreeMap;
@@ -186,12 +186,43 @@ pub fn exposition(
                 wait as f64 / 1e9,
             );
         }
+        write_source_clocks(&mut out, &agent, &sink.source_clocks());
         if let Some(t) = &nixl {
             write_nixl(&mut out, &agent, &t.report());
         }
         otlp.write_prometheus(&mut out, "kvscope_agent", &labels(&[("agent", &agent)]));
         out.finish()
     })
+}
+
+/// Each source's clock against the agent's (see `record_sink`'s docs on clocks).
+fn write_source_clocks(out: &mut Exposition, agent: &str, clocks: &[SourceClockReading]) {
+    if clocks.is_empty() {
+        return;
+    }
+    let label = |c: &SourceClockReading| labels(&[("agent", agent), ("source", &c.name)]);
+    let name = "kvscope_agent_source_clock_ahead_seconds";
+    out.family(
+        name,
+        Kind::Gauge,
+        "How far a source's clock reads ahead of the agent's, as estimated from its time \
+         stamps: what its stamps are moved back by (0: not ahead).",
+    );
+    for c in clocks {
+        out.gauge(name, &label(c), c.ahead_ns as f64 / 1e9);
+    }
+    let name = "kvscope_agent_source_lag_floor_seconds";
+    out.family(
+        name,
+        Kind::Gauge,
+        "The smallest delay with which a source's records of the last 2-4 s reached the \
+         agent: at most how far behind the agent's its clock can be.",
+    );
+    for c in clocks {
+        if let Some(f) = c.lag_floor_ns {
+            out.gauge(name, &label(c), f as f64 / 1e9);
+        }
+    }
 }
 
 pub async fn serve(listener: TcpListener, render: Render) {

@@ -244,7 +244,7 @@ impl PlaneDecoder {
 async fn zmq_publisher(ctx: PlaneContext, endpoint: String, publisher_id: u64) {
     let source = SourceGuard {
         sink: ctx.sink.clone(),
-        id: ctx.sink.add_publisher(ctx.window_ns),
+        id: ctx.sink.add_publisher(&endpoint, ctx.window_ns),
     };
     let mut decoder = PlaneDecoder::new(ctx.stats.clone());
     let mut stop = ctx.stop.clone();
@@ -399,7 +399,9 @@ async fn nats_subject(ctx: PlaneContext, subject: String) {
             };
             let source = sources.entry(publisher).or_insert_with(|| SourceGuard {
                 sink: ctx.sink.clone(),
-                id: ctx.sink.add_publisher(ctx.window_ns),
+                id: ctx
+                    .sink
+                    .add_publisher(&format!("{label}/{publisher}"), ctx.window_ns),
             });
             for r in records {
                 ctx.sink.submit_event(source.id, r, at);

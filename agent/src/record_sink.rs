@@ -36,9 +36,28 @@
 //! the lags it measures grow and so does the wait; a batch later than even that is
 //! counted as late, as with a fixed window. Before any batch has been measured, the
 //! window applies.
+//!
+//! Sources' clocks. A record's time is its source's clock, and the router's host and the
+//! engines' need not agree with this one. A source can never deliver a record before it
+//! happened, so a time stamp ahead of the agent's clock proves the source's clock is
+//! ahead by at least that much; clamping each such stamp to its arrival (what the sink
+//! did) leaves it late by its delivery delay, which for a polled log is enough to put a
+//! decision after the KV events of its own prefill. So each source's offset is estimated
+//! from the amounts its stamps were ahead over the last 2–4 s (the second largest, so one
+//! stray line does not move a whole source; samples more than 60 s ahead are not
+//! taken), and every stamp from it is moved back by that much (counted,
+//! `records_clock_corrected`). A clock *behind* cannot be told apart from slow delivery,
+//! so it is only shown: the smallest delay with which the source's records reached the
+//! agent over the same seconds (its lag floor). When a router log's floor is 50 ms or
+//! more (and within its reorder window: later than that is lateness, counted as such),
+//! its decisions may be stamped early and judged before events they depend on; they
+//! carry the floor (`clock_behind_ms`), and the collector flags them. Both figures
+//! are on `/metrics` per source.
 
 use crate::counters::AgentStats;
-use crate::internal_events::{InternalEvent, PublishDropped, RecordLate, RecordingWriteFailed};
+use crate::internal_events::{
+    InternalEvent, PublishDropped, RecordClockCorrected, RecordLate, RecordingWriteFailed,
+};
 use kvscope_wire::recording::RecordingWriter;
 use kvscope_wire::{Envelope, Record, Subjects};
 use std::cmp::Reverse;
@@ -88,8 +107,13 @@ impl Ord for Held {
 pub struct SourceId(usize);
 
 /// How far one source has got.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Progress {
+    /// For `/metrics`: `router_log`, a publisher's endpoint, ...
+    name: String,
+    /// Gone ([`RecordSink::retire_source`]): no longer shown.
+    retired: bool,
+    clock: SourceClock,
     /// The latest event time it has delivered (0: nothing yet).
     last_ns: u64,
     /// How late its records may reach the sink: records wait at most this long for it.
@@ -150,6 +174,97 @@ impl DeliveryLag {
         };
         Some(max.saturating_mul(2).saturating_add(Self::MARGIN_NS))
     }
+}
+
+/// A source's clock against the agent's, over the last one or two periods: see the
+/// module docs.
+#[derive(Debug, Default, Clone)]
+struct SourceClock {
+    period_start: u64,
+    current: ClockPeriod,
+    previous: ClockPeriod,
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+struct ClockPeriod {
+    samples: u64,
+    /// The two largest amounts a stamp was ahead of the agent's clock (0: not ahead).
+    ahead: [u64; 2],
+    /// The smallest delay, arrival minus corrected stamp.
+    floor: Option<u64>,
+}
+
+impl SourceClock {
+    const PERIOD_NS: u64 = 2_000_000_000;
+    /// Stamps further ahead than this are not a clock offset but a bad line (the router
+    /// tap and the collector count those).
+    const MAX_AHEAD_NS: u64 = 60_000_000_000;
+    /// A router log whose floor is at least this may be behind (see the module docs).
+    const BEHIND_FLAG_NS: u64 = 50_000_000;
+
+    /// Take `stamp`, seen at `now`; returns the stamp corrected by the offset as now
+    /// estimated, never later than `now`.
+    fn observe(&mut self, stamp: u64, now: u64) -> (u64, bool) {
+        if now.saturating_sub(self.period_start) >= Self::PERIOD_NS {
+            let idle = now.saturating_sub(self.period_start) >= 2 * Self::PERIOD_NS;
+            self.previous = if idle {
+                ClockPeriod::default()
+            } else {
+                self.current
+            };
+            self.current = ClockPeriod::default();
+            self.period_start = now;
+        }
+        let ahead = stamp.saturating_sub(now);
+        let c = &mut self.current;
+        c.samples += 1;
+        if ahead <= Self::MAX_AHEAD_NS {
+            if ahead > c.ahead[0] {
+                c.ahead = [ahead, c.ahead[0]];
+            } else if ahead > c.ahead[1] {
+                c.ahead[1] = ahead;
+            }
+        }
+        let offset = self.ahead_ns();
+        let corrected = stamp.saturating_sub(offset).min(now);
+        let lag = now - corrected;
+        let c = &mut self.current;
+        c.floor = Some(c.floor.map_or(lag, |f| f.min(lag)));
+        (corrected, offset > 0)
+    }
+
+    /// The estimated offset (ns ahead of the agent's clock): the second largest amount
+    /// ahead over both periods, 0 before two samples.
+    fn ahead_ns(&self) -> u64 {
+        if self.current.samples + self.previous.samples < 2 {
+            return 0;
+        }
+        let mut all = [
+            self.current.ahead[0],
+            self.current.ahead[1],
+            self.previous.ahead[0],
+            self.previous.ahead[1],
+        ];
+        all.sort_unstable();
+        all[2]
+    }
+
+    fn floor_ns(&self) -> Option<u64> {
+        match (self.current.floor, self.previous.floor) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+}
+
+/// One source's clock as `/metrics` shows it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SourceClockReading {
+    pub name: String,
+    /// How far its clock reads ahead of the agent's (ns): what its stamps are moved back.
+    pub ahead_ns: u64,
+    /// The smallest delay its recent records reached the agent with (ns).
+    pub lag_floor_ns: Option<u64>,
 }
 
 struct Inner {
@@ -219,20 +334,23 @@ impl RecordSink {
 
     /// A new input whose records will arrive in their event-time order, at most
     /// `window_ns` after they happened (0: records never wait for it).
-    pub fn add_source(&self, window_ns: u64) -> SourceId {
-        self.add(window_ns, false)
+    pub fn add_source(&self, name: &str, window_ns: u64) -> SourceId {
+        self.add(name, window_ns, false)
     }
 
     /// An engine's KV event publisher: like [`Self::add_source`], but while it is quiet
     /// records wait for it only as long as publishers' measured delivery lag says (see
     /// the module docs), at most `window_ns`.
-    pub fn add_publisher(&self, window_ns: u64) -> SourceId {
-        self.add(window_ns, true)
+    pub fn add_publisher(&self, name: &str, window_ns: u64) -> SourceId {
+        self.add(name, window_ns, true)
     }
 
-    fn add(&self, window_ns: u64, publisher: bool) -> SourceId {
+    fn add(&self, name: &str, window_ns: u64, publisher: bool) -> SourceId {
         let mut inner = self.lock();
         inner.sources.push(Progress {
+            name: name.to_string(),
+            retired: false,
+            clock: SourceClock::default(),
             last_ns: 0,
             window_ns,
             publisher,
@@ -258,6 +376,7 @@ impl RecordSink {
         if let Some(p) = inner.sources.get_mut(source.0) {
             p.last_ns = u64::MAX;
             p.held = false;
+            p.retired = true;
         }
         let released = self.release_locked(&mut inner, now_ns(), false);
         drop(inner);
@@ -275,6 +394,37 @@ impl RecordSink {
             .iter()
             .find(|p| p.publisher)
             .map(|p| p.wait_ns(&inner.lag))
+    }
+
+    /// Every live source's clock against the agent's (see the module docs).
+    pub fn source_clocks(&self) -> Vec<SourceClockReading> {
+        let inner = self.lock();
+        inner
+            .sources
+            .iter()
+            .filter(|p| !p.retired && p.clock.current.samples + p.clock.previous.samples > 0)
+            .map(|p| SourceClockReading {
+                name: p.name.clone(),
+                ahead_ns: p.clock.ahead_ns(),
+                lag_floor_ns: p.clock.floor_ns(),
+            })
+            .collect()
+    }
+
+    /// `source`'s lag floor, when it is at least 50 ms over at least three records, no
+    /// longer than its window, and its records keep their time order: its clock may be
+    /// behind the agent's by up to that much (see the module docs). Records later than
+    /// the window (a log read from its start, an agent far behind) are late, not skewed,
+    /// and counted as such.
+    pub fn clock_behind_ns(&self, source: SourceId) -> Option<u64> {
+        let inner = self.lock();
+        let p = inner.sources.get(source.0)?;
+        let c = &p.clock;
+        if p.held || c.current.samples + c.previous.samples < 3 {
+            return None;
+        }
+        c.floor_ns()
+            .filter(|f| (SourceClock::BEHIND_FLAG_NS..=p.window_ns).contains(f))
     }
 
     /// A record whose source gives no time of its own (heartbeats): it happened now.
@@ -298,7 +448,15 @@ impl RecordSink {
     pub fn advance_at(&self, source: SourceId, event_ns: u64, now: u64) {
         let mut inner = self.lock();
         if let Some(p) = inner.sources.get_mut(source.0) {
-            p.last_ns = p.last_ns.max(event_ns.min(now));
+            let (t, corrected) = p.clock.observe(event_ns, now);
+            p.last_ns = p.last_ns.max(t);
+            if corrected {
+                RecordClockCorrected {
+                    source: &p.name,
+                    ahead_ns: p.clock.ahead_ns(),
+                }
+                .emit(&self.stats);
+            }
         }
         let released = self.release_locked(&mut inner, now, false);
         drop(inner);
@@ -307,8 +465,9 @@ impl RecordSink {
         }
     }
 
-    /// [`Self::submit_event`] with an explicit clock reading (tests). An event time in
-    /// the future (a source clock ahead of ours) counts as now.
+    /// [`Self::submit_event`] with an explicit clock reading (tests). An event time is
+    /// corrected by its source's estimated clock offset, and one still in the future
+    /// counts as now.
     pub fn submit_at(
         &self,
         source: Option<SourceId>,
@@ -316,14 +475,24 @@ impl RecordSink {
         event_ns: Option<u64>,
         now_ns: u64,
     ) {
-        let event_ns = event_ns.unwrap_or(now_ns).min(now_ns);
         let mut inner = self.lock();
+        let mut event_ns = event_ns.unwrap_or(now_ns);
         if let Some(p) = source.and_then(|s| inner.sources.get_mut(s.0)) {
+            let (t, corrected) = p.clock.observe(event_ns, now_ns);
+            event_ns = t;
+            if corrected {
+                RecordClockCorrected {
+                    source: &p.name,
+                    ahead_ns: p.clock.ahead_ns(),
+                }
+                .emit(&self.stats);
+            }
             p.last_ns = p.last_ns.max(event_ns);
             if p.publisher {
                 inner.lag.observe(now_ns - event_ns, now_ns);
             }
         }
+        let event_ns = event_ns.min(now_ns);
         let arrival = inner.arrivals;
         inner.arrivals += 1;
         let first = inner
@@ -576,7 +745,7 @@ mod tests {
             stats.clone(),
         )
         .unwrap();
-        let (kv, log) = (sink.add_source(50), sink.add_source(50));
+        let (kv, log) = (sink.add_source("kv", 50), sink.add_source("log", 50));
         let times = |sink: &RecordSink| -> Vec<u64> {
             sink.peek(10).iter().map(|o| o.observed_ns).collect()
         };
@@ -622,6 +791,103 @@ mod tests {
         assert_eq!(times(&sink).last(), Some(&450));
     }
 
+    const T0: u64 = 1_800_000_000_000_000_000;
+
+    #[test]
+    fn a_source_clock_ahead_is_corrected_and_one_stray_line_does_not_move_it() {
+        let stats = Arc::new(AgentStats::default());
+        let sink = RecordSink::new(
+            "a",
+            Subjects::new("c"),
+            100,
+            usize::MAX,
+            None,
+            stats.clone(),
+        )
+        .unwrap();
+        let log = sink.add_source("router_log", 250 * MS);
+        // The router's clock reads 100 ms ahead; its lines reach the agent 1 to 20 ms
+        // after they are written (a polled file).
+        let ahead = 100 * MS;
+        let delays = [7, 1, 15, 3, 20, 9, 2, 12];
+        let mut stamps = Vec::new();
+        for (i, d) in delays.iter().enumerate() {
+            let written = T0 + i as u64 * 300 * MS;
+            let now = written + d * MS;
+            sink.submit_at(Some(log), hb(), Some(written + ahead), now);
+            stamps.push((written, now));
+        }
+        // One stray line dated 30 s ahead.
+        let written = T0 + 9 * 300 * MS;
+        sink.submit_at(
+            Some(log),
+            hb(),
+            Some(written + 30_000 * MS),
+            written + 5 * MS,
+        );
+        sink.release_all();
+        let got: Vec<u64> = sink.peek(20).iter().map(|o| o.observed_ns).collect();
+        // The first line is only clamped (one sample proves little). From the second on,
+        // the offset is taken as the second largest amount a stamp was ahead, so each is
+        // stamped the second smallest delay so far after it was written: never before
+        // it, never after it arrived (where clamping put it).
+        assert_eq!(got[0], stamps[0].1);
+        for (i, (g, (written, now))) in got[1..8].iter().zip(&stamps[1..]).enumerate() {
+            let mut seen = delays[..=i + 1].to_vec();
+            seen.sort_unstable();
+            assert_eq!(*g, (written + seen[1] * MS).min(*now), "line {}", i + 1);
+            assert!(g <= now);
+        }
+        assert_eq!(
+            sink.source_clocks()[0].ahead_ns,
+            99 * MS,
+            "the stray line is not the estimate"
+        );
+        assert_eq!(stats.snapshot().records_clock_corrected, 8);
+    }
+
+    #[test]
+    fn a_source_whose_every_record_arrives_late_is_flagged_when_within_its_window() {
+        let stats = Arc::new(AgentStats::default());
+        let sink = RecordSink::new(
+            "a",
+            Subjects::new("c"),
+            100,
+            usize::MAX,
+            None,
+            stats.clone(),
+        )
+        .unwrap();
+        let (behind, old, fine) = (
+            sink.add_source("behind", 250 * MS),
+            sink.add_source("read_from_start", 250 * MS),
+            sink.add_source("in_step", 250 * MS),
+        );
+        for i in 0..5u64 {
+            let now = T0 + i * 200 * MS;
+            // 100 ms behind, delivered within 0-20 ms.
+            sink.submit_at(
+                Some(behind),
+                hb(),
+                Some(now - 100 * MS - (i % 3) * 7 * MS),
+                now,
+            );
+            // Hours old: late, not skewed.
+            sink.submit_at(Some(old), hb(), Some(now - 3_600_000 * MS), now);
+            sink.submit_at(Some(fine), hb(), Some(now - (i % 3) * 7 * MS), now);
+        }
+        assert_eq!(sink.clock_behind_ns(behind), Some(100 * MS));
+        assert_eq!(sink.clock_behind_ns(old), None);
+        assert_eq!(sink.clock_behind_ns(fine), None);
+        let floors: Vec<_> = sink
+            .source_clocks()
+            .iter()
+            .map(|c| c.lag_floor_ns)
+            .collect();
+        assert_eq!(floors, vec![Some(100 * MS), Some(3_600_000 * MS), Some(0)]);
+        assert_eq!(stats.snapshot().records_clock_corrected, 0);
+    }
+
     #[test]
     fn without_sources_nothing_waits() {
         let stats = Arc::new(AgentStats::default());
@@ -642,7 +908,7 @@ mod tests {
             stats.clone(),
         )
         .unwrap();
-        let (log, kv) = (sink.add_source(250), sink.add_source(10));
+        let (log, kv) = (sink.add_source("log", 250), sink.add_source("kv", 10));
         // A decision (log time 100) waits for the silent publisher only 10.
         sink.submit_at(Some(log), hb(), Some(100), 101);
         assert_eq!(sink.next_due_ns(), Some(110));
@@ -691,8 +957,11 @@ mod tests {
             stats.clone(),
         )
         .unwrap();
-        let log = sink.add_source(250 * MS);
-        let (busy, quiet) = (sink.add_publisher(250 * MS), sink.add_publisher(250 * MS));
+        let log = sink.add_source("log", 250 * MS);
+        let (busy, quiet) = (
+            sink.add_publisher("busy", 250 * MS),
+            sink.add_publisher("quiet", 250 * MS),
+        );
         // Nothing measured yet: the window.
         assert_eq!(sink.publisher_wait_ns(), Some(250 * MS));
         // A batch stamped 3 ms before it arrives: quiet publishers now cost 2 × 3 + 2 ms.
@@ -739,7 +1008,7 @@ mod tests {
             stats.clone(),
         )
         .unwrap();
-        let (log, kv) = (sink.add_source(50), sink.add_source(10));
+        let (log, kv) = (sink.add_source("log", 50), sink.add_source("kv", 10));
         sink.hold_source(log, 1000);
         // The log moved far ahead, yet a KV batch at 100 still waits the log's window.
         sink.advance_at(log, 5000, 101);

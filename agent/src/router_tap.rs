@@ -5,8 +5,8 @@ use crate::counters::AgentStats;
 use crate::cri::{CriJoiner, CriOutput};
 use crate::decision_join::{DecisionSource, LogOutput, RouterLogProcessor};
 use crate::internal_events::{
-    DecisionJoined, DecisionTraced, DecisionUnjoined, InternalEvent, LogLineFuture,
-    LogLineMalformed, LogLineRead, LogLineTooLong, MigrationLineParsed,
+    DecisionClockBehind, DecisionJoined, DecisionTraced, DecisionUnjoined, InternalEvent,
+    LogLineFuture, LogLineMalformed, LogLineRead, LogLineTooLong, MigrationLineParsed,
 };
 use crate::log_follower::LogItem;
 use crate::record_sink::{now_ns, RecordSink, SourceId};
@@ -132,10 +132,16 @@ pub async fn run(
                 sink.advance(source, t);
             }
         }
-        for (r, happened) in records {
+        for (mut r, happened) in records {
             if happened.is_some() && !held {
                 sink.hold_source(source, trace_window_ns);
                 held = true;
+            }
+            if let Record::Decision(d) = &mut r {
+                if let Some(floor_ns) = sink.clock_behind_ns(source) {
+                    d.clock_behind_ms = Some(floor_ns / 1_000_000);
+                    DecisionClockBehind { floor_ns }.emit(&stats);
+                }
             }
             // A decision happened when the router logged it, not when we read the line.
             sink.submit_event(source, r, happened.or(at));

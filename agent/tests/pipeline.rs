@@ -161,6 +161,9 @@ const LOG_BEFORE: &str = concat!(
 
 const LOG_AFTER: &str = concat!(
     "2026-11-29T07:50:01.300000Z  INFO dynamo_kv_router::scheduling::selector: Selected worker router_mode=\"kv\" request_id=\"r1\" worker_id=9969664417447597980 worker_type=decode dp_rank=0 logit=62.625 host_pinned_blocks=0 disk_blocks=0\n",
+    // A host whose clock jumped 70 years ahead: its time is not taken, so it does not
+    // end the wait of "lonely" below (nor move any clock), and it is counted.
+    "2096-01-01T00:00:00.000000Z  INFO dynamo_llm::http::service::metrics: request received request_id=r2\n",
     "2026-11-29T07:50:01.400000Z DEBUG dynamo_kv_router::services::selection::core::run: [ROUTING_INPUT] request local hashes request_id=\"lonely\" isl_tokens=16 block_size=16 num_blocks=1 local_hashes=[5]\n",
     "2026-11-29T07:50:01.500000Z  INFO dynamo_llm::kv_router::push_router: KVMIGRATE_SPILL: request routed off the worker holding its KV request_id=\"r1\" source=758491669810558404 target=9969664417447597980 tokens=41 migratable_tokens=32\n",
     "2026-11-29T07:50:01.600000Z  WARN dynamo_llm::kv_router::push_router: KVMIGRATE: producer dispatch failed request_id=\"r1\" error=\"handshake timed out\"\n",
@@ -370,11 +373,11 @@ async fn records_from_zmq_and_the_router_log_arrive_on_jetstream() {
         kv_replay_failures: 0,
         discovery_changes: 0,
         discovery_errors: 0,
-        log_lines: 9,
+        log_lines: 10,
         log_malformed_lines: 1,
         log_lines_too_long: 0,
         log_truncations: 0,
-        log_lines_future: 0,
+        log_lines_future: 1,
         decisions_joined: 1,
         decisions_unjoined: 1,
         decisions_traced: 0,
@@ -388,6 +391,8 @@ async fn records_from_zmq_and_the_router_log_arrive_on_jetstream() {
         // The captured batches and log lines carry their capture-time timestamps, hours
         // older than the heartbeats stamped now, so some count as late: not compared.
         records_late: 0,
+        records_clock_corrected: 0,
+        decisions_clock_behind: 0,
     };
     let settled = |c: &AgentCounters| {
         AgentCounters {
@@ -518,6 +523,7 @@ async fn records_from_zmq_and_the_router_log_arrive_on_jetstream() {
             sequence_hashes: None,
             worker_type: Some("decode".into()),
             router_mode: Some("kv".into()),
+            clock_behind_ms: None,
         }]
     );
     let migrations: Vec<&MigrationLogLine> = got

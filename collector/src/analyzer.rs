@@ -99,6 +99,11 @@ pub struct CollectorCounters {
     /// their own prefill (the router's and the engines' clocks disagree, or the agent's
     /// reorder window was too short). Flagged, and a data fault of their window.
     pub verdicts_after_own_prefill: u64,
+    /// Decisions whose router log lines all reached the agent at least 50 ms late for
+    /// seconds before them (`clock_behind_ms`): the router's clock may be behind the
+    /// agent's, so they may be judged before events they depend on. Flagged, and a data
+    /// fault of their window.
+    pub verdicts_clock_behind: u64,
     /// Decisions for a worker that never published a KV event.
     pub decisions_for_unseen_workers: u64,
     /// Decisions whose whole prompt was already cached on the chosen worker. Repeated
@@ -688,6 +693,10 @@ impl FleetAnalyzer {
             self.counters.verdicts_on_incomplete_mirror += 1;
             self.open_summary().data_faults += 1;
         }
+        if v.clock_behind_ms.is_some() {
+            self.counters.verdicts_clock_behind += 1;
+            self.open_summary().data_faults += 1;
+        }
         let last = chain.last().copied();
         let prompts = self.recent_prompts.entry(d.worker).or_default();
         for b in chain {
@@ -848,6 +857,7 @@ mod tests {
             sequence_hashes: None,
             worker_type: None,
             router_mode: None,
+            clock_behind_ms: None,
         })
     }
 

@@ -25,7 +25,7 @@ pub fn exposition(shared: &crate::bus::Shared, format: Format) -> String {
 /// The collector's figures for the current state.
 pub fn write(out: &mut Exposition, a: &FleetAnalyzer, bus: &BusStatus) {
     let c = a.counters();
-    let counters: [(&str, &str, u64); 32] = [
+    let counters: [(&str, &str, u64); 33] = [
         ("kvscope_collector_records", "Records applied.", c.records),
         (
             "kvscope_collector_undecodable_records",
@@ -157,6 +157,11 @@ pub fn write(out: &mut Exposition, a: &FleetAnalyzer, bus: &BusStatus) {
             "kvscope_verdicts_after_own_prefill",
             "Decisions whose whole prompt the chosen worker had stored just before: most likely judged after their own prefill (clock skew).",
             c.verdicts_after_own_prefill,
+        ),
+        (
+            "kvscope_verdicts_clock_behind",
+            "Decisions whose router log lines all reached the agent at least 50 ms late: the router's clock may be behind, so they may be judged early (flagged).",
+            c.verdicts_clock_behind,
         ),
         (
             "kvscope_duplicate_decisions",

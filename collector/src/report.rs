@@ -489,6 +489,10 @@ impl OpportunityReport {
                 c.verdicts_after_own_prefill,
             ),
             (
+                "verdicts possibly judged early (router log late by 50 ms or more: its clock may be behind)",
+                c.verdicts_clock_behind,
+            ),
+            (
                 "decisions for workers with no KV events",
                 c.decisions_for_unseen_workers,
             ),

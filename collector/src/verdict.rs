@@ -22,6 +22,11 @@ pub struct SpillVerdict {
     /// likely judged after its own prefill (clock skew between router and engines).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub after_own_prefill: bool,
+    /// Every router log line reached the agent at least this late (ms) for seconds
+    /// before it: the router's clock may be behind, so it may be judged before events
+    /// it depends on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub clock_behind_ms: Option<u64>,
     pub decided_ns: u64,
     pub chosen: WorkerKey,
     pub chosen_overlap_blocks: u32,
@@ -121,6 +126,7 @@ impl SpillVerdict {
             model: None,
             incomplete_mirror: false,
             after_own_prefill: false,
+            clock_behind_ms: decision.clock_behind_ms,
             decided_ns,
             chosen,
             chosen_overlap_blocks: chosen_overlap,
@@ -164,6 +170,7 @@ mod tests {
             sequence_hashes: None,
             worker_type: None,
             router_mode: None,
+            clock_behind_ms: None,
         }
     }
 

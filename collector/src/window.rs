@@ -328,6 +328,7 @@ mod tests {
             model: None,
             incomplete_mirror: false,
             after_own_prefill: false,
+            clock_behind_ms: None,
             request_id: "r".into(),
             decided_ns: 1,
             chosen: w(chosen),

@@ -111,6 +111,7 @@ fn trace(n: usize) -> Vec<Envelope> {
                 sequence_hashes: None,
                 worker_type: None,
                 router_mode: Some("kv".into()),
+                clock_behind_ms: None,
             }))),
             _ => out.push(env(Record::Heartbeat(AgentHeartbeat::default()))),
         }

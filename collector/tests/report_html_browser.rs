@@ -91,6 +91,7 @@ fn fleet_records() -> Vec<Envelope> {
                 sequence_hashes: None,
                 worker_type: None,
                 router_mode: None,
+                clock_behind_ms: None,
             }),
         ));
         let c = &mut cached[chosen as usize];

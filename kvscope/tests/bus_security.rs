@@ -57,6 +57,7 @@ fn forged(agent: &str, request_id: &str, observed_ns: u64) -> Envelope {
             sequence_hashes: None,
             worker_type: None,
             router_mode: Some("kv".into()),
+            clock_behind_ms: None,
         }),
     }
 }

@@ -161,10 +161,10 @@ async fn million_token_prefills_are_judged_exactly_and_hold_nothing_back() {
     };
     kvscope_lab::setup::ensure_venv(&lab.lab_dir).expect("the lab venv (scripts/setup makes it)");
     let exe = Path::new(env!("CARGO_BIN_EXE_kvscope"));
-    let vllm_endpoint = format!(
-        "tcp://127.0.0.1:{}",
-        kvscope_lab::ports::pick_ports(1).unwrap()[0]
-    );
+    // Held until the publisher binds it (libzmq sets SO_REUSEADDR): a port only picked
+    // could be chosen by the lab starting in between.
+    let vllm_port_held = kvscope_lab::ports::reserve_ports(1).unwrap();
+    let vllm_endpoint = format!("tcp://127.0.0.1:{}", vllm_port_held.ports()[0]);
     let vllm_batches = [
         one_block_stored(0, 1 << 40, 131_072),
         one_block_stored(1, 2 << 40, 1_048_576),

@@ -79,6 +79,7 @@ fn decision(id: &str, worker: WorkerKey, tokens: &[u32]) -> Record {
         sequence_hashes: None,
         worker_type: None,
         router_mode: Some("kv".into()),
+        clock_behind_ms: None,
     })
 }
 

@@ -151,7 +151,10 @@ fn assert_resource(e: &MetricExport, service: &str, instance: Option<&str>) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lab_metrics_and_spans_reach_an_otlp_receiver_over_grpc_and_http() {
     let rx = Receiver::start().await;
-    let agent_metrics_port = kvscope_lab::ports::pick_ports(1).unwrap()[0];
+    // Held until the agent binds it: a port only picked could be chosen by the lab
+    // starting in between (seen: a mocker's KV publisher took it).
+    let agent_metrics_held = kvscope_lab::ports::reserve_ports(1).unwrap();
+    let agent_metrics_port = agent_metrics_held.ports()[0];
     let agent_metrics = format!("127.0.0.1:{agent_metrics_port}");
     let common = [
         ("OTEL_METRIC_EXPORT_INTERVAL", "500"),

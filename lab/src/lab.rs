@@ -65,6 +65,10 @@ pub struct LabConfig {
     pub worker_log_filter: String,
     /// Extra arguments for `python -m dynamo.frontend` (e.g. `--router-track-output-blocks`).
     pub frontend_args: Vec<String>,
+    /// The frontend's wall clock reads this many ms off the host's (libfaketime,
+    /// `LD_PRELOAD`): the skew between a router's host and its engines' hosts, in one
+    /// machine. Its monotonic clock is left alone. Default 0 (no preload).
+    pub frontend_clock_offset_ms: i64,
     /// Extra arguments for each `python -m dynamo.mocker`.
     pub mocker_args: Vec<String>,
     /// How long to wait for everything to be ready, in seconds. Default 120.
@@ -120,6 +124,7 @@ impl Default for LabConfig {
             request_trace: false,
             worker_log_filter: "info".into(),
             frontend_args: Vec::new(),
+            frontend_clock_offset_ms: 0,
             mocker_args: Vec::new(),
             startup_timeout_secs: 120.0,
             stop_grace_secs: 5.0,
@@ -262,6 +267,26 @@ impl Manifest {
         env.extend(self.bus_security.iter().flat_map(|s| s.dynamo_env()));
         env
     }
+}
+
+/// libfaketime's thread-safe preload (Debian's `faketime` package; `scripts/setup`
+/// installs it).
+const LIBFAKETIME: &str = "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1";
+
+/// Make `cmd`'s wall clock read `offset_ms` off the host's.
+fn skew_clock(cmd: &mut Command, offset_ms: i64) -> Result<(), LabError> {
+    if !Path::new(LIBFAKETIME).exists() {
+        return Err(LabError::Other(anyhow::anyhow!(
+            "a clock offset needs libfaketime ({LIBFAKETIME}): apt-get install faketime \
+             (scripts/setup does)"
+        )));
+    }
+    let sign = if offset_ms < 0 { '-' } else { '+' };
+    let ms = offset_ms.unsigned_abs();
+    cmd.env("LD_PRELOAD", LIBFAKETIME)
+        .env("FAKETIME", format!("{sign}{}.{:03}", ms / 1000, ms % 1000))
+        .env("FAKETIME_DONT_FAKE_MONOTONIC", "1");
+    Ok(())
 }
 
 /// Why a lab did not start.
@@ -518,6 +543,9 @@ impl Lab {
         dyn_env(&mut fe, &config.frontend_log_filter);
         if config.frontend_jsonl_logs {
             fe.env("DYN_LOGGING_JSONL", "1");
+        }
+        if config.frontend_clock_offset_ms != 0 {
+            skew_clock(&mut fe, config.frontend_clock_offset_ms)?;
         }
         if config.request_trace {
             fe.env("DYN_REQUEST_TRACE", "1")

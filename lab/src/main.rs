@@ -138,6 +138,10 @@ struct LabArgs {
     /// The frontend logs JSON lines (DYN_LOGGING_JSONL=1).
     #[arg(long)]
     jsonl_logs: bool,
+    /// The frontend's wall clock reads this many ms off the host's (libfaketime):
+    /// clock skew between the router and the engines, e.g. 100 or -100.
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
+    frontend_clock_offset_ms: i64,
 }
 
 fn parse_bus_agent(s: &str) -> Result<kvscope_lab::bus_security::BusAgent, String> {
@@ -198,6 +202,7 @@ impl LabArgs {
             replay: !self.no_replay,
             request_trace: self.request_trace,
             frontend_jsonl_logs: self.jsonl_logs,
+            frontend_clock_offset_ms: self.frontend_clock_offset_ms,
             ..d
         }
     }

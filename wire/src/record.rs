@@ -293,6 +293,11 @@ pub struct RoutingDecision {
     pub worker_type: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub router_mode: Option<String>,
+    /// Set when every line of the decision's source reached the agent at least this
+    /// late (ms) over the last seconds: the source's clock may be behind the agent's
+    /// by up to that much, so the decision may be stamped, and judged, too early.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub clock_behind_ms: Option<u64>,
 }
 
 impl RoutingDecision {
@@ -451,6 +456,13 @@ pub struct AgentCounters {
     /// Records that reached the agent later than its reorder window after an already
     /// published one: sent at once, stamped no earlier than their predecessor.
     pub records_late: u64,
+    /// Records from a source whose clock reads ahead of this host's: stamped back by
+    /// the offset the agent estimated for it.
+    pub records_clock_corrected: u64,
+    /// Decisions whose router log lines all reached the agent at least 50 ms late for
+    /// seconds: its clock may be behind, so they may be judged before events they
+    /// depend on (flagged).
+    pub decisions_clock_behind: u64,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]

@@ -197,6 +197,8 @@ mod tests {
                 publish_errors: 1,
                 bus_refusals: 0,
                 records_late: 1,
+                records_clock_corrected: 0,
+                decisions_clock_behind: 0,
             }
         );
     }

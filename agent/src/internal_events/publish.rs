@@ -86,6 +86,41 @@ impl InternalEvent for RecordLate<'_> {
     }
 }
 
+/// A record's time stamp moved back by its source's estimated clock offset (the
+/// source's clock reads ahead of this host's).
+pub struct RecordClockCorrected<'a> {
+    pub source: &'a str,
+    pub ahead_ns: u64,
+}
+
+static CORRECTED: LogLimiter = LogLimiter::new();
+
+impl InternalEvent for RecordClockCorrected<'_> {
+    fn emit(self, stats: &AgentStats) {
+        if let Some(suppressed) = CORRECTED.check() {
+            info!(source = %self.source, ahead_ms = self.ahead_ns as f64 / 1e6, suppressed, "Source clock reads ahead of this host's; its time stamps are moved back by that much.");
+        }
+        add(&stats.records_clock_corrected, 1);
+    }
+}
+
+/// A decision whose router log lines all reached the agent late: the router's clock may
+/// be behind, so it is flagged.
+pub struct DecisionClockBehind {
+    pub floor_ns: u64,
+}
+
+static BEHIND: LogLimiter = LogLimiter::new();
+
+impl InternalEvent for DecisionClockBehind {
+    fn emit(self, stats: &AgentStats) {
+        if let Some(suppressed) = BEHIND.check() {
+            warn!(lag_floor_ms = self.floor_ns as f64 / 1e6, suppressed, "Every router log line reached the agent late for seconds: the router's clock may be behind this host's (or its log is delivered late). Its decisions are flagged as possibly judged early.");
+        }
+        add(&stats.decisions_clock_behind, 1);
+    }
+}
+
 /// A publish (or the stream set-up) failed; the record stays buffered and is retried.
 pub struct PublishFailed<'a> {
     pub error: &'a str,
