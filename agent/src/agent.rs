@@ -3,19 +3,18 @@
 
 use crate::config::AgentConfig;
 use crate::counters::AgentStats;
-use crate::log_follower::{self, LogSource};
+use crate::log_follower::LogSource;
 use crate::nixl::NixlTracer;
 use crate::plane_tap::{PlaneContext, PlaneTaps};
 use crate::publisher::{self, PublisherConfig};
 use crate::record_sink::{now_ns, RecordSink};
-use crate::router_tap::{self, RouterTap};
 use crate::zmq_tap;
 use anyhow::Context as _;
 use kvscope_wire::{AgentHeartbeat, Record, Subjects};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tracing::info;
 
@@ -196,38 +195,46 @@ pub async fn start(cfg: AgentConfig) -> anyhow::Result<RunningAgent> {
     }
 
     if let Some(log) = &cfg.router_log {
-        let source = if log == "-" {
-            LogSource::Stdin
-        } else {
-            LogSource::File {
-                path: log.into(),
-                from_start: cfg.from_start,
-                poll: Duration::from_millis(cfg.log_poll_interval_ms.max(1)),
-            }
+        let settings = crate::router_logs::FollowSettings {
+            from_start: cfg.from_start,
+            poll: Duration::from_millis(cfg.log_poll_interval_ms.max(1)),
+            max_line_bytes: cfg.max_line_bytes,
+            join_timeout_ns: (cfg.join_timeout_secs * 1e9) as u64,
+            decisions: cfg.decisions,
+            reorder_window_ns: cfg.reorder_window_ms * 1_000_000,
+            request_trace_window_ns: cfg.request_trace_window_ms * 1_000_000,
+            rescan: Duration::from_secs(2),
         };
-        info!(source = ?source, "Following the router log.");
-        let (tx, rx) = mpsc::channel(10_000);
-        log_follower::spawn(
-            source,
-            cfg.max_line_bytes,
-            tx,
-            stats.clone(),
-            log_stop.clone(),
-        )
-        .context("cannot start the router log follower")?;
-        let tap = RouterTap::new(
-            (cfg.join_timeout_secs * 1e9) as u64,
-            cfg.max_line_bytes,
-            cfg.decisions,
-        );
-        inputs.push(tokio::spawn(router_tap::run(
-            tap,
-            rx,
-            sink.clone(),
-            sink.add_source("router_log", cfg.reorder_window_ms * 1_000_000),
-            cfg.request_trace_window_ms * 1_000_000,
-            stats.clone(),
-        )));
+        if crate::router_logs::is_pattern(log) {
+            info!(pattern = %log, "Following the router logs a pattern matches.");
+            inputs.push(tokio::spawn(crate::router_logs::run(
+                log.clone(),
+                settings,
+                sink.clone(),
+                stats.clone(),
+            )));
+        } else {
+            let source = if log == "-" {
+                LogSource::Stdin
+            } else {
+                LogSource::File {
+                    path: log.into(),
+                    from_start: cfg.from_start,
+                    poll: settings.poll,
+                }
+            };
+            info!(source = ?source, "Following the router log.");
+            let (tap, _) = crate::router_logs::follow_one(
+                source,
+                "router_log",
+                &settings,
+                &sink,
+                &stats,
+                log_stop.clone(),
+            )
+            .context("cannot start the router log follower")?;
+            inputs.push(tap);
+        }
     }
 
     let (nixl, nixl_reporter) = if cfg.nixl.enabled {

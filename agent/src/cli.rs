@@ -46,8 +46,10 @@ pub struct Cli {
     /// Do not tap Dynamo's event plane.
     #[arg(long)]
     pub no_event_plane: bool,
-    /// The router's log file to follow (like tail -F), or - for stdin.
-    #[arg(long, value_name = "PATH|-")]
+    /// The router's log file to follow (like tail -F), - for stdin, or a glob pattern
+    /// whose every match is followed (e.g. '/var/log/pods/dynamo_*frontend*/*/*.log' on a
+    /// Kubernetes node: each frontend pod's newest log, found again every 2 s).
+    #[arg(long, value_name = "PATH|-|PATTERN")]
     pub router_log: Option<String>,
     /// Read the router log from its beginning rather than its end.
     #[arg(long)]

@@ -6,7 +6,8 @@
 //! agent_id = "node-1"
 //! cluster = "prod"
 //! nats_url = "nats://127.0.0.1:4222"
-//! router_log = "/var/log/dynamo/frontend.log"   # or "-" for stdin
+//! router_log = "/var/log/dynamo/frontend.log"   # "-" for stdin, or a pattern:
+//! # router_log = "/var/log/pods/dynamo_*frontend*/*/*.log"
 //! from_start = false
 //! record = "/var/lib/kvscope/agent.jsonl"
 //! buffer_capacity = 100000
@@ -63,8 +64,9 @@ pub struct AgentConfig {
     /// uses for it (default none). Env: `KVSCOPE_AGENT_KV` as comma-separated
     /// `ENDPOINT=WORKER_ID[/DP]` items.
     pub kv_endpoints: Vec<KvEndpoint>,
-    /// The router's log file to follow, or `-` for stdin (default none).
-    /// Env: `KVSCOPE_AGENT_ROUTER_LOG`.
+    /// The router's log file to follow, `-` for stdin, or a glob pattern (`*`, `?`,
+    /// `[…]`) whose every match is followed, looked up again every 2 s (Kubernetes pod
+    /// logs; see `router_logs`) (default none). Env: `KVSCOPE_AGENT_ROUTER_LOG`.
     pub router_log: Option<String>,
     /// Read the router log from its beginning instead of its end (default false).
     /// Env: `KVSCOPE_AGENT_FROM_START` (`1`/`true`).

@@ -4,7 +4,7 @@
 //! Pure parts (bytes or lines in, records out; unit-tested beside the code):
 //! [`kv_events`] (vLLM wire format), [`sequence`] (gaps and resets), [`router_log`]
 //! (Dynamo's and the fork's log lines), [`decision_join`] (request-id join in log time).
-//! I/O edges: [`zmq_tap`] (over [`zmtp`], a ZMTP client bounded against its peer), [`log_follower`] and [`router_tap`], [`record_sink`] (stamp,
+//! I/O edges: [`zmq_tap`] (over [`zmtp`], a ZMTP client bounded against its peer), [`log_follower`], [`router_logs`] (patterns) and [`router_tap`], [`record_sink`] (stamp,
 //! record, bounded buffer), [`publisher`] (JetStream), [`metrics`]. What can go wrong is
 //! listed in [`internal_events`], each bumping its counter in [`counters`].
 
@@ -26,6 +26,7 @@ pub mod publisher;
 pub mod record_sink;
 pub mod replay;
 pub mod router_log;
+pub mod router_logs;
 pub mod router_tap;
 pub mod sequence;
 pub mod zmq_tap;

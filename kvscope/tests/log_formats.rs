@@ -5,7 +5,8 @@
 //! rotated (renamed, a new one started) between the pieces of a line.
 //!
 //! One `kvscope agent` follows the JSON-lines log (with the lab's KV events); a second
-//! follows the CRI file. Asserts: every request is a joined decision from the JSON
+//! follows the CRI file, found as on a node by a pattern over the pods' log folders
+//! (`pods/dynamo_*frontend*/*/*.log`, a worker pod's log beside it not matched). Asserts: every request is a joined decision from the JSON
 //! lines, with overlaps equal to `dynamo-kv-router`'s; the CRI agent read exactly the
 //! same decisions, in the same order, none unjoined or cut, across the rotation. (The
 //! same JSON-lines parser is checked against the router's own replica-sync events in
@@ -185,11 +186,24 @@ async fn json_lines_and_kubernetes_cri_logs_give_the_decisions_of_the_router() {
         stop.clone(),
         written.clone(),
     );
+    // A worker pod's log beside it, with a line that would be a decision: the pattern
+    // below does not match it.
+    let worker_pod = run_dir.join("pods/dynamo_worker-0_9f2c/main");
+    std::fs::create_dir_all(&worker_pod).unwrap();
+    std::fs::write(
+        worker_pod.join("0.log"),
+        "2026-12-01T00:00:00.000000000Z stderr F 2026-12-01T00:00:00.000000Z DEBUG \
+         dynamo_kv_router::services::selection::core::run: [ROUTING_INPUT] request local \
+         hashes request_id=\"decoy\" isl_tokens=16 block_size=16 num_blocks=1 local_hashes=[7]\n",
+    )
+    .unwrap();
     let cri_recording = run_dir.join("cri-agent.jsonl");
     let mut cmd = Command::new(exe);
+    // As on a node: the frontend pods' logs by pattern, their paths unknown beforehand.
+    let pattern = run_dir.join("pods/dynamo_*frontend*/*/*.log");
     cmd.args(["agent", "--nats-url", run.nats_url(), "--cluster", "cri"])
         .args(["--agent-id", "cri-node", "--from-start", "--router-log"])
-        .arg(&cri_log)
+        .arg(&pattern)
         .arg("--record")
         .arg(&cri_recording)
         .envs(run.agent_bus_env("cri-node").unwrap())

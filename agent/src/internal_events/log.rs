@@ -82,6 +82,30 @@ impl InternalEvent for LogFileReopened<'_> {
     }
 }
 
+/// A router log file matching the `router_log` pattern is followed. No counter.
+pub struct RouterLogFollowed<'a> {
+    pub path: &'a std::path::Path,
+    pub from_start: bool,
+}
+
+impl InternalEvent for RouterLogFollowed<'_> {
+    fn emit(self, _stats: &AgentStats) {
+        info!(path = %self.path.display(), from_start = self.from_start, "Following a router log the pattern matches.");
+    }
+}
+
+/// A followed router log no longer matches (its pod is gone) or a newer file in its
+/// folder took over (the container restarted): read to its end and let go. No counter.
+pub struct RouterLogReleased<'a> {
+    pub path: &'a std::path::Path,
+}
+
+impl InternalEvent for RouterLogReleased<'_> {
+    fn emit(self, _stats: &AgentStats) {
+        info!(path = %self.path.display(), "Router log let go: no longer the live file the pattern matches.");
+    }
+}
+
 /// The router log cannot be read right now (missing, permissions); retried.
 pub struct LogFileUnavailable<'a> {
     pub path: &'a str,
