@@ -9,7 +9,10 @@
 //!   endpoints need TLS, which this build does not have: such an endpoint is an error
 //!   that says so.
 //!
-//! Both are read whole on every poll ([`crate::config::DiscoveryConfig::poll_interval_secs`]);
+//! - **kubernetes** (in a pod): each ready worker pod's `DynamoWorkerMetadata` object,
+//!   from the API server ([`crate::kubernetes`]).
+//!
+//! All are read whole on every poll ([`crate::config::DiscoveryConfig::poll_interval_secs`]);
 //! a fleet's store is a few entries per worker. A document that is not JSON (a file
 //! caught mid-write, say) is skipped and read at the next poll.
 
@@ -30,6 +33,8 @@ pub enum DiscoveryError {
     Etcd { endpoint: String, message: String },
     #[error("no etcd endpoint answered: {0}")]
     NoEtcd(String),
+    #[error("Kubernetes API server {server}: {message}")]
+    Kubernetes { server: String, message: String },
 }
 
 /// A store to read.
@@ -43,6 +48,8 @@ pub enum Backend {
         username: Option<String>,
         password: Option<String>,
     },
+    /// Dynamo's `kubernetes` backend: see [`crate::kubernetes`].
+    Kubernetes(crate::kubernetes::KubeApi),
 }
 
 impl std::fmt::Display for Backend {
@@ -50,6 +57,7 @@ impl std::fmt::Display for Backend {
         match self {
             Backend::File { root } => write!(f, "file:{}", root.display()),
             Backend::Etcd { endpoints, .. } => write!(f, "etcd:{}", endpoints.join(",")),
+            Backend::Kubernetes(k) => write!(f, "kubernetes:{}/{}", k.server, k.namespace),
         }
     }
 }
@@ -84,6 +92,7 @@ impl Backend {
                 }
                 Err(DiscoveryError::NoEtcd(errors.join("; ")))
             }
+            Backend::Kubernetes(k) => k.read().await,
         }
     }
 }

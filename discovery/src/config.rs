@@ -4,10 +4,16 @@
 //!
 //! ```toml
 //! [discovery]
-//! backend = "etcd"                          # file | etcd | none (DYN_DISCOVERY_BACKEND)
+//! backend = "etcd"                          # file | etcd | kubernetes | none (DYN_DISCOVERY_BACKEND)
 //! file_root = "/var/run/dynamo/discovery"   # the file backend's root (DYN_FILE_KV)
 //! etcd_endpoints = ["http://127.0.0.1:2379"]  # (ETCD_ENDPOINTS, comma-separated)
 //! poll_interval_secs = 1.0
+//! # kubernetes: in a pod all of these come from the service account and the pod's
+//! # environment (KUBERNETES_SERVICE_HOST/PORT, POD_NAMESPACE)
+//! # kube_server = "https://10.96.0.1:443"
+//! # kube_namespace = "dynamo"
+//! # kube_token_file = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+//! # kube_ca_file = "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt"
 //! ```
 //!
 //! etcd credentials come only from `ETCD_AUTH_USERNAME` / `ETCD_AUTH_PASSWORD`, as
@@ -27,6 +33,8 @@ pub enum BackendKind {
     None,
     File,
     Etcd,
+    /// Dynamo's `kubernetes` backend, read from the API server (in a pod).
+    Kubernetes,
 }
 
 impl std::str::FromStr for BackendKind {
@@ -37,11 +45,9 @@ impl std::str::FromStr for BackendKind {
             "" | "none" => Ok(Self::None),
             "file" => Ok(Self::File),
             "etcd" => Ok(Self::Etcd),
-            "kubernetes" => Err(
-                "the kubernetes discovery backend is not built yet; run Dynamo with etcd or file discovery, or give the workers by hand".into(),
-            ),
+            "kubernetes" => Ok(Self::Kubernetes),
             "mem" => Err("the mem backend lives inside one Dynamo process and cannot be read from outside it".into()),
-            other => Err(format!("unknown discovery backend {other:?} (expected file, etcd or none)")),
+            other => Err(format!("unknown discovery backend {other:?} (expected file, etcd, kubernetes or none)")),
         }
     }
 }
@@ -59,6 +65,19 @@ pub struct DiscoveryConfig {
     pub etcd_endpoints: Vec<String>,
     /// Seconds between reads of the store (default 1).
     pub poll_interval_secs: f64,
+    /// The Kubernetes API server (default: in a pod, `KUBERNETES_SERVICE_HOST`/`_PORT`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kube_server: Option<String>,
+    /// The namespace whose workers to read (default `POD_NAMESPACE`, Dynamo's
+    /// `/etc/podinfo/pod_namespace`, the service account's). Env: `POD_NAMESPACE`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kube_namespace: Option<String>,
+    /// The bearer token, read again on every poll (default the service account's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kube_token_file: Option<PathBuf>,
+    /// The API server's CA (default the service account's `ca.crt`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kube_ca_file: Option<PathBuf>,
     /// From `ETCD_AUTH_USERNAME` / `ETCD_AUTH_PASSWORD` only.
     #[serde(skip)]
     pub etcd_username: Option<String>,
@@ -73,6 +92,10 @@ impl Default for DiscoveryConfig {
             file_root: None,
             etcd_endpoints: vec!["http://localhost:2379".into()],
             poll_interval_secs: 1.0,
+            kube_server: None,
+            kube_namespace: None,
+            kube_token_file: None,
+            kube_ca_file: None,
             etcd_username: None,
             etcd_password: None,
         }
@@ -93,6 +116,12 @@ impl DiscoveryConfig {
             if !v.is_empty() {
                 self.etcd_endpoints = v;
             }
+        }
+        if self.kube_server.is_none() {
+            self.kube_server = crate::kubernetes::in_cluster_server(&var);
+        }
+        if let Some(ns) = env.trimmed("POD_NAMESPACE").filter(|v| !v.is_empty()) {
+            self.kube_namespace = Some(ns);
         }
         self.etcd_username = env.get("ETCD_AUTH_USERNAME").filter(|v| !v.is_empty());
         self.etcd_password = env.get("ETCD_AUTH_PASSWORD");
@@ -119,6 +148,29 @@ impl DiscoveryConfig {
                     username: self.etcd_username.clone(),
                     password: self.etcd_password.clone(),
                 }))
+            }
+            BackendKind::Kubernetes => {
+                let sa = std::path::Path::new(crate::kubernetes::SERVICE_ACCOUNT_DIR);
+                let server = self.kube_server.clone().ok_or(
+                    "kubernetes discovery needs the API server: run in a pod (KUBERNETES_SERVICE_HOST) or set discovery.kube_server",
+                )?;
+                let namespace = self
+                    .kube_namespace
+                    .clone()
+                    .or_else(|| crate::kubernetes::default_namespace(|_| None))
+                    .ok_or("kubernetes discovery needs the workers' namespace: POD_NAMESPACE or discovery.kube_namespace")?;
+                Ok(Some(Backend::Kubernetes(crate::kubernetes::KubeApi {
+                    server,
+                    namespace,
+                    token_file: self
+                        .kube_token_file
+                        .clone()
+                        .unwrap_or_else(|| sa.join("token")),
+                    ca_file: self
+                        .kube_ca_file
+                        .clone()
+                        .unwrap_or_else(|| sa.join("ca.crt")),
+                })))
             }
         }
     }
@@ -170,10 +222,22 @@ mod tests {
             Some(Backend::File { root: "/d".into() })
         );
         let mut k = DiscoveryConfig::default();
-        let e = k
-            .apply_env(|k| (k == "DYN_DISCOVERY_BACKEND").then(|| "kubernetes".into()))
-            .unwrap_err();
-        assert!(e.to_string().contains("not built yet"), "{e}");
+        k.apply_env(|k| (k == "DYN_DISCOVERY_BACKEND").then(|| "kubernetes".into()))
+            .unwrap();
+        assert!(k.backend().unwrap_err().contains("KUBERNETES_SERVICE_HOST"));
+        k.apply_env(|k| match k {
+            "DYN_DISCOVERY_BACKEND" => Some("kubernetes".into()),
+            "KUBERNETES_SERVICE_HOST" => Some("10.0.0.1".into()),
+            "POD_NAMESPACE" => Some("dynamo".into()),
+            _ => None,
+        })
+        .unwrap();
+        let Some(Backend::Kubernetes(api)) = k.backend().unwrap() else {
+            panic!("the kubernetes backend");
+        };
+        assert_eq!(api.server, "https://10.0.0.1:443");
+        assert_eq!(api.namespace, "dynamo");
+        assert!(api.token_file.ends_with("serviceaccount/token"));
     }
 
     #[test]

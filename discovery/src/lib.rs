@@ -34,6 +34,7 @@
 
 pub mod backend;
 pub mod config;
+pub mod kubernetes;
 pub mod procfs;
 
 pub use backend::{Backend, DiscoveryError};

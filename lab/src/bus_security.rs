@@ -86,11 +86,18 @@ pub fn agent_user(agent_id: &str) -> String {
     format!("kvscope-agent-{agent_id}")
 }
 
-impl BusSecurity {
-    /// Make the CA, the server's certificate (for 127.0.0.1 and localhost) and a user
-    /// per role under `dir`, with one agent user for each of `agents`; the collector and
-    /// the observer may read the streams of the agents' clusters.
-    pub fn create(dir: &Path, agents: &[BusAgent]) -> Result<Self> {
+/// A CA made for one run, and a server certificate it signed for 127.0.0.1 and
+/// localhost (openssl CLI, P-256, valid 7 days): for the lab's TLS listeners.
+#[derive(Debug, Clone)]
+pub struct LoopbackCa {
+    pub ca_file: PathBuf,
+    pub server_cert: PathBuf,
+    pub server_key: PathBuf,
+}
+
+impl LoopbackCa {
+    /// Make the CA and the server's certificate and key under `dir`.
+    pub fn create(dir: &Path) -> Result<Self> {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         let ca_key = dir.join("ca-key.pem");
         let ca_file = dir.join("ca.pem");
@@ -145,6 +152,27 @@ impl BusSecurity {
                 .arg("-extfile")
                 .arg(&ext),
         )?;
+        for secret in [&ca_key, &server_key] {
+            restrict(secret)?;
+        }
+        Ok(Self {
+            ca_file,
+            server_cert,
+            server_key,
+        })
+    }
+}
+
+impl BusSecurity {
+    /// Make the CA, the server's certificate (for 127.0.0.1 and localhost) and a user
+    /// per role under `dir`, with one agent user for each of `agents`; the collector and
+    /// the observer may read the streams of the agents' clusters.
+    pub fn create(dir: &Path, agents: &[BusAgent]) -> Result<Self> {
+        let LoopbackCa {
+            ca_file,
+            server_cert,
+            server_key,
+        } = LoopbackCa::create(dir)?;
         let mut clusters: Vec<String> = agents.iter().map(|a| a.cluster.clone()).collect();
         clusters.sort();
         clusters.dedup();
@@ -173,9 +201,6 @@ impl BusSecurity {
             server_key,
             users,
         };
-        for secret in [&ca_key, &security.server_key] {
-            restrict(secret)?;
-        }
         // Each kvscope user's variables, for a process started by hand next to the lab.
         for u in security.users.iter().filter(|u| u.role != BusRole::Dynamo) {
             let text: String = security
