@@ -639,3 +639,76 @@ async fn records_wait_for_nats_and_overflow_is_counted() {
     let n = stream.info().await.unwrap().state.messages;
     assert_eq!(n, 4, "3 records and the shutdown heartbeat");
 }
+
+/// `copytruncate` rotation with the real agent and NATS: the log is cut and written
+/// again past the agent's position between two of its polls. Every line of the new
+/// file arrives, after every line of the old one, and the cut is counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_log_cut_and_rewritten_between_polls_loses_no_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let nats_port = free_port();
+    let _nats = start_nats(nats_port, &dir.path().join("js"));
+    let log_path = dir.path().join("frontend.log");
+    let line = |id: &str| {
+        format!("2026-11-29T07:50:01.000000Z  INFO p: KVMIGRATE: producer handshake obtained request_id=\"{id}\"\n")
+    };
+    let before: String = (0..10).map(|i| line(&format!("m{i}"))).collect();
+    std::fs::write(&log_path, &before).unwrap();
+    let agent = kvscope_agent::agent::start(AgentConfig {
+        agent_id: "test-node".into(),
+        cluster: "cut".into(),
+        nats_url: format!("nats://127.0.0.1:{nats_port}"),
+        router_log: Some(log_path.display().to_string()),
+        from_start: true,
+        heartbeat_interval_secs: 0.5,
+        // Slow polls, so the cut and the rewrite both land between two looks.
+        log_poll_interval_ms: 400,
+        ..AgentConfig::default()
+    })
+    .await
+    .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while agent.stats().snapshot().log_lines < 10 {
+        assert!(Instant::now() < deadline);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // What logrotate's copytruncate does (the copy elsewhere), and the router writing
+    // on at once: four times as much as was read.
+    let after: String = (0..40).map(|i| line(&format!("n{i}"))).collect();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .truncate(true)
+        .open(&log_path)
+        .unwrap();
+    std::fs::OpenOptions::new()
+        .append(true)
+        .open(&log_path)
+        .unwrap()
+        .write_all(after.as_bytes())
+        .unwrap();
+
+    let client = async_nats::connect(format!("127.0.0.1:{nats_port}"))
+        .await
+        .unwrap();
+    let js = async_nats::jetstream::new(client);
+    let migrations = |got: &[Envelope]| -> Vec<String> {
+        got.iter()
+            .filter_map(|e| match &e.record {
+                Record::Migration(m) => m.request_id.clone(),
+                _ => None,
+            })
+            .collect()
+    };
+    let got = collect_until(&js, &Subjects::new("cut"), |got| {
+        migrations(got).len() >= 50 && last_counters(got).is_some_and(|c| c.log_lines >= 50)
+    })
+    .await;
+    let want: Vec<String> = (0..10)
+        .map(|i| format!("m{i}"))
+        .chain((0..40).map(|i| format!("n{i}")))
+        .collect();
+    assert_eq!(migrations(&got), want);
+    let c = last_counters(&got).unwrap();
+    assert_eq!((c.log_truncations, c.log_lines), (1, 50));
+    agent.shutdown().await;
+}
