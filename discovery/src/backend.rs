@@ -6,8 +6,9 @@
 //!   gateway (`POST /v3/kv/range`, keys and values base64), which every etcd since 3.4
 //!   serves on its client port; with `ETCD_AUTH_USERNAME`/`ETCD_AUTH_PASSWORD`, a token
 //!   from `/v3/auth/authenticate` first. Endpoints are tried in order. `https://`
-//!   endpoints need TLS, which this build does not have: such an endpoint is an error
-//!   that says so.
+//!   endpoints are read over TLS trusting `ETCD_AUTH_CA`, presenting
+//!   `ETCD_AUTH_CLIENT_CERT`/`ETCD_AUTH_CLIENT_KEY` when given (mutual TLS), as
+//!   Dynamo's etcd client does.
 //!
 //! - **kubernetes** (in a pod): each ready worker pod's `DynamoWorkerMetadata` object,
 //!   from the API server ([`crate::kubernetes`]).
@@ -47,9 +48,19 @@ pub enum Backend {
         endpoints: Vec<String>,
         username: Option<String>,
         password: Option<String>,
+        /// For `https://` endpoints.
+        tls: Option<EtcdTls>,
     },
     /// Dynamo's `kubernetes` backend: see [`crate::kubernetes`].
     Kubernetes(crate::kubernetes::KubeApi),
+}
+
+/// etcd's TLS: the CA to trust and, for mutual TLS, the client's certificate and key
+/// (PEM files; `ETCD_AUTH_CA`, `ETCD_AUTH_CLIENT_CERT`, `ETCD_AUTH_CLIENT_KEY`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EtcdTls {
+    pub ca: PathBuf,
+    pub client: Option<(PathBuf, PathBuf)>,
 }
 
 impl std::fmt::Display for Backend {
@@ -82,10 +93,12 @@ impl Backend {
                 endpoints,
                 username,
                 password,
+                tls,
             } => {
                 let mut errors = Vec::new();
                 for ep in endpoints {
-                    match read_etcd(http, ep, username.as_deref(), password.as_deref()).await {
+                    let etcd = Etcd::new(http, ep, tls.as_ref());
+                    match read_etcd(etcd, username.as_deref(), password.as_deref()).await {
                         Ok(entries) => return Ok(entries),
                         Err(e) => errors.push(e.to_string()),
                     }
@@ -158,58 +171,123 @@ fn percent_decode(s: &str) -> String {
 
 const ETCD_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// One etcd endpoint and how to reach it: plain HTTP through `reqwest`, or HTTPS.
+struct Etcd<'a> {
+    http: &'a reqwest::Client,
+    endpoint: &'a str,
+    base: String,
+    tls: Result<Option<crate::https::TlsClient>, String>,
+}
+
+impl<'a> Etcd<'a> {
+    fn new(http: &'a reqwest::Client, endpoint: &'a str, tls: Option<&EtcdTls>) -> Self {
+        let base = if endpoint.contains("://") {
+            endpoint.trim_end_matches('/').to_string()
+        } else {
+            format!("http://{}", endpoint.trim_end_matches('/'))
+        };
+        let tls = if base.starts_with("https://") {
+            match tls {
+                Some(t) => crate::https::TlsClient::new(
+                    &t.ca,
+                    t.client.as_ref().map(|(c, k)| (c.as_path(), k.as_path())),
+                )
+                .map(Some),
+                None => Err("an https endpoint needs the CA to trust: ETCD_AUTH_CA (and ETCD_AUTH_CLIENT_CERT, ETCD_AUTH_CLIENT_KEY for mutual TLS)".into()),
+            }
+        } else {
+            Ok(None)
+        };
+        Self {
+            http,
+            endpoint,
+            base,
+            tls,
+        }
+    }
+
+    fn err(&self, message: String) -> DiscoveryError {
+        DiscoveryError::Etcd {
+            endpoint: self.endpoint.to_string(),
+            message,
+        }
+    }
+
+    /// POST `body` to `path`; the answer's JSON.
+    async fn post(&self, path: &str, body: &Value, token: Option<&str>) -> Result<Value, String> {
+        let url = format!("{}{path}", self.base);
+        match &self.tls {
+            Err(e) => Err(e.clone()),
+            Ok(None) => {
+                let mut req = self.http.post(&url).json(body).timeout(ETCD_TIMEOUT);
+                if let Some(t) = token {
+                    req = req.header("Authorization", t);
+                }
+                req.send()
+                    .await
+                    .and_then(|r| r.error_for_status())
+                    .map_err(|e| e.to_string())?
+                    .json()
+                    .await
+                    .map_err(|e| format!("not JSON: {e}"))
+            }
+            Ok(Some(tls)) => {
+                let mut headers = vec![("content-type", "application/json")];
+                if let Some(t) = token {
+                    headers.push(("authorization", t));
+                }
+                let a = tls
+                    .request(
+                        "POST",
+                        &url,
+                        &headers,
+                        Some(body.to_string().into_bytes()),
+                        ETCD_TIMEOUT,
+                    )
+                    .await?;
+                if !(200..300).contains(&a.status) {
+                    return Err(format!(
+                        "{path}: {}: {}",
+                        a.status,
+                        String::from_utf8_lossy(&a.body)
+                            .chars()
+                            .take(300)
+                            .collect::<String>()
+                    ));
+                }
+                serde_json::from_slice(&a.body).map_err(|e| format!("not JSON: {e}"))
+            }
+        }
+    }
+}
+
 async fn read_etcd(
-    http: &reqwest::Client,
-    endpoint: &str,
+    etcd: Etcd<'_>,
     username: Option<&str>,
     password: Option<&str>,
 ) -> Result<Vec<(String, Value)>, DiscoveryError> {
-    let err = |message: String| DiscoveryError::Etcd {
-        endpoint: endpoint.to_string(),
-        message,
-    };
-    if endpoint.starts_with("https://") {
-        return Err(err(
-            "https endpoints need TLS, which this build of kvscope does not have; reach etcd over http on a trusted network or a local proxy".into(),
-        ));
-    }
-    let base = if endpoint.contains("://") {
-        endpoint.trim_end_matches('/').to_string()
-    } else {
-        format!("http://{}", endpoint.trim_end_matches('/'))
-    };
     let b64 = base64::engine::general_purpose::STANDARD;
     let mut token = None;
     if let Some(user) = username {
-        let r: Value = http
-            .post(format!("{base}/v3/auth/authenticate"))
-            .json(&serde_json::json!({"name": user, "password": password.unwrap_or_default()}))
-            .timeout(ETCD_TIMEOUT)
-            .send()
+        let r = etcd
+            .post(
+                "/v3/auth/authenticate",
+                &serde_json::json!({"name": user, "password": password.unwrap_or_default()}),
+                None,
+            )
             .await
-            .and_then(|r| r.error_for_status())
-            .map_err(|e| err(format!("authenticating as {user}: {e}")))?
-            .json()
-            .await
-            .map_err(|e| err(format!("authenticating as {user}: {e}")))?;
+            .map_err(|e| etcd.err(format!("authenticating as {user}: {e}")))?;
         token = r.get("token").and_then(Value::as_str).map(str::to_string);
     }
     // Every key from "v1/" up to (not including) "v10": the prefix "v1/".
-    let mut req = http
-        .post(format!("{base}/v3/kv/range"))
-        .json(&serde_json::json!({"key": b64.encode("v1/"), "range_end": b64.encode("v10")}))
-        .timeout(ETCD_TIMEOUT);
-    if let Some(t) = &token {
-        req = req.header("Authorization", t);
-    }
-    let r: Value = req
-        .send()
+    let r = etcd
+        .post(
+            "/v3/kv/range",
+            &serde_json::json!({"key": b64.encode("v1/"), "range_end": b64.encode("v10")}),
+            token.as_deref(),
+        )
         .await
-        .and_then(|r| r.error_for_status())
-        .map_err(|e| err(e.to_string()))?
-        .json()
-        .await
-        .map_err(|e| err(format!("not a range answer: {e}")))?;
+        .map_err(|e| etcd.err(e))?;
     let mut out = Vec::new();
     for kv in r.get("kvs").and_then(Value::as_array).into_iter().flatten() {
         let decode = |field: &str| {

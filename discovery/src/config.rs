@@ -16,7 +16,8 @@
 //! # kube_ca_file = "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt"
 //! ```
 //!
-//! etcd credentials come only from `ETCD_AUTH_USERNAME` / `ETCD_AUTH_PASSWORD`, as
+//! etcd credentials come only from `ETCD_AUTH_USERNAME` / `ETCD_AUTH_PASSWORD` and its
+//! TLS files from `ETCD_AUTH_CA` / `ETCD_AUTH_CLIENT_CERT` / `ETCD_AUTH_CLIENT_KEY`, as
 //! Dynamo reads them, never from the file.
 
 use crate::backend::Backend;
@@ -83,6 +84,14 @@ pub struct DiscoveryConfig {
     pub etcd_username: Option<String>,
     #[serde(skip)]
     pub etcd_password: Option<String>,
+    /// From `ETCD_AUTH_CA`, `ETCD_AUTH_CLIENT_CERT`, `ETCD_AUTH_CLIENT_KEY` only: for
+    /// `https://` endpoints.
+    #[serde(skip)]
+    pub etcd_ca: Option<PathBuf>,
+    #[serde(skip)]
+    pub etcd_client_cert: Option<PathBuf>,
+    #[serde(skip)]
+    pub etcd_client_key: Option<PathBuf>,
 }
 
 impl Default for DiscoveryConfig {
@@ -98,6 +107,9 @@ impl Default for DiscoveryConfig {
             kube_ca_file: None,
             etcd_username: None,
             etcd_password: None,
+            etcd_ca: None,
+            etcd_client_cert: None,
+            etcd_client_key: None,
         }
     }
 }
@@ -125,6 +137,10 @@ impl DiscoveryConfig {
         }
         self.etcd_username = env.get("ETCD_AUTH_USERNAME").filter(|v| !v.is_empty());
         self.etcd_password = env.get("ETCD_AUTH_PASSWORD");
+        let path = |k: &str| env.trimmed(k).filter(|v| !v.is_empty()).map(PathBuf::from);
+        self.etcd_ca = path("ETCD_AUTH_CA");
+        self.etcd_client_cert = path("ETCD_AUTH_CLIENT_CERT");
+        self.etcd_client_key = path("ETCD_AUTH_CLIENT_KEY");
         Ok(())
     }
 
@@ -143,10 +159,19 @@ impl DiscoveryConfig {
                 if self.etcd_endpoints.is_empty() {
                     return Err("etcd discovery needs an endpoint: ETCD_ENDPOINTS or discovery.etcd_endpoints".into());
                 }
+                let client = match (&self.etcd_client_cert, &self.etcd_client_key) {
+                    (Some(c), Some(k)) => Some((c.clone(), k.clone())),
+                    (None, None) => None,
+                    _ => return Err("etcd's mutual TLS needs both ETCD_AUTH_CLIENT_CERT and ETCD_AUTH_CLIENT_KEY".into()),
+                };
                 Ok(Some(Backend::Etcd {
                     endpoints: self.etcd_endpoints.clone(),
                     username: self.etcd_username.clone(),
                     password: self.etcd_password.clone(),
+                    tls: self
+                        .etcd_ca
+                        .clone()
+                        .map(|ca| crate::backend::EtcdTls { ca, client }),
                 }))
             }
             BackendKind::Kubernetes => {
@@ -204,7 +229,8 @@ mod tests {
                     "http://127.0.0.1:2380".into()
                 ],
                 username: Some("root".into()),
-                password: Some("pw".into())
+                password: Some("pw".into()),
+                tls: None,
             })
         );
         let mut f = DiscoveryConfig::default();

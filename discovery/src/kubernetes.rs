@@ -27,11 +27,10 @@
 //! rotate). Read-only RBAC: `get`, `list` on those two resources.
 
 use crate::backend::DiscoveryError;
-use rustls::pki_types::pem::PemObject;
+use crate::https::TlsClient;
 use serde_json::Value;
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::Duration;
 
 /// Where the service account's files are in a pod.
@@ -60,108 +59,37 @@ impl KubeApi {
         }
     }
 
-    /// A TLS configuration that trusts only the cluster's CA.
-    fn tls(&self) -> Result<Arc<rustls::ClientConfig>, DiscoveryError> {
-        let pem = std::fs::read(&self.ca_file)
-            .map_err(|e| self.err(format!("reading the CA {}: {e}", self.ca_file.display())))?;
-        let mut roots = rustls::RootCertStore::empty();
-        for cert in rustls::pki_types::CertificateDer::pem_slice_iter(&pem) {
-            let cert = cert.map_err(|e| self.err(format!("the CA file: {e}")))?;
-            roots
-                .add(cert)
-                .map_err(|e| self.err(format!("the CA file: {e}")))?;
-        }
-        if roots.is_empty() {
-            return Err(self.err(format!(
-                "no certificate in the CA file {}",
-                self.ca_file.display()
-            )));
-        }
-        let tls = rustls::ClientConfig::builder_with_provider(Arc::new(
-            rustls::crypto::ring::default_provider(),
-        ))
-        .with_safe_default_protocol_versions()
-        .map_err(|e| self.err(e.to_string()))?
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-        Ok(Arc::new(tls))
-    }
-
-    /// One `GET` over its own TLS connection (HTTP/1.1; two per poll). The TLS is
-    /// rustls with the `ring` provider, set here rather than process-wide, so nothing
-    /// else in the process needs a TLS provider installed.
-    async fn get(
-        &self,
-        tls: &Arc<rustls::ClientConfig>,
-        token: &str,
-        path: &str,
-    ) -> Result<Value, DiscoveryError> {
-        let fail =
-            |what: &str, e: &dyn std::fmt::Display| self.err(format!("GET {path}: {what}: {e}"));
-        let url: hyper::Uri = format!("{}{path}", self.server.trim_end_matches('/'))
-            .parse()
-            .map_err(|e| fail("bad URL", &e))?;
-        if url.scheme_str() != Some("https") {
-            return Err(self.err("the API server must be an https:// URL"));
-        }
-        let host = url
-            .host()
-            .unwrap_or_default()
-            .trim_matches(['[', ']'])
-            .to_string();
-        let port = url.port_u16().unwrap_or(443);
-        let name = rustls::pki_types::ServerName::try_from(host.clone())
-            .map_err(|e| fail("bad host name", &e))?;
-        let exchange = async {
-            let tcp = tokio::net::TcpStream::connect((host.as_str(), port))
-                .await
-                .map_err(|e| fail("connecting", &e))?;
-            let stream = tokio_rustls::TlsConnector::from(tls.clone())
-                .connect(name, tcp)
-                .await
-                .map_err(|e| fail("TLS", &e))?;
-            let (mut sender, conn) =
-                hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
-                    .await
-                    .map_err(|e| fail("HTTP", &e))?;
-            let conn = tokio::spawn(conn);
-            let req = hyper::Request::get(url.path_and_query().map_or("/", |p| p.as_str()))
-                .header(hyper::header::HOST, format!("{host}:{port}"))
-                .header(hyper::header::AUTHORIZATION, format!("Bearer {token}"))
-                .header(hyper::header::ACCEPT, "application/json")
-                .body(http_body_util::Empty::<hyper::body::Bytes>::new())
-                .map_err(|e| fail("request", &e))?;
-            let res = sender
-                .send_request(req)
-                .await
-                .map_err(|e| fail("HTTP", &e))?;
-            let status = res.status();
-            let body = http_body_util::BodyExt::collect(res.into_body())
-                .await
-                .map_err(|e| fail("reading the answer", &e))?
-                .to_bytes();
-            conn.abort();
-            Ok::<_, DiscoveryError>((status, body))
-        };
-        let (status, body) = tokio::time::timeout(TIMEOUT, exchange)
+    async fn get(&self, tls: &TlsClient, token: &str, path: &str) -> Result<Value, DiscoveryError> {
+        let url = format!("{}{path}", self.server.trim_end_matches('/'));
+        let auth = format!("Bearer {token}");
+        let answer = tls
+            .request(
+                "GET",
+                &url,
+                &[("authorization", &auth), ("accept", "application/json")],
+                None,
+                TIMEOUT,
+            )
             .await
-            .map_err(|_| self.err(format!("GET {path}: no answer in {TIMEOUT:?}")))??;
-        if !status.is_success() {
-            let hint = match status.as_u16() {
+            .map_err(|e| self.err(format!("GET {path}: {e}")))?;
+        if !(200..300).contains(&answer.status) {
+            let hint = match answer.status {
                 401 => " (the service account token was refused)",
                 403 => " (RBAC: the service account needs get and list on dynamoworkermetadatas.nvidia.com and endpointslices.discovery.k8s.io)",
                 404 => " (is Dynamo's DynamoWorkerMetadata CRD installed?)",
                 _ => "",
             };
             return Err(self.err(format!(
-                "GET {path}: {status}{hint}: {}",
-                String::from_utf8_lossy(&body)
+                "GET {path}: {}{hint}: {}",
+                answer.status,
+                String::from_utf8_lossy(&answer.body)
                     .chars()
                     .take(300)
                     .collect::<String>()
             )));
         }
-        serde_json::from_slice(&body).map_err(|e| fail("not JSON", &e))
+        serde_json::from_slice(&answer.body)
+            .map_err(|e| self.err(format!("GET {path}: not JSON: {e}")))
     }
 
     /// Every ready worker's entries, keyed as the file and etcd backends key them.
@@ -172,7 +100,7 @@ impl KubeApi {
                 self.token_file.display()
             ))
         })?;
-        let tls = self.tls()?;
+        let tls = TlsClient::new(&self.ca_file, None).map_err(|e| self.err(e))?;
         let ns = &self.namespace;
         let slices = self
             .get(

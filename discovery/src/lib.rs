@@ -34,6 +34,7 @@
 
 pub mod backend;
 pub mod config;
+pub mod https;
 pub mod kubernetes;
 pub mod procfs;
 

@@ -91,9 +91,19 @@ pub fn agent_user(agent_id: &str) -> String {
 #[derive(Debug, Clone)]
 pub struct LoopbackCa {
     pub ca_file: PathBuf,
+    /// The CA's key (mode 0600), to sign client certificates with.
+    pub ca_key: PathBuf,
     pub server_cert: PathBuf,
     pub server_key: PathBuf,
 }
+
+const EC_KEY: [&str; 5] = [
+    "-newkey",
+    "ec",
+    "-pkeyopt",
+    "ec_paramgen_curve:P-256",
+    "-nodes",
+];
 
 impl LoopbackCa {
     /// Make the CA and the server's certificate and key under `dir`.
@@ -101,26 +111,10 @@ impl LoopbackCa {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         let ca_key = dir.join("ca-key.pem");
         let ca_file = dir.join("ca.pem");
-        let server_key = dir.join("server-key.pem");
-        let server_csr = dir.join("server.csr");
-        let server_cert = dir.join("server.pem");
-        let ext = dir.join("server.ext");
-        std::fs::write(
-            &ext,
-            "subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=critical,CA:FALSE\n\
-             keyUsage=critical,digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n",
-        )?;
-        let ec = [
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:P-256",
-            "-nodes",
-        ];
         openssl(
             Command::new("openssl")
                 .args(["req", "-x509"])
-                .args(ec)
+                .args(EC_KEY)
                 .arg("-keyout")
                 .arg(&ca_key)
                 .arg("-out")
@@ -129,37 +123,68 @@ impl LoopbackCa {
                 .args(["-addext", "basicConstraints=critical,CA:TRUE"])
                 .args(["-addext", "keyUsage=critical,keyCertSign,cRLSign"]),
         )?;
+        restrict(&ca_key)?;
+        let mut ca = Self {
+            ca_file,
+            ca_key,
+            server_cert: PathBuf::new(),
+            server_key: PathBuf::new(),
+        };
+        (ca.server_cert, ca.server_key) = ca.issue(
+            dir,
+            "server",
+            "127.0.0.1",
+            // clientAuth too: etcd's JSON gateway dials its own gRPC port with the
+            // server's certificate, which `--client-cert-auth` then checks.
+            "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth\n",
+        )?;
+        Ok(ca)
+    }
+
+    /// A client certificate and key for `name`, signed by this CA, under `dir`
+    /// (`<name>.pem`, `<name>-key.pem`): for mutual TLS.
+    pub fn client(&self, dir: &Path, name: &str) -> Result<(PathBuf, PathBuf)> {
+        self.issue(dir, name, name, "extendedKeyUsage=clientAuth\n")
+    }
+
+    fn issue(&self, dir: &Path, file: &str, cn: &str, ext: &str) -> Result<(PathBuf, PathBuf)> {
+        let (key, csr, cert, ext_file) = (
+            dir.join(format!("{file}-key.pem")),
+            dir.join(format!("{file}.csr")),
+            dir.join(format!("{file}.pem")),
+            dir.join(format!("{file}.ext")),
+        );
+        std::fs::write(
+            &ext_file,
+            format!(
+                "basicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\n{ext}"
+            ),
+        )?;
         openssl(
             Command::new("openssl")
                 .arg("req")
-                .args(ec)
+                .args(EC_KEY)
                 .arg("-keyout")
-                .arg(&server_key)
+                .arg(&key)
                 .arg("-out")
-                .arg(&server_csr)
-                .args(["-subj", "/CN=127.0.0.1"]),
+                .arg(&csr)
+                .args(["-subj", &format!("/CN={cn}")]),
         )?;
         openssl(
             Command::new("openssl")
                 .args(["x509", "-req", "-in"])
-                .arg(&server_csr)
+                .arg(&csr)
                 .arg("-CA")
-                .arg(&ca_file)
+                .arg(&self.ca_file)
                 .arg("-CAkey")
-                .arg(&ca_key)
+                .arg(&self.ca_key)
                 .args(["-CAcreateserial", "-days", "7", "-out"])
-                .arg(&server_cert)
+                .arg(&cert)
                 .arg("-extfile")
-                .arg(&ext),
+                .arg(&ext_file),
         )?;
-        for secret in [&ca_key, &server_key] {
-            restrict(secret)?;
-        }
-        Ok(Self {
-            ca_file,
-            server_cert,
-            server_key,
-        })
+        restrict(&key)?;
+        Ok((cert, key))
     }
 }
 
@@ -172,6 +197,7 @@ impl BusSecurity {
             ca_file,
             server_cert,
             server_key,
+            ..
         } = LoopbackCa::create(dir)?;
         let mut clusters: Vec<String> = agents.iter().map(|a| a.cluster.clone()).collect();
         clusters.sort();

@@ -1,6 +1,7 @@
-//! Dynamo's `kubernetes` discovery backend as kvscope reads it, over real HTTPS.
+//! Discovery stores behind TLS: Dynamo's `kubernetes` backend (the API server) and etcd
+//! with mutual TLS.
 //!
-//! No Kubernetes API server can run here, so this is a test of kvscope's own reading:
+//! Kubernetes. No Kubernetes API server can run here, so this is a test of kvscope's own reading:
 //! a small HTTPS server (Python's `http.server` behind `ssl`, with a CA made for the
 //! test) answers the two lists a real API server would, only to the service account's
 //! bearer token, with the lab's real Dynamo 1.6.1 store (`lab/fixtures/samples/
@@ -249,4 +250,89 @@ async fn workers_are_read_from_the_api_server_as_dynamo_registers_them() {
         .await
         .unwrap_err();
     assert!(e.contains("GET /apis/discovery.k8s.io"), "{e}");
+}
+
+/// etcd with mutual TLS (a real etcd, `--client-cert-auth`), read with Dynamo's own
+/// variables (`ETCD_ENDPOINTS=https://…`, `ETCD_AUTH_CA`, `ETCD_AUTH_CLIENT_CERT`,
+/// `ETCD_AUTH_CLIENT_KEY`): the same fleet as the file backend reads from the same
+/// documents. Without the client certificate, or without the CA, it is an error that
+/// says why.
+#[tokio::test]
+async fn etcd_over_mutual_tls_is_read_with_dynamos_variables() {
+    use base64::Engine as _;
+    let dir = tempfile::tempdir().unwrap();
+    let ca = LoopbackCa::create(&dir.path().join("tls")).unwrap();
+    let (cert, key) = ca.client(&dir.path().join("tls"), "kvscope-agent").unwrap();
+    let ports = kvscope_lab::ports::pick_ports(2).unwrap();
+    let _etcd = StopOnDrop(vec![kvscope_lab::etcd::spawn_with(
+        dir.path(),
+        ports[0],
+        ports[1],
+        Some(&ca),
+    )
+    .unwrap()]);
+    let url = format!("https://127.0.0.1:{}", ports[0]);
+    // Write the lab's store into it, as Dynamo's workers would (over the same TLS).
+    let client = kvscope_discovery::https::TlsClient::new(
+        &ca.ca_file,
+        Some((cert.as_path(), key.as_path())),
+    )
+    .unwrap();
+    let store = read_file_store(&PathBuf::from(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../lab/fixtures/samples/discovery"
+    )))
+    .unwrap();
+    let b64 = base64::engine::general_purpose::STANDARD;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    for (k, v) in &store {
+        let body = json!({"key": b64.encode(k), "value": b64.encode(v.to_string())}).to_string();
+        loop {
+            let put = client
+                .request(
+                    "POST",
+                    &format!("{url}/v3/kv/put"),
+                    &[("content-type", "application/json")],
+                    Some(body.clone().into_bytes()),
+                    Duration::from_secs(5),
+                )
+                .await;
+            match put {
+                Ok(a) if a.status == 200 => break,
+                other => {
+                    assert!(
+                        Instant::now() < deadline,
+                        "etcd over TLS never took a put: {:?}",
+                        other.map(|a| (a.status, String::from_utf8_lossy(&a.body).to_string()))
+                    );
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            }
+        }
+    }
+    let env = |with_cert: bool, with_ca: bool| {
+        let (url, ca, cert, key) = (url.clone(), ca.ca_file.clone(), cert.clone(), key.clone());
+        move |k: &str| -> Option<String> {
+            match k {
+                "DYN_DISCOVERY_BACKEND" => Some("etcd".into()),
+                "ETCD_ENDPOINTS" => Some(url.clone()),
+                "ETCD_AUTH_CA" if with_ca => Some(ca.display().to_string()),
+                "ETCD_AUTH_CLIENT_CERT" if with_cert => Some(cert.display().to_string()),
+                "ETCD_AUTH_CLIENT_KEY" if with_cert => Some(key.display().to_string()),
+                _ => None,
+            }
+        }
+    };
+    let read = |with_cert: bool, with_ca: bool| {
+        let mut cfg = DiscoveryConfig::default();
+        cfg.apply_env(env(with_cert, with_ca)).unwrap();
+        let b = cfg.backend().unwrap().unwrap();
+        async move { fleet(&b).await }
+    };
+    let whole = Fleet::from_entries(store.iter().map(|(k, v)| (k.as_str(), v)));
+    assert_eq!(read(true, true).await.expect("etcd over mutual TLS"), whole);
+    let e = read(false, true).await.unwrap_err();
+    assert!(e.contains(&url), "{e}");
+    let e = read(true, false).await.unwrap_err();
+    assert!(e.contains("ETCD_AUTH_CA"), "{e}");
 }
