@@ -14,16 +14,18 @@
 use crate::counters::AgentStats;
 use crate::fleet::FleetView;
 use crate::internal_events::{
-    InternalEvent, KvBadFrame, KvBatchReceived, KvDecodeError, KvPeerViolation, KvTapConnected,
-    KvTapDisconnected,
+    InternalEvent, KvBadFrame, KvBatchReceived, KvBatchReplayed, KvDecodeError, KvPeerViolation,
+    KvReplayDone, KvReplayFailed, KvTapConnected, KvTapDisconnected,
 };
 use crate::record_sink::{RecordSink, SourceId};
 use crate::zmq_tap::{emit_problems, PublisherSequence};
 use crate::zmtp::{Connection, Limits, SocketType};
 use futures::StreamExt as _;
 use kvscope_discovery::{Channel, Fleet, FleetChange, KV_EVENTS_TOPIC};
-use kvscope_wire::dynamo_events::{decode_envelope, decode_router_events, split_zmq_frames};
-use kvscope_wire::{KvEventBatch, KvOrigin, Record, WorkerKey};
+use kvscope_wire::dynamo_events::{
+    decode_envelope, decode_router_events, split_zmq_frames, PlaneEvent,
+};
+use kvscope_wire::{KvEventBatch, KvOrigin, Record, SequenceStatus, WorkerKey};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
@@ -134,13 +136,42 @@ impl Drop for SourceGuard {
 /// Turns event-plane envelopes into KV batch records (no I/O).
 pub struct PlaneDecoder {
     sequences: HashMap<u64, PublisherSequence>,
+    /// Per publisher, the newest event id a recovery answer covered: live events up to
+    /// it were in the answer, and are dropped.
+    recovered_through: HashMap<u64, u64>,
     stats: Arc<AgentStats>,
+}
+
+/// One envelope, decoded: its events (with their ids) not yet made records.
+#[derive(Debug, Clone)]
+pub struct DecodedEnvelope {
+    pub publisher_id: u64,
+    /// `<channel>#<publisher hex>`: the batches' `publisher`.
+    pub publisher: String,
+    /// The engine's time, UNIX ns, when plausible.
+    pub at: Option<u64>,
+    pub seq: u64,
+    pub sequence: SequenceStatus,
+    pub engine_ts: f64,
+    /// The worker discovery registers the publisher for.
+    pub registered: Option<WorkerKey>,
+    pub events: Vec<PlaneEvent>,
+}
+
+impl DecodedEnvelope {
+    /// Batches before this one are missing: a publisher seen first past its start, or
+    /// a gap.
+    pub fn missed_some(&self) -> bool {
+        matches!(self.sequence, SequenceStatus::Gap { .. })
+            || (self.sequence == SequenceStatus::First && self.seq > 0)
+    }
 }
 
 impl PlaneDecoder {
     pub fn new(stats: Arc<AgentStats>) -> Self {
         Self {
             sequences: HashMap::new(),
+            recovered_through: HashMap::new(),
             stats,
         }
     }
@@ -153,6 +184,18 @@ impl PlaneDecoder {
         bytes: &[u8],
         fleet: &Fleet,
     ) -> Option<(u64, Option<u64>, Vec<Record>)> {
+        let d = self.decode(channel, bytes, fleet)?;
+        Some((d.publisher_id, d.at, self.records(d)))
+    }
+
+    /// The envelope's events, each with its worker's block size; events a recovery
+    /// answer already held are left out.
+    pub fn decode(
+        &mut self,
+        channel: &str,
+        bytes: &[u8],
+        fleet: &Fleet,
+    ) -> Option<DecodedEnvelope> {
         let env = match decode_envelope(bytes) {
             Ok(e) => e,
             Err(error) => {
@@ -179,14 +222,6 @@ impl PlaneDecoder {
             env.sequence,
             &self.stats,
         );
-        let registered = fleet.kv_publishers.get(&env.publisher_id);
-        let block_size = |worker_id: u64| {
-            fleet
-                .workers
-                .get(&worker_id)
-                .and_then(|w| w.block_size)
-                .unwrap_or(0)
-        };
         // The plane carries no block size: each event gets its worker's, below.
         let decoded = match decode_router_events(&env.payload, 0) {
             Ok(d) => d,
@@ -200,44 +235,232 @@ impl PlaneDecoder {
             }
         };
         emit_problems(&publisher, &decoded.problems, &self.stats);
-        // One publisher is one worker and rank; should an envelope hold several, each
-        // gets its own batch (same sequence number).
+        if sequence == SequenceStatus::Reset {
+            // A restarted publisher numbers its events anew.
+            self.recovered_through.remove(&env.publisher_id);
+        }
+        let through = self.recovered_through.get(&env.publisher_id).copied();
+        let events = decoded
+            .events
+            .into_iter()
+            .filter(|e| through.is_none_or(|t| e.event_id > t))
+            .map(|mut e| {
+                with_block_size(&mut e, fleet);
+                e
+            })
+            .collect();
+        Some(DecodedEnvelope {
+            publisher_id: env.publisher_id,
+            publisher,
+            at: (env.published_at_ms > 1_000_000_000_000)
+                .then(|| env.published_at_ms.saturating_mul(1_000_000)),
+            seq: env.sequence,
+            sequence,
+            engine_ts: env.published_at_ms as f64 / 1e3,
+            registered: fleet.kv_publishers.get(&env.publisher_id).map(|p| p.worker),
+            events,
+        })
+    }
+
+    /// The envelope as batches: one per worker and rank it holds events of (one
+    /// publisher is one worker and rank; should an envelope hold several, each gets its
+    /// own batch, same sequence number).
+    pub fn records(&self, d: DecodedEnvelope) -> Vec<Record> {
         let mut by_worker: BTreeMap<WorkerKey, Vec<kvscope_wire::KvEvent>> = BTreeMap::new();
-        for e in decoded.events {
-            let mut event = e.event;
-            if let kvscope_wire::KvEvent::BlockStored { block_size: bs, .. } = &mut event {
-                *bs = block_size(e.worker.worker_id);
-            }
-            by_worker.entry(e.worker).or_default().push(event);
+        for e in d.events {
+            by_worker.entry(e.worker).or_default().push(e.event);
         }
         if by_worker.is_empty() {
-            if let Some(p) = registered {
-                by_worker.insert(p.worker, Vec::new());
+            if let Some(w) = d.registered {
+                by_worker.insert(w, Vec::new());
             }
         }
-        let engine_ts = env.published_at_ms as f64 / 1e3;
-        let records = by_worker
+        by_worker
             .into_iter()
             .map(|(worker, events)| {
                 KvBatchReceived {
-                    publisher: &publisher,
+                    publisher: &d.publisher,
                     events: events.len(),
                 }
                 .emit(&self.stats);
                 Record::KvEvents(KvEventBatch {
                     worker,
-                    publisher: publisher.clone(),
+                    publisher: d.publisher.clone(),
                     origin: KvOrigin::EventPlane,
-                    seq: env.sequence,
-                    sequence,
-                    engine_ts,
+                    seq: d.seq,
+                    sequence: d.sequence,
+                    engine_ts: d.engine_ts,
                     events,
                 })
             })
-            .collect();
-        let at = (env.published_at_ms > 1_000_000_000_000)
-            .then(|| env.published_at_ms.saturating_mul(1_000_000));
-        Some((env.publisher_id, at, records))
+            .collect()
+    }
+
+    /// The publisher's worker's whole cache through Dynamo's recovery endpoint (see
+    /// [`crate::plane_recovery`]), as a `Replayed` batch that clears the worker first,
+    /// numbered `seq`; live events the answer already held are dropped from then on.
+    /// `None` without a recovery target, or when the query fails (counted).
+    async fn dump(
+        &mut self,
+        publisher_id: u64,
+        label: &str,
+        seq: u64,
+        engine_ts: f64,
+        fleet: &Fleet,
+    ) -> Option<Record> {
+        let publisher = fleet.kv_publishers.get(&publisher_id)?;
+        let tcp = publisher.recovery.as_ref()?.tcp.as_deref()?;
+        let worker = publisher.worker;
+        let block_size = fleet
+            .workers
+            .get(&worker.worker_id)
+            .and_then(|w| w.block_size)
+            .unwrap_or(0);
+        let r = match crate::plane_recovery::query(tcp, worker, None, block_size, RECOVERY_TIMEOUT)
+            .await
+        {
+            Ok(r) => r,
+            Err(error) => {
+                KvReplayFailed {
+                    publisher: label,
+                    replay: tcp,
+                    error: &error,
+                }
+                .emit(&self.stats);
+                return None;
+            }
+        };
+        let mut events: Vec<kvscope_wire::KvEvent> = Vec::with_capacity(r.events.len() + 1);
+        if r.dump {
+            events.push(kvscope_wire::KvEvent::AllBlocksCleared);
+        }
+        events.extend(
+            r.events
+                .into_iter()
+                .filter(|e| e.worker == worker)
+                .map(|mut e| {
+                    with_block_size(&mut e, fleet);
+                    e.event
+                }),
+        );
+        self.recovered_through.insert(publisher_id, r.last_event_id);
+        KvBatchReplayed {
+            publisher: label,
+            seq,
+        }
+        .emit(&self.stats);
+        Some(Record::KvEvents(KvEventBatch {
+            worker,
+            publisher: label.to_string(),
+            origin: KvOrigin::EventPlane,
+            seq,
+            sequence: SequenceStatus::Replayed,
+            engine_ts,
+            events,
+        }))
+    }
+
+    /// On subscribing, before the first envelope: the worker's cache as it is now
+    /// (numbered 0) when it holds anything — kvscope started after the engines — so
+    /// the mirror starts whole rather than empty, idle workers included.
+    pub async fn start_from_dump(
+        &mut self,
+        channel: &str,
+        publisher_id: u64,
+        fleet: &Fleet,
+    ) -> Option<Record> {
+        let label = format!("{channel}#{publisher_id:x}");
+        let now = crate::record_sink::now_ns() as f64 / 1e9;
+        let r = self.dump(publisher_id, &label, 0, now, fleet).await?;
+        // An empty cache (the usual start, before any request) needs no dump: the
+        // stream starts as it would have anyway.
+        let cached = matches!(&r, Record::KvEvents(b) if b.events.iter().any(|e| !matches!(e, kvscope_wire::KvEvent::AllBlocksCleared)));
+        if !cached {
+            self.recovered_through.remove(&publisher_id);
+            return None;
+        }
+        KvReplayDone {
+            publisher: &label,
+            from: 0,
+            next: 0,
+            batches: 1,
+            complete: true,
+        }
+        .emit(&self.stats);
+        Some(r)
+    }
+
+    /// `d` is the first envelope after a dump, or missed some: the batches that stand
+    /// in for what came before it (`Replayed`, numbered just before it) come first,
+    /// and `d` follows in order without the events they already held. After a dump
+    /// that is an empty marker; after a gap, or a late first envelope with no dump
+    /// yet, a fresh dump. Without a recovery target, or when the query fails, nothing
+    /// (counted), and `d` stays as it is.
+    pub async fn recover(&mut self, d: &mut DecodedEnvelope, fleet: &Fleet) -> Option<Record> {
+        let seq = d.seq.saturating_sub(1);
+        let dumped = d.sequence == SequenceStatus::First
+            && self.recovered_through.contains_key(&d.publisher_id);
+        if dumped && d.seq == 0 {
+            // A publisher that started anew since the dump: nothing came before.
+            return None;
+        }
+        let record = if dumped {
+            Record::KvEvents(KvEventBatch {
+                worker: d.registered.or(d.events.first().map(|e| e.worker))?,
+                publisher: d.publisher.clone(),
+                origin: KvOrigin::EventPlane,
+                seq,
+                sequence: SequenceStatus::Replayed,
+                engine_ts: d.engine_ts,
+                events: Vec::new(),
+            })
+        } else {
+            if !d.missed_some() {
+                return None;
+            }
+            let r = self
+                .dump(
+                    d.publisher_id,
+                    &d.publisher.clone(),
+                    seq,
+                    d.engine_ts,
+                    fleet,
+                )
+                .await?;
+            let from = match d.sequence {
+                SequenceStatus::Gap { missed } => d.seq.saturating_sub(missed),
+                _ => 0,
+            };
+            KvReplayDone {
+                publisher: &d.publisher,
+                from,
+                next: d.seq,
+                batches: 1,
+                complete: true,
+            }
+            .emit(&self.stats);
+            r
+        };
+        let through = self
+            .recovered_through
+            .get(&d.publisher_id)
+            .copied()
+            .unwrap_or(0);
+        d.events.retain(|e| e.event_id > through);
+        d.sequence = SequenceStatus::InOrder;
+        Some(record)
+    }
+}
+
+const RECOVERY_TIMEOUT: Duration = Duration::from_secs(10);
+
+fn with_block_size(e: &mut PlaneEvent, fleet: &Fleet) {
+    if let kvscope_wire::KvEvent::BlockStored { block_size, .. } = &mut e.event {
+        *block_size = fleet
+            .workers
+            .get(&e.worker.worker_id)
+            .and_then(|w| w.block_size)
+            .unwrap_or(0);
     }
 }
 
@@ -250,6 +473,7 @@ async fn zmq_publisher(ctx: PlaneContext, endpoint: String, publisher_id: u64) {
     let mut stop = ctx.stop.clone();
     let label = format!("{endpoint}#{publisher_id:x}");
     let mut backoff = MIN_BACKOFF;
+    let mut dumped = false;
     while !*stop.borrow() {
         let connected = tokio::select! {
             r = Connection::connect(&endpoint, SocketType::Sub, ctx.limits, CONNECT_TIMEOUT) => r,
@@ -263,6 +487,17 @@ async fn zmq_publisher(ctx: PlaneContext, endpoint: String, publisher_id: u64) {
             Ok(mut conn) => {
                 KvTapConnected { publisher: &label }.emit(&ctx.stats);
                 backoff = MIN_BACKOFF;
+                // Subscribed: what the worker cached before now, once.
+                if !dumped {
+                    let fleet = ctx.view.borrow().clone();
+                    if let Some(r) = decoder
+                        .start_from_dump(&endpoint, publisher_id, &fleet)
+                        .await
+                    {
+                        ctx.sink.submit_event(source.id, r, None);
+                    }
+                    dumped = true;
+                }
                 loop {
                     let msg = tokio::select! {
                         m = conn.recv() => m,
@@ -299,10 +534,15 @@ async fn zmq_publisher(ctx: PlaneContext, endpoint: String, publisher_id: u64) {
                         }
                     };
                     let fleet = ctx.view.borrow().clone();
-                    if let Some((_, at, records)) = decoder.envelope(&endpoint, bytes, &fleet) {
-                        for r in records {
-                            ctx.sink.submit_event(source.id, r, at);
-                        }
+                    let Some(mut d) = decoder.decode(&endpoint, bytes, &fleet) else {
+                        continue;
+                    };
+                    if let Some(r) = decoder.recover(&mut d, &fleet).await {
+                        ctx.sink.submit_event(source.id, r, d.at);
+                    }
+                    let at = d.at;
+                    for r in decoder.records(d) {
+                        ctx.sink.submit_event(source.id, r, at);
                     }
                 }
             }
@@ -393,17 +633,21 @@ async fn nats_subject(ctx: PlaneContext, subject: String) {
                 continue;
             }
             let fleet = ctx.view.borrow().clone();
-            let Some((publisher, at, records)) = decoder.envelope(&label, &msg.payload, &fleet)
-            else {
+            let Some(mut d) = decoder.decode(&label, &msg.payload, &fleet) else {
                 continue;
             };
+            let publisher = d.publisher_id;
             let source = sources.entry(publisher).or_insert_with(|| SourceGuard {
                 sink: ctx.sink.clone(),
                 id: ctx
                     .sink
                     .add_publisher(&format!("{label}/{publisher}"), ctx.window_ns),
             });
-            for r in records {
+            if let Some(r) = decoder.recover(&mut d, &fleet).await {
+                ctx.sink.submit_event(source.id, r, d.at);
+            }
+            let at = d.at;
+            for r in decoder.records(d) {
                 ctx.sink.submit_event(source.id, r, at);
             }
             // Publishers that left the fleet stop holding records back.
