@@ -146,6 +146,25 @@ pub struct CollectorCounters {
     /// (`analyzer.models`): skipped.
     pub batches_other_models: u64,
     pub decisions_other_models: u64,
+    /// Verdicts judged before a KV event they depend on: a batch stamped by its engine
+    /// before the decision, storing a block of the decision's chain, was applied after
+    /// it (it reached the agent later than the wait for it). Flagged
+    /// (`judged_before_event`), and a data fault of the window open when found.
+    pub verdicts_judged_before_event: u64,
+}
+
+/// Verdicts remembered for [`CollectorCounters::verdicts_judged_before_event`]: at most
+/// this many, and none older than [`JUDGED_MEMORY_NS`] before the newest.
+const JUDGED_MEMORY: usize = 4096;
+const JUDGED_MEMORY_NS: u64 = 10_000_000_000;
+
+/// A verdict's decision time and chain, kept a while to find events it missed.
+#[derive(Debug)]
+struct Judged {
+    decided_ns: u64,
+    request_id: String,
+    chain: Vec<SequenceHash>,
+    flagged: bool,
 }
 
 /// Stores remembered per worker for [`CollectorCounters::verdicts_after_own_prefill`].
@@ -254,6 +273,8 @@ pub struct FleetAnalyzer {
     recent_store_ends: HashMap<WorkerKey, VecDeque<(SequenceHash, u64)>>,
     /// Request ids judged lately, oldest first, to refuse a decision seen twice.
     judged_ids: (std::collections::HashSet<String>, VecDeque<String>),
+    /// The latest verdicts' chains, oldest first (see [`Judged`]).
+    judged: VecDeque<Judged>,
 }
 
 impl FleetAnalyzer {
@@ -278,6 +299,7 @@ impl FleetAnalyzer {
             incomplete: std::collections::BTreeSet::new(),
             judged_ids: Default::default(),
             recent_store_ends: HashMap::new(),
+            judged: VecDeque::new(),
         }
     }
 
@@ -541,6 +563,11 @@ impl FleetAnalyzer {
 
     fn apply_kv(&mut self, batch: &KvEventBatch, t: u64) {
         let worker = batch.worker;
+        // The engine's own stamp (a replayed batch stands for what happened before).
+        let engine_ns = (batch.sequence != SequenceStatus::Replayed
+            && batch.engine_ts.is_finite()
+            && batch.engine_ts > 0.0)
+            .then_some((batch.engine_ts * 1e9) as u64);
         self.counters.kv_batches += 1;
         self.index.touch(worker);
         match batch.sequence {
@@ -601,6 +628,9 @@ impl FleetAnalyzer {
                     match stored {
                         Ok(seg) => {
                             self.counters.stored_blocks += seg.blocks.len() as u64;
+                            if let Some(engine_ns) = engine_ns {
+                                self.find_judged_before(engine_ns, &seg.blocks);
+                            }
                             if let Some(&last) = seg.blocks.last() {
                                 let ends = self.recent_store_ends.entry(worker).or_default();
                                 ends.push_back((last, t));
@@ -656,6 +686,28 @@ impl FleetAnalyzer {
         }
     }
 
+    /// Blocks an engine stored at `engine_ns` have just been applied: every verdict
+    /// judged after that moment whose chain holds one of them was judged without it.
+    fn find_judged_before(&mut self, engine_ns: u64, blocks: &[SequenceHash]) {
+        let mut found = Vec::new();
+        for j in self.judged.iter_mut().rev() {
+            if j.decided_ns <= engine_ns {
+                break;
+            }
+            if !j.flagged && j.chain.iter().any(|b| blocks.contains(b)) {
+                j.flagged = true;
+                found.push(j.request_id.clone());
+            }
+        }
+        for id in found {
+            self.counters.verdicts_judged_before_event += 1;
+            self.open_summary().data_faults += 1;
+            if let Some(v) = self.verdicts.iter_mut().rev().find(|v| v.request_id == id) {
+                v.judged_before_event = true;
+            }
+        }
+    }
+
     fn judge(&mut self, d: &RoutingDecision, t: u64) -> SpillVerdict {
         self.counters.decisions += 1;
         if !self.index.knows_worker(&d.worker) {
@@ -666,6 +718,20 @@ impl FleetAnalyzer {
             None => self.index.match_chain(&d.local_hashes),
         };
         let chain = matched.chain;
+        self.judged.push_back(Judged {
+            decided_ns: t,
+            request_id: d.request_id.clone(),
+            chain: chain.clone(),
+            flagged: false,
+        });
+        while self.judged.len() > JUDGED_MEMORY
+            || self
+                .judged
+                .front()
+                .is_some_and(|j| j.decided_ns.saturating_add(JUDGED_MEMORY_NS) < t)
+        {
+            self.judged.pop_front();
+        }
         // The router could only have chosen among the workers serving the request's
         // model (the chosen worker's): a worker of another model holding the same
         // tokens is no candidate, whatever its overlap.
@@ -900,6 +966,66 @@ mod tests {
         assert!(!v.after_own_prefill);
         assert_eq!(a.counters().decisions_fully_cached, 2);
         assert_eq!(a.counters().verdicts_after_own_prefill, 1);
+    }
+
+    #[test]
+    fn a_verdict_judged_before_an_event_it_depends_on_is_found_and_flagged() {
+        let mut a = FleetAnalyzer::new(cfg());
+        let toks: Vec<u32> = (0..8).collect();
+        let at = |secs: f64, r: Record| match r {
+            Record::KvEvents(mut b) => {
+                b.engine_ts = secs;
+                Record::KvEvents(b)
+            }
+            other => other,
+        };
+        // Worker 1 stores the first half of the prompt; the decision for the whole of
+        // it comes at 10 s.
+        a.apply(&env(
+            S,
+            at(
+                1.0,
+                stored(1, 0, SequenceStatus::First, &toks[..4], &[1, 2]),
+            ),
+        ));
+        let v = a.apply(&env(10 * S, decision("late", 2, &toks))).unwrap();
+        assert_eq!(v.overlaps.get(&w(1)), Some(&2));
+        // The rest of the prompt, stored by worker 1 at 9.5 s by its engine's clock,
+        // reaches the collector after the decision: the verdict missed it.
+        a.apply(&env(
+            10 * S,
+            at(
+                9.5,
+                Record::KvEvents(KvEventBatch {
+                    worker: w(1),
+                    publisher: "p1".into(),
+                    origin: Default::default(),
+                    seq: 1,
+                    sequence: SequenceStatus::InOrder,
+                    engine_ts: 0.0,
+                    events: vec![KvEvent::BlockStored {
+                        block_hashes: vec![3, 4],
+                        parent_block_hash: Some(2),
+                        token_ids: toks[4..].to_vec(),
+                        block_size: 2,
+                        local_hashes: None,
+                        lora_name: None,
+                        medium: None,
+                    }],
+                }),
+            ),
+        ));
+        assert_eq!(a.counters().verdicts_judged_before_event, 1);
+        assert!(a.recent_verdicts().next_back().unwrap().judged_before_event);
+        // A store stamped after the decision (its own prefill, say) is no such event.
+        a.apply(&env(
+            11 * S,
+            at(
+                10.5,
+                stored(2, 0, SequenceStatus::First, &toks, &[9, 8, 7, 6]),
+            ),
+        ));
+        assert_eq!(a.counters().verdicts_judged_before_event, 1);
     }
 
     #[test]

@@ -25,7 +25,7 @@ pub fn exposition(shared: &crate::bus::Shared, format: Format) -> String {
 /// The collector's figures for the current state.
 pub fn write(out: &mut Exposition, a: &FleetAnalyzer, bus: &BusStatus) {
     let c = a.counters();
-    let counters: [(&str, &str, u64); 33] = [
+    let counters: [(&str, &str, u64); 34] = [
         ("kvscope_collector_records", "Records applied.", c.records),
         (
             "kvscope_collector_undecodable_records",
@@ -162,6 +162,11 @@ pub fn write(out: &mut Exposition, a: &FleetAnalyzer, bus: &BusStatus) {
             "kvscope_verdicts_clock_behind",
             "Decisions whose router log lines all reached the agent at least 50 ms late: the router's clock may be behind, so they may be judged early (flagged).",
             c.verdicts_clock_behind,
+        ),
+        (
+            "kvscope_verdicts_judged_before_event",
+            "Verdicts found judged before a KV event they depend on (stamped earlier by its engine, applied after them): flagged.",
+            c.verdicts_judged_before_event,
         ),
         (
             "kvscope_duplicate_decisions",

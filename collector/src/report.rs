@@ -493,6 +493,10 @@ impl OpportunityReport {
                 c.verdicts_clock_behind,
             ),
             (
+                "verdicts judged before a KV event they depend on (it reached the agent too late)",
+                c.verdicts_judged_before_event,
+            ),
+            (
                 "decisions for workers with no KV events",
                 c.decisions_for_unseen_workers,
             ),

@@ -27,6 +27,10 @@ pub struct SpillVerdict {
     /// it depends on.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub clock_behind_ms: Option<u64>,
+    /// Found later to have been judged before a KV event it depends on (one stamped
+    /// earlier, applied after it): its overlaps may be short.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub judged_before_event: bool,
     pub decided_ns: u64,
     pub chosen: WorkerKey,
     pub chosen_overlap_blocks: u32,
@@ -127,6 +131,7 @@ impl SpillVerdict {
             incomplete_mirror: false,
             after_own_prefill: false,
             clock_behind_ms: decision.clock_behind_ms,
+            judged_before_event: false,
             decided_ns,
             chosen,
             chosen_overlap_blocks: chosen_overlap,
