@@ -686,7 +686,8 @@ fn print_report(args: &FreshnessArgs, r: &FreshnessReport) {
     );
     println!(
         "Collector (whole run): {} stored, {} removed blocks, {} decisions, {} sequence gaps \
-         ({} batches missed), {} unknown parents, {} fully cached decisions, {} late records.",
+         ({} batches missed), {} unknown parents, {} fully cached decisions, {} late records, \
+         {} verdicts it found judged before an event they depend on.",
         c["stored_blocks"],
         c["removed_blocks"],
         c["decisions"],
@@ -694,7 +695,8 @@ fn print_report(args: &FreshnessArgs, r: &FreshnessReport) {
         c["missed_batches"],
         c["unknown_parent_events"],
         c["decisions_fully_cached"],
-        c["late_records"]
+        c["late_records"],
+        c["verdicts_judged_before_event"]
     );
     println!(
         "Agent (last heartbeat): {} published, {} dropped, {} late, {} sequence gaps.",
