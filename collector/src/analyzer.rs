@@ -157,6 +157,8 @@ pub struct CollectorCounters {
 /// this many, and none older than [`JUDGED_MEMORY_NS`] before the newest.
 const JUDGED_MEMORY: usize = 4096;
 const JUDGED_MEMORY_NS: u64 = 10_000_000_000;
+/// ... and at most this many chain hashes in all (8 MiB): long prompts' chains are long.
+const JUDGED_MEMORY_HASHES: usize = 1 << 20;
 
 /// A verdict's decision time and chain, kept a while to find events it missed.
 #[derive(Debug)]
@@ -273,8 +275,9 @@ pub struct FleetAnalyzer {
     recent_store_ends: HashMap<WorkerKey, VecDeque<(SequenceHash, u64)>>,
     /// Request ids judged lately, oldest first, to refuse a decision seen twice.
     judged_ids: (std::collections::HashSet<String>, VecDeque<String>),
-    /// The latest verdicts' chains, oldest first (see [`Judged`]).
+    /// The latest verdicts' chains, oldest first (see [`Judged`]), and their hashes in all.
     judged: VecDeque<Judged>,
+    judged_hashes: usize,
 }
 
 impl FleetAnalyzer {
@@ -300,6 +303,7 @@ impl FleetAnalyzer {
             judged_ids: Default::default(),
             recent_store_ends: HashMap::new(),
             judged: VecDeque::new(),
+            judged_hashes: 0,
         }
     }
 
@@ -689,6 +693,10 @@ impl FleetAnalyzer {
     /// Blocks an engine stored at `engine_ns` have just been applied: every verdict
     /// judged after that moment whose chain holds one of them was judged without it.
     fn find_judged_before(&mut self, engine_ns: u64, blocks: &[SequenceHash]) {
+        if self.judged.back().is_none_or(|j| j.decided_ns <= engine_ns) {
+            return;
+        }
+        let blocks: std::collections::HashSet<&SequenceHash> = blocks.iter().collect();
         let mut found = Vec::new();
         for j in self.judged.iter_mut().rev() {
             if j.decided_ns <= engine_ns {
@@ -718,19 +726,26 @@ impl FleetAnalyzer {
             None => self.index.match_chain(&d.local_hashes),
         };
         let chain = matched.chain;
-        self.judged.push_back(Judged {
-            decided_ns: t,
-            request_id: d.request_id.clone(),
-            chain: chain.clone(),
-            flagged: false,
-        });
+        if chain.len() <= JUDGED_MEMORY_HASHES {
+            self.judged_hashes += chain.len();
+            self.judged.push_back(Judged {
+                decided_ns: t,
+                request_id: d.request_id.clone(),
+                chain: chain.clone(),
+                flagged: false,
+            });
+        }
         while self.judged.len() > JUDGED_MEMORY
+            || self.judged_hashes > JUDGED_MEMORY_HASHES
             || self
                 .judged
                 .front()
                 .is_some_and(|j| j.decided_ns.saturating_add(JUDGED_MEMORY_NS) < t)
         {
-            self.judged.pop_front();
+            let Some(j) = self.judged.pop_front() else {
+                break;
+            };
+            self.judged_hashes -= j.chain.len();
         }
         // The router could only have chosen among the workers serving the request's
         // model (the chosen worker's): a worker of another model holding the same
