@@ -452,7 +452,9 @@ impl PlaneDecoder {
     }
 }
 
-const RECOVERY_TIMEOUT: Duration = Duration::from_secs(10);
+/// As Dynamo's own request-plane client (`DYN_TCP_REQUEST_TIMEOUT`); the tap reads nothing
+/// meanwhile, its messages wait in the socket.
+const RECOVERY_TIMEOUT: Duration = Duration::from_secs(5);
 
 fn with_block_size(e: &mut PlaneEvent, fleet: &Fleet) {
     if let kvscope_wire::KvEvent::BlockStored { block_size, .. } = &mut e.event {
