@@ -142,7 +142,7 @@ pub fn parse_line(raw: &str) -> Result<ParsedLine, MalformedLine> {
             return parsed;
         }
     }
-    let ts_ns = line.split_whitespace().next().and_then(parse_rfc3339_ns);
+    let ts_ns = line.split_whitespace().next().and_then(line_time_ns);
     let Some((kind, rest)) = marker(line) else {
         return Ok(ParsedLine {
             ts_ns,
@@ -188,7 +188,7 @@ pub fn parse_json_line(line: &str) -> Option<Result<ParsedLine, MalformedLine>> 
         .get("time")
         .or_else(|| obj.get("timestamp"))
         .and_then(|t| t.as_str())
-        .and_then(parse_rfc3339_ns);
+        .and_then(line_time_ns);
     let message = obj
         .get("message")
         .and_then(|m| m.as_str())
@@ -588,8 +588,30 @@ pub fn strip_ansi(s: &str) -> std::borrow::Cow<'_, str> {
     std::borrow::Cow::Owned(out)
 }
 
+/// When a log line was written, as the agent orders it. Dynamo stamps lines to the
+/// microsecond, engines their batches to a fraction of one: a batch published within
+/// the microsecond of a decision line, before it, would be ordered after it (seen on
+/// the freshness bench: ~1% of decisions judged without the answer published just
+/// before them). So a stamp of microseconds or finer is taken at the *end* of the
+/// interval it names; nothing a line reports happens within a microsecond of it. A
+/// coarser stamp keeps its start: ending a millisecond or a second later could put a
+/// decision after its own prefill.
+pub fn line_time_ns(s: &str) -> Option<u64> {
+    let (start, digits) = parse_rfc3339(s)?;
+    if digits < 6 {
+        return Some(start);
+    }
+    let span = 10u64.pow(9 - digits.min(9));
+    start.checked_add(span - 1)
+}
+
 /// `2026-11-29T07:50:01.123456Z` (or with a `+hh:mm` offset) → UNIX nanoseconds.
 pub fn parse_rfc3339_ns(s: &str) -> Option<u64> {
+    parse_rfc3339(s).map(|(ns, _)| ns)
+}
+
+/// [`parse_rfc3339_ns`], and how many fractional digits the stamp has.
+fn parse_rfc3339(s: &str) -> Option<(u64, u32)> {
     let b = s.as_bytes();
     if b.len() < 20
         || b[4] != b'-'
@@ -613,6 +635,7 @@ pub fn parse_rfc3339_ns(s: &str) -> Option<u64> {
     }
     let mut i = 19;
     let mut nanos: i64 = 0;
+    let mut digits = 0u32;
     if b.get(i) == Some(&b'.') {
         i += 1;
         let start = i;
@@ -625,6 +648,7 @@ pub fn parse_rfc3339_ns(s: &str) -> Option<u64> {
         if i == start {
             return None;
         }
+        digits = (i - start) as u32;
         for _ in (i - start)..9 {
             nanos *= 10;
         }
@@ -643,10 +667,11 @@ pub fn parse_rfc3339_ns(s: &str) -> Option<u64> {
     };
     let days = days_from_civil(y, mo, d);
     let secs = days * 86_400 + h * 3600 + mi * 60 + sec - offset_secs;
-    u64::try_from(secs)
+    let ns = u64::try_from(secs)
         .ok()?
         .checked_mul(1_000_000_000)?
-        .checked_add(nanos as u64)
+        .checked_add(nanos as u64)?;
+    Some((ns, digits))
 }
 
 /// Days since 1970-01-01 of a proleptic Gregorian date (Howard Hinnant's algorithm).
@@ -670,7 +695,8 @@ mod tests {
     #[test]
     fn routing_input_line() {
         let p = parse_line(INPUT).unwrap();
-        assert_eq!(p.ts_ns, Some(1_795_938_601_123_456_000));
+        // The end of the microsecond the line names (see `line_time_ns`).
+        assert_eq!(p.ts_ns, Some(1_795_938_601_123_456_999));
         assert_eq!(
             p.content,
             LineContent::RoutingInput(RoutingInput {
@@ -800,6 +826,13 @@ mod tests {
 
     #[test]
     fn timestamps() {
+        // Ordering takes a microsecond stamp at its end, a finer one as is, a coarser
+        // one at its start.
+        let at = |s: &str| line_time_ns(s).unwrap() % 1_000_000_000;
+        assert_eq!(at("2026-11-29T07:50:01.123456Z"), 123_456_999);
+        assert_eq!(at("2026-11-29T07:50:01.123456789Z"), 123_456_789);
+        assert_eq!(at("2026-11-29T07:50:01.123Z"), 123_000_000);
+        assert_eq!(at("2026-11-29T07:50:01Z"), 0);
         assert_eq!(parse_rfc3339_ns("1970-01-01T00:00:00Z"), Some(0));
         assert_eq!(
             parse_rfc3339_ns("1970-01-01T00:00:01.5Z"),
