@@ -177,8 +177,10 @@ impl PlaneDecoder {
     }
 
     /// One envelope from `channel` → (publisher id, engine time in UNIX ns, records);
-    /// every problem is emitted.
-    pub fn envelope(
+    /// every problem is emitted. (The taps go through [`Self::decode`] and
+    /// [`Self::recover`].)
+    #[cfg(test)]
+    fn envelope(
         &mut self,
         channel: &str,
         bytes: &[u8],
@@ -419,13 +421,7 @@ impl PlaneDecoder {
                 return None;
             }
             let r = self
-                .dump(
-                    d.publisher_id,
-                    &d.publisher.clone(),
-                    seq,
-                    d.engine_ts,
-                    fleet,
-                )
+                .dump(d.publisher_id, &d.publisher, seq, d.engine_ts, fleet)
                 .await?;
             let from = match d.sequence {
                 SequenceStatus::Gap { missed } => d.seq.saturating_sub(missed),

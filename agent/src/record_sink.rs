@@ -127,6 +127,20 @@ struct Progress {
 }
 
 impl Progress {
+    /// This source's stamp `t`, seen at `now`, corrected by its clock's estimated offset
+    /// (counted when moved).
+    fn take_stamp(&mut self, t: u64, now: u64, stats: &AgentStats) -> u64 {
+        let (t, corrected) = self.clock.observe(t, now);
+        if corrected {
+            RecordClockCorrected {
+                source: &self.name,
+                ahead_ns: self.clock.ahead_ns(),
+            }
+            .emit(stats);
+        }
+        t
+    }
+
     /// How long records wait for this source while it is quiet.
     fn wait_ns(&self, lag: &DeliveryLag) -> u64 {
         match (self.publisher, lag.bound_ns()) {
@@ -141,34 +155,50 @@ impl Progress {
     }
 }
 
+/// A figure over the current period and the one before it: it forgets what is older
+/// than one or two periods, and a whole period without a sample forgets both.
+#[derive(Debug, Default, Clone)]
+struct TwoPeriods<T> {
+    start: u64,
+    current: T,
+    previous: T,
+}
+
+impl<T: Default> TwoPeriods<T> {
+    /// The current period's figure at `now`, periods of `period_ns`.
+    fn current_at(&mut self, now: u64, period_ns: u64) -> &mut T {
+        let age = now.saturating_sub(self.start);
+        if age >= period_ns {
+            let current = std::mem::take(&mut self.current);
+            self.previous = if age >= 2 * period_ns {
+                T::default()
+            } else {
+                current
+            };
+            self.start = now;
+        }
+        &mut self.current
+    }
+}
+
 /// The largest delay, from a KV batch's engine time stamp to its arrival here, over the
 /// last one or two periods.
 #[derive(Debug, Default)]
-struct DeliveryLag {
-    period_start: u64,
-    current: Option<u64>,
-    previous: Option<u64>,
-}
+struct DeliveryLag(TwoPeriods<Option<u64>>);
 
 impl DeliveryLag {
     const PERIOD_NS: u64 = 5_000_000_000;
     const MARGIN_NS: u64 = 2_000_000;
 
     fn observe(&mut self, lag_ns: u64, now: u64) {
-        if now.saturating_sub(self.period_start) >= Self::PERIOD_NS {
-            // A period without batches leaves nothing to carry over.
-            let idle = now.saturating_sub(self.period_start) >= 2 * Self::PERIOD_NS;
-            self.previous = if idle { None } else { self.current };
-            self.current = None;
-            self.period_start = now;
-        }
-        self.current = Some(self.current.map_or(lag_ns, |m| m.max(lag_ns)));
+        let max = self.0.current_at(now, Self::PERIOD_NS);
+        *max = Some(max.map_or(lag_ns, |m| m.max(lag_ns)));
     }
 
     /// How long a quiet publisher is waited for: twice the largest recent lag plus a
     /// margin; `None` before any batch was measured.
     fn bound_ns(&self) -> Option<u64> {
-        let max = match (self.current, self.previous) {
+        let max = match (self.0.current, self.0.previous) {
             (Some(a), Some(b)) => a.max(b),
             (a, b) => a.or(b)?,
         };
@@ -179,11 +209,7 @@ impl DeliveryLag {
 /// A source's clock against the agent's, over the last one or two periods: see the
 /// module docs.
 #[derive(Debug, Default, Clone)]
-struct SourceClock {
-    period_start: u64,
-    current: ClockPeriod,
-    previous: ClockPeriod,
-}
+struct SourceClock(TwoPeriods<ClockPeriod>);
 
 #[derive(Debug, Default, Clone, Copy)]
 struct ClockPeriod {
@@ -205,18 +231,8 @@ impl SourceClock {
     /// Take `stamp`, seen at `now`; returns the stamp corrected by the offset as now
     /// estimated, never later than `now`.
     fn observe(&mut self, stamp: u64, now: u64) -> (u64, bool) {
-        if now.saturating_sub(self.period_start) >= Self::PERIOD_NS {
-            let idle = now.saturating_sub(self.period_start) >= 2 * Self::PERIOD_NS;
-            self.previous = if idle {
-                ClockPeriod::default()
-            } else {
-                self.current
-            };
-            self.current = ClockPeriod::default();
-            self.period_start = now;
-        }
+        let c = self.0.current_at(now, Self::PERIOD_NS);
         let ahead = stamp.saturating_sub(now);
-        let c = &mut self.current;
         c.samples += 1;
         if ahead <= Self::MAX_AHEAD_NS {
             if ahead > c.ahead[0] {
@@ -228,29 +244,30 @@ impl SourceClock {
         let offset = self.ahead_ns();
         let corrected = stamp.saturating_sub(offset).min(now);
         let lag = now - corrected;
-        let c = &mut self.current;
+        let c = &mut self.0.current;
         c.floor = Some(c.floor.map_or(lag, |f| f.min(lag)));
         (corrected, offset > 0)
+    }
+
+    /// Records seen over both periods.
+    fn samples(&self) -> u64 {
+        self.0.current.samples + self.0.previous.samples
     }
 
     /// The estimated offset (ns ahead of the agent's clock): the second largest amount
     /// ahead over both periods, 0 before two samples.
     fn ahead_ns(&self) -> u64 {
-        if self.current.samples + self.previous.samples < 2 {
+        if self.samples() < 2 {
             return 0;
         }
-        let mut all = [
-            self.current.ahead[0],
-            self.current.ahead[1],
-            self.previous.ahead[0],
-            self.previous.ahead[1],
-        ];
+        let (c, p) = (&self.0.current, &self.0.previous);
+        let mut all = [c.ahead[0], c.ahead[1], p.ahead[0], p.ahead[1]];
         all.sort_unstable();
         all[2]
     }
 
     fn floor_ns(&self) -> Option<u64> {
-        match (self.current.floor, self.previous.floor) {
+        match (self.0.current.floor, self.0.previous.floor) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         }
@@ -402,7 +419,7 @@ impl RecordSink {
         inner
             .sources
             .iter()
-            .filter(|p| !p.retired && p.clock.current.samples + p.clock.previous.samples > 0)
+            .filter(|p| !p.retired && p.clock.samples() > 0)
             .map(|p| SourceClockReading {
                 name: p.name.clone(),
                 ahead_ns: p.clock.ahead_ns(),
@@ -420,7 +437,7 @@ impl RecordSink {
         let inner = self.lock();
         let p = inner.sources.get(source.0)?;
         let c = &p.clock;
-        if p.held || c.current.samples + c.previous.samples < 3 {
+        if p.held || c.samples() < 3 {
             return None;
         }
         c.floor_ns()
@@ -448,15 +465,8 @@ impl RecordSink {
     pub fn advance_at(&self, source: SourceId, event_ns: u64, now: u64) {
         let mut inner = self.lock();
         if let Some(p) = inner.sources.get_mut(source.0) {
-            let (t, corrected) = p.clock.observe(event_ns, now);
+            let t = p.take_stamp(event_ns, now, &self.stats);
             p.last_ns = p.last_ns.max(t);
-            if corrected {
-                RecordClockCorrected {
-                    source: &p.name,
-                    ahead_ns: p.clock.ahead_ns(),
-                }
-                .emit(&self.stats);
-            }
         }
         let released = self.release_locked(&mut inner, now, false);
         drop(inner);
@@ -478,15 +488,7 @@ impl RecordSink {
         let mut inner = self.lock();
         let mut event_ns = event_ns.unwrap_or(now_ns);
         if let Some(p) = source.and_then(|s| inner.sources.get_mut(s.0)) {
-            let (t, corrected) = p.clock.observe(event_ns, now_ns);
-            event_ns = t;
-            if corrected {
-                RecordClockCorrected {
-                    source: &p.name,
-                    ahead_ns: p.clock.ahead_ns(),
-                }
-                .emit(&self.stats);
-            }
+            event_ns = p.take_stamp(event_ns, now_ns, &self.stats);
             p.last_ns = p.last_ns.max(event_ns);
             if p.publisher {
                 inner.lag.observe(now_ns - event_ns, now_ns);
@@ -735,16 +737,7 @@ mod tests {
 
     #[test]
     fn records_leave_in_event_time_order_once_every_source_has_passed_them() {
-        let stats = Arc::new(AgentStats::default());
-        let sink = RecordSink::new(
-            "a",
-            Subjects::new("c"),
-            100,
-            usize::MAX,
-            None,
-            stats.clone(),
-        )
-        .unwrap();
+        let (sink, stats) = sink();
         let (kv, log) = (sink.add_source("kv", 50), sink.add_source("log", 50));
         let times = |sink: &RecordSink| -> Vec<u64> {
             sink.peek(10).iter().map(|o| o.observed_ns).collect()
@@ -793,8 +786,8 @@ mod tests {
 
     const T0: u64 = 1_800_000_000_000_000_000;
 
-    #[test]
-    fn a_source_clock_ahead_is_corrected_and_one_stray_line_does_not_move_it() {
+    /// A sink holding 100 records, unbounded in bytes, without a recording.
+    fn sink() -> (RecordSink, Arc<AgentStats>) {
         let stats = Arc::new(AgentStats::default());
         let sink = RecordSink::new(
             "a",
@@ -805,6 +798,12 @@ mod tests {
             stats.clone(),
         )
         .unwrap();
+        (sink, stats)
+    }
+
+    #[test]
+    fn a_source_clock_ahead_is_corrected_and_one_stray_line_does_not_move_it() {
+        let (sink, stats) = sink();
         let log = sink.add_source("router_log", 250 * MS);
         // The router's clock reads 100 ms ahead; its lines reach the agent 1 to 20 ms
         // after they are written (a polled file).
@@ -848,16 +847,7 @@ mod tests {
 
     #[test]
     fn a_source_whose_every_record_arrives_late_is_flagged_when_within_its_window() {
-        let stats = Arc::new(AgentStats::default());
-        let sink = RecordSink::new(
-            "a",
-            Subjects::new("c"),
-            100,
-            usize::MAX,
-            None,
-            stats.clone(),
-        )
-        .unwrap();
+        let (sink, stats) = sink();
         let (behind, old, fine) = (
             sink.add_source("behind", 250 * MS),
             sink.add_source("read_from_start", 250 * MS),
@@ -898,16 +888,7 @@ mod tests {
 
     #[test]
     fn each_source_is_waited_for_no_longer_than_its_own_window() {
-        let stats = Arc::new(AgentStats::default());
-        let sink = RecordSink::new(
-            "a",
-            Subjects::new("c"),
-            100,
-            usize::MAX,
-            None,
-            stats.clone(),
-        )
-        .unwrap();
+        let (sink, stats) = sink();
         let (log, kv) = (sink.add_source("log", 250), sink.add_source("kv", 10));
         // A decision (log time 100) waits for the silent publisher only 10.
         sink.submit_at(Some(log), hb(), Some(100), 101);
@@ -947,16 +928,7 @@ mod tests {
 
     #[test]
     fn a_quiet_publisher_is_waited_for_twice_the_measured_lag_within_its_window() {
-        let stats = Arc::new(AgentStats::default());
-        let sink = RecordSink::new(
-            "a",
-            Subjects::new("c"),
-            100,
-            usize::MAX,
-            None,
-            stats.clone(),
-        )
-        .unwrap();
+        let (sink, stats) = sink();
         let log = sink.add_source("log", 250 * MS);
         let (busy, quiet) = (
             sink.add_publisher("busy", 250 * MS),
@@ -998,16 +970,7 @@ mod tests {
 
     #[test]
     fn a_held_source_makes_every_record_wait_its_window_and_takes_older_ones_in_order() {
-        let stats = Arc::new(AgentStats::default());
-        let sink = RecordSink::new(
-            "a",
-            Subjects::new("c"),
-            100,
-            usize::MAX,
-            None,
-            stats.clone(),
-        )
-        .unwrap();
+        let (sink, stats) = sink();
         let (log, kv) = (sink.add_source("log", 50), sink.add_source("kv", 10));
         sink.hold_source(log, 1000);
         // The log moved far ahead, yet a KV batch at 100 still waits the log's window.
