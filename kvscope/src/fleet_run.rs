@@ -14,6 +14,7 @@ use kvscope_collector::analyzer::{AnalyzerConfig, FleetAnalyzer};
 use kvscope_collector::report::OpportunityReport;
 use kvscope_collector::verdict::SpillVerdict;
 use kvscope_lab::process::{stop_all, ManagedProcess};
+use kvscope_lab::workload::WorkloadConfig;
 use kvscope_lab::{Lab, LabConfig};
 use kvscope_wire::Envelope;
 use kvscope_wire::Subjects;
@@ -164,6 +165,34 @@ impl FleetRun {
 
     pub fn lab(&self) -> &Lab {
         self.lab.as_ref().expect("the lab runs until stop")
+    }
+
+    /// The end-to-end tests' chat workload against the lab's frontend for
+    /// `duration_secs`: 24 sessions in 3 prefix families, up to 30 turns, 12 in flight,
+    /// 15 requests/s.
+    pub fn chat_workload(&self, duration_secs: f64) -> WorkloadConfig {
+        WorkloadConfig {
+            frontend: self.lab().frontend_url().to_string(),
+            sessions: 24,
+            families: 3,
+            max_turns: 30,
+            concurrency: 12,
+            rate: Some(15.0),
+            duration_secs,
+            ..WorkloadConfig::default()
+        }
+    }
+
+    /// `kvscope agent` beside the run's own: on the run's bus as `agent_id` of `cluster`
+    /// (one of the lab's `bus_agents`), with that agent's credentials. The caller adds
+    /// its taps.
+    pub fn other_agent(&self, agent_id: &str, cluster: &str) -> anyhow::Result<Command> {
+        let mut cmd = Command::new(&self.exe);
+        cmd.args(["agent", "--nats-url", self.nats_url(), "--cluster", cluster])
+            .args(["--agent-id", agent_id])
+            .envs(self.agent_bus_env(agent_id)?)
+            .env("RUST_LOG", "info");
+        Ok(cmd)
     }
 
     pub fn api(&self) -> String {

@@ -19,7 +19,7 @@ mod oracle;
 
 use kvscope::fleet_run::{FleetRun, FleetRunConfig};
 use kvscope_collector::report::OpportunityReport;
-use kvscope_lab::workload::{self, WorkloadConfig};
+use kvscope_lab::workload;
 use kvscope_lab::LabConfig;
 use kvscope_wire::{AgentCounters, Record};
 use std::collections::HashMap;
@@ -98,18 +98,9 @@ async fn run_skewed(offset_ms: i64) -> Skewed {
     let run = FleetRun::start(exe, cfg)
         .await
         .expect("lab (frontend clock skewed), agent and collector start");
-    let summary = workload::run(WorkloadConfig {
-        frontend: run.lab().frontend_url().to_string(),
-        sessions: 24,
-        families: 3,
-        max_turns: 30,
-        concurrency: 12,
-        rate: Some(15.0),
-        duration_secs: 14.0,
-        ..WorkloadConfig::default()
-    })
-    .await
-    .expect("the workload runs");
+    let summary = workload::run(run.chat_workload(14.0))
+        .await
+        .expect("the workload runs");
     assert_eq!(summary.failed, 0);
     assert!(summary.ok >= 60, "{} requests", summary.ok);
     run.wait_for_decisions(summary.ok as u64, Duration::from_secs(60))

@@ -15,7 +15,7 @@ mod oracle;
 
 use kvscope::fleet_run::{FleetRun, FleetRunConfig, KvSource};
 use kvscope_collector::analyzer::{AnalyzerConfig, FleetAnalyzer};
-use kvscope_lab::workload::{self, WorkloadConfig};
+use kvscope_lab::workload;
 use kvscope_lab::{LabConfig, LabDiscovery, LabEventPlane};
 use kvscope_wire::recording::read_recording;
 use kvscope_wire::{KvOrigin, Record, WorkerState};
@@ -45,16 +45,7 @@ async fn run_shape(event_plane: LabEventPlane, restart_a_worker: bool) {
     .await
     .expect("lab (etcd discovery), agent and collector start");
     let first_ids: BTreeSet<u64> = run.lab().workers().iter().map(|w| w.worker_id).collect();
-    let wl = WorkloadConfig {
-        frontend: run.lab().frontend_url().to_string(),
-        sessions: 24,
-        families: 3,
-        max_turns: 30,
-        concurrency: 12,
-        rate: Some(15.0),
-        duration_secs: if restart_a_worker { 24.0 } else { 16.0 },
-        ..WorkloadConfig::default()
-    };
+    let wl = run.chat_workload(if restart_a_worker { 24.0 } else { 16.0 });
     let workload = tokio::spawn(workload::run(wl));
     let mut retired = None;
     if restart_a_worker {

@@ -16,13 +16,13 @@ use kvscope::fleet_run::{FleetRun, FleetRunConfig};
 use kvscope_collector::verdict::SpillVerdict;
 use kvscope_lab::bus_security::BusAgent;
 use kvscope_lab::process::{stop_all, ManagedProcess};
-use kvscope_lab::workload::{self, WorkloadConfig};
+use kvscope_lab::workload;
 use kvscope_lab::LabConfig;
 use kvscope_wire::recording::read_recording;
 use kvscope_wire::Record;
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::process::Command;
+
 use std::time::Duration;
 
 const WINDOW_SECS: f64 = 4.0;
@@ -52,17 +52,14 @@ async fn request_trace_verdicts_measure_what_the_debug_lines_measure() {
     let run_dir = run.run_dir();
     // The INFO-level agent: the same mockers, decisions from the trace only.
     let info_recording = run_dir.join("info-agent.jsonl");
-    let mut cmd = Command::new(exe);
-    cmd.args(["agent", "--nats-url", run.nats_url(), "--cluster", "info"])
-        .args(["--agent-id", "info-node", "--decisions", "request-trace"])
+    let mut cmd = run.other_agent("info-node", "info").unwrap();
+    cmd.args(["--decisions", "request-trace"])
         .args(["--request-trace-window-ms", "5000", "--from-start"])
         .arg("--router-log")
         .arg(run.lab().router_log())
         .arg("--record")
         .arg(&info_recording)
-        .envs(run.lab().manifest().dynamo_env())
-        .envs(run.agent_bus_env("info-node").unwrap())
-        .env("RUST_LOG", "info");
+        .envs(run.lab().manifest().dynamo_env());
     for w in run.lab().workers() {
         let replay = w.kv_replay_endpoint.clone().unwrap();
         cmd.arg("--kv")
@@ -73,18 +70,9 @@ async fn request_trace_verdicts_measure_what_the_debug_lines_measure() {
     // Both agents subscribed before the first request.
     tokio::time::sleep(Duration::from_secs(3)).await;
 
-    let summary = workload::run(WorkloadConfig {
-        frontend: run.lab().frontend_url().to_string(),
-        sessions: 24,
-        families: 3,
-        max_turns: 30,
-        concurrency: 12,
-        rate: Some(15.0),
-        duration_secs: 16.0,
-        ..WorkloadConfig::default()
-    })
-    .await
-    .expect("the workload runs");
+    let summary = workload::run(run.chat_workload(16.0))
+        .await
+        .expect("the workload runs");
     assert!(summary.ok >= 60);
     run.wait_for_decisions(summary.ok as u64, Duration::from_secs(60))
         .await

@@ -26,7 +26,7 @@ const WINDOW_SECS: f64 = 4.0;
 async fn an_agent_started_late_recovers_the_caches_through_dynamos_endpoints() {
     use kvscope_lab::bus_security::BusAgent;
     use kvscope_lab::process::{stop_all, ManagedProcess};
-    use std::process::Command;
+
     let lab = LabConfig {
         workers: 3,
         discovery: LabDiscovery::Etcd,
@@ -50,15 +50,8 @@ async fn an_agent_started_late_recovers_the_caches_through_dynamos_endpoints() {
     .await
     .expect("lab (etcd discovery), agent and collector start");
     let workload = |secs: f64, seed: u64| WorkloadConfig {
-        frontend: run.lab().frontend_url().to_string(),
         seed,
-        sessions: 24,
-        families: 3,
-        max_turns: 30,
-        concurrency: 12,
-        rate: Some(15.0),
-        duration_secs: secs,
-        ..WorkloadConfig::default()
+        ..run.chat_workload(secs)
     };
     let first = workload::run(workload(8.0, 1))
         .await
@@ -66,15 +59,12 @@ async fn an_agent_started_late_recovers_the_caches_through_dynamos_endpoints() {
     assert!(first.ok >= 30, "{} requests", first.ok);
 
     let late_recording = run.run_dir().join("late-agent.jsonl");
-    let mut cmd = Command::new(exe);
-    cmd.args(["agent", "--nats-url", run.nats_url(), "--cluster", "late"])
-        .args(["--agent-id", "late-node", "--router-log"])
+    let mut cmd = run.other_agent("late-node", "late").unwrap();
+    cmd.arg("--router-log")
         .arg(run.lab().router_log())
         .arg("--record")
         .arg(&late_recording)
-        .envs(run.lab().manifest().dynamo_env())
-        .envs(run.agent_bus_env("late-node").unwrap())
-        .env("RUST_LOG", "info");
+        .envs(run.lab().manifest().dynamo_env());
     let mut late =
         vec![
             ManagedProcess::spawn("late-agent", cmd, &run.run_dir().join("late-agent.log"))

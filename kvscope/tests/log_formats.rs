@@ -18,13 +18,12 @@ use kvscope::fleet_run::{FleetRun, FleetRunConfig};
 use kvscope_collector::analyzer::{AnalyzerConfig, FleetAnalyzer};
 use kvscope_lab::bus_security::BusAgent;
 use kvscope_lab::process::{stop_all, ManagedProcess};
-use kvscope_lab::workload::{self, SplitMix64, WorkloadConfig};
+use kvscope_lab::workload::{self, SplitMix64};
 use kvscope_lab::LabConfig;
 use kvscope_wire::recording::read_recording;
 use kvscope_wire::{Envelope, Record, RoutingDecision};
 use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -198,31 +197,19 @@ async fn json_lines_and_kubernetes_cri_logs_give_the_decisions_of_the_router() {
     )
     .unwrap();
     let cri_recording = run_dir.join("cri-agent.jsonl");
-    let mut cmd = Command::new(exe);
     // As on a node: the frontend pods' logs by pattern, their paths unknown beforehand.
     let pattern = run_dir.join("pods/dynamo_*frontend*/*/*.log");
-    cmd.args(["agent", "--nats-url", run.nats_url(), "--cluster", "cri"])
-        .args(["--agent-id", "cri-node", "--from-start", "--router-log"])
+    let mut cmd = run.other_agent("cri-node", "cri").unwrap();
+    cmd.args(["--from-start", "--router-log"])
         .arg(&pattern)
         .arg("--record")
-        .arg(&cri_recording)
-        .envs(run.agent_bus_env("cri-node").unwrap())
-        .env("RUST_LOG", "info");
+        .arg(&cri_recording);
     let mut cri_agent =
         vec![ManagedProcess::spawn("cri-agent", cmd, &run_dir.join("cri-agent.log")).unwrap()];
 
-    let summary = workload::run(WorkloadConfig {
-        frontend: run.lab().frontend_url().to_string(),
-        sessions: 24,
-        families: 3,
-        max_turns: 30,
-        concurrency: 12,
-        rate: Some(15.0),
-        duration_secs: 16.0,
-        ..WorkloadConfig::default()
-    })
-    .await
-    .expect("the workload runs");
+    let summary = workload::run(run.chat_workload(16.0))
+        .await
+        .expect("the workload runs");
     assert!(summary.ok >= 60);
     let ids: Vec<String> = summary
         .requests
