@@ -4,8 +4,10 @@
 
 use crate::config::WorkerAgent;
 use kvscope_collector::nixl::{MergedLatency, NixlPair};
+use kvscope_wire::nixl::NixlAgentRow;
 use kvscope_wire::WorkerKey;
 use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet};
 
 /// The cost model's parameters (part of the policy config).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -96,6 +98,36 @@ impl HandshakeCounts {
             }
         }
     }
+}
+
+/// The worker → NIXL agent mapping: the configured `[[worker_agents]]` first, then, for
+/// the workers it does not name, what the node agents told from the processes. An agent
+/// name told for two different workers (two nodes disagreeing) is left out.
+pub fn mapping(configured: &[WorkerAgent], told: &[NixlAgentRow]) -> Vec<WorkerAgent> {
+    let mut out = configured.to_vec();
+    let mut by_agent: BTreeMap<&str, BTreeSet<(u64, Option<u32>)>> = BTreeMap::new();
+    for r in told {
+        if let Some(w) = r.owner.worker_id {
+            by_agent
+                .entry(r.owner.agent.as_str())
+                .or_default()
+                .insert((w, r.owner.dp_rank));
+        }
+    }
+    for (agent, workers) in by_agent {
+        let [(worker_id, dp_rank)] = workers.into_iter().collect::<Vec<_>>()[..] else {
+            continue;
+        };
+        let configured_worker = configured.iter().any(|c| c.worker_id == worker_id);
+        if !configured_worker && !out.iter().any(|m| m.nixl_agent == agent) {
+            out.push(WorkerAgent {
+                worker_id,
+                dp_rank,
+                nixl_agent: agent.to_string(),
+            });
+        }
+    }
+    out
 }
 
 /// The NIXL figures of the fleet, looked up by Dynamo worker through the mapping.

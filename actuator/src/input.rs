@@ -5,6 +5,7 @@ use kvscope_collector::analyzer::AgentStatus;
 use kvscope_collector::nixl::NixlPair;
 use kvscope_collector::verdict::SpillVerdict;
 use kvscope_collector::window::WindowSummary;
+use kvscope_wire::nixl::NixlAgentRow;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -42,6 +43,10 @@ pub struct CollectorView {
     /// Per NIXL agent pair, cumulative (as `/api/nixl` serves them).
     #[serde(default)]
     pub nixl: Vec<NixlPair>,
+    /// The worker each NIXL agent belongs to, as the node agents told it (as
+    /// `/api/nixl/agents` serves them): the mapping where `[[worker_agents]]` is silent.
+    #[serde(default)]
+    pub nixl_agents: Vec<NixlAgentRow>,
 }
 
 /// A saved read, for `plan --input`: the view and when it was taken.
@@ -127,7 +132,7 @@ impl CollectorClient {
         serde_json::from_slice(&bytes).map_err(|source| InputError::Decode { url, source })
     }
 
-    /// Fetch summary, windows, verdicts and NIXL pairs.
+    /// Fetch summary, windows, verdicts, NIXL pairs and NIXL agents' workers.
     pub async fn fetch(&self) -> Result<CollectorView, InputError> {
         let summary = self.get("/api/summary").await?;
         let windows = self
@@ -137,11 +142,13 @@ impl CollectorClient {
             .get(&format!("/api/verdicts?limit={}", self.verdict_limit))
             .await?;
         let nixl = self.get("/api/nixl").await?;
+        let nixl_agents = self.get("/api/nixl/agents").await?;
         Ok(CollectorView {
             summary,
             windows,
             verdicts,
             nixl,
+            nixl_agents,
         })
     }
 }

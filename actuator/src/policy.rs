@@ -578,8 +578,10 @@ impl PolicyEngine {
     pub fn config(&self) -> &PolicyConfig {
         &self.cfg
     }
-    pub fn mapping(&self) -> &[WorkerAgent] {
-        &self.mapping
+    /// The configured mapping, completed with what the node agents told (see
+    /// [`crate::cost::mapping`]).
+    pub fn mapping_for(&self, view: &CollectorView) -> Vec<WorkerAgent> {
+        crate::cost::mapping(&self.mapping, &view.nixl_agents)
     }
     pub fn state(&self) -> &PolicyState {
         &self.state
@@ -765,7 +767,7 @@ impl PolicyEngine {
                         f.nixl.fleet_wide_pairs.join(", ")
                     )
                 } else {
-                    "no worker→NIXL agent mapping configured: fleet-wide NIXL figures used"
+                    "no worker→NIXL agent mapping (none in [[worker_agents]], none told by the node agents): fleet-wide NIXL figures used"
                         .to_string()
                 });
             }
@@ -947,7 +949,8 @@ impl PolicyEngine {
         }
 
         // Windows: the newest closed ones, warm-up ones set aside.
-        let nixl = NixlFigures::new(&view.nixl, &self.mapping, cfg.handshake_quantile);
+        let mapping = self.mapping_for(view);
+        let nixl = NixlFigures::new(&view.nixl, &mapping, cfg.handshake_quantile);
         let post: Vec<&WindowSummary> = view.windows.iter().filter(|w| !w.warmup).collect();
         if post.is_empty() && watermark_ns != 0 {
             if input == InputHealth::Fresh {

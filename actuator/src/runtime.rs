@@ -336,7 +336,8 @@ impl Actuator {
             return;
         };
         let policy = self.engine.config();
-        let nixl = NixlFigures::new(&view.nixl, self.engine.mapping(), policy.handshake_quantile);
+        let mapping = self.engine.mapping_for(view);
+        let nixl = NixlFigures::new(&view.nixl, &mapping, policy.handshake_quantile);
         let (list, skipped) = directive::select(
             policy,
             &nixl,

@@ -9,6 +9,7 @@ use kvscope_actuator::policy::{
     DirectiveStats, Evaluation, InputHealth, Observation, PolicyConfig, PolicyEngine,
     SafetyTrigger, Transition,
 };
+use kvscope_wire::nixl::{NixlAgentOwner, NixlAgentRow};
 use support::*;
 
 fn mapping() -> Vec<WorkerAgent> {
@@ -606,11 +607,43 @@ fn the_pair_figures_decide_the_benefit_and_fleet_wide_use_is_said() {
     let ev = eval(&mut unmapped, &f);
     assert_eq!(ev.to, Mode::Live, "{:#?}", ev.reasons);
     assert!(
-        ev.reasons
-            .iter()
-            .any(|r| r == "no worker→NIXL agent mapping configured: fleet-wide NIXL figures used"),
+        ev.reasons.iter().any(|r| r
+            == "no worker→NIXL agent mapping (none in [[worker_agents]], none told by the node agents): fleet-wide NIXL figures used"),
         "{:#?}",
         ev.reasons
+    );
+
+    // The same mapping told by the node agents instead of configured: the same answer
+    // as configured. A name two nodes tell for different workers is not used.
+    let told = |agent: &str, worker_id: u64, node: &str| NixlAgentRow {
+        node: node.into(),
+        owner: NixlAgentOwner {
+            agent: agent.into(),
+            pid: 42,
+            worker_id: Some(worker_id),
+            dp_rank: None,
+            how: "parent process 41".into(),
+        },
+    };
+    let mut told_engine = PolicyEngine::new(PolicyConfig::default(), vec![]);
+    let mut v = f.view_at(f.now());
+    v.nixl_agents = vec![told("nixl-1", 1, "a"), told("nixl-2", 2, "b")];
+    assert_eq!(told_engine.mapping_for(&v), mapping());
+    let ev = told_engine.evaluate(&Observation {
+        now_ns: f.now(),
+        input: Ok(&v),
+        directives: DirectiveStats::default(),
+    });
+    assert_eq!(ev.to, Mode::Dry, "{:#?}", ev.reasons);
+    v.nixl_agents.push(told("nixl-2", 3, "c"));
+    assert_eq!(told_engine.mapping_for(&v), mapping()[..1].to_vec());
+    // The configured table wins for the workers it names.
+    let configured = PolicyEngine::new(PolicyConfig::default(), vec!["2=nixl-9".parse().unwrap()]);
+    v.nixl_agents = vec![told("nixl-1", 1, "a"), told("nixl-2", 2, "b")];
+    let m = configured.mapping_for(&v);
+    assert_eq!(
+        m,
+        vec!["2=nixl-9".parse().unwrap(), "1=nixl-1".parse().unwrap()]
     );
 
     // Spills below the token gate are not candidates at all.

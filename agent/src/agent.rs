@@ -250,13 +250,32 @@ pub async fn start(cfg: AgentConfig) -> anyhow::Result<RunningAgent> {
         );
         let period = Duration::from_secs_f64(cfg.nixl.report_interval_secs);
         let (t, sink) = (tracer.clone(), sink.clone());
+        // With a discovery store, each report tells which worker each local NIXL agent
+        // belongs to (the actuator's mapping without a table).
+        let fleet = fleet_view.clone();
         let reporter = tokio::spawn(async move {
             let mut tick = tokio::time::interval(period);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             tick.tick().await;
+            let owners = Arc::new(std::sync::Mutex::new(crate::nixl::owners::Owners::default()));
             loop {
                 tick.tick().await;
-                sink.submit(Record::Nixl(t.report()));
+                let mut report = t.report();
+                if let Some(view) = &fleet {
+                    let (fleet, agents, owners) =
+                        (view.borrow().clone(), t.local_agents(), owners.clone());
+                    // Reading /proc is blocking file I/O.
+                    report.owners = tokio::task::spawn_blocking(move || {
+                        owners.lock().unwrap_or_else(|e| e.into_inner()).update(
+                            &fleet,
+                            &agents,
+                            std::path::Path::new("/proc"),
+                        )
+                    })
+                    .await
+                    .unwrap_or_default();
+                }
+                sink.submit(Record::Nixl(report));
             }
         });
         (Some(tracer), Some(reporter))

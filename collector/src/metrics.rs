@@ -514,6 +514,7 @@ pub fn write(out: &mut Exposition, a: &FleetAnalyzer, bus: &BusStatus) {
         }
     }
     crate::nixl::render(out, &crate::nixl::pairs(a.agents()));
+    crate::nixl::render_owners(out, &crate::nixl::owners(a.agents()));
 }
 
 fn token_histogram(out: &mut Exposition, name: &str, help: &str, h: &TokenHistogram) {

@@ -3,7 +3,7 @@
 //! cumulative report, shown next to the spill figures.
 
 use crate::analyzer::AgentStatus;
-use kvscope_wire::nixl::XferStage;
+use kvscope_wire::nixl::{NixlAgentRow, XferStage};
 use kvscope_wire::prom::{labels, Exposition, Kind};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -27,6 +27,20 @@ pub struct NixlPair {
     pub handshakes_ok: u64,
     pub handshakes_failed: u64,
     pub handshake_latency: MergedLatency,
+}
+
+/// The owners of NIXL agents every node agent's latest report tells, by node.
+pub fn owners(agents: &BTreeMap<String, AgentStatus>) -> Vec<NixlAgentRow> {
+    agents
+        .iter()
+        .filter_map(|(node, a)| Some((node, a.nixl.as_ref()?)))
+        .flat_map(|(node, r)| {
+            r.owners.iter().map(|o| NixlAgentRow {
+                node: node.clone(),
+                owner: o.clone(),
+            })
+        })
+        .collect()
 }
 
 /// The pairs of every agent's latest NIXL report.
@@ -81,6 +95,36 @@ fn histogram(out: &mut Exposition, name: &str, labels: &str, l: &MergedLatency) 
 
 /// The pairs' families, appended to the collector's `/metrics`. Every pair has its ok
 /// and failed series, zero or not, so a rate over them always has data.
+/// One series per NIXL agent whose worker a node agent told: joins the pair figures
+/// (`local_agent`, `remote_agent`) to Dynamo workers in a query.
+pub fn render_owners(out: &mut Exposition, rows: &[NixlAgentRow]) {
+    let name = "kvscope_nixl_agent_worker_info";
+    out.family(
+        name,
+        Kind::Gauge,
+        "The Dynamo worker a NIXL agent belongs to, as the node agent told it from the processes (1 per agent).",
+    );
+    for r in rows {
+        let Some(worker) = r.owner.worker_id else {
+            continue;
+        };
+        let (worker, rank) = (
+            worker.to_string(),
+            r.owner.dp_rank.map(|d| d.to_string()).unwrap_or_default(),
+        );
+        out.gauge(
+            name,
+            &labels(&[
+                ("node", &r.node),
+                ("agent", &r.owner.agent),
+                ("worker_id", &worker),
+                ("dp_rank", &rank),
+            ]),
+            1,
+        );
+    }
+}
+
 pub fn render(out: &mut Exposition, pairs: &[NixlPair]) {
     let pair_labels = |p: &NixlPair, extra: &[(&str, &str)]| {
         let mut l = vec![

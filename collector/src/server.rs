@@ -22,6 +22,7 @@ pub fn router(shared: Arc<Shared>) -> Router {
         .route("/api/report.md", get(report_md))
         .route("/api/report.html", get(report_html))
         .route("/api/nixl", get(nixl_pairs))
+        .route("/api/nixl/agents", get(nixl_agents))
         .with_state(shared)
 }
 
@@ -79,6 +80,10 @@ async fn verdicts(State(s): State<Arc<Shared>>, Query(q): Query<Limit>) -> impl 
 
 async fn nixl_pairs(State(s): State<Arc<Shared>>) -> impl IntoResponse {
     Json(crate::nixl::pairs(lock(&s.analyzer).agents()))
+}
+
+async fn nixl_agents(State(s): State<Arc<Shared>>) -> impl IntoResponse {
+    Json(crate::nixl::owners(lock(&s.analyzer).agents()))
 }
 
 async fn report_json(State(s): State<Arc<Shared>>) -> impl IntoResponse {

@@ -194,6 +194,53 @@ pub fn listening_on(sockets: &[SocketInfo], port: u16) -> Vec<u32> {
     pids
 }
 
+/// The process's parent, from `<proc_root>/<pid>/stat` (`None` when gone or for pid 1).
+pub fn parent_of(proc_root: &Path, pid: u32) -> Option<u32> {
+    let stat = std::fs::read_to_string(proc_root.join(pid.to_string()).join("stat")).ok()?;
+    // `pid (comm) state ppid …`; comm may hold spaces and parentheses.
+    let (_, after) = stat.rsplit_once(") ")?;
+    after
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
+        .filter(|&p| p != 0)
+}
+
+/// The process and its ancestors, nearest first, up to (not including) pid 0; at most
+/// 64 deep (a loop in a fixture, or a pid reused mid-walk, cannot run away).
+pub fn ancestry(proc_root: &Path, pid: u32) -> Vec<u32> {
+    let mut chain = vec![pid];
+    while chain.len() < 64 {
+        match parent_of(proc_root, *chain.last().unwrap_or(&pid)) {
+            Some(p) if !chain.contains(&p) => chain.push(p),
+            _ => break,
+        }
+    }
+    chain
+}
+
+/// The Kubernetes pod a process runs in, from its cgroup path: the `pod<uid>` part the
+/// kubelet names pod cgroups with (`kubepods-burstable-pod<uid>.slice` with the systemd
+/// driver, `kubepods/burstable/pod<uid>` with cgroupfs). Every container of a pod sits
+/// under it. `None` outside a pod.
+pub fn pod_of(proc_root: &Path, pid: u32) -> Option<String> {
+    let text = std::fs::read_to_string(proc_root.join(pid.to_string()).join("cgroup")).ok()?;
+    text.lines()
+        .filter_map(|l| l.splitn(3, ':').nth(2))
+        .filter(|path| path.contains("kubepods"))
+        .flat_map(|path| path.split('/'))
+        .find_map(|part| {
+            let name = part.strip_suffix(".slice").unwrap_or(part);
+            let uid = if name.starts_with("kubepods") {
+                name.rsplit_once("-pod")?.1
+            } else {
+                name.strip_prefix("pod")?
+            };
+            (!uid.is_empty()).then(|| uid.replace('_', "-"))
+        })
+}
+
 /// Every process in the process groups `pgids` (the lab starts each child in its own
 /// group), read from `<proc_root>/*/stat`.
 pub fn pids_in_groups(proc_root: &Path, pgids: &[u32]) -> Vec<u32> {
@@ -327,9 +374,43 @@ mod tests {
         assert_eq!(pids_in_groups(root.path(), &[42]), vec![42]);
         assert_eq!(all_pids(root.path()), vec![42]);
         assert_eq!(listening_on(&s, 9000), vec![42]);
+        assert_eq!(parent_of(root.path(), 42), Some(1));
         assert!(
             listening_on(&s, 8080).is_empty(),
             "not this process's socket"
         );
+    }
+
+    #[test]
+    fn ancestry_walks_parents_and_pods_come_from_cgroup_paths() {
+        let root = tempfile::tempdir().unwrap();
+        let proc = |pid: u32, ppid: u32, cgroup: &str| {
+            let p = root.path().join(pid.to_string());
+            std::fs::create_dir_all(&p).unwrap();
+            std::fs::write(p.join("stat"), format!("{pid} (a) b) S {ppid} 1 1 0")).unwrap();
+            std::fs::write(p.join("cgroup"), cgroup).unwrap();
+        };
+        proc(1, 0, "0::/init.scope\n");
+        proc(10, 1, "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod0a1b_2c.slice/cri-containerd-77.scope\n");
+        proc(
+            11,
+            10,
+            "12:memory:/kubepods/besteffort/pod0a1b-2c/88\n0::/\n",
+        );
+        proc(
+            12,
+            11,
+            "0::/kubepods.slice/kubepods-podff.slice/cri-containerd-1.scope\n",
+        );
+        proc(20, 20, "0::/user.slice\n"); // its own parent: a loop
+        assert_eq!(ancestry(root.path(), 12), vec![12, 11, 10, 1]);
+        assert_eq!(ancestry(root.path(), 20), vec![20]);
+        assert_eq!(ancestry(root.path(), 99), vec![99], "gone: only itself");
+        assert_eq!(parent_of(root.path(), 1), None);
+        assert_eq!(pod_of(root.path(), 10).as_deref(), Some("0a1b-2c"));
+        assert_eq!(pod_of(root.path(), 11).as_deref(), Some("0a1b-2c"));
+        assert_eq!(pod_of(root.path(), 12).as_deref(), Some("ff"));
+        assert_eq!(pod_of(root.path(), 1), None);
+        assert_eq!(pod_of(root.path(), 20), None);
     }
 }

@@ -407,6 +407,15 @@ impl FleetRun {
             .await?)
     }
 
+    /// GET a text document from the collector (`/metrics`, the report's Markdown).
+    pub async fn get_text(&self, path: &str) -> anyhow::Result<String> {
+        Ok(reqwest::get(format!("{}{path}", self.api()))
+            .await?
+            .error_for_status()?
+            .text()
+            .await?)
+    }
+
     /// Wait until the agent has published everything it saw of the workload and the
     /// collector has applied the whole stream: the stream's last sequence, read after
     /// `settle`, is applied.

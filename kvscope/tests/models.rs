@@ -80,12 +80,7 @@ async fn two_models_are_measured_apart_and_a_collector_can_take_one() {
     run.wait_for_decisions((a.ok + b.ok) as u64, Duration::from_secs(60))
         .await
         .expect("every decision reaches the collector");
-    let metrics = reqwest::get(format!("{}/metrics", run.api()))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = run.get_text("/metrics").await.unwrap();
 
     let recording = run.finish().await.expect("the collector catches up");
     let rec = read_recording(&recording).unwrap();

@@ -71,6 +71,12 @@ pub struct LabConfig {
     pub frontend_clock_offset_ms: i64,
     /// Extra arguments for each `python -m dynamo.mocker`.
     pub mocker_args: Vec<String>,
+    /// A program (and its arguments) run inside each mocker's process tree, as a vLLM
+    /// engine's NIXL agent runs under Dynamo's worker process: a shell starts it in the
+    /// background, then becomes the mocker (`exec`), so the mocker is its parent. `{index}`
+    /// in an argument is the mocker's index. It shares the mocker's log and process
+    /// group (stopped with it). Default none.
+    pub worker_sidecar: Vec<String>,
     /// How long to wait for everything to be ready, in seconds. Default 120.
     pub startup_timeout_secs: f64,
     /// Grace period between SIGTERM and SIGKILL when stopping, in seconds. Default 5.
@@ -126,6 +132,7 @@ impl Default for LabConfig {
             frontend_args: Vec::new(),
             frontend_clock_offset_ms: 0,
             mocker_args: Vec::new(),
+            worker_sidecar: Vec::new(),
             startup_timeout_secs: 120.0,
             stop_grace_secs: 5.0,
             discovery: LabDiscovery::File,
@@ -583,6 +590,7 @@ impl Lab {
                 .args(&config.mocker_args)
                 .current_dir(&run_dir);
             dyn_env(&mut cmd, &config.worker_log_filter);
+            let cmd = with_sidecar(&config.worker_sidecar, index, cmd);
             let name = format!("mocker-{index}");
             let log = run_dir.join(format!("{name}.log"));
             lab.mocker_cmds.push(copy_command(&cmd));
@@ -873,24 +881,50 @@ fn fresh_run_dir(lab_dir: &Path) -> anyhow::Result<PathBuf> {
     anyhow::bail!("could not pick a fresh run dir under {}", base.display())
 }
 
-/// The worker id a mocker logs at startup:
-/// `Initializing KvEventPublisher for worker 2129558125179076404 on serving endpoint …`.
+/// `cmd` started by a shell that first starts `sidecar` (`{index}` replaced) in the
+/// background: the sidecar's parent is the process that becomes `cmd`.
+fn with_sidecar(sidecar: &[String], index: usize, cmd: Command) -> Command {
+    if sidecar.is_empty() {
+        return cmd;
+    }
+    let quote = |a: &str| format!("'{}'", a.replace('\'', r"'\''"));
+    let line: Vec<String> = sidecar
+        .iter()
+        .map(|a| quote(&a.replace("{index}", &index.to_string())))
+        .collect();
+    let mut sh = Command::new("/bin/sh");
+    sh.arg("-c")
+        .arg(format!("{} & exec \"$@\"", line.join(" ")))
+        .arg("sh")
+        .arg(cmd.get_program())
+        .args(cmd.get_args());
+    carry_env_and_dir(&cmd, &mut sh);
+    sh
+}
+
 /// A new command with `cmd`'s program, arguments, environment changes and folder.
 fn copy_command(cmd: &Command) -> Command {
     let mut c = Command::new(cmd.get_program());
     c.args(cmd.get_args());
-    for (k, v) in cmd.get_envs() {
-        match v {
-            Some(v) => c.env(k, v),
-            None => c.env_remove(k),
-        };
-    }
-    if let Some(d) = cmd.get_current_dir() {
-        c.current_dir(d);
-    }
+    carry_env_and_dir(cmd, &mut c);
     c
 }
 
+/// `from`'s environment changes and folder, onto `to`.
+fn carry_env_and_dir(from: &Command, to: &mut Command) {
+    for (k, v) in from.get_envs() {
+        match v {
+            Some(v) => to.env(k, v),
+            None => to.env_remove(k),
+        };
+    }
+    if let Some(d) = from.get_current_dir() {
+        to.current_dir(d);
+    }
+}
+
+/// The worker id a mocker logs at startup:
+/// `Initializing KvEventPublisher for worker 2129558125179076404 on serving endpoint …`.
 fn worker_id_from_log(log: &Path) -> Option<u64> {
     let bytes = std::fs::read(log).ok()?;
     let text = String::from_utf8_lossy(&bytes);

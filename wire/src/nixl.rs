@@ -239,4 +239,38 @@ pub struct NixlReport {
     pub events_lost: u64,
     /// Probe records the agent could not decode or attribute.
     pub events_malformed: u64,
+    /// Which Dynamo worker each live local NIXL agent belongs to, as the node agent
+    /// tells it from the processes (empty from agents that do not tell).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub owners: Vec<NixlAgentOwner>,
+}
+
+/// The Dynamo worker a local NIXL agent belongs to, told from the processes: a vLLM
+/// engine's NIXL agent lives in the engine process, under the Dynamo worker process that
+/// serves the worker's request plane (or in the same process, or at least in the same
+/// Kubernetes pod). `worker_id` is absent when no worker could be told, and `how` then
+/// says why: nothing is guessed.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NixlAgentOwner {
+    /// The NIXL agent's name, as transfers and pairs name it.
+    pub agent: String,
+    /// The process holding it.
+    pub pid: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub worker_id: Option<u64>,
+    /// The dp rank, where the worker has several and one of its KV publishers is in the
+    /// agent's process tree (absent: the worker's only rank, or not told).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dp_rank: Option<u32>,
+    /// How it was told (`same process`, `parent process 1234`, `same pod …`), or why not.
+    pub how: String,
+}
+
+/// One row of the collector's `/api/nixl/agents`: an owner as a node agent told it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NixlAgentRow {
+    /// The kvscope agent (node) that told it.
+    pub node: String,
+    #[serde(flatten)]
+    pub owner: NixlAgentOwner,
 }

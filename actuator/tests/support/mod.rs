@@ -240,6 +240,7 @@ impl Fleet {
             windows: self.windows.iter().rev().cloned().collect(),
             verdicts: Vec::new(),
             nixl: self.nixl.clone(),
+            nixl_agents: Vec::new(),
         }
     }
 }

@@ -259,6 +259,17 @@ impl NixlAggregator {
         p
     }
 
+    /// The live local agents by (pid, name): those created under the probes or seen at
+    /// a call since.
+    pub fn local_agents(&self) -> std::collections::BTreeSet<(u32, String)> {
+        self.agents
+            .iter()
+            .chain(&self.agent_data)
+            .filter(|(_, name)| !name.is_empty() && name.as_str() != UNKNOWN_AGENT)
+            .map(|((pid, _), name)| (*pid, name.clone()))
+            .collect()
+    }
+
     /// A process exited: forget its handles and agents (its pid may be reused), and fold
     /// its figures into [`EXITED_PID`]'s so the totals stay while its series go.
     pub fn process_exited(&mut self, pid: u32) {
@@ -419,6 +430,7 @@ impl NixlAggregator {
                 .collect(),
             events_lost: 0,
             events_malformed: self.unattributed,
+            owners: Vec::new(),
         }
     }
 }

@@ -8,6 +8,7 @@
 //! - [`discovery`]: libraries mapped by running processes;
 //! - [`probes`]: loading and attaching for one library;
 //! - [`aggregate`]: the pure fold from events to a [`kvscope_wire::nixl::NixlReport`];
+//! - [`owners`]: which Dynamo worker each local NIXL agent belongs to, from the processes;
 //! - [`spans`]: OTLP spans of transfers and handshakes (rate-capped);
 //! - [`tracer`]: the running whole.
 
@@ -16,6 +17,7 @@ pub mod discovery;
 pub mod event;
 pub mod library;
 pub mod offsets;
+pub mod owners;
 pub mod probes;
 pub mod spans;
 pub mod tracer;

@@ -175,6 +175,13 @@ impl NixlTracer {
         r
     }
 
+    /// The live local agents by (pid, name).
+    pub fn local_agents(&self) -> std::collections::BTreeSet<(u32, String)> {
+        let mut st = lock(&self.state);
+        forget_exited(&mut st);
+        st.aggregator.local_agents()
+    }
+
     /// Send a span per transfer and handshake from now on (rate-capped by the sink).
     pub fn set_spans(&self, spans: NixlSpans) {
         if spans.sink.enabled() {

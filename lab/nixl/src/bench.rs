@@ -38,6 +38,12 @@ pub struct BenchConfig {
     pub progress_delay_us: u64,
     /// Stop early after this many seconds.
     pub max_secs: u64,
+    /// Prefix of the two agents' names (`<prefix>initiator`, `<prefix>target`).
+    pub agent_prefix: String,
+    /// Pause before each transfer, ms (0: none). A paced loop is not a measurement: it
+    /// keeps two agents alive and busy for tools attached later (the lab's worker
+    /// sidecars).
+    pub pace_ms: u64,
 }
 
 impl Default for BenchConfig {
@@ -52,6 +58,8 @@ impl Default for BenchConfig {
             reuse_handle: false,
             progress_delay_us: 100,
             max_secs: 120,
+            agent_prefix: "bench-".into(),
+            pace_ms: 0,
         }
     }
 }
@@ -181,8 +189,12 @@ pub fn bench(config: BenchConfig, libs: &NixlLibs) -> Result<BenchReport, Worker
             source,
         }
     };
-    let initiator = agent("bench-initiator", config.progress_delay_us)?;
-    let target = agent("bench-target", config.progress_delay_us)?;
+    let target_name = format!("{}target", config.agent_prefix);
+    let initiator = agent(
+        &format!("{}initiator", config.agent_prefix),
+        config.progress_delay_us,
+    )?;
+    let target = agent(&target_name, config.progress_delay_us)?;
     let size = config.size.max(1) as usize;
     let descs = config
         .descs
@@ -202,7 +214,7 @@ pub fn bench(config: BenchConfig, libs: &NixlLibs) -> Result<BenchReport, Worker
         .load_remote_md(&md)
         .map_err(nixl("loadRemoteMD"))?;
     initiator
-        .make_connection("bench-target", None)
+        .make_connection(&target_name, None)
         .map_err(nixl("makeConnection"))?;
 
     let (la, ra) = (
@@ -237,7 +249,7 @@ pub fn bench(config: BenchConfig, libs: &NixlLibs) -> Result<BenchReport, Worker
                     config.op.xfer_op(),
                     &local,
                     &remote,
-                    "bench-target",
+                    &target_name,
                     opts.as_ref(),
                 )
                 .map_err(nixl("createXferReq"))?,
@@ -258,6 +270,9 @@ pub fn bench(config: BenchConfig, libs: &NixlLibs) -> Result<BenchReport, Worker
             cut_short = true;
             break;
         }
+        if config.pace_ms > 0 {
+            std::thread::sleep(Duration::from_millis(config.pace_ms));
+        }
         let t = Instant::now();
         let result = match &reused {
             Some(req) => post_and_wait(&initiator, req, &mut calls, t_loop + deadline),
@@ -267,7 +282,7 @@ pub fn bench(config: BenchConfig, libs: &NixlLibs) -> Result<BenchReport, Worker
                     config.op.xfer_op(),
                     &local,
                     &remote,
-                    "bench-target",
+                    &target_name,
                     opts.as_ref(),
                 ) {
                     Ok(req) => {
@@ -295,7 +310,7 @@ pub fn bench(config: BenchConfig, libs: &NixlLibs) -> Result<BenchReport, Worker
     drop(reused);
     let _ = local_reg.deregister();
     let _ = remote_reg.deregister();
-    let _ = initiator.invalidate_remote_md("bench-target");
+    let _ = initiator.invalidate_remote_md(&target_name);
 
     let transfers = latencies.len() as u64;
     let secs = elapsed.as_secs_f64().max(f64::MIN_POSITIVE);

@@ -198,6 +198,13 @@ struct BenchArgs {
     /// Stop the loop after this many seconds.
     #[arg(long, default_value_t = 120)]
     max_secs: u64,
+    /// Prefix of the two agents' names (`<prefix>initiator`, `<prefix>target`).
+    #[arg(long, default_value = "bench-")]
+    agent_prefix: String,
+    /// Sleep this many ms before each transfer: not a measurement, a pair of agents kept
+    /// alive and busy for tools attached later (the lab's worker sidecars).
+    #[arg(long, default_value_t = 0)]
+    pace_ms: u64,
     /// Write the report here instead of stdout.
     #[arg(long)]
     out: Option<PathBuf>,
@@ -474,6 +481,8 @@ fn bench_cmd(args: BenchArgs) -> Result<()> {
         reuse_handle: args.reuse_handle,
         progress_delay_us: args.progress_delay_us,
         max_secs: args.max_secs,
+        agent_prefix: args.agent_prefix,
+        pace_ms: args.pace_ms,
     };
     let report = bench::bench(config, &libs).context("running the bench loop")?;
     write_json(&report, false, args.out.as_deref())?;

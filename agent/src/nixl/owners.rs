@@ -1,0 +1,444 @@
+//! Which Dynamo worker each local NIXL agent belongs to, told from the processes rather
+//! than typed into a table: a vLLM engine's NIXL agent lives in the engine process, a
+//! child of the Dynamo worker process that serves the worker's request plane and whose
+//! engine binds its KV publisher (with one engine process per dp rank). So a NIXL agent
+//! belongs to the worker whose endpoint is served by its own process or the nearest of
+//! its ancestors; failing that (containers of one pod do not share a process tree), to
+//! the one worker served from the same Kubernetes pod. Anything else — no such worker,
+//! or two at the same distance — is reported as not told, with the reason; nothing is
+//! guessed.
+
+use kvscope_discovery::procfs::{self, SocketInfo};
+use kvscope_discovery::{Channel, Fleet};
+use kvscope_wire::nixl::NixlAgentOwner;
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Agents not told are looked at again after this long (reading every process's
+/// sockets is not free on a busy node).
+const RETRY_UNTOLD: Duration = Duration::from_secs(10);
+
+/// `host:port` of an endpoint (`tcp://h:p`, `h:p/…`).
+fn host_port(endpoint: &str) -> Option<(&str, u16)> {
+    let rest = endpoint.split_once("://").map_or(endpoint, |(_, r)| r);
+    let hp = rest.split('/').next()?;
+    let (host, port) = hp.rsplit_once(':')?;
+    Some((
+        host.trim_start_matches('[').trim_end_matches(']'),
+        port.parse().ok()?,
+    ))
+}
+
+/// The processes listening on `host:port`: on that address, or on every address. A host
+/// that is a name matches any address (the port alone then tells).
+fn listeners(sockets: &[SocketInfo], host: &str, port: u16) -> BTreeSet<u32> {
+    let ip: Option<IpAddr> = host.parse().ok();
+    sockets
+        .iter()
+        .filter(|s| s.state == "LISTEN" && s.local.port() == port)
+        .filter(|s| ip.is_none_or(|ip| s.is_wildcard() || s.local.ip() == ip))
+        .map(|s| s.pid)
+        .collect()
+}
+
+/// Per worker, the processes serving it (its request plane, its KV publishers), and per
+/// dp rank the processes binding that rank's publisher.
+struct Served {
+    by_worker: BTreeMap<u64, BTreeSet<u32>>,
+    by_rank: BTreeMap<(u64, u32), BTreeSet<u32>>,
+}
+
+fn served(fleet: &Fleet, sockets: &[SocketInfo]) -> Served {
+    let mut s = Served {
+        by_worker: BTreeMap::new(),
+        by_rank: BTreeMap::new(),
+    };
+    for w in fleet.workers.values() {
+        let pids = s.by_worker.entry(w.instance_id).or_default();
+        if let Some((h, p)) = w.request_plane.as_deref().and_then(host_port) {
+            pids.extend(listeners(sockets, h, p));
+        }
+    }
+    for p in fleet.kv_publishers.values() {
+        let Some(Channel::Zmq { endpoint }) = &p.channel else {
+            continue;
+        };
+        let Some((h, port)) = host_port(endpoint) else {
+            continue;
+        };
+        let pids = listeners(sockets, h, port);
+        if let Some(w) = s.by_worker.get_mut(&p.worker.worker_id) {
+            w.extend(pids.iter().copied());
+        }
+        s.by_rank
+            .entry((p.worker.worker_id, p.worker.dp_rank))
+            .or_default()
+            .extend(pids);
+    }
+    s
+}
+
+/// Tell the worker of the NIXL agent `agent` held by process `pid`.
+pub fn tell(
+    fleet: &Fleet,
+    sockets: &[SocketInfo],
+    proc_root: &Path,
+    pid: u32,
+    agent: &str,
+) -> NixlAgentOwner {
+    let mut owner = NixlAgentOwner {
+        agent: agent.to_string(),
+        pid,
+        worker_id: None,
+        dp_rank: None,
+        how: String::new(),
+    };
+    if fleet.workers.is_empty() {
+        owner.how = "no workers in Dynamo's discovery store yet".into();
+        return owner;
+    }
+    let served = served(fleet, sockets);
+    let chain = procfs::ancestry(proc_root, pid);
+    let depth_in_chain = |pids: &BTreeSet<u32>| chain.iter().position(|p| pids.contains(p));
+    let by_depth: Vec<(usize, u64)> = served
+        .by_worker
+        .iter()
+        .filter_map(|(&w, pids)| Some((depth_in_chain(pids)?, w)))
+        .collect();
+    let (worker, how) = if let Some(&(best, _)) = by_depth.iter().min() {
+        let at_best: Vec<u64> = by_depth
+            .iter()
+            .filter(|(d, _)| *d == best)
+            .map(|(_, w)| *w)
+            .collect();
+        let how = match best {
+            0 => "same process".to_string(),
+            1 => format!("parent process {}", chain[1]),
+            _ => format!("ancestor process {}", chain[best]),
+        };
+        match at_best[..] {
+            [w] => (Some(w), how),
+            _ => (
+                None,
+                format!("{how} serves several workers ({at_best:?}); map it in the actuator's [[worker_agents]]"),
+            ),
+        }
+    } else if let Some(pod) = procfs::pod_of(proc_root, pid) {
+        let in_pod: Vec<u64> = served
+            .by_worker
+            .iter()
+            .filter(|(_, pids)| {
+                pids.iter()
+                    .any(|&p| procfs::pod_of(proc_root, p).as_deref() == Some(pod.as_str()))
+            })
+            .map(|(&w, _)| w)
+            .collect();
+        match in_pod[..] {
+            [w] => (Some(w), format!("same pod {pod}")),
+            [] => (None, format!("no worker is served from its pod {pod}")),
+            _ => (
+                None,
+                format!("pod {pod} serves several workers ({in_pod:?})"),
+            ),
+        }
+    } else {
+        (
+            None,
+            "no worker's request plane or KV publisher is served by its process, its ancestors or its pod"
+                .to_string(),
+        )
+    };
+    owner.how = how;
+    owner.worker_id = worker;
+    if let Some(w) = worker {
+        let ranks: Vec<u32> = served
+            .by_rank
+            .iter()
+            .filter(|((id, _), pids)| *id == w && depth_in_chain(pids).is_some())
+            .map(|((_, r), _)| *r)
+            .collect();
+        let many = fleet.workers.get(&w).is_some_and(|w| w.dp_ranks.len() > 1);
+        if let ([r], true) = (&ranks[..], many) {
+            owner.dp_rank = Some(*r);
+        }
+    }
+    owner
+}
+
+/// The owners told so far, re-told when the fleet changes and, for agents not told, at
+/// most every [`RETRY_UNTOLD`].
+#[derive(Default)]
+pub struct Owners {
+    fleet: Option<Arc<Fleet>>,
+    told: BTreeMap<(u32, String), (NixlAgentOwner, Instant)>,
+}
+
+impl Owners {
+    /// The owners of `agents` (pid, name) as of `fleet`, read under `proc_root`.
+    pub fn update(
+        &mut self,
+        fleet: &Arc<Fleet>,
+        agents: &BTreeSet<(u32, String)>,
+        proc_root: &Path,
+    ) -> Vec<NixlAgentOwner> {
+        let now = Instant::now();
+        if !self.fleet.as_ref().is_some_and(|f| Arc::ptr_eq(f, fleet)) {
+            self.told.clear();
+            self.fleet = Some(fleet.clone());
+        }
+        self.told.retain(|k, _| agents.contains(k));
+        let stale =
+            |k: &(u32, String), told: &BTreeMap<(u32, String), (NixlAgentOwner, Instant)>| {
+                told.get(k).is_none_or(|(o, at)| {
+                    o.worker_id.is_none() && now.duration_since(*at) >= RETRY_UNTOLD
+                })
+            };
+        let todo: Vec<&(u32, String)> = agents.iter().filter(|k| stale(k, &self.told)).collect();
+        if !todo.is_empty() {
+            let sockets = procfs::sockets_of(proc_root, &procfs::all_pids(proc_root));
+            for (pid, name) in todo {
+                let o = tell(fleet, &sockets, proc_root, *pid, name);
+                self.told.insert((*pid, name.clone()), (o, now));
+            }
+        }
+        self.told.values().map(|(o, _)| o.clone()).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvscope_discovery::{KvPublisher, Worker};
+    use kvscope_wire::WorkerKey;
+
+    /// A `/proc` with processes (pid, ppid, cgroup, listening sockets as (inode, hex
+    /// local address)).
+    struct FakeProc(tempfile::TempDir);
+
+    impl FakeProc {
+        fn new() -> Self {
+            Self(tempfile::tempdir().unwrap())
+        }
+        fn process(&self, pid: u32, ppid: u32, cgroup: &str, listens: &[(u64, &str)]) {
+            let p = self.0.path().join(pid.to_string());
+            std::fs::create_dir_all(p.join("fd")).unwrap();
+            std::fs::create_dir_all(p.join("net")).unwrap();
+            std::fs::write(p.join("stat"), format!("{pid} (p) S {ppid} 1 1 0")).unwrap();
+            std::fs::write(p.join("comm"), "p\n").unwrap();
+            std::fs::write(p.join("cgroup"), format!("0::{cgroup}\n")).unwrap();
+            let mut tcp = String::from("  sl  local_address rem_address   st\n");
+            for (i, (inode, local)) in listens.iter().enumerate() {
+                tcp.push_str(&format!(
+                    "   {i}: {local} 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 {inode} 1\n"
+                ));
+                std::os::unix::fs::symlink(
+                    format!("socket:[{inode}]"),
+                    p.join(format!("fd/{}", 10 + i)),
+                )
+                .unwrap();
+            }
+            std::fs::write(p.join("net/tcp"), tcp).unwrap();
+        }
+        fn root(&self) -> &Path {
+            self.0.path()
+        }
+    }
+
+    fn worker(id: u64, request_plane: &str, dp_ranks: Vec<u32>) -> Worker {
+        Worker {
+            instance_id: id,
+            namespace: "dynamo".into(),
+            component: "backend".into(),
+            endpoint: "generate".into(),
+            request_plane: Some(request_plane.into()),
+            model: Some("m".into()),
+            block_size: Some(16),
+            total_kv_blocks: None,
+            dp_ranks,
+            worker_type: None,
+        }
+    }
+
+    fn publisher(id: u64, worker_id: u64, dp_rank: u32, endpoint: &str) -> (u64, KvPublisher) {
+        (
+            id,
+            KvPublisher {
+                publisher_id: id,
+                worker: WorkerKey { worker_id, dp_rank },
+                channel: Some(Channel::Zmq {
+                    endpoint: endpoint.into(),
+                }),
+                recovery: None,
+            },
+        )
+    }
+
+    fn tell_all(fleet: &Fleet, proc: &FakeProc, pids: &[u32]) -> Vec<NixlAgentOwner> {
+        let sockets = procfs::sockets_of(proc.root(), &procfs::all_pids(proc.root()));
+        pids.iter()
+            .map(|&p| tell(fleet, &sockets, proc.root(), p, &format!("agent-{p}")))
+            .collect()
+    }
+
+    #[test]
+    fn an_engine_child_belongs_to_the_worker_its_parent_serves() {
+        let proc = FakeProc::new();
+        // Worker 7: Dynamo process 100 serves 127.0.0.1:9000 (0x2328); engine 101 binds
+        // its KV publisher on 5557 (0x15B5); NIXL agents in 102 (a grandchild) and 101.
+        proc.process(1, 0, "/", &[]);
+        proc.process(100, 1, "/", &[(1, "0100007F:2328")]);
+        proc.process(101, 100, "/", &[(2, "00000000:15B5")]);
+        proc.process(102, 101, "/", &[]);
+        // Worker 8 in 200, the same shape, request plane on every address, port 9001.
+        proc.process(200, 1, "/", &[(3, "00000000:2329")]);
+        proc.process(201, 200, "/", &[]);
+        // A NIXL process under no worker.
+        proc.process(300, 1, "/", &[]);
+        let fleet = Fleet {
+            workers: BTreeMap::from([
+                (
+                    7,
+                    worker(7, "127.0.0.1:9000/7/dynamo/backend/generate", vec![0]),
+                ),
+                (
+                    8,
+                    worker(8, "127.0.0.1:9001/8/dynamo/backend/generate", vec![0]),
+                ),
+            ]),
+            kv_publishers: BTreeMap::from([publisher(1, 7, 0, "tcp://127.0.0.1:5557")]),
+        };
+        let o = tell_all(&fleet, &proc, &[102, 101, 201, 300, 100]);
+        assert_eq!(o[0].worker_id, Some(7));
+        assert_eq!(
+            o[0].how, "parent process 101",
+            "the publisher's process is nearest"
+        );
+        assert_eq!(o[1].how, "same process");
+        assert_eq!(
+            (o[2].worker_id, o[2].how.as_str()),
+            (Some(8), "parent process 200")
+        );
+        assert_eq!(o[3].worker_id, None);
+        assert!(
+            o[3].how.starts_with("no worker's request plane"),
+            "{}",
+            o[3].how
+        );
+        assert_eq!(o[4].worker_id, Some(7));
+        assert!(
+            o.iter().all(|o| o.dp_rank.is_none()),
+            "one rank each: not named"
+        );
+    }
+
+    #[test]
+    fn a_request_plane_on_another_address_is_not_this_worker() {
+        let proc = FakeProc::new();
+        // Listens on 10.0.0.5:9000 (0x0500000A), the worker says 10.0.0.6:9000.
+        proc.process(100, 1, "/", &[(1, "0500000A:2328")]);
+        let fleet = Fleet {
+            workers: BTreeMap::from([(7, worker(7, "10.0.0.6:9000/7/x", vec![0]))]),
+            kv_publishers: BTreeMap::new(),
+        };
+        assert_eq!(tell_all(&fleet, &proc, &[100])[0].worker_id, None);
+    }
+
+    #[test]
+    fn two_workers_in_one_tree_and_dp_ranks() {
+        let proc = FakeProc::new();
+        // One process serves workers 7 and 8: its child cannot be told.
+        proc.process(100, 1, "/", &[(1, "0100007F:2328"), (2, "0100007F:2329")]);
+        proc.process(101, 100, "/", &[]);
+        // Worker 9 runs two dp ranks, one engine process each (publishers 5558, 5559).
+        proc.process(200, 1, "/", &[(3, "0100007F:232A")]);
+        proc.process(201, 200, "/", &[(4, "0100007F:15B6")]);
+        proc.process(202, 200, "/", &[(5, "0100007F:15B7")]);
+        proc.process(203, 202, "/", &[]);
+        let fleet = Fleet {
+            workers: BTreeMap::from([
+                (7, worker(7, "127.0.0.1:9000/7/x", vec![0])),
+                (8, worker(8, "127.0.0.1:9001/8/x", vec![0])),
+                (9, worker(9, "127.0.0.1:9002/9/x", vec![0, 1])),
+            ]),
+            kv_publishers: BTreeMap::from([
+                publisher(1, 9, 0, "tcp://127.0.0.1:5558"),
+                publisher(2, 9, 1, "tcp://127.0.0.1:5559"),
+            ]),
+        };
+        let o = tell_all(&fleet, &proc, &[101, 203, 201, 200]);
+        assert_eq!(o[0].worker_id, None);
+        assert!(
+            o[0].how.contains("several workers ([7, 8])"),
+            "{}",
+            o[0].how
+        );
+        assert_eq!((o[1].worker_id, o[1].dp_rank), (Some(9), Some(1)));
+        assert_eq!((o[2].worker_id, o[2].dp_rank), (Some(9), Some(0)));
+        assert_eq!(
+            (o[3].worker_id, o[3].dp_rank),
+            (Some(9), None),
+            "both ranks under it"
+        );
+    }
+
+    #[test]
+    fn containers_of_one_pod_share_it_without_a_process_tree() {
+        let proc = FakeProc::new();
+        let pod = |uid: &str, c: &str| {
+            format!("/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{uid}.slice/cri-containerd-{c}.scope")
+        };
+        proc.process(100, 1, &pod("aa", "1"), &[(1, "00000000:2328")]);
+        proc.process(150, 1, &pod("aa", "2"), &[]); // a sidecar container's NIXL agent
+        proc.process(200, 1, &pod("bb", "1"), &[(2, "00000000:2329")]);
+        proc.process(250, 1, &pod("cc", "1"), &[]);
+        let fleet = Fleet {
+            workers: BTreeMap::from([
+                (7, worker(7, "10.1.0.1:9000/7/x", vec![0])),
+                (8, worker(8, "10.1.0.2:9001/8/x", vec![0])),
+            ]),
+            kv_publishers: BTreeMap::new(),
+        };
+        let o = tell_all(&fleet, &proc, &[150, 250]);
+        assert_eq!(
+            (o[0].worker_id, o[0].how.as_str()),
+            (Some(7), "same pod aa")
+        );
+        assert_eq!(o[1].worker_id, None);
+        assert_eq!(o[1].how, "no worker is served from its pod cc");
+    }
+
+    #[test]
+    fn owners_are_kept_until_the_fleet_or_the_agents_change() {
+        let proc = FakeProc::new();
+        proc.process(100, 1, "/", &[(1, "0100007F:2328")]);
+        proc.process(101, 100, "/", &[]);
+        let fleet = Arc::new(Fleet {
+            workers: BTreeMap::from([(7, worker(7, "127.0.0.1:9000/7/x", vec![0]))]),
+            kv_publishers: BTreeMap::new(),
+        });
+        let mut owners = Owners::default();
+        let agents = BTreeSet::from([(101, "a".to_string())]);
+        assert_eq!(
+            owners.update(&fleet, &agents, proc.root())[0].worker_id,
+            Some(7)
+        );
+        // The process tree changes under a kept answer: kept (same fleet, same agent).
+        std::fs::remove_dir_all(proc.root().join("100")).unwrap();
+        assert_eq!(
+            owners.update(&fleet, &agents, proc.root())[0].worker_id,
+            Some(7)
+        );
+        // A new read of the store: told again.
+        let fleet = Arc::new((*fleet).clone());
+        assert_eq!(
+            owners.update(&fleet, &agents, proc.root())[0].worker_id,
+            None
+        );
+        assert!(owners
+            .update(&fleet, &BTreeSet::new(), proc.root())
+            .is_empty());
+    }
+}
