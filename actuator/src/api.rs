@@ -28,6 +28,7 @@ use tokio::sync::Mutex;
 #[derive(Clone)]
 struct ApiState {
     actuator: Arc<Mutex<Actuator>>,
+    health: Arc<kvscope_kit::Health>,
     token: Arc<String>,
     refusals: Arc<Refusals>,
 }
@@ -43,19 +44,30 @@ struct Refusals {
 const REFUSAL_DELAY: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// The API over `actuator`; every write and audit read needs `token` (an empty token
-/// refuses them all).
-pub fn router(actuator: Arc<Mutex<Actuator>>, token: String) -> Router {
+/// refuses them all). `/readyz` answers from `health`.
+pub fn router(
+    actuator: Arc<Mutex<Actuator>>,
+    health: Arc<kvscope_kit::Health>,
+    token: String,
+) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
         .route("/metrics", get(metrics_text))
         .route("/api/status", get(status))
         .route("/api/audit", get(audit_tail))
         .route("/api/override", post(override_mode))
         .with_state(ApiState {
             actuator,
+            health,
             token: Arc::new(token),
             refusals: Arc::default(),
         })
+}
+
+async fn readyz(State(s): State<ApiState>) -> Response {
+    let (status, body) = s.health.readiness();
+    (StatusCode::from_u16(status).unwrap_or(StatusCode::OK), body).into_response()
 }
 
 /// Whether `headers` carry `Authorization: Bearer <token>` (compared in constant time);

@@ -72,6 +72,8 @@ pub struct Cli {
     /// override it.
     #[arg(long, global = true, env = "KVSCOPE_ACTUATOR_CONFIG")]
     pub config: Option<PathBuf>,
+    #[command(flatten)]
+    pub log: kvscope_kit::LogArgs,
     /// The collector's base URL [default: http://127.0.0.1:9465].
     #[arg(long, global = true)]
     pub collector_url: Option<String>,

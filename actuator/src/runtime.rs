@@ -434,6 +434,9 @@ impl Actuator {
     }
 }
 
+/// The readiness check of the collector reads.
+const COLLECTOR_CHECK: &str = "collector";
+
 /// Run until SIGINT/SIGTERM: evaluate every `interval_secs`, serve the API.
 pub async fn serve(cfg: ActuatorConfig, api_token: Option<String>) -> Result<(), RuntimeError> {
     let client = CollectorClient::new(
@@ -446,6 +449,9 @@ pub async fn serve(cfg: ActuatorConfig, api_token: Option<String>) -> Result<(),
     let api = cfg.api.clone();
     let actuator = Arc::new(Mutex::new(Actuator::new(cfg, now_ns())?));
     actuator.lock().await.start(now_ns()).await;
+    // Ready once it reads the collector: before that it can only hold DRY.
+    let health = Arc::new(kvscope_kit::Health::new());
+    health.fail(COLLECTOR_CHECK, "first read of the collector pending");
     let server = if api.enabled {
         let listener = tokio::net::TcpListener::bind(api.listen)
             .await
@@ -457,7 +463,7 @@ pub async fn serve(cfg: ActuatorConfig, api_token: Option<String>) -> Result<(),
             warn!(listen = %api.listen, "The actuator API listens beyond loopback.");
         }
         let token = api_token.unwrap_or_default();
-        let app = crate::api::router(actuator.clone(), token);
+        let app = crate::api::router(actuator.clone(), health.clone(), token);
         info!(listen = %listener.local_addr().map_err(|source| RuntimeError::Listen { addr: api.listen, source })?, "Serving the actuator API.");
         Some(tokio::spawn(
             async move { axum::serve(listener, app).await },
@@ -482,6 +488,10 @@ pub async fn serve(cfg: ActuatorConfig, api_token: Option<String>) -> Result<(),
                     (Ok(_), None) => {}
                 }
                 last_error = view.as_ref().err().cloned();
+                match &last_error {
+                    Some(e) => health.fail(COLLECTOR_CHECK, format!("cannot read the collector: {e}")),
+                    None => health.ok(COLLECTOR_CHECK),
+                }
                 let mut a = actuator.lock().await;
                 a.tick(view, now_ns()).await;
             }

@@ -368,8 +368,28 @@ async fn the_api_needs_the_token_for_writes_and_the_audit() {
     a.tick(Ok(f.view()), f.now()).await;
     let a = Arc::new(tokio::sync::Mutex::new(a));
     let token = "a-test-token-0123456789";
-    let base = serve(kvscope_actuator::api::router(a.clone(), token.into())).await;
+    let health = Arc::new(kvscope_kit::Health::new());
+    let base = serve(kvscope_actuator::api::router(
+        a.clone(),
+        health.clone(),
+        token.into(),
+    ))
+    .await;
     let http = reqwest::Client::new();
+
+    // Live always; ready when its checks hold, else 503 with what does not.
+    let get = |path: &str| http.get(format!("{base}{path}")).send();
+    assert_eq!(get("/healthz").await.unwrap().status(), 200);
+    assert_eq!(get("/readyz").await.unwrap().status(), 200);
+    health.fail("collector", "cannot read the collector: refused");
+    let r = get("/readyz").await.unwrap();
+    assert_eq!(r.status(), 503);
+    assert_eq!(
+        r.text().await.unwrap(),
+        "not ready\ncollector: cannot read the collector: refused\n"
+    );
+    health.ok("collector");
+    assert_eq!(get("/readyz").await.unwrap().status(), 200);
 
     let status: serde_json::Value = http
         .get(format!("{base}/api/status"))

@@ -155,6 +155,8 @@ pub async fn start(cfg: AgentConfig) -> anyhow::Result<RunningAgent> {
         .discovery
         .backend()
         .map_err(|e| anyhow::anyhow!("discovery: {e}"))?;
+    // Readiness (`/readyz` beside `/metrics`): the bus, and the discovery store if any.
+    let health = Arc::new(kvscope_kit::Health::new());
     let (view_tx, view) = watch::channel(Arc::new(kvscope_discovery::Fleet::default()));
     let fleet_view = discovery.is_some().then(|| view.clone());
     if let Some(backend) = discovery {
@@ -170,12 +172,16 @@ pub async fn start(cfg: AgentConfig) -> anyhow::Result<RunningAgent> {
             })
         });
         info!(backend = %backend, event_plane = planes.is_some(), "Following Dynamo's discovery store.");
+        health.fail(crate::fleet::DISCOVERY_CHECK, "first read pending");
         inputs.push(tokio::spawn(crate::fleet::run(
-            backend,
-            cfg.discovery.poll_interval(),
+            crate::fleet::Store {
+                backend,
+                poll: cfg.discovery.poll_interval(),
+            },
             view_tx,
             sink.clone(),
             stats.clone(),
+            health.clone(),
             planes,
             stop_rx.clone(),
         )));
@@ -283,6 +289,10 @@ pub async fn start(cfg: AgentConfig) -> anyhow::Result<RunningAgent> {
         (None, None)
     };
 
+    health.fail(
+        publisher::BUS_CHECK,
+        format!("not yet connected to {}", cfg.nats_url),
+    );
     let publisher = tokio::spawn(publisher::run(
         PublisherConfig {
             nats_url: cfg.nats_url.clone(),
@@ -291,6 +301,7 @@ pub async fn start(cfg: AgentConfig) -> anyhow::Result<RunningAgent> {
             subjects: subjects.clone(),
             stream_max_age: Duration::from_secs(cfg.stream_max_age_secs),
             run_id: format!("{}-{}", cfg.agent_id, now_ns()),
+            health: health.clone(),
         },
         sink.clone(),
         stats.clone(),
@@ -365,7 +376,9 @@ pub async fn start(cfg: AgentConfig) -> anyhow::Result<RunningAgent> {
             info!(addr = %local, "Serving /metrics.");
             (
                 Some(local),
-                Some(tokio::spawn(crate::metrics::serve(listener, exposition))),
+                Some(tokio::spawn(crate::metrics::serve(
+                    listener, exposition, health,
+                ))),
             )
         }
         None => (None, None),

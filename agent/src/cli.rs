@@ -13,6 +13,8 @@ pub struct Cli {
     /// TOML config file (every field optional; see the `config` module docs).
     #[arg(long)]
     pub config: Option<PathBuf>,
+    #[command(flatten)]
+    pub log: kvscope_kit::LogArgs,
     /// This agent's name in its records [default: the host name].
     #[arg(long)]
     pub agent_id: Option<String>,

@@ -17,6 +17,9 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::watch;
 
+/// The readiness check the store's follower keeps: its last read succeeded.
+pub const DISCOVERY_CHECK: &str = "discovery";
+
 /// The latest read of the store.
 pub type FleetView = watch::Receiver<Arc<Fleet>>;
 
@@ -32,19 +35,26 @@ pub fn worker_record(w: &Worker, state: WorkerState) -> WorkerRecord {
     }
 }
 
+/// The store to follow, and how often to read it.
+pub struct Store {
+    pub backend: Backend,
+    pub poll: Duration,
+}
+
 /// Follow the store until `stop`; `view` gets every read, the sink the worker records,
 /// `planes` (when tapping the event plane) every publisher change.
 pub async fn run(
-    backend: Backend,
-    poll: Duration,
+    store: Store,
     view: watch::Sender<Arc<Fleet>>,
     sink: Arc<RecordSink>,
     stats: Arc<AgentStats>,
+    health: Arc<kvscope_kit::Health>,
     mut planes: Option<PlaneTaps>,
     mut stop: watch::Receiver<bool>,
 ) {
     let http = reqwest::Client::new();
     let mut known = Fleet::default();
+    let Store { backend, poll } = store;
     let mut tick = tokio::time::interval(poll);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let shown = backend.to_string();
@@ -57,6 +67,7 @@ pub async fn run(
             Ok(entries) => Fleet::from_entries(entries.iter().map(|(k, v)| (k.as_str(), v))),
             Err(e) => {
                 // The store is unreachable: keep what was known, never retire on it.
+                health.fail(DISCOVERY_CHECK, format!("{shown}: {e}"));
                 DiscoveryFailed {
                     backend: &shown,
                     error: &e.to_string(),
@@ -65,6 +76,7 @@ pub async fn run(
                 continue;
             }
         };
+        health.ok(DISCOVERY_CHECK);
         let changes = fleet.changes(&known);
         if changes.is_empty() {
             continue;

@@ -225,12 +225,13 @@ fn write_source_clocks(out: &mut Exposition, agent: &str, clocks: &[SourceClockR
     }
 }
 
-pub async fn serve(listener: TcpListener, render: Render) {
+/// `/metrics` (and `/`), `/healthz` and `/readyz`, on a bare HTTP/1.1 responder.
+pub async fn serve(listener: TcpListener, render: Render, health: Arc<kvscope_kit::Health>) {
     loop {
         let Ok((mut conn, _)) = listener.accept().await else {
             continue;
         };
-        let body = render(Format::Text);
+        let (render, health) = (render.clone(), health.clone());
         tokio::spawn(async move {
             let mut head = Vec::new();
             let mut buf = [0u8; 1024];
@@ -242,15 +243,29 @@ pub async fn serve(listener: TcpListener, render: Render) {
                     _ => return,
                 }
             }
-            let ok = head.starts_with(b"GET /metrics ") || head.starts_with(b"GET / ");
-            let (status, body) = if ok {
-                ("200 OK", body)
-            } else {
-                ("404 Not Found", "not found\n".to_string())
+            let path = head
+                .strip_prefix(b"GET ")
+                .and_then(|rest| rest.split(|&b| b == b' ').next())
+                .unwrap_or_default();
+            let (status, body, content_type) = match path {
+                b"/metrics" | b"/" => (200, render(Format::Text), Format::Text.content_type()),
+                b"/healthz" => {
+                    let (s, b) = health.liveness();
+                    (s, b, "text/plain; charset=utf-8")
+                }
+                b"/readyz" => {
+                    let (s, b) = health.readiness();
+                    (s, b, "text/plain; charset=utf-8")
+                }
+                _ => (404, "not found\n".to_string(), "text/plain; charset=utf-8"),
+            };
+            let reason = match status {
+                200 => "OK",
+                503 => "Service Unavailable",
+                _ => "Not Found",
             };
             let resp = format!(
-                "HTTP/1.1 {status}\r\ncontent-type: {}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-                Format::Text.content_type(),
+                "HTTP/1.1 {status} {reason}\r\ncontent-type: {content_type}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
                 body.len()
             );
             let _ = conn.write_all(resp.as_bytes()).await;

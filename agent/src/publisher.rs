@@ -22,6 +22,7 @@ use crate::internal_events::{
 };
 use crate::record_sink::RecordSink;
 use async_nats::jetstream::{self, context::PublishErrorKind, message::PublishMessage};
+use kvscope_kit::Health;
 use kvscope_wire::nats_security::{refusal, refused_connection};
 use kvscope_wire::parts;
 use kvscope_wire::subject::stream_config;
@@ -29,6 +30,9 @@ use kvscope_wire::{NatsSecurity, Subjects};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::watch;
+
+/// The readiness check the publisher keeps.
+pub const BUS_CHECK: &str = "bus";
 
 /// Records in flight at once.
 pub const WINDOW: usize = 128;
@@ -45,6 +49,8 @@ pub struct PublisherConfig {
     pub stream_max_age: Duration,
     /// Prefix of the de-duplication ids: unique per agent run.
     pub run_id: String,
+    /// Its `bus` readiness check: connected, stream set up, publishing.
+    pub health: Arc<Health>,
 }
 
 /// Publish until `stop` turns true, then keep draining until the buffer is empty or
@@ -63,7 +69,8 @@ pub async fn run(
             Err(e) => {
                 // Not reachable, or refused (counted apart): retried, with backoff, and with
                 // the credentials read again (a rotated secret is picked up).
-                fail(&stats, &sink, &e, &mut backoff, &mut give_up).await;
+                let e = format!("cannot connect to {}: {e}", cfg.nats_url);
+                fail(&cfg.health, &stats, &sink, &e, &mut backoff, &mut give_up).await;
                 if *give_up.borrow() {
                     return;
                 }
@@ -89,9 +96,18 @@ pub async fn run(
                     }
                     .emit(&stats);
                     stream_ready = true;
+                    cfg.health.ok(BUS_CHECK);
                 }
                 Err(e) => {
-                    fail(&stats, &sink, &e.to_string(), &mut backoff, &mut give_up).await;
+                    fail(
+                        &cfg.health,
+                        &stats,
+                        &sink,
+                        &e.to_string(),
+                        &mut backoff,
+                        &mut give_up,
+                    )
+                    .await;
                     continue;
                 }
             }
@@ -111,9 +127,10 @@ pub async fn run(
         if let Some(e) = error {
             // "no responders" means the stream is gone (or JetStream is off): set it up again.
             stream_ready = false;
-            fail(&stats, &sink, &e, &mut backoff, &mut give_up).await;
+            fail(&cfg.health, &stats, &sink, &e, &mut backoff, &mut give_up).await;
         } else {
             backoff = Duration::from_millis(100);
+            cfg.health.ok(BUS_CHECK);
         }
     }
 }
@@ -125,6 +142,7 @@ async fn connect(
     stats: &Arc<AgentStats>,
 ) -> Result<async_nats::Client, String> {
     let events = stats.clone();
+    let health = cfg.health.clone();
     let options = cfg
         .security
         .connect_options(Some(&cfg.inbox_prefix))
@@ -132,9 +150,17 @@ async fn connect(
         .map_err(|e| e.to_string())?
         .event_callback(move |event| {
             let stats = events.clone();
+            let health = health.clone();
             async move {
                 if let Some(e) = refusal(&event) {
                     BusRefused { error: &e }.emit(&stats);
+                }
+                match event {
+                    async_nats::Event::Disconnected => {
+                        health.fail(BUS_CHECK, "disconnected from NATS; reconnecting")
+                    }
+                    async_nats::Event::Connected => health.ok(BUS_CHECK),
+                    _ => {}
                 }
             }
         })
@@ -234,12 +260,14 @@ async fn publish_window(
 }
 
 async fn fail(
+    health: &Health,
     stats: &AgentStats,
     sink: &RecordSink,
     error: &str,
     backoff: &mut Duration,
     give_up: &mut watch::Receiver<bool>,
 ) {
+    health.fail(BUS_CHECK, error);
     PublishFailed {
         error,
         buffered: sink.buffered(),

@@ -183,15 +183,24 @@ pub fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 /// Connect once, as the `[nats]` settings say; replies come to this collector's own
-/// inbox. A refusal by the live server (a permissions violation) is logged.
-async fn connect(cfg: &BusConfig) -> anyhow::Result<async_nats::Client> {
+/// inbox. A refusal by the live server (a permissions violation) is logged; losing the
+/// connection and getting it back show in [`BusStatus::connected`].
+async fn connect(cfg: &BusConfig, shared: Arc<Shared>) -> anyhow::Result<async_nats::Client> {
     let options = cfg
         .security
         .connect_options(Some(&cfg.subjects.inbox_prefix(&cfg.durable_name)))
         .await?
-        .event_callback(|event| async move {
-            if let Some(e) = kvscope_wire::nats_security::refusal(&event) {
-                warn!(error = %e, "NATS refused this collector (check its [nats] credentials and the server's permissions).");
+        .event_callback(move |event| {
+            let shared = shared.clone();
+            async move {
+                if let Some(e) = kvscope_wire::nats_security::refusal(&event) {
+                    warn!(error = %e, "NATS refused this collector (check its [nats] credentials and the server's permissions).");
+                }
+                match event {
+                    async_nats::Event::Disconnected => lock(&shared.bus).connected = false,
+                    async_nats::Event::Connected => lock(&shared.bus).connected = true,
+                    _ => {}
+                }
             }
         })
         .max_reconnects(None);
@@ -204,7 +213,7 @@ pub async fn run(cfg: BusConfig, shared: Arc<Shared>) -> anyhow::Result<()> {
     // backoff, rather than exit.
     let mut backoff = Duration::from_millis(200);
     let client = loop {
-        match connect(&cfg).await {
+        match connect(&cfg, shared.clone()).await {
             Ok(c) => break c,
             Err(e) => {
                 warn!(nats = %cfg.nats_url, error = %e, retry_in_ms = backoff.as_millis() as u64, "Cannot connect to NATS yet; waiting for it (is nats-server -js running there, and does it accept this collector's [nats] credentials?).");

@@ -24,6 +24,8 @@ pub struct Cli {
     /// KVSCOPE_COLLECTOR_* variables override it.
     #[arg(long, global = true, env = "KVSCOPE_COLLECTOR_CONFIG")]
     config: Option<PathBuf>,
+    #[command(flatten)]
+    pub log: kvscope_kit::LogArgs,
     /// Window length in seconds (default 15).
     #[arg(long, global = true, env = "KVSCOPE_COLLECTOR_WINDOW_SECS")]
     window_secs: Option<f64>,

@@ -15,6 +15,7 @@ pub fn router(shared: Arc<Shared>) -> Router {
     Router::new()
         .route("/metrics", get(metrics_text))
         .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
         .route("/api/summary", get(summary))
         .route("/api/windows", get(windows))
         .route("/api/verdicts", get(verdicts))
@@ -36,6 +37,29 @@ async fn metrics_text(
     );
     let body = metrics::exposition(&s, format);
     ([(header::CONTENT_TYPE, format.content_type())], body)
+}
+
+/// Ready when it consumes the stream and has rebuilt its state from it.
+async fn readyz(State(s): State<Arc<Shared>>) -> impl IntoResponse {
+    let bus = lock(&s.bus).clone();
+    let health = kvscope_kit::Health::new();
+    if !bus.connected {
+        health.fail(
+            "bus",
+            "not consuming the stream (NATS unreachable or refusing)",
+        );
+    }
+    if bus.rebuilding {
+        health.fail("state", "rebuilding its state from the stream");
+    }
+    if bus.recording_failed {
+        health.fail("recording", "the recording stopped after a write error");
+    }
+    let (status, body) = health.readiness();
+    (
+        axum::http::StatusCode::from_u16(status).unwrap_or(axum::http::StatusCode::OK),
+        body,
+    )
 }
 
 async fn summary(State(s): State<Arc<Shared>>) -> impl IntoResponse {

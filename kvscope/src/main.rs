@@ -35,6 +35,8 @@ enum Command {
 
 #[derive(Args)]
 struct DemoArgs {
+    #[command(flatten)]
+    log: kvscope_kit::LogArgs,
     /// Mocker workers.
     #[arg(long, default_value_t = 3)]
     workers: usize,
@@ -78,13 +80,14 @@ struct DemoArgs {
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
-    let result = match Cli::parse().command {
+    let cli = Cli::parse();
+    kvscope_kit::logging::init(match &cli.command {
+        Command::Agent(c) => c.log.log_format,
+        Command::Collector(c) => c.log.log_format,
+        Command::Actuator(c) => c.log.log_format,
+        Command::Demo(d) => d.log.log_format,
+    });
+    let result = match cli.command {
         Command::Agent(cli) => kvscope_agent::cli::run(*cli).await,
         Command::Collector(cli) => kvscope_collector::cli::run(cli).await,
         Command::Actuator(cli) => kvscope_actuator::cli::run(cli).await,

@@ -143,6 +143,11 @@ fn the_manifests_render_and_every_object_passes_the_schemas() {
         "Deployment/kvscope-router-agent",
         "DaemonSet/kvscope-node-agent",
         "Deployment/kvscope-collector",
+        "PersistentVolumeClaim/kvscope-collector-data",
+        "Deployment/kvscope-actuator",
+        "ConfigMap/kvscope-actuator-config",
+        "NetworkPolicy/kvscope-actuator",
+        "ServiceMonitor/kvscope-actuator",
         "ClusterRole/kvscope-discovery-reader",
         "PodMonitor/kvscope-agent",
         "ServiceMonitor/kvscope-collector",
@@ -198,8 +203,34 @@ fn the_manifests_render_and_every_object_passes_the_schemas() {
             } else {
                 &[]
             };
-            assert_eq!(added, want, "{:?}", o["metadata"]["name"]);
+            let name = &o["metadata"]["name"];
+            assert_eq!(added, want, "{name:?}");
             assert_eq!(c["securityContext"]["allowPrivilegeEscalation"], false);
+            assert_ne!(c["securityContext"]["privileged"], true, "{name:?}");
+            assert_eq!(
+                c["securityContext"]["readOnlyRootFilesystem"], true,
+                "{name:?}"
+            );
+            assert!(
+                c["resources"]["limits"]["memory"].is_string(),
+                "{name:?}: a memory limit"
+            );
+            assert!(
+                c["resources"]["requests"]["cpu"].is_string(),
+                "{name:?}: a CPU request"
+            );
+            // kvscope's own daemons answer the kubelet on /healthz and /readyz (the
+            // runtime test below calls what the probes name).
+            if c["image"] == "kvscope" {
+                assert_eq!(
+                    c["livenessProbe"]["httpGet"]["path"], "/healthz",
+                    "{name:?}"
+                );
+                assert_eq!(
+                    c["readinessProbe"]["httpGet"]["path"], "/readyz",
+                    "{name:?}"
+                );
+            }
         }
     }
     let role = object(&all, "ClusterRole", "kvscope-discovery-reader");
@@ -230,10 +261,6 @@ fn container_env(all: &[Value], kind: &str, name: &str) -> Vec<(String, String)>
         env.push((e["name"].as_str().unwrap().to_string(), v));
     }
     env
-}
-
-fn free_port() -> u16 {
-    kvscope_lab::ports::pick_ports(1).unwrap()[0]
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -267,7 +294,11 @@ async fn the_bus_admits_the_collector_and_agent_as_their_manifests_run_them() {
     std::fs::copy(&ca.ca_file, tls.join("ca.crt")).unwrap();
     std::fs::copy(&ca.server_cert, tls.join("tls.crt")).unwrap();
     std::fs::copy(&ca.server_key, tls.join("tls.key")).unwrap();
-    let (port, http_port) = (free_port(), free_port());
+    // Held until the test ends (the daemons bind them when they start).
+    let held = kvscope_lab::ports::reserve_ports(5).unwrap();
+    let [port, http_port, collector_port, agent_port, actuator_port] = held.ports()[..] else {
+        unreachable!()
+    };
     let local = format!(
         "host: 127.0.0.1\n{}",
         conf.replace("port: 4222", &format!("port: {port}"))
@@ -307,14 +338,16 @@ async fn the_bus_admits_the_collector_and_agent_as_their_manifests_run_them() {
             .collect()
     };
     let exe = Path::new(env!("CARGO_BIN_EXE_kvscope"));
-    let collector_listen = format!("127.0.0.1:{}", free_port());
+    let collector_listen = format!("127.0.0.1:{collector_port}");
+    let data = dir.path().join("collector-data");
+    std::fs::create_dir_all(&data).unwrap();
     let mut cmd = Command::new(exe);
     cmd.args(["collector", "run"])
-        .envs(localize(container_env(
-            &all,
-            "Deployment",
-            "kvscope-collector",
-        )))
+        .envs(
+            localize(container_env(&all, "Deployment", "kvscope-collector"))
+                .into_iter()
+                .map(|(k, v)| (k, v.replace("/var/lib/kvscope", data.to_str().unwrap()))),
+        )
         .env("KVSCOPE_COLLECTOR_LISTEN", &collector_listen);
     procs
         .0
@@ -327,13 +360,19 @@ async fn the_bus_admits_the_collector_and_agent_as_their_manifests_run_them() {
             .map(|(k, v)| match k.as_str() {
                 "NODE_NAME" => (k, "gpu-node-7".into()),
                 "KVSCOPE_AGENT_ID" => (k, v.replace("$(NODE_NAME)", "gpu-node-7")),
-                "KVSCOPE_AGENT_METRICS_LISTEN" => (k, format!("127.0.0.1:{}", free_port())),
+                "KVSCOPE_AGENT_METRICS_LISTEN" => (k, format!("127.0.0.1:{agent_port}")),
+                // Dynamo's discovery from a store here instead of the cluster's API.
+                "DYN_DISCOVERY_BACKEND" => (k, "file".into()),
                 _ => (k, v),
             })
             .collect();
     assert!(node_env.contains(&("KVSCOPE_AGENT_ID".into(), "gpu-node-7".into())));
     let mut cmd = Command::new(exe);
-    cmd.args(["agent", "--heartbeat-secs", "1"]).envs(node_env);
+    let store = dir.path().join("dynamo-store");
+    std::fs::create_dir_all(&store).unwrap();
+    cmd.args(["agent", "--heartbeat-secs", "1"])
+        .envs(node_env)
+        .env("DYN_FILE_KV", &store);
     procs
         .0
         .push(ManagedProcess::spawn("agent", cmd, &dir.path().join("agent.log")).unwrap());
@@ -381,5 +420,62 @@ async fn the_bus_admits_the_collector_and_agent_as_their_manifests_run_them() {
         summary["agents"]["gpu-node-7"]["heartbeat"]["counters"]["bus_refusals"],
         0
     );
+
+    // The actuator with the config its ConfigMap gives, pointed here.
+    let toml = object(&all, "ConfigMap", "kvscope-actuator-config")["data"]["actuator.toml"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let token = dir.path().join("actuator-token");
+    std::fs::write(&token, "an-actuator-token-0123456789").unwrap();
+    let local = toml
+        .replace(
+            "http://kvscope-collector:9465",
+            &format!("http://{collector_listen}"),
+        )
+        .replace("/var/lib/kvscope-actuator", dir.path().to_str().unwrap())
+        .replace("0.0.0.0:9466", &format!("127.0.0.1:{actuator_port}"))
+        .replace("/etc/kvscope/actuator/token", token.to_str().unwrap());
+    let config = dir.path().join("actuator.toml");
+    std::fs::write(&config, local).unwrap();
+    let mut cmd = Command::new(exe);
+    cmd.args(["actuator", "run"])
+        .envs(container_env(&all, "Deployment", "kvscope-actuator"))
+        .env("KVSCOPE_ACTUATOR_CONFIG", &config);
+    procs
+        .0
+        .push(ManagedProcess::spawn("actuator", cmd, &dir.path().join("actuator.log")).unwrap());
+
+    // What each pod's probes call answers as the kubelet wants, on the ports they name.
+    let probe = |kind: &str, name: &str, which: &str| -> String {
+        let c = &object(&all, kind, name)["spec"]["template"]["spec"]["containers"][0];
+        c[which]["httpGet"]["path"].as_str().unwrap().to_string()
+    };
+    for (kind, name, port) in [
+        ("DaemonSet", "kvscope-node-agent", agent_port),
+        ("Deployment", "kvscope-collector", collector_port),
+        ("Deployment", "kvscope-actuator", actuator_port),
+    ] {
+        for which in ["livenessProbe", "readinessProbe"] {
+            let url = format!("http://127.0.0.1:{port}{}", probe(kind, name, which));
+            let deadline = Instant::now() + Duration::from_secs(30);
+            loop {
+                let status = reqwest::get(&url).await.map(|r| r.status().as_u16());
+                if matches!(status, Ok(200)) {
+                    break;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "{name}: {url} answered {status:?}; its log: {}",
+                    std::fs::read_to_string(dir.path().join(format!(
+                        "{}.log",
+                        name.trim_start_matches("kvscope-").trim_start_matches("node-")
+                    )))
+                    .unwrap_or_default()
+                );
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    }
     procs.stop(Duration::from_secs(5));
 }
