@@ -103,7 +103,7 @@ pub struct Cli {
     #[arg(long)]
     pub kv_reorder_window_ms: Option<u64>,
     /// Trace NIXL with eBPF: libnixl.so files mapped by running processes, found by
-    /// scanning /proc now and every few seconds. Needs root (or CAP_BPF+CAP_PERFMON).
+    /// scanning /proc now and every few seconds. Needs root (or CAP_SYS_ADMIN + CAP_SYS_PTRACE).
     #[arg(long)]
     pub nixl: bool,
     /// A libnixl.so to trace from the start, before any process maps it (repeatable;

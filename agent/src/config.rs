@@ -21,7 +21,7 @@
 //! kv_reorder_window_ms = 250   # at most this for a quiet KV event publisher (default: as above)
 //! metrics_listen = "127.0.0.1:9464"
 //!
-//! [nixl]             # eBPF tracing of libnixl.so (needs root or CAP_BPF+CAP_PERFMON)
+//! [nixl]             # eBPF tracing of libnixl.so (needs root, or CAP_SYS_ADMIN + CAP_SYS_PTRACE)
 //! enabled = true
 //! libraries = ["/opt/venv/lib/python3.11/site-packages/.nixl_cu12.mesonpy.libs/libnixl.so"]
 //! discover = true      # also libraries mapped by running processes, rescanned

@@ -9,6 +9,7 @@
 //! listed in [`internal_events`], each bumping its counter in [`counters`].
 
 pub mod agent;
+pub mod capabilities;
 pub mod cli;
 pub mod config;
 pub mod counters;

@@ -1,7 +1,7 @@
 //! The agent's eBPF NIXL tracing against the real `libnixl.so` of the `nixl-cu12==1.5.1`
 //! wheel, driven by the NIXL lab (real agents, UCX DRAM transfers, injected failures).
 //!
-//! Needs root (or CAP_BPF + CAP_PERFMON) and uprobes: CI runs as root. Where that is
+//! Needs root (or CAP_SYS_ADMIN) and uprobes: CI runs as root. Where that is
 //! missing these tests FAIL with the agent's own message naming what is missing; they
 //! never pass without tracing.
 //!

@@ -181,8 +181,8 @@ fn the_manifests_render_and_every_object_passes_the_schemas() {
     );
 
     // Least privilege where a test here has shown what is needed: only the node agent
-    // adds capabilities, and only those the probes ask for (plus ptrace for other
-    // containers' /proc/<pid>/root); RBAC only reads.
+    // adds capabilities, exactly those least_privilege.rs proves it needs; RBAC only
+    // reads.
     for o in &all {
         let Some(containers) = o["spec"]["template"]["spec"]["containers"].as_sequence() else {
             continue;
@@ -198,8 +198,9 @@ fn the_manifests_render_and_every_object_passes_the_schemas() {
                 .as_sequence()
                 .map(|a| a.iter().map(|v| v.as_str().unwrap()).collect())
                 .unwrap_or_default();
+            // The one list, which least_privilege.rs proves exact.
             let want: &[&str] = if o["metadata"]["name"] == "kvscope-node-agent" {
-                &["BPF", "PERFMON", "SYS_PTRACE"]
+                kvscope_agent::capabilities::NODE_AGENT
             } else {
                 &[]
             };

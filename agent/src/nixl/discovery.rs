@@ -39,10 +39,20 @@ pub fn parse_maps_line(line: &str) -> Option<(FileId, &str)> {
     (is_lib && inode != 0).then_some(((dev.to_string(), inode), path))
 }
 
+/// What a scan found.
+#[derive(Debug, Default)]
+pub struct Scan {
+    pub libraries: BTreeMap<FileId, MappedLibrary>,
+    /// Processes whose maps this process may not read (another user's, without
+    /// CAP_SYS_PTRACE): not looked into, so not traced.
+    pub denied: BTreeSet<u32>,
+}
+
 /// Scan every process (or only `only_pid`) for mapped `libnixl.so` files. Processes
-/// that vanish or cannot be read mid-scan are skipped.
-pub fn scan(proc_root: &Path, only_pid: Option<u32>) -> BTreeMap<FileId, MappedLibrary> {
+/// that vanish mid-scan are skipped; those that may not be read are listed.
+pub fn scan(proc_root: &Path, only_pid: Option<u32>) -> Scan {
     let mut found: BTreeMap<FileId, MappedLibrary> = BTreeMap::new();
+    let mut denied = BTreeSet::new();
     let pids: Vec<u32> = match only_pid {
         Some(p) => vec![p],
         None => std::fs::read_dir(proc_root)
@@ -53,8 +63,13 @@ pub fn scan(proc_root: &Path, only_pid: Option<u32>) -> BTreeMap<FileId, MappedL
             .unwrap_or_default(),
     };
     for pid in pids {
-        let Ok(maps) = std::fs::read_to_string(proc_root.join(pid.to_string()).join("maps")) else {
-            continue;
+        let maps = match std::fs::read_to_string(proc_root.join(pid.to_string()).join("maps")) {
+            Ok(m) => m,
+            Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
+                denied.insert(pid);
+                continue;
+            }
+            Err(_) => continue,
         };
         for line in maps.lines() {
             if let Some((id, path)) = parse_maps_line(line) {
@@ -69,7 +84,10 @@ pub fn scan(proc_root: &Path, only_pid: Option<u32>) -> BTreeMap<FileId, MappedL
             }
         }
     }
-    found
+    Scan {
+        libraries: found,
+        denied,
+    }
 }
 
 /// The (device, inode) of a file on disk, in the `/proc/pid/maps` device notation
@@ -112,13 +130,13 @@ mod tests {
         )
         .unwrap();
         std::fs::create_dir_all(dir.path().join("self-not-a-pid")).unwrap();
-        let found = scan(dir.path(), None);
+        let found = scan(dir.path(), None).libraries;
         assert_eq!(found.len(), 1);
         let lib = &found[&("fd:01".to_string(), 77)];
         assert_eq!(lib.pids.iter().copied().collect::<Vec<_>>(), vec![4242]);
         assert_eq!(lib.path, dir.path().join("4242/root/venv/libs/libnixl.so"));
         assert!(
-            scan(dir.path(), Some(1)).is_empty(),
+            scan(dir.path(), Some(1)).libraries.is_empty(),
             "a pid that does not exist"
         );
     }

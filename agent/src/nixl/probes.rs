@@ -36,10 +36,11 @@ pub enum ProbeError {
     )]
     NoUprobes,
     #[error(
-        "loading the NIXL BPF programs was refused ({0}): the agent needs root, or \
-         CAP_BPF + CAP_PERFMON (+ CAP_SYS_RESOURCE on kernels before 5.11)"
+        "loading the NIXL BPF programs was refused ({error}): {diagnosis}; the agent needs \
+         root, or CAP_SYS_ADMIN (CAP_BPF + CAP_PERFMON on kernels that open uprobes to \
+         CAP_PERFMON; + CAP_SYS_RESOURCE before 5.11)"
     )]
-    Permission(String),
+    Permission { error: String, diagnosis: String },
     #[error("loading the NIXL BPF programs failed: {0}")]
     Load(String),
     #[error("attaching {program} to {symbol} in {path} failed: {error}")]
@@ -68,6 +69,22 @@ fn is_permission(e: &(dyn std::error::Error + 'static)) -> bool {
     false
 }
 
+/// A refusal to load, with the capabilities this process lacks named.
+fn refused(e: &dyn std::error::Error) -> ProbeError {
+    ProbeError::Permission {
+        error: full_error(e),
+        diagnosis: crate::capabilities::diagnose_load(),
+    }
+}
+
+/// A refusal to attach (open the uprobe perf event), with what this process lacks.
+fn refused_attach(e: &dyn std::error::Error) -> ProbeError {
+    ProbeError::Permission {
+        error: full_error(e),
+        diagnosis: crate::capabilities::diagnose_attach(),
+    }
+}
+
 fn full_error(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();
     let mut cur = e.source();
@@ -90,6 +107,63 @@ pub struct LoadedProbes {
     ebpf: Ebpf,
 }
 
+/// Load the BPF object and one program, then drop them: at start, so an agent that may
+/// not load probes says so (naming what it lacks) before any library is found, rather
+/// than at each library later.
+pub fn check_can_load() -> Result<(), ProbeError> {
+    if !Path::new("/sys/bus/event_source/devices/uprobe").exists() {
+        return Err(ProbeError::NoUprobes);
+    }
+    let globals = NixlOffsets::globals(None);
+    let mut loader = EbpfLoader::new();
+    for (name, value) in &globals {
+        loader.override_global(name, value, true);
+    }
+    let mut ebpf = loader.load(NIXL_BPF).map_err(|e| {
+        if is_permission(&e) {
+            refused(&e)
+        } else {
+            ProbeError::Load(full_error(&e))
+        }
+    })?;
+    if let Some((_, program)) = ebpf.programs_mut().next() {
+        let program: &mut UProbe = program
+            .try_into()
+            .map_err(|e: ProgramError| ProbeError::Load(full_error(&e)))?;
+        program.load().map_err(|e| {
+            if is_permission(&e) {
+                refused(&e)
+            } else {
+                ProbeError::Load(full_error(&e))
+            }
+        })?;
+        // And open one uprobe perf event, as attaching to a library will: on this
+        // process's own file, at offset 0 (its ELF header, never executed, so the
+        // probe never fires), dropped at once.
+        let exe = std::fs::read_link("/proc/self/exe")
+            .map_err(|e| ProbeError::Load(format!("cannot read /proc/self/exe: {e}")))?;
+        let point = UProbeAttachPoint {
+            location: UProbeAttachLocation::AbsoluteOffset(0),
+            cookie: None,
+        };
+        let link = program
+            .attach(point, &exe, UProbeScope::AllProcesses)
+            .map_err(|e| {
+                if is_permission(&e) {
+                    refused_attach(&e)
+                } else {
+                    ProbeError::Load(format!(
+                        "a test uprobe on {} failed: {}",
+                        exe.display(),
+                        full_error(&e)
+                    ))
+                }
+            })?;
+        let _ = program.detach(link);
+    }
+    Ok(())
+}
+
 impl LoadedProbes {
     /// Load the BPF object with `library`'s offsets and attach every probe it resolved.
     pub fn attach(library: NixlLibrary, scope: AttachScope) -> Result<Self, ProbeError> {
@@ -104,7 +178,7 @@ impl LoadedProbes {
         }
         let mut ebpf = loader.load(NIXL_BPF).map_err(|e| {
             if is_permission(&e) {
-                ProbeError::Permission(full_error(&e))
+                refused(&e)
             } else {
                 ProbeError::Load(full_error(&e))
             }
@@ -131,7 +205,7 @@ impl LoadedProbes {
             if program.fd().is_err() {
                 program.load().map_err(|e| {
                     if is_permission(&e) {
-                        ProbeError::Permission(full_error(&e))
+                        refused(&e)
                     } else {
                         attach_err(full_error(&e))
                     }
@@ -149,7 +223,7 @@ impl LoadedProbes {
                 .attach(point, &library.path, aya_scope)
                 .map_err(|e| {
                     if is_permission(&e) {
-                        ProbeError::Permission(full_error(&e))
+                        refused_attach(&e)
                     } else {
                         attach_err(full_error(&e))
                     }

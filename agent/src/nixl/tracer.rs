@@ -6,7 +6,7 @@ use super::aggregate::NixlAggregator;
 use super::discovery::{self, FileId};
 use super::event::NixlEvent;
 use super::library::NixlLibrary;
-use super::probes::{AttachScope, LoadedProbes};
+use super::probes::{self, AttachScope, LoadedProbes};
 use super::spans::NixlSpans;
 use aya::maps::{MapData, RingBuf};
 use kvscope_wire::nixl::{NixlLibraryStatus, NixlReport};
@@ -57,6 +57,8 @@ struct State {
     libraries: BTreeMap<FileId, NixlLibraryStatus>,
     /// Discovered files that could not be traced: not retried every scan.
     failed: BTreeSet<FileId>,
+    /// Processes whose maps could not be read, already warned of.
+    denied: BTreeSet<u32>,
     malformed: u64,
     /// When a traced process was first seen gone.
     exited_at: std::collections::HashMap<u32, std::time::Instant>,
@@ -119,6 +121,7 @@ impl NixlTracer {
     /// Attach to the configured libraries (an error here is fatal: it names the missing
     /// capability or kernel feature), then keep discovering.
     pub async fn start(cfg: &NixlTraceConfig) -> anyhow::Result<Self> {
+        probes::check_can_load()?;
         let tracer = Self {
             state: Arc::new(Mutex::new(State::default())),
             attached: Arc::new(Mutex::new(BTreeMap::new())),
@@ -141,8 +144,24 @@ impl NixlTracer {
             let only_pid = cfg.pid;
             let every = Duration::from_secs_f64(cfg.scan_interval_secs.max(0.05));
             // The first scan runs before start returns, so processes already running
-            // are traced from the moment the agent is up.
-            rescan(&state, &attached, only_pid, scope);
+            // are traced from the moment the agent is up. Other users' processes it may
+            // not read for want of CAP_SYS_PTRACE make it stop here, naming it: on a
+            // node, those are the engines.
+            let denied = rescan(&state, &attached, only_pid, scope);
+            if let Some(pid) = denied.first() {
+                let lacking = crate::capabilities::effective()
+                    .map(|eff| crate::capabilities::lacking(eff, &["SYS_PTRACE"]))
+                    .unwrap_or_default();
+                if !lacking.is_empty() {
+                    anyhow::bail!(
+                        "cannot read /proc/<pid>/maps of {} processes of other users (pid {pid} \
+                         among them), so cannot find their libnixl.so: the agent lacks \
+                         CAP_SYS_PTRACE (or give the library with --nixl-lib and \
+                         --no-nixl-discover)",
+                        denied.len()
+                    );
+                }
+            }
             tracer.scanner = Some(tokio::spawn(async move {
                 let mut tick = tokio::time::interval(every);
                 tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -238,13 +257,26 @@ fn attach_one(
     Ok(())
 }
 
+/// Look for new libraries and attach to them; returns the processes whose maps could
+/// not be read (each warned of once).
 fn rescan(
     state: &Arc<Mutex<State>>,
     attached: &Arc<Mutex<BTreeMap<FileId, Attached>>>,
     only_pid: Option<u32>,
     scope: AttachScope,
-) {
-    let found = discovery::scan(Path::new("/proc"), only_pid);
+) -> BTreeSet<u32> {
+    let discovery::Scan {
+        libraries: found,
+        denied,
+    } = discovery::scan(Path::new("/proc"), only_pid);
+    {
+        let mut st = lock(state);
+        let new: Vec<u32> = denied.difference(&st.denied).copied().collect();
+        if !new.is_empty() {
+            warn!(pids = ?new, "Cannot read these processes' maps (permission): a libnixl.so in them is not traced.");
+        }
+        st.denied = denied.clone();
+    }
     for (id, lib) in &found {
         if lock(attached).contains_key(id) || lock(state).failed.contains(id) {
             continue;
@@ -271,6 +303,7 @@ fn rescan(
         }
     }
     forget_exited(&mut lock(state));
+    denied
 }
 
 /// How long a process must be gone before its agents and handles are forgotten: its
