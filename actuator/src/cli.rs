@@ -127,7 +127,8 @@ pub enum Command {
         #[arg(long, default_value_t = 20)]
         limit: usize,
     },
-    /// Print the effective configuration as TOML (defaults, file, environment, flags).
+    /// Print the effective configuration as TOML (defaults, file, environment, flags),
+    /// secrets (OTLP headers, tokens) shown as <redacted>.
     PrintConfig,
 }
 
@@ -243,7 +244,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Command::PrintConfig => {
-            print!("{}", toml::to_string_pretty(&cfg)?);
+            print!("{}", kvscope_kit::config::to_redacted_toml(&cfg)?);
             Ok(())
         }
     }

@@ -116,7 +116,8 @@ pub struct Cli {
     /// Do not scan /proc for libnixl.so: trace only --nixl-lib files.
     #[arg(long)]
     pub no_nixl_discover: bool,
-    /// Print the effective configuration as TOML and exit.
+    /// Print the effective configuration as TOML and exit (secrets such as OTLP headers
+    /// shown as <redacted>).
     #[arg(long)]
     pub print_config: bool,
 }
@@ -223,7 +224,7 @@ impl Cli {
 pub async fn run(cli: Cli) -> anyhow::Result<()> {
     let cfg = cli.config()?;
     if cli.print_config {
-        print!("{}", toml::to_string_pretty(&cfg)?);
+        print!("{}", kvscope_kit::config::to_redacted_toml(&cfg)?);
         return Ok(());
     }
     let agent = crate::agent::start(cfg).await?;

@@ -20,30 +20,25 @@ use tracing::{error, info, warn};
 #[derive(Parser, Debug)]
 #[command(name = "kvscope-collector", version, after_help = format!("{}\n\n{}", kvscope_otlp::HELP, kvscope_wire::nats_security::HELP))]
 pub struct Cli {
-    /// TOML config file (see README, "Collector configuration"). Flags and
-    /// KVSCOPE_COLLECTOR_* variables override it.
+    /// TOML config file (see README, "Collector configuration"). KVSCOPE_COLLECTOR_*
+    /// variables (one per field: `print-config` shows the result) and flags override it.
     #[arg(long, global = true, env = "KVSCOPE_COLLECTOR_CONFIG")]
     config: Option<PathBuf>,
     #[command(flatten)]
     pub log: kvscope_kit::LogArgs,
     /// Window length in seconds (default 15).
-    #[arg(long, global = true, env = "KVSCOPE_COLLECTOR_WINDOW_SECS")]
+    #[arg(long, global = true)]
     window_secs: Option<f64>,
     /// Warm-up after the first record whose windows are not measured, in seconds (default 15).
-    #[arg(long, global = true, env = "KVSCOPE_COLLECTOR_WARMUP_SECS")]
+    #[arg(long, global = true)]
     warmup_secs: Option<f64>,
     /// Smallest gap between the best and chosen overlap, in blocks, that counts as a spill (default 1).
-    #[arg(long, global = true, env = "KVSCOPE_COLLECTOR_MIN_SPILL_BLOCKS")]
+    #[arg(long, global = true)]
     min_spill_blocks: Option<u32>,
     /// Measure only these models (comma-separated; default every model): a large fleet
     /// is split across collectors by model on one stream. Models come from Dynamo's
     /// discovery, through the agents.
-    #[arg(
-        long,
-        global = true,
-        env = "KVSCOPE_COLLECTOR_MODELS",
-        value_delimiter = ','
-    )]
+    #[arg(long, global = true, value_delimiter = ',')]
     models: Vec<String>,
     #[command(subcommand)]
     command: Command,
@@ -55,21 +50,24 @@ pub enum Command {
     #[command(after_help = format!("{}\n\n{}", kvscope_otlp::HELP, kvscope_wire::nats_security::HELP))]
     Run {
         /// NATS server URL (default nats://127.0.0.1:4222).
-        #[arg(long, env = "KVSCOPE_COLLECTOR_NATS_URL")]
+        #[arg(long)]
         nats_url: Option<String>,
         /// Cluster name (default "default").
-        #[arg(long, env = "KVSCOPE_COLLECTOR_CLUSTER")]
+        #[arg(long)]
         cluster: Option<String>,
         /// Listen address for /metrics and /api (default 127.0.0.1:9465).
-        #[arg(long, env = "KVSCOPE_COLLECTOR_LISTEN")]
+        #[arg(long)]
         listen: Option<std::net::SocketAddr>,
         /// Record every applied record to this JSON-lines file (rewritten on each start).
-        #[arg(long, env = "KVSCOPE_COLLECTOR_RECORD")]
+        #[arg(long)]
         record: Option<PathBuf>,
         /// Write report.md, report.json and report.html here on shutdown.
-        #[arg(long, env = "KVSCOPE_COLLECTOR_REPORT_DIR")]
+        #[arg(long)]
         report_dir: Option<PathBuf>,
     },
+    /// Print the effective configuration as TOML (defaults, file, environment, flags),
+    /// secrets (OTLP headers) shown as <redacted>.
+    PrintConfig,
     /// Write the dry-run opportunity report from a recording: Markdown, JSON, or one
     /// self-contained HTML page with plots (no scripts or assets fetched; opens offline).
     Report {
@@ -101,6 +99,8 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
     cfg.nats
         .apply_env(|k| std::env::var(k).ok())
         .context("bad [nats] settings or KVSCOPE_NATS_* variable")?;
+    cfg.apply_env(|k| std::env::var(k).ok())
+        .context("bad KVSCOPE_COLLECTOR_* variable")?;
     if let Some(v) = cli.window_secs {
         cfg.analyzer.window_secs = v;
     }
@@ -118,6 +118,10 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         "window_secs must be positive"
     );
     match cli.command {
+        Command::PrintConfig => {
+            print!("{}", kvscope_kit::config::to_redacted_toml(&cfg)?);
+            Ok(())
+        }
         Command::Report {
             replay: path,
             out,

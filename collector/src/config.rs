@@ -1,7 +1,31 @@
 //! Collector configuration: a TOML file, overridden by `KVSCOPE_COLLECTOR_*` environment
-//! variables and command-line flags (see `kvscope-collector run --help`).
+//! variables (one per field, [`CollectorConfig::apply_env`]; `OTEL_*` and
+//! `KVSCOPE_NATS_*` for the `otlp` and `nats` tables), then command-line flags (see
+//! `kvscope-collector run --help`). `kvscope-collector print-config` prints the result.
+//!
+//! ```toml
+//! nats_url = "nats://127.0.0.1:4222"
+//! cluster = "default"
+//! durable_name = "kvscope-collector"
+//! listen = "127.0.0.1:9465"
+//! record = "/var/lib/kvscope/recording.jsonl"
+//! report_dir = "/var/lib/kvscope/reports"
+//! stream_max_age_secs = 86400
+//!
+//! [analyzer]
+//! window_secs = 15.0
+//! warmup_secs = 15.0
+//! min_spill_blocks = 1
+//! models = []
+//! ```
+//!
+//! Environment: `KVSCOPE_COLLECTOR_NATS_URL`, `_CLUSTER`, `_DURABLE_NAME`, `_LISTEN`,
+//! `_RECORD`, `_REPORT_DIR`, `_STREAM_MAX_AGE_SECS`, `_WINDOW_SECS`, `_WARMUP_SECS`,
+//! `_MIN_SPILL_BLOCKS`, `_MIN_WINDOWS`, `_KEEP_WINDOWS`, `_KEEP_VERDICTS`,
+//! `_PROMPT_MEMORY_SECS`, `_MODELS` (comma-separated).
 
 use crate::analyzer::AnalyzerConfig;
+use kvscope_wire::config::{Env, EnvError};
 use serde::{Deserialize, Serialize};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -67,6 +91,59 @@ pub enum ConfigError {
 }
 
 impl CollectorConfig {
+    /// Override fields from `KVSCOPE_COLLECTOR_*` variables read through `var`.
+    pub fn apply_env(&mut self, var: impl Fn(&str) -> Option<String>) -> Result<(), EnvError> {
+        let env = Env::new(var);
+        let key = |k: &str| format!("KVSCOPE_COLLECTOR_{k}");
+        if let Some(v) = env.trimmed(&key("NATS_URL")) {
+            self.nats_url = v;
+        }
+        if let Some(v) = env.trimmed(&key("CLUSTER")) {
+            self.cluster = v;
+        }
+        if let Some(v) = env.trimmed(&key("DURABLE_NAME")) {
+            self.durable_name = v;
+        }
+        if let Some(v) = env.parse(&key("LISTEN"))? {
+            self.listen = v;
+        }
+        if let Some(v) = env.trimmed(&key("RECORD")) {
+            self.record = (!v.is_empty()).then(|| PathBuf::from(v));
+        }
+        if let Some(v) = env.trimmed(&key("REPORT_DIR")) {
+            self.report_dir = (!v.is_empty()).then(|| PathBuf::from(v));
+        }
+        if let Some(v) = env.parse(&key("STREAM_MAX_AGE_SECS"))? {
+            self.stream_max_age_secs = v;
+        }
+        let a = &mut self.analyzer;
+        if let Some(v) = env.parse(&key("WINDOW_SECS"))? {
+            a.window_secs = v;
+        }
+        if let Some(v) = env.parse(&key("WARMUP_SECS"))? {
+            a.warmup_secs = v;
+        }
+        if let Some(v) = env.parse(&key("MIN_SPILL_BLOCKS"))? {
+            a.min_spill_blocks = v;
+        }
+        if let Some(v) = env.parse(&key("MIN_WINDOWS"))? {
+            a.min_windows = v;
+        }
+        if let Some(v) = env.parse(&key("KEEP_WINDOWS"))? {
+            a.keep_windows = v;
+        }
+        if let Some(v) = env.parse(&key("KEEP_VERDICTS"))? {
+            a.keep_verdicts = v;
+        }
+        if let Some(v) = env.parse(&key("PROMPT_MEMORY_SECS"))? {
+            a.prompt_memory_secs = v;
+        }
+        if let Some(v) = env.list(&key("MODELS"))? {
+            a.models = v;
+        }
+        Ok(())
+    }
+
     /// Load from `path`, or the defaults when there is no file.
     pub fn load(path: Option<&Path>) -> Result<Self, ConfigError> {
         let Some(path) = path else {
@@ -95,6 +172,68 @@ mod tests {
         assert_eq!(c.analyzer.window_secs, 5.0);
         assert_eq!(c.analyzer.min_windows, 6);
         assert_eq!(c.listen.ip().to_string(), "127.0.0.1");
+    }
+
+    #[test]
+    fn every_variable_overrides_its_field_and_a_bad_one_is_named() {
+        let vars: std::collections::HashMap<&str, &str> = [
+            ("KVSCOPE_COLLECTOR_NATS_URL", "tls://bus:4222"),
+            ("KVSCOPE_COLLECTOR_CLUSTER", "fleet"),
+            ("KVSCOPE_COLLECTOR_DURABLE_NAME", "c-2"),
+            ("KVSCOPE_COLLECTOR_LISTEN", "0.0.0.0:9000"),
+            ("KVSCOPE_COLLECTOR_RECORD", "/data/r.jsonl"),
+            ("KVSCOPE_COLLECTOR_REPORT_DIR", "/data/reports"),
+            ("KVSCOPE_COLLECTOR_STREAM_MAX_AGE_SECS", "60"),
+            ("KVSCOPE_COLLECTOR_WINDOW_SECS", "5"),
+            ("KVSCOPE_COLLECTOR_WARMUP_SECS", "2.5"),
+            ("KVSCOPE_COLLECTOR_MIN_SPILL_BLOCKS", "3"),
+            ("KVSCOPE_COLLECTOR_MIN_WINDOWS", "4"),
+            ("KVSCOPE_COLLECTOR_KEEP_WINDOWS", "10"),
+            ("KVSCOPE_COLLECTOR_KEEP_VERDICTS", "20"),
+            ("KVSCOPE_COLLECTOR_PROMPT_MEMORY_SECS", "30"),
+            ("KVSCOPE_COLLECTOR_MODELS", "a, b"),
+        ]
+        .into();
+        let mut c = CollectorConfig::default();
+        c.apply_env(|k| vars.get(k).map(|v| v.to_string())).unwrap();
+        assert_eq!(
+            (
+                c.nats_url.as_str(),
+                c.cluster.as_str(),
+                c.durable_name.as_str()
+            ),
+            ("tls://bus:4222", "fleet", "c-2")
+        );
+        assert_eq!(c.listen.to_string(), "0.0.0.0:9000");
+        assert_eq!(c.record.as_deref(), Some(Path::new("/data/r.jsonl")));
+        assert_eq!(c.report_dir.as_deref(), Some(Path::new("/data/reports")));
+        assert_eq!(c.stream_max_age_secs, 60);
+        let a = &c.analyzer;
+        assert_eq!(
+            (a.window_secs, a.warmup_secs, a.min_spill_blocks),
+            (5.0, 2.5, 3)
+        );
+        assert_eq!(
+            (a.min_windows, a.keep_windows, a.keep_verdicts),
+            (4, 10, 20)
+        );
+        assert_eq!(a.prompt_memory_secs, 30.0);
+        assert_eq!(a.models, vec!["a", "b"]);
+        let e = c
+            .apply_env(|k| (k == "KVSCOPE_COLLECTOR_LISTEN").then(|| "nine".to_string()))
+            .unwrap_err();
+        assert_eq!(e.key, "KVSCOPE_COLLECTOR_LISTEN");
+    }
+
+    #[test]
+    fn the_documented_example_parses() {
+        let example = kvscope_wire::config::documented_toml_example(include_str!("config.rs"))
+            .expect("the module docs hold a TOML example");
+        let c: CollectorConfig = toml::from_str(&example).unwrap();
+        assert_eq!(
+            c.report_dir.as_deref(),
+            Some(Path::new("/var/lib/kvscope/reports"))
+        );
     }
 
     #[test]

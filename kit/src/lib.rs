@@ -1,7 +1,8 @@
 //! What kvscope's daemons (agent, collector, actuator) share that is not a contract
-//! between them (contracts live in `kvscope-wire`): how they log, and how they answer
-//! `/healthz` and `/readyz`.
+//! between them (contracts live in `kvscope-wire`): how they log, how they answer
+//! `/healthz` and `/readyz`, and how they print their effective config.
 
+pub mod config;
 pub mod health;
 pub mod logging;
 

@@ -480,3 +480,154 @@ async fn the_bus_admits_the_collector_and_agent_as_their_manifests_run_them() {
     }
     procs.stop(Duration::from_secs(5));
 }
+
+/// `buildah args…`, which must succeed; its stdout.
+fn buildah(args: &[&str]) -> String {
+    let out = Command::new("buildah")
+        .args(args)
+        .output()
+        .expect("buildah runs (scripts/setup installs it)");
+    assert!(
+        out.status.success(),
+        "buildah {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Removes the test's container and image, however the test ends.
+struct BuildahCleanup {
+    container: Option<String>,
+    image: String,
+}
+
+impl Drop for BuildahCleanup {
+    fn drop(&mut self) {
+        if let Some(c) = &self.container {
+            let _ = Command::new("buildah").args(["rm", c]).output();
+        }
+        let _ = Command::new("buildah")
+            .args(["rmi", "-f", &self.image])
+            .output();
+    }
+}
+
+#[test]
+fn the_image_builds_offline_and_its_binary_reads_what_the_manifests_give_it() {
+    // The README's recipe, on the binary this test was built with.
+    let image = format!("localhost/kvscope-test-{}:ci", std::process::id());
+    let mut cleanup = BuildahCleanup {
+        container: None,
+        image: image.clone(),
+    };
+    let bin_dir = Path::new(env!("CARGO_BIN_EXE_kvscope")).parent().unwrap();
+    let out = Command::new(repo().join("deploy/image/build"))
+        .arg(bin_dir)
+        .arg(&image)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "deploy/image/build: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let config = buildah(&[
+        "inspect",
+        "--format",
+        "{{.OCIv1.Config.User}} {{.OCIv1.Config.Entrypoint}}",
+        &image,
+    ]);
+    assert_eq!(config.trim(), "65532:65532 [/usr/local/bin/kvscope]");
+    let container = buildah(&["from", &image]).trim().to_string();
+    cleanup.container = Some(container.clone());
+
+    // The files the pods mount, where they mount them.
+    let all = objects(&render());
+    let dir = tempfile::tempdir().unwrap();
+    for (sub, file, text) in [
+        ("bus", "agent-password", "agent-pw"),
+        ("bus", "collector-password", "collector-pw"),
+        ("bus-tls", "ca.crt", "not read by print-config"),
+    ] {
+        std::fs::create_dir_all(dir.path().join(sub)).unwrap();
+        std::fs::write(dir.path().join(sub).join(file), text).unwrap();
+    }
+    let actuator_toml = dir.path().join("actuator.toml");
+    std::fs::write(
+        &actuator_toml,
+        object(&all, "ConfigMap", "kvscope-actuator-config")["data"]["actuator.toml"]
+            .as_str()
+            .unwrap(),
+    )
+    .unwrap();
+    let mounts = [
+        format!("{}:/etc/kvscope/bus:ro", dir.path().join("bus").display()),
+        format!(
+            "{}:/etc/kvscope/bus-tls:ro",
+            dir.path().join("bus-tls").display()
+        ),
+        format!("{}:/etc/kvscope/actuator.toml:ro", actuator_toml.display()),
+    ];
+    let run = |env: &[(String, String)], args: &[&str]| -> String {
+        let mut a: Vec<String> = vec!["run".into(), "--isolation".into(), "chroot".into()];
+        for m in &mounts {
+            a.extend(["-v".into(), m.clone()]);
+        }
+        for (k, v) in env {
+            a.extend(["--env".into(), format!("{k}={v}")]);
+        }
+        a.extend([
+            container.clone(),
+            "--".into(),
+            "/usr/local/bin/kvscope".into(),
+        ]);
+        a.extend(args.iter().map(|s| s.to_string()));
+        buildah(&a.iter().map(String::as_str).collect::<Vec<_>>())
+    };
+
+    assert_eq!(
+        run(&[], &["--version"]).trim(),
+        format!("kvscope {}", env!("CARGO_PKG_VERSION"))
+    );
+    // Each daemon's config as its manifest gives it, read inside the image.
+    let node = container_env(&all, "DaemonSet", "kvscope-node-agent")
+        .into_iter()
+        .map(|(k, v)| {
+            (
+                k.clone(),
+                if k == "NODE_NAME" {
+                    "gpu-node-7".into()
+                } else {
+                    v
+                },
+            )
+        })
+        .map(|(k, v)| (k, v.replace("$(NODE_NAME)", "gpu-node-7")))
+        .collect::<Vec<_>>();
+    let agent: toml::Table = toml::from_str(&run(&node, &["agent", "--print-config"])).unwrap();
+    assert_eq!(agent["agent_id"].as_str(), Some("gpu-node-7"));
+    assert_eq!(agent["nats_url"].as_str(), Some("tls://kvscope-bus:4222"));
+    assert_eq!(agent["nixl"]["enabled"].as_bool(), Some(true));
+    let collector: toml::Table = toml::from_str(&run(
+        &container_env(&all, "Deployment", "kvscope-collector"),
+        &["collector", "print-config"],
+    ))
+    .unwrap();
+    assert_eq!(collector["cluster"].as_str(), Some("fleet"));
+    assert_eq!(collector["listen"].as_str(), Some("0.0.0.0:9465"));
+    assert_eq!(
+        collector["record"].as_str(),
+        Some("/var/lib/kvscope/recording.jsonl")
+    );
+    let actuator: toml::Table = toml::from_str(&run(
+        &container_env(&all, "Deployment", "kvscope-actuator"),
+        &["actuator", "print-config"],
+    ))
+    .unwrap();
+    assert_eq!(
+        actuator["collector_url"].as_str(),
+        Some("http://kvscope-collector:9465")
+    );
+    assert_eq!(actuator["api"]["listen"].as_str(), Some("0.0.0.0:9466"));
+}
