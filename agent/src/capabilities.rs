@@ -2,7 +2,7 @@
 //! refuses something, so the error says what to grant.
 //!
 //! [`NODE_AGENT`] is the one list: the node agent's DaemonSet adds exactly these
-//! (`deploy/kubernetes/agent.yaml`, checked by `kvscope/tests/deploy_manifests.rs`), and
+//! (`deploy/kubernetes/base/agent.yaml`, checked by `kvscope/tests/deploy_manifests.rs`), and
 //! `kvscope/tests/least_privilege.rs` runs the real agent as a non-root user holding
 //! exactly these, then without each in turn.
 

@@ -4,9 +4,14 @@
 //! - the generated parts (alert rules as a `PrometheusRule`, dashboards as a ConfigMap
 //!   for Grafana's sidecar) equal what `dashboards/` gives now
 //!   (`KVSCOPE_UPDATE_MANIFESTS=1` rewrites them);
-//! - `kubectl kustomize` renders them, and every object passes the schemas of the
-//!   Kubernetes API and the Prometheus Operator (`kubernetes-models` from npm, installed
-//!   by `scripts/setup` under `.lab/k8s-validate`);
+//! - `kubectl kustomize` renders the base and every overlay, and every object passes the
+//!   schemas of the Kubernetes API and the Prometheus Operator (`kubernetes-models` from
+//!   npm, installed by `scripts/setup` under `.lab/k8s-validate`) and the security
+//!   policy (no `privileged`, the node agent's capabilities exactly
+//!   `kvscope_agent::capabilities::NODE_AGENT`, read-only root filesystems, requests and
+//!   limits, the health probes);
+//! - the image (`deploy/image/build`) builds offline and the binary in it reads each
+//!   daemon's config as its manifest gives it;
 //! - the bus's configuration grants exactly the permissions `kvscope_wire::subject`
 //!   gives, and a real `nats-server` run with it (TLS, users, passwords from the
 //!   environment as the StatefulSet passes them) admits the real collector and node
@@ -78,7 +83,7 @@ fn grafana_dashboards() -> String {
 
 #[test]
 fn the_generated_manifests_are_what_dashboards_gives() {
-    let out = repo().join("deploy/kubernetes/generated");
+    let out = repo().join("deploy/kubernetes/base/generated");
     for (name, want) in [
         ("prometheus-rule.yaml", prometheus_rule()),
         ("grafana-dashboards.yaml", grafana_dashboards()),
@@ -96,11 +101,16 @@ fn the_generated_manifests_are_what_dashboards_gives() {
     }
 }
 
-/// `kubectl kustomize deploy/kubernetes`.
+/// `kubectl kustomize deploy/kubernetes/base`.
 fn render() -> String {
+    render_dir("base")
+}
+
+/// `kubectl kustomize deploy/kubernetes/<dir>`.
+fn render_dir(dir: &str) -> String {
     let out = Command::new("kubectl")
         .arg("kustomize")
-        .arg(repo().join("deploy/kubernetes"))
+        .arg(repo().join("deploy/kubernetes").join(dir))
         .output()
         .expect("kubectl (its kustomize renders offline) is on this machine");
     assert!(
@@ -123,10 +133,41 @@ fn object<'a>(all: &'a [Value], kind: &str, name: &str) -> &'a Value {
         .unwrap_or_else(|| panic!("no {kind}/{name} rendered"))
 }
 
+/// The base and every overlay render, pass the schemas and the policy.
 #[test]
 fn the_manifests_render_and_every_object_passes_the_schemas() {
-    let rendered = render();
+    let mut dirs = vec!["base".to_string()];
+    for e in std::fs::read_dir(repo().join("deploy/kubernetes/overlays")).unwrap() {
+        dirs.push(format!(
+            "overlays/{}",
+            e.unwrap().file_name().to_string_lossy()
+        ));
+    }
+    assert!(dirs.len() > 1, "the overlays are there");
+    for dir in &dirs {
+        check_rendering(dir);
+    }
+    // The overlay for the fleet's NATS leaves the bus out and points every daemon there.
+    let all = objects(&render_dir("overlays/existing-nats"));
+    assert!(!all.iter().any(|o| o["metadata"]["name"] == "kvscope-bus"));
+    for (kind, name) in [
+        ("Deployment", "kvscope-router-agent"),
+        ("DaemonSet", "kvscope-node-agent"),
+        ("Deployment", "kvscope-collector"),
+    ] {
+        let urls: Vec<String> = container_env(&all, kind, name)
+            .into_iter()
+            .filter(|(k, _)| k.ends_with("_NATS_URL"))
+            .map(|(_, v)| v)
+            .collect();
+        assert_eq!(urls, vec!["tls://nats.nats.svc:4222"], "{name}");
+    }
+}
+
+fn check_rendering(dir: &str) {
+    let rendered = render_dir(dir);
     let all = objects(&rendered);
+    let base = dir == "base";
     let kinds: Vec<String> = all
         .iter()
         .map(|o| {
@@ -139,7 +180,6 @@ fn the_manifests_render_and_every_object_passes_the_schemas() {
         .collect();
     for want in [
         "Namespace/kvscope",
-        "StatefulSet/kvscope-bus",
         "Deployment/kvscope-router-agent",
         "DaemonSet/kvscope-node-agent",
         "Deployment/kvscope-collector",
@@ -154,8 +194,16 @@ fn the_manifests_render_and_every_object_passes_the_schemas() {
         "PrometheusRule/kvscope",
         "ConfigMap/kvscope-grafana-dashboards",
     ] {
-        assert!(kinds.iter().any(|k| k == want), "{want} not in {kinds:?}");
+        assert!(
+            kinds.iter().any(|k| k == want),
+            "{dir}: {want} not in {kinds:?}"
+        );
     }
+    assert_eq!(
+        kinds.iter().any(|k| k == "StatefulSet/kvscope-bus"),
+        base,
+        "{dir}: the bundled bus only in the base"
+    );
     let modules = repo().join(".lab/k8s-validate");
     assert!(
         modules.join("node_modules/kubernetes-models").is_dir(),
@@ -173,7 +221,7 @@ fn the_manifests_render_and_every_object_passes_the_schemas() {
     std::io::Write::write_all(&mut child.stdin.take().unwrap(), rendered.as_bytes()).unwrap();
     let out = child.wait_with_output().unwrap();
     let report = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "schema check:\n{report}");
+    assert!(out.status.success(), "{dir}: schema check:\n{report}");
     assert_eq!(
         report.lines().filter(|l| l.starts_with("valid ")).count(),
         all.len(),
