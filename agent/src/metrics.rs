@@ -131,6 +131,40 @@ pub fn write_nixl(out: &mut Exposition, agent: &str, r: &NixlReport) {
     for (k, c) in calls.iter().filter(|(_, c)| c.latency.count > 0) {
         histogram(out, name, &call_labels(k), &c.latency);
     }
+    // In flight per peer, over the processes: how many, and how long the oldest has been.
+    let mut in_flight: BTreeMap<(&str, &str), (u64, u64)> = BTreeMap::new();
+    for f in &r.in_flight {
+        let e = in_flight
+            .entry((f.local_agent.as_str(), f.remote_agent.as_str()))
+            .or_default();
+        e.0 += f.transfers;
+        e.1 = e.1.max(f.oldest_age_ns);
+    }
+    let peer_labels = |(local, remote): &(&str, &str)| {
+        labels(&[
+            ("agent", agent),
+            ("local_agent", local),
+            ("remote_agent", remote),
+        ])
+    };
+    let name = "kvscope_agent_nixl_transfers_in_flight";
+    out.family(
+        name,
+        Kind::Gauge,
+        "NIXL transfers posted and in progress (their terminal status not yet seen), by peer.",
+    );
+    for (k, (n, _)) in &in_flight {
+        out.gauge(name, &peer_labels(k), n);
+    }
+    let name = "kvscope_agent_nixl_oldest_in_flight_seconds";
+    out.family(
+        name,
+        Kind::Gauge,
+        "How long the oldest NIXL transfer in flight to a peer has been in progress.",
+    );
+    for (k, (_, age)) in &in_flight {
+        out.gauge(name, &peer_labels(k), *age as f64 / 1e9);
+    }
     let agent_labels = labels(&[("agent", agent)]);
     out.single_counter(
         "kvscope_agent_nixl_events_lost",

@@ -27,6 +27,16 @@ pub struct NixlPair {
     pub handshakes_ok: u64,
     pub handshakes_failed: u64,
     pub handshake_latency: MergedLatency,
+    /// Transfers posted and in progress, as of the agents' latest reports.
+    #[serde(default)]
+    pub in_flight: u64,
+    /// How long the oldest of them had been in progress at its agent's report (s).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub oldest_in_flight_seconds: Option<f64>,
+    /// `invalidateRemoteMD` calls on the remote's metadata (its process gone or about to
+    /// be reloaded): a peer whose state went stale.
+    #[serde(default)]
+    pub metadata_invalidations: u64,
 }
 
 /// The owners of NIXL agents every node agent's latest report tells, by node.
@@ -60,6 +70,25 @@ pub fn pairs(agents: &BTreeMap<String, AgentStatus>) -> Vec<NixlPair> {
             } else {
                 p.transfers_failed = p.transfers_failed.saturating_add(t.transfers);
             }
+        }
+        for f in &report.in_flight {
+            let p = by_pair
+                .entry(pair(&f.local_agent, &f.remote_agent))
+                .or_default();
+            p.in_flight = p.in_flight.saturating_add(f.transfers);
+            let age = f.oldest_age_ns as f64 / 1e9;
+            p.oldest_in_flight_seconds =
+                Some(p.oldest_in_flight_seconds.map_or(age, |a| a.max(age)));
+        }
+        for c in report
+            .calls
+            .iter()
+            .filter(|c| c.call == "invalidateRemoteMD")
+        {
+            let p = by_pair
+                .entry(pair(&c.local_agent, &c.remote_agent))
+                .or_default();
+            p.metadata_invalidations = p.metadata_invalidations.saturating_add(c.calls);
         }
         for c in report.calls.iter().filter(|c| is_handshake(&c.call)) {
             let k = pair(&c.local_agent, &c.remote_agent);
@@ -186,6 +215,37 @@ pub fn render(out: &mut Exposition, pairs: &[NixlPair]) {
     out.family(name, Kind::Histogram, "NIXL handshake call latency.");
     for p in pairs.iter().filter(|p| p.handshake_latency.count > 0) {
         histogram(out, name, &pair_labels(p, &[]), &p.handshake_latency);
+    }
+    let name = "kvscope_nixl_pair_transfers_in_flight";
+    out.family(
+        name,
+        Kind::Gauge,
+        "NIXL transfers posted and in progress between two agents, as of the agents' latest reports.",
+    );
+    for p in pairs {
+        out.gauge(name, &pair_labels(p, &[]), p.in_flight);
+    }
+    let name = "kvscope_nixl_pair_oldest_in_flight_seconds";
+    out.family(
+        name,
+        Kind::Gauge,
+        "How long the oldest NIXL transfer in flight between two agents had been in progress (0: none in flight).",
+    );
+    for p in pairs {
+        out.gauge(
+            name,
+            &pair_labels(p, &[]),
+            p.oldest_in_flight_seconds.unwrap_or(0.0),
+        );
+    }
+    let name = "kvscope_nixl_pair_metadata_invalidations";
+    out.family(
+        name,
+        Kind::Counter,
+        "invalidateRemoteMD calls on a remote agent's metadata (its process restarted or gone: stale peer state).",
+    );
+    for p in pairs {
+        out.counter(name, &pair_labels(p, &[]), p.metadata_invalidations);
     }
 }
 
@@ -326,5 +386,56 @@ mod tests {
         assert_eq!(p.transfers_failed, u64::MAX);
         assert_eq!(p.handshakes_ok, u64::MAX);
         assert_eq!(p.latency.buckets[0], u64::MAX);
+    }
+
+    #[test]
+    fn in_flight_transfers_and_invalidations_show_per_pair() {
+        use kvscope_wire::nixl::NixlInFlight;
+        let mut agents = BTreeMap::new();
+        for (agent, pid, n, age_ns) in [
+            ("node-a", 1, 2, 3_000_000_000u64),
+            ("node-b", 2, 1, 45_000_000_000),
+        ] {
+            agents.insert(
+                agent.to_string(),
+                AgentStatus {
+                    nixl: Some(NixlReport {
+                        in_flight: vec![NixlInFlight {
+                            pid,
+                            local_agent: "d0".into(),
+                            remote_agent: "d1".into(),
+                            transfers: n,
+                            oldest_age_ns: age_ns,
+                        }],
+                        calls: vec![NixlCallStats {
+                            pid,
+                            local_agent: "d0".into(),
+                            remote_agent: "d1".into(),
+                            call: "invalidateRemoteMD".into(),
+                            status: "SUCCESS".into(),
+                            calls: 1,
+                            bytes: 0,
+                            latency: lat(&[]),
+                        }],
+                        ..NixlReport::default()
+                    }),
+                    ..AgentStatus::default()
+                },
+            );
+        }
+        let p = &pairs(&agents)[0];
+        assert_eq!((p.in_flight, p.metadata_invalidations), (3, 2));
+        assert_eq!(p.oldest_in_flight_seconds, Some(45.0));
+        let mut out = Exposition::new(kvscope_wire::prom::Format::Text);
+        render(&mut out, std::slice::from_ref(p));
+        let text = out.finish();
+        assert!(
+            text.contains(
+                "kvscope_nixl_pair_transfers_in_flight{local_agent=\"d0\",remote_agent=\"d1\"} 3\n"
+            ),
+            "{text}"
+        );
+        assert!(text.contains("kvscope_nixl_pair_oldest_in_flight_seconds{local_agent=\"d0\",remote_agent=\"d1\"} 45\n"), "{text}");
+        assert!(text.contains("kvscope_nixl_pair_metadata_invalidations_total{local_agent=\"d0\",remote_agent=\"d1\"} 2\n"), "{text}");
     }
 }

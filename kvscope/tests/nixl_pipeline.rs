@@ -19,6 +19,10 @@ use std::time::{Duration, Instant};
 
 const CLUSTER: &str = "nixltest";
 
+/// The probes see every process using the wheel's libnixl.so: the tests that compare
+/// what they saw with a lab's truth run one at a time.
+static ONE_LAB_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 #[derive(Debug, Default, PartialEq)]
 struct PairFigures {
     ok_by_op: BTreeMap<String, u64>,
@@ -104,69 +108,104 @@ async fn get(url: &str) -> Option<String> {
     reqwest::get(url).await.ok()?.text().await.ok()
 }
 
+/// NATS, the collector and the agent (probes on the wheel's libnixl.so), up and attached.
+struct Pipeline {
+    procs: StopOnDrop,
+    _nats: NatsServer,
+    _ports: kvscope_lab::ports::PortReservation,
+    collector_addr: String,
+    agent_metrics: String,
+}
+
+impl Pipeline {
+    async fn start(dir: &Path) -> Self {
+        let exe = Path::new(env!("CARGO_BIN_EXE_kvscope"));
+        let libs = kvscope_nixl_lab::NixlLibs::ensure(&kvscope_lab::paths::default_lab_dir())
+            .unwrap_or_else(|e| panic!("the NIXL wheel is not set up: {e}"));
+        let nats = NatsServer::start_anywhere(dir).expect("nats-server starts");
+        let held = kvscope_lab::ports::reserve_ports(2).unwrap();
+        let ports = held.ports();
+        let (collector_addr, agent_metrics) = (
+            format!("127.0.0.1:{}", ports[0]),
+            format!("127.0.0.1:{}", ports[1]),
+        );
+
+        let mut procs = StopOnDrop::default();
+        let mut collector = Command::new(exe);
+        collector
+            .args([
+                "collector",
+                "run",
+                "--nats-url",
+                &nats.url(),
+                "--cluster",
+                CLUSTER,
+            ])
+            .args(["--listen", &collector_addr]);
+        procs.push(
+            ManagedProcess::spawn("collector", collector, &dir.join("collector.log")).unwrap(),
+        );
+        let mut agent = Command::new(exe);
+        agent
+            .args(["agent", "--nats-url", &nats.url(), "--cluster", CLUSTER])
+            .args([
+                "--agent-id",
+                "nixl-node",
+                "--metrics-listen",
+                &agent_metrics,
+            ])
+            .arg("--nixl-lib")
+            .arg(&libs.libnixl)
+            .arg("--no-nixl-discover");
+        procs.push(ManagedProcess::spawn("agent", agent, &dir.join("agent.log")).unwrap());
+
+        // The agent is up (probes attached) once its /metrics shows the library.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let text = get(&format!("http://{agent_metrics}/metrics"))
+                .await
+                .unwrap_or_default();
+            if text.contains("kvscope_agent_nixl_library_info{") {
+                break;
+            }
+            if let Some(status) = procs[1].exited() {
+                panic!(
+                    "the agent exited ({status}): {}",
+                    std::fs::read_to_string(dir.join("agent.log")).unwrap_or_default()
+                );
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the agent did not attach its NIXL probes in 30 s"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        Self {
+            procs,
+            _nats: nats,
+            _ports: held,
+            collector_addr,
+            agent_metrics,
+        }
+    }
+
+    async fn pairs(&self) -> Vec<NixlPair> {
+        match get(&format!("http://{}/api/nixl", self.collector_addr)).await {
+            Some(body) => serde_json::from_str(&body).unwrap_or_default(),
+            None => Vec::new(),
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nixl_figures_reach_the_collector_pair_by_pair() {
-    let exe = Path::new(env!("CARGO_BIN_EXE_kvscope"));
-    let libs = kvscope_nixl_lab::NixlLibs::ensure(&kvscope_lab::paths::default_lab_dir())
-        .unwrap_or_else(|e| panic!("the NIXL wheel is not set up: {e}"));
+    let _one = ONE_LAB_AT_A_TIME.lock().await;
     let dir = tempfile::tempdir().unwrap();
-    let nats = NatsServer::start_anywhere(dir.path()).expect("nats-server starts");
-    let ports = kvscope_lab::ports::pick_ports(2).unwrap();
+    let mut pipeline = Pipeline::start(dir.path()).await;
     let (collector_addr, agent_metrics) = (
-        format!("127.0.0.1:{}", ports[0]),
-        format!("127.0.0.1:{}", ports[1]),
+        pipeline.collector_addr.clone(),
+        pipeline.agent_metrics.clone(),
     );
-
-    let mut procs = StopOnDrop::default();
-    let mut collector = Command::new(exe);
-    collector
-        .args([
-            "collector",
-            "run",
-            "--nats-url",
-            &nats.url(),
-            "--cluster",
-            CLUSTER,
-        ])
-        .args(["--listen", &collector_addr]);
-    procs.push(
-        ManagedProcess::spawn("collector", collector, &dir.path().join("collector.log")).unwrap(),
-    );
-    let mut agent = Command::new(exe);
-    agent
-        .args(["agent", "--nats-url", &nats.url(), "--cluster", CLUSTER])
-        .args([
-            "--agent-id",
-            "nixl-node",
-            "--metrics-listen",
-            &agent_metrics,
-        ])
-        .arg("--nixl-lib")
-        .arg(&libs.libnixl)
-        .arg("--no-nixl-discover");
-    procs.push(ManagedProcess::spawn("agent", agent, &dir.path().join("agent.log")).unwrap());
-
-    // The agent is up (probes attached) once its /metrics shows the library.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let text = get(&format!("http://{agent_metrics}/metrics"))
-            .await
-            .unwrap_or_default();
-        if text.contains("kvscope_agent_nixl_library_info{") {
-            break;
-        }
-        if let Some(status) = procs[1].exited() {
-            panic!(
-                "the agent exited ({status}): {}",
-                std::fs::read_to_string(dir.path().join("agent.log")).unwrap_or_default()
-            );
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the agent did not attach its NIXL probes in 30 s"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
 
     let truth_path = dir.path().join("truth.json");
     let out = Command::new(kvscope_nixl_lab::lab_binary())
@@ -185,10 +224,7 @@ async fn nixl_figures_reach_the_collector_pair_by_pair() {
     // The collector's view converges on the truth (reports are cumulative, every second).
     let deadline = Instant::now() + Duration::from_secs(30);
     let got = loop {
-        let pairs: Vec<NixlPair> = match get(&format!("http://{collector_addr}/api/nixl")).await {
-            Some(body) => serde_json::from_str(&body).unwrap_or_default(),
-            None => Vec::new(),
-        };
+        let pairs = pipeline.pairs().await;
         let got = observed(&pairs);
         if got == want || Instant::now() > deadline {
             break got;
@@ -254,7 +290,82 @@ async fn nixl_figures_reach_the_collector_pair_by_pair() {
         openmetrics.trim_end().ends_with("# EOF") && !collector_text.contains("# EOF"),
         "OpenMetrics when asked for"
     );
-    procs.stop(Duration::from_secs(5));
+    pipeline.procs.stop(Duration::from_secs(5));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transfer_held_in_flight_ages_on_its_pair_then_clears() {
+    let _one = ONE_LAB_AT_A_TIME.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let pipeline = Pipeline::start(dir.path()).await;
+    // Two agents whose first transfer is held in flight for 6 s after its post (a fresh
+    // connection makes that post return IN_PROG; later ones mostly complete inside it).
+    let prefix = format!("held{}-", std::process::id());
+    let (local, remote) = (format!("{prefix}initiator"), format!("{prefix}target"));
+    let report = dir.path().join("bench.json");
+    let mut bench = Command::new(kvscope_nixl_lab::lab_binary());
+    bench
+        .args(["bench", "--agent-prefix", &prefix, "--op", "read"])
+        .args(["--size", "4194304", "--iters", "3", "--warmup", "0"])
+        .args(["--hold-ms", "6000", "--out"])
+        .arg(&report);
+    let mut bench = bench.spawn().expect("the NIXL lab runs");
+
+    // The collector shows the pair with a transfer in flight, aging past 2 s; the agent
+    // too.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let seen = loop {
+        let pair = pipeline
+            .pairs()
+            .await
+            .into_iter()
+            .find(|p| p.local_agent == local && p.remote_agent == remote);
+        if let Some(p) =
+            pair.filter(|p| p.in_flight >= 1 && p.oldest_in_flight_seconds >= Some(2.0))
+        {
+            break p;
+        }
+        if Instant::now() > deadline || bench.try_wait().unwrap().is_some() {
+            let r: serde_json::Value =
+                serde_json::from_slice(&std::fs::read(&report).unwrap_or_default())
+                    .unwrap_or_default();
+            panic!(
+                "no transfer seen in flight on {local} -> {remote} for 2 s (bench: {} transfers, {} completed inside the post)",
+                r["transfers"], r["post_completed_inline"]
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert!(seen.oldest_in_flight_seconds.unwrap() < 7.0, "{seen:?}");
+    let agent_text = get(&format!("http://{}/metrics", pipeline.agent_metrics))
+        .await
+        .unwrap();
+    let series = format!(
+        "kvscope_agent_nixl_transfers_in_flight{{agent=\"nixl-node\",local_agent=\"{local}\",remote_agent=\"{remote}\"}} 1"
+    );
+    assert!(agent_text.contains(&series), "missing {series}");
+
+    // Released: nothing in flight, every transfer counted done.
+    assert!(bench.wait().unwrap().success());
+    let r: serde_json::Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let p = pipeline
+            .pairs()
+            .await
+            .into_iter()
+            .find(|p| p.local_agent == local && p.remote_agent == remote)
+            .unwrap();
+        if p.in_flight == 0 && p.transfers_ok.get("READ").copied() == r["transfers"].as_u64() {
+            assert_eq!(p.oldest_in_flight_seconds, None);
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "in flight after the release: {p:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }
 
 #[test]

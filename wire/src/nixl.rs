@@ -243,6 +243,22 @@ pub struct NixlReport {
     /// tells it from the processes (empty from agents that do not tell).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub owners: Vec<NixlAgentOwner>,
+    /// Transfers posted and not yet seen finished, per (pid, local agent, remote agent),
+    /// as of the report (empty: none).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub in_flight: Vec<NixlInFlight>,
+}
+
+/// Transfers of one (pid, local agent, remote agent) posted and in progress: their
+/// terminal status not yet seen. A stuck transfer shows as one that stays here, aging.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NixlInFlight {
+    pub pid: u32,
+    pub local_agent: String,
+    pub remote_agent: String,
+    pub transfers: u64,
+    /// How long the oldest of them has been in flight, at the report, in ns.
+    pub oldest_age_ns: u64,
 }
 
 /// The Dynamo worker a local NIXL agent belongs to, told from the processes: a vLLM

@@ -143,6 +143,8 @@ struct RequestInfo {
     descs: u64,
     /// Posted and in progress: a terminal status is due.
     awaiting: bool,
+    /// When it was posted (the probes' clock, CLOCK_MONOTONIC ns).
+    posted_ns: u64,
 }
 
 fn op_name(op: Option<i32>) -> &'static str {
@@ -335,6 +337,7 @@ impl NixlAggregator {
                     }
                 }
                 info.awaiting = e.status == 1;
+                info.posted_ns = e.ts_ns;
                 let info = info.clone();
                 match e.status {
                     1 => {} // in progress: the completion comes from getXferStatus
@@ -395,6 +398,30 @@ impl NixlAggregator {
     }
 
     /// The figures so far (cumulative).
+    /// Transfers in progress per (pid, local, remote), with the age of the oldest as of
+    /// `now_ns` (the probes' clock).
+    pub fn in_flight(&self, now_ns: u64) -> Vec<kvscope_wire::nixl::NixlInFlight> {
+        let mut by: BTreeMap<(u32, &str, &str), (u64, u64)> = BTreeMap::new();
+        for ((pid, _), info) in self.requests.iter().filter(|(_, i)| i.awaiting) {
+            let e = by
+                .entry((*pid, info.local.as_str(), info.remote.as_str()))
+                .or_insert((0, u64::MAX));
+            e.0 += 1;
+            e.1 = e.1.min(info.posted_ns);
+        }
+        by.into_iter()
+            .map(
+                |((pid, local, remote), (transfers, oldest))| kvscope_wire::nixl::NixlInFlight {
+                    pid,
+                    local_agent: local.to_string(),
+                    remote_agent: remote.to_string(),
+                    transfers,
+                    oldest_age_ns: now_ns.saturating_sub(oldest),
+                },
+            )
+            .collect()
+    }
+
     pub fn report(&self) -> NixlReport {
         NixlReport {
             libraries: Vec::new(),
@@ -431,6 +458,7 @@ impl NixlAggregator {
             events_lost: 0,
             events_malformed: self.unattributed,
             owners: Vec::new(),
+            in_flight: Vec::new(),
         }
     }
 }
@@ -512,6 +540,43 @@ mod tests {
         e.agent = 0x100;
         f(&mut e);
         e
+    }
+
+    #[test]
+    fn transfers_in_progress_are_listed_with_the_oldest_age_until_they_end() {
+        let mut a = NixlAggregator::new();
+        a.apply(&ev(EventKind::AgentNew, |e| e.name = "decode-0".into()));
+        for (req, ts) in [(0xa, 1_000), (0xb, 4_000)] {
+            a.apply(&ev(EventKind::XferCreate, |e| {
+                e.req = req;
+                e.name = "decode-1".into();
+            }));
+            a.apply(&ev(EventKind::XferPost, |e| {
+                e.req = req;
+                e.status = 1;
+                e.ts_ns = ts;
+                e.name = "decode-1".into();
+            }));
+        }
+        let f = a.in_flight(10_000);
+        assert_eq!(f.len(), 1);
+        assert_eq!(
+            (f[0].local_agent.as_str(), f[0].remote_agent.as_str()),
+            ("decode-0", "decode-1")
+        );
+        assert_eq!((f[0].transfers, f[0].oldest_age_ns), (2, 9_000));
+        a.apply(&ev(EventKind::XferDone, |e| {
+            e.req = 0xa;
+            e.status = 0;
+        }));
+        let f = a.in_flight(10_000);
+        assert_eq!((f[0].transfers, f[0].oldest_age_ns), (1, 6_000));
+        // Released while in flight: not in progress any more (counted as released).
+        a.apply(&ev(EventKind::XferRelease, |e| {
+            e.req = 0xb;
+            e.flags = flags::IN_FLIGHT;
+        }));
+        assert!(a.in_flight(10_000).is_empty());
     }
 
     #[test]

@@ -90,6 +90,13 @@ impl Drop for NixlTracer {
     }
 }
 
+/// CLOCK_MONOTONIC in ns: the clock of the probes' time stamps (`bpf_ktime_get_ns`).
+fn monotonic_ns() -> u64 {
+    nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)
+        .map(|t| t.tv_sec() as u64 * 1_000_000_000 + t.tv_nsec() as u64)
+        .unwrap_or(0)
+}
+
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
@@ -188,6 +195,7 @@ impl NixlTracer {
         let mut st = lock(&self.state);
         forget_exited(&mut st);
         let mut r = st.aggregator.report();
+        r.in_flight = st.aggregator.in_flight(monotonic_ns());
         r.libraries = st.libraries.values().cloned().collect();
         r.events_lost = lost;
         r.events_malformed += st.malformed;

@@ -44,6 +44,10 @@ pub struct BenchConfig {
     /// keeps two agents alive and busy for tools attached later (the lab's worker
     /// sidecars).
     pub pace_ms: u64,
+    /// After a post that leaves the transfer in progress, wait this long before polling
+    /// its status (ms; 0: poll at once): a transfer held in flight, as one whose peer
+    /// never completes it looks to the probes until it is polled again.
+    pub hold_ms: u64,
 }
 
 impl Default for BenchConfig {
@@ -60,6 +64,7 @@ impl Default for BenchConfig {
             max_secs: 120,
             agent_prefix: "bench-".into(),
             pace_ms: 0,
+            hold_ms: 0,
         }
     }
 }
@@ -156,11 +161,13 @@ fn post_and_wait(
     req: &nixl_sys::XferRequest,
     calls: &mut BTreeMap<String, u64>,
     deadline: Instant,
+    hold: Duration,
 ) -> Option<(bool, u64)> {
     *calls.entry("postXferReq".into()).or_insert(0) += 1;
     match agent.post_xfer_req(req, None) {
         Ok(false) => Some((true, 0)),
         Ok(true) => {
+            std::thread::sleep(hold);
             let mut polls = 0;
             loop {
                 polls += 1;
@@ -258,6 +265,7 @@ pub fn bench(config: BenchConfig, libs: &NixlLibs) -> Result<BenchReport, Worker
         None
     };
     let total = config.warmup + config.iters;
+    let hold = Duration::from_millis(config.hold_ms);
     let mut t_loop = Instant::now();
     for i in 0..total {
         let measured = i >= config.warmup;
@@ -275,7 +283,7 @@ pub fn bench(config: BenchConfig, libs: &NixlLibs) -> Result<BenchReport, Worker
         }
         let t = Instant::now();
         let result = match &reused {
-            Some(req) => post_and_wait(&initiator, req, &mut calls, t_loop + deadline),
+            Some(req) => post_and_wait(&initiator, req, &mut calls, t_loop + deadline, hold),
             None => {
                 *calls.entry("createXferReq".into()).or_insert(0) += 1;
                 match initiator.create_xfer_req(
@@ -286,7 +294,8 @@ pub fn bench(config: BenchConfig, libs: &NixlLibs) -> Result<BenchReport, Worker
                     opts.as_ref(),
                 ) {
                     Ok(req) => {
-                        let result = post_and_wait(&initiator, &req, &mut calls, t_loop + deadline);
+                        let result =
+                            post_and_wait(&initiator, &req, &mut calls, t_loop + deadline, hold);
                         *calls.entry("releaseXferReq".into()).or_insert(0) += 1;
                         drop(req); // releaseXferReq
                         result

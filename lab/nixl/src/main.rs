@@ -205,6 +205,10 @@ struct BenchArgs {
     /// alive and busy for tools attached later (the lab's worker sidecars).
     #[arg(long, default_value_t = 0)]
     pace_ms: u64,
+    /// After a post left in progress, wait this many ms before polling it: a transfer
+    /// held in flight (not a measurement either).
+    #[arg(long, default_value_t = 0)]
+    hold_ms: u64,
     /// Write the report here instead of stdout.
     #[arg(long)]
     out: Option<PathBuf>,
@@ -483,6 +487,7 @@ fn bench_cmd(args: BenchArgs) -> Result<()> {
         max_secs: args.max_secs,
         agent_prefix: args.agent_prefix,
         pace_ms: args.pace_ms,
+        hold_ms: args.hold_ms,
     };
     let report = bench::bench(config, &libs).context("running the bench loop")?;
     write_json(&report, false, args.out.as_deref())?;
