@@ -1,5 +1,13 @@
 //! Sending OTLP requests: gRPC (tonic) or HTTP/protobuf (reqwest), with the configured
 //! headers and timeout, and the export health counters.
+//!
+//! A failed request is retried, as the OTLP specification says, when its outcome is
+//! retryable — gRPC `UNAVAILABLE`, `CANCELLED`, `DEADLINE_EXCEEDED`, `ABORTED`,
+//! `OUT_OF_RANGE`, `DATA_LOSS`; HTTP 429, 502, 503, 504; a connection that failed —
+//! with exponential backoff and jitter (100 ms doubling to 5 s, each wait 0.5–1.5× that),
+//! honouring an HTTP `Retry-After` of seconds, for as long as the export timeout
+//! allows: the whole export, its retries included, takes at most the timeout. Anything
+//! else (400, `INVALID_ARGUMENT`, …) is not retried.
 
 use crate::config::{Protocol, SignalTarget};
 use kvscope_wire::prom::{Exposition, Kind};
@@ -12,6 +20,7 @@ use opentelemetry_proto::tonic::collector::trace::v1::{
 };
 use prost::Message as _;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 use tonic::metadata::{MetadataKey, MetadataMap, MetadataValue};
 use tonic::transport::Channel;
 
@@ -34,8 +43,11 @@ pub struct ExportStats {
     pub metric_points_rejected: AtomicU64,
     /// Samples of `/metrics` that could not be converted (see `exposition`).
     pub metric_samples_skipped: AtomicU64,
+    /// Export requests sent again after a retryable failure.
+    pub metric_export_retries: AtomicU64,
     pub span_exports: AtomicU64,
     pub span_export_failures: AtomicU64,
+    pub span_export_retries: AtomicU64,
     pub spans_exported: AtomicU64,
     /// Spans in batches the receiver did not take (failed exports).
     pub spans_failed: AtomicU64,
@@ -66,7 +78,7 @@ impl ExportStats {
         };
         // (family, help, [(extra labels, counter)])
         type Family<'a> = (&'a str, &'a str, &'a [(&'a str, &'a AtomicU64)]);
-        let families: [Family; 6] = [
+        let families: [Family; 7] = [
             (
                 "exports",
                 "OTLP export requests that succeeded, by signal.",
@@ -81,6 +93,14 @@ impl ExportStats {
                 &[
                     ("signal=\"metrics\"", &self.metric_export_failures),
                     ("signal=\"traces\"", &self.span_export_failures),
+                ],
+            ),
+            (
+                "export_retries",
+                "OTLP export requests sent again after a retryable failure (the receiver unavailable, 429/502/503/504), by signal.",
+                &[
+                    ("signal=\"metrics\"", &self.metric_export_retries),
+                    ("signal=\"traces\"", &self.span_export_retries),
                 ],
             ),
             (
@@ -119,6 +139,46 @@ impl ExportStats {
             }
         }
     }
+}
+
+/// The first wait before a retry; each next one doubles, up to [`MAX_BACKOFF`].
+const FIRST_BACKOFF: Duration = Duration::from_millis(100);
+const MAX_BACKOFF: Duration = Duration::from_secs(5);
+
+/// A failed attempt, and whether it may be retried (after at least the hint, if any).
+struct Failed {
+    error: ExportError,
+    retry: Option<Option<Duration>>,
+}
+
+/// The OTLP specification's retryable gRPC codes (`RESOURCE_EXHAUSTED` only with a
+/// `RetryInfo`, which tonic does not surface: not retried).
+fn grpc_retryable(code: tonic::Code) -> bool {
+    use tonic::Code::*;
+    matches!(
+        code,
+        Cancelled | DeadlineExceeded | Aborted | OutOfRange | Unavailable | DataLoss
+    )
+}
+
+/// The OTLP specification's retryable HTTP statuses.
+fn http_retryable(status: u16) -> bool {
+    matches!(status, 429 | 502 | 503 | 504)
+}
+
+/// `Retry-After` as seconds (an HTTP date is left to the backoff).
+fn retry_after(headers: &reqwest::header::HeaderMap) -> Option<Duration> {
+    let v = headers.get(reqwest::header::RETRY_AFTER)?.to_str().ok()?;
+    v.trim().parse::<u64>().ok().map(Duration::from_secs)
+}
+
+/// The wait before retry number `n` (0-based): doubling from [`FIRST_BACKOFF`], capped,
+/// times a jitter in [0.5, 1.5).
+fn backoff(n: u32) -> Duration {
+    let base = FIRST_BACKOFF
+        .saturating_mul(1u32 << n.min(16))
+        .min(MAX_BACKOFF);
+    base.mul_f64(0.5 + fastrand::f64())
 }
 
 enum Transport {
@@ -213,63 +273,143 @@ impl SignalExporter {
         }
     }
 
+    /// Run `attempt` (given the time left) until it succeeds, fails for good, or the
+    /// export timeout leaves no room for the next wait; counts the retries.
+    async fn with_retries<R, F, Fut>(
+        &self,
+        retries: &AtomicU64,
+        mut attempt: F,
+    ) -> Result<R, ExportError>
+    where
+        F: FnMut(Duration) -> Fut,
+        Fut: std::future::Future<Output = Result<R, Failed>>,
+    {
+        let deadline = Instant::now() + self.target.timeout;
+        let mut n = 0;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match attempt(left.max(Duration::from_millis(1))).await {
+                Ok(r) => return Ok(r),
+                Err(Failed { error, retry: None }) => return Err(error),
+                Err(Failed {
+                    error,
+                    retry: Some(hint),
+                }) => {
+                    let wait = hint.unwrap_or_else(|| backoff(n));
+                    if Instant::now() + wait >= deadline {
+                        return Err(error);
+                    }
+                    tokio::time::sleep(wait).await;
+                    add(retries, 1);
+                    n += 1;
+                }
+            }
+        }
+    }
+
     async fn post<Resp: prost::Message + Default>(
         &self,
         client: &reqwest::Client,
-        body: Vec<u8>,
-    ) -> Result<Resp, ExportError> {
+        body: bytes::Bytes,
+        left: Duration,
+    ) -> Result<Resp, Failed> {
         let resp = client
             .post(&self.target.url)
             .headers(self.http_headers.clone())
             .header(reqwest::header::CONTENT_TYPE, "application/x-protobuf")
+            .timeout(left)
             .body(body)
             .send()
             .await
-            .map_err(|e| self.send_error(e))?;
+            .map_err(|e| Failed {
+                // Not sent, or no answer: the receiver is away, try again.
+                error: self.send_error(e),
+                retry: Some(None),
+            })?;
         let status = resp.status();
-        let bytes = resp.bytes().await.map_err(|e| self.send_error(e))?;
+        let hint = retry_after(resp.headers());
+        let bytes = resp.bytes().await.map_err(|e| Failed {
+            error: self.send_error(e),
+            retry: Some(None),
+        })?;
         if !status.is_success() {
-            return Err(self.send_error(format!("HTTP {status}")));
+            return Err(Failed {
+                error: self.send_error(format!("HTTP {status}")),
+                retry: http_retryable(status.as_u16()).then_some(hint),
+            });
         }
         // An empty body is a full success.
-        Resp::decode(bytes.as_ref()).map_err(|e| self.send_error(format!("bad response: {e}")))
+        Resp::decode(bytes.as_ref()).map_err(|e| Failed {
+            error: self.send_error(format!("bad response: {e}")),
+            retry: None,
+        })
     }
 
-    fn request<T>(&self, msg: T) -> tonic::Request<T> {
+    fn request<T>(&self, msg: T, left: Duration) -> tonic::Request<T> {
         let mut r = tonic::Request::new(msg);
         *r.metadata_mut() = self.metadata.clone();
-        r.set_timeout(self.target.timeout);
+        r.set_timeout(left);
         r
     }
 
-    /// Export metrics; returns the number of data points the receiver rejected.
+    fn grpc_failed(&self, s: tonic::Status) -> Failed {
+        Failed {
+            retry: grpc_retryable(s.code()).then_some(None),
+            error: self.send_error(format!("{}: {}", s.code(), s.message())),
+        }
+    }
+
+    /// Export metrics, retrying as the module docs say (each retry counted in
+    /// `retries`); returns the number of data points the receiver rejected.
     pub async fn export_metrics(
         &self,
         req: ExportMetricsServiceRequest,
+        retries: &AtomicU64,
     ) -> Result<u64, ExportError> {
-        let resp: ExportMetricsServiceResponse = match &self.transport {
-            Transport::Grpc(ch) => MetricsServiceClient::new(ch.clone())
-                .export(self.request(req))
-                .await
-                .map_err(|s| self.send_error(format!("{}: {}", s.code(), s.message())))?
-                .into_inner(),
-            Transport::Http(c) => self.post(c, req.encode_to_vec()).await?,
-        };
+        let body = bytes::Bytes::from(req.encode_to_vec());
+        let resp: ExportMetricsServiceResponse = self
+            .with_retries(retries, |left| {
+                let (req, body) = (req.clone(), body.clone());
+                async move {
+                    match &self.transport {
+                        Transport::Grpc(ch) => MetricsServiceClient::new(ch.clone())
+                            .export(self.request(req, left))
+                            .await
+                            .map(|r| r.into_inner())
+                            .map_err(|s| self.grpc_failed(s)),
+                        Transport::Http(c) => self.post(c, body, left).await,
+                    }
+                }
+            })
+            .await?;
         Ok(resp
             .partial_success
             .map_or(0, |p| p.rejected_data_points.max(0) as u64))
     }
 
-    /// Export spans; returns the number of spans the receiver rejected.
-    pub async fn export_spans(&self, req: ExportTraceServiceRequest) -> Result<u64, ExportError> {
-        let resp: ExportTraceServiceResponse = match &self.transport {
-            Transport::Grpc(ch) => TraceServiceClient::new(ch.clone())
-                .export(self.request(req))
-                .await
-                .map_err(|s| self.send_error(format!("{}: {}", s.code(), s.message())))?
-                .into_inner(),
-            Transport::Http(c) => self.post(c, req.encode_to_vec()).await?,
-        };
+    /// Export spans, retrying as the module docs say (each retry counted in `retries`);
+    /// returns the number of spans the receiver rejected.
+    pub async fn export_spans(
+        &self,
+        req: ExportTraceServiceRequest,
+        retries: &AtomicU64,
+    ) -> Result<u64, ExportError> {
+        let body = bytes::Bytes::from(req.encode_to_vec());
+        let resp: ExportTraceServiceResponse = self
+            .with_retries(retries, |left| {
+                let (req, body) = (req.clone(), body.clone());
+                async move {
+                    match &self.transport {
+                        Transport::Grpc(ch) => TraceServiceClient::new(ch.clone())
+                            .export(self.request(req, left))
+                            .await
+                            .map(|r| r.into_inner())
+                            .map_err(|s| self.grpc_failed(s)),
+                        Transport::Http(c) => self.post(c, body, left).await,
+                    }
+                }
+            })
+            .await?;
         Ok(resp
             .partial_success
             .map_or(0, |p| p.rejected_spans.max(0) as u64))

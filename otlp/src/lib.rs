@@ -458,7 +458,10 @@ async fn metrics_loop(
                 ..Default::default()
             }],
         };
-        match exporter.export_metrics(req).await {
+        match exporter
+            .export_metrics(req, &stats.metric_export_retries)
+            .await
+        {
             Ok(rejected) => {
                 add(&stats.metric_exports, 1);
                 add(&stats.metric_points_rejected, rejected);
@@ -513,7 +516,7 @@ async fn spans_loop(
                     ..Default::default()
                 }],
             };
-            match exporter.export_spans(req).await {
+            match exporter.export_spans(req, &stats.span_export_retries).await {
                 Ok(rejected) => {
                     add(&stats.span_exports, 1);
                     add(&stats.spans_exported, n.saturating_sub(rejected));

@@ -33,10 +33,61 @@ pub enum Via {
     Http,
 }
 
+/// A request the receiver turns away instead of taking.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// gRPC UNAVAILABLE, HTTP 503: retryable.
+    Unavailable,
+    /// HTTP 429 with `Retry-After` (gRPC: UNAVAILABLE): retryable after it.
+    TooManyRequests { retry_after_secs: u64 },
+    /// gRPC INVALID_ARGUMENT, HTTP 400: not retryable.
+    BadRequest,
+}
+
 #[derive(Default)]
 pub struct Inbox {
     pub metrics: Mutex<Vec<(Via, ExportMetricsServiceRequest)>>,
     pub traces: Mutex<Vec<(Via, ExportTraceServiceRequest)>>,
+    /// Refusals for the next requests, one each, in order; `refuse_all` once empty.
+    pub refusals: Mutex<std::collections::VecDeque<Refusal>>,
+    pub refuse_all: Mutex<Option<Refusal>>,
+    /// Every request, taken or refused.
+    pub attempts: std::sync::atomic::AtomicU64,
+}
+
+impl Inbox {
+    /// Count the request; the refusal it gets, if any.
+    fn refusal(&self) -> Option<Refusal> {
+        self.attempts
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.refusals
+            .lock()
+            .unwrap()
+            .pop_front()
+            .or(*self.refuse_all.lock().unwrap())
+    }
+}
+
+fn grpc_status(r: Refusal) -> tonic::Status {
+    match r {
+        Refusal::Unavailable | Refusal::TooManyRequests { .. } => {
+            tonic::Status::unavailable("refused by the test")
+        }
+        Refusal::BadRequest => tonic::Status::invalid_argument("refused by the test"),
+    }
+}
+
+fn http_refusal(r: Refusal) -> axum::response::Response {
+    use axum::response::IntoResponse as _;
+    match r {
+        Refusal::Unavailable => axum::http::StatusCode::SERVICE_UNAVAILABLE.into_response(),
+        Refusal::TooManyRequests { retry_after_secs } => (
+            axum::http::StatusCode::TOO_MANY_REQUESTS,
+            [("retry-after", retry_after_secs.to_string())],
+        )
+            .into_response(),
+        Refusal::BadRequest => axum::http::StatusCode::BAD_REQUEST.into_response(),
+    }
 }
 
 #[derive(Clone)]
@@ -48,6 +99,9 @@ impl MetricsService for Grpc {
         &self,
         r: tonic::Request<ExportMetricsServiceRequest>,
     ) -> Result<tonic::Response<ExportMetricsServiceResponse>, tonic::Status> {
+        if let Some(r) = self.0.refusal() {
+            return Err(grpc_status(r));
+        }
         self.0
             .metrics
             .lock()
@@ -63,6 +117,9 @@ impl TraceService for Grpc {
         &self,
         r: tonic::Request<ExportTraceServiceRequest>,
     ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+        if let Some(r) = self.0.refusal() {
+            return Err(grpc_status(r));
+        }
         self.0
             .traces
             .lock()
@@ -89,8 +146,9 @@ impl Drop for Receiver {
     }
 }
 
-fn protobuf(body: Vec<u8>) -> impl axum::response::IntoResponse {
-    ([("content-type", "application/x-protobuf")], body)
+fn protobuf(body: Vec<u8>) -> axum::response::Response {
+    use axum::response::IntoResponse as _;
+    ([("content-type", "application/x-protobuf")], body).into_response()
 }
 
 impl Receiver {
@@ -115,6 +173,9 @@ impl Receiver {
                 post(move |body: Bytes| {
                     let m = m.clone();
                     async move {
+                        if let Some(r) = m.refusal() {
+                            return http_refusal(r);
+                        }
                         let req = ExportMetricsServiceRequest::decode(body)
                             .expect("a protobuf ExportMetricsServiceRequest");
                         m.metrics.lock().unwrap().push((Via::Http, req));
@@ -127,6 +188,9 @@ impl Receiver {
                 post(move |body: Bytes| {
                     let t = t.clone();
                     async move {
+                        if let Some(r) = t.refusal() {
+                            return http_refusal(r);
+                        }
                         let req = ExportTraceServiceRequest::decode(body)
                             .expect("a protobuf ExportTraceServiceRequest");
                         t.traces.lock().unwrap().push((Via::Http, req));
