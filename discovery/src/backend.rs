@@ -176,7 +176,7 @@ struct Etcd<'a> {
     http: &'a reqwest::Client,
     endpoint: &'a str,
     base: String,
-    tls: Result<Option<crate::https::TlsClient>, String>,
+    tls: Result<Option<kvscope_kit::https::TlsClient>, String>,
 }
 
 impl<'a> Etcd<'a> {
@@ -188,7 +188,7 @@ impl<'a> Etcd<'a> {
         };
         let tls = if base.starts_with("https://") {
             match tls {
-                Some(t) => crate::https::TlsClient::new(
+                Some(t) => kvscope_kit::https::TlsClient::new(
                     &t.ca,
                     t.client.as_ref().map(|(c, k)| (c.as_path(), k.as_path())),
                 )

@@ -27,7 +27,7 @@
 //! rotate). Read-only RBAC: `get`, `list` on those two resources.
 
 use crate::backend::DiscoveryError;
-use crate::https::TlsClient;
+use kvscope_kit::https::TlsClient;
 use serde_json::Value;
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};

@@ -34,7 +34,6 @@
 
 pub mod backend;
 pub mod config;
-pub mod https;
 pub mod kubernetes;
 pub mod procfs;
 

@@ -273,11 +273,9 @@ async fn etcd_over_mutual_tls_is_read_with_dynamos_variables() {
     .unwrap()]);
     let url = format!("https://127.0.0.1:{}", ports[0]);
     // Write the lab's store into it, as Dynamo's workers would (over the same TLS).
-    let client = kvscope_discovery::https::TlsClient::new(
-        &ca.ca_file,
-        Some((cert.as_path(), key.as_path())),
-    )
-    .unwrap();
+    let client =
+        kvscope_kit::https::TlsClient::new(&ca.ca_file, Some((cert.as_path(), key.as_path())))
+            .unwrap();
     let store = read_file_store(&PathBuf::from(concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/../lab/fixtures/samples/discovery"

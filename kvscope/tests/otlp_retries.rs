@@ -1,13 +1,15 @@
 //! The OTLP exporter against a receiver that turns requests away, over gRPC and HTTP:
 //! a receiver that is unavailable a few times, then takes the batch, loses no span; an
 //! HTTP 429 is retried after its `Retry-After`; a non-retryable refusal (400,
-//! INVALID_ARGUMENT) is tried once, and the batch is counted lost.
+//! INVALID_ARGUMENT) is tried once, and the batch is counted lost. And a receiver on
+//! https:// with mutual TLS (a test CA) gets every span over gRPC and HTTP; without the
+//! client certificate, none.
 
 mod otlp_receiver;
 
 use kvscope_otlp::proto::trace::v1::Span;
 use kvscope_otlp::{ExportStats, OtlpConfig, OtlpExport, Protocol, ServiceIdentity};
-use otlp_receiver::{Receiver, Refusal};
+use otlp_receiver::{Receiver, Refusal, ServerTls};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -30,6 +32,16 @@ fn spans(run: u8) -> Vec<Span> {
 /// Export `SPANS` spans through a fresh exporter to `rx` over `protocol`; waits until
 /// the exporter has either delivered or given them up. Returns its counters.
 async fn export_through(rx: &Receiver, protocol: Protocol, run: u8) -> Arc<ExportStats> {
+    export_with(rx, protocol, run, OtlpConfig::default()).await
+}
+
+/// [`export_through`] with `base`'s other settings (TLS, timeout).
+async fn export_with(
+    rx: &Receiver,
+    protocol: Protocol,
+    run: u8,
+    base: OtlpConfig,
+) -> Arc<ExportStats> {
     let endpoint = match protocol {
         Protocol::Grpc => rx.grpc_url.clone(),
         Protocol::HttpProtobuf => rx.http_url.clone(),
@@ -37,13 +49,17 @@ async fn export_through(rx: &Receiver, protocol: Protocol, run: u8) -> Arc<Expor
     let cfg = OtlpConfig {
         endpoint: Some(endpoint),
         protocol,
-        timeout_secs: 8.0,
+        timeout_secs: if base.timeout_secs == OtlpConfig::default().timeout_secs {
+            8.0
+        } else {
+            base.timeout_secs
+        },
         // Spans only: a metrics export would take refusals meant for the spans.
         metrics: kvscope_otlp::config::SignalConfig {
             enabled: false,
             ..Default::default()
         },
-        ..OtlpConfig::default()
+        ..base
     };
     let stats = Arc::new(ExportStats::default());
     let export = OtlpExport::start(
@@ -165,4 +181,49 @@ async fn retryable_refusals_are_retried_and_others_are_not() {
     let stats = export_through(&rx, Protocol::HttpProtobuf, run).await;
     assert_eq!(stats.spans_failed.load(Ordering::Relaxed), SPANS as u64);
     assert!(stats.span_export_retries.load(Ordering::Relaxed) >= 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_receiver_on_https_with_mutual_tls_gets_every_span() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = kvscope_lab::bus_security::LoopbackCa::create(dir.path()).unwrap();
+    let (cert, key) = ca.client(dir.path(), "kvscope-agent").unwrap();
+    let rx = Receiver::start_tls(ServerTls {
+        cert: ca.server_cert.clone(),
+        key: ca.server_key.clone(),
+        client_ca: Some(ca.ca_file.clone()),
+    })
+    .await;
+    assert!(rx.grpc_url.starts_with("https://") && rx.http_url.starts_with("https://"));
+    let tls = || OtlpConfig {
+        certificate: Some(ca.ca_file.clone()),
+        client_certificate: Some(cert.clone()),
+        client_key: Some(key.clone()),
+        ..OtlpConfig::default()
+    };
+    for (run, protocol) in [(101, Protocol::Grpc), (102, Protocol::HttpProtobuf)] {
+        let stats = export_with(&rx, protocol, run, tls()).await;
+        assert_eq!(received(&rx, run), SPANS, "{protocol:?} over TLS");
+        assert_eq!(
+            stats.spans_failed.load(Ordering::Relaxed),
+            0,
+            "{protocol:?}"
+        );
+    }
+    // Without the client certificate the receiver refuses the handshake: nothing taken.
+    for (run, protocol) in [(103, Protocol::Grpc), (104, Protocol::HttpProtobuf)] {
+        let no_identity = OtlpConfig {
+            client_certificate: None,
+            client_key: None,
+            timeout_secs: 1.0,
+            ..tls()
+        };
+        let stats = export_with(&rx, protocol, run, no_identity).await;
+        assert_eq!(received(&rx, run), 0, "{protocol:?}");
+        assert_eq!(
+            stats.spans_failed.load(Ordering::Relaxed),
+            SPANS as u64,
+            "{protocol:?}"
+        );
+    }
 }

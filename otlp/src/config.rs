@@ -13,6 +13,10 @@
 //! max_spans_per_second = 1000
 //! max_queued_spans = 8192
 //!
+//! certificate = "/etc/ssl/certs/ca-certificates.crt"  # whom https:// trusts (the default)
+//! # client_certificate = "client.crt"  # mutual TLS, with client_key
+//! # client_key = "client.key"
+//!
 //! [otlp.traces]                        # per-signal overrides (also [otlp.metrics])
 //! endpoint = "http://127.0.0.1:4318/v1/traces"
 //! protocol = "http/protobuf"
@@ -22,7 +26,21 @@
 use kvscope_wire::config::Env;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
+
+/// Whom `https://` endpoints are checked against when no `certificate` is given: the
+/// system's CA bundle (Debian's; the image carries it too).
+pub const SYSTEM_CA_BUNDLE: &str = "/etc/ssl/certs/ca-certificates.crt";
+
+/// TLS settings an https:// endpoint is reached with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TlsFiles {
+    /// The CA certificates (PEM) the receiver's certificate must chain to.
+    pub ca: PathBuf,
+    /// A client certificate chain and key (PEM) for mutual TLS.
+    pub client: Option<(PathBuf, PathBuf)>,
+}
 
 /// Wire protocol of an OTLP endpoint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -80,6 +98,8 @@ pub enum ConfigError {
     NotPositive { field: &'static str },
     #[error("OTLP endpoint {0:?} must start with http:// or https://")]
     Endpoint(String),
+    #[error("otlp: client_certificate and client_key go together (mutual TLS needs both)")]
+    ClientIdentity,
 }
 
 /// Per-signal overrides (`[otlp.metrics]`, `[otlp.traces]`).
@@ -102,6 +122,16 @@ pub struct SignalConfig {
     /// Timeout of one export of this signal (default: `otlp.timeout_secs`). Env:
     /// `OTEL_EXPORTER_OTLP_{METRICS,TRACES}_TIMEOUT` (milliseconds).
     pub timeout_secs: Option<f64>,
+    /// TLS overrides for this signal (default: `otlp`'s). Env:
+    /// `OTEL_EXPORTER_OTLP_{METRICS,TRACES}_{CERTIFICATE,CLIENT_CERTIFICATE,CLIENT_KEY,INSECURE}`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub certificate: Option<PathBuf>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_certificate: Option<PathBuf>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_key: Option<PathBuf>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub insecure: Option<bool>,
 }
 
 impl Default for SignalConfig {
@@ -112,6 +142,10 @@ impl Default for SignalConfig {
             protocol: None,
             headers: BTreeMap::new(),
             timeout_secs: None,
+            certificate: None,
+            client_certificate: None,
+            client_key: None,
+            insecure: None,
         }
     }
 }
@@ -148,6 +182,22 @@ pub struct OtlpConfig {
     /// Spans waiting for export; beyond it new spans are dropped and counted (default
     /// 8192), so a receiver that is down costs bounded memory.
     pub max_queued_spans: usize,
+    /// CA certificates (PEM) an `https://` receiver's certificate must chain to
+    /// (default: the system bundle, [`SYSTEM_CA_BUNDLE`]). Env:
+    /// `OTEL_EXPORTER_OTLP_CERTIFICATE`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub certificate: Option<PathBuf>,
+    /// Client certificate chain (PEM) for mutual TLS, with `client_key`. Env:
+    /// `OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_certificate: Option<PathBuf>,
+    /// The client certificate's private key (PEM). Env: `OTEL_EXPORTER_OTLP_CLIENT_KEY`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_key: Option<PathBuf>,
+    /// A gRPC endpoint given without a scheme (`host:4317`) is reached over plain
+    /// `http://` when true, else over `https://` (default false). Env:
+    /// `OTEL_EXPORTER_OTLP_INSECURE`.
+    pub insecure: bool,
     /// Metrics overrides.
     pub metrics: SignalConfig,
     /// Traces overrides.
@@ -166,6 +216,10 @@ impl Default for OtlpConfig {
             resource_attributes: BTreeMap::new(),
             max_spans_per_second: 1000,
             max_queued_spans: 8192,
+            certificate: None,
+            client_certificate: None,
+            client_key: None,
+            insecure: false,
             metrics: SignalConfig::default(),
             traces: SignalConfig::default(),
         }
@@ -181,6 +235,8 @@ pub struct SignalTarget {
     pub protocol: Protocol,
     pub headers: BTreeMap<String, String>,
     pub timeout: Duration,
+    /// For an `https://` url: whom to trust, who to be.
+    pub tls: Option<TlsFiles>,
 }
 
 fn millis(key: &str, v: &str) -> Result<f64, ConfigError> {
@@ -265,6 +321,18 @@ impl OtlpConfig {
         if let Some(v) = env.trimmed("OTEL_SERVICE_NAME") {
             self.service_name = Some(v);
         }
+        if let Some(v) = env.trimmed("OTEL_EXPORTER_OTLP_CERTIFICATE") {
+            self.certificate = Some(v.into());
+        }
+        if let Some(v) = env.trimmed("OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE") {
+            self.client_certificate = Some(v.into());
+        }
+        if let Some(v) = env.trimmed("OTEL_EXPORTER_OTLP_CLIENT_KEY") {
+            self.client_key = Some(v.into());
+        }
+        if let Some(v) = env.trimmed("OTEL_EXPORTER_OTLP_INSECURE") {
+            self.insecure = v.eq_ignore_ascii_case("true");
+        }
         if let Some(v) = env.get("OTEL_RESOURCE_ATTRIBUTES") {
             self.resource_attributes
                 .extend(parse_key_values("OTEL_RESOURCE_ATTRIBUTES", &v)?);
@@ -282,6 +350,18 @@ impl OtlpConfig {
             }
             if let Some(v) = env.get(&key("TIMEOUT")) {
                 s.timeout_secs = Some(millis(&key("TIMEOUT"), &v)?);
+            }
+            if let Some(v) = env.trimmed(&key("CERTIFICATE")) {
+                s.certificate = Some(v.into());
+            }
+            if let Some(v) = env.trimmed(&key("CLIENT_CERTIFICATE")) {
+                s.client_certificate = Some(v.into());
+            }
+            if let Some(v) = env.trimmed(&key("CLIENT_KEY")) {
+                s.client_key = Some(v.into());
+            }
+            if let Some(v) = env.trimmed(&key("INSECURE")) {
+                s.insecure = Some(v.eq_ignore_ascii_case("true"));
             }
             if let Some(v) = env.get(&format!("OTEL_{name}_EXPORTER")) {
                 s.enabled = v.split(',').any(|e| e.trim() == "otlp");
@@ -309,6 +389,11 @@ impl OtlpConfig {
         for s in [&self.metrics, &self.traces] {
             if let Some(t) = s.timeout_secs {
                 positive(t, "<signal>.timeout_secs")?;
+            }
+            let cert = s.client_certificate.is_some() || self.client_certificate.is_some();
+            let key = s.client_key.is_some() || self.client_key.is_some();
+            if cert != key {
+                return Err(ConfigError::ClientIdentity);
             }
         }
         for s in [Signal::Metrics, Signal::Traces] {
@@ -341,14 +426,29 @@ impl OtlpConfig {
             },
             (None, None) => return None,
         };
+        // A gRPC endpoint without a scheme: TLS unless told it is insecure (OTel spec).
+        let url = if protocol == Protocol::Grpc && !url.contains("://") {
+            let plain = s.insecure.unwrap_or(self.insecure);
+            format!("{}://{url}", if plain { "http" } else { "https" })
+        } else {
+            url
+        };
         let mut headers = self.headers.clone();
         headers.extend(s.headers.clone());
+        let pick = |own: &Option<PathBuf>, base: &Option<PathBuf>| own.clone().or(base.clone());
+        let tls = url.starts_with("https://").then(|| TlsFiles {
+            ca: pick(&s.certificate, &self.certificate)
+                .unwrap_or_else(|| Path::new(SYSTEM_CA_BUNDLE).to_path_buf()),
+            client: pick(&s.client_certificate, &self.client_certificate)
+                .zip(pick(&s.client_key, &self.client_key)),
+        });
         Some(SignalTarget {
             signal,
             url,
             protocol,
             headers,
             timeout: Duration::from_secs_f64(s.timeout_secs.unwrap_or(self.timeout_secs)),
+            tls,
         })
     }
 }
@@ -451,8 +551,30 @@ mod tests {
             .apply_env(|k| (k == "OTEL_EXPORTER_OTLP_HEADERS").then(|| "novalue".into()))
             .unwrap_err();
         assert!(e.to_string().contains("key=value"), "{e}");
+        // gRPC without a scheme: TLS, unless insecure (as the OTel spec says); HTTP
+        // needs one.
         c.endpoint = Some("127.0.0.1:4317".into());
+        let t = c.target(Signal::Traces).unwrap();
+        assert_eq!(t.url, "https://127.0.0.1:4317");
+        assert_eq!(t.tls.unwrap().ca, Path::new(SYSTEM_CA_BUNDLE));
+        c.insecure = true;
+        let t = c.target(Signal::Traces).unwrap();
+        assert_eq!((t.url.as_str(), t.tls), ("http://127.0.0.1:4317", None));
+        c.protocol = Protocol::HttpProtobuf;
+        c.endpoint = Some("127.0.0.1:4318".into());
         assert!(matches!(c.validate(), Err(ConfigError::Endpoint(_))));
+        c.protocol = Protocol::Grpc;
+        c.client_certificate = Some("client.crt".into());
+        c.endpoint = Some("https://127.0.0.1:4317".into());
+        assert!(matches!(c.validate(), Err(ConfigError::ClientIdentity)));
+        c.client_key = Some("client.key".into());
+        c.traces.certificate = Some("traces-ca.crt".into());
+        let tls = c.target(Signal::Traces).unwrap().tls.unwrap();
+        assert_eq!(tls.ca, Path::new("traces-ca.crt"), "the signal's own CA");
+        assert_eq!(
+            tls.client,
+            Some(("client.crt".into(), "client.key".into()))
+        );
         c.endpoint = Some("http://127.0.0.1:4317".into());
         c.export_interval_secs = 0.0;
         assert!(c.validate().is_err());

@@ -184,6 +184,8 @@ fn backoff(n: u32) -> Duration {
 enum Transport {
     Grpc(Channel),
     Http(reqwest::Client),
+    /// OTLP/HTTP over TLS (rustls with the `ring` provider per connection).
+    Https(kvscope_kit::https::TlsClient),
 }
 
 /// One signal's connection to its receiver.
@@ -222,36 +224,43 @@ impl SignalExporter {
                 }
             }
         }
+        let read = |path: &std::path::Path| {
+            std::fs::read(path).map_err(|e| bad(format!("cannot read {}: {e}", path.display())))
+        };
         let transport = match target.protocol {
             Protocol::Grpc => {
-                if target.url.starts_with("https://") {
-                    return Err(bad(
-                        "this build has no TLS for gRPC: send to a local OpenTelemetry \
-                         Collector over http://, or use protocol http/protobuf"
-                            .into(),
-                    ));
-                }
-                let ep = tonic::transport::Endpoint::from_shared(target.url.clone())
+                let mut ep = tonic::transport::Endpoint::from_shared(target.url.clone())
                     .map_err(|e| bad(e.to_string()))?
                     .timeout(target.timeout)
                     .connect_timeout(target.timeout);
+                if let Some(tls) = &target.tls {
+                    let mut cfg = tonic::transport::ClientTlsConfig::new()
+                        .ca_certificate(tonic::transport::Certificate::from_pem(read(&tls.ca)?));
+                    if let Some((cert, key)) = &tls.client {
+                        cfg = cfg.identity(tonic::transport::Identity::from_pem(
+                            read(cert)?,
+                            read(key)?,
+                        ));
+                    }
+                    ep = ep.tls_config(cfg).map_err(|e| bad(e.to_string()))?;
+                }
                 Transport::Grpc(ep.connect_lazy())
             }
             Protocol::HttpProtobuf => {
                 reqwest::Url::parse(&target.url).map_err(|e| bad(e.to_string()))?;
-                if target.url.starts_with("https://") {
-                    return Err(bad(
-                        "this build has no TLS: send to a local OpenTelemetry Collector \
-                         over http://"
-                            .into(),
-                    ));
+                if let Some(tls) = &target.tls {
+                    let client = tls.client.as_ref().map(|(c, k)| (c.as_path(), k.as_path()));
+                    Transport::Https(
+                        kvscope_kit::https::TlsClient::new(&tls.ca, client).map_err(bad)?,
+                    )
+                } else {
+                    Transport::Http(
+                        reqwest::Client::builder()
+                            .timeout(target.timeout)
+                            .build()
+                            .map_err(|e| bad(e.to_string()))?,
+                    )
                 }
-                Transport::Http(
-                    reqwest::Client::builder()
-                        .timeout(target.timeout)
-                        .build()
-                        .map_err(|e| bad(e.to_string()))?,
-                )
             }
         };
         Ok(Self {
@@ -345,6 +354,43 @@ impl SignalExporter {
         })
     }
 
+    async fn post_tls<Resp: prost::Message + Default>(
+        &self,
+        client: &kvscope_kit::https::TlsClient,
+        body: bytes::Bytes,
+        left: Duration,
+    ) -> Result<Resp, Failed> {
+        let mut headers: Vec<(&str, &str)> = vec![("content-type", "application/x-protobuf")];
+        for (k, v) in &self.http_headers {
+            if let Ok(v) = v.to_str() {
+                headers.push((k.as_str(), v));
+            }
+        }
+        let answer = client
+            .request(
+                "POST",
+                &self.target.url,
+                &headers,
+                Some(body.to_vec()),
+                left,
+            )
+            .await
+            .map_err(|e| Failed {
+                error: self.send_error(e),
+                retry: Some(None),
+            })?;
+        if !(200..300).contains(&answer.status) {
+            return Err(Failed {
+                error: self.send_error(format!("HTTP {}", answer.status)),
+                retry: http_retryable(answer.status).then(|| retry_after(&answer.headers)),
+            });
+        }
+        Resp::decode(answer.body.as_slice()).map_err(|e| Failed {
+            error: self.send_error(format!("bad response: {e}")),
+            retry: None,
+        })
+    }
+
     fn request<T>(&self, msg: T, left: Duration) -> tonic::Request<T> {
         let mut r = tonic::Request::new(msg);
         *r.metadata_mut() = self.metadata.clone();
@@ -378,6 +424,7 @@ impl SignalExporter {
                             .map(|r| r.into_inner())
                             .map_err(|s| self.grpc_failed(s)),
                         Transport::Http(c) => self.post(c, body, left).await,
+                        Transport::Https(c) => self.post_tls(c, body, left).await,
                     }
                 }
             })
@@ -406,6 +453,7 @@ impl SignalExporter {
                             .map(|r| r.into_inner())
                             .map_err(|s| self.grpc_failed(s)),
                         Transport::Http(c) => self.post(c, body, left).await,
+                        Transport::Https(c) => self.post_tls(c, body, left).await,
                     }
                 }
             })

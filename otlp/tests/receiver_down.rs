@@ -122,7 +122,8 @@ fn bad_settings_fail_at_start_with_a_clear_error() {
             .unwrap_or_default()
     };
     let e = start(OtlpConfig {
-        endpoint: Some("127.0.0.1:4317".into()),
+        endpoint: Some("127.0.0.1:4318".into()),
+        protocol: Protocol::HttpProtobuf,
         ..OtlpConfig::default()
     });
     assert!(e.contains("http://"), "{e}");
@@ -133,11 +134,16 @@ fn bad_settings_fail_at_start_with_a_clear_error() {
     cfg.headers.insert("bad header".into(), "x".into());
     let e = start(cfg);
     assert!(e.contains("bad header"), "{e}");
-    let e = start(OtlpConfig {
-        endpoint: Some("https://collector:4317".into()),
-        ..OtlpConfig::default()
-    });
-    assert!(e.contains("TLS"), "{e}");
+    // TLS with a CA file that is not there says which.
+    for protocol in [Protocol::Grpc, Protocol::HttpProtobuf] {
+        let e = start(OtlpConfig {
+            endpoint: Some("https://collector:4317".into()),
+            protocol,
+            certificate: Some("/nonexistent/otlp-ca.crt".into()),
+            ..OtlpConfig::default()
+        });
+        assert!(e.contains("/nonexistent/otlp-ca.crt"), "{protocol:?}: {e}");
+    }
     assert!(
         OtlpExport::start(
             &OtlpConfig::default(),

@@ -151,15 +151,109 @@ fn protobuf(body: Vec<u8>) -> axum::response::Response {
     ([("content-type", "application/x-protobuf")], body).into_response()
 }
 
+/// Server TLS for a receiver: its certificate and key (PEM files), and, for mutual TLS,
+/// the CA its clients' certificates must chain to.
+pub struct ServerTls {
+    pub cert: std::path::PathBuf,
+    pub key: std::path::PathBuf,
+    pub client_ca: Option<std::path::PathBuf>,
+}
+
+/// axum's listener over TLS: each accepted connection goes through the handshake
+/// (a failed one is dropped and the next awaited).
+struct TlsListener {
+    tcp: tokio::net::TcpListener,
+    acceptor: tokio_rustls::TlsAcceptor,
+}
+
+impl axum::serve::Listener for TlsListener {
+    type Io = tokio_rustls::server::TlsStream<tokio::net::TcpStream>;
+    type Addr = std::net::SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        loop {
+            let Ok((tcp, addr)) = self.tcp.accept().await else {
+                continue;
+            };
+            if let Ok(tls) = self.acceptor.accept(tcp).await {
+                return (tls, addr);
+            }
+        }
+    }
+
+    fn local_addr(&self) -> std::io::Result<Self::Addr> {
+        self.tcp.local_addr()
+    }
+}
+
+fn rustls_server(tls: &ServerTls) -> rustls::ServerConfig {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(&tls.cert)
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
+    let key = PrivateKeyDer::from_pem_file(&tls.key).unwrap();
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let builder = rustls::ServerConfig::builder_with_provider(provider.clone())
+        .with_safe_default_protocol_versions()
+        .unwrap();
+    let builder = match &tls.client_ca {
+        None => builder.with_no_client_auth(),
+        Some(ca) => {
+            let mut roots = rustls::RootCertStore::empty();
+            for c in CertificateDer::pem_file_iter(ca).unwrap() {
+                roots.add(c.unwrap()).unwrap();
+            }
+            builder.with_client_cert_verifier(
+                rustls::server::WebPkiClientVerifier::builder_with_provider(
+                    Arc::new(roots),
+                    provider,
+                )
+                .build()
+                .unwrap(),
+            )
+        }
+    };
+    let mut cfg = builder.with_single_cert(chain, key).unwrap();
+    cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
+    cfg
+}
+
 impl Receiver {
     pub async fn start() -> Self {
+        Self::start_with(None).await
+    }
+
+    /// A receiver on `https://` (both its gRPC and HTTP endpoints) with `tls`.
+    pub async fn start_tls(tls: ServerTls) -> Self {
+        Self::start_with(Some(tls)).await
+    }
+
+    async fn start_with(tls: Option<ServerTls>) -> Self {
         let inbox = Arc::new(Inbox::default());
         let incoming = tonic::transport::server::TcpIncoming::bind("127.0.0.1:0".parse().unwrap())
             .expect("bind the gRPC receiver");
-        let grpc_url = format!("http://{}", incoming.local_addr().unwrap());
+        let scheme = if tls.is_some() { "https" } else { "http" };
+        let grpc_url = format!("{scheme}://{}", incoming.local_addr().unwrap());
         let svc = Grpc(inbox.clone());
+        let mut server = tonic::transport::Server::builder();
+        if let Some(t) = &tls {
+            let mut cfg = tonic::transport::ServerTlsConfig::new().identity(
+                tonic::transport::Identity::from_pem(
+                    std::fs::read(&t.cert).unwrap(),
+                    std::fs::read(&t.key).unwrap(),
+                ),
+            );
+            if let Some(ca) = &t.client_ca {
+                cfg = cfg.client_ca_root(tonic::transport::Certificate::from_pem(
+                    std::fs::read(ca).unwrap(),
+                ));
+            }
+            server = server.tls_config(cfg).unwrap();
+        }
         let grpc = tokio::spawn(async move {
-            tonic::transport::Server::builder()
+            server
                 .add_service(MetricsServiceServer::new(svc.clone()))
                 .add_service(TraceServiceServer::new(svc))
                 .serve_with_incoming(incoming)
@@ -199,12 +293,25 @@ impl Receiver {
                 }),
             );
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let http_url = format!("http://{}", listener.local_addr().unwrap());
-        let http = tokio::spawn(async move {
-            axum::serve(listener, app)
-                .await
-                .expect("the HTTP receiver runs");
-        });
+        let http_url = format!("{scheme}://{}", listener.local_addr().unwrap());
+        let http = match &tls {
+            None => tokio::spawn(async move {
+                axum::serve(listener, app)
+                    .await
+                    .expect("the HTTP receiver runs");
+            }),
+            Some(t) => {
+                let listener = TlsListener {
+                    tcp: listener,
+                    acceptor: tokio_rustls::TlsAcceptor::from(Arc::new(rustls_server(t))),
+                };
+                tokio::spawn(async move {
+                    axum::serve(listener, app)
+                        .await
+                        .expect("the HTTPS receiver runs");
+                })
+            }
+        };
         Self {
             inbox,
             grpc_url,

@@ -1,5 +1,5 @@
-//! HTTPS for the stores that need it (the Kubernetes API server, etcd with TLS): one
-//! request per connection over rustls, HTTP/1.1, trusting only the CA given and, for
+//! HTTPS for what needs it (the Kubernetes API server, etcd with TLS, an OTLP/HTTP
+//! receiver): one request per connection over rustls, HTTP/1.1, trusting only the CA given and, for
 //! mutual TLS, presenting a client certificate. The `ring` provider is set on each
 //! configuration rather than installed process-wide, so nothing else in a process that
 //! links this crate needs a TLS provider installed (the workspace's `reqwest` is built
@@ -17,9 +17,10 @@ pub struct TlsClient {
     config: Arc<rustls::ClientConfig>,
 }
 
-/// An answer: its status and its whole body.
+/// An answer: its status, its headers and its whole body.
 pub struct Answer {
     pub status: u16,
+    pub headers: hyper::HeaderMap,
     pub body: Vec<u8>,
 }
 
@@ -113,13 +114,18 @@ impl TlsClient {
                 .await
                 .map_err(|e| format!("HTTP: {e}"))?;
             let status = res.status().as_u16();
+            let headers = res.headers().clone();
             let body = http_body_util::BodyExt::collect(res.into_body())
                 .await
                 .map_err(|e| format!("reading the answer: {e}"))?
                 .to_bytes()
                 .to_vec();
             conn.abort();
-            Ok(Answer { status, body })
+            Ok(Answer {
+                status,
+                headers,
+                body,
+            })
         };
         tokio::time::timeout(timeout, exchange)
             .await
