@@ -227,3 +227,27 @@ async fn a_receiver_on_https_with_mutual_tls_gets_every_span() {
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gzip_compressed_exports_arrive_whole() {
+    let rx = Receiver::start().await;
+    let gzip = || OtlpConfig {
+        compression: kvscope_otlp::Compression::Gzip,
+        ..OtlpConfig::default()
+    };
+    for (run, protocol) in [(201, Protocol::Grpc), (202, Protocol::HttpProtobuf)] {
+        let before = rx.inbox.gzipped.load(Ordering::Relaxed);
+        let stats = export_with(&rx, protocol, run, gzip()).await;
+        assert_eq!(received(&rx, run), SPANS, "{protocol:?}");
+        assert_eq!(stats.spans_failed.load(Ordering::Relaxed), 0);
+        assert!(
+            rx.inbox.gzipped.load(Ordering::Relaxed) > before,
+            "{protocol:?}: the export came compressed"
+        );
+    }
+    // Uncompressed by default.
+    let before = rx.inbox.gzipped.load(Ordering::Relaxed);
+    export_through(&rx, Protocol::HttpProtobuf, 203).await;
+    assert_eq!(received(&rx, 203), SPANS);
+    assert_eq!(rx.inbox.gzipped.load(Ordering::Relaxed), before);
+}

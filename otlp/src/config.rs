@@ -16,6 +16,7 @@
 //! certificate = "/etc/ssl/certs/ca-certificates.crt"  # whom https:// trusts (the default)
 //! # client_certificate = "client.crt"  # mutual TLS, with client_key
 //! # client_key = "client.key"
+//! compression = "gzip"                 # or "none" (the default)
 //!
 //! [otlp.traces]                        # per-signal overrides (also [otlp.metrics])
 //! endpoint = "http://127.0.0.1:4318/v1/traces"
@@ -40,6 +41,26 @@ pub struct TlsFiles {
     pub ca: PathBuf,
     /// A client certificate chain and key (PEM) for mutual TLS.
     pub client: Option<(PathBuf, PathBuf)>,
+}
+
+/// How export bodies are compressed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Compression {
+    #[default]
+    None,
+    Gzip,
+}
+
+impl std::str::FromStr for Compression {
+    type Err = ConfigError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim() {
+            "none" | "" => Ok(Self::None),
+            "gzip" => Ok(Self::Gzip),
+            other => Err(ConfigError::Compression(other.to_string())),
+        }
+    }
 }
 
 /// Wire protocol of an OTLP endpoint.
@@ -100,6 +121,8 @@ pub enum ConfigError {
     Endpoint(String),
     #[error("otlp: client_certificate and client_key go together (mutual TLS needs both)")]
     ClientIdentity,
+    #[error("unknown OTLP compression {0:?}: use \"gzip\" or \"none\"")]
+    Compression(String),
 }
 
 /// Per-signal overrides (`[otlp.metrics]`, `[otlp.traces]`).
@@ -132,6 +155,10 @@ pub struct SignalConfig {
     pub client_key: Option<PathBuf>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub insecure: Option<bool>,
+    /// Compression for this signal (default: `otlp.compression`). Env:
+    /// `OTEL_EXPORTER_OTLP_{METRICS,TRACES}_COMPRESSION`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compression: Option<Compression>,
 }
 
 impl Default for SignalConfig {
@@ -146,6 +173,7 @@ impl Default for SignalConfig {
             client_certificate: None,
             client_key: None,
             insecure: None,
+            compression: None,
         }
     }
 }
@@ -198,6 +226,9 @@ pub struct OtlpConfig {
     /// `http://` when true, else over `https://` (default false). Env:
     /// `OTEL_EXPORTER_OTLP_INSECURE`.
     pub insecure: bool,
+    /// `gzip` compresses every export body (default `none`). Env:
+    /// `OTEL_EXPORTER_OTLP_COMPRESSION`.
+    pub compression: Compression,
     /// Metrics overrides.
     pub metrics: SignalConfig,
     /// Traces overrides.
@@ -220,6 +251,7 @@ impl Default for OtlpConfig {
             client_certificate: None,
             client_key: None,
             insecure: false,
+            compression: Compression::None,
             metrics: SignalConfig::default(),
             traces: SignalConfig::default(),
         }
@@ -237,6 +269,7 @@ pub struct SignalTarget {
     pub timeout: Duration,
     /// For an `https://` url: whom to trust, who to be.
     pub tls: Option<TlsFiles>,
+    pub compression: Compression,
 }
 
 fn millis(key: &str, v: &str) -> Result<f64, ConfigError> {
@@ -333,6 +366,9 @@ impl OtlpConfig {
         if let Some(v) = env.trimmed("OTEL_EXPORTER_OTLP_INSECURE") {
             self.insecure = v.eq_ignore_ascii_case("true");
         }
+        if let Some(v) = env.trimmed("OTEL_EXPORTER_OTLP_COMPRESSION") {
+            self.compression = v.parse()?;
+        }
         if let Some(v) = env.get("OTEL_RESOURCE_ATTRIBUTES") {
             self.resource_attributes
                 .extend(parse_key_values("OTEL_RESOURCE_ATTRIBUTES", &v)?);
@@ -362,6 +398,9 @@ impl OtlpConfig {
             }
             if let Some(v) = env.trimmed(&key("INSECURE")) {
                 s.insecure = Some(v.eq_ignore_ascii_case("true"));
+            }
+            if let Some(v) = env.trimmed(&key("COMPRESSION")) {
+                s.compression = Some(v.parse()?);
             }
             if let Some(v) = env.get(&format!("OTEL_{name}_EXPORTER")) {
                 s.enabled = v.split(',').any(|e| e.trim() == "otlp");
@@ -449,6 +488,7 @@ impl OtlpConfig {
             headers,
             timeout: Duration::from_secs_f64(s.timeout_secs.unwrap_or(self.timeout_secs)),
             tls,
+            compression: s.compression.unwrap_or(self.compression),
         })
     }
 }
@@ -571,10 +611,7 @@ mod tests {
         c.traces.certificate = Some("traces-ca.crt".into());
         let tls = c.target(Signal::Traces).unwrap().tls.unwrap();
         assert_eq!(tls.ca, Path::new("traces-ca.crt"), "the signal's own CA");
-        assert_eq!(
-            tls.client,
-            Some(("client.crt".into(), "client.key".into()))
-        );
+        assert_eq!(tls.client, Some(("client.crt".into(), "client.key".into())));
         c.endpoint = Some("http://127.0.0.1:4317".into());
         c.export_interval_secs = 0.0;
         assert!(c.validate().is_err());

@@ -7,9 +7,10 @@
 //! with exponential backoff and jitter (100 ms doubling to 5 s, each wait 0.5–1.5× that),
 //! honouring an HTTP `Retry-After` of seconds, for as long as the export timeout
 //! allows: the whole export, its retries included, takes at most the timeout. Anything
-//! else (400, `INVALID_ARGUMENT`, …) is not retried.
+//! else (400, `INVALID_ARGUMENT`, …) is not retried. With `compression = "gzip"`, gRPC
+//! messages are sent gzip-compressed and HTTP bodies with `Content-Encoding: gzip`.
 
-use crate::config::{Protocol, SignalTarget};
+use crate::config::{Compression, Protocol, SignalTarget};
 use kvscope_wire::prom::{Exposition, Kind};
 use opentelemetry_proto::tonic::collector::metrics::v1::{
     metrics_service_client::MetricsServiceClient, ExportMetricsServiceRequest,
@@ -18,7 +19,6 @@ use opentelemetry_proto::tonic::collector::metrics::v1::{
 use opentelemetry_proto::tonic::collector::trace::v1::{
     trace_service_client::TraceServiceClient, ExportTraceServiceRequest, ExportTraceServiceResponse,
 };
-use prost::Message as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 use tonic::metadata::{MetadataKey, MetadataMap, MetadataValue};
@@ -139,6 +139,15 @@ impl ExportStats {
             }
         }
     }
+}
+
+/// `body` gzip-compressed.
+fn gzip(body: &[u8]) -> Vec<u8> {
+    use std::io::Write as _;
+    let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+    // Writing to a Vec cannot fail.
+    let _ = e.write_all(body);
+    e.finish().unwrap_or_default()
 }
 
 /// The first wait before a retry; each next one doubles, up to [`MAX_BACKOFF`].
@@ -322,10 +331,14 @@ impl SignalExporter {
         body: bytes::Bytes,
         left: Duration,
     ) -> Result<Resp, Failed> {
-        let resp = client
+        let mut req = client
             .post(&self.target.url)
             .headers(self.http_headers.clone())
-            .header(reqwest::header::CONTENT_TYPE, "application/x-protobuf")
+            .header(reqwest::header::CONTENT_TYPE, "application/x-protobuf");
+        if self.target.compression == Compression::Gzip {
+            req = req.header(reqwest::header::CONTENT_ENCODING, "gzip");
+        }
+        let resp = req
             .timeout(left)
             .body(body)
             .send()
@@ -361,6 +374,9 @@ impl SignalExporter {
         left: Duration,
     ) -> Result<Resp, Failed> {
         let mut headers: Vec<(&str, &str)> = vec![("content-type", "application/x-protobuf")];
+        if self.target.compression == Compression::Gzip {
+            headers.push(("content-encoding", "gzip"));
+        }
         for (k, v) in &self.http_headers {
             if let Ok(v) = v.to_str() {
                 headers.push((k.as_str(), v));
@@ -391,6 +407,31 @@ impl SignalExporter {
         })
     }
 
+    /// The HTTP body of `msg` (empty for gRPC, which encodes its own), compressed as
+    /// configured.
+    fn http_body(&self, msg: &impl prost::Message) -> bytes::Bytes {
+        if matches!(self.transport, Transport::Grpc(_)) {
+            return bytes::Bytes::new();
+        }
+        let raw = msg.encode_to_vec();
+        bytes::Bytes::from(match self.target.compression {
+            Compression::None => raw,
+            Compression::Gzip => gzip(&raw),
+        })
+    }
+
+    /// `client`, set to send gzip when configured.
+    fn grpc_compression<C>(
+        &self,
+        client: C,
+        send: impl FnOnce(C, tonic::codec::CompressionEncoding) -> C,
+    ) -> C {
+        match self.target.compression {
+            Compression::None => client,
+            Compression::Gzip => send(client, tonic::codec::CompressionEncoding::Gzip),
+        }
+    }
+
     fn request<T>(&self, msg: T, left: Duration) -> tonic::Request<T> {
         let mut r = tonic::Request::new(msg);
         *r.metadata_mut() = self.metadata.clone();
@@ -412,13 +453,16 @@ impl SignalExporter {
         req: ExportMetricsServiceRequest,
         retries: &AtomicU64,
     ) -> Result<u64, ExportError> {
-        let body = bytes::Bytes::from(req.encode_to_vec());
+        let body = self.http_body(&req);
         let resp: ExportMetricsServiceResponse = self
             .with_retries(retries, |left| {
                 let (req, body) = (req.clone(), body.clone());
                 async move {
                     match &self.transport {
-                        Transport::Grpc(ch) => MetricsServiceClient::new(ch.clone())
+                        Transport::Grpc(ch) => self
+                            .grpc_compression(MetricsServiceClient::new(ch.clone()), |c, e| {
+                                c.send_compressed(e)
+                            })
                             .export(self.request(req, left))
                             .await
                             .map(|r| r.into_inner())
@@ -441,13 +485,16 @@ impl SignalExporter {
         req: ExportTraceServiceRequest,
         retries: &AtomicU64,
     ) -> Result<u64, ExportError> {
-        let body = bytes::Bytes::from(req.encode_to_vec());
+        let body = self.http_body(&req);
         let resp: ExportTraceServiceResponse = self
             .with_retries(retries, |left| {
                 let (req, body) = (req.clone(), body.clone());
                 async move {
                     match &self.transport {
-                        Transport::Grpc(ch) => TraceServiceClient::new(ch.clone())
+                        Transport::Grpc(ch) => self
+                            .grpc_compression(TraceServiceClient::new(ch.clone()), |c, e| {
+                                c.send_compressed(e)
+                            })
                             .export(self.request(req, left))
                             .await
                             .map(|r| r.into_inner())

@@ -17,7 +17,7 @@ pub mod config;
 pub mod export;
 pub mod exposition;
 
-pub use config::{OtlpConfig, Protocol, Signal};
+pub use config::{Compression, OtlpConfig, Protocol, Signal};
 pub use export::{ExportError, ExportStats};
 pub use opentelemetry_proto::tonic as proto;
 

@@ -53,6 +53,30 @@ pub struct Inbox {
     pub refuse_all: Mutex<Option<Refusal>>,
     /// Every request, taken or refused.
     pub attempts: std::sync::atomic::AtomicU64,
+    /// Requests taken that came gzip-compressed (`grpc-encoding` / `Content-Encoding`).
+    pub gzipped: std::sync::atomic::AtomicU64,
+}
+
+fn count_gzip(inbox: &Inbox, gzipped: bool) {
+    if gzipped {
+        inbox
+            .gzipped
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// An HTTP body, gunzipped when its headers say so.
+fn http_body(headers: &axum::http::HeaderMap, body: Bytes) -> (Vec<u8>, bool) {
+    let gz = headers
+        .get("content-encoding")
+        .is_some_and(|v| v.as_bytes() == b"gzip");
+    if !gz {
+        return (body.to_vec(), false);
+    }
+    let mut out = Vec::new();
+    std::io::Read::read_to_end(&mut flate2::read::GzDecoder::new(body.as_ref()), &mut out)
+        .expect("a gzip body");
+    (out, true)
 }
 
 impl Inbox {
@@ -102,6 +126,12 @@ impl MetricsService for Grpc {
         if let Some(r) = self.0.refusal() {
             return Err(grpc_status(r));
         }
+        count_gzip(
+            &self.0,
+            r.metadata()
+                .get("grpc-encoding")
+                .is_some_and(|v| v == "gzip"),
+        );
         self.0
             .metrics
             .lock()
@@ -120,6 +150,12 @@ impl TraceService for Grpc {
         if let Some(r) = self.0.refusal() {
             return Err(grpc_status(r));
         }
+        count_gzip(
+            &self.0,
+            r.metadata()
+                .get("grpc-encoding")
+                .is_some_and(|v| v == "gzip"),
+        );
         self.0
             .traces
             .lock()
@@ -254,8 +290,14 @@ impl Receiver {
         }
         let grpc = tokio::spawn(async move {
             server
-                .add_service(MetricsServiceServer::new(svc.clone()))
-                .add_service(TraceServiceServer::new(svc))
+                .add_service(
+                    MetricsServiceServer::new(svc.clone())
+                        .accept_compressed(tonic::codec::CompressionEncoding::Gzip),
+                )
+                .add_service(
+                    TraceServiceServer::new(svc)
+                        .accept_compressed(tonic::codec::CompressionEncoding::Gzip),
+                )
                 .serve_with_incoming(incoming)
                 .await
                 .expect("the gRPC receiver runs");
@@ -264,13 +306,15 @@ impl Receiver {
         let app = axum::Router::new()
             .route(
                 "/v1/metrics",
-                post(move |body: Bytes| {
+                post(move |headers: axum::http::HeaderMap, body: Bytes| {
                     let m = m.clone();
                     async move {
                         if let Some(r) = m.refusal() {
                             return http_refusal(r);
                         }
-                        let req = ExportMetricsServiceRequest::decode(body)
+                        let (body, gz) = http_body(&headers, body);
+                        count_gzip(&m, gz);
+                        let req = ExportMetricsServiceRequest::decode(body.as_slice())
                             .expect("a protobuf ExportMetricsServiceRequest");
                         m.metrics.lock().unwrap().push((Via::Http, req));
                         protobuf(ExportMetricsServiceResponse::default().encode_to_vec())
@@ -279,13 +323,15 @@ impl Receiver {
             )
             .route(
                 "/v1/traces",
-                post(move |body: Bytes| {
+                post(move |headers: axum::http::HeaderMap, body: Bytes| {
                     let t = t.clone();
                     async move {
                         if let Some(r) = t.refusal() {
                             return http_refusal(r);
                         }
-                        let req = ExportTraceServiceRequest::decode(body)
+                        let (body, gz) = http_body(&headers, body);
+                        count_gzip(&t, gz);
+                        let req = ExportTraceServiceRequest::decode(body.as_slice())
                             .expect("a protobuf ExportTraceServiceRequest");
                         t.traces.lock().unwrap().push((Via::Http, req));
                         protobuf(ExportTraceServiceResponse::default().encode_to_vec())
