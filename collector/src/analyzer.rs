@@ -188,9 +188,38 @@ pub struct TokenHistogram {
     pub buckets: [u64; TOKEN_BOUNDS.len()],
     pub count: u64,
     pub sum: u64,
+    /// Per bucket (the last one: above every bound), the latest observation that fell
+    /// in it, with its trace: OpenMetrics exemplars, so a Grafana panel of the histogram
+    /// links to the trace of a spill in it.
+    pub exemplars: Vec<Option<Exemplar>>,
+}
+
+/// One observation of a histogram, with the trace it belongs to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Exemplar {
+    /// The trace id, as lowercase hex (what `kvscope.spill_verdict` spans carry).
+    pub trace_id: String,
+    pub value: u64,
+    /// When it was observed (UNIX ns).
+    pub at_ns: u64,
 }
 
 impl TokenHistogram {
+    /// [`Self::observe`], remembering the observation as its bucket's exemplar.
+    pub fn observe_traced(&mut self, tokens: u64, trace_id: String, at_ns: u64) {
+        self.observe(tokens);
+        let bucket = TOKEN_BOUNDS
+            .iter()
+            .position(|&le| tokens <= le)
+            .unwrap_or(TOKEN_BOUNDS.len());
+        self.exemplars.resize(TOKEN_BOUNDS.len() + 1, None);
+        self.exemplars[bucket] = Some(Exemplar {
+            trace_id,
+            value: tokens,
+            at_ns,
+        });
+    }
+
     pub fn observe(&mut self, tokens: u64) {
         self.count += 1;
         // Tokens come from the wire: a crafted decision must not overflow the sum.
@@ -830,8 +859,15 @@ impl FleetAnalyzer {
         if v.spill {
             chosen.spills_in += 1;
             t.workers.entry(v.best).or_default().spills_out += 1;
-            t.true_delta.observe(v.true_delta_tokens);
-            t.upper_bound.observe(v.upper_bound_tokens);
+            // The verdict's span is in the trace derived from its request id.
+            let trace: String = kvscope_otlp::trace_id(&v.request_id)
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect();
+            t.true_delta
+                .observe_traced(v.true_delta_tokens, trace.clone(), v.decided_ns);
+            t.upper_bound
+                .observe_traced(v.upper_bound_tokens, trace, v.decided_ns);
             t.generated_delta_tokens = t
                 .generated_delta_tokens
                 .saturating_add(v.generated_delta_tokens);
@@ -1373,8 +1409,22 @@ mod tests {
         let mut out = kvscope_wire::prom::Exposition::new(kvscope_wire::prom::Format::OpenMetrics);
         crate::metrics::write(&mut out, &a, &crate::bus::BusStatus::default());
         let text = out.finish();
+        // The spill's bucket carries it as an exemplar: the trace of its verdict span.
+        let trace: String = kvscope_otlp::trace_id("t2")
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        let bucket = format!(
+            "kvscope_spill_true_delta_tokens_bucket{{le=\"16\"}} 1 # {{trace_id=\"{trace}\"}} 6 "
+        );
+        assert!(text.contains(&bucket), "{bucket} in\n{text}");
+        assert_eq!(
+            text.matches(" # {trace_id=").count(),
+            2,
+            "one per histogram"
+        );
         for line in [
-            "kvscope_spill_true_delta_tokens_bucket{le=\"16\"} 1\n",
+            "kvscope_spill_true_delta_tokens_bucket{le=\"32\"} 1\n",
             "kvscope_spill_true_delta_tokens_sum 6\n",
             "kvscope_worker_spills_in_total{worker_id=\"2\",dp_rank=\"0\"} 1\n",
             "kvscope_prompt_tokens_total 12\n",

@@ -517,15 +517,32 @@ pub fn write(out: &mut Exposition, a: &FleetAnalyzer, bus: &BusStatus) {
     crate::nixl::render_owners(out, &crate::nixl::owners(a.agents()));
 }
 
+/// A token histogram, each bucket with its latest spill's trace as an exemplar (in
+/// OpenMetrics, which Prometheus asks for).
 fn token_histogram(out: &mut Exposition, name: &str, help: &str, h: &TokenHistogram) {
-    out.family(name, Kind::Histogram, help).histogram(
-        name,
-        "",
-        TOKEN_BOUNDS.iter().map(|le| *le as f64),
-        &h.buckets,
-        h.count,
-        h.sum as f64,
-    );
+    let exemplars: Vec<Option<(String, f64, f64)>> = h
+        .exemplars
+        .iter()
+        .map(|e| {
+            e.as_ref().map(|e| {
+                (
+                    labels(&[("trace_id", &e.trace_id)]),
+                    e.value as f64,
+                    e.at_ns as f64 / 1e9,
+                )
+            })
+        })
+        .collect();
+    out.family(name, Kind::Histogram, help)
+        .histogram_with_exemplars(
+            name,
+            "",
+            TOKEN_BOUNDS.iter().map(|le| *le as f64),
+            &h.buckets,
+            h.count,
+            h.sum as f64,
+            &exemplars,
+        );
 }
 
 fn worker_labels(w: &kvscope_wire::WorkerKey) -> String {

@@ -372,6 +372,47 @@ async fn every_dashboard_panel_has_data_from_a_real_prometheus() {
             }
         }
     }
+    // Metrics -> traces: Prometheus kept the exemplars of the spill histograms, and each
+    // names the trace of a verdict the collector gave (its spans' trace id).
+    let verdict_traces: std::collections::BTreeSet<String> = run
+        .get_json::<Vec<Value>>("/api/verdicts?limit=100000")
+        .await
+        .unwrap_or_default()
+        .iter()
+        .filter_map(|v| v["request_id"].as_str())
+        .map(|r| {
+            kvscope_otlp::trace_id(r)
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect()
+        })
+        .collect();
+    match prom
+        .exemplars("kvscope_spill_true_delta_tokens_bucket", span_s + 60)
+        .await
+    {
+        Ok(series) => {
+            let traces: Vec<String> = series
+                .iter()
+                .flat_map(|s| s["exemplars"].as_array().cloned().unwrap_or_default())
+                .filter_map(|e| e["labels"]["trace_id"].as_str().map(str::to_string))
+                .collect();
+            // (The collector keeps its last verdicts only: an exemplar can outlive its
+            // verdict there, but the newest ones are there.)
+            if !traces.iter().any(|t| verdict_traces.contains(t)) {
+                failures.push(format!(
+                    "no exemplar of kvscope_spill_true_delta_tokens_bucket names a verdict's trace: {traces:?}"
+                ));
+            }
+            for t in traces
+                .iter()
+                .filter(|t| t.len() != 32 || !t.bytes().all(|b| b.is_ascii_hexdigit()))
+            {
+                failures.push(format!("exemplar trace id {t:?} is not 32 hex digits"));
+            }
+        }
+        Err(e) => failures.push(format!("query_exemplars: {e:#}")),
+    }
     let scrape_times = prom
         .query("max by (job) (max_over_time(scrape_duration_seconds[1h]))")
         .await
@@ -434,6 +475,43 @@ fn grafana_provisioning_points_at_prometheus_and_the_dashboards_folder() {
     assert!(
         ds.contains("apiVersion: 1") && ds.contains("type: prometheus"),
         "{ds}"
+    );
+    // Exemplars link to the Tempo datasource provisioned beside it.
+    let parsed: serde_yaml::Value = serde_yaml::from_str(&ds).unwrap();
+    let sources = parsed["datasources"].as_sequence().unwrap();
+    let tempo = sources
+        .iter()
+        .find(|s| s["type"] == "tempo")
+        .expect("a Tempo datasource");
+    let prom = sources.iter().find(|s| s["type"] == "prometheus").unwrap();
+    assert_eq!(
+        prom["jsonData"]["exemplarTraceIdDestinations"][0]["datasourceUid"],
+        tempo["uid"]
+    );
+    assert_eq!(
+        prom["jsonData"]["exemplarTraceIdDestinations"][0]["name"], "trace_id",
+        "the exemplar label the collector writes"
+    );
+    let spills = load_dashboards()
+        .into_iter()
+        .find(|(f, _)| f == "kvscope-fleet-spills.json")
+        .unwrap()
+        .1;
+    assert!(
+        spills["panels"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|p| p["targets"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|t| t["exemplar"] == true
+                    && t["expr"]
+                        .as_str()
+                        .unwrap_or_default()
+                        .contains("kvscope_spill_true_delta_tokens_bucket"))),
+        "a spill panel shows the exemplars"
     );
     let db = std::fs::read_to_string(base.join("dashboards/kvscope.yml")).unwrap();
     assert!(

@@ -116,7 +116,9 @@ impl PrometheusServer {
         cmd.arg(format!("--config.file={}", config_path.display()))
             .arg(format!("--storage.tsdb.path={}", storage.display()))
             .arg(format!("--web.listen-address=127.0.0.1:{port}"))
-            .arg("--storage.tsdb.retention.time=1d");
+            .arg("--storage.tsdb.retention.time=1d")
+            // Exemplars scraped from OpenMetrics are kept and served (query_exemplars).
+            .arg("--enable-feature=exemplar-storage");
         let log = dir.join("prometheus.log");
         let process = ManagedProcess::spawn("prometheus", cmd, &log)?;
         let server = Self {
@@ -150,6 +152,25 @@ impl PrometheusServer {
 
     pub fn url(&self) -> &str {
         &self.url
+    }
+
+    /// The exemplars of `expr`'s series over the last `secs` seconds, through
+    /// `/api/v1/query_exemplars`: the `data` array (one entry per series).
+    pub async fn exemplars(&self, expr: &str, secs: u64) -> Result<Vec<Value>> {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)?
+            .as_secs();
+        let mut url = reqwest::Url::parse(&format!("{}/api/v1/query_exemplars", self.url))?;
+        url.query_pairs_mut()
+            .append_pair("query", expr)
+            .append_pair("start", &now.saturating_sub(secs).to_string())
+            .append_pair("end", &(now + 1).to_string());
+        let body: Value = self.client.get(url).send().await?.json().await?;
+        anyhow::ensure!(
+            body["status"] == "success",
+            "query_exemplars {expr}: {body}"
+        );
+        Ok(body["data"].as_array().cloned().unwrap_or_default())
     }
 
     /// An instant query through `/api/v1/query`: the `data.result` array (empty when

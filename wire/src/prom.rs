@@ -181,6 +181,41 @@ impl Exposition {
         self
     }
 
+    /// [`Self::histogram`] with an exemplar on some buckets (`exemplars[i]` on bucket
+    /// `i`, the last on `+Inf`): `(labels of the exemplar, already escaped; value; time
+    /// in seconds)`. Exemplars are OpenMetrics only: the text format gets none.
+    #[allow(clippy::too_many_arguments)]
+    pub fn histogram_with_exemplars(
+        &mut self,
+        name: &str,
+        labels: &str,
+        bounds: impl IntoIterator<Item = f64>,
+        buckets: &[u64],
+        count: u64,
+        sum: f64,
+        exemplars: &[Option<(String, f64, f64)>],
+    ) -> &mut Self {
+        let start = self.out.len();
+        self.histogram(name, labels, bounds, buckets, count, sum);
+        if self.format != Format::OpenMetrics || exemplars.iter().all(Option::is_none) {
+            return self;
+        }
+        // Append each bucket line's exemplar (the bucket lines come first, in order).
+        let written = self.out.split_off(start);
+        let mut bucket = 0;
+        for line in written.lines() {
+            self.out.push_str(line);
+            if line.starts_with(&format!("{name}_bucket{{")) {
+                if let Some(Some((l, v, ts))) = exemplars.get(bucket) {
+                    let _ = write!(self.out, " # {{{l}}} {v} {ts}");
+                }
+                bucket += 1;
+            }
+            self.out.push('\n');
+        }
+        self
+    }
+
     /// The text, with OpenMetrics' closing `# EOF`.
     pub fn finish(mut self) -> String {
         if self.format == Format::OpenMetrics {
@@ -193,6 +228,38 @@ impl Exposition {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn exemplars_go_on_their_buckets_in_openmetrics_only() {
+        let ex = vec![
+            None,
+            Some(("trace_id=\"ab\"".to_string(), 20.0, 1.5)),
+            Some(("trace_id=\"cd\"".to_string(), 99.0, 2.0)),
+        ];
+        let mut om = Exposition::new(Format::OpenMetrics);
+        om.family("t", Kind::Histogram, "T.")
+            .histogram_with_exemplars("t", "", [16.0, 32.0], &[1, 2], 3, 135.0, &ex);
+        let text = om.finish();
+        assert!(text.contains("t_bucket{le=\"16\"} 1\n"), "{text}");
+        assert!(
+            text.contains("t_bucket{le=\"32\"} 2 # {trace_id=\"ab\"} 20 1.5\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("t_bucket{le=\"+Inf\"} 3 # {trace_id=\"cd\"} 99 2\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("t_sum 135\n") && text.contains("t_count 3\n"),
+            "{text}"
+        );
+        let mut plain = Exposition::new(Format::Text);
+        plain.histogram_with_exemplars("t", "", [16.0, 32.0], &[1, 2], 3, 135.0, &ex);
+        assert!(
+            !plain.finish().contains("trace_id"),
+            "no exemplars in the text format"
+        );
+    }
 
     #[test]
     fn writes_families_and_escapes() {
