@@ -115,6 +115,9 @@ pub fn migration_span(m: &MigrationLogLine, agent: &str, observed_ns: u64, seq: 
         .into_iter()
         .collect();
     let failed = m.kind == MigrationLogKind::DispatchFailed;
+    if failed {
+        attributes.push(attr_str("error.type", "producer_dispatch_failed"));
+    }
     Span {
         trace_id: trace_id(&trace_key),
         span_id: span_id(&format!("migration/{agent}/{seq}/{trace_key}/{outcome}")),
@@ -170,6 +173,7 @@ mod tests {
             "kvscope.migration.target",
             "kvscope.migration.directive_id",
             "kvscope.migration.tokens",
+            "error.type",
         ] {
             assert!(keys.contains(&k), "{k} in {keys:?}");
         }

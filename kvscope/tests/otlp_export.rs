@@ -488,6 +488,7 @@ async fn lab_metrics_and_spans_reach_an_otlp_receiver_over_grpc_and_http() {
                 Some(2),
                 "a failed dispatch is an error span"
             );
+            assert_eq!(a["error.type"], "producer_dispatch_failed");
         }
     }
     eprintln!(
@@ -689,6 +690,22 @@ async fn nixl_transfer_and_handshake_spans_reach_an_otlp_receiver() {
         .iter()
         .filter(|(_, s)| s.status.as_ref().is_some_and(|st| st.code == 2))
         .count();
+    // Each error span says what went wrong (OTel's error.type): the NIXL status, or the
+    // release in flight.
+    for (a, s) in spans.iter().filter(|(_, s)| s.status.is_some()) {
+        let want = if a["nixl.stage"] == "released_in_flight" {
+            "released_in_flight".to_string()
+        } else {
+            a["nixl.status"].clone()
+        };
+        assert_eq!(a.get("error.type"), Some(&want), "{s:?}");
+    }
+    assert!(
+        spans
+            .iter()
+            .all(|(a, s)| s.status.is_some() || !a.contains_key("error.type")),
+        "only error spans carry error.type"
+    );
     assert_eq!(
         failed,
         truth.transfers.len() - done.len(),

@@ -132,6 +132,76 @@ struct HistogramParts {
     sum: Option<f64>,
 }
 
+/// The start time of each cumulative series across exports. A series that went down
+/// since the last export was reset (a relayed agent restarted, its counters with it):
+/// its start time moves to just after that export, as OTLP wants for cumulative
+/// data, so a receiver does not read the drop as negative.
+#[derive(Debug, Default)]
+pub struct CumulativeStarts {
+    last: std::collections::HashMap<String, (f64, u64, u64)>,
+}
+
+impl CumulativeStarts {
+    fn key(name: &str, attributes: &[KeyValue]) -> String {
+        let mut k = name.to_string();
+        for a in attributes {
+            k.push('\u{1f}');
+            k.push_str(&a.key);
+            k.push('=');
+            if let Some(any_value::Value::StringValue(v)) =
+                a.value.as_ref().and_then(|v| v.value.as_ref())
+            {
+                k.push_str(v);
+            }
+        }
+        k
+    }
+
+    /// Move the start times of the series in `metrics` that were reset, remembering
+    /// every series' value, start and time for the next export.
+    pub fn apply(&mut self, metrics: &mut [Metric]) {
+        for m in metrics.iter_mut() {
+            match &mut m.data {
+                Some(metric::Data::Sum(s)) if s.is_monotonic => {
+                    for p in &mut s.data_points {
+                        let v = match p.value {
+                            Some(number_data_point::Value::AsInt(i)) => i as f64,
+                            Some(number_data_point::Value::AsDouble(d)) => d,
+                            None => continue,
+                        };
+                        let key = Self::key(&m.name, &p.attributes);
+                        p.start_time_unix_nano =
+                            self.next(key, v, p.start_time_unix_nano, p.time_unix_nano);
+                    }
+                }
+                Some(metric::Data::Histogram(h)) => {
+                    for p in &mut h.data_points {
+                        let key = Self::key(&m.name, &p.attributes);
+                        p.start_time_unix_nano = self.next(
+                            key,
+                            p.count as f64,
+                            p.start_time_unix_nano,
+                            p.time_unix_nano,
+                        );
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// The start time of a series at value `v` now, given its default start.
+    fn next(&mut self, key: String, v: f64, default_start: u64, now: u64) -> u64 {
+        let start = match self.last.get(&key) {
+            Some(&(last_v, start, _)) if v >= last_v => start,
+            Some(&(_, _, last_t)) => last_t.saturating_add(1),
+            None => default_start,
+        };
+        self.last.insert(key, (v, start, now));
+        start
+    }
+}
+
 /// Convert `text` (Prometheus 0.0.4 or OpenMetrics 1.0 exposition) into OTLP metrics.
 /// `start_ns` is when the cumulative figures started counting (the process start);
 /// `now_ns` the time of the figures.
@@ -363,6 +433,41 @@ fn histogram_point(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_counter_that_went_down_gets_a_new_start_time() {
+        let text = |n: u64, hist: u64| {
+            format!(
+                "# TYPE c counter\nc_total{{agent=\"a\"}} {n}\nc_total{{agent=\"b\"}} 5\n# TYPE h histogram\nh_bucket{{le=\"1\"}} {hist}\nh_bucket{{le=\"+Inf\"}} {hist}\nh_sum {hist}\nh_count {hist}\n"
+            )
+        };
+        let start = |c: &Converted, name: &str, i: usize| match find(c, name) {
+            metric::Data::Sum(s) => s.data_points[i].start_time_unix_nano,
+            metric::Data::Histogram(h) => h.data_points[i].start_time_unix_nano,
+            _ => panic!("{name}"),
+        };
+        let mut starts = CumulativeStarts::default();
+        let mut c = convert(&text(10, 4), 100, 1_000);
+        starts.apply(&mut c.metrics);
+        assert_eq!(
+            (start(&c, "c", 0), start(&c, "c", 1), start(&c, "h", 0)),
+            (100, 100, 100)
+        );
+        let mut c = convert(&text(12, 6), 100, 2_000);
+        starts.apply(&mut c.metrics);
+        assert_eq!(start(&c, "c", 0), 100, "still counting up");
+        // Agent a restarted (12 -> 3) and so did the histogram's source: new starts just
+        // after the previous export; b is untouched.
+        let mut c = convert(&text(3, 1), 100, 3_000);
+        starts.apply(&mut c.metrics);
+        assert_eq!(
+            (start(&c, "c", 0), start(&c, "c", 1), start(&c, "h", 0)),
+            (2_001, 100, 2_001)
+        );
+        let mut c = convert(&text(4, 2), 100, 4_000);
+        starts.apply(&mut c.metrics);
+        assert_eq!(start(&c, "c", 0), 2_001, "the new start stays");
+    }
 
     const TEXT: &str = r#"# HELP kvscope_spills Routing decisions judged spills.
 # TYPE kvscope_spills counter

@@ -437,13 +437,15 @@ async fn metrics_loop(
     let mut tick = tokio::time::interval(period);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     tick.tick().await;
+    let mut starts = exposition::CumulativeStarts::default();
     loop {
         let last = tokio::select! {
             _ = tick.tick() => false,
             _ = stop.changed() => true,
         };
         let text = source();
-        let converted = exposition::convert(&text, start_ns, now_ns());
+        let mut converted = exposition::convert(&text, start_ns, now_ns());
+        starts.apply(&mut converted.metrics);
         if converted.skipped_samples > 0 {
             add(&stats.metric_samples_skipped, converted.skipped_samples);
         }

@@ -62,6 +62,18 @@ impl NixlSpans {
                 o.status < 0
             }
         };
+        if failed {
+            // OTel's semantic convention for what went wrong: the NIXL status name
+            // (`ERR_NOT_FOUND`, …), or the transfer released while in flight.
+            let kind = match o.what {
+                ObservedKind::Transfer {
+                    stage: XferStage::ReleasedInFlight,
+                    ..
+                } => "released_in_flight",
+                _ => super::event::status_name(o.status),
+            };
+            attributes.push(attr_str("error.type", kind));
+        }
         let key = format!(
             "nixl/{}/{}/{}/{}/{}",
             self.agent_id, o.pid, o.local, o.remote, o.ts_ns
