@@ -420,18 +420,6 @@ impl SignalExporter {
         })
     }
 
-    /// `client`, set to send gzip when configured.
-    fn grpc_compression<C>(
-        &self,
-        client: C,
-        send: impl FnOnce(C, tonic::codec::CompressionEncoding) -> C,
-    ) -> C {
-        match self.target.compression {
-            Compression::None => client,
-            Compression::Gzip => send(client, tonic::codec::CompressionEncoding::Gzip),
-        }
-    }
-
     fn request<T>(&self, msg: T, left: Duration) -> tonic::Request<T> {
         let mut r = tonic::Request::new(msg);
         *r.metadata_mut() = self.metadata.clone();
@@ -446,31 +434,53 @@ impl SignalExporter {
         }
     }
 
-    /// Export metrics, retrying as the module docs say (each retry counted in
-    /// `retries`); returns the number of data points the receiver rejected.
+    /// Send `req` to the receiver, retrying as the module docs say (each retry counted
+    /// in `retries`): over gRPC through `grpc` (given the channel, the compression to
+    /// send with and the request), else POSTed.
+    async fn send<Req, Resp, F, Fut>(
+        &self,
+        req: Req,
+        retries: &AtomicU64,
+        grpc: F,
+    ) -> Result<Resp, ExportError>
+    where
+        Req: prost::Message + Clone,
+        Resp: prost::Message + Default,
+        F: Fn(Channel, Option<tonic::codec::CompressionEncoding>, tonic::Request<Req>) -> Fut,
+        Fut: std::future::Future<Output = Result<tonic::Response<Resp>, tonic::Status>>,
+    {
+        let body = self.http_body(&req);
+        let gzip = (self.target.compression == Compression::Gzip)
+            .then_some(tonic::codec::CompressionEncoding::Gzip);
+        self.with_retries(retries, |left| {
+            let (req, body, grpc) = (req.clone(), body.clone(), &grpc);
+            async move {
+                match &self.transport {
+                    Transport::Grpc(ch) => grpc(ch.clone(), gzip, self.request(req, left))
+                        .await
+                        .map(|r| r.into_inner())
+                        .map_err(|s| self.grpc_failed(s)),
+                    Transport::Http(c) => self.post(c, body, left).await,
+                    Transport::Https(c) => self.post_tls(c, body, left).await,
+                }
+            }
+        })
+        .await
+    }
+
+    /// Export metrics; returns the number of data points the receiver rejected.
     pub async fn export_metrics(
         &self,
         req: ExportMetricsServiceRequest,
         retries: &AtomicU64,
     ) -> Result<u64, ExportError> {
-        let body = self.http_body(&req);
         let resp: ExportMetricsServiceResponse = self
-            .with_retries(retries, |left| {
-                let (req, body) = (req.clone(), body.clone());
-                async move {
-                    match &self.transport {
-                        Transport::Grpc(ch) => self
-                            .grpc_compression(MetricsServiceClient::new(ch.clone()), |c, e| {
-                                c.send_compressed(e)
-                            })
-                            .export(self.request(req, left))
-                            .await
-                            .map(|r| r.into_inner())
-                            .map_err(|s| self.grpc_failed(s)),
-                        Transport::Http(c) => self.post(c, body, left).await,
-                        Transport::Https(c) => self.post_tls(c, body, left).await,
-                    }
+            .send(req, retries, |ch, gzip, r| async move {
+                let mut c = MetricsServiceClient::new(ch);
+                if let Some(e) = gzip {
+                    c = c.send_compressed(e);
                 }
+                c.export(r).await
             })
             .await?;
         Ok(resp
@@ -478,31 +488,19 @@ impl SignalExporter {
             .map_or(0, |p| p.rejected_data_points.max(0) as u64))
     }
 
-    /// Export spans, retrying as the module docs say (each retry counted in `retries`);
-    /// returns the number of spans the receiver rejected.
+    /// Export spans; returns the number of spans the receiver rejected.
     pub async fn export_spans(
         &self,
         req: ExportTraceServiceRequest,
         retries: &AtomicU64,
     ) -> Result<u64, ExportError> {
-        let body = self.http_body(&req);
         let resp: ExportTraceServiceResponse = self
-            .with_retries(retries, |left| {
-                let (req, body) = (req.clone(), body.clone());
-                async move {
-                    match &self.transport {
-                        Transport::Grpc(ch) => self
-                            .grpc_compression(TraceServiceClient::new(ch.clone()), |c, e| {
-                                c.send_compressed(e)
-                            })
-                            .export(self.request(req, left))
-                            .await
-                            .map(|r| r.into_inner())
-                            .map_err(|s| self.grpc_failed(s)),
-                        Transport::Http(c) => self.post(c, body, left).await,
-                        Transport::Https(c) => self.post_tls(c, body, left).await,
-                    }
+            .send(req, retries, |ch, gzip, r| async move {
+                let mut c = TraceServiceClient::new(ch);
+                if let Some(e) = gzip {
+                    c = c.send_compressed(e);
                 }
+                c.export(r).await
             })
             .await?;
         Ok(resp

@@ -107,25 +107,30 @@ pub struct LoadedProbes {
     ebpf: Ebpf,
 }
 
-/// Load the BPF object and one program, then drop them: at start, so an agent that may
-/// not load probes says so (naming what it lacks) before any library is found, rather
-/// than at each library later.
-pub fn check_can_load() -> Result<(), ProbeError> {
+/// The BPF object loaded (its maps created) with `offsets` in its globals.
+fn load_object(offsets: Option<&NixlOffsets>) -> Result<Ebpf, ProbeError> {
     if !Path::new("/sys/bus/event_source/devices/uprobe").exists() {
         return Err(ProbeError::NoUprobes);
     }
-    let globals = NixlOffsets::globals(None);
+    let globals = NixlOffsets::globals(offsets);
     let mut loader = EbpfLoader::new();
     for (name, value) in &globals {
         loader.override_global(name, value, true);
     }
-    let mut ebpf = loader.load(NIXL_BPF).map_err(|e| {
+    loader.load(NIXL_BPF).map_err(|e| {
         if is_permission(&e) {
             refused(&e)
         } else {
             ProbeError::Load(full_error(&e))
         }
-    })?;
+    })
+}
+
+/// Load the BPF object and one program, then drop them: at start, so an agent that may
+/// not load probes says so (naming what it lacks) before any library is found, rather
+/// than at each library later.
+pub fn check_can_load() -> Result<(), ProbeError> {
+    let mut ebpf = load_object(None)?;
     if let Some((_, program)) = ebpf.programs_mut().next() {
         let program: &mut UProbe = program
             .try_into()
@@ -167,22 +172,8 @@ pub fn check_can_load() -> Result<(), ProbeError> {
 impl LoadedProbes {
     /// Load the BPF object with `library`'s offsets and attach every probe it resolved.
     pub fn attach(library: NixlLibrary, scope: AttachScope) -> Result<Self, ProbeError> {
-        if !Path::new("/sys/bus/event_source/devices/uprobe").exists() {
-            return Err(ProbeError::NoUprobes);
-        }
         let offsets = offsets::for_build(&library.build_id);
-        let globals = NixlOffsets::globals(offsets.as_ref());
-        let mut loader = EbpfLoader::new();
-        for (name, value) in &globals {
-            loader.override_global(name, value, true);
-        }
-        let mut ebpf = loader.load(NIXL_BPF).map_err(|e| {
-            if is_permission(&e) {
-                refused(&e)
-            } else {
-                ProbeError::Load(full_error(&e))
-            }
-        })?;
+        let mut ebpf = load_object(offsets.as_ref())?;
         let path = library.path.display().to_string();
         let aya_scope = match scope {
             AttachScope::AllProcesses => UProbeScope::AllProcesses,
