@@ -1,4 +1,4 @@
-//! The cost model of one migration (DESIGN.md, "The measurements"): handshake latency +
+//! The cost model of one migration (ARCHITECTURE.md, "The measurements"): handshake latency +
 //! bytes / measured NIXL bandwidth between the pair + dispatch overhead, against
 //! recomputing the delta at the prefill rate. Pure: figures in, prediction out.
 

@@ -73,7 +73,7 @@ pub struct ChainMatch {
     /// The chain's sequence hashes, one per local hash.
     pub chain: Vec<SequenceHash>,
     /// For every worker holding at least the first block: how many leading blocks of the
-    /// chain it holds (`overlap_w` in DESIGN.md).
+    /// chain it holds (`overlap_w` in ARCHITECTURE.md).
     pub overlaps: BTreeMap<WorkerKey, u32>,
 }
 

@@ -1,4 +1,5 @@
-//! Per-request spill verdicts: the measurements of DESIGN.md for one routed request.
+//! Per-request spill verdicts: the measurements of ARCHITECTURE.md ("The measurements")
+//! for one routed request.
 
 use crate::fleet_index::FleetIndex;
 use kvscope_wire::{RoutingDecision, SequenceHash, WorkerKey};

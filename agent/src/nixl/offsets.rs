@@ -8,7 +8,8 @@
 //! ops of posted requests and remote names of handshakes without a name argument are
 //! unknown — the agent says so once, with the build-id to add here.
 //!
-//! How an entry is found (1.5.1 wheel, see DESIGN.md): `nixlAgent::getXferTelemetry`
+//! How an entry is found (1.5.1 wheel; ARCHITECTURE.md, "NIXL struct offsets"):
+//! `nixlAgent::getXferTelemetry`
 //! reads the request's status (0xb8) and telemetry block (0xc0..0xe8: totalBytes at
 //! 0xd8, descCount at 0xe0); `nixlAgentData::agentName()` is `lea 0x8(%rdi)`; every
 //! `nixlAgent` method starts with `mov (%rdi),%rax` (the data pointer at 0);
