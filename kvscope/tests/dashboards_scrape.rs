@@ -305,7 +305,10 @@ async fn every_dashboard_panel_has_data_from_a_real_prometheus() {
                 Some("datasource") => vars.push((name, "prometheus".to_string())),
                 Some("query") => {
                     // label_values(metric, label): the variable has values.
-                    let def = v["definition"].as_str().unwrap_or_default();
+                    let def = v["query"]["query"]
+                        .as_str()
+                        .or(v["query"].as_str())
+                        .unwrap_or_default();
                     let inner = def
                         .strip_prefix("label_values(")
                         .and_then(|s| s.strip_suffix(')'))
