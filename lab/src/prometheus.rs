@@ -102,10 +102,12 @@ impl PrometheusServer {
         let mut config = format!(
             "global:\n  scrape_interval: {scrape_interval_secs}s\n  scrape_timeout: {scrape_interval_secs}s\n  evaluation_interval: {scrape_interval_secs}s\nscrape_configs:\n"
         );
+        // Every target labelled `cluster: lab`, as a fleet's scrape config or external
+        // labels give it (the dashboards' `cluster` variable reads it).
         for j in jobs {
             let targets: Vec<String> = j.targets.iter().map(|t| format!("\"{t}\"")).collect();
             config.push_str(&format!(
-                "  - job_name: {}\n    static_configs:\n      - targets: [{}]\n",
+                "  - job_name: {}\n    static_configs:\n      - targets: [{}]\n        labels: {{cluster: lab}}\n",
                 j.job,
                 targets.join(", ")
             ));
