@@ -61,7 +61,7 @@ use crate::internal_events::{
 use kvscope_wire::recording::RecordingWriter;
 use kvscope_wire::{Envelope, Record, Subjects};
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap, VecDeque};
 use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
 use tokio::sync::Notify;
@@ -295,6 +295,9 @@ struct Inner {
     last_ns: u64,
     next_seq: u64,
     recording: Option<RecordingWriter>,
+    /// Each worker's model, from the worker records passing through: the subjects of
+    /// its KV events and decisions (`kvscope_wire::subject`).
+    worker_models: BTreeMap<u64, String>,
 }
 
 pub struct RecordSink {
@@ -339,6 +342,7 @@ impl RecordSink {
                 last_ns: 0,
                 next_seq: 0,
                 recording,
+                worker_models: BTreeMap::new(),
             }),
             ready: Notify::new(),
             head_changed: Notify::new(),
@@ -583,10 +587,41 @@ impl RecordSink {
         released
     }
 
+    /// The subjects `record` goes to: its own, under its worker's model when that is
+    /// known, and for a heartbeat or NIXL report one copy per model known, so that a
+    /// collector limited to a model has everything it needs under one filter.
+    fn subjects_of(&self, inner: &mut Inner, record: &Record) -> Vec<String> {
+        if let Record::Worker(w) = record {
+            if let Some(m) = &w.model {
+                inner.worker_models.insert(w.worker_id, m.clone());
+            }
+        }
+        let model = match record {
+            Record::KvEvents(b) => inner.worker_models.get(&b.worker.worker_id),
+            Record::Decision(d) => inner.worker_models.get(&d.worker.worker_id),
+            Record::Worker(w) => w.model.as_ref(),
+            _ => None,
+        };
+        let mut out = vec![match model {
+            Some(m) => self.subjects.for_record_in_model(&self.agent, record, m),
+            None => self.subjects.for_record(&self.agent, record),
+        }];
+        if matches!(record, Record::Heartbeat(_) | Record::Nixl(_)) {
+            let models: BTreeSet<&String> = inner.worker_models.values().collect();
+            out.extend(
+                models
+                    .into_iter()
+                    .map(|m| self.subjects.for_record_in_model(&self.agent, record, m)),
+            );
+        }
+        out
+    }
+
     /// Stamp, record and queue one released record (or drop it when the buffer is
-    /// full). Returns whether it was queued.
+    /// full), once per subject. Returns whether it was queued.
     fn stamp_locked(&self, inner: &mut Inner, held: Held) -> bool {
-        let subject = self.subjects.for_record(&self.agent, &held.record);
+        let subjects = self.subjects_of(inner, &held.record);
+        let subject = subjects[0].clone();
         if held.event_ns < inner.last_ns {
             RecordLate {
                 behind_ms: (inner.last_ns - held.event_ns) as f64 / 1e6,
@@ -609,28 +644,32 @@ impl RecordSink {
             }
         }
         let payload = bytes::Bytes::from(envelope.to_json());
-        if inner.buffer.len() >= self.capacity
-            || inner.buffered_bytes + payload.len() > self.max_bytes
-        {
-            PublishDropped {
-                capacity: self.capacity,
-                max_bytes: self.max_bytes,
-                bytes: payload.len(),
-                subject: &subject,
+        let mut queued = false;
+        for subject in subjects {
+            if inner.buffer.len() >= self.capacity
+                || inner.buffered_bytes + payload.len() > self.max_bytes
+            {
+                PublishDropped {
+                    capacity: self.capacity,
+                    max_bytes: self.max_bytes,
+                    bytes: payload.len(),
+                    subject: &subject,
+                }
+                .emit(&self.stats);
+                continue;
             }
-            .emit(&self.stats);
-            return false;
+            let local_seq = inner.next_seq;
+            inner.next_seq += 1;
+            inner.buffered_bytes += payload.len();
+            inner.buffer.push_back(Outgoing {
+                local_seq,
+                subject,
+                observed_ns: envelope.observed_ns,
+                payload: payload.clone(),
+            });
+            queued = true;
         }
-        let local_seq = inner.next_seq;
-        inner.next_seq += 1;
-        inner.buffered_bytes += payload.len();
-        inner.buffer.push_back(Outgoing {
-            local_seq,
-            subject,
-            observed_ns: envelope.observed_ns,
-            payload,
-        });
-        true
+        queued
     }
 
     /// Up to `n` records from the front of the buffer (they stay until [`Self::ack`]).

@@ -31,6 +31,12 @@ pub struct BusStatus {
     pub connected: bool,
     /// The stream sequence of the last record applied.
     pub applied_seq: u64,
+    /// A model's copies of heartbeats and NIXL reports, skipped by a collector of the
+    /// whole fleet (it has them from their plain subjects).
+    pub model_copies_skipped: u64,
+    /// The subjects consumed, when limited to one model's.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub filter: Option<String>,
     /// Records still waiting in the stream for this collector.
     pub pending: u64,
     /// Records applied while rebuilding state at start.
@@ -51,6 +57,9 @@ pub struct BusConfig {
     pub subjects: Subjects,
     pub durable_name: String,
     pub stream_max_age: Duration,
+    /// Consume only these subjects (a collector limited to one model:
+    /// `Subjects::of_model`); `None`: the whole stream.
+    pub filter: Option<String>,
 }
 
 pub struct Shared {
@@ -87,6 +96,14 @@ impl Shared {
     /// Join one bus message with the parts before it (see `kvscope_wire::parts`) and
     /// apply the record once it is whole.
     fn apply_message(&self, subject: &str, headers: Option<&HeaderMap>, payload: &[u8], seq: u64) {
+        {
+            let mut bus = lock(&self.bus);
+            if bus.filter.is_none() && self.subjects.is_model_copy(subject) {
+                bus.model_copies_skipped += 1;
+                bus.applied_seq = seq;
+                return;
+            }
+        }
         let header = |name: &str| headers.and_then(|h| h.get(name)).map(|v| v.as_str());
         let outcome = lock(&self.parts).accept(
             header(async_nats::header::NATS_MESSAGE_ID.as_ref()),
@@ -209,6 +226,7 @@ async fn connect(cfg: &BusConfig, shared: Arc<Shared>) -> anyhow::Result<async_n
 
 /// Rebuild from the stream, then follow it for ever (until the task is dropped).
 pub async fn run(cfg: BusConfig, shared: Arc<Shared>) -> anyhow::Result<()> {
+    lock(&shared.bus).filter = cfg.filter.clone();
     // NATS may come up after the collector (a pod started first): wait for it, with
     // backoff, rather than exit.
     let mut backoff = Duration::from_millis(200);
@@ -237,7 +255,7 @@ pub async fn run(cfg: BusConfig, shared: Arc<Shared>) -> anyhow::Result<()> {
         .state
         .last_sequence;
     if last > 0 {
-        rebuild(&stream, last, &shared).await?;
+        rebuild(&stream, last, cfg.filter.as_deref(), &shared).await?;
     }
     let durable = stream
         .get_or_create_consumer(
@@ -247,7 +265,7 @@ pub async fn run(cfg: BusConfig, shared: Arc<Shared>) -> anyhow::Result<()> {
                 ack_policy: consumer::AckPolicy::Explicit,
                 ack_wait: Duration::from_secs(30),
                 max_ack_pending: 100_000,
-                filter_subject: cfg.subjects.all(),
+                filter_subject: cfg.filter.clone().unwrap_or_else(|| cfg.subjects.all()),
                 ..Default::default()
             },
         )
@@ -257,7 +275,10 @@ pub async fn run(cfg: BusConfig, shared: Arc<Shared>) -> anyhow::Result<()> {
         .messages()
         .await
         .context("cannot pull from the durable consumer")?;
-    info!(stream = %cfg.subjects.stream_name(), durable = %cfg.durable_name, "Following the stream.");
+    info!(stream = %cfg.subjects.stream_name(), durable = %cfg.durable_name, filter = ?cfg.filter, "Following the stream.");
+    // Deliveries of a filtered consumer skip the other subjects' stream sequences: its
+    // own consumer sequence tells a lost delivery there.
+    let mut last_delivery = 0u64;
     while let Some(msg) = messages.next().await {
         let msg = match msg {
             Ok(m) => m,
@@ -267,19 +288,25 @@ pub async fn run(cfg: BusConfig, shared: Arc<Shared>) -> anyhow::Result<()> {
                 continue;
             }
         };
-        let (seq, pending) = match msg.info() {
-            Ok(i) => (i.stream_sequence, i.pending),
+        let (seq, pending, delivery) = match msg.info() {
+            Ok(i) => (i.stream_sequence, i.pending, i.consumer_sequence),
             Err(e) => {
                 warn!(error = %e, "JetStream message without metadata; skipped.");
                 continue;
             }
         };
         let applied = lock(&shared.bus).applied_seq;
-        if seq > applied + 1 && applied > 0 {
+        let lost = match &cfg.filter {
             // The stream holds only this cluster's subjects, so its sequence numbers are
             // contiguous: a jump means records delivered before a reconnect are pending
-            // redelivery. Fetch them now, so every record is applied once and in order.
-            fill_gap(&stream, applied + 1, seq, &shared).await;
+            // redelivery.
+            None => seq > applied + 1 && applied > 0,
+            Some(_) => delivery > last_delivery + 1 && last_delivery > 0,
+        };
+        last_delivery = last_delivery.max(delivery);
+        if lost && seq > applied + 1 {
+            // Fetch them now, so every record is applied once and in order.
+            fill_gap(&stream, applied + 1, seq, cfg.filter.as_deref(), &shared).await;
         }
         if seq > lock(&shared.bus).applied_seq {
             shared.apply_message(&msg.subject, msg.headers.as_ref(), &msg.payload, seq);
@@ -292,11 +319,20 @@ pub async fn run(cfg: BusConfig, shared: Arc<Shared>) -> anyhow::Result<()> {
     anyhow::bail!("the durable consumer's message stream ended")
 }
 
-/// Apply stream records `from..to` by direct lookup; ones that no longer exist are
-/// counted as missing.
-async fn fill_gap(stream: &stream::Stream, from: u64, to: u64, shared: &Shared) {
+/// Apply stream records `from..to` by direct lookup (those `filter` takes, when given);
+/// ones that no longer exist are counted as missing.
+async fn fill_gap(
+    stream: &stream::Stream,
+    from: u64,
+    to: u64,
+    filter: Option<&str>,
+    shared: &Shared,
+) {
     for s in from..to {
         match stream.get_raw_message(s).await {
+            Ok(m) if filter.is_some_and(|f| !subject_matches(f, &m.subject)) => {
+                lock(&shared.bus).applied_seq = s;
+            }
             Ok(m) => shared.apply_message(&m.subject, Some(&m.headers), &m.payload, s),
             Err(e) => {
                 warn!(seq = s, error = %e, "A stream record is gone before it was applied; counted as missing.");
@@ -308,19 +344,51 @@ async fn fill_gap(stream: &stream::Stream, from: u64, to: u64, shared: &Shared) 
     }
 }
 
-async fn rebuild(stream: &stream::Stream, last: u64, shared: &Shared) -> anyhow::Result<()> {
+/// Whether the NATS subject pattern `filter` (`*` one token, `>` the rest) takes
+/// `subject`.
+pub fn subject_matches(filter: &str, subject: &str) -> bool {
+    let mut s = subject.split('.');
+    for f in filter.split('.') {
+        match (f, s.next()) {
+            (">", Some(_)) => return true,
+            ("*", Some(_)) => {}
+            (f, Some(t)) if f == t => {}
+            _ => return false,
+        }
+    }
+    s.next().is_none()
+}
+
+async fn rebuild(
+    stream: &stream::Stream,
+    last: u64,
+    filter: Option<&str>,
+    shared: &Shared,
+) -> anyhow::Result<()> {
     lock(&shared.bus).rebuilding = true;
     info!(
         last_seq = last,
+        filter = ?filter,
         "Rebuilding the fleet state from the stream."
     );
     let ordered = stream
         .create_consumer(consumer::pull::OrderedConfig {
             deliver_policy: consumer::DeliverPolicy::All,
+            filter_subject: filter.map(str::to_string).unwrap_or_default(),
             ..Default::default()
         })
         .await
         .context("cannot create the ordered consumer for the rebuild")?;
+    if filter.is_some() {
+        // Nothing of the filter's in the stream: nothing to wait for.
+        let mut probe = ordered.clone();
+        if probe.info().await.map(|i| i.num_pending).unwrap_or(0) == 0 {
+            let mut bus = lock(&shared.bus);
+            bus.rebuilding = false;
+            bus.applied_seq = last;
+            return Ok(());
+        }
+    }
     let mut messages = ordered
         .messages()
         .await
@@ -328,7 +396,10 @@ async fn rebuild(stream: &stream::Stream, last: u64, shared: &Shared) -> anyhow:
     let mut n = 0u64;
     while let Some(msg) = messages.next().await {
         let msg = msg.context("reading the stream during the rebuild")?;
-        let seq = msg.info().map(|i| i.stream_sequence).unwrap_or(0);
+        let (seq, pending) = msg
+            .info()
+            .map(|i| (i.stream_sequence, i.pending))
+            .unwrap_or((0, 0));
         if seq > last {
             break;
         }
@@ -337,7 +408,9 @@ async fn rebuild(stream: &stream::Stream, last: u64, shared: &Shared) -> anyhow:
         if n.is_multiple_of(100_000) {
             info!(applied = n, of = last, "Rebuilding.");
         }
-        if seq >= last {
+        // Filtered, the last record of the stream may not be the filter's: the
+        // consumer's pending count says when the filter's records up to now are in.
+        if seq >= last || (filter.is_some() && pending == 0) {
             break;
         }
     }
@@ -346,4 +419,55 @@ async fn rebuild(stream: &stream::Stream, last: u64, shared: &Shared) -> anyhow:
     bus.rebuilt_records = n;
     info!(records = n, "Rebuilt the fleet state.");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn subject_patterns_match_as_nats_does() {
+        let f = "kvscope.lab.*.m.alpha.>";
+        assert!(subject_matches(f, "kvscope.lab.node-1.m.alpha.kv.7"));
+        assert!(subject_matches(f, "kvscope.lab.node-1.m.alpha.heartbeat"));
+        assert!(
+            !subject_matches(f, "kvscope.lab.node-1.m.alpha"),
+            "> needs a token"
+        );
+        assert!(!subject_matches(f, "kvscope.lab.node-1.m.beta.kv.7"));
+        assert!(!subject_matches(f, "kvscope.lab.node-1.heartbeat"));
+        assert!(subject_matches("a.*.c", "a.b.c"));
+        assert!(!subject_matches("a.*.c", "a.b.c.d"));
+        assert!(!subject_matches("a.*", "a"));
+    }
+
+    #[test]
+    fn a_whole_fleet_collector_skips_the_model_copies() {
+        use kvscope_wire::{AgentHeartbeat, Envelope, Record};
+        let subjects = Subjects::new("lab");
+        let shared = Shared::new(
+            FleetAnalyzer::new(Default::default()),
+            None,
+            subjects.clone(),
+        );
+        let env = Envelope {
+            agent: "node-1".into(),
+            observed_ns: 1,
+            record: Record::Heartbeat(AgentHeartbeat::default()),
+        };
+        let json = env.to_json();
+        let plain = subjects.for_record("node-1", &env.record);
+        let copy = subjects.for_record_in_model("node-1", &env.record, "alpha");
+        shared.apply_message(&plain, None, &json, 1);
+        shared.apply_message(&copy, None, &json, 2);
+        let bus = lock(&shared.bus).clone();
+        assert_eq!((bus.applied_seq, bus.model_copies_skipped), (2, 1));
+        assert_eq!(lock(&shared.analyzer).counters().records, 1);
+        // Limited to the model, the copy is what it has: applied.
+        let limited = Shared::new(FleetAnalyzer::new(Default::default()), None, subjects);
+        lock(&limited.bus).filter = Some("kvscope.lab.*.m.alpha.>".into());
+        limited.apply_message(&copy, None, &json, 2);
+        assert_eq!(lock(&limited.analyzer).counters().records, 1);
+        assert_eq!(lock(&limited.bus).model_copies_skipped, 0);
+    }
 }

@@ -216,12 +216,26 @@ async fn serve(cfg: CollectorConfig) -> anyhow::Result<()> {
             .await
             .context("serving /metrics and /api")
     });
+    // Limited to one model: only that model's subjects, on a durable consumer of its own
+    // (another collector of the same stream, for the whole fleet or another model, has
+    // its own too).
+    let single_model = match cfg.analyzer.models.as_slice() {
+        [m] => Some(m.as_str()),
+        _ => None,
+    };
+    let durable_name = match single_model {
+        Some(m) if cfg.durable_name == CollectorConfig::default().durable_name => {
+            format!("{}-{}", cfg.durable_name, kvscope_wire::subject::token(m))
+        }
+        _ => cfg.durable_name.clone(),
+    };
     let bus_cfg = BusConfig {
         nats_url: cfg.nats_url.clone(),
         security: cfg.nats.clone(),
         subjects: Subjects::new(&cfg.cluster),
-        durable_name: cfg.durable_name.clone(),
+        durable_name,
         stream_max_age: Duration::from_secs(cfg.stream_max_age_secs),
+        filter: single_model.map(|m| Subjects::new(&cfg.cluster).of_model(m)),
     };
     let bus_task = tokio::spawn(bus::run(bus_cfg, shared.clone()));
     let flusher = {

@@ -15,6 +15,7 @@ mod oracle;
 use kvscope::fleet_run::{FleetRun, FleetRunConfig};
 use kvscope_collector::analyzer::{AnalyzerConfig, FleetAnalyzer};
 use kvscope_collector::report::OpportunityReport;
+use kvscope_lab::process::{ManagedProcess, StopOnDrop};
 use kvscope_lab::workload::{self, WorkloadConfig};
 use kvscope_lab::LabConfig;
 use kvscope_wire::recording::read_recording;
@@ -81,6 +82,81 @@ async fn two_models_are_measured_apart_and_a_collector_can_take_one() {
         .await
         .expect("every decision reaches the collector");
     let metrics = run.get_text("/metrics").await.unwrap();
+
+    // A live collector for alpha alone, on the same stream: it consumes only alpha's
+    // subjects (one filter, its own durable consumer) and judges alpha's decisions as
+    // the whole-fleet collector did, without decoding a record of beta's.
+    let held = kvscope_lab::ports::reserve_ports(1).unwrap();
+    let listen = format!("127.0.0.1:{}", held.ports()[0]);
+    let mut cmd = Command::new(exe);
+    cmd.args(["collector", "--models", "alpha"])
+        .args(["--window-secs", &WINDOW_SECS.to_string()])
+        .args(["--warmup-secs", &WINDOW_SECS.to_string()])
+        .args(["run", "--nats-url", run.nats_url(), "--cluster"])
+        .arg(kvscope::fleet_run::LAB_CLUSTER)
+        .args(["--listen", &listen])
+        .envs(
+            run.bus_env(kvscope_lab::bus_security::COLLECTOR_USER)
+                .unwrap(),
+        );
+    let _alpha_only = StopOnDrop(vec![ManagedProcess::spawn(
+        "collector-alpha",
+        cmd,
+        &run.run_dir().join("collector-alpha.log"),
+    )
+    .unwrap()]);
+    let alpha_decisions = |text: &str, model: &str| -> Option<u64> {
+        let series = format!("kvscope_model_decisions_total{{model=\"{model}\"}} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(series.as_str()))
+            .and_then(|v| v.trim().parse().ok())
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let limited: serde_json::Value = loop {
+        let text = reqwest::get(format!("http://{listen}/metrics"))
+            .await
+            .ok()
+            .map(|r| r.text());
+        let text = match text {
+            Some(t) => t.await.unwrap_or_default(),
+            None => String::new(),
+        };
+        if alpha_decisions(&text, "alpha") == Some(a.ok as u64) {
+            assert_eq!(alpha_decisions(&text, "beta"), None, "no beta figures");
+            break reqwest::get(format!("http://{listen}/api/summary"))
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the alpha collector did not judge alpha's {} decisions: {:?}",
+            a.ok,
+            alpha_decisions(&text, "alpha")
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    };
+    assert_eq!(
+        limited["bus"]["filter"].as_str(),
+        Some("kvscope.lab.*.m.alpha.>")
+    );
+    assert_eq!(
+        limited["counters"]["decisions_other_models"], 0,
+        "{limited}"
+    );
+    assert_eq!(limited["counters"]["batches_other_models"], 0, "{limited}");
+    assert_eq!(limited["counters"]["undecodable_records"], 0);
+    // The whole-fleet collector judged the same alpha decisions, and skipped the agents'
+    // per-model copies of their heartbeats.
+    assert_eq!(alpha_decisions(&metrics, "alpha"), Some(a.ok as u64));
+    let whole = run.summary().await.unwrap();
+    assert!(
+        whole["bus"]["model_copies_skipped"].as_u64() > Some(0),
+        "{}",
+        whole["bus"]
+    );
 
     let recording = run.finish().await.expect("the collector catches up");
     let rec = read_recording(&recording).unwrap();

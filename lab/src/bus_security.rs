@@ -59,9 +59,20 @@ impl std::fmt::Debug for BusUser {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum BusRole {
-    Agent { agent_id: String, cluster: String },
-    Collector { clusters: Vec<String> },
-    Observer { clusters: Vec<String> },
+    Agent {
+        agent_id: String,
+        cluster: String,
+    },
+    /// `durables`: the durable consumers (so the inboxes) it may use beside
+    /// [`COLLECTOR_DURABLE`] (a collector limited to one model has its own).
+    Collector {
+        clusters: Vec<String>,
+        #[serde(default)]
+        durables: Vec<String>,
+    },
+    Observer {
+        clusters: Vec<String>,
+    },
     Dynamo,
 }
 
@@ -193,6 +204,11 @@ impl BusSecurity {
     /// per role under `dir`, with one agent user for each of `agents`; the collector and
     /// the observer may read the streams of the agents' clusters.
     pub fn create(dir: &Path, agents: &[BusAgent]) -> Result<Self> {
+        Self::create_with(dir, agents, &[])
+    }
+
+    /// [`Self::create`], the collector also allowed the durable consumers `durables`.
+    pub fn create_with(dir: &Path, agents: &[BusAgent], durables: &[String]) -> Result<Self> {
         let LoopbackCa {
             ca_file,
             server_cert,
@@ -207,6 +223,7 @@ impl BusSecurity {
                 COLLECTOR_USER,
                 BusRole::Collector {
                     clusters: clusters.clone(),
+                    durables: durables.to_vec(),
                 },
             )?,
             user(OBSERVER_USER, BusRole::Observer { clusters })?,
@@ -329,9 +346,13 @@ fn permissions(role: &BusRole) -> String {
     let p = match role {
         BusRole::Dynamo => return String::new(),
         BusRole::Agent { agent_id, cluster } => Subjects::new(cluster).agent_permissions(agent_id),
-        BusRole::Collector { clusters } => clusters
+        BusRole::Collector { clusters, durables } => clusters
             .iter()
-            .map(|c| Subjects::new(c).collector_permissions(COLLECTOR_DURABLE))
+            .flat_map(|c| {
+                std::iter::once(COLLECTOR_DURABLE)
+                    .chain(durables.iter().map(String::as_str))
+                    .map(move |d| Subjects::new(c).collector_permissions(d))
+            })
             .fold(Permissions::default(), Permissions::merge),
         BusRole::Observer { clusters } => Permissions {
             publish: clusters
@@ -407,7 +428,12 @@ mod tests {
         assert!(!p.contains("\"kvscope.>\""), "{p}");
         let c = permissions(&BusRole::Collector {
             clusters: vec!["lab".into(), "info".into()],
+            durables: vec!["kvscope-collector-alpha".into()],
         });
+        assert!(
+            c.contains("\"_INBOX_kvscope.lab.kvscope-collector-alpha.>\""),
+            "{c}"
+        );
         assert!(
             c.contains("KVSCOPE_LAB") && c.contains("KVSCOPE_INFO"),
             "{c}"

@@ -426,9 +426,22 @@ impl Lab {
 
         if config.nats {
             let security = if config.bus_security {
-                Some(crate::bus_security::BusSecurity::create(
+                // A collector limited to one of the lab's models has a durable consumer
+                // of its own (`kvscope-collector-<model>`).
+                let mut models: Vec<String> = (0..config.workers)
+                    .map(|i| {
+                        format!(
+                            "kvscope-collector-{}",
+                            kvscope_wire::subject::token(config.worker_model(i))
+                        )
+                    })
+                    .collect();
+                models.sort();
+                models.dedup();
+                Some(crate::bus_security::BusSecurity::create_with(
                     &run_dir.join("nats-security"),
                     &config.bus_agents,
+                    &models,
                 )?)
             } else {
                 None

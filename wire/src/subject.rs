@@ -1,6 +1,14 @@
 //! NATS subject names: `kvscope.<cluster>.<agent>.<kind>[.<worker>]`, all in one
 //! JetStream stream per cluster so the collector sees one total order.
 //!
+//! Records of a known model travel under `kvscope.<cluster>.<agent>.m.<model>.<kind>…`
+//! (KV events and decisions by their worker's model, worker records by theirs), and the
+//! agents' heartbeats and NIXL reports go there once more for each model they know: so
+//! a collector limited to one model consumes only `kvscope.<cluster>.*.m.<model>.>`
+//! ([`Subjects::of_model`]) — one filter, one total order, everything its windows need —
+//! while a collector of the whole fleet skips those copies ([`Subjects::is_model_copy`]).
+//! A record whose model is not known keeps the plain subject.
+//!
 //! Every subject names the agent that published it, so a server's permissions can let
 //! each agent publish under its own name only ([`Subjects::of_agent`]), and the
 //! collector can refuse a record whose `agent` is not the one its subject names
@@ -40,6 +48,40 @@ impl Subjects {
         format!("kvscope.{}.{}.>", self.cluster, token(agent))
     }
 
+    /// `record`'s subject under `model` (see the module docs).
+    pub fn for_record_in_model(&self, agent: &str, record: &Record, model: &str) -> String {
+        let plain = self.for_record(agent, record);
+        let prefix = format!("kvscope.{}.{}.", self.cluster, token(agent));
+        match plain.strip_prefix(&prefix) {
+            Some(kind) => format!("{prefix}m.{}.{kind}", token(model)),
+            None => plain,
+        }
+    }
+
+    /// Every subject of `model`: what a collector limited to it consumes.
+    pub fn of_model(&self, model: &str) -> String {
+        format!("kvscope.{}.*.m.{}.>", self.cluster, token(model))
+    }
+
+    /// The model token a subject names, if it is a model's subject.
+    pub fn model_of<'a>(&self, subject: &'a str) -> Option<&'a str> {
+        let rest = subject
+            .strip_prefix("kvscope.")?
+            .strip_prefix(self.cluster.as_str())?
+            .strip_prefix('.')?;
+        let (_agent, rest) = rest.split_once('.')?;
+        let (model, _kind) = rest.strip_prefix("m.")?.split_once('.')?;
+        Some(model)
+    }
+
+    /// Whether `subject` is a model's copy of a heartbeat or NIXL report (a collector
+    /// of the whole fleet has them from their plain subjects).
+    pub fn is_model_copy(&self, subject: &str) -> bool {
+        self.model_of(subject).is_some()
+            && (subject.ends_with(".heartbeat") || subject.ends_with(".nixl"))
+    }
+
+    /// The plain subject of `record` (the model not known, or not a model's record).
     pub fn for_record(&self, agent: &str, record: &Record) -> String {
         let agent = token(agent);
         let c = &self.cluster;
@@ -171,7 +213,9 @@ pub fn stream_config(
     }
 }
 
-fn token(s: &str) -> String {
+/// `s` as one NATS subject token: every character but letters, digits, `-` and `_`
+/// replaced by `_` (empty: `default`).
+pub fn token(s: &str) -> String {
     let t: String = s
         .chars()
         .map(|c| {
@@ -223,6 +267,40 @@ mod tests {
             s.inbox_prefix("kvscope-collector"),
             "_INBOX_kvscope.prod.kvscope-collector"
         );
+    }
+
+    #[test]
+    fn a_model_s_records_and_copies_share_one_filter() {
+        use crate::record::{AgentHeartbeat, Record};
+        let s = Subjects::new("prod");
+        let hb = Record::Heartbeat(AgentHeartbeat::default());
+        let copy = s.for_record_in_model("node-1", &hb, "llama 70b");
+        assert_eq!(copy, "kvscope.prod.node-1.m.llama_70b.heartbeat");
+        assert_eq!(s.model_of(&copy), Some("llama_70b"));
+        assert!(s.is_model_copy(&copy));
+        assert!(
+            !s.is_model_copy(&s.for_record("node-1", &hb)),
+            "the plain one"
+        );
+        assert_eq!(s.agent_of(&copy), Some("node-1"), "still names its agent");
+        assert!(s.subject_matches_agent(&copy, "node-1"));
+        assert_eq!(s.of_model("llama 70b"), "kvscope.prod.*.m.llama_70b.>");
+        // The filter matches the model's subjects (one token per `*`) and no other's.
+        let matches = |filter: &str, subject: &str| {
+            let (f, t): (Vec<&str>, Vec<&str>) =
+                (filter.split('.').collect(), subject.split('.').collect());
+            f.iter()
+                .enumerate()
+                .all(|(i, p)| *p == ">" || t.get(i).is_some_and(|x| *p == "*" || p == x))
+                && (f.last() == Some(&">") || f.len() == t.len())
+        };
+        assert!(matches(&s.of_model("llama 70b"), &copy));
+        assert!(!matches(&s.of_model("mistral"), &copy));
+        assert!(!matches(
+            &s.of_model("llama 70b"),
+            &s.for_record("node-1", &hb)
+        ));
+        assert_eq!(s.model_of("kvscope.prod.node-1.kv.7"), None);
     }
 
     #[test]
