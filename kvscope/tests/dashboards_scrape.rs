@@ -313,9 +313,17 @@ async fn every_dashboard_panel_has_data_from_a_real_prometheus() {
                         .strip_prefix("label_values(")
                         .and_then(|s| s.strip_suffix(')'))
                         .and_then(|s| s.rsplit_once(','));
+                    // The variables before it (`$cluster`) at their All values, as
+                    // Grafana resolves a chained variable.
+                    let inner = inner.map(|(metric, label)| {
+                        (substitute(metric.trim(), &vars, span_s), label.trim())
+                    });
                     match inner {
-                        Some((metric, label)) => {
-                            let q = format!("count by ({}) ({})", label.trim(), metric.trim());
+                        Some((Err(e), _)) => {
+                            failures.push(format!("{file}: variable ${name}: {e} in {def}"))
+                        }
+                        Some((Ok(metric), label)) => {
+                            let q = format!("count by ({label}) ({metric})");
                             if prom.query(&q).await.map_or(true, |r| r.is_empty()) {
                                 failures
                                     .push(format!("{file}: variable ${name}: no values for {def}"));
