@@ -158,27 +158,7 @@ impl Exposition {
         count: u64,
         sum: f64,
     ) -> &mut Self {
-        let sep = if labels.is_empty() { "" } else { "," };
-        let mut last = 0;
-        for (i, le) in bounds.into_iter().enumerate() {
-            let n = buckets
-                .get(i)
-                .copied()
-                .unwrap_or(if buckets.is_empty() { 0 } else { last });
-            last = n;
-            let _ = writeln!(self.out, "{name}_bucket{{{labels}{sep}le=\"{le}\"}} {n}");
-        }
-        let _ = writeln!(
-            self.out,
-            "{name}_bucket{{{labels}{sep}le=\"+Inf\"}} {count}"
-        );
-        let _ = writeln!(self.out, "{} {sum}", series(&format!("{name}_sum"), labels));
-        let _ = writeln!(
-            self.out,
-            "{} {count}",
-            series(&format!("{name}_count"), labels)
-        );
-        self
+        self.histogram_with_exemplars(name, labels, bounds, buckets, count, sum, &[])
     }
 
     /// [`Self::histogram`] with an exemplar on some buckets (`exemplars[i]` on bucket
@@ -195,24 +175,40 @@ impl Exposition {
         sum: f64,
         exemplars: &[Option<(String, f64, f64)>],
     ) -> &mut Self {
-        let start = self.out.len();
-        self.histogram(name, labels, bounds, buckets, count, sum);
-        if self.format != Format::OpenMetrics || exemplars.iter().all(Option::is_none) {
-            return self;
-        }
-        // Append each bucket line's exemplar (the bucket lines come first, in order).
-        let written = self.out.split_off(start);
-        let mut bucket = 0;
-        for line in written.lines() {
-            self.out.push_str(line);
-            if line.starts_with(&format!("{name}_bucket{{")) {
-                if let Some(Some((l, v, ts))) = exemplars.get(bucket) {
-                    let _ = write!(self.out, " # {{{l}}} {v} {ts}");
-                }
-                bucket += 1;
+        let sep = if labels.is_empty() { "" } else { "," };
+        let om = self.format == Format::OpenMetrics;
+        let exemplar = |i: usize| match exemplars.get(i) {
+            Some(Some((l, v, ts))) if om => {
+                format!(" # {{{l}}} {v} {ts}")
             }
-            self.out.push('\n');
+            _ => String::new(),
+        };
+        let mut last = 0;
+        let mut n_bounds = 0;
+        for (i, le) in bounds.into_iter().enumerate() {
+            let n = buckets
+                .get(i)
+                .copied()
+                .unwrap_or(if buckets.is_empty() { 0 } else { last });
+            last = n;
+            n_bounds = i + 1;
+            let _ = writeln!(
+                self.out,
+                "{name}_bucket{{{labels}{sep}le=\"{le}\"}} {n}{}",
+                exemplar(i)
+            );
         }
+        let _ = writeln!(
+            self.out,
+            "{name}_bucket{{{labels}{sep}le=\"+Inf\"}} {count}{}",
+            exemplar(n_bounds)
+        );
+        let _ = writeln!(self.out, "{} {sum}", series(&format!("{name}_sum"), labels));
+        let _ = writeln!(
+            self.out,
+            "{} {count}",
+            series(&format!("{name}_count"), labels)
+        );
         self
     }
 
