@@ -860,10 +860,7 @@ impl FleetAnalyzer {
             chosen.spills_in += 1;
             t.workers.entry(v.best).or_default().spills_out += 1;
             // The verdict's span is in the trace derived from its request id.
-            let trace: String = kvscope_otlp::trace_id(&v.request_id)
-                .iter()
-                .map(|b| format!("{b:02x}"))
-                .collect();
+            let trace = kvscope_otlp::trace_id_hex(&v.request_id);
             t.true_delta
                 .observe_traced(v.true_delta_tokens, trace.clone(), v.decided_ns);
             t.upper_bound
@@ -1410,10 +1407,7 @@ mod tests {
         crate::metrics::write(&mut out, &a, &crate::bus::BusStatus::default());
         let text = out.finish();
         // The spill's bucket carries it as an exemplar: the trace of its verdict span.
-        let trace: String = kvscope_otlp::trace_id("t2")
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect();
+        let trace = kvscope_otlp::trace_id_hex("t2");
         let bucket = format!(
             "kvscope_spill_true_delta_tokens_bucket{{le=\"16\"}} 1 # {{trace_id=\"{trace}\"}} 6 "
         );

@@ -391,12 +391,7 @@ async fn every_dashboard_panel_has_data_from_a_real_prometheus() {
         .unwrap_or_default()
         .iter()
         .filter_map(|v| v["request_id"].as_str())
-        .map(|r| {
-            kvscope_otlp::trace_id(r)
-                .iter()
-                .map(|b| format!("{b:02x}"))
-                .collect()
-        })
+        .map(kvscope_otlp::trace_id_hex)
         .collect();
     match prom
         .exemplars("kvscope_spill_true_delta_tokens_bucket", span_s + 60)

@@ -102,6 +102,11 @@ pub fn trace_id(key: &str) -> Vec<u8> {
     id.max(1).to_be_bytes().to_vec()
 }
 
+/// [`trace_id`] as lowercase hex: how Prometheus exemplars and Grafana name a trace.
+pub fn trace_id_hex(key: &str) -> String {
+    trace_id(key).iter().map(|b| format!("{b:02x}")).collect()
+}
+
 /// A deterministic span id for `key` (e.g. `verdict/<request id>`), so a span about
 /// the same request can link to it without shared state.
 pub fn span_id(key: &str) -> Vec<u8> {
