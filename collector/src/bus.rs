@@ -96,9 +96,10 @@ impl Shared {
     /// Join one bus message with the parts before it (see `kvscope_wire::parts`) and
     /// apply the record once it is whole.
     fn apply_message(&self, subject: &str, headers: Option<&HeaderMap>, payload: &[u8], seq: u64) {
-        {
+        // The string check first: most messages are no copy, and need no lock here.
+        if self.subjects.is_model_copy(subject) {
             let mut bus = lock(&self.bus);
-            if bus.filter.is_none() && self.subjects.is_model_copy(subject) {
+            if bus.filter.is_none() {
                 bus.model_copies_skipped += 1;
                 bus.applied_seq = seq;
                 return;

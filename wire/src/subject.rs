@@ -50,12 +50,7 @@ impl Subjects {
 
     /// `record`'s subject under `model` (see the module docs).
     pub fn for_record_in_model(&self, agent: &str, record: &Record, model: &str) -> String {
-        let plain = self.for_record(agent, record);
-        let prefix = format!("kvscope.{}.{}.", self.cluster, token(agent));
-        match plain.strip_prefix(&prefix) {
-            Some(kind) => format!("{prefix}m.{}.{kind}", token(model)),
-            None => plain,
-        }
+        self.subject(agent, Some(model), record)
     }
 
     /// Every subject of `model`: what a collector limited to it consumes.
@@ -83,15 +78,22 @@ impl Subjects {
 
     /// The plain subject of `record` (the model not known, or not a model's record).
     pub fn for_record(&self, agent: &str, record: &Record) -> String {
-        let agent = token(agent);
-        let c = &self.cluster;
+        self.subject(agent, None, record)
+    }
+
+    /// `kvscope.<cluster>.<agent>[.m.<model>].<kind>[.<worker>]`.
+    fn subject(&self, agent: &str, model: Option<&str>, record: &Record) -> String {
+        let (agent, c) = (token(agent), &self.cluster);
+        let m = model
+            .map(|m| format!("m.{}.", token(m)))
+            .unwrap_or_default();
         match record {
-            Record::KvEvents(b) => format!("kvscope.{c}.{agent}.kv.{}", b.worker.worker_id),
-            Record::Decision(_) => format!("kvscope.{c}.{agent}.decision"),
-            Record::Migration(_) => format!("kvscope.{c}.{agent}.migration"),
-            Record::Heartbeat(_) => format!("kvscope.{c}.{agent}.heartbeat"),
-            Record::Nixl(_) => format!("kvscope.{c}.{agent}.nixl"),
-            Record::Worker(_) => format!("kvscope.{c}.{agent}.fleet"),
+            Record::KvEvents(b) => format!("kvscope.{c}.{agent}.{m}kv.{}", b.worker.worker_id),
+            Record::Decision(_) => format!("kvscope.{c}.{agent}.{m}decision"),
+            Record::Migration(_) => format!("kvscope.{c}.{agent}.{m}migration"),
+            Record::Heartbeat(_) => format!("kvscope.{c}.{agent}.{m}heartbeat"),
+            Record::Nixl(_) => format!("kvscope.{c}.{agent}.{m}nixl"),
+            Record::Worker(_) => format!("kvscope.{c}.{agent}.{m}fleet"),
         }
     }
 
