@@ -119,13 +119,12 @@ pub async fn run(
 /// `None` while that is not (yet) so, or when it is ambiguous (two workers in one
 /// process); the reason is in the error.
 pub fn resolve_endpoint(fleet: &Fleet, endpoint: &str, proc_root: &Path) -> Result<u64, String> {
-    let port = endpoint
-        .rsplit(':')
-        .next()
-        .and_then(|p| p.parse::<u16>().ok())
+    let (host, port) = procfs::host_port(endpoint)
         .ok_or_else(|| format!("{endpoint} has no TCP port to look up"))?;
     let sockets = procfs::sockets_of(proc_root, &procfs::all_pids(proc_root));
-    let owners = procfs::listening_on(&sockets, port);
+    let owners: Vec<u32> = procfs::listeners(&sockets, host, port)
+        .into_iter()
+        .collect();
     let [pid] = owners[..] else {
         return Err(if owners.is_empty() {
             format!("no local process listens on port {port}")
@@ -135,16 +134,11 @@ pub fn resolve_endpoint(fleet: &Fleet, endpoint: &str, proc_root: &Path) -> Resu
     };
     let mut found = Vec::new();
     for w in fleet.workers.values() {
-        let Some(rp_port) = w
-            .request_plane
-            .as_deref()
-            .and_then(|rp| rp.split('/').next())
-            .and_then(|hp| hp.rsplit(':').next())
-            .and_then(|p| p.parse::<u16>().ok())
+        let Some((rp_host, rp_port)) = w.request_plane.as_deref().and_then(procfs::host_port)
         else {
             continue;
         };
-        if procfs::listening_on(&sockets, rp_port).contains(&pid) {
+        if procfs::listeners(&sockets, rp_host, rp_port).contains(&pid) {
             found.push(w.instance_id);
         }
     }

@@ -9,7 +9,7 @@
 //! in another network namespace is read in its own. The root is overridable so the
 //! parsing is tested on fixture text.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::Path;
 
@@ -183,15 +183,27 @@ pub fn all_pids(proc_root: &Path) -> Vec<u32> {
         .unwrap_or_default()
 }
 
-/// The processes with a TCP socket listening on `port` (on any local address).
-pub fn listening_on(sockets: &[SocketInfo], port: u16) -> Vec<u32> {
-    let mut pids: Vec<u32> = sockets
+/// `host:port` of an endpoint (`tcp://h:p`, `h:p/…`).
+pub fn host_port(endpoint: &str) -> Option<(&str, u16)> {
+    let rest = endpoint.split_once("://").map_or(endpoint, |(_, r)| r);
+    let hp = rest.split('/').next()?;
+    let (host, port) = hp.rsplit_once(':')?;
+    Some((
+        host.trim_start_matches('[').trim_end_matches(']'),
+        port.parse().ok()?,
+    ))
+}
+
+/// The processes listening on `host:port`: on that address, or on every address. A host
+/// that is a name matches any address (the port alone then tells).
+pub fn listeners(sockets: &[SocketInfo], host: &str, port: u16) -> BTreeSet<u32> {
+    let ip: Option<IpAddr> = host.parse().ok();
+    sockets
         .iter()
         .filter(|s| s.state == "LISTEN" && s.local.port() == port)
+        .filter(|s| ip.is_none_or(|ip| s.is_wildcard() || s.local.ip() == ip))
         .map(|s| s.pid)
-        .collect();
-    pids.dedup();
-    pids
+        .collect()
 }
 
 /// The process's parent, from `<proc_root>/<pid>/stat` (`None` when gone or for pid 1).
@@ -373,10 +385,17 @@ mod tests {
         assert_eq!(s[1].process, "python");
         assert_eq!(pids_in_groups(root.path(), &[42]), vec![42]);
         assert_eq!(all_pids(root.path()), vec![42]);
-        assert_eq!(listening_on(&s, 9000), vec![42]);
+        assert_eq!(listeners(&s, "0.0.0.0", 9000), BTreeSet::from([42]));
+        assert_eq!(
+            listeners(&s, "10.1.2.3", 9000),
+            BTreeSet::from([42]),
+            "every address"
+        );
+        assert_eq!(host_port("tcp://127.0.0.1:9000"), Some(("127.0.0.1", 9000)));
+        assert_eq!(host_port("10.0.0.1:80/7/ns/c/e"), Some(("10.0.0.1", 80)));
         assert_eq!(parent_of(root.path(), 42), Some(1));
         assert!(
-            listening_on(&s, 8080).is_empty(),
+            listeners(&s, "127.0.0.1", 8080).is_empty(),
             "not this process's socket"
         );
     }

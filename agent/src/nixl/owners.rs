@@ -8,11 +8,10 @@
 //! or two at the same distance — is reported as not told, with the reason; nothing is
 //! guessed.
 
-use kvscope_discovery::procfs::{self, SocketInfo};
+use kvscope_discovery::procfs::{self, host_port, listeners, SocketInfo};
 use kvscope_discovery::{Channel, Fleet};
 use kvscope_wire::nixl::NixlAgentOwner;
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::IpAddr;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -20,29 +19,6 @@ use std::time::{Duration, Instant};
 /// Agents not told are looked at again after this long (reading every process's
 /// sockets is not free on a busy node).
 const RETRY_UNTOLD: Duration = Duration::from_secs(10);
-
-/// `host:port` of an endpoint (`tcp://h:p`, `h:p/…`).
-fn host_port(endpoint: &str) -> Option<(&str, u16)> {
-    let rest = endpoint.split_once("://").map_or(endpoint, |(_, r)| r);
-    let hp = rest.split('/').next()?;
-    let (host, port) = hp.rsplit_once(':')?;
-    Some((
-        host.trim_start_matches('[').trim_end_matches(']'),
-        port.parse().ok()?,
-    ))
-}
-
-/// The processes listening on `host:port`: on that address, or on every address. A host
-/// that is a name matches any address (the port alone then tells).
-fn listeners(sockets: &[SocketInfo], host: &str, port: u16) -> BTreeSet<u32> {
-    let ip: Option<IpAddr> = host.parse().ok();
-    sockets
-        .iter()
-        .filter(|s| s.state == "LISTEN" && s.local.port() == port)
-        .filter(|s| ip.is_none_or(|ip| s.is_wildcard() || s.local.ip() == ip))
-        .map(|s| s.pid)
-        .collect()
-}
 
 /// Per worker, the processes serving it (its request plane, its KV publishers), and per
 /// dp rank the processes binding that rank's publisher.
