@@ -151,18 +151,7 @@ async fn the_node_agent_needs_exactly_its_capabilities() {
     }
 
     // A scenario of another user's (root's), with failures; its truth against the counts.
-    let truth_path = dir.path().join("truth.json");
-    let out = Command::new(&nixl_lab)
-        .args(["run", "--scenario", "mixed", "--truth-out"])
-        .arg(&truth_path)
-        .output()
-        .expect("the NIXL lab runs");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let truth: Truth = serde_json::from_slice(&std::fs::read(&truth_path).unwrap()).unwrap();
+    let truth: Truth = kvscope_nixl_lab::run_scenario("mixed", dir.path());
     let ours: Vec<String> = truth.transfers.iter().map(|x| x.local.clone()).collect();
     let mut want_ok: BTreeMap<(String, String, String), u64> = BTreeMap::new();
     for x in truth

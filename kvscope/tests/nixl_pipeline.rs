@@ -207,18 +207,7 @@ async fn nixl_figures_reach_the_collector_pair_by_pair() {
         pipeline.agent_metrics.clone(),
     );
 
-    let truth_path = dir.path().join("truth.json");
-    let out = Command::new(kvscope_nixl_lab::lab_binary())
-        .args(["run", "--scenario", "mixed", "--truth-out"])
-        .arg(&truth_path)
-        .output()
-        .expect("the NIXL lab runs");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let truth: Truth = serde_json::from_slice(&std::fs::read(&truth_path).unwrap()).unwrap();
+    let truth: Truth = kvscope_nixl_lab::run_scenario("mixed", dir.path());
     let want = expected(&truth);
 
     // The collector's view converges on the truth (reports are cumulative, every second).

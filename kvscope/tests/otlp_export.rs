@@ -576,18 +576,7 @@ async fn nixl_transfer_and_handshake_spans_reach_an_otlp_receiver() {
         }
     }
 
-    let truth_path = dir.path().join("truth.json");
-    let out = Command::new(kvscope_nixl_lab::lab_binary())
-        .args(["run", "--scenario", "mixed", "--truth-out"])
-        .arg(&truth_path)
-        .output()
-        .expect("the NIXL lab runs");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let truth: Truth = serde_json::from_slice(&std::fs::read(&truth_path).unwrap()).unwrap();
+    let truth: Truth = kvscope_nixl_lab::run_scenario("mixed", dir.path());
     let pids: BTreeSet<String> = truth
         .transfers
         .iter()

@@ -100,3 +100,23 @@ pub fn lab_binary() -> std::path::PathBuf {
     );
     bin
 }
+
+/// Run the scenario `name` (`mixed`, `clean`) in a process of its own (the lab binary,
+/// [`lab_binary`]), its truth written under `dir`; the truth.
+///
+/// # Panics
+/// When the run fails or its truth does not parse (this is test support).
+pub fn run_scenario(name: &str, dir: &std::path::Path) -> Truth {
+    let path = dir.join(format!("truth-{name}.json"));
+    let out = std::process::Command::new(lab_binary())
+        .args(["run", "--scenario", name, "--truth-out"])
+        .arg(&path)
+        .output()
+        .expect("the NIXL lab runs");
+    assert!(
+        out.status.success(),
+        "kvscope-nixl-lab run --scenario {name}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&std::fs::read(&path).expect("the truth file")).expect("the truth")
+}
