@@ -214,7 +214,19 @@ impl SignalExporter {
             reason,
         };
         let mut metadata = MetadataMap::new();
+        // Every OTLP/HTTP request's headers: the body's type and encoding, then the
+        // configured ones.
         let mut http_headers = reqwest::header::HeaderMap::new();
+        http_headers.insert(
+            reqwest::header::CONTENT_TYPE,
+            reqwest::header::HeaderValue::from_static("application/x-protobuf"),
+        );
+        if target.compression == Compression::Gzip {
+            http_headers.insert(
+                reqwest::header::CONTENT_ENCODING,
+                reqwest::header::HeaderValue::from_static("gzip"),
+            );
+        }
         for (k, v) in &target.headers {
             match target.protocol {
                 Protocol::Grpc => {
@@ -331,14 +343,9 @@ impl SignalExporter {
         body: bytes::Bytes,
         left: Duration,
     ) -> Result<Resp, Failed> {
-        let mut req = client
+        let resp = client
             .post(&self.target.url)
             .headers(self.http_headers.clone())
-            .header(reqwest::header::CONTENT_TYPE, "application/x-protobuf");
-        if self.target.compression == Compression::Gzip {
-            req = req.header(reqwest::header::CONTENT_ENCODING, "gzip");
-        }
-        let resp = req
             .timeout(left)
             .body(body)
             .send()
@@ -348,20 +355,29 @@ impl SignalExporter {
                 error: self.send_error(e),
                 retry: Some(None),
             })?;
-        let status = resp.status();
-        let hint = retry_after(resp.headers());
+        let (status, headers) = (resp.status().as_u16(), resp.headers().clone());
         let bytes = resp.bytes().await.map_err(|e| Failed {
             error: self.send_error(e),
             retry: Some(None),
         })?;
-        if !status.is_success() {
+        self.answered(status, &headers, &bytes)
+    }
+
+    /// An HTTP answer as the export's outcome: a retryable status with its
+    /// `Retry-After`, or the response (an empty body is a full success).
+    fn answered<Resp: prost::Message + Default>(
+        &self,
+        status: u16,
+        headers: &reqwest::header::HeaderMap,
+        body: &[u8],
+    ) -> Result<Resp, Failed> {
+        if !(200..300).contains(&status) {
             return Err(Failed {
                 error: self.send_error(format!("HTTP {status}")),
-                retry: http_retryable(status.as_u16()).then_some(hint),
+                retry: http_retryable(status).then(|| retry_after(headers)),
             });
         }
-        // An empty body is a full success.
-        Resp::decode(bytes.as_ref()).map_err(|e| Failed {
+        Resp::decode(body).map_err(|e| Failed {
             error: self.send_error(format!("bad response: {e}")),
             retry: None,
         })
@@ -373,15 +389,11 @@ impl SignalExporter {
         body: bytes::Bytes,
         left: Duration,
     ) -> Result<Resp, Failed> {
-        let mut headers: Vec<(&str, &str)> = vec![("content-type", "application/x-protobuf")];
-        if self.target.compression == Compression::Gzip {
-            headers.push(("content-encoding", "gzip"));
-        }
-        for (k, v) in &self.http_headers {
-            if let Ok(v) = v.to_str() {
-                headers.push((k.as_str(), v));
-            }
-        }
+        let headers: Vec<(&str, &str)> = self
+            .http_headers
+            .iter()
+            .filter_map(|(k, v)| Some((k.as_str(), v.to_str().ok()?)))
+            .collect();
         let answer = client
             .request(
                 "POST",
@@ -395,16 +407,7 @@ impl SignalExporter {
                 error: self.send_error(e),
                 retry: Some(None),
             })?;
-        if !(200..300).contains(&answer.status) {
-            return Err(Failed {
-                error: self.send_error(format!("HTTP {}", answer.status)),
-                retry: http_retryable(answer.status).then(|| retry_after(&answer.headers)),
-            });
-        }
-        Resp::decode(answer.body.as_slice()).map_err(|e| Failed {
-            error: self.send_error(format!("bad response: {e}")),
-            retry: None,
-        })
+        self.answered(answer.status, &answer.headers, &answer.body)
     }
 
     /// The HTTP body of `msg` (empty for gRPC, which encodes its own), compressed as
