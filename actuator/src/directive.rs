@@ -326,6 +326,7 @@ mod tests {
             incomplete_mirror: false,
             after_own_prefill: false,
             clock_behind_ms: None,
+            trace: None,
             judged_before_event: false,
             request_id: id.into(),
             decided_ns: t,

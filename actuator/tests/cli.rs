@@ -113,6 +113,7 @@ fn record_fleet(path: &Path) {
                 worker_type: None,
                 router_mode: None,
                 clock_behind_ms: None,
+                trace: None,
             }),
         ))
         .unwrap();

@@ -84,6 +84,7 @@ fn spill(id: &str, decided_ns: u64, delta_blocks: u32) -> SpillVerdict {
         incomplete_mirror: false,
         after_own_prefill: false,
         clock_behind_ms: None,
+        trace: None,
         judged_before_event: false,
         request_id: id.into(),
         decided_ns,

@@ -7,7 +7,7 @@
 //! whenever and however fast it is read.
 
 use crate::router_log::{parse_line, LineContent, MalformedLine, RoutingInput, SelectedWorker};
-use kvscope_wire::{MigrationLogLine, RoutingDecision, WorkerKey};
+use kvscope_wire::{MigrationLogLine, RoutingDecision, TraceContext, WorkerKey};
 use std::collections::{HashMap, VecDeque};
 
 /// Which half of a decision arrived without the other.
@@ -214,6 +214,7 @@ fn join(input: RoutingInput, sel: SelectedWorker) -> RoutingDecision {
         worker_type: sel.worker_type,
         router_mode: sel.router_mode,
         clock_behind_ms: None,
+        trace: input.trace,
     }
 }
 
@@ -278,6 +279,38 @@ impl RecentIds {
     }
 }
 
+/// Where recent requests sit in the router's traces, from the lines that name a request
+/// and carry a span (the first such line of a request wins: the frontend's
+/// `http-request` span, the root of the request's trace).
+#[derive(Debug, Default)]
+struct RequestSpans {
+    map: HashMap<String, TraceContext>,
+    order: VecDeque<String>,
+}
+
+impl RequestSpans {
+    /// Requests remembered at once; the oldest are forgotten beyond it (a request's
+    /// decision and migration lines come within seconds of its first line).
+    const CAP: usize = 50_000;
+
+    fn note(&mut self, request_id: String, trace: TraceContext) {
+        if self.map.contains_key(&request_id) {
+            return;
+        }
+        self.order.push_back(request_id.clone());
+        self.map.insert(request_id, trace);
+        if self.order.len() > Self::CAP {
+            if let Some(old) = self.order.pop_front() {
+                self.map.remove(&old);
+            }
+        }
+    }
+
+    fn get(&self, request_id: &str) -> Option<TraceContext> {
+        self.map.get(request_id).cloned()
+    }
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub enum LogOutput {
     Decision(RoutingDecision),
@@ -310,6 +343,7 @@ pub struct RouterLogProcessor {
     last_ts_ns: Option<u64>,
     source: DecisionSource,
     routed: RecentIds,
+    spans: RequestSpans,
 }
 
 impl RouterLogProcessor {
@@ -323,6 +357,7 @@ impl RouterLogProcessor {
             last_ts_ns: None,
             source,
             routed: RecentIds::default(),
+            spans: RequestSpans::default(),
         }
     }
 
@@ -385,6 +420,7 @@ impl RouterLogProcessor {
                     _ => LogOutput::TracedDecision {
                         at_ns: t.received_ns,
                         decision: RoutingDecision {
+                            trace: self.spans.get(&t.request_id),
                             request_id: t.request_id,
                             worker: t.worker,
                             isl_tokens: t.isl_tokens,
@@ -399,7 +435,10 @@ impl RouterLogProcessor {
                 });
                 return out;
             }
-            LineContent::Migration(m) => {
+            LineContent::Migration(mut m) => {
+                if m.trace.is_none() {
+                    m.trace = m.request_id.as_deref().and_then(|id| self.spans.get(id));
+                }
                 let mut out: Vec<LogOutput> = self
                     .joiner
                     .advance(now)
@@ -408,6 +447,10 @@ impl RouterLogProcessor {
                     .collect();
                 out.push(LogOutput::Migration(m));
                 return out;
+            }
+            LineContent::RequestSpan { request_id, trace } => {
+                self.spans.note(request_id, trace);
+                self.joiner.advance(now)
             }
             LineContent::Other => self.joiner.advance(now),
         };
@@ -423,9 +466,12 @@ impl RouterLogProcessor {
             .collect()
     }
 
-    fn output(&mut self, j: JoinOutput) -> LogOutput {
-        if let JoinOutput::Joined(d) = &j {
+    fn output(&mut self, mut j: JoinOutput) -> LogOutput {
+        if let JoinOutput::Joined(d) = &mut j {
             self.routed.insert(&d.request_id);
+            if d.trace.is_none() {
+                d.trace = self.spans.get(&d.request_id);
+            }
         }
         from_join(j)
     }
@@ -507,6 +553,7 @@ mod tests {
             worker_type: Some("decode".into()),
             router_mode: Some("kv".into()),
             clock_behind_ms: None,
+            trace: None,
         })
     }
 
@@ -736,6 +783,68 @@ mod captured_jsonl {
                 .collect();
             assert_eq!(kvscope_wire::sequence_hashes(&d.local_hashes), seq, "{id}");
             assert_eq!(d.block_size, 16);
+        }
+    }
+
+    /// The trace context of each request in the captured JSON log: its decision is in
+    /// the trace its routing line names, under the router's `kv_router.select_worker`
+    /// span; without routing lines (INFO), decisions from the request trace are under
+    /// the frontend's `http-request` span of the same trace.
+    #[test]
+    fn jsonl_decisions_carry_the_routers_trace_context() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../lab/fixtures/samples/");
+        let log =
+            std::fs::read_to_string(format!("{dir}router_log_jsonl_debug_with_trace.log")).unwrap();
+        let trace = std::fs::read_to_string(format!("{dir}request_trace.jsonl")).unwrap();
+        // What each line says of itself: request id, span name → (trace id, span id).
+        let mut spans: HashMap<(String, String), TraceContext> = HashMap::new();
+        for line in log.lines() {
+            let v: serde_json::Value = serde_json::from_str(line).unwrap();
+            let s = |k: &str| v[k].as_str().unwrap_or_default().to_string();
+            if let Some(t) = TraceContext::parse(&s("trace_id"), &s("span_id")) {
+                spans.insert((s("request_id"), s("span_name")), t);
+            }
+        }
+        let decide = |source: DecisionSource, text: &str| {
+            let mut p = RouterLogProcessor::with_source(30 * 1_000_000_000, 1000, source);
+            let mut out = Vec::new();
+            for line in text.lines() {
+                for o in p.line(line, 0) {
+                    match o {
+                        LogOutput::Decision(d) => out.push(d),
+                        LogOutput::TracedDecision { decision, .. } => out.push(decision),
+                        _ => {}
+                    }
+                }
+            }
+            out
+        };
+        let routed = decide(DecisionSource::RoutingInput, &log);
+        assert_eq!(routed.len(), 9);
+        for d in &routed {
+            let want = &spans[&(d.request_id.clone(), "kv_router.select_worker".into())];
+            assert_eq!(d.trace.as_ref(), Some(want), "{}", d.request_id);
+        }
+        let info: String = log
+            .lines()
+            .filter(|l| !l.contains("ROUTING_INPUT"))
+            .chain(trace.lines())
+            .map(|l| format!("{l}\n"))
+            .collect();
+        let traced = decide(DecisionSource::Auto, &info);
+        assert_eq!(traced.len(), 9);
+        for d in &traced {
+            let want = &spans[&(d.request_id.clone(), "http-request".into())];
+            assert_eq!(d.trace.as_ref(), Some(want), "{}", d.request_id);
+            let routed = routed
+                .iter()
+                .find(|r| r.request_id == d.request_id)
+                .unwrap();
+            assert_eq!(
+                routed.trace.as_ref().map(|t| &t.trace_id),
+                Some(&want.trace_id),
+                "one trace per request"
+            );
         }
     }
 }

@@ -14,14 +14,18 @@
 //! `KVMIGRATE: decoding on target with migrated KV`.
 //!
 //! With `DYN_LOGGING_JSONL=1` the same events are JSON objects, one per line, their
-//! fields as keys; both forms are read ([`parse_json_line`]).
+//! fields as keys; both forms are read ([`parse_json_line`]). JSON lines also carry
+//! the W3C trace context of the span they were written in (`trace_id`, `span_id`):
+//! the `[ROUTING_INPUT]` line the router's `kv_router.select_worker` span, the INFO
+//! `request received` line the frontend's `http-request` span. Both are kept
+//! ([`TraceContext`]), so kvscope's spans join the router's traces.
 //!
 //! ANSI colour is stripped; fields are read as `key=value` pairs after the message
 //! marker (quoted values may hold spaces, bracketed lists are one value), never by
 //! position. The event's own fields come before the span fields tracing appends, so the
 //! first occurrence of a key wins (span fields repeat keys such as `request_id`).
 
-use kvscope_wire::{MigrationLogKind, MigrationLogLine};
+use kvscope_wire::{MigrationLogKind, MigrationLogLine, TraceContext};
 use std::collections::BTreeMap;
 
 /// `[ROUTING_INPUT]`: the request's blocks as the router hashed them.
@@ -31,6 +35,8 @@ pub struct RoutingInput {
     pub isl_tokens: u64,
     pub block_size: u32,
     pub local_hashes: Vec<u64>,
+    /// The router's span for the choice (JSON lines).
+    pub trace: Option<TraceContext>,
 }
 
 /// `Selected worker`: the router's pick.
@@ -68,6 +74,13 @@ pub enum LineContent {
     SelectedWorker(SelectedWorker),
     RequestTrace(TracedRequest),
     Migration(MigrationLogLine),
+    /// Any other line naming a request and the span it was written in (a JSON line):
+    /// where the request sits in the router's traces, e.g. the frontend's `request
+    /// received` at INFO.
+    RequestSpan {
+        request_id: String,
+        trace: TraceContext,
+    },
     /// Any other line: counted, not parsed.
     Other,
 }
@@ -193,10 +206,22 @@ pub fn parse_json_line(line: &str) -> Option<Result<ParsedLine, MalformedLine>> 
         .get("message")
         .and_then(|m| m.as_str())
         .unwrap_or_default();
+    let text = |k: &str| obj.get(k).and_then(|v| v.as_str());
     let Some((kind, _)) = marker(message) else {
+        let span = text("request_id").zip(
+            text("trace_id")
+                .zip(text("span_id"))
+                .and_then(|(t, s)| TraceContext::parse(t, s)),
+        );
         return Some(Ok(ParsedLine {
             ts_ns,
-            content: LineContent::Other,
+            content: match span {
+                Some((request_id, trace)) => LineContent::RequestSpan {
+                    request_id: request_id.to_string(),
+                    trace,
+                },
+                None => LineContent::Other,
+            },
         }));
     };
     let pairs = obj
@@ -358,6 +383,7 @@ fn routing_input(f: &Fields) -> Result<RoutingInput, String> {
         isl_tokens: f.parse("isl_tokens")?,
         block_size: f.parse("block_size")?,
         local_hashes,
+        trace: f.trace(),
     };
     kvscope_wire::check_prompt_blocks(input.isl_tokens, input.block_size, input.local_hashes.len())
         .map_err(|e| e.to_string())?;
@@ -387,18 +413,23 @@ fn migration(kind: MigrationLogKind, f: Fields) -> Result<MigrationLogLine, Stri
         tokens: opt_u64("tokens")?,
         migratable_tokens: opt_u64("migratable_tokens")?,
         fields: BTreeMap::new(),
+        trace: f.trace(),
     };
     if kind == MigrationLogKind::Spill {
         for k in ["request_id", "source", "target"] {
             f.require(k)?;
         }
     }
-    const NAMED: [&str; 5] = [
+    const NAMED: [&str; 9] = [
         "request_id",
         "source",
         "target",
         "tokens",
         "migratable_tokens",
+        "trace_id",
+        "span_id",
+        "parent_id",
+        "span_name",
     ];
     for (k, v) in f.pairs {
         if !NAMED.contains(&k.as_str()) {
@@ -415,6 +446,11 @@ struct Fields {
 }
 
 impl Fields {
+    /// The W3C trace context the line was written in, when it carries a valid one.
+    fn trace(&self) -> Option<TraceContext> {
+        TraceContext::parse(self.get("trace_id")?, self.get("span_id")?)
+    }
+
     /// Read every `key=value` pair in `s`; words without `=` (the message) are skipped.
     /// Quoted values are unescaped; `[…]` and `{…}` values are kept whole.
     fn read(s: &str) -> Result<Self, String> {
@@ -704,6 +740,7 @@ mod tests {
                 isl_tokens: 41,
                 block_size: 16,
                 local_hashes: vec![11, u64::MAX],
+                trace: None,
             })
         );
     }
@@ -863,6 +900,48 @@ mod tests {
         }
     }
 
+    /// JSON lines carry the span they were written in: a routing line the router's
+    /// choice span, any other line naming a request its own span; ids that are not W3C
+    /// ids are no context at all.
+    #[test]
+    fn json_lines_carry_their_trace_context() {
+        let input = r#"{"time":"2026-12-01T19:25:47.185336Z","level":"DEBUG","target":"dynamo_kv_router::services::selection::core::run","message":"[ROUTING_INPUT] request local hashes","block_size":16,"isl_tokens":41,"local_hashes":"[11, 12]","num_blocks":2,"parent_id":"4dbab56494688f08","request_id":"r-1","span_id":"C4BB29434DE1F7BC","span_name":"kv_router.select_worker","trace_id":"e3dc865584cf0a24f81738cf84ceb1c7"}"#;
+        let LineContent::RoutingInput(r) = parse_line(input).unwrap().content else {
+            panic!("a routing line");
+        };
+        assert_eq!(
+            r.trace,
+            Some(TraceContext {
+                trace_id: "e3dc865584cf0a24f81738cf84ceb1c7".into(),
+                span_id: "c4bb29434de1f7bc".into(),
+            })
+        );
+        let received = r#"{"time":"2026-12-01T19:25:47.184114Z","level":"INFO","target":"dynamo_llm::http::service::metrics","message":"request received","request_id":"r-1","span_id":"4dbab56494688f08","span_name":"http-request","trace_id":"e3dc865584cf0a24f81738cf84ceb1c7"}"#;
+        assert_eq!(
+            parse_line(received).unwrap().content,
+            LineContent::RequestSpan {
+                request_id: "r-1".into(),
+                trace: TraceContext::parse("e3dc865584cf0a24f81738cf84ceb1c7", "4dbab56494688f08")
+                    .unwrap(),
+            }
+        );
+        for (t, s) in [
+            ("00000000000000000000000000000000", "4dbab56494688f08"),
+            ("e3dc865584cf0a24f81738cf84ceb1c7", "0000000000000000"),
+            ("e3dc865584cf0a24f81738cf84ceb1c", "4dbab56494688f08"),
+            ("e3dc865584cf0a24f81738cf84ceb1cz", "4dbab56494688f08"),
+        ] {
+            let line = received
+                .replace("e3dc865584cf0a24f81738cf84ceb1c7", t)
+                .replace("4dbab56494688f08", s);
+            assert_eq!(
+                parse_line(&line).unwrap().content,
+                LineContent::Other,
+                "{t} {s}"
+            );
+        }
+    }
+
     #[test]
     fn never_panics_on_cut_lines() {
         for base in [INPUT, SELECTED] {
@@ -908,7 +987,7 @@ mod tests {
                     LineContent::Migration(_) | LineContent::RequestTrace(_) => {
                         panic!("no migration or trace lines in this capture")
                     }
-                    LineContent::Other => other += 1,
+                    LineContent::Other | LineContent::RequestSpan { .. } => other += 1,
                 }
             }
             assert!(inputs > 0 && selected > 0 && other > 0, "{name}");

@@ -524,6 +524,7 @@ async fn records_from_zmq_and_the_router_log_arrive_on_jetstream() {
             worker_type: Some("decode".into()),
             router_mode: Some("kv".into()),
             clock_behind_ms: None,
+            trace: None,
         }]
     );
     let migrations: Vec<&MigrationLogLine> = got
@@ -544,6 +545,7 @@ async fn records_from_zmq_and_the_router_log_arrive_on_jetstream() {
                 tokens: Some(41),
                 migratable_tokens: Some(32),
                 fields: BTreeMap::new(),
+                trace: None,
             },
             &MigrationLogLine {
                 kind: MigrationLogKind::DispatchFailed,
@@ -553,6 +555,7 @@ async fn records_from_zmq_and_the_router_log_arrive_on_jetstream() {
                 tokens: None,
                 migratable_tokens: None,
                 fields: BTreeMap::from([("error".to_string(), "handshake timed out".to_string())]),
+                trace: None,
             },
         ]
     );

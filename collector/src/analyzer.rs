@@ -859,8 +859,8 @@ impl FleetAnalyzer {
         if v.spill {
             chosen.spills_in += 1;
             t.workers.entry(v.best).or_default().spills_out += 1;
-            // The verdict's span is in the trace derived from its request id.
-            let trace = kvscope_otlp::trace_id_hex(&v.request_id);
+            // The trace the verdict's span is in: the router's own, or derived.
+            let trace = v.trace_id_hex();
             t.true_delta
                 .observe_traced(v.true_delta_tokens, trace.clone(), v.decided_ns);
             t.upper_bound
@@ -972,6 +972,7 @@ mod tests {
             worker_type: None,
             router_mode: None,
             clock_behind_ms: None,
+            trace: None,
         })
     }
 
@@ -1286,6 +1287,7 @@ mod tests {
                     tokens: None,
                     migratable_tokens: Some(tokens),
                     fields: Default::default(),
+                    trace: None,
                 }),
             ));
         }

@@ -1,16 +1,17 @@
 //! OTLP spans of what the collector concludes: one per spill verdict and one per
 //! migration log line (`KVMIGRATE…`).
 //!
-//! Trace ids derive from the request id, so a request's spill verdict and its
-//! migration lines (and any other kvscope span about that request) share one trace;
-//! a migration span also links to the verdict span, whose id derives from the request
-//! id too. Spans are not made for records re-applied while the collector rebuilds its
+//! A request's spans are in the router's own trace of it when its log lines carried
+//! one (Dynamo's JSON lines do: [`TraceContext`]), as children of the router's span;
+//! otherwise the trace id derives from the request id. Either way a request's spill
+//! verdict and its migration lines share one trace, and a migration span links to the
+//! verdict span, whose id derives from the request id. Spans are not made for records re-applied while the collector rebuilds its
 //! state at start: those were exported by the run that first applied them.
 
 use crate::verdict::SpillVerdict;
 use kvscope_otlp::proto::trace::v1::{span, Span, Status};
 use kvscope_otlp::{attr_bool, attr_int, attr_str, span_id, trace_id, SpanSink};
-use kvscope_wire::{Envelope, MigrationLogKind, MigrationLogLine, Record};
+use kvscope_wire::{Envelope, MigrationLogKind, MigrationLogLine, Record, TraceContext};
 
 /// The span name of a spill verdict.
 pub const SPILL_SPAN: &str = "kvscope.spill_verdict";
@@ -21,10 +22,20 @@ fn verdict_span_id(request_id: &str) -> Vec<u8> {
     span_id(&format!("verdict/{request_id}"))
 }
 
+/// The trace id and parent span id of a span about `key`: the router's when known.
+fn place(trace: Option<&TraceContext>, key: &str) -> (Vec<u8>, Vec<u8>) {
+    match trace {
+        Some(t) => (t.trace_id_bytes(), t.span_id_bytes()),
+        None => (trace_id(key), Vec::new()),
+    }
+}
+
 /// The spill verdict as a span at its decision time.
 pub fn verdict_span(v: &SpillVerdict, agent: &str) -> Span {
+    let (trace_id, parent_span_id) = place(v.trace.as_ref(), &v.request_id);
     Span {
-        trace_id: trace_id(&v.request_id),
+        trace_id,
+        parent_span_id,
         span_id: verdict_span_id(&v.request_id),
         name: SPILL_SPAN.into(),
         kind: span::SpanKind::Internal as i32,
@@ -103,11 +114,16 @@ pub fn migration_span(m: &MigrationLogLine, agent: &str, observed_ns: u64, seq: 
             .into_iter()
             .filter_map(|(k, v)| v.map(|v| attr_int(k, v))),
     );
+    let (trace_id, parent_span_id) = place(m.trace.as_ref(), &trace_key);
     let links = m
         .request_id
         .as_deref()
         .map(|rid| span::Link {
-            trace_id: trace_id(rid),
+            // The verdict's trace is the line's when both are the router's.
+            trace_id: match &m.trace {
+                Some(t) => t.trace_id_bytes(),
+                None => kvscope_otlp::trace_id(rid),
+            },
             span_id: verdict_span_id(rid),
             attributes: vec![attr_str("kvscope.link", "spill_verdict")],
             ..Default::default()
@@ -119,7 +135,8 @@ pub fn migration_span(m: &MigrationLogLine, agent: &str, observed_ns: u64, seq: 
         attributes.push(attr_str("error.type", "producer_dispatch_failed"));
     }
     Span {
-        trace_id: trace_id(&trace_key),
+        trace_id,
+        parent_span_id,
         span_id: span_id(&format!("migration/{agent}/{seq}/{trace_key}/{outcome}")),
         name: MIGRATION_SPAN.into(),
         kind: span::SpanKind::Internal as i32,
@@ -161,6 +178,7 @@ mod tests {
             tokens: Some(4096),
             migratable_tokens: Some(2048),
             fields: BTreeMap::from([("directive_id".to_string(), "d-9".to_string())]),
+            trace: None,
         };
         let s = migration_span(&m, "node", 5, 7);
         assert_eq!(s.trace_id, trace_id("r-1"));
@@ -182,5 +200,38 @@ mod tests {
             ..m
         };
         assert!(migration_span(&anonymous, "node", 5, 8).links.is_empty());
+    }
+
+    /// With the router's trace context, both spans are children of the router's span in
+    /// its trace, and the migration's link names the verdict in that trace.
+    #[test]
+    fn spans_join_the_routers_trace_when_it_is_known() {
+        let t =
+            TraceContext::parse("e3dc865584cf0a24f81738cf84ceb1c7", "c4bb29434de1f7bc").unwrap();
+        let trace_bytes = vec![
+            0xe3, 0xdc, 0x86, 0x55, 0x84, 0xcf, 0x0a, 0x24, 0xf8, 0x17, 0x38, 0xcf, 0x84, 0xce,
+            0xb1, 0xc7,
+        ];
+        let span_bytes = vec![0xc4, 0xbb, 0x29, 0x43, 0x4d, 0xe1, 0xf7, 0xbc];
+        let m = MigrationLogLine {
+            kind: MigrationLogKind::Spill,
+            request_id: Some("r-1".into()),
+            source: None,
+            target: None,
+            tokens: None,
+            migratable_tokens: None,
+            fields: BTreeMap::new(),
+            trace: Some(t.clone()),
+        };
+        let s = migration_span(&m, "node", 5, 7);
+        assert_eq!(
+            (s.trace_id.clone(), s.parent_span_id.clone()),
+            (trace_bytes.clone(), span_bytes.clone())
+        );
+        assert_eq!(s.links[0].trace_id, trace_bytes);
+        assert_eq!(s.links[0].span_id, verdict_span_id("r-1"));
+        let (trace, parent) = place(None, "r-1");
+        assert_eq!((trace, parent), (trace_id("r-1"), Vec::new()));
+        assert_eq!(place(Some(&t), "r-1"), (trace_bytes, span_bytes));
     }
 }

@@ -28,6 +28,10 @@ pub struct SpillVerdict {
     /// it depends on.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub clock_behind_ms: Option<u64>,
+    /// The request's place in the router's own traces (from the decision): the verdict
+    /// span is a child of that span, and exemplars name that trace.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trace: Option<kvscope_wire::TraceContext>,
     /// Found later to have been judged before a KV event it depends on (one stamped
     /// earlier, applied after it): its overlaps may be short.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
@@ -72,6 +76,15 @@ pub struct SpillVerdict {
 }
 
 impl SpillVerdict {
+    /// The verdict's trace id, lowercase hex: the router's trace of the request when
+    /// known, else the one derived from the request id.
+    pub fn trace_id_hex(&self) -> String {
+        match &self.trace {
+            Some(t) => t.trace_id.clone(),
+            None => kvscope_otlp::trace_id_hex(&self.request_id),
+        }
+    }
+
     /// Judge `decision` against the mirror. `min_blocks` is the smallest overlap gap that
     /// counts as a spill.
     pub fn judge(
@@ -132,6 +145,7 @@ impl SpillVerdict {
             incomplete_mirror: false,
             after_own_prefill: false,
             clock_behind_ms: decision.clock_behind_ms,
+            trace: decision.trace.clone(),
             judged_before_event: false,
             decided_ns,
             chosen,
@@ -177,6 +191,7 @@ mod tests {
             worker_type: None,
             router_mode: None,
             clock_behind_ms: None,
+            trace: None,
         }
     }
 

@@ -329,6 +329,7 @@ mod tests {
             incomplete_mirror: false,
             after_own_prefill: false,
             clock_behind_ms: None,
+            trace: None,
             judged_before_event: false,
             request_id: "r".into(),
             decided_ns: 1,

@@ -112,6 +112,7 @@ fn trace(n: usize) -> Vec<Envelope> {
                 worker_type: None,
                 router_mode: Some("kv".into()),
                 clock_behind_ms: None,
+                trace: None,
             }))),
             _ => out.push(env(Record::Heartbeat(AgentHeartbeat::default()))),
         }

@@ -92,6 +92,7 @@ fn fleet_records() -> Vec<Envelope> {
                 worker_type: None,
                 router_mode: None,
                 clock_behind_ms: None,
+                trace: None,
             }),
         ));
         let c = &mut cached[chosen as usize];
@@ -138,6 +139,7 @@ fn fleet_records() -> Vec<Envelope> {
                     tokens: Some(tokens.len() as u64),
                     migratable_tokens: Some(have as u64 * u64::from(BLOCK)),
                     fields: BTreeMap::new(),
+                    trace: None,
                 }),
             ));
         }

@@ -8,9 +8,11 @@
 //! once the run has settled, exactly; the agent's, still running, bracketed by the
 //! exports before and after a scrape); counters arrive as cumulative monotonic sums.
 //! Spans: one per spill the collector counted, each with its verdict's figures from the
-//! JSON API (Σ true delta equal), in a trace derived from the request id; KVMIGRATE
-//! lines appended to the router log become migration spans in the same trace, linked
-//! to the verdict span.
+//! JSON API (Σ true delta equal). The frontend logs JSON lines and exports its own
+//! traces to the same receiver: every verdict span is in the trace Dynamo exported for
+//! its request (the `http-request` span naming the request id), a child of the router's
+//! `kv_router.select_worker` span there. KVMIGRATE lines appended to the router log
+//! become migration spans in the same trace, linked to the verdict span.
 
 mod otlp_receiver;
 
@@ -98,6 +100,12 @@ fn scrape_series(text: &str) -> BTreeMap<(String, String), Series> {
     series(&c.metrics)
 }
 
+fn hex_bytes(hex: &str) -> Vec<u8> {
+    (0..hex.len() / 2)
+        .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap())
+        .collect()
+}
+
 fn is_export_health(name: &str) -> bool {
     // The exporter's own counters move with every export.
     name.contains("_otlp_")
@@ -175,6 +183,8 @@ async fn lab_metrics_and_spans_reach_an_otlp_receiver_over_grpc_and_http() {
     let lab = LabConfig {
         workers: 3,
         frontend_args: vec!["--router-temperature".into(), "0.2".into()],
+        frontend_jsonl_logs: true,
+        frontend_otlp_traces: Some(rx.grpc_url.clone()),
         ..LabConfig::default()
     };
     kvscope_lab::setup::ensure_venv(&lab.lab_dir).expect("the lab venv (scripts/setup makes it)");
@@ -411,7 +421,11 @@ async fn lab_metrics_and_spans_reach_an_otlp_receiver_over_grpc_and_http() {
         let v = spill_verdicts
             .get(rid)
             .unwrap_or_else(|| panic!("span for {rid} is no spill verdict"));
-        assert_eq!(s.trace_id, kvscope_otlp::trace_id(rid));
+        assert_eq!(
+            v["trace"]["trace_id"].as_str().map(hex_bytes),
+            Some(s.trace_id.clone()),
+            "{rid}: the verdict names the trace its span is in"
+        );
         assert_eq!(
             s.start_time_unix_nano,
             v["decided_ns"].as_u64().unwrap(),
@@ -429,6 +443,52 @@ async fn lab_metrics_and_spans_reach_an_otlp_receiver_over_grpc_and_http() {
         }
         delta_sum += a["kvscope.true_delta_tokens"].parse::<u64>().unwrap();
     }
+    // Each verdict span sits in Dynamo's own trace of its request, under the router's
+    // choice. Dynamo exports a request's spans when they end, in batches.
+    let dynamo = kvscope_lab::FRONTEND_SERVICE_NAME;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let dynamo_spans = loop {
+        let spans: Vec<_> = rx.spans(dynamo).into_iter().map(|(_, _, s)| s).collect();
+        let requests: std::collections::BTreeSet<String> = spans
+            .iter()
+            .filter(|s| s.name == "http-request")
+            .filter_map(|s| string_attrs(&s.attributes).get("request_id").cloned())
+            .collect();
+        let missing = spill_verdicts
+            .keys()
+            .filter(|rid| !requests.contains(*rid))
+            .count();
+        if missing == 0 {
+            break spans;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "Dynamo's traces of {missing} spilled requests not exported in 30 s \
+             ({} spans from {dynamo})",
+            spans.len()
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    for s in &spill_spans {
+        let rid = &string_attrs(&s.attributes)["kvscope.request_id"];
+        let request = dynamo_spans
+            .iter()
+            .find(|d| {
+                d.name == "http-request"
+                    && string_attrs(&d.attributes).get("request_id") == Some(rid)
+            })
+            .unwrap();
+        assert_eq!(s.trace_id, request.trace_id, "{rid}: in Dynamo's trace");
+        let parent = dynamo_spans
+            .iter()
+            .find(|d| d.trace_id == s.trace_id && d.span_id == s.parent_span_id)
+            .unwrap_or_else(|| panic!("{rid}: the verdict's parent is none of Dynamo's spans"));
+        assert_eq!(parent.name, "kv_router.select_worker", "{rid}");
+    }
+    eprintln!(
+        "{} verdict spans, each in Dynamo's trace of its request under the router's choice",
+        spill_spans.len()
+    );
     let api_delta: u64 = spill_verdicts
         .values()
         .map(|v| v["true_delta_tokens"].as_u64().unwrap())

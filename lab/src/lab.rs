@@ -14,6 +14,9 @@ use crate::paths;
 use crate::process::{group_alive, stop_all, ManagedProcess};
 use crate::router_log::{parse_added_worker, strip_ansi};
 
+/// The `service.name` of the frontend's exported traces.
+pub const FRONTEND_SERVICE_NAME: &str = "dynamo-frontend";
+
 /// How to start a lab. Every field has a default (see [`LabConfig::default`]).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -61,6 +64,11 @@ pub struct LabConfig {
     /// The frontend writes Dynamo's request trace (`DYN_REQUEST_TRACE=1`, stderr sink)
     /// into its log: one record per request, whatever the log level. Default false.
     pub request_trace: bool,
+    /// The frontend exports its traces over OTLP/gRPC to this endpoint, e.g.
+    /// `http://127.0.0.1:4317` (`OTEL_EXPORT_ENABLED=1`,
+    /// `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`, `OTEL_SERVICE_NAME=dynamo-frontend`): the
+    /// traces kvscope's spans join. Default none (not exported).
+    pub frontend_otlp_traces: Option<String>,
     /// `DYN_LOG` for the mockers. Default `info`.
     pub worker_log_filter: String,
     /// Extra arguments for `python -m dynamo.frontend` (e.g. `--router-track-output-blocks`).
@@ -128,6 +136,7 @@ impl Default for LabConfig {
             frontend_log_filter: "info,dynamo_kv_router=debug".into(),
             frontend_jsonl_logs: false,
             request_trace: false,
+            frontend_otlp_traces: None,
             worker_log_filter: "info".into(),
             frontend_args: Vec::new(),
             frontend_clock_offset_ms: 0,
@@ -563,6 +572,16 @@ impl Lab {
         dyn_env(&mut fe, &config.frontend_log_filter);
         if config.frontend_jsonl_logs {
             fe.env("DYN_LOGGING_JSONL", "1");
+        }
+        match &config.frontend_otlp_traces {
+            Some(endpoint) => {
+                fe.env("OTEL_EXPORT_ENABLED", "1")
+                    .env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", endpoint)
+                    .env("OTEL_SERVICE_NAME", FRONTEND_SERVICE_NAME);
+            }
+            None => {
+                fe.env_remove("OTEL_EXPORT_ENABLED");
+            }
         }
         if config.frontend_clock_offset_ms != 0 {
             skew_clock(&mut fe, config.frontend_clock_offset_ms)?;

@@ -23,4 +23,5 @@ pub mod workload;
 
 pub use lab::{
     Lab, LabConfig, LabDiscovery, LabError, LabEventPlane, Manifest, ProcessInfo, WorkerInfo,
+    FRONTEND_SERVICE_NAME,
 };

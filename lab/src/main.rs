@@ -135,9 +135,14 @@ struct LabArgs {
     /// The frontend writes Dynamo's request trace into its log (DYN_REQUEST_TRACE=1).
     #[arg(long)]
     request_trace: bool,
-    /// The frontend logs JSON lines (DYN_LOGGING_JSONL=1).
+    /// The frontend logs JSON lines (DYN_LOGGING_JSONL=1): with them, kvscope's spans
+    /// join the frontend's own traces.
     #[arg(long)]
     jsonl_logs: bool,
+    /// The frontend exports its traces over OTLP/gRPC to this endpoint (e.g. a Tempo's
+    /// http://127.0.0.1:4317), as service dynamo-frontend.
+    #[arg(long, value_name = "URL")]
+    frontend_otlp_traces: Option<String>,
     /// The frontend's wall clock reads this many ms off the host's (libfaketime):
     /// clock skew between the router and the engines, e.g. 100 or -100.
     #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
@@ -201,6 +206,7 @@ impl LabArgs {
             },
             replay: !self.no_replay,
             request_trace: self.request_trace,
+            frontend_otlp_traces: self.frontend_otlp_traces.clone(),
             frontend_jsonl_logs: self.jsonl_logs,
             frontend_clock_offset_ms: self.frontend_clock_offset_ms,
             ..d

@@ -273,6 +273,57 @@ pub enum KvEvent {
     AllBlocksCleared,
 }
 
+/// Where a request sits in the traces the router itself exports: W3C trace context
+/// (lowercase hex), as Dynamo's JSON log lines carry it (`trace_id`, `span_id` of the
+/// span the line was written in). kvscope's spans about the request become children of
+/// `span_id` in `trace_id`, so one trace shows the frontend, the router's choice and
+/// kvscope's verdict together.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct TraceContext {
+    /// 32 hex digits, not all zero.
+    pub trace_id: String,
+    /// 16 hex digits, not all zero: the parent of kvscope's spans.
+    pub span_id: String,
+}
+
+impl TraceContext {
+    /// A context from the text of its two ids; `None` unless both are valid W3C ids
+    /// (hex of the right length, not all zero; upper case is taken and lowered).
+    pub fn parse(trace_id: &str, span_id: &str) -> Option<Self> {
+        let valid = |s: &str, len: usize| {
+            s.len() == len
+                && s.bytes().all(|b| b.is_ascii_hexdigit())
+                && s.bytes().any(|b| b != b'0')
+        };
+        (valid(trace_id, 32) && valid(span_id, 16)).then(|| Self {
+            trace_id: trace_id.to_ascii_lowercase(),
+            span_id: span_id.to_ascii_lowercase(),
+        })
+    }
+
+    /// The trace id as its 16 bytes.
+    pub fn trace_id_bytes(&self) -> Vec<u8> {
+        hex_bytes(&self.trace_id)
+    }
+
+    /// The span id as its 8 bytes.
+    pub fn span_id_bytes(&self) -> Vec<u8> {
+        hex_bytes(&self.span_id)
+    }
+}
+
+fn hex_bytes(s: &str) -> Vec<u8> {
+    s.as_bytes()
+        .chunks(2)
+        .map(|pair| {
+            std::str::from_utf8(pair)
+                .ok()
+                .and_then(|p| u8::from_str_radix(p, 16).ok())
+                .unwrap_or(0)
+        })
+        .collect()
+}
+
 /// A routing decision: the request's block chain (`[ROUTING_INPUT]`) joined with the
 /// worker the router selected (`Selected worker`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -298,6 +349,10 @@ pub struct RoutingDecision {
     /// by up to that much, so the decision may be stamped, and judged, too early.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub clock_behind_ms: Option<u64>,
+    /// The request's place in the router's own traces, when its log lines carry it
+    /// (Dynamo's JSON lines do).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trace: Option<TraceContext>,
 }
 
 impl RoutingDecision {
@@ -388,6 +443,9 @@ pub struct MigrationLogLine {
     /// Every other key=value field of the line, kept as text.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub fields: BTreeMap<String, String>,
+    /// The line's place in the router's own traces (its request's, when known).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trace: Option<TraceContext>,
 }
 
 /// Cumulative counters of everything the agent saw go wrong (and right) since it
@@ -606,6 +664,7 @@ mod tests {
                 tokens: Some(3),
                 migratable_tokens: None,
                 fields: BTreeMap::new(),
+                trace: None,
             }),
         };
         assert_eq!(Envelope::from_json(&e.to_json()).unwrap(), e);
