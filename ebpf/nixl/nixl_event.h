@@ -33,6 +33,10 @@ enum nixl_event_kind {
 	 * `latency_ns`, `name` (remote agent where the call carries it), `bytes` and
 	 * `descs` for (de)registerMem. */
 	EV_CALL = 7,
+	/* postXferReq returned for a request carrying a notification (known offsets only),
+	 * just before its EV_XFER_POST: `req`, `agent`, `name` = the notification message
+	 * (FLAG_NAME_TRUNCATED past 63 bytes). vLLM's NixlConnector names the request in it. */
+	EV_XFER_NOTIF = 8,
 };
 
 /* Calls reported with EV_CALL or EV_XFER_CREATE (`call`); also the uprobe cookie. */

@@ -135,6 +135,22 @@ int BPF_KRETPROBE(post_xfer_exit)
 		k.req = c.arg;
 		bpf_map_update_elem(&inflight, &k, &c.ts_ns, BPF_ANY);
 	}
+	/* The notification rides in the handle from create (or from post's own arguments,
+	 * which post copies in before it returns). Sent first, so user space knows it when
+	 * the post's record ends the transfer. */
+	if (offsets_known && c.arg) {
+		__u8 has_notif = 0;
+		bpf_probe_read_user(&has_notif, sizeof(has_notif), (const char *)c.arg + off_req_has_notif);
+		if (has_notif) {
+			struct nixl_event *n = event_reserve(EV_XFER_NOTIF);
+			if (n) {
+				n->agent = c.agent;
+				n->req = c.arg;
+				read_std_string(n->name, (const char *)c.arg + off_req_notif, &n->flags);
+				event_submit(n);
+			}
+		}
+	}
 	struct nixl_event *e = event_reserve(EV_XFER_POST);
 	if (!e)
 		return 0;

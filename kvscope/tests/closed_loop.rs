@@ -8,7 +8,10 @@
 //!
 //! Asserts: with the (test-tuned) thresholds met the actuator goes LIVE and issues
 //! migrations the lab performs over NIXL; the agent's eBPF counts exactly the READs the
-//! lab made (start-up probes + migrations) and the handshakes; the collector applied
+//! lab made (start-up probes + migrations) and the handshakes; every migration's READ
+//! spans (exported over OTLP to a receiver in the test) name its request — read from
+//! the notification each READ carries, as vLLM's NixlConnector sends it — sit in the
+//! trace of that request's spill verdict span, and add up to the lab's bytes; the collector applied
 //! the migrated blocks to the targets' mirrors; then injected handshake failures drive
 //! the actuator back to DRY, and the audit log explains both flips. Throughout, every
 //! socket of every process of the loop (Dynamo's, NATS, the NIXL data plane with UCX,
@@ -16,6 +19,8 @@
 //! and no listener off loopback except the wildcard binds inside Dynamo 1.6.1 that no
 //! setting changes, which the test lists. Needs root (eBPF) and the lab
 //! (`scripts/setup`); fails saying so otherwise.
+
+mod otlp_receiver;
 
 use kvscope::fleet_run::{FleetRun, FleetRunConfig};
 use kvscope_actuator::audit::AuditEntry;
@@ -170,6 +175,8 @@ async fn spills_go_live_migrate_over_nixl_and_handshake_failures_drop_to_dry() {
     let kv_ports_held = kvscope_lab::ports::reserve_ports(3).unwrap();
     let kv_ports = kv_ports_held.ports();
     let libnixl = libs.libnixl.display().to_string();
+    let rx = otlp_receiver::Receiver::start().await;
+    let otlp_env = |url: &str| vec![("OTEL_EXPORTER_OTLP_ENDPOINT".to_string(), url.to_string())];
     let mut run = FleetRun::start_with(
         exe,
         FleetRunConfig {
@@ -177,8 +184,8 @@ async fn spills_go_live_migrate_over_nixl_and_handshake_failures_drop_to_dry() {
             lab,
             window_secs: WINDOW_SECS,
             warmup_secs: WINDOW_SECS,
-            agent_env: Vec::new(),
-            collector_env: Vec::new(),
+            agent_env: otlp_env(&rx.grpc_url),
+            collector_env: otlp_env(&rx.grpc_url),
         },
         |lab| {
             let mut args = vec!["--nixl-lib".to_string(), libnixl.clone()];
@@ -474,6 +481,84 @@ max_age_secs = 10.0
         "the injected failures reached NIXL"
     );
     assert!(got.iter().all(|p| p.transfers_failed == 0));
+
+    // Each migration's READs as spans: named by its request, in its verdict's trace,
+    // bytes and count equal to the lab's.
+    let migrations: Vec<_> = lab_final
+        .outcomes
+        .iter()
+        .filter(|o| o.outcome == "migrated")
+        .collect();
+    let attrs =
+        |s: &kvscope_otlp::proto::trace::v1::Span| otlp_receiver::string_attrs(&s.attributes);
+    let (transfers, verdicts) = wait_for(
+        "every migration's READ spans and verdict span",
+        Duration::from_secs(30),
+        || {
+            let agent = rx.spans("kvscope-agent");
+            let collector = rx.spans("kvscope-collector");
+            let migrations = &migrations;
+            async move {
+                let transfers: Vec<_> = agent
+                    .into_iter()
+                    .map(|(_, _, s)| s)
+                    .filter(|s| s.name == kvscope_agent::nixl::spans::TRANSFER_SPAN)
+                    .collect();
+                let verdicts: Vec<_> = collector
+                    .into_iter()
+                    .map(|(_, _, s)| s)
+                    .filter(|s| s.name == kvscope_collector::spans::SPILL_SPAN)
+                    .collect();
+                let missing: Vec<&str> = migrations
+                    .iter()
+                    .map(|o| o.request_id.as_str())
+                    .filter(|rid| {
+                        let named = |s: &&kvscope_otlp::proto::trace::v1::Span| {
+                            attrs(s).get("kvscope.request_id").map(String::as_str) == Some(*rid)
+                        };
+                        !(transfers.iter().any(|s| named(&s)) && verdicts.iter().any(|s| named(&s)))
+                    })
+                    .collect();
+                if missing.is_empty() {
+                    Ok((transfers, verdicts))
+                } else {
+                    Err(format!("no READ or verdict span for {missing:?}"))
+                }
+            }
+        },
+    )
+    .await;
+    for o in &migrations {
+        let rid = o.request_id.as_str();
+        let of_request: Vec<_> = transfers
+            .iter()
+            .filter(|s| attrs(s).get("kvscope.request_id").map(String::as_str) == Some(rid))
+            .collect();
+        let verdict = verdicts
+            .iter()
+            .find(|s| attrs(s).get("kvscope.request_id").map(String::as_str) == Some(rid))
+            .unwrap();
+        let bytes: u64 = of_request
+            .iter()
+            .map(|s| attrs(s)["nixl.bytes"].parse::<u64>().unwrap())
+            .sum();
+        assert_eq!(
+            (of_request.len() as u64, bytes),
+            (o.transfers, o.bytes),
+            "{rid}: READ spans and bytes = the lab's"
+        );
+        for s in &of_request {
+            let a = attrs(s);
+            assert_eq!(a["nixl.op"], "READ");
+            assert_eq!(a["nixl.notif"], format!("{rid}:1"));
+            assert_eq!(Some(&a["nixl.local_agent"]), o.target_agent.as_ref());
+            assert_eq!(Some(&a["nixl.remote_agent"]), o.source_agent.as_ref());
+            assert_eq!(
+                s.trace_id, verdict.trace_id,
+                "{rid}: in its verdict's trace"
+            );
+        }
+    }
 
     // The audit log explains both flips.
     actuator.stop(Duration::from_secs(5));

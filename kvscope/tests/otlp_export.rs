@@ -726,6 +726,32 @@ async fn nixl_transfer_and_handshake_spans_reach_an_otlp_receiver() {
         done.iter().map(|x| x.bytes).sum::<u64>(),
         "Σ bytes = the lab's"
     );
+    // Notifications: each successful transfer's span carries the message the lab
+    // attached to it; those in vLLM's format (`<request id>:<readers>`) name their
+    // request and sit in its trace.
+    let mut want_notifs: Vec<Option<String>> = done.iter().map(|x| x.notif.clone()).collect();
+    let mut got_notifs: Vec<Option<String>> = ok_spans
+        .iter()
+        .map(|(a, _)| a.get("nixl.notif").cloned())
+        .collect();
+    want_notifs.sort();
+    got_notifs.sort();
+    assert_eq!(got_notifs, want_notifs, "each transfer's notification");
+    let mut named = 0;
+    for (a, s) in &ok_spans {
+        let notif = a.get("nixl.notif").map(String::as_str);
+        let want = notif.and_then(kvscope_wire::nixl::notif_request_id);
+        assert_eq!(
+            a.get("kvscope.request_id").map(String::as_str),
+            want,
+            "{notif:?}"
+        );
+        if let Some(rid) = want {
+            assert_eq!(s.trace_id, kvscope_otlp::trace_id(rid), "{rid}: its trace");
+            named += 1;
+        }
+    }
+    assert!(named > 0, "the lab's READ migrations name their requests");
     for (a, s) in &ok_spans {
         assert!(
             s.end_time_unix_nano > s.start_time_unix_nano,

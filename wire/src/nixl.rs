@@ -48,6 +48,19 @@ pub const HANDSHAKE_CALLS: [&str; 7] = [
     "invalidateRemoteMD",
 ];
 
+/// The request a transfer's notification names, when it is in vLLM's NixlConnector
+/// format: `<request id>:<consumers>` (the decode side tells the prefill side, with each
+/// KV READ, which request it read and how many readers to wait for), which the NIXL
+/// lab's data plane sends too. `None` for anything else: nothing is guessed.
+pub fn notif_request_id(notif: &str) -> Option<&str> {
+    let (id, consumers) = notif.rsplit_once(':')?;
+    let valid_id = !id.is_empty() && id.chars().all(|c| c.is_ascii_graphic());
+    let valid_count = !consumers.is_empty()
+        && consumers.len() <= 6
+        && consumers.bytes().all(|b| b.is_ascii_digit());
+    (valid_id && valid_count).then_some(id)
+}
+
 /// Append one series of a latency histogram in seconds (cumulative `buckets` at
 /// [`LATENCY_BOUNDS_NS`]) as both the agent and the collector export them. `labels` is
 /// already escaped.
@@ -289,4 +302,30 @@ pub struct NixlAgentRow {
     pub node: String,
     #[serde(flatten)]
     pub owner: NixlAgentOwner,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::notif_request_id;
+
+    #[test]
+    fn request_ids_from_vllm_notifications() {
+        assert_eq!(notif_request_id("cmpl-3f2a-0:1"), Some("cmpl-3f2a-0"));
+        assert_eq!(notif_request_id("a:b:2"), Some("a:b"));
+        assert_eq!(
+            notif_request_id("80c653b7-1670-4557-aefb-c40854626c70:4"),
+            Some("80c653b7-1670-4557-aefb-c40854626c70")
+        );
+        for other in [
+            "bench",
+            "push-3",
+            ":1",
+            "id:",
+            "id:x",
+            "id:1234567",
+            "a b:1",
+        ] {
+            assert_eq!(notif_request_id(other), None, "{other}");
+        }
+    }
 }

@@ -145,6 +145,10 @@ struct RequestInfo {
     awaiting: bool,
     /// When it was posted (the probes' clock, CLOCK_MONOTONIC ns).
     posted_ns: u64,
+    /// Its notification message, when it carries one and it reads as text (cut at 63
+    /// bytes: then `notif_truncated`).
+    notif: Option<String>,
+    notif_truncated: bool,
 }
 
 fn op_name(op: Option<i32>) -> &'static str {
@@ -168,6 +172,11 @@ pub struct Observed<'a> {
     pub latency_ns: Option<u64>,
     /// The probe's clock (`bpf_ktime_get_ns`) when it saw the end.
     pub ts_ns: u64,
+    /// A transfer's notification message, as far as it was read.
+    pub notif: Option<&'a str>,
+    /// The request a transfer moves KV for, read from its notification when that is in
+    /// a known format (vLLM's NixlConnector: `<request id>:<consumers>`).
+    pub request_id: Option<&'a str>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -241,6 +250,12 @@ impl NixlAggregator {
             bytes,
             latency_ns: latency,
             ts_ns: e.ts_ns,
+            notif: info.notif.as_deref(),
+            request_id: info
+                .notif
+                .as_deref()
+                .filter(|_| !info.notif_truncated)
+                .and_then(kvscope_wire::nixl::notif_request_id),
         });
     }
 
@@ -345,6 +360,20 @@ impl NixlAggregator {
                     _ => self.count_transfer(pid, &info, XferStage::Post, e, observe),
                 }
             }
+            EventKind::XferNotif => {
+                let local = self.local_name(pid, e.agent);
+                let info = self
+                    .requests
+                    .entry((pid, e.req))
+                    .or_insert_with(|| RequestInfo {
+                        local,
+                        ..RequestInfo::default()
+                    });
+                // Binary notifications are not invented into text.
+                info.notif = (!e.name.is_empty() && e.name.chars().all(|c| !c.is_control()))
+                    .then(|| e.name.clone());
+                info.notif_truncated = e.flags & flags::NAME_TRUNCATED != 0;
+            }
             EventKind::XferDone => match self.requests.get_mut(&(pid, e.req)) {
                 Some(info) => {
                     info.awaiting = false;
@@ -392,6 +421,8 @@ impl NixlAggregator {
                     bytes: e.bytes,
                     latency_ns: Some(e.latency_ns),
                     ts_ns: e.ts_ns,
+                    notif: None,
+                    request_id: None,
                 });
             }
         }
@@ -540,6 +571,46 @@ mod tests {
         e.agent = 0x100;
         f(&mut e);
         e
+    }
+
+    /// A request's notification (sent before its post) is on the transfer that ends; in
+    /// vLLM's format it names the request, otherwise (or cut short, or not text) the
+    /// request stays unknown.
+    #[test]
+    fn notifications_name_their_requests_where_the_format_is_known() {
+        let mut seen: Vec<(Option<String>, Option<String>)> = Vec::new();
+        let mut a = NixlAggregator::new();
+        let cases: [(&str, u32, Option<&str>, Option<&str>); 4] = [
+            ("cmpl-7-0:1", 0, Some("cmpl-7-0:1"), Some("cmpl-7-0")),
+            ("bench", 0, Some("bench"), None),
+            (
+                "cmpl-7-0:1",
+                flags::NAME_TRUNCATED,
+                Some("cmpl-7-0:1"),
+                None,
+            ),
+            ("bin\u{1}ary:1", 0, None, None),
+        ];
+        for (i, (text, fl, want_notif, want_rid)) in cases.into_iter().enumerate() {
+            let req = 0x10 + i as u64;
+            a.apply(&ev(EventKind::XferNotif, |e| {
+                e.req = req;
+                e.name = text.into();
+                e.flags = fl;
+            }));
+            a.apply_observing(
+                &ev(EventKind::XferPost, |e| {
+                    e.req = req;
+                    e.status = 0;
+                }),
+                &mut |o| seen.push((o.notif.map(Into::into), o.request_id.map(Into::into))),
+            );
+            assert_eq!(
+                seen.pop(),
+                Some((want_notif.map(Into::into), want_rid.map(Into::into))),
+                "{text:?}"
+            );
+        }
     }
 
     #[test]

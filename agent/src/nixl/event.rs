@@ -17,6 +17,8 @@ pub enum EventKind {
     XferDone,
     XferRelease,
     Call,
+    /// The notification message of a posted request (just before its `XferPost`).
+    XferNotif,
 }
 
 impl EventKind {
@@ -29,6 +31,7 @@ impl EventKind {
             5 => Self::XferDone,
             6 => Self::XferRelease,
             7 => Self::Call,
+            8 => Self::XferNotif,
             _ => return None,
         })
     }
@@ -232,6 +235,7 @@ impl NixlEvent {
             EventKind::XferDone => 5,
             EventKind::XferRelease => 6,
             EventKind::Call => 7,
+            EventKind::XferNotif => 8,
         };
         b[0..4].copy_from_slice(&kind.to_ne_bytes());
         b[4..8].copy_from_slice(&self.pid.to_ne_bytes());
@@ -388,6 +392,7 @@ mod tests {
             (EventKind::XferDone, "EV_XFER_DONE"),
             (EventKind::XferRelease, "EV_XFER_RELEASE"),
             (EventKind::Call, "EV_CALL"),
+            (EventKind::XferNotif, "EV_XFER_NOTIF"),
         ] {
             assert_eq!(EventKind::from_raw(enum_value(name)), Some(k), "{name}");
         }

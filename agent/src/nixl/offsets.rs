@@ -14,7 +14,8 @@
 //! 0xd8, descCount at 0xe0); `nixlAgentData::agentName()` is `lea 0x8(%rdi)`; every
 //! `nixlAgent` method starts with `mov (%rdi),%rax` (the data pointer at 0);
 //! `registerMem` walks the descriptor vector at 0x10/0x18 of the list in strides of 0x38
-//! adding the length at +8 of each.
+//! adding the length at +8 of each; `postXferReq` copies its arguments' notification
+//! into the request (`_M_assign` to 0x90) and sets `hasNotif` (`movb $0x1,0xb0`).
 
 /// Offsets the probes need, in bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -33,6 +34,10 @@ pub struct NixlOffsets {
     pub req_bytes: u64,
     /// `nixlXferReqH` → telemetry `descCount`.
     pub req_descs: u64,
+    /// `nixlXferReqH` → `nixl_blob_t notifMsg` (a `std::string`).
+    pub req_notif: u64,
+    /// `nixlXferReqH` → `bool hasNotif`.
+    pub req_has_notif: u64,
     /// `nixlDescList` → descriptor vector's begin pointer (end follows).
     pub dlist_begin: u64,
     /// `sizeof(nixlBlobDesc)`.
@@ -53,6 +58,8 @@ pub const KNOWN_BUILDS: &[(&str, NixlOffsets)] = &[(
         req_op: 0xb4,
         req_bytes: 0xd8,
         req_descs: 0xe0,
+        req_notif: 0x90,
+        req_has_notif: 0xb0,
         dlist_begin: 0x10,
         desc_stride: 0x38,
         desc_len: 0x8,
@@ -69,7 +76,7 @@ pub fn for_build(build_id: &str) -> Option<NixlOffsets> {
 
 impl NixlOffsets {
     /// The BPF globals (`const volatile` in `ebpf/nixl/common.h`) and their values.
-    pub fn globals(offsets: Option<&NixlOffsets>) -> [(&'static str, u64); 10] {
+    pub fn globals(offsets: Option<&NixlOffsets>) -> [(&'static str, u64); 12] {
         let o = offsets.copied().unwrap_or(NixlOffsets {
             version: "",
             agent_data: 0,
@@ -78,6 +85,8 @@ impl NixlOffsets {
             req_op: 0,
             req_bytes: 0,
             req_descs: 0,
+            req_notif: 0,
+            req_has_notif: 0,
             dlist_begin: 0,
             desc_stride: 0,
             desc_len: 0,
@@ -90,6 +99,8 @@ impl NixlOffsets {
             ("off_req_op", o.req_op),
             ("off_req_bytes", o.req_bytes),
             ("off_req_descs", o.req_descs),
+            ("off_req_notif", o.req_notif),
+            ("off_req_has_notif", o.req_has_notif),
             ("off_dlist_begin", o.dlist_begin),
             ("desc_stride", o.desc_stride),
             ("off_desc_len", o.desc_len),

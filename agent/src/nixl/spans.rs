@@ -74,12 +74,21 @@ impl NixlSpans {
             };
             attributes.push(attr_str("error.type", kind));
         }
+        if let Some(n) = o.notif {
+            attributes.push(attr_str("nixl.notif", n));
+        }
+        if let Some(rid) = o.request_id {
+            attributes.push(attr_str("kvscope.request_id", rid));
+        }
         let key = format!(
             "nixl/{}/{}/{}/{}/{}",
             self.agent_id, o.pid, o.local, o.remote, o.ts_ns
         );
+        // A transfer for a known request joins the trace kvscope's other spans about
+        // that request share; any other has a trace of its own.
+        let trace = o.request_id.unwrap_or(&key);
         Span {
-            trace_id: trace_id(&key),
+            trace_id: trace_id(trace),
             span_id: span_id(&key),
             name,
             kind: span::SpanKind::Client as i32,

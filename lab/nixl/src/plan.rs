@@ -473,7 +473,8 @@ impl Plan {
                     (
                         rng.distinct(nb, half, half),
                         rng.distinct(nb, 0, half),
-                        Some(format!("mig-{reads}")),
+                        // vLLM's NixlConnector format: `<request id>:<readers>`.
+                        Some(format!("mig-{reads}:1")),
                     )
                 }
                 Op::Write => {

@@ -30,6 +30,9 @@ pub struct MigrationJob {
     /// Mangle the source's metadata before the target loads it (injected handshake
     /// failure: `loadRemoteMD` returns NIXL_ERR_MISMATCH).
     pub corrupt_handshake: bool,
+    /// The notification each READ carries, as vLLM's NixlConnector sends it:
+    /// `<request id>:1` (one reader), so the probes can tell the request.
+    pub notif: Option<String>,
 }
 
 /// How a migration failed.
@@ -178,7 +181,7 @@ impl Driver {
                     ));
                 }
                 up.handshakes_ok += 1;
-                d.read(t, s, &[0], &mut report)?;
+                d.read(t, s, &[0], None, &mut report)?;
                 if report.failure.is_some() {
                     return Err(format!(
                         "start-up probe READ {} ← {} failed: {:?}",
@@ -228,7 +231,13 @@ impl Driver {
             // The landing area is the second half of the pool: move in rounds of that.
             let landing = (self.infos[job.target].blocks / 2).max(1) as usize;
             for chunk in job.source_blocks.chunks(landing) {
-                self.read(job.target, job.source, chunk, &mut report)?;
+                self.read(
+                    job.target,
+                    job.source,
+                    chunk,
+                    job.notif.clone(),
+                    &mut report,
+                )?;
                 if report.failure.is_some() {
                     break;
                 }
@@ -305,6 +314,7 @@ impl Driver {
         t: usize,
         s: usize,
         blocks: &[u32],
+        notif: Option<String>,
         report: &mut MigrationReport,
     ) -> Result<(), String> {
         let half = self.infos[t].blocks / 2;
@@ -314,7 +324,7 @@ impl Driver {
             local_blocks: (0..blocks.len() as u32).map(|i| half + i).collect(),
             remote_pool_addr: self.infos[s].pool_addr,
             remote_blocks: blocks.to_vec(),
-            notif: None,
+            notif,
             inject: None,
             verify_fill: Some(self.infos[s].fill),
             timeout_ms: TRANSFER_TIMEOUT_MS,

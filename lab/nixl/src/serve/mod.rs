@@ -702,6 +702,7 @@ async fn migrate(
             .map(|h| (h % u64::from(source_w.fill_blocks.max(1))) as u32)
             .collect(),
         corrupt_handshake: s.inject.load(Ordering::Relaxed),
+        notif: Some(format!("{}:1", d.request_id)),
     };
     let report = s.fleet.migrate(job).await;
     let (src_name, dst_name) = (
