@@ -263,7 +263,7 @@ pub async fn start(cfg: AgentConfig) -> anyhow::Result<RunningAgent> {
             let mut tick = tokio::time::interval(period);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             tick.tick().await;
-            let owners = Arc::new(std::sync::Mutex::new(crate::nixl::owners::Owners::default()));
+            let owners = Arc::new(std::sync::Mutex::new(crate::owners::Owners::default()));
             loop {
                 tick.tick().await;
                 let mut report = t.report();

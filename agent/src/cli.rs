@@ -26,7 +26,8 @@ pub struct Cli {
     pub nats_url: Option<String>,
     /// An engine's KV event publisher (vLLM's format), e.g. tcp://127.0.0.1:5557, and,
     /// without discovery, its worker: ENDPOINT=WORKER_ID[/DP_RANK]. With discovery the
-    /// agent finds the worker itself (the process listening on the endpoint serves it).
+    /// agent finds the worker itself (the process listening on the endpoint, or an ancestor
+    /// of it, serves the worker's request plane; or it shares the worker's pod).
     /// Repeatable; replaces the config's list.
     #[arg(long = "kv", value_name = "ENDPOINT[=WORKER_ID[/DP]]")]
     pub kv: Vec<KvEndpoint>,

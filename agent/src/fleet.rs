@@ -114,10 +114,11 @@ pub async fn run(
     }
 }
 
-/// The worker whose process serves `endpoint` (`tcp://HOST:PORT`) on this node: the
-/// process listening on that port also listens on one worker's request-plane port.
-/// `None` while that is not (yet) so, or when it is ambiguous (two workers in one
-/// process); the reason is in the error.
+/// The worker whose process serves `endpoint` (`tcp://HOST:PORT`) on this node: the one
+/// process listening on it works for that worker — it serves the worker's request
+/// plane itself, or one of its ancestors does (vLLM's engine process under Dynamo's
+/// worker process), or it shares the worker's pod ([`crate::owners`]). An error, with
+/// the reason, while that is not (yet) so or is ambiguous.
 pub fn resolve_endpoint(fleet: &Fleet, endpoint: &str, proc_root: &Path) -> Result<u64, String> {
     let (host, port) = procfs::host_port(endpoint)
         .ok_or_else(|| format!("{endpoint} has no TCP port to look up"))?;
@@ -132,25 +133,14 @@ pub fn resolve_endpoint(fleet: &Fleet, endpoint: &str, proc_root: &Path) -> Resu
             format!("several processes listen on port {port}: {owners:?}")
         });
     };
-    let mut found = Vec::new();
-    for w in fleet.workers.values() {
-        let Some((rp_host, rp_port)) = w.request_plane.as_deref().and_then(procfs::host_port)
-        else {
-            continue;
-        };
-        if procfs::listeners(&sockets, rp_host, rp_port).contains(&pid) {
-            found.push(w.instance_id);
-        }
-    }
-    match found[..] {
-        [id] => Ok(id),
-        [] => Err(format!(
-            "process {pid} (listening on {port}) serves no worker registered in discovery yet"
-        )),
-        _ => Err(format!(
-            "process {pid} serves several workers ({found:?}); give --kv {endpoint}=WORKER_ID"
-        )),
-    }
+    let owner = crate::owners::worker_of_process(fleet, &sockets, proc_root, pid);
+    owner.worker_id.ok_or_else(|| {
+        format!(
+            "process {pid} (listening on {port}): {}; give --kv {endpoint}=WORKER_ID if it \
+             serves several",
+            owner.how
+        )
+    })
 }
 
 /// Wait until `endpoint`'s worker can be told from the fleet (see [`resolve_endpoint`]),

@@ -22,6 +22,7 @@ pub use kvscope_wire::vllm_events as kv_events;
 pub mod log_follower;
 pub mod metrics;
 pub mod nixl;
+pub mod owners;
 pub mod plane_recovery;
 pub mod plane_tap;
 pub mod publisher;

@@ -17,7 +17,6 @@ pub mod discovery;
 pub mod event;
 pub mod library;
 pub mod offsets;
-pub mod owners;
 pub mod probes;
 pub mod spans;
 pub mod tracer;

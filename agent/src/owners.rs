@@ -1,12 +1,13 @@
-//! Which Dynamo worker each local NIXL agent belongs to, told from the processes rather
-//! than typed into a table: a vLLM engine's NIXL agent lives in the engine process, a
-//! child of the Dynamo worker process that serves the worker's request plane and whose
-//! engine binds its KV publisher (with one engine process per dp rank). So a NIXL agent
-//! belongs to the worker whose endpoint is served by its own process or the nearest of
-//! its ancestors; failing that (containers of one pod do not share a process tree), to
-//! the one worker served from the same Kubernetes pod. Anything else — no such worker,
-//! or two at the same distance — is reported as not told, with the reason; nothing is
-//! guessed.
+//! Which Dynamo worker a local process works for, told from the processes rather than
+//! typed into a table: a vLLM engine (its NIXL agent, its KV event publisher) lives in
+//! the engine process, a child of the Dynamo worker process that serves the worker's
+//! request plane (with one engine process per dp rank). So a process belongs to the
+//! worker whose endpoint is served by the process itself or the nearest of its
+//! ancestors; failing that (containers of one pod do not share a process tree), to the
+//! one worker served from the same Kubernetes pod. Anything else — no such worker, or
+//! two at the same distance — is reported as not told, with the reason; nothing is
+//! guessed. Used for each local NIXL agent ([`Owners`]) and for each engine KV
+//! publisher given without its worker id (`kvscope_agent::fleet::resolve_endpoint`).
 
 use kvscope_discovery::procfs::{self, host_port, listeners, SocketInfo};
 use kvscope_discovery::{Channel, Fleet};
@@ -57,24 +58,30 @@ fn served(fleet: &Fleet, sockets: &[SocketInfo]) -> Served {
     s
 }
 
-/// Tell the worker of the NIXL agent `agent` held by process `pid`.
-pub fn tell(
+/// The worker process `pid` works for, as told from the process tree and the pod.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProcessOwner {
+    pub worker_id: Option<u64>,
+    /// The dp rank, when the worker has several and exactly one rank's publisher is in
+    /// the process's tree.
+    pub dp_rank: Option<u32>,
+    /// How it was told, or why not.
+    pub how: String,
+}
+
+/// Tell the worker process `pid` works for (see the module's text).
+pub fn worker_of_process(
     fleet: &Fleet,
     sockets: &[SocketInfo],
     proc_root: &Path,
     pid: u32,
-    agent: &str,
-) -> NixlAgentOwner {
-    let mut owner = NixlAgentOwner {
-        agent: agent.to_string(),
-        pid,
-        worker_id: None,
-        dp_rank: None,
-        how: String::new(),
-    };
+) -> ProcessOwner {
     if fleet.workers.is_empty() {
-        owner.how = "no workers in Dynamo's discovery store yet".into();
-        return owner;
+        return ProcessOwner {
+            worker_id: None,
+            dp_rank: None,
+            how: "no workers in Dynamo's discovery store yet".into(),
+        };
     }
     let served = served(fleet, sockets);
     let chain = procfs::ancestry(proc_root, pid);
@@ -97,10 +104,7 @@ pub fn tell(
         };
         match at_best[..] {
             [w] => (Some(w), how),
-            _ => (
-                None,
-                format!("{how} serves several workers ({at_best:?}); map it in the actuator's [[worker_agents]]"),
-            ),
+            _ => (None, format!("{how} serves several workers ({at_best:?})")),
         }
     } else if let Some(pod) = procfs::pod_of(proc_root, pid) {
         let in_pod: Vec<u64> = served
@@ -127,8 +131,7 @@ pub fn tell(
                 .to_string(),
         )
     };
-    owner.how = how;
-    owner.worker_id = worker;
+    let mut dp_rank = None;
     if let Some(w) = worker {
         let ranks: Vec<u32> = served
             .by_rank
@@ -138,10 +141,37 @@ pub fn tell(
             .collect();
         let many = fleet.workers.get(&w).is_some_and(|w| w.dp_ranks.len() > 1);
         if let ([r], true) = (&ranks[..], many) {
-            owner.dp_rank = Some(*r);
+            dp_rank = Some(*r);
         }
     }
-    owner
+    ProcessOwner {
+        worker_id: worker,
+        dp_rank,
+        how,
+    }
+}
+
+/// Tell the worker of the NIXL agent `agent` held by process `pid`.
+pub fn tell(
+    fleet: &Fleet,
+    sockets: &[SocketInfo],
+    proc_root: &Path,
+    pid: u32,
+    agent: &str,
+) -> NixlAgentOwner {
+    let o = worker_of_process(fleet, sockets, proc_root, pid);
+    let several = o.worker_id.is_none() && o.how.contains("serves several workers");
+    NixlAgentOwner {
+        agent: agent.to_string(),
+        pid,
+        worker_id: o.worker_id,
+        dp_rank: o.dp_rank,
+        how: if several {
+            format!("{}; map it in the actuator's [[worker_agents]]", o.how)
+        } else {
+            o.how
+        },
+    }
 }
 
 /// The owners told so far, re-told when the fleet changes and, for agents not told, at
@@ -308,6 +338,35 @@ mod tests {
             o.iter().all(|o| o.dp_rank.is_none()),
             "one rank each: not named"
         );
+    }
+
+    /// A vLLM-format publisher that discovery does not list, bound by an engine process
+    /// under the worker's process: `--kv ENDPOINT` without an id finds that worker.
+    #[test]
+    fn an_engine_publisher_given_without_its_id_is_told_from_its_parent() {
+        let proc = FakeProc::new();
+        proc.process(1, 0, "/", &[]);
+        // Worker 7's process 100 serves 9000; its engine 101 publishes on 5600 (0x15E0).
+        proc.process(100, 1, "/", &[(1, "0100007F:2328")]);
+        proc.process(101, 100, "/", &[(2, "0100007F:15E0")]);
+        // A publisher under no worker, on 5601.
+        proc.process(300, 1, "/", &[(3, "0100007F:15E1")]);
+        let fleet = Fleet {
+            workers: BTreeMap::from([(
+                7,
+                worker(7, "127.0.0.1:9000/7/dynamo/backend/generate", vec![0]),
+            )]),
+            kv_publishers: BTreeMap::new(),
+        };
+        let resolve = |ep: &str| crate::fleet::resolve_endpoint(&fleet, ep, proc.root());
+        assert_eq!(resolve("tcp://127.0.0.1:5600"), Ok(7));
+        let e = resolve("tcp://127.0.0.1:5601").unwrap_err();
+        assert!(
+            e.contains("process 300") && e.contains("no worker's"),
+            "{e}"
+        );
+        let e = resolve("tcp://127.0.0.1:5602").unwrap_err();
+        assert!(e.contains("no local process listens"), "{e}");
     }
 
     #[test]
