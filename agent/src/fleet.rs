@@ -135,11 +135,12 @@ pub fn resolve_endpoint(fleet: &Fleet, endpoint: &str, proc_root: &Path) -> Resu
     };
     let owner = crate::owners::worker_of_process(fleet, &sockets, proc_root, pid);
     owner.worker_id.ok_or_else(|| {
-        format!(
-            "process {pid} (listening on {port}): {}; give --kv {endpoint}=WORKER_ID if it \
-             serves several",
-            owner.how
-        )
+        let hint = if owner.how.contains("serves several workers") {
+            format!("; give --kv {endpoint}=WORKER_ID")
+        } else {
+            String::new()
+        };
+        format!("process {pid} (listening on {port}): {}{hint}", owner.how)
     })
 }
 

@@ -1,10 +1,14 @@
 //! The closed loop on the lab, every part real: Dynamo 1.6.1's KV router and 3 mocker
 //! workers spill under a chat workload; `kvscope agent` taps the mockers' KV events and
 //! the router's log, and traces NIXL with eBPF; `kvscope collector` measures spills;
-//! `kvscope-nixl-lab serve` runs one real NIXL 1.5.1 agent per mocker (the data plane:
-//! it follows its mocker's KV events, takes directives, publishes the blocks migrated to
-//! it as vLLM KV events the agent taps as the target worker); `kvscope actuator` reads
-//! the collector, flips DRY → LIVE (file backend) and sends directives to the lab.
+//! the data plane is one real NIXL 1.5.1 agent per mocker, in a `kvscope-nixl-lab
+//! sidecar` inside that mocker's process tree (as a vLLM engine's NIXL agent lives under
+//! Dynamo's worker), which also publishes the blocks migrated to it as vLLM KV events;
+//! `kvscope-nixl-lab serve` follows the mockers' KV events, takes directives and drives
+//! the sidecars; `kvscope actuator` reads the collector, flips DRY → LIVE (file backend)
+//! and sends directives to the lab. No worker id is given to any kvscope process: the
+//! agent tells the workers of the sidecars' publishers and NIXL agents from the process
+//! tree, and the actuator maps NIXL agents to workers from what the agent told.
 //!
 //! Asserts: with the (test-tuned) thresholds met the actuator goes LIVE and issues
 //! migrations the lab performs over NIXL; the agent's eBPF counts exactly the READs the
@@ -34,6 +38,7 @@ use kvscope_lab::workload::{self, WorkloadConfig};
 use kvscope_lab::LabConfig;
 use kvscope_nixl_lab::serve::process::ServeProcess;
 use kvscope_nixl_lab::serve::{ServeStatus, ServeWorker};
+use kvscope_nixl_lab::sidecar::SidecarReady;
 use kvscope_wire::recording::read_recording;
 use kvscope_wire::{KvEvent, Record, WorkerKey};
 use serde_json::Value;
@@ -145,6 +150,18 @@ fn assert_loopback_only(seen: &[SocketInfo], lab: &kvscope_lab::Lab) {
     );
 }
 
+/// A sidecar's ready file, once it is written (the sidecar starts with its mocker).
+fn wait_ready(path: &Path) -> SidecarReady {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Ok(b) = std::fs::read(path) {
+            return serde_json::from_slice(&b).unwrap();
+        }
+        assert!(Instant::now() < deadline, "no {} in 60 s", path.display());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
 fn read_audit(path: &Path) -> Vec<AuditEntry> {
     std::fs::read_to_string(path)
         .unwrap_or_default()
@@ -160,6 +177,33 @@ async fn spills_go_live_migrate_over_nixl_and_handshake_failures_drop_to_dry() {
     kvscope_lab::setup::ensure_venv(&lab_dir).expect("the lab venv (scripts/setup makes it)");
     let libs = kvscope_nixl_lab::NixlLibs::locate(&lab_dir).unwrap_or_else(|e| panic!("{e}"));
     let exe = Path::new(env!("CARGO_BIN_EXE_kvscope"));
+    // The NIXL data plane: under each mocker, as a vLLM engine's NIXL agent and KV
+    // publisher live under Dynamo's worker process, a sidecar holds the worker's NIXL
+    // agent and publishes the blocks migrated to it; `serve` (started below) drives them.
+    // Agent names unique to this run: the probes see every process using the wheel's
+    // libnixl.so, other NIXL labs on this machine included, and those name their agents
+    // decode-0, decode-1, ….
+    let prefix = format!("loop{}-", std::process::id());
+    let agent_name = |i: usize| format!("{prefix}decode-{i}");
+    let sidecars = tempfile::tempdir().unwrap();
+    let ready_file = |i: usize| sidecars.path().join(format!("sidecar-{i}.json"));
+    let sidecar: Vec<String> = [
+        kvscope_nixl_lab::lab_binary().display().to_string(),
+        "sidecar".into(),
+        "--name".into(),
+        format!("{prefix}decode-{{index}}"),
+        "--index".into(),
+        "{index}".into(),
+        "--ready-file".into(),
+        sidecars
+            .path()
+            .join("sidecar-{index}.json")
+            .display()
+            .to_string(),
+        "--deadline-secs".into(),
+        "600".into(),
+    ]
+    .into();
     let lab = LabConfig {
         workers: 3,
         // A softmax temperature makes the router spill in every window even on a busy
@@ -167,13 +211,9 @@ async fn spills_go_live_migrate_over_nixl_and_handshake_failures_drop_to_dry() {
         frontend_args: vec!["--router-temperature".into(), "0.5".into()],
         // Room enough that a source rarely evicts a spill's blocks before its directive.
         num_gpu_blocks: 2048,
+        worker_sidecar: sidecar,
         ..LabConfig::default()
     };
-    // The data plane's KV publishers get fixed ports, so the agent can tap them from the
-    // start (it retries until they bind). Held until the test ends: the lab starts (and
-    // chooses its own ports) before the publishers bind these.
-    let kv_ports_held = kvscope_lab::ports::reserve_ports(3).unwrap();
-    let kv_ports = kv_ports_held.ports();
     let libnixl = libs.libnixl.display().to_string();
     let rx = otlp_receiver::Receiver::start().await;
     let otlp_env = |url: &str| vec![("OTEL_EXPORTER_OTLP_ENDPOINT".to_string(), url.to_string())];
@@ -188,10 +228,13 @@ async fn spills_go_live_migrate_over_nixl_and_handshake_failures_drop_to_dry() {
             collector_env: otlp_env(&rx.grpc_url),
         },
         |lab| {
+            // The sidecars' publishers, by endpoint only: the agent tells each one's
+            // worker from the process tree (no worker id anywhere on kvscope's side).
             let mut args = vec!["--nixl-lib".to_string(), libnixl.clone()];
-            for (w, port) in lab.workers().iter().zip(&kv_ports) {
+            for w in lab.workers() {
+                let ready = wait_ready(&ready_file(w.index));
                 args.push("--kv".into());
-                args.push(format!("tcp://127.0.0.1:{port}={}", w.worker_id));
+                args.push(ready.kv_endpoint);
             }
             Ok(args)
         },
@@ -200,31 +243,27 @@ async fn spills_go_live_migrate_over_nixl_and_handshake_failures_drop_to_dry() {
     .expect("lab, agent (with eBPF) and collector start");
     let sockets = SocketWatch::start(run.process_groups(), Duration::from_millis(200));
     let run_dir = run.run_dir();
-    let mockers: Vec<(u64, String)> = run
+    let mockers: Vec<(usize, u64, String)> = run
         .lab()
         .workers()
         .iter()
-        .map(|w| (w.worker_id, w.kv_events_endpoint.clone()))
+        .map(|w| (w.index, w.worker_id, w.kv_events_endpoint.clone()))
         .collect();
 
-    // The NIXL data plane, one agent per mocker, started after the agent so its probes
-    // see the start-up handshakes and probe READs.
-    // Agent names unique to this run: the probes see every process using the wheel's
-    // libnixl.so, other NIXL labs on this machine included, and those name their agents
-    // decode-0, decode-1, ….
-    let prefix = format!("loop{}-", std::process::id());
-    let agent_name = |i: usize| format!("{prefix}decode-{i}");
+    // The coordinator, started after the agent so its probes see the start-up
+    // handshakes and probe READs. It is the lab's data plane, told which sidecar stands
+    // for which worker; kvscope is told nothing.
     let serve_workers: Vec<ServeWorker> = mockers
         .iter()
-        .enumerate()
-        .map(|(i, (id, ep))| ServeWorker {
-            name: agent_name(i),
+        .map(|(i, id, ep)| ServeWorker {
+            name: agent_name(*i),
             worker: WorkerKey {
                 worker_id: *id,
                 dp_rank: 0,
             },
             engine: Some(ep.clone()),
-            kv_bind: format!("tcp://127.0.0.1:{}", kv_ports[i]),
+            kv_bind: String::new(),
+            sidecar: Some(ready_file(*i)),
         })
         .collect();
     let serve = ServeProcess::start(
@@ -247,13 +286,6 @@ async fn spills_go_live_migrate_over_nixl_and_handshake_failures_drop_to_dry() {
     let mode_file = run_dir.join("migration.env");
     let api_port_held = kvscope_lab::ports::reserve_ports(1).unwrap();
     let api_port = api_port_held.ports()[0];
-    let mut mapping = String::new();
-    for (i, (id, _)) in mockers.iter().enumerate() {
-        mapping.push_str(&format!(
-            "[[worker_agents]]\nworker_id = {id}\nnixl_agent = \"{}\"\n\n",
-            agent_name(i)
-        ));
-    }
     let config = format!(
         r#"collector_url = "{collector}"
 interval_secs = 1.0
@@ -276,7 +308,7 @@ max_agent_silence_secs = 30.0
 cooldown_secs = 5.0
 max_flips_per_hour = 6
 
-{mapping}[api]
+[api]
 listen = "127.0.0.1:{api_port}"
 token_file = "{token}"
 
@@ -613,9 +645,10 @@ max_age_secs = 10.0
     let recording = run.recording.clone();
     run.stop();
     let rec = read_recording(&recording).unwrap();
-    let publishers: BTreeMap<String, WorkerKey> = serve_workers
+    let publishers: BTreeMap<String, WorkerKey> = lab_final
+        .workers
         .iter()
-        .map(|w| (w.kv_bind.clone(), w.worker))
+        .map(|w| (w.kv_endpoint.clone(), w.worker))
         .collect();
     let mut landed = 0u64;
     let mut blocks = BTreeSet::new();

@@ -74,6 +74,7 @@ async fn migrated_blocks_appear_on_the_target_in_the_collector() {
             worker: worker(100 + i as u64),
             engine: Some(endpoints[i].clone()),
             kv_bind: "tcp://127.0.0.1:0".into(),
+            sidecar: None,
         })
         .collect();
     let serve = ServeProcess::start(

@@ -25,6 +25,7 @@ pub mod protocol;
 pub mod run;
 pub mod serve;
 pub mod setup;
+pub mod sidecar;
 pub mod status;
 pub mod truth;
 pub mod worker;

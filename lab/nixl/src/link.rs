@@ -1,5 +1,6 @@
-//! How the coordinator reaches a worker: a [`Worker`] in this process, or a
-//! `kvscope-nixl-lab worker` child process spoken to over stdin/stdout.
+//! How the coordinator reaches a worker: a [`Worker`] in this process, a
+//! `kvscope-nixl-lab worker` child process spoken to over stdin/stdout, or a sidecar
+//! started elsewhere (under an engine) spoken to over its TCP control socket.
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
@@ -42,6 +43,15 @@ pub enum WorkerLink {
     InProcess(Box<Worker>),
     /// A child process.
     Process(ChildWorker),
+    /// A sidecar process (`worker --control`), not ours.
+    Sidecar(SidecarWorker),
+}
+
+/// A sidecar's control connection.
+pub struct SidecarWorker {
+    ready: crate::sidecar::SidecarReady,
+    out: std::net::TcpStream,
+    input: BufReader<std::net::TcpStream>,
 }
 
 /// A `kvscope-nixl-lab worker` child.
@@ -101,11 +111,41 @@ impl WorkerLink {
         }))
     }
 
+    /// Connects to the sidecar whose ready file is `ready_file`, waiting up to `wait`
+    /// for the file to appear.
+    pub fn sidecar(ready_file: &Path, wait: Duration) -> Result<Self, LinkError> {
+        let broken = |problem: String| LinkError::Broken {
+            name: ready_file.display().to_string(),
+            problem,
+        };
+        let t0 = Instant::now();
+        let ready: crate::sidecar::SidecarReady = loop {
+            match std::fs::read(ready_file) {
+                Ok(b) => break serde_json::from_slice(&b).map_err(|e| broken(e.to_string()))?,
+                Err(_) if t0.elapsed() < wait => std::thread::sleep(Duration::from_millis(50)),
+                Err(e) => return Err(broken(format!("no ready file after {wait:?}: {e}"))),
+            }
+        };
+        let out = std::net::TcpStream::connect(&ready.control)
+            .map_err(|e| broken(format!("connecting to {}: {e}", ready.control)))?;
+        let input = BufReader::new(out.try_clone().map_err(|e| broken(e.to_string()))?);
+        Ok(WorkerLink::Sidecar(SidecarWorker { ready, out, input }))
+    }
+
     /// The worker's process id.
     pub fn pid(&self) -> u32 {
         match self {
             WorkerLink::InProcess(_) => std::process::id(),
             WorkerLink::Process(c) => c.child.id(),
+            WorkerLink::Sidecar(s) => s.ready.pid,
+        }
+    }
+
+    /// A sidecar's KV event publisher (none for the others: their owner publishes).
+    pub fn kv_endpoint(&self) -> Option<&str> {
+        match self {
+            WorkerLink::Sidecar(s) => Some(&s.ready.kv_endpoint),
+            _ => None,
         }
     }
 
@@ -114,13 +154,14 @@ impl WorkerLink {
         match self {
             WorkerLink::InProcess(w) => Ok(w.handle(cmd)),
             WorkerLink::Process(c) => c.call(&cmd),
+            WorkerLink::Sidecar(s) => s.call(&cmd),
         }
     }
 
     /// After `Shutdown`: waits (up to `grace`) for a worker process to exit.
     pub fn finish(&mut self, grace: Duration) -> Result<(), LinkError> {
         match self {
-            WorkerLink::InProcess(_) => Ok(()),
+            WorkerLink::InProcess(_) | WorkerLink::Sidecar(_) => Ok(()),
             WorkerLink::Process(c) => c.finish(grace),
         }
     }
@@ -179,6 +220,33 @@ impl ChildWorker {
                     );
                 }
                 Err(e) => return Err(self.broken(format!("waiting: {e}"))),
+            }
+        }
+    }
+}
+
+impl SidecarWorker {
+    fn call(&mut self, cmd: &Command) -> Result<Reply, LinkError> {
+        let broken = |problem: String| LinkError::Broken {
+            name: self.ready.name.clone(),
+            problem,
+        };
+        let line = serde_json::to_string(cmd).map_err(|e| broken(e.to_string()))?;
+        writeln!(self.out, "{LINE_PREFIX}{line}")
+            .and_then(|_| self.out.flush())
+            .map_err(|e| broken(format!("writing a command: {e}")))?;
+        let mut buf = String::new();
+        loop {
+            buf.clear();
+            match self.input.read_line(&mut buf) {
+                Ok(0) => return Err(broken("closed the connection before replying".into())),
+                Ok(_) => {
+                    if let Some(json) = buf.trim_end().strip_prefix(LINE_PREFIX) {
+                        return serde_json::from_str(json)
+                            .map_err(|e| broken(format!("bad reply: {e}")));
+                    }
+                }
+                Err(e) => return Err(broken(format!("reading a reply: {e}"))),
             }
         }
     }

@@ -92,6 +92,11 @@ enum Cmd {
     /// (HTTP on 127.0.0.1, bearer token), each following its engine's KV events and
     /// publishing the blocks migrated to it. Prints one JSON line once up.
     Serve(ServeArgs),
+    /// One worker as an engine's sidecar, for `serve --worker …,sidecar=FILE`: a NIXL
+    /// agent and the engine's KV event publisher in this process (started inside the
+    /// engine's process tree), driven by `serve` over a TCP control socket on loopback.
+    /// Writes FILE (its control address, publisher and NIXL port) once up.
+    Sidecar(SidecarArgs),
     /// (internal) One agent, driven over stdin/stdout by `run --processes`.
     #[command(hide = true)]
     Worker(WorkerArgs),
@@ -245,6 +250,37 @@ struct ServeArgs {
 }
 
 #[derive(Args)]
+struct SidecarArgs {
+    #[command(flatten)]
+    lab: LabDir,
+    /// NIXL agent name.
+    #[arg(long)]
+    name: String,
+    /// Where to write the ready file.
+    #[arg(long, value_name = "FILE")]
+    ready_file: PathBuf,
+    /// The worker's index among its peers: its pool's fill byte is 0x31 + INDEX, so a
+    /// READ that lands a peer's bytes is told from one that did not happen.
+    #[arg(long, default_value_t = 0)]
+    index: u8,
+    /// Control socket (the coordinator connects here).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    control: String,
+    /// The KV event publisher's bind address (vLLM's format).
+    #[arg(long, default_value = "tcp://127.0.0.1:0")]
+    kv_bind: String,
+    /// Blocks in the pool (half source blocks, half landing blocks), as `serve --blocks`.
+    #[arg(long, default_value_t = 256)]
+    blocks: u32,
+    /// Bytes per KV block, as `serve --block-size`.
+    #[arg(long, default_value_t = 4096)]
+    block_size: u32,
+    /// Exit after this many seconds whatever happens.
+    #[arg(long, default_value_t = 3600)]
+    deadline_secs: u64,
+}
+
+#[derive(Args)]
 struct WorkerArgs {
     #[arg(long)]
     name: String,
@@ -296,6 +332,27 @@ fn main() -> Result<()> {
         Cmd::Run(args) => run_cmd(*args)?,
         Cmd::Bench(args) => bench_cmd(args)?,
         Cmd::Serve(args) => serve_cmd(args)?,
+        Cmd::Sidecar(a) => {
+            let libs = find_libs(&a.lab, None)?;
+            ensure_env(&libs)?;
+            let spec = WorkerSpec {
+                name: a.name,
+                listen_port: 0,
+                blocks: a.blocks,
+                block_size: a.block_size,
+                fill: 0x31u8.wrapping_add(a.index),
+                listener_delay_us: 1000,
+                progress_delay_us: 100,
+            };
+            kvscope_nixl_lab::sidecar::serve(
+                spec,
+                &a.control,
+                &a.kv_bind,
+                &a.ready_file,
+                Duration::from_secs(a.deadline_secs),
+            )
+            .map_err(anyhow::Error::msg)?;
+        }
         Cmd::Worker(w) => {
             let spec = WorkerSpec {
                 name: w.name,

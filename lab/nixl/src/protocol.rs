@@ -65,7 +65,7 @@ pub struct TransferSpec {
 }
 
 /// A command for one worker.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "cmd", rename_all = "snake_case", deny_unknown_fields)]
 pub enum Command {
     /// Report the agent (pid, pool address).
@@ -147,6 +147,13 @@ pub enum Command {
         /// How long to wait.
         wait_ms: u64,
     },
+    /// Publish these KV events (vLLM's format) on the worker's own KV event publisher:
+    /// the blocks migrated to it, as its engine would announce them. Only a worker
+    /// process started with a publisher (`worker --control`) takes it.
+    Publish {
+        /// The events, one batch.
+        events: Vec<kvscope_wire::KvEvent>,
+    },
     /// Invalidate every remote nixl-sys tracks, deregister the pool, destroy the agent.
     /// A worker process exits after replying.
     Shutdown,
@@ -168,6 +175,7 @@ impl Command {
             Command::Verify { .. } => "verify",
             Command::GenNotif { .. } => "gen_notif",
             Command::CollectNotifs { .. } => "collect_notifs",
+            Command::Publish { .. } => "publish",
             Command::Shutdown => "shutdown",
         }
     }

@@ -225,6 +225,9 @@ impl Worker {
             Command::GenNotif { to, msg } => self.gen_notif(&to, &msg),
             Command::CollectNotifs { expected, wait_ms } => self.collect_notifs(expected, wait_ms),
             Command::Shutdown => self.shutdown(),
+            Command::Publish { .. } => {
+                Reply::failed("this worker has no KV event publisher (worker --control has)")
+            }
         }
     }
 

@@ -1,5 +1,6 @@
-//! The serving workers' NIXL side: every agent lives on one driver thread (as in `run`'s
-//! in-process mode), which takes jobs from the HTTP handlers. At start every ordered
+//! The serving workers' NIXL side: one driver thread takes jobs from the HTTP handlers
+//! and drives every agent — in this process (as in `run`'s in-process mode), or in an
+//! engine's sidecar over its control socket (`kvscope-nixl-lab sidecar`). At start every ordered
 //! pair exchanges metadata and moves one probe block, so the path is proven and its
 //! bandwidth measured before any directive (the actuator prices migrations from these
 //! figures). A migration is then a fresh handshake (the target loads the source's
@@ -11,11 +12,11 @@ use std::time::Duration;
 
 use serde::Serialize;
 
+use crate::link::WorkerLink;
 use crate::plan::Corruption;
 use crate::protocol::{AgentInfo, Command, Reply, TransferSpec, WorkerSpec};
 use crate::status::Injection;
 use crate::truth::{CallOutcome, HandshakeRecord, Op, Phase, TransferOutcome, TransferRecord};
-use crate::worker::Worker;
 
 /// How long a transfer may stay in progress.
 const TRANSFER_TIMEOUT_MS: u64 = 5_000;
@@ -62,6 +63,11 @@ pub struct MigrationReport {
 
 enum Job {
     Migrate(MigrationJob, tokio::sync::oneshot::Sender<MigrationReport>),
+    Publish(
+        usize,
+        Vec<kvscope_wire::KvEvent>,
+        tokio::sync::oneshot::Sender<Result<(), String>>,
+    ),
     Shutdown(tokio::sync::oneshot::Sender<()>),
 }
 
@@ -75,6 +81,8 @@ pub struct FleetHandle {
 #[derive(Debug, Clone, Serialize)]
 pub struct FleetUp {
     pub agents: Vec<AgentInfo>,
+    /// Per worker, its sidecar's KV event publisher (none in this process).
+    pub kv_endpoints: Vec<Option<String>>,
     /// The start-up handshakes and probe transfers.
     pub handshakes_ok: u64,
     pub probe_transfers_ok: u64,
@@ -89,6 +97,20 @@ impl FleetHandle {
         }
         rx.await
             .unwrap_or_else(|_| lab_failure("the NIXL driver dropped the job"))
+    }
+
+    /// Publish `events` on sidecar `worker`'s own KV event publisher.
+    pub async fn publish(
+        &self,
+        worker: usize,
+        events: Vec<kvscope_wire::KvEvent>,
+    ) -> Result<(), String> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.jobs
+            .send(Job::Publish(worker, events, tx))
+            .map_err(|_| "the NIXL driver thread is gone".to_string())?;
+        rx.await
+            .unwrap_or_else(|_| Err("the NIXL driver dropped the job".into()))
     }
 
     /// Invalidate, deregister and destroy every agent.
@@ -108,9 +130,18 @@ fn lab_failure(detail: impl Into<String>) -> MigrationReport {
     }
 }
 
-/// Start the driver thread with one agent per spec, run the start-up handshakes and
+/// Where a serving worker's agent runs.
+#[derive(Debug, Clone)]
+pub enum Member {
+    /// In this process, set up from the spec.
+    InProcess(WorkerSpec),
+    /// In a sidecar, reached through its ready file.
+    Sidecar(std::path::PathBuf),
+}
+
+/// Start the driver thread with one agent per member, run the start-up handshakes and
 /// probes, and return once the fleet is up (or why it is not).
-pub fn start(specs: Vec<WorkerSpec>) -> Result<(FleetHandle, FleetUp), String> {
+pub fn start(specs: Vec<Member>) -> Result<(FleetHandle, FleetUp), String> {
     let (jobs, rx) = mpsc::channel();
     let (up_tx, up_rx) = mpsc::channel();
     std::thread::Builder::new()
@@ -132,27 +163,34 @@ pub fn start(specs: Vec<WorkerSpec>) -> Result<(FleetHandle, FleetUp), String> {
 }
 
 struct Driver {
-    workers: Vec<Worker>,
+    workers: Vec<WorkerLink>,
     infos: Vec<AgentInfo>,
     /// loaded[target][source]: the target holds the source's metadata.
     loaded: Vec<Vec<bool>>,
 }
 
-fn call(w: &mut Worker, cmd: Command) -> Result<Reply, String> {
+fn call(w: &mut WorkerLink, cmd: Command) -> Result<Reply, String> {
     let what = cmd.name();
-    let reply = w.handle(cmd);
+    let reply = w.call(cmd).map_err(|e| e.to_string())?;
     match reply.error {
-        Some(e) => Err(format!("{} {what}: {e}", w.name())),
+        Some(e) => Err(format!("worker {} {what}: {e}", w.pid())),
         None => Ok(reply),
     }
 }
 
+/// How long a sidecar's ready file may take to appear.
+const SIDECAR_WAIT: Duration = Duration::from_secs(60);
+
 impl Driver {
-    fn start(specs: Vec<WorkerSpec>) -> Result<(Self, FleetUp), String> {
+    fn start(specs: Vec<Member>) -> Result<(Self, FleetUp), String> {
         let mut workers = Vec::new();
         let mut infos = Vec::new();
         for spec in specs {
-            let mut w = Worker::new(spec).map_err(|e| e.to_string())?;
+            let mut w = match spec {
+                Member::InProcess(spec) => WorkerLink::in_process(spec),
+                Member::Sidecar(ready) => WorkerLink::sidecar(&ready, SIDECAR_WAIT),
+            }
+            .map_err(|e| e.to_string())?;
             let info = call(&mut w, Command::Hello)?
                 .agent
                 .ok_or("hello carried no agent info")?;
@@ -167,6 +205,11 @@ impl Driver {
         };
         let mut up = FleetUp {
             agents: d.infos.clone(),
+            kv_endpoints: d
+                .workers
+                .iter()
+                .map(|w| w.kv_endpoint().map(str::to_string))
+                .collect(),
             handshakes_ok: 0,
             probe_transfers_ok: 0,
         };
@@ -200,9 +243,16 @@ impl Driver {
                 Job::Migrate(job, reply) => {
                     let _ = reply.send(self.migrate(&job));
                 }
+                Job::Publish(i, events, reply) => {
+                    let r = match self.workers.get_mut(i) {
+                        Some(w) => call(w, Command::Publish { events }).map(|_| ()),
+                        None => Err(format!("no worker {i}")),
+                    };
+                    let _ = reply.send(r);
+                }
                 Job::Shutdown(done) => {
                     for w in &mut self.workers {
-                        let _ = w.handle(Command::Shutdown);
+                        let _ = w.call(Command::Shutdown);
                     }
                     let _ = done.send(());
                     return;

@@ -17,6 +17,10 @@
 //!   metadata before every target loads it from then on (NIXL_ERR_MISMATCH), `false`
 //!   stops it.
 //! - `GET /v1/status`, `GET /healthz`: workers, books, publishers, outcomes.
+//!
+//! A worker's NIXL agent and publisher live in this process, or in a sidecar inside its
+//! engine's process tree (`--worker …,sidecar=FILE`, see [`crate::sidecar`]), which this
+//! process drives over the sidecar's control socket.
 
 pub mod book;
 pub mod fleet;
@@ -34,7 +38,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use kvscope_wire::directive::{bearer_matches, MigrationDirective, IDEMPOTENCY_HEADER};
-use kvscope_wire::vllm_events::{decode_payload, encode_payload, frames, split_frames};
+use kvscope_wire::vllm_events::{decode_payload, split_frames};
 use kvscope_wire::{KvEvent, WorkerKey};
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, watch};
@@ -42,7 +46,7 @@ use tracing::{info, warn};
 use zeromq::{Socket, SocketRecv, SocketSend};
 
 use book::{BlockBook, BookFaults};
-use fleet::{FleetHandle, FleetUp, MigrationFailure, MigrationJob, MigrationReport};
+use fleet::{FleetHandle, FleetUp, Member, MigrationFailure, MigrationJob, MigrationReport};
 
 use crate::protocol::WorkerSpec;
 
@@ -61,12 +65,17 @@ pub struct ServeWorker {
     pub engine: Option<String>,
     /// Where to publish this worker's own KV events (`tcp://127.0.0.1:0` picks a port).
     pub kv_bind: String,
+    /// The ready file of the sidecar that holds this worker's NIXL agent and KV event
+    /// publisher inside its engine's process tree (`kvscope-nixl-lab sidecar`); none:
+    /// both live in this process. `name` must be the sidecar's agent name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sidecar: Option<std::path::PathBuf>,
 }
 
 impl std::str::FromStr for ServeWorker {
     type Err = String;
 
-    /// `name=decode-0,worker_id=7[,dp_rank=0][,engine=tcp://…][,kv=tcp://127.0.0.1:0]`
+    /// `name=decode-0,worker_id=7[,dp_rank=0][,engine=tcp://…][,kv=tcp://127.0.0.1:0][,sidecar=FILE]`
     fn from_str(s: &str) -> Result<Self, String> {
         let mut w = ServeWorker {
             name: String::new(),
@@ -76,6 +85,7 @@ impl std::str::FromStr for ServeWorker {
             },
             engine: None,
             kv_bind: "tcp://127.0.0.1:0".into(),
+            sidecar: None,
         };
         for part in s.split(',') {
             let Some((k, v)) = part.split_once('=') else {
@@ -88,9 +98,10 @@ impl std::str::FromStr for ServeWorker {
                 "dp_rank" => w.worker.dp_rank = v.parse().map_err(bad)?,
                 "engine" => w.engine = Some(v.to_string()),
                 "kv" => w.kv_bind = v.to_string(),
+                "sidecar" => w.sidecar = Some(v.into()),
                 _ => {
                     return Err(format!(
-                        "--worker {s:?}: unknown key {k:?} (name, worker_id, dp_rank, engine, kv)"
+                        "--worker {s:?}: unknown key {k:?} (name, worker_id, dp_rank, engine, kv, sidecar)"
                     ))
                 }
             }
@@ -270,18 +281,21 @@ pub async fn serve(cfg: ServeConfig, mut stop: watch::Receiver<bool>) -> anyhow:
     let reservation = kvscope_lab::ports::reserve_ports(cfg.workers.len())
         .context("picking NIXL listener ports")?;
     let ports = reservation.ports();
-    let specs: Vec<WorkerSpec> = cfg
+    let specs: Vec<Member> = cfg
         .workers
         .iter()
         .enumerate()
-        .map(|(i, w)| WorkerSpec {
-            name: w.name.clone(),
-            listen_port: ports[i],
-            blocks: cfg.blocks,
-            block_size: cfg.block_size,
-            fill: 0x31 + i as u8,
-            listener_delay_us: cfg.listener_delay_us,
-            progress_delay_us: cfg.progress_delay_us,
+        .map(|(i, w)| match &w.sidecar {
+            Some(ready) => Member::Sidecar(ready.clone()),
+            None => Member::InProcess(WorkerSpec {
+                name: w.name.clone(),
+                listen_port: ports[i],
+                blocks: cfg.blocks,
+                block_size: cfg.block_size,
+                fill: 0x31 + i as u8,
+                listener_delay_us: cfg.listener_delay_us,
+                progress_delay_us: cfg.progress_delay_us,
+            }),
         })
         .collect();
     let (fleet, up): (FleetHandle, FleetUp) =
@@ -296,18 +310,42 @@ pub async fn serve(cfg: ServeConfig, mut stop: watch::Receiver<bool>) -> anyhow:
         "NIXL workers up."
     );
 
+    for (w, a) in cfg.workers.iter().zip(&up.agents) {
+        if w.name != a.name {
+            bail!(
+                "worker {:?} is the agent {:?} (its sidecar's --name must be the worker's name)",
+                w.name,
+                a.name
+            );
+        }
+    }
     let mut workers = Vec::new();
     let mut tasks = Vec::new();
-    for w in &cfg.workers {
-        let mut socket = zeromq::PubSocket::new();
-        let ep = socket
-            .bind(&w.kv_bind)
-            .await
-            .with_context(|| format!("binding {}'s KV event publisher on {}", w.name, w.kv_bind))?;
+    for (i, w) in cfg.workers.iter().enumerate() {
         let (tx, rx) = mpsc::unbounded_channel();
+        let kv_endpoint = match up.kv_endpoints.get(i).cloned().flatten() {
+            // The sidecar publishes: forward the batches to it, in order.
+            Some(ep) => {
+                tasks.push(tokio::spawn(forward_to_sidecar(
+                    fleet.clone(),
+                    i,
+                    rx,
+                    stop.clone(),
+                )));
+                ep
+            }
+            None => {
+                let mut socket = zeromq::PubSocket::new();
+                let ep = socket.bind(&w.kv_bind).await.with_context(|| {
+                    format!("binding {}'s KV event publisher on {}", w.name, w.kv_bind)
+                })?;
+                tasks.push(tokio::spawn(publish_loop(socket, rx, stop.clone())));
+                ep.to_string()
+            }
+        };
         workers.push(WorkerState {
             cfg: w.clone(),
-            kv_endpoint: ep.to_string(),
+            kv_endpoint,
             fill_blocks: cfg.blocks / 2,
             book: Mutex::new(BlockBook::new()),
             undecodable: Default::default(),
@@ -315,7 +353,6 @@ pub async fn serve(cfg: ServeConfig, mut stop: watch::Receiver<bool>) -> anyhow:
             published: Default::default(),
             publish: tx,
         });
-        tasks.push(tokio::spawn(publish_loop(socket, rx, stop.clone())));
     }
     let shared = Arc::new(Shared {
         token: cfg.token.clone(),
@@ -377,6 +414,24 @@ pub async fn serve(cfg: ServeConfig, mut stop: watch::Receiver<bool>) -> anyhow:
     Ok(())
 }
 
+/// Hand batches to a sidecar's own publisher, in order.
+async fn forward_to_sidecar(
+    fleet: FleetHandle,
+    worker: usize,
+    mut rx: mpsc::UnboundedReceiver<Vec<KvEvent>>,
+    mut stop: watch::Receiver<bool>,
+) {
+    loop {
+        let events = tokio::select! {
+            e = rx.recv() => match e { Some(e) => e, None => return },
+            _ = stop.wait_for(|s| *s) => return,
+        };
+        if let Err(e) = fleet.publish(worker, events).await {
+            warn!(worker, error = %e, "Publishing KV events through the sidecar failed.");
+        }
+    }
+}
+
 /// Publish batches as vLLM does: `[topic "", seq, payload]`, seq from 0.
 async fn publish_loop(
     mut socket: zeromq::PubSocket,
@@ -389,16 +444,13 @@ async fn publish_loop(
             e = rx.recv() => match e { Some(e) => e, None => return },
             _ = stop.wait_for(|s| *s) => return,
         };
-        let ts = crate::worker::unix_ns() as f64 / 1e9;
-        let parts = frames(b"", seq, encode_payload(ts, &events, 0));
-        let msg: Vec<bytes::Bytes> = parts.into_iter().map(bytes::Bytes::from).collect();
-        match zeromq::ZmqMessage::try_from(msg) {
-            Ok(m) => {
+        match crate::sidecar::kv_message(seq, &events) {
+            Some(m) => {
                 if let Err(e) = socket.send(m).await {
                     warn!(error = %e, "Publishing KV events failed.");
                 }
             }
-            Err(e) => warn!(error = ?e, "Building a KV event message failed."),
+            None => warn!("Building a KV event message failed."),
         }
         seq += 1;
     }
@@ -763,6 +815,14 @@ mod tests {
         assert_eq!(w.worker.worker_id, 7);
         assert_eq!(w.engine.as_deref(), Some("tcp://127.0.0.1:5557"));
         assert_eq!(w.kv_bind, "tcp://127.0.0.1:0");
+        assert_eq!(w.sidecar, None);
+        let w: ServeWorker = "name=d-1,worker_id=8,sidecar=/run/sidecar-1.json"
+            .parse()
+            .unwrap();
+        assert_eq!(
+            w.sidecar.as_deref(),
+            Some(std::path::Path::new("/run/sidecar-1.json"))
+        );
         assert!("name=x"
             .parse::<ServeWorker>()
             .unwrap_err()

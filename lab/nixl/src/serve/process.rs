@@ -41,6 +41,9 @@ impl ServeProcess {
             if let Some(e) = &w.engine {
                 spec.push_str(&format!(",engine={e}"));
             }
+            if let Some(f) = &w.sidecar {
+                spec.push_str(&format!(",sidecar={}", f.display()));
+            }
             cmd.arg("--worker").arg(spec);
         }
         let stderr =
