@@ -345,6 +345,7 @@ mod tests {
             available_ns: None,
             delta_block_hashes: Vec::new(),
             delta_parent_hash: None,
+            nixl: None,
         }
     }
 

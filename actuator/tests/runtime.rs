@@ -103,6 +103,7 @@ fn spill(id: &str, decided_ns: u64, delta_blocks: u32) -> SpillVerdict {
         available_ns: None,
         delta_block_hashes: Vec::new(),
         delta_parent_hash: None,
+        nixl: None,
     }
 }
 

@@ -307,6 +307,46 @@ pub struct FleetAnalyzer {
     /// The latest verdicts' chains, oldest first (see [`Judged`]), and their hashes in all.
     judged: VecDeque<Judged>,
     judged_hashes: usize,
+    /// Per request named by NIXL notifications: the latest cumulative row of each
+    /// (node agent, local NIXL agent, remote NIXL agent), and the requests' arrival order.
+    request_nixl: RequestNixlRows,
+}
+
+/// What node agents reported moving per request (see [`FleetAnalyzer::request_nixl`]).
+#[derive(Debug, Default)]
+struct RequestNixlRows {
+    rows: HashMap<
+        String,
+        BTreeMap<(String, String, String), kvscope_wire::nixl::NixlRequestTransfers>,
+    >,
+    order: VecDeque<String>,
+}
+
+impl RequestNixlRows {
+    /// Requests remembered, oldest forgotten first (as many as verdicts are judged in
+    /// minutes at lab rates; a verdict's NIXL figures come within seconds of it).
+    const CAP: usize = 100_000;
+
+    fn apply(&mut self, agent: &str, rows: &[kvscope_wire::nixl::NixlRequestTransfers]) {
+        for r in rows {
+            if !self.rows.contains_key(&r.request_id) {
+                self.order.push_back(r.request_id.clone());
+                if self.order.len() > Self::CAP {
+                    if let Some(old) = self.order.pop_front() {
+                        self.rows.remove(&old);
+                    }
+                }
+            }
+            self.rows.entry(r.request_id.clone()).or_default().insert(
+                (
+                    agent.to_string(),
+                    r.local_agent.clone(),
+                    r.remote_agent.clone(),
+                ),
+                r.clone(),
+            );
+        }
+    }
 }
 
 impl FleetAnalyzer {
@@ -333,6 +373,7 @@ impl FleetAnalyzer {
             recent_store_ends: HashMap::new(),
             judged: VecDeque::new(),
             judged_hashes: 0,
+            request_nixl: RequestNixlRows::default(),
         }
     }
 
@@ -388,6 +429,20 @@ impl FleetAnalyzer {
     }
     pub fn recent_verdicts(&self) -> impl DoubleEndedIterator<Item = &SpillVerdict> {
         self.verdicts.iter()
+    }
+
+    /// What the node agents' NIXL probes saw move for `request_id` (its transfers named
+    /// it in their notifications), summed over agents; `None` when nothing did.
+    pub fn request_nixl(&self, request_id: &str) -> Option<kvscope_wire::nixl::RequestNixl> {
+        let rows = self.request_nixl.rows.get(request_id)?;
+        let mut n = kvscope_wire::nixl::RequestNixl::default();
+        for r in rows.values() {
+            n.transfers += r.transfers;
+            n.bytes += r.bytes;
+            n.nixl_seconds += r.nixl_ns as f64 / 1e9;
+            n.failed += r.failed;
+        }
+        Some(n)
     }
     /// The latest record time seen.
     pub fn watermark_ns(&self) -> u64 {
@@ -467,6 +522,7 @@ impl FleetAnalyzer {
                 let a = self.agents.entry(env.agent.clone()).or_default();
                 a.last_seen_ns = a.last_seen_ns.max(env.observed_ns);
                 a.nixl = Some(report.clone());
+                self.request_nixl.apply(&env.agent, &report.requests);
                 None
             }
         }

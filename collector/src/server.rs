@@ -98,7 +98,16 @@ async fn windows(State(s): State<Arc<Shared>>, Query(q): Query<Limit>) -> impl I
 async fn verdicts(State(s): State<Arc<Shared>>, Query(q): Query<Limit>) -> impl IntoResponse {
     let a = lock(&s.analyzer);
     let n = q.limit.unwrap_or(100);
-    let v: Vec<_> = a.recent_verdicts().rev().take(n).cloned().collect();
+    let v: Vec<_> = a
+        .recent_verdicts()
+        .rev()
+        .take(n)
+        .map(|v| {
+            let mut v = v.clone();
+            v.nixl = a.request_nixl(&v.request_id);
+            v
+        })
+        .collect();
     Json(v)
 }
 

@@ -73,6 +73,11 @@ pub struct SpillVerdict {
     /// block of the chain); none when the delta starts the chain.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub delta_parent_hash: Option<SequenceHash>,
+    /// What NIXL moved for this request as the node agents' probes saw it (transfers
+    /// whose notification named it: a migration's READs), joined when the verdict is
+    /// served (`/api/verdicts`); the fold leaves it out.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nixl: Option<kvscope_wire::nixl::RequestNixl>,
 }
 
 impl SpillVerdict {
@@ -164,6 +169,7 @@ impl SpillVerdict {
             delta_block_hashes: chain[chosen_overlap as usize..best_overlap as usize].to_vec(),
             delta_parent_hash: (chosen_overlap > 0 && gap > 0)
                 .then(|| chain[chosen_overlap as usize - 1]),
+            nixl: None,
         }
     }
 }

@@ -348,6 +348,7 @@ mod tests {
             available_ns: None,
             delta_block_hashes: Vec::new(),
             delta_parent_hash: None,
+            nixl: None,
         };
         let mut open = OpenWindow::new(0, 1_000_000_000, false);
         open.add_verdict(&verdict(2, 1, 16384, true));

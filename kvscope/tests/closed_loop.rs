@@ -591,6 +591,36 @@ max_age_secs = 10.0
             );
         }
     }
+    // And in the collector's verdicts: what NIXL moved for each migrated request.
+    let api = run.api();
+    wait_for(
+        "each migrated request's NIXL figures in /api/verdicts",
+        Duration::from_secs(30),
+        || {
+            let url = format!("{api}/api/verdicts?limit=100000");
+            let migrations = &migrations;
+            async move {
+                let verdicts: Vec<Value> = get_json(&url).await.map_err(|e| e.to_string())?;
+                for o in migrations {
+                    let Some(v) = verdicts.iter().find(|v| v["request_id"] == o.request_id) else {
+                        return Err(format!("no verdict for {}", o.request_id));
+                    };
+                    let got = (v["nixl"]["transfers"].as_u64(), v["nixl"]["bytes"].as_u64());
+                    if got != (Some(o.transfers), Some(o.bytes)) {
+                        return Err(format!(
+                            "{}: nixl {} vs the lab's {} transfers, {} bytes",
+                            o.request_id, v["nixl"], o.transfers, o.bytes
+                        ));
+                    }
+                    if v["nixl"]["nixl_seconds"].as_f64().unwrap_or(0.0) <= 0.0 {
+                        return Err(format!("{}: no NIXL time", o.request_id));
+                    }
+                }
+                Ok(())
+            }
+        },
+    )
+    .await;
 
     // The audit log explains both flips.
     actuator.stop(Duration::from_secs(5));

@@ -260,6 +260,40 @@ pub struct NixlReport {
     /// as of the report (empty: none).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub in_flight: Vec<NixlInFlight>,
+    /// Per request named by its transfers' notifications, the ones updated lately (at
+    /// most [`REPORTED_REQUESTS`], newest first): cumulative, so a lost report is made
+    /// good by the next one while the request is still in it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub requests: Vec<NixlRequestTransfers>,
+}
+
+/// The most requests one NIXL report carries.
+pub const REPORTED_REQUESTS: usize = 1024;
+
+/// What one local NIXL agent moved for one request, cumulative: the transfers whose
+/// notification named the request ([`notif_request_id`]), to or from `remote_agent`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NixlRequestTransfers {
+    pub request_id: String,
+    pub local_agent: String,
+    pub remote_agent: String,
+    /// Transfers that completed, their bytes, and Σ post → done.
+    pub transfers: u64,
+    pub bytes: u64,
+    pub nixl_ns: u64,
+    /// Transfers that failed (at post, at completion, or released in flight).
+    #[serde(default)]
+    pub failed: u64,
+}
+
+/// A request's NIXL transfers summed over agents (`/api/verdicts`' `nixl`).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct RequestNixl {
+    pub transfers: u64,
+    pub bytes: u64,
+    /// Σ post → done, seconds.
+    pub nixl_seconds: f64,
+    pub failed: u64,
 }
 
 /// Transfers of one (pid, local agent, remote agent) posted and in progress: their

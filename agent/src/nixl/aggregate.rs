@@ -194,6 +194,8 @@ pub struct NixlAggregator {
     requests: HashMap<(u32, u64), RequestInfo>,
     transfers: BTreeMap<TransferKey, Tally>,
     calls: BTreeMap<CallKey, Tally>,
+    /// Per request named by a notification: what each (local, remote) pair moved for it.
+    by_request: RequestTallies,
     /// Events that could not be attributed (a completion for an unknown request...).
     pub unattributed: u64,
 }
@@ -238,6 +240,24 @@ impl NixlAggregator {
             .entry(key)
             .or_insert_with(Tally::new)
             .add(bytes, descs, latency);
+        let request_id = info
+            .notif
+            .as_deref()
+            .filter(|_| !info.notif_truncated)
+            .and_then(kvscope_wire::nixl::notif_request_id);
+        if let Some(rid) = request_id {
+            let ok = stage == XferStage::Complete && e.status == 0;
+            let failed = e.status < 0 || stage == XferStage::ReleasedInFlight;
+            if ok || failed {
+                self.by_request.add(
+                    rid,
+                    &info.local,
+                    &info.remote,
+                    ok.then_some((bytes, e.latency_ns)),
+                    e.ts_ns,
+                );
+            }
+        }
         observe(Observed {
             pid,
             local: &info.local,
@@ -251,11 +271,7 @@ impl NixlAggregator {
             latency_ns: latency,
             ts_ns: e.ts_ns,
             notif: info.notif.as_deref(),
-            request_id: info
-                .notif
-                .as_deref()
-                .filter(|_| !info.notif_truncated)
-                .and_then(kvscope_wire::nixl::notif_request_id),
+            request_id,
         });
     }
 
@@ -490,7 +506,91 @@ impl NixlAggregator {
             events_malformed: self.unattributed,
             owners: Vec::new(),
             in_flight: Vec::new(),
+            requests: Vec::new(),
         }
+    }
+
+    /// The requests whose transfers moved within `window_ns` of `now_ns` (the probes'
+    /// clock), newest first, at most [`kvscope_wire::nixl::REPORTED_REQUESTS`].
+    pub fn recent_requests(
+        &self,
+        now_ns: u64,
+        window_ns: u64,
+    ) -> Vec<kvscope_wire::nixl::NixlRequestTransfers> {
+        self.by_request.recent(now_ns, window_ns)
+    }
+}
+
+/// Per (request, local agent, remote agent): what moved, and when it last changed.
+#[derive(Debug, Default)]
+struct RequestTallies {
+    map: HashMap<(String, String, String), (kvscope_wire::nixl::NixlRequestTransfers, u64)>,
+    /// Keys in the order first seen, to forget the oldest beyond [`Self::CAP`].
+    order: std::collections::VecDeque<(String, String, String)>,
+}
+
+impl RequestTallies {
+    const CAP: usize = 4 * kvscope_wire::nixl::REPORTED_REQUESTS;
+
+    /// Count one transfer's end for `request_id`: `Some((bytes, post → done ns))` when it
+    /// completed, `None` when it failed.
+    fn add(
+        &mut self,
+        request_id: &str,
+        local: &str,
+        remote: &str,
+        done: Option<(u64, u64)>,
+        at_ns: u64,
+    ) {
+        let key = (
+            request_id.to_string(),
+            local.to_string(),
+            remote.to_string(),
+        );
+        if !self.map.contains_key(&key) {
+            self.order.push_back(key.clone());
+            if self.order.len() > Self::CAP {
+                if let Some(old) = self.order.pop_front() {
+                    self.map.remove(&old);
+                }
+            }
+        }
+        let (t, updated) = self.map.entry(key).or_insert_with(|| {
+            (
+                kvscope_wire::nixl::NixlRequestTransfers {
+                    request_id: request_id.to_string(),
+                    local_agent: local.to_string(),
+                    remote_agent: remote.to_string(),
+                    transfers: 0,
+                    bytes: 0,
+                    nixl_ns: 0,
+                    failed: 0,
+                },
+                0,
+            )
+        });
+        match done {
+            Some((bytes, ns)) => {
+                t.transfers += 1;
+                t.bytes += bytes;
+                t.nixl_ns += ns;
+            }
+            None => t.failed += 1,
+        }
+        *updated = (*updated).max(at_ns);
+    }
+
+    fn recent(&self, now_ns: u64, window_ns: u64) -> Vec<kvscope_wire::nixl::NixlRequestTransfers> {
+        let mut v: Vec<_> = self
+            .map
+            .values()
+            .filter(|(_, at)| now_ns.saturating_sub(*at) <= window_ns)
+            .collect();
+        v.sort_by_key(|t| std::cmp::Reverse(t.1));
+        v.into_iter()
+            .take(kvscope_wire::nixl::REPORTED_REQUESTS)
+            .map(|(t, _)| t.clone())
+            .collect()
     }
 }
 
@@ -611,6 +711,24 @@ mod tests {
                 "{text:?}"
             );
         }
+        // Per request: what moved, from the transfers that named it (only the first).
+        let rows = a.recent_requests(u64::MAX / 2, u64::MAX);
+        assert_eq!(rows.len(), 1, "{rows:?}");
+        assert_eq!(rows[0].request_id, "cmpl-7-0");
+        assert_eq!((rows[0].transfers, rows[0].failed), (1, 0));
+        // A failed transfer for the same request, and one that moved long ago.
+        a.apply(&ev(EventKind::XferNotif, |e| {
+            e.req = 0x40;
+            e.name = "cmpl-7-0:1".into();
+        }));
+        a.apply(&ev(EventKind::XferPost, |e| {
+            e.req = 0x40;
+            e.status = -2;
+            e.ts_ns = 50;
+        }));
+        let rows = a.recent_requests(100, 60);
+        assert_eq!((rows[0].transfers, rows[0].failed), (1, 1));
+        assert!(a.recent_requests(1_000, 60).is_empty(), "none moved lately");
     }
 
     #[test]

@@ -20,6 +20,10 @@ use tokio::io::unix::AsyncFd;
 use tokio::task::JoinHandle;
 use tracing::{info, warn};
 
+/// How long a request's transfers stay in the reports after they last moved: long
+/// enough that a report lost on the way is made good by a later one.
+pub const REQUESTS_WINDOW_NS: u64 = 30_000_000_000;
+
 /// What to trace.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -186,7 +190,8 @@ impl NixlTracer {
         Ok(tracer)
     }
 
-    /// The figures so far, with each library's status and the records lost.
+    /// The figures so far, with each library's status and the records lost, and the
+    /// requests whose transfers moved in the last [`REQUESTS_WINDOW_NS`].
     pub fn report(&self) -> NixlReport {
         let lost: u64 = lock(&self.attached)
             .values()
@@ -195,7 +200,9 @@ impl NixlTracer {
         let mut st = lock(&self.state);
         forget_exited(&mut st);
         let mut r = st.aggregator.report();
-        r.in_flight = st.aggregator.in_flight(monotonic_ns());
+        let now = monotonic_ns();
+        r.in_flight = st.aggregator.in_flight(now);
+        r.requests = st.aggregator.recent_requests(now, REQUESTS_WINDOW_NS);
         r.libraries = st.libraries.values().cloned().collect();
         r.events_lost = lost;
         r.events_malformed += st.malformed;
