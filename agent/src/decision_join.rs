@@ -805,19 +805,11 @@ mod captured_jsonl {
                 spans.insert((s("request_id"), s("span_name")), t);
             }
         }
-        let decide = |source: DecisionSource, text: &str| {
-            let mut p = RouterLogProcessor::with_source(30 * 1_000_000_000, 1000, source);
-            let mut out = Vec::new();
-            for line in text.lines() {
-                for o in p.line(line, 0) {
-                    match o {
-                        LogOutput::Decision(d) => out.push(d),
-                        LogOutput::TracedDecision { decision, .. } => out.push(decision),
-                        _ => {}
-                    }
-                }
-            }
-            out
+        let decide = |source: DecisionSource, text: &str| -> Vec<RoutingDecision> {
+            super::captured_trace::decide(source, text)
+                .into_iter()
+                .map(|(d, _)| d)
+                .collect()
         };
         let routed = decide(DecisionSource::RoutingInput, &log);
         assert_eq!(routed.len(), 9);
@@ -853,6 +845,29 @@ mod captured_jsonl {
 mod captured_trace {
     use super::*;
 
+    /// The decisions `source` takes from `text`, with the arrival time of those from the
+    /// request trace; a malformed line fails the test.
+    pub(super) fn decide(
+        source: DecisionSource,
+        text: &str,
+    ) -> Vec<(RoutingDecision, Option<u64>)> {
+        let mut p = RouterLogProcessor::with_source(30 * 1_000_000_000, 1000, source);
+        let mut out = Vec::new();
+        for line in text.lines() {
+            for o in p.line(line, 0) {
+                match o {
+                    LogOutput::Decision(d) => out.push((d, None)),
+                    LogOutput::TracedDecision { decision, at_ns } => {
+                        out.push((decision, Some(at_ns)))
+                    }
+                    LogOutput::Malformed(e) => panic!("{e}: {line}"),
+                    _ => {}
+                }
+            }
+        }
+        out
+    }
+
     fn read(name: &str) -> String {
         std::fs::read_to_string(format!(
             "{}/../lab/fixtures/samples/{name}",
@@ -870,23 +885,6 @@ mod captured_trace {
     fn request_trace_decisions_equal_the_routing_lines() {
         let debug = read("router_log_jsonl_debug_with_trace.log");
         let trace = read("request_trace.jsonl");
-        let decide = |source: DecisionSource, text: &str| {
-            let mut p = RouterLogProcessor::with_source(30 * 1_000_000_000, 1000, source);
-            let mut out = Vec::new();
-            for line in text.lines() {
-                for o in p.line(line, 0) {
-                    match o {
-                        LogOutput::Decision(d) => out.push((d, None)),
-                        LogOutput::TracedDecision { decision, at_ns } => {
-                            out.push((decision, Some(at_ns)))
-                        }
-                        LogOutput::Malformed(e) => panic!("{e}: {line}"),
-                        _ => {}
-                    }
-                }
-            }
-            out
-        };
         let routed = decide(DecisionSource::RoutingInput, &debug);
         let traced = decide(DecisionSource::RequestTrace, &trace);
         assert_eq!((routed.len(), traced.len()), (9, 9));

@@ -213,6 +213,17 @@ impl NixlAggregator {
             .unwrap_or_else(|| UNKNOWN_AGENT.to_string())
     }
 
+    /// The request `e` is about, known from its creation or first seen now.
+    fn request_of(&mut self, pid: u32, e: &NixlEvent) -> &mut RequestInfo {
+        let local = self.local_name(pid, e.agent);
+        self.requests
+            .entry((pid, e.req))
+            .or_insert_with(|| RequestInfo {
+                local,
+                ..RequestInfo::default()
+            })
+    }
+
     fn count_transfer(
         &mut self,
         pid: u32,
@@ -349,14 +360,7 @@ impl NixlAggregator {
                 }
             }
             EventKind::XferPost => {
-                let local = self.local_name(pid, e.agent);
-                let info = self
-                    .requests
-                    .entry((pid, e.req))
-                    .or_insert_with(|| RequestInfo {
-                        local,
-                        ..RequestInfo::default()
-                    });
+                let info = self.request_of(pid, e);
                 if e.flags & flags::OFFSETS_KNOWN != 0 {
                     if e.op >= 0 {
                         info.op = Some(e.op);
@@ -377,14 +381,7 @@ impl NixlAggregator {
                 }
             }
             EventKind::XferNotif => {
-                let local = self.local_name(pid, e.agent);
-                let info = self
-                    .requests
-                    .entry((pid, e.req))
-                    .or_insert_with(|| RequestInfo {
-                        local,
-                        ..RequestInfo::default()
-                    });
+                let info = self.request_of(pid, e);
                 // Binary notifications are not invented into text.
                 info.notif = (!e.name.is_empty() && e.name.chars().all(|c| !c.is_control()))
                     .then(|| e.name.clone());

@@ -7,7 +7,7 @@
 //! ([`SidecarReady`]) naming its control address, publisher and NIXL listener, which the
 //! coordinator waits for.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufReader, Write};
 use std::net::TcpListener;
 use std::path::Path;
 use std::time::Duration;
@@ -71,40 +71,25 @@ pub fn serve(
     let (stream, _) = listener
         .accept()
         .map_err(|e| format!("accepting the coordinator: {e}"))?;
-    let mut out = stream.try_clone().map_err(|e| e.to_string())?;
-    let send = |out: &mut std::net::TcpStream, reply: &Reply| -> Result<(), String> {
+    let out = std::sync::Mutex::new(stream.try_clone().map_err(|e| e.to_string())?);
+    let send = |reply: &Reply| -> Result<(), String> {
         let line = serde_json::to_string(reply).map_err(|e| e.to_string())?;
+        let mut out = out.lock().unwrap_or_else(|e| e.into_inner());
         writeln!(out, "{LINE_PREFIX}{line}")
             .and_then(|_| out.flush())
             .map_err(|e| e.to_string())
     };
-    for line in BufReader::new(stream).lines() {
-        let line = line.map_err(|e| e.to_string())?;
-        let Some(json) = line.strip_prefix(LINE_PREFIX) else {
-            continue;
-        };
-        let cmd: Command = match serde_json::from_str(json) {
-            Ok(c) => c,
-            Err(e) => {
-                send(&mut out, &Reply::failed(format!("bad command: {e}")))?;
-                continue;
-            }
-        };
-        let last = matches!(cmd, Command::Shutdown);
-        let reply = match cmd {
-            Command::Publish { events } => match publish.send(events) {
-                Ok(()) => Reply::default(),
-                Err(_) => Reply::failed("the KV event publisher is gone"),
-            },
-            cmd => worker.handle(cmd),
-        };
-        send(&mut out, &reply)?;
-        if last {
-            return Ok(());
-        }
+    let shut_down = crate::worker::serve_lines(BufReader::new(stream), send, |cmd| match cmd {
+        Command::Publish { events } => match publish.send(events) {
+            Ok(()) => Reply::default(),
+            Err(_) => Reply::failed("the KV event publisher is gone"),
+        },
+        cmd => worker.handle(cmd),
+    })?;
+    if !shut_down {
+        // The coordinator is gone: release everything in order anyway.
+        let _ = worker.handle(Command::Shutdown);
     }
-    // The coordinator is gone: release everything in order anyway.
-    let _ = worker.handle(Command::Shutdown);
     Ok(())
 }
 

@@ -854,7 +854,22 @@ pub fn serve_stdio(
         }
     };
     let stdin = std::io::stdin();
-    for line in stdin.lock().lines() {
+    if !serve_lines(stdin.lock(), send, |cmd| worker.handle(cmd))? {
+        // The coordinator is gone (end of input): release everything in order anyway.
+        let _ = worker.handle(Command::Shutdown);
+    }
+    Ok(())
+}
+
+/// Answer one command per protocol line of `input` through `send`, until `Shutdown`
+/// (answered: `true`) or the end of input (`false`). Lines without [`LINE_PREFIX`] are
+/// skipped.
+pub fn serve_lines(
+    input: impl BufRead,
+    send: impl Fn(&Reply) -> Result<(), String>,
+    mut handle: impl FnMut(Command) -> Reply,
+) -> Result<bool, String> {
+    for line in input.lines() {
         let line = line.map_err(|e| e.to_string())?;
         let Some(json) = line.strip_prefix(LINE_PREFIX) else {
             continue;
@@ -867,13 +882,10 @@ pub fn serve_stdio(
             }
         };
         let last = matches!(cmd, Command::Shutdown);
-        let reply = worker.handle(cmd);
-        send(&reply)?;
+        send(&handle(cmd))?;
         if last {
-            return Ok(());
+            return Ok(true);
         }
     }
-    // The coordinator is gone (end of input): release everything in order anyway.
-    let _ = worker.handle(Command::Shutdown);
-    Ok(())
+    Ok(false)
 }
