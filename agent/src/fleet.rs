@@ -135,7 +135,7 @@ pub fn resolve_endpoint(fleet: &Fleet, endpoint: &str, proc_root: &Path) -> Resu
     };
     let owner = crate::owners::worker_of_process(fleet, &sockets, proc_root, pid);
     owner.worker_id.ok_or_else(|| {
-        let hint = if owner.how.contains("serves several workers") {
+        let hint = if owner.ambiguous {
             format!("; give --kv {endpoint}=WORKER_ID")
         } else {
             String::new()

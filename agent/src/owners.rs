@@ -65,6 +65,9 @@ pub struct ProcessOwner {
     /// The dp rank, when the worker has several and exactly one rank's publisher is in
     /// the process's tree.
     pub dp_rank: Option<u32>,
+    /// Not told because several workers are served at the same distance (only a
+    /// mapping given by hand can say which).
+    pub ambiguous: bool,
     /// How it was told, or why not.
     pub how: String,
 }
@@ -80,6 +83,7 @@ pub fn worker_of_process(
         return ProcessOwner {
             worker_id: None,
             dp_rank: None,
+            ambiguous: false,
             how: "no workers in Dynamo's discovery store yet".into(),
         };
     }
@@ -91,6 +95,7 @@ pub fn worker_of_process(
         .iter()
         .filter_map(|(&w, pids)| Some((depth_in_chain(pids)?, w)))
         .collect();
+    let mut ambiguous = false;
     let (worker, how) = if let Some(&(best, _)) = by_depth.iter().min() {
         let at_best: Vec<u64> = by_depth
             .iter()
@@ -104,7 +109,10 @@ pub fn worker_of_process(
         };
         match at_best[..] {
             [w] => (Some(w), how),
-            _ => (None, format!("{how} serves several workers ({at_best:?})")),
+            _ => {
+                ambiguous = true;
+                (None, format!("{how} serves several workers ({at_best:?})"))
+            }
         }
     } else if let Some(pod) = procfs::pod_of(proc_root, pid) {
         let in_pod: Vec<u64> = served
@@ -119,10 +127,13 @@ pub fn worker_of_process(
         match in_pod[..] {
             [w] => (Some(w), format!("same pod {pod}")),
             [] => (None, format!("no worker is served from its pod {pod}")),
-            _ => (
-                None,
-                format!("pod {pod} serves several workers ({in_pod:?})"),
-            ),
+            _ => {
+                ambiguous = true;
+                (
+                    None,
+                    format!("pod {pod} serves several workers ({in_pod:?})"),
+                )
+            }
         }
     } else {
         (
@@ -147,6 +158,7 @@ pub fn worker_of_process(
     ProcessOwner {
         worker_id: worker,
         dp_rank,
+        ambiguous,
         how,
     }
 }
@@ -160,13 +172,12 @@ pub fn tell(
     agent: &str,
 ) -> NixlAgentOwner {
     let o = worker_of_process(fleet, sockets, proc_root, pid);
-    let several = o.worker_id.is_none() && o.how.contains("serves several workers");
     NixlAgentOwner {
         agent: agent.to_string(),
         pid,
         worker_id: o.worker_id,
         dp_rank: o.dp_rank,
-        how: if several {
+        how: if o.ambiguous {
             format!("{}; map it in the actuator's [[worker_agents]]", o.how)
         } else {
             o.how

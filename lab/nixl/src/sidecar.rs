@@ -41,11 +41,7 @@ pub fn serve(
     ready_file: &Path,
     deadline: Duration,
 ) -> Result<(), String> {
-    std::thread::spawn(move || {
-        std::thread::sleep(deadline);
-        eprintln!("kvscope-nixl-lab worker: deadline of {deadline:?} reached; exiting");
-        std::process::exit(3);
-    });
+    crate::worker::exit_after(deadline);
     if spec.listen_port == 0 {
         // Held until just before the agent binds it.
         let held = kvscope_lab::ports::reserve_ports(1).map_err(|e| e.to_string())?;

@@ -819,6 +819,15 @@ impl Worker {
     }
 }
 
+/// End this worker process (status 3) once `deadline` has passed, whatever it is doing.
+pub fn exit_after(deadline: Duration) {
+    std::thread::spawn(move || {
+        std::thread::sleep(deadline);
+        eprintln!("kvscope-nixl-lab worker: deadline of {deadline:?} reached; exiting");
+        std::process::exit(3);
+    });
+}
+
 /// Runs a worker process: creates the worker from `spec`, then answers one command per
 /// line on stdin with one reply per line on stdout until `Shutdown` or end of input.
 /// `deadline` bounds the whole life of the process; `start_delay` is a pause after the
@@ -828,11 +837,7 @@ pub fn serve_stdio(
     deadline: Duration,
     start_delay: Duration,
 ) -> Result<(), String> {
-    std::thread::spawn(move || {
-        std::thread::sleep(deadline);
-        eprintln!("kvscope-nixl-lab worker: deadline of {deadline:?} reached; exiting");
-        std::process::exit(3);
-    });
+    exit_after(deadline);
     let stdout = std::io::stdout();
     let send = |reply: &Reply| -> Result<(), String> {
         let line = serde_json::to_string(reply).map_err(|e| e.to_string())?;
