@@ -27,6 +27,7 @@
 //! discover = true      # also libraries mapped by running processes, rescanned
 //! scan_interval_secs = 2.0
 //! report_interval_secs = 1.0
+//! completion_sites = true  # false: probe every getXferStatus poll instead (costlier)
 //! # pid = 1234         # only this process
 //!
 //! [nats]             # who this agent is to NATS (see kvscope_wire::nats_security)
@@ -132,7 +133,8 @@ pub struct AgentConfig {
     /// (default 5).
     pub shutdown_grace_secs: f64,
     /// eBPF tracing of NIXL (default off). Env: `KVSCOPE_AGENT_NIXL` (`1`/`true`),
-    /// `KVSCOPE_AGENT_NIXL_LIBS` (comma-separated paths), `KVSCOPE_AGENT_NIXL_PID`.
+    /// `KVSCOPE_AGENT_NIXL_LIBS` (comma-separated paths), `KVSCOPE_AGENT_NIXL_PID`,
+    /// `KVSCOPE_AGENT_NIXL_COMPLETION_SITES`.
     pub nixl: NixlTraceConfig,
     /// Dynamo's discovery store (default none): workers, models, KV publishers. Env:
     /// Dynamo's own `DYN_DISCOVERY_BACKEND`, `DYN_FILE_KV`, `ETCD_ENDPOINTS`,
@@ -345,6 +347,9 @@ impl AgentConfig {
         if let Some(v) = env.parse("KVSCOPE_AGENT_NIXL_PID")? {
             self.nixl.pid = Some(v);
             self.nixl.enabled = true;
+        }
+        if let Some(v) = env.flag("KVSCOPE_AGENT_NIXL_COMPLETION_SITES") {
+            self.nixl.completion_sites = v;
         }
         if let Some(v) = env.flag("KVSCOPE_AGENT_EVENT_PLANE") {
             self.event_plane = Some(v);

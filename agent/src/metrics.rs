@@ -190,6 +190,7 @@ pub fn write_nixl(out: &mut Exposition, agent: &str, r: &NixlReport) {
             ("path", &l.path),
             ("build_id", &l.build_id),
             ("offsets_known", &l.offsets_known.to_string()),
+            ("completion_sites", &l.completion_sites.to_string()),
             ("probes", &l.probes_attached.to_string()),
         ]);
         out.gauge(name, &l_labels, u8::from(l.degraded.is_none()));

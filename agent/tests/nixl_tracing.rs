@@ -182,6 +182,7 @@ fn tracer_config(libraries: Vec<PathBuf>, discover: bool, pid: Option<u32>) -> N
         libraries,
         discover,
         pid,
+        completion_sites: true,
         scan_interval_secs: 0.1,
         report_interval_secs: 1.0,
     }
@@ -426,17 +427,41 @@ async fn traced_counts_equal_the_lab_truth_in_one_process_and_across_processes()
     let tracer = start_tracer(&tracer_config(vec![libs.libnixl.clone()], false, None)).await;
     let st = &tracer.report().libraries[0];
     assert!(
-        st.offsets_known && st.degraded.is_none(),
-        "the wheel's build is fully traced: {st:?}"
+        st.offsets_known && st.completion_sites && st.degraded.is_none(),
+        "the wheel's build is fully traced, its transfers' ends at its completion \
+         sites: {st:?}"
     );
+    lab_truth_is_traced_exactly(
+        &tracer,
+        &[
+            &["--scenario", "mixed"][..],
+            &["--scenario", "mixed", "--processes"][..],
+        ],
+    )
+    .await;
+}
 
-    for args in [
-        &["--scenario", "mixed"][..],
-        &["--scenario", "mixed", "--processes"][..],
-    ] {
+/// The status-call probes (what a build without completion sites gets, or an operator
+/// asking for them) give the same exact figures on the same build.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_status_call_probes_give_the_same_figures() {
+    let libs = support::nixl_libs();
+    let mut cfg = tracer_config(vec![libs.libnixl.clone()], false, None);
+    cfg.completion_sites = false;
+    let tracer = start_tracer(&cfg).await;
+    let st = &tracer.report().libraries[0];
+    assert!(
+        st.offsets_known && !st.completion_sites && st.degraded.is_none(),
+        "{st:?}"
+    );
+    lab_truth_is_traced_exactly(&tracer, &[&["--scenario", "mixed", "--processes"][..]]).await;
+}
+
+async fn lab_truth_is_traced_exactly(tracer: &NixlTracer, runs: &[&[&str]]) {
+    for args in runs {
         let truth = run_lab(args);
         let pids = truth_pids(&truth);
-        let report = settle(&tracer, &pids, &truth).await;
+        let report = settle(tracer, &pids, &truth).await;
         eprintln!(
             "lab {args:?}: {} transfers, {} handshakes, pids {pids:?}",
             truth.transfers.len(),
@@ -510,7 +535,7 @@ async fn an_unknown_build_is_counted_without_bytes_and_says_why() {
     let lib = copy.join("libnixl.so");
     let tracer = start_tracer(&tracer_config(vec![lib.clone()], false, None)).await;
     let st = tracer.report().libraries[0].clone();
-    assert!(!st.offsets_known, "{st:?}");
+    assert!(!st.offsets_known && !st.completion_sites, "{st:?}");
     let why = st
         .degraded
         .clone()

@@ -37,6 +37,31 @@ const volatile __u64 off_req_has_notif = 0;  /* nixlXferReqH → bool hasNotif *
 const volatile __u64 off_dlist_begin = 0;    /* nixlDescList → descriptors vector begin */
 const volatile __u64 desc_stride = 0;        /* sizeof(nixlBlobDesc) */
 const volatile __u64 off_desc_len = 0;       /* nixlBlobDesc → len */
+const volatile __u64 off_req_status = 0;     /* nixlXferReqH → nixl_status_t status */
+
+/*
+ * Completion sites (agent/src/nixl/offsets.rs, `TransferSites`): probes on single
+ * instructions inside NIXL's methods, on paths that run once per transfer end, so that
+ * nothing fires on the busy-polled getXferStatus until a transfer's status changes and
+ * nothing on a release unless the transfer is still in flight. Where a site finds a
+ * value is build-specific too: SRC_REG | register, SRC_FRAME | offset below the
+ * frame pointer, or SRC_CONST | the value a path returns without storing it. 0 = this build has no sites (the status-call probes are attached).
+ */
+#define SRC_REG (1ull << 32)
+#define SRC_FRAME (2ull << 32)
+#define SRC_CONST (3ull << 32) /* the low 32 bits are the value (a status) */
+#define REG_RBX 0
+#define REG_RBP 1
+#define REG_R12 2
+#define REG_R13 3
+#define REG_R14 4
+#define REG_R15 5
+const volatile __u64 site_create_status = 0; /* createXferReq's status at its site */
+const volatile __u64 site_make_status = 0;   /* makeXferReq's status at its site */
+const volatile __u64 site_post_status = 0;   /* postXferReq's status at its site */
+const volatile __u64 site_done_req = 0;      /* the request at getXferStatus' sites */
+const volatile __u64 site_stale_status = 0;  /* what its stale-remote path returns */
+const volatile __u64 site_release_req = 0;   /* the request at releaseXferReq's site */
 
 struct {
 	__uint(type, BPF_MAP_TYPE_RINGBUF);
@@ -56,6 +81,7 @@ struct call_entry {
 	__u64 ts_ns;
 	__u64 agent;
 	__u64 arg;   /* a pointer the return probe needs (out parameter or name) */
+	__u64 arg2;  /* another (createXferReq's remote agent name) */
 	__u64 bytes;
 	__u32 descs;
 	__s32 op;
@@ -121,6 +147,31 @@ struct {
 	__type(key, __u32);
 	__type(value, struct call_entry);
 } scratch SEC(".maps");
+
+/* The value a site's `src` names, read from the registers or the frame at the site. */
+static __always_inline __u64 site_value(struct pt_regs *ctx, __u64 src)
+{
+	__u64 v = src & 0xffffffffull;
+	if ((src >> 32) == (SRC_REG >> 32)) {
+		switch (v) {
+		case REG_RBX: return ctx->rbx;
+		case REG_RBP: return ctx->rbp;
+		case REG_R12: return ctx->r12;
+		case REG_R13: return ctx->r13;
+		case REG_R14: return ctx->r14;
+		case REG_R15: return ctx->r15;
+		}
+		return 0;
+	}
+	if ((src >> 32) == (SRC_CONST >> 32))
+		return v;
+	if ((src >> 32) == (SRC_FRAME >> 32)) {
+		__u64 x = 0;
+		bpf_probe_read_user(&x, sizeof(x), (const char *)ctx->rbp - v);
+		return x;
+	}
+	return 0;
+}
 
 static __always_inline void count_lost(void)
 {

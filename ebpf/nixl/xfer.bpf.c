@@ -16,8 +16,12 @@
  *   getXferStatus(nixlXferReqH *req)                                       rsi
  *   releaseXferReq(nixlXferReqH *req)                                      rsi
  *
- * getXferStatus is busy-polled (UCX progress runs inside it), so its probes do one
- * hash lookup and nothing else unless the request is in flight.
+ * Where the build's completion sites are known (common.h), the returns are seen at one
+ * instruction each instead of by return probes, a transfer's end at getXferStatus' two
+ * status-change paths and a release only when it finds the transfer in flight: nothing
+ * fires on a busy poll or a plain release. Otherwise the status-call probes below do:
+ * getXferStatus is busy-polled (UCX progress runs inside it), so they do one hash lookup
+ * and nothing else unless the request is in flight.
  */
 #include "common.h"
 
@@ -52,7 +56,9 @@ int BPF_KPROBE(create_xfer_enter, void *self, const __s32 *op, void *local, void
 	bpf_probe_read_user(&o, sizeof(o), op);
 	c->op = o;
 	c->arg = (__u64)req_out;
-	c->name_len = read_std_string(c->name, remote_agent, &c->flags);
+	/* The remote agent's name is read at the return, and only where the request will
+	 * not name it (the argument lives until then: the caller's reference). */
+	c->arg2 = (__u64)remote_agent;
 	store_call(CALL_CREATE_XFER_REQ, c);
 	return 0;
 }
@@ -72,10 +78,14 @@ int BPF_KPROBE(make_xfer_enter, void *self, __s32 op)
 	return 0;
 }
 
-static __always_inline int xfer_created(struct pt_regs *ctx, __u32 call)
+static __always_inline int xfer_created(__u32 call, __s32 status)
 {
 	struct call_entry c;
 	if (take_call(call, &c) != 0)
+		return 0;
+	/* With the build's offsets every post reads what the request holds: user space
+	 * needs to hear of a creation only when it failed. */
+	if (status == 0 && offsets_known)
 		return 0;
 	struct nixl_event *e = event_reserve(EV_XFER_CREATE);
 	if (!e)
@@ -85,15 +95,13 @@ static __always_inline int xfer_created(struct pt_regs *ctx, __u32 call)
 		bpf_probe_read_user(&req, sizeof(req), (const void *)c.arg);
 	e->call = call;
 	e->agent = c.agent;
-	e->status = (__s32)PT_REGS_RC(ctx);
+	e->status = status;
 	e->req = e->status == 0 ? req : 0;
 	e->latency_ns = e->ts_ns - c.ts_ns;
 	e->op = c.op;
 	e->flags |= c.flags;
-	__builtin_memcpy(e->name, c.name, NIXL_NAME_LEN);
-	/* A created request names its remote agent whatever the call that made it. */
-	if (e->status == 0 && offsets_known && req)
-		read_std_string(e->name, (const char *)req + off_req_remote, &e->flags);
+	/* createXferReq names its remote agent in an argument; makeXferReq does not. */
+	read_std_string(e->name, (const void *)c.arg2, &e->flags);
 	event_submit(e);
 	return 0;
 }
@@ -101,13 +109,26 @@ static __always_inline int xfer_created(struct pt_regs *ctx, __u32 call)
 SEC("uretprobe")
 int BPF_KRETPROBE(create_xfer_exit)
 {
-	return xfer_created(ctx, CALL_CREATE_XFER_REQ);
+	return xfer_created(CALL_CREATE_XFER_REQ, (__s32)PT_REGS_RC(ctx));
 }
 
 SEC("uretprobe")
 int BPF_KRETPROBE(make_xfer_exit)
 {
-	return xfer_created(ctx, CALL_MAKE_XFER_REQ);
+	return xfer_created(CALL_MAKE_XFER_REQ, (__s32)PT_REGS_RC(ctx));
+}
+
+/* createXferReq's site: on every return path, after its status is final. */
+SEC("uprobe")
+int BPF_KPROBE(create_xfer_returned)
+{
+	return xfer_created(CALL_CREATE_XFER_REQ, (__s32)site_value(ctx, site_create_status));
+}
+
+SEC("uprobe")
+int BPF_KPROBE(make_xfer_returned)
+{
+	return xfer_created(CALL_MAKE_XFER_REQ, (__s32)site_value(ctx, site_make_status));
 }
 
 SEC("uprobe")
@@ -122,13 +143,11 @@ int BPF_KPROBE(post_xfer_enter, void *self, void *req)
 	return 0;
 }
 
-SEC("uretprobe")
-int BPF_KRETPROBE(post_xfer_exit)
+static __always_inline int xfer_posted(__s32 status)
 {
 	struct call_entry c;
 	if (take_call(CALL_POST_XFER_REQ, &c) != 0)
 		return 0;
-	__s32 status = (__s32)PT_REGS_RC(ctx);
 	if (status == NIXL_IN_PROG) {
 		struct xfer_key k = {};
 		k.pid = bpf_get_current_pid_tgid() >> 32;
@@ -163,6 +182,66 @@ int BPF_KRETPROBE(post_xfer_exit)
 	return 0;
 }
 
+SEC("uretprobe")
+int BPF_KRETPROBE(post_xfer_exit)
+{
+	return xfer_posted((__s32)PT_REGS_RC(ctx));
+}
+
+/* postXferReq's site: on every return path, its status in the frame. */
+SEC("uprobe")
+int BPF_KPROBE(post_xfer_returned)
+{
+	return xfer_posted((__s32)site_value(ctx, site_post_status));
+}
+
+/* A posted request's first terminal status: the end of its transfer. */
+static __always_inline int xfer_done(__u64 req, __s32 status)
+{
+	struct xfer_key k = {};
+	k.pid = bpf_get_current_pid_tgid() >> 32;
+	k.req = req;
+	__u64 *posted = bpf_map_lookup_elem(&inflight, &k);
+	if (!posted)
+		return 0;
+	__u64 post_ts = *posted;
+	bpf_map_delete_elem(&inflight, &k);
+	struct nixl_event *e = event_reserve(EV_XFER_DONE);
+	if (!e)
+		return 0;
+	e->req = k.req;
+	e->status = status;
+	e->latency_ns = e->ts_ns - post_ts;
+	event_submit(e);
+	return 0;
+}
+
+/* getXferStatus' two sites: the backend has just reported the request done, or failed;
+ * each path runs once per transfer. The status is in the request by then. */
+static __always_inline __s32 req_status(__u64 req)
+{
+	__s32 status = NIXL_IN_PROG;
+	if (req)
+		bpf_probe_read_user(&status, sizeof(status), (const char *)req + off_req_status);
+	return status;
+}
+
+SEC("uprobe")
+int BPF_KPROBE(xfer_status_changed)
+{
+	__u64 req = site_value(ctx, site_done_req);
+	return xfer_done(req, req_status(req));
+}
+
+/* getXferStatus' stale-remote site: the remote agent's metadata was invalidated or
+ * replaced since the request was made; the call fails without touching the request's
+ * status, which stays in progress. */
+SEC("uprobe")
+int BPF_KPROBE(xfer_status_stale)
+{
+	return xfer_done(site_value(ctx, site_done_req), (__s32)site_value(ctx, site_stale_status));
+}
+
 SEC("uprobe")
 int BPF_KPROBE(xfer_status_enter, void *self, void *req)
 {
@@ -191,27 +270,14 @@ int BPF_KRETPROBE(xfer_status_exit)
 	__s32 status = (__s32)PT_REGS_RC(ctx);
 	if (status == NIXL_IN_PROG)
 		return 0;
-	__u64 *posted = bpf_map_lookup_elem(&inflight, &k);
-	if (!posted)
-		return 0;
-	__u64 post_ts = *posted;
-	bpf_map_delete_elem(&inflight, &k);
-	struct nixl_event *e = event_reserve(EV_XFER_DONE);
-	if (!e)
-		return 0;
-	e->req = k.req;
-	e->status = status;
-	e->latency_ns = e->ts_ns - post_ts;
-	event_submit(e);
-	return 0;
+	return xfer_done(k.req, status);
 }
 
-SEC("uprobe")
-int BPF_KPROBE(release_xfer_enter, void *self, void *req)
+static __always_inline int xfer_released(__u64 agent, __u64 req)
 {
 	struct xfer_key k = {};
 	k.pid = bpf_get_current_pid_tgid() >> 32;
-	k.req = (__u64)req;
+	k.req = req;
 	__u32 flags = 0;
 	if (bpf_map_lookup_elem(&inflight, &k)) {
 		flags = FLAG_IN_FLIGHT;
@@ -220,9 +286,22 @@ int BPF_KPROBE(release_xfer_enter, void *self, void *req)
 	struct nixl_event *e = event_reserve(EV_XFER_RELEASE);
 	if (!e)
 		return 0;
-	e->agent = (__u64)self;
-	e->req = (__u64)req;
+	e->agent = agent;
+	e->req = req;
 	e->flags |= flags;
 	event_submit(e);
 	return 0;
+}
+
+SEC("uprobe")
+int BPF_KPROBE(release_xfer_enter, void *self, void *req)
+{
+	return xfer_released((__u64)self, (__u64)req);
+}
+
+/* releaseXferReq's site: only on the path of a request still in progress. */
+SEC("uprobe")
+int BPF_KPROBE(xfer_released_in_flight)
+{
+	return xfer_released(0, site_value(ctx, site_release_req));
 }

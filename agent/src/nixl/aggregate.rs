@@ -327,6 +327,15 @@ impl NixlAggregator {
         fold_pid(&mut self.calls, pid);
     }
 
+    /// A transfer of request `e.req` ended. Where the build's offsets are known its next
+    /// post reads everything from the request again, so it is forgotten now: the probes
+    /// on a build with completion sites never see a plain release.
+    fn transfer_ended(&mut self, pid: u32, e: &NixlEvent) {
+        if e.flags & flags::OFFSETS_KNOWN != 0 {
+            self.requests.remove(&(pid, e.req));
+        }
+    }
+
     /// Apply one probe event.
     pub fn apply(&mut self, e: &NixlEvent) {
         self.apply_observing(e, &mut |_| {});
@@ -354,7 +363,12 @@ impl NixlAggregator {
                     ..RequestInfo::default()
                 };
                 if e.status == 0 && e.req != 0 {
-                    self.requests.insert((pid, e.req), info);
+                    // With the build's offsets each post reads all of this from the
+                    // request itself, so nothing is kept for it between its transfers
+                    // (no probe may see its release).
+                    if e.flags & flags::OFFSETS_KNOWN == 0 {
+                        self.requests.insert((pid, e.req), info);
+                    }
                 } else {
                     self.count_transfer(pid, &info, XferStage::Create, e, observe);
                 }
@@ -379,6 +393,9 @@ impl NixlAggregator {
                     0 => self.count_transfer(pid, &info, XferStage::Complete, e, observe),
                     _ => self.count_transfer(pid, &info, XferStage::Post, e, observe),
                 }
+                if e.status != 1 {
+                    self.transfer_ended(pid, e);
+                }
             }
             EventKind::XferNotif => {
                 let info = self.request_of(pid, e);
@@ -391,7 +408,8 @@ impl NixlAggregator {
                 Some(info) => {
                     info.awaiting = false;
                     let info = info.clone();
-                    self.count_transfer(pid, &info, XferStage::Complete, e, observe)
+                    self.count_transfer(pid, &info, XferStage::Complete, e, observe);
+                    self.transfer_ended(pid, e);
                 }
                 None => self.unattributed += 1,
             },

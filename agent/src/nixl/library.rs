@@ -6,12 +6,41 @@ use object::{Object, ObjectSection, ObjectSymbol};
 use std::path::{Path, PathBuf};
 
 use super::event::NixlCall;
+use super::offsets::{self, CodeSite, TransferSites};
 
 /// Where a probe fires.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ProbeSide {
     Entry,
     Return,
+    /// At one instruction inside the method, from the build's [`TransferSites`].
+    Site(SiteName),
+}
+
+/// The completion sites, by name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SiteName {
+    CreateReturned,
+    MakeReturned,
+    PostReturned,
+    StatusSucceeded,
+    StatusFailed,
+    StatusStale,
+    ReleasedInFlight,
+}
+
+impl SiteName {
+    fn of(self, sites: &TransferSites) -> CodeSite {
+        match self {
+            Self::CreateReturned => sites.create_returned,
+            Self::MakeReturned => sites.make_returned,
+            Self::PostReturned => sites.post_returned,
+            Self::StatusSucceeded => sites.status_succeeded,
+            Self::StatusFailed => sites.status_failed,
+            Self::StatusStale => sites.status_stale,
+            Self::ReleasedInFlight => sites.released_in_flight,
+        }
+    }
 }
 
 /// One uprobe or uretprobe: which BPF program, on which method, with which cookie.
@@ -27,6 +56,9 @@ pub struct ProbeSpec {
     pub call: Option<NixlCall>,
     /// Without it the transfer or handshake counts would be wrong: attaching fails.
     pub required: bool,
+    /// One of the status-call probes: attached only where the build's completion sites
+    /// are not (they see the same ends without firing on every poll and release).
+    pub replaced_by_sites: bool,
 }
 
 const fn probe(
@@ -42,10 +74,46 @@ const fn probe(
         symbol_prefix,
         call,
         required,
+        replaced_by_sites: false,
     }
 }
 
+/// A status-call probe (see [`ProbeSpec::replaced_by_sites`]).
+const fn status_call(mut spec: ProbeSpec) -> ProbeSpec {
+    spec.replaced_by_sites = true;
+    spec
+}
+
+/// A completion-site probe.
+const fn site(program: &'static str, name: SiteName, call: Option<NixlCall>) -> ProbeSpec {
+    probe(program, ProbeSide::Site(name), "", call, true)
+}
+
 use ProbeSide::{Entry, Return};
+
+/// The completion-site probes, attached instead of the status-call ones where the
+/// build's sites are known (their methods are those of the sites).
+pub const SITE_PROBES: &[ProbeSpec] = &[
+    site(
+        "create_xfer_returned",
+        SiteName::CreateReturned,
+        Some(NixlCall::CreateXferReq),
+    ),
+    site(
+        "make_xfer_returned",
+        SiteName::MakeReturned,
+        Some(NixlCall::MakeXferReq),
+    ),
+    site(
+        "post_xfer_returned",
+        SiteName::PostReturned,
+        Some(NixlCall::PostXferReq),
+    ),
+    site("xfer_status_changed", SiteName::StatusSucceeded, None),
+    site("xfer_status_changed", SiteName::StatusFailed, None),
+    site("xfer_status_stale", SiteName::StatusStale, None),
+    site("xfer_released_in_flight", SiteName::ReleasedInFlight, None),
+];
 
 /// Every probe, entry and return.
 pub const PROBES: &[ProbeSpec] = &[
@@ -70,13 +138,13 @@ pub const PROBES: &[ProbeSpec] = &[
         Some(NixlCall::CreateXferReq),
         true,
     ),
-    probe(
+    status_call(probe(
         "create_xfer_exit",
         Return,
         "_ZNK9nixlAgent13createXferReqE",
         Some(NixlCall::CreateXferReq),
         true,
-    ),
+    )),
     // The span overload; the std::vector one forwards to it.
     probe(
         "make_xfer_enter",
@@ -85,13 +153,13 @@ pub const PROBES: &[ProbeSpec] = &[
         Some(NixlCall::MakeXferReq),
         false,
     ),
-    probe(
+    status_call(probe(
         "make_xfer_exit",
         Return,
         "_ZNK9nixlAgent11makeXferReqE14nixl_xfer_op_t",
         Some(NixlCall::MakeXferReq),
         false,
-    ),
+    )),
     probe(
         "post_xfer_enter",
         Entry,
@@ -99,34 +167,34 @@ pub const PROBES: &[ProbeSpec] = &[
         Some(NixlCall::PostXferReq),
         true,
     ),
-    probe(
+    status_call(probe(
         "post_xfer_exit",
         Return,
         "_ZNK9nixlAgent11postXferReqE",
         Some(NixlCall::PostXferReq),
         true,
-    ),
-    probe(
+    )),
+    status_call(probe(
         "xfer_status_enter",
         Entry,
         "_ZNK9nixlAgent13getXferStatusE",
         None,
         true,
-    ),
-    probe(
+    )),
+    status_call(probe(
         "xfer_status_exit",
         Return,
         "_ZNK9nixlAgent13getXferStatusE",
         None,
         true,
-    ),
-    probe(
+    )),
+    status_call(probe(
         "release_xfer_enter",
         Entry,
         "_ZNK9nixlAgent14releaseXferReqE",
         None,
         true,
-    ),
+    )),
     probe(
         "call_enter",
         Entry,
@@ -322,11 +390,17 @@ pub struct NixlLibrary {
     pub probes: Vec<ResolvedProbe>,
     /// Optional methods this build does not export (their probes are skipped).
     pub missing: Vec<&'static str>,
+    /// Transfers end at the build's completion sites (no probe on the status poll).
+    pub sites: bool,
+    /// Why a build with sites in the offsets table is traced with the status-call
+    /// probes instead (a site's bytes are not what the table says).
+    pub sites_refused: Option<String>,
 }
 
 impl NixlLibrary {
-    /// Read `path` and resolve every probe.
-    pub fn inspect(path: &Path) -> Result<Self, LibraryError> {
+    /// Read `path` and resolve every probe: with the build's completion sites when
+    /// `completion_sites` and the offsets table has them.
+    pub fn inspect(path: &Path, completion_sites: bool) -> Result<Self, LibraryError> {
         let data = std::fs::read(path).map_err(|source| LibraryError::Read {
             path: path.to_owned(),
             source,
@@ -350,48 +424,105 @@ impl NixlLibrary {
                 Some((name.to_string(), addr + sec_offset))
             })
             .collect();
-        let mut probes = Vec::new();
-        let mut missing = Vec::new();
-        for spec in PROBES {
+        // The method starting with `prefix`: Ok(None) when not exported.
+        let method = |prefix: &'static str| -> Result<Option<u64>, LibraryError> {
             let mut offsets: Vec<u64> = symbols
                 .iter()
-                .filter(|(n, _)| n.starts_with(spec.symbol_prefix))
+                .filter(|(n, _)| n.starts_with(prefix))
                 .map(|(_, o)| *o)
                 .collect();
             offsets.sort_unstable();
             offsets.dedup(); // C1/C2 constructor aliases share an address
             match offsets.as_slice() {
-                [offset] => probes.push(ResolvedProbe {
-                    spec: *spec,
-                    file_offset: *offset,
+                [offset] => Ok(Some(*offset)),
+                [] => Ok(None),
+                many => Err(LibraryError::AmbiguousSymbol {
+                    path: path.to_owned(),
+                    prefix,
+                    count: many.len(),
                 }),
-                [] if spec.required => {
+            }
+        };
+        let (site_probes, sites_refused) = match offsets::for_build(&build_id)
+            .and_then(|o| o.sites)
+            .filter(|_| completion_sites)
+        {
+            Some(sites) => match resolve_sites(&sites, &data, &method)? {
+                Ok(probes) => (Some(probes), None),
+                Err(why) => (None, Some(why)),
+            },
+            None => (None, None),
+        };
+        let sites = site_probes.is_some();
+        let mut probes = Vec::new();
+        let mut missing = Vec::new();
+        for spec in PROBES.iter().filter(|p| !(sites && p.replaced_by_sites)) {
+            match method(spec.symbol_prefix)? {
+                Some(offset) => probes.push(ResolvedProbe {
+                    spec: *spec,
+                    file_offset: offset,
+                }),
+                None if spec.required => {
                     return Err(LibraryError::MissingSymbol {
                         path: path.to_owned(),
                         prefix: spec.symbol_prefix,
                     })
                 }
-                [] => {
+                None => {
                     if !missing.contains(&spec.symbol_prefix) {
                         missing.push(spec.symbol_prefix);
                     }
                 }
-                many => {
-                    return Err(LibraryError::AmbiguousSymbol {
-                        path: path.to_owned(),
-                        prefix: spec.symbol_prefix,
-                        count: many.len(),
-                    })
-                }
             }
         }
+        probes.extend(site_probes.unwrap_or_default());
         Ok(Self {
             path: path.to_owned(),
             build_id,
             probes,
             missing,
+            sites,
+            sites_refused,
         })
     }
+}
+
+/// The site probes of `sites` in this file: Ok(Err(why)) when a site's bytes are not
+/// the instruction the table names (then none is attached). A site in a method the
+/// build does not export is skipped, as that method's own probes are.
+fn resolve_sites(
+    sites: &TransferSites,
+    data: &[u8],
+    method: &dyn Fn(&'static str) -> Result<Option<u64>, LibraryError>,
+) -> Result<Result<Vec<ResolvedProbe>, String>, LibraryError> {
+    let mut probes = Vec::new();
+    for spec in SITE_PROBES {
+        let ProbeSide::Site(name) = spec.side else {
+            continue;
+        };
+        let site = name.of(sites);
+        let Some(start) = method(site.symbol_prefix)? else {
+            continue;
+        };
+        let at = start.checked_add_signed(site.offset);
+        let found = at
+            .and_then(|at| usize::try_from(at).ok())
+            .and_then(|at| data.get(at..at.checked_add(site.bytes.len())?));
+        if found != Some(site.bytes) {
+            return Ok(Err(format!(
+                "the completion site {name:?} ({}+{:#x}) holds {:02x?}, not the {:02x?} the \
+                 offsets table names",
+                site.symbol_prefix, site.offset, found, site.bytes
+            )));
+        }
+        let mut spec = *spec;
+        spec.symbol_prefix = site.symbol_prefix;
+        probes.push(ResolvedProbe {
+            spec,
+            file_offset: at.unwrap_or_default(),
+        });
+    }
+    Ok(Ok(probes))
 }
 
 #[cfg(test)]
@@ -406,13 +537,57 @@ mod tests {
             include_str!("../../../ebpf/nixl/calls.bpf.c"),
         ]
         .concat();
-        for p in PROBES {
+        for p in PROBES.iter().chain(SITE_PROBES) {
             let decl = match p.side {
                 ProbeSide::Entry => format!("BPF_KPROBE({},", p.program),
+                ProbeSide::Site(_) => format!("BPF_KPROBE({})", p.program),
                 ProbeSide::Return => format!("BPF_KRETPROBE({})", p.program),
             };
             assert!(src.contains(&decl), "{} not in ebpf/nixl", p.program);
         }
+    }
+
+    /// Each site is checked against the file's bytes: one wrong byte and none is used
+    /// (the status-call probes are attached instead, and the reason is given).
+    #[test]
+    fn completion_sites_are_used_only_where_every_one_holds_its_instruction() {
+        let sites = offsets::KNOWN_BUILDS[0].1.sites.expect("1.5.1 has sites");
+        // Each site's bytes written at its offset.
+        // Every method at 0x20000 of a fake file (the cold parts are before it).
+        let method = |_: &'static str| Ok(Some(0x20000));
+        let mut data = vec![0u8; 0x21000];
+        for spec in SITE_PROBES {
+            let ProbeSide::Site(name) = spec.side else {
+                unreachable!()
+            };
+            let site = name.of(&sites);
+            let at = (0x20000 + site.offset) as usize;
+            data[at..at + site.bytes.len()].copy_from_slice(site.bytes);
+        }
+        let probes = resolve_sites(&sites, &data, &method).unwrap().unwrap();
+        assert_eq!(probes.len(), SITE_PROBES.len());
+        let post = probes
+            .iter()
+            .find(|p| p.spec.program == "post_xfer_returned")
+            .unwrap();
+        assert_eq!(
+            post.file_offset as i64,
+            0x20000 + sites.post_returned.offset
+        );
+        assert_eq!(post.spec.symbol_prefix, sites.post_returned.symbol_prefix);
+
+        data[(0x20000 + sites.status_failed.offset) as usize] ^= 0xff;
+        let why = resolve_sites(&sites, &data, &method).unwrap().unwrap_err();
+        assert!(why.contains("StatusFailed"), "{why}");
+        // A site past the end of the file is refused too, not a panic.
+        let short = &data[..0x20010];
+        assert!(resolve_sites(&sites, short, &method).unwrap().is_err());
+        // A method the build does not export skips its site only.
+        let no_make =
+            |p: &'static str| Ok((p != sites.make_returned.symbol_prefix).then_some(0x20000));
+        data[(0x20000 + sites.status_failed.offset) as usize] ^= 0xff;
+        let probes = resolve_sites(&sites, &data, &no_make).unwrap().unwrap();
+        assert_eq!(probes.len(), SITE_PROBES.len() - 1);
     }
 
     #[test]
@@ -420,12 +595,12 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("libnixl.so");
         std::fs::write(&p, b"not an elf").unwrap();
-        let err = NixlLibrary::inspect(&p).unwrap_err().to_string();
+        let err = NixlLibrary::inspect(&p, true).unwrap_err().to_string();
         assert!(
             err.contains("libnixl.so") && err.contains("not an ELF"),
             "{err}"
         );
-        let err = NixlLibrary::inspect(&dir.path().join("nope.so"))
+        let err = NixlLibrary::inspect(&dir.path().join("nope.so"), true)
             .unwrap_err()
             .to_string();
         assert!(err.contains("cannot read"), "{err}");

@@ -15,7 +15,12 @@
 //! `nixlAgent` method starts with `mov (%rdi),%rax` (the data pointer at 0);
 //! `registerMem` walks the descriptor vector at 0x10/0x18 of the list in strides of 0x38
 //! adding the length at +8 of each; `postXferReq` copies its arguments' notification
-//! into the request (`_M_assign` to 0x90) and sets `hasNotif` (`movb $0x1,0xb0`).
+//! into the request (`_M_assign` to 0x90) and sets `hasNotif` (`movb $0x1,0xb0`);
+//! `getXferStatus` stores the backend's answer in the request's status (0xb8).
+//!
+//! A build's [`TransferSites`] are instructions inside the transfer methods where probes
+//! see returns and transfer ends without firing on every status poll (ARCHITECTURE.md,
+//! "Completion sites"); their bytes are checked in the file before use.
 
 /// Offsets the probes need, in bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -44,7 +49,92 @@ pub struct NixlOffsets {
     pub desc_stride: u64,
     /// `nixlBlobDesc` → `len`.
     pub desc_len: u64,
+    /// `nixlXferReqH` → `nixl_status_t status` (what `getXferStatus` returns once the
+    /// transfer is done).
+    pub req_status: u64,
+    /// The build's completion sites, or None: then the status-call probes are used.
+    pub sites: Option<TransferSites>,
 }
+
+/// Where a completion site finds a value: a register, or a slot of the method's frame
+/// (bytes below its frame pointer). The `SRC_*` encoding of `ebpf/nixl/common.h`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SiteValue {
+    Reg(SiteReg),
+    Frame(u32),
+    /// What the path returns without keeping it anywhere (a status).
+    Const(i32),
+}
+
+/// The callee-saved registers a site may read (`REG_*` in `ebpf/nixl/common.h`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SiteReg {
+    Rbx = 0,
+    Rbp = 1,
+    R12 = 2,
+    R13 = 3,
+    R14 = 4,
+    R15 = 5,
+}
+
+impl SiteValue {
+    fn encoded(self) -> u64 {
+        match self {
+            Self::Reg(r) => (1 << 32) | r as u64,
+            Self::Frame(off) => (2 << 32) | u64::from(off),
+            Self::Const(v) => (3 << 32) | u64::from(v as u32),
+        }
+    }
+}
+
+/// One instruction inside a NIXL method, for a probe that fires only when the method
+/// takes the path through it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CodeSite {
+    /// Prefix of the method's mangled name, as in the probe table.
+    pub symbol_prefix: &'static str,
+    /// Bytes from the method's first instruction (negative: in the method's cold part,
+    /// which the compiler placed before it).
+    pub offset: i64,
+    /// The instruction's bytes: checked in the file before attaching, so a wrong entry
+    /// falls back to the status-call probes instead of probing the middle of another
+    /// instruction.
+    pub bytes: &'static [u8],
+}
+
+/// Where one build's transfers end, so that no probe fires on the busy-polled
+/// `getXferStatus` or on a release of a finished transfer. Each return site is a
+/// conditional jump every return path of its method runs through after the status is
+/// final (x86 uprobes emulate jumps: one trap, no single-step), found by reading the
+/// method's disassembly; the status sites are on the two paths `getXferStatus` takes
+/// when the backend has just reported the transfer done or failed, which run once per
+/// transfer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TransferSites {
+    pub create_returned: CodeSite,
+    pub create_status: SiteValue,
+    pub make_returned: CodeSite,
+    pub make_status: SiteValue,
+    pub post_returned: CodeSite,
+    pub post_status: SiteValue,
+    pub status_succeeded: CodeSite,
+    pub status_failed: CodeSite,
+    /// The path `getXferStatus` takes when the remote agent's metadata was invalidated
+    /// or replaced since the request was made: it fails without storing its status.
+    pub status_stale: CodeSite,
+    pub stale_status: SiteValue,
+    /// The request at the status sites.
+    pub done_req: SiteValue,
+    /// On the path of a release that finds its transfer still in progress.
+    pub released_in_flight: CodeSite,
+    pub release_req: SiteValue,
+}
+
+const CREATE: &str = "_ZNK9nixlAgent13createXferReqE";
+const MAKE: &str = "_ZNK9nixlAgent11makeXferReqE14nixl_xfer_op_t";
+const POST: &str = "_ZNK9nixlAgent11postXferReqE";
+const STATUS: &str = "_ZNK9nixlAgent13getXferStatusE";
+const RELEASE: &str = "_ZNK9nixlAgent14releaseXferReqE";
 
 /// Known builds: (GNU build-id as hex, offsets).
 pub const KNOWN_BUILDS: &[(&str, NixlOffsets)] = &[(
@@ -63,6 +153,60 @@ pub const KNOWN_BUILDS: &[(&str, NixlOffsets)] = &[(
         dlist_begin: 0x10,
         desc_stride: 0x38,
         desc_len: 0x8,
+        req_status: 0xb8,
+        sites: Some(TransferSites {
+            // `test %rbx,%rbx; je` before the epilogue's `mov %r15d,%eax`.
+            create_returned: CodeSite {
+                symbol_prefix: CREATE,
+                offset: 0x5b8,
+                bytes: &[0x74, 0x12],
+            },
+            create_status: SiteValue::Reg(SiteReg::R15),
+            // `je` before the epilogue's `mov %ebx,%eax`.
+            make_returned: CodeSite {
+                symbol_prefix: MAKE,
+                offset: 0xc77,
+                bytes: &[0x74, 0x0f],
+            },
+            make_status: SiteValue::Reg(SiteReg::Rbx),
+            // `je` after the tracer pops its correlation id; the status returned is
+            // at -0xe8(%rbp) on every path (the null-request one included).
+            post_returned: CodeSite {
+                symbol_prefix: POST,
+                offset: 0x36d,
+                bytes: &[0x74, 0x0d],
+            },
+            post_status: SiteValue::Frame(0xe8),
+            // After `checkXfer` stored 0 in the request: `test %rbp,%rbp; je`.
+            status_succeeded: CodeSite {
+                symbol_prefix: STATUS,
+                offset: 0xbc,
+                bytes: &[0x0f, 0x84, 0x96, 0x00, 0x00, 0x00],
+            },
+            // After it stored a negative status: `cmp $-10,%eax; jne`.
+            status_failed: CodeSite {
+                symbol_prefix: STATUS,
+                offset: 0x19a,
+                bytes: &[0x0f, 0x85, 0xfa, 0x8f, 0xfe, 0xff],
+            },
+            // The cold path both of its remote-section checks (none; expired) jump to,
+            // returning NIXL_ERR_NOT_FOUND: `lea 0x20(%rsp),%rbp`, the request still in
+            // %rbx.
+            status_stale: CodeSite {
+                symbol_prefix: STATUS,
+                offset: 0x4dfaf - 0x64d50,
+                bytes: &[0x48, 0x8d, 0x6c, 0x24, 0x20],
+            },
+            stale_status: SiteValue::Const(-4),
+            done_req: SiteValue::Reg(SiteReg::Rbx),
+            // `cmpl $1,0xb8(%rbx); jne` not taken: `mov (%rbx),%rdi`.
+            released_in_flight: CodeSite {
+                symbol_prefix: RELEASE,
+                offset: 0x32,
+                bytes: &[0x48, 0x8b, 0x3b],
+            },
+            release_req: SiteValue::Reg(SiteReg::Rbx),
+        }),
     },
 )];
 
@@ -75,8 +219,12 @@ pub fn for_build(build_id: &str) -> Option<NixlOffsets> {
 }
 
 impl NixlOffsets {
-    /// The BPF globals (`const volatile` in `ebpf/nixl/common.h`) and their values.
-    pub fn globals(offsets: Option<&NixlOffsets>) -> [(&'static str, u64); 12] {
+    /// The BPF globals (`const volatile` in `ebpf/nixl/common.h`) and their values;
+    /// the sites' only when `sites_attached` (their probes were resolved and checked).
+    pub fn globals(
+        offsets: Option<&NixlOffsets>,
+        sites_attached: bool,
+    ) -> [(&'static str, u64); 19] {
         let o = offsets.copied().unwrap_or(NixlOffsets {
             version: "",
             agent_data: 0,
@@ -90,7 +238,15 @@ impl NixlOffsets {
             dlist_begin: 0,
             desc_stride: 0,
             desc_len: 0,
+            req_status: 0,
+            sites: None,
         });
+        let site = |f: fn(&TransferSites) -> SiteValue| {
+            o.sites
+                .as_ref()
+                .filter(|_| sites_attached)
+                .map_or(0, |s| f(s).encoded())
+        };
         [
             ("offsets_known", u64::from(offsets.is_some())),
             ("off_agent_data", o.agent_data),
@@ -104,6 +260,13 @@ impl NixlOffsets {
             ("off_dlist_begin", o.dlist_begin),
             ("desc_stride", o.desc_stride),
             ("off_desc_len", o.desc_len),
+            ("off_req_status", o.req_status),
+            ("site_create_status", site(|s| s.create_status)),
+            ("site_make_status", site(|s| s.make_status)),
+            ("site_post_status", site(|s| s.post_status)),
+            ("site_done_req", site(|s| s.done_req)),
+            ("site_stale_status", site(|s| s.stale_status)),
+            ("site_release_req", site(|s| s.release_req)),
         ]
     }
 }
@@ -115,7 +278,7 @@ mod tests {
     #[test]
     fn every_global_is_declared_in_the_bpf_source() {
         let common = include_str!("../../../ebpf/nixl/common.h");
-        for (name, _) in NixlOffsets::globals(None) {
+        for (name, _) in NixlOffsets::globals(None, false) {
             assert!(
                 common.contains(&format!("const volatile __u64 {name} = 0;")),
                 "{name} is not a global of ebpf/nixl/common.h"
@@ -124,9 +287,44 @@ mod tests {
     }
 
     #[test]
+    fn site_values_are_encoded_as_the_bpf_source_decodes_them() {
+        let common = include_str!("../../../ebpf/nixl/common.h");
+        assert!(common.contains("#define SRC_REG (1ull << 32)"));
+        assert!(common.contains("#define SRC_FRAME (2ull << 32)"));
+        assert!(common.contains("#define SRC_CONST (3ull << 32)"));
+        assert_eq!(SiteValue::Const(-4).encoded(), (3 << 32) | 0xffff_fffc);
+        for (reg, name) in [
+            (SiteReg::Rbx, "REG_RBX"),
+            (SiteReg::Rbp, "REG_RBP"),
+            (SiteReg::R12, "REG_R12"),
+            (SiteReg::R13, "REG_R13"),
+            (SiteReg::R14, "REG_R14"),
+            (SiteReg::R15, "REG_R15"),
+        ] {
+            assert!(
+                common.contains(&format!("#define {name} {}", reg as u64)),
+                "{name}"
+            );
+            assert_eq!(SiteValue::Reg(reg).encoded(), (1 << 32) | reg as u64);
+        }
+        assert_eq!(SiteValue::Frame(0xe8).encoded(), (2 << 32) | 0xe8);
+        // The sites' globals are zero unless the sites were attached.
+        let o = KNOWN_BUILDS[0].1;
+        let zero = NixlOffsets::globals(Some(&o), false);
+        let set = NixlOffsets::globals(Some(&o), true);
+        for ((name, a), (_, b)) in zero.iter().zip(&set) {
+            if name.starts_with("site_") {
+                assert!(*a == 0 && *b != 0, "{name}");
+            } else {
+                assert_eq!(a, b, "{name}");
+            }
+        }
+    }
+
+    #[test]
     fn lookup_by_build_id() {
         assert!(for_build("C60AC851FDD67A4D9738B5B2F53BD4849505F241").is_some());
         assert!(for_build("00").is_none());
-        assert_eq!(NixlOffsets::globals(None)[0], ("offsets_known", 0));
+        assert_eq!(NixlOffsets::globals(None, false)[0], ("offsets_known", 0));
     }
 }

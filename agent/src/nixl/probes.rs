@@ -108,11 +108,11 @@ pub struct LoadedProbes {
 }
 
 /// The BPF object loaded (its maps created) with `offsets` in its globals.
-fn load_object(offsets: Option<&NixlOffsets>) -> Result<Ebpf, ProbeError> {
+fn load_object(offsets: Option<&NixlOffsets>, sites: bool) -> Result<Ebpf, ProbeError> {
     if !Path::new("/sys/bus/event_source/devices/uprobe").exists() {
         return Err(ProbeError::NoUprobes);
     }
-    let globals = NixlOffsets::globals(offsets);
+    let globals = NixlOffsets::globals(offsets, sites);
     let mut loader = EbpfLoader::new();
     for (name, value) in &globals {
         loader.override_global(name, value, true);
@@ -130,7 +130,7 @@ fn load_object(offsets: Option<&NixlOffsets>) -> Result<Ebpf, ProbeError> {
 /// not load probes says so (naming what it lacks) before any library is found, rather
 /// than at each library later.
 pub fn check_can_load() -> Result<(), ProbeError> {
-    let mut ebpf = load_object(None)?;
+    let mut ebpf = load_object(None, false)?;
     if let Some((_, program)) = ebpf.programs_mut().next() {
         let program: &mut UProbe = program
             .try_into()
@@ -173,7 +173,7 @@ impl LoadedProbes {
     /// Load the BPF object with `library`'s offsets and attach every probe it resolved.
     pub fn attach(library: NixlLibrary, scope: AttachScope) -> Result<Self, ProbeError> {
         let offsets = offsets::for_build(&library.build_id);
-        let mut ebpf = load_object(offsets.as_ref())?;
+        let mut ebpf = load_object(offsets.as_ref(), library.sites)?;
         let path = library.path.display().to_string();
         let aya_scope = match scope {
             AttachScope::AllProcesses => UProbeScope::AllProcesses,

@@ -37,6 +37,11 @@ pub struct NixlTraceConfig {
     pub discover: bool,
     /// Trace only this process.
     pub pid: Option<u32>,
+    /// See transfers end at the build's completion sites where the offsets table has
+    /// them (no probe on a status poll or a plain release); false: always with the
+    /// probes on getXferStatus and releaseXferReq (exact too, but they fire on every
+    /// poll).
+    pub completion_sites: bool,
     pub scan_interval_secs: f64,
     /// How often the figures are sent to the collector.
     pub report_interval_secs: f64,
@@ -49,6 +54,7 @@ impl Default for NixlTraceConfig {
             libraries: Vec::new(),
             discover: true,
             pid: None,
+            completion_sites: true,
             scan_interval_secs: 2.0,
             report_interval_secs: 1.0,
         }
@@ -119,6 +125,12 @@ fn degraded_reason(lib: &NixlLibrary, offsets_known: bool) -> Option<String> {
             }
         ));
     }
+    if let Some(why) = &lib.sites_refused {
+        reasons.push(format!(
+            "{why}: transfers' ends are seen by the status-call probes instead, which fire \
+             on every getXferStatus poll (figures exact, costlier)"
+        ));
+    }
     if !lib.missing.is_empty() {
         reasons.push(format!(
             "methods not exported, not traced: {}",
@@ -142,11 +154,12 @@ impl NixlTracer {
             Some(pid) => AttachScope::Process(pid),
             None => AttachScope::AllProcesses,
         };
+        let sites = cfg.completion_sites;
         for path in &cfg.libraries {
             let id = discovery::file_id(path).map_err(|e| {
                 anyhow::anyhow!("cannot read the NIXL library {}: {e}", path.display())
             })?;
-            attach_one(&tracer.state, &tracer.attached, id, path, scope)?;
+            attach_one(&tracer.state, &tracer.attached, id, path, scope, sites)?;
         }
         let mut tracer = tracer;
         if cfg.discover {
@@ -158,7 +171,7 @@ impl NixlTracer {
             // are traced from the moment the agent is up. Other users' processes it may
             // not read for want of CAP_SYS_PTRACE make it stop here, naming it: on a
             // node, those are the engines.
-            let denied = rescan(&state, &attached, only_pid, scope);
+            let denied = rescan(&state, &attached, only_pid, scope, sites);
             if let Some(pid) = denied.first() {
                 let lacking = crate::capabilities::effective()
                     .map(|eff| crate::capabilities::lacking(eff, &["SYS_PTRACE"]))
@@ -181,7 +194,7 @@ impl NixlTracer {
                     tick.tick().await;
                     let (state, attached) = (state.clone(), attached.clone());
                     let _ = tokio::task::spawn_blocking(move || {
-                        rescan(&state, &attached, only_pid, scope)
+                        rescan(&state, &attached, only_pid, scope, sites)
                     })
                     .await;
                 }
@@ -235,17 +248,19 @@ fn attach_one(
     id: FileId,
     path: &Path,
     scope: AttachScope,
+    completion_sites: bool,
 ) -> Result<(), anyhow::Error> {
     if lock(attached).contains_key(&id) {
         return Ok(());
     }
-    let library = NixlLibrary::inspect(path)?;
+    let library = NixlLibrary::inspect(path, completion_sites)?;
     let mut probes = LoadedProbes::attach(library, scope)?;
     let offsets_known = probes.offsets.is_some();
     let status = NixlLibraryStatus {
         path: path.display().to_string(),
         build_id: probes.library.build_id.clone(),
         offsets_known,
+        completion_sites: probes.library.sites,
         probes_attached: probes.attached as u32,
         degraded: degraded_reason(&probes.library, offsets_known),
     };
@@ -253,7 +268,8 @@ fn attach_one(
         (Some(why), _) => warn!(library = %status.path, "NIXL tracing degraded: {why}"),
         (None, Some(o)) => info!(
             library = %status.path, build_id = %status.build_id, version = o.version,
-            probes = status.probes_attached, "Tracing NIXL."
+            probes = status.probes_attached, completion_sites = status.completion_sites,
+            "Tracing NIXL."
         ),
         (None, None) => {}
     }
@@ -279,6 +295,7 @@ fn rescan(
     attached: &Arc<Mutex<BTreeMap<FileId, Attached>>>,
     only_pid: Option<u32>,
     scope: AttachScope,
+    completion_sites: bool,
 ) -> BTreeSet<u32> {
     let discovery::Scan {
         libraries: found,
@@ -296,7 +313,14 @@ fn rescan(
         if lock(attached).contains_key(id) || lock(state).failed.contains(id) {
             continue;
         }
-        match attach_one(state, attached, id.clone(), &lib.path, scope) {
+        match attach_one(
+            state,
+            attached,
+            id.clone(),
+            &lib.path,
+            scope,
+            completion_sites,
+        ) {
             Ok(()) => {
                 info!(library = %lib.path.display(), pids = ?lib.pids, "Found a NIXL process.")
             }
@@ -310,6 +334,7 @@ fn rescan(
                         path: lib.path.display().to_string(),
                         build_id: String::new(),
                         offsets_known: false,
+                        completion_sites: false,
                         probes_attached: 0,
                         degraded: Some(format!("not traced: {e:#}")),
                     },
