@@ -17,8 +17,9 @@
  *   releaseXferReq(nixlXferReqH *req)                                      rsi
  *
  * Where the build's completion sites are known (common.h), the returns are seen at one
- * instruction each instead of by return probes, a transfer's end at getXferStatus' two
- * status-change paths and a release only when it finds the transfer in flight: nothing
+ * instruction each instead of by return probes, a transfer's end at the paths
+ * getXferStatus takes only when its status changes, and a release only when it finds
+ * the transfer in flight: nothing
  * fires on a busy poll or a plain release. Otherwise the status-call probes below do:
  * getXferStatus is busy-polled (UCX progress runs inside it), so they do one hash lookup
  * and nothing else unless the request is in flight.

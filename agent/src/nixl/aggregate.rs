@@ -362,13 +362,10 @@ impl NixlAggregator {
                     op: (e.op >= 0).then_some(e.op),
                     ..RequestInfo::default()
                 };
+                // A successful creation is sent only where the build's offsets are
+                // unknown (otherwise each post reads all of this from the request).
                 if e.status == 0 && e.req != 0 {
-                    // With the build's offsets each post reads all of this from the
-                    // request itself, so nothing is kept for it between its transfers
-                    // (no probe may see its release).
-                    if e.flags & flags::OFFSETS_KNOWN == 0 {
-                        self.requests.insert((pid, e.req), info);
-                    }
+                    self.requests.insert((pid, e.req), info);
                 } else {
                     self.count_transfer(pid, &info, XferStage::Create, e, observe);
                 }

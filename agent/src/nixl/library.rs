@@ -447,7 +447,7 @@ impl NixlLibrary {
             .and_then(|o| o.sites)
             .filter(|_| completion_sites)
         {
-            Some(sites) => match resolve_sites(&sites, &data, &method)? {
+            Some(sites) => match resolve_sites(&sites, &data, &method) {
                 Ok(probes) => (Some(probes), None),
                 Err(why) => (None, Some(why)),
             },
@@ -487,21 +487,22 @@ impl NixlLibrary {
     }
 }
 
-/// The site probes of `sites` in this file: Ok(Err(why)) when a site's bytes are not
-/// the instruction the table names (then none is attached). A site in a method the
-/// build does not export is skipped, as that method's own probes are.
+/// The site probes of `sites` in this file, or why none is attached: a site's bytes
+/// are not the instruction the table names. A site in a method the build does not
+/// export is skipped, as that method's own probes are; an ambiguous method is refused
+/// here and reported by the method's own probes.
 fn resolve_sites(
     sites: &TransferSites,
     data: &[u8],
     method: &dyn Fn(&'static str) -> Result<Option<u64>, LibraryError>,
-) -> Result<Result<Vec<ResolvedProbe>, String>, LibraryError> {
+) -> Result<Vec<ResolvedProbe>, String> {
     let mut probes = Vec::new();
     for spec in SITE_PROBES {
         let ProbeSide::Site(name) = spec.side else {
             continue;
         };
         let site = name.of(sites);
-        let Some(start) = method(site.symbol_prefix)? else {
+        let Some(start) = method(site.symbol_prefix).map_err(|e| e.to_string())? else {
             continue;
         };
         let at = start.checked_add_signed(site.offset);
@@ -509,11 +510,11 @@ fn resolve_sites(
             .and_then(|at| usize::try_from(at).ok())
             .and_then(|at| data.get(at..at.checked_add(site.bytes.len())?));
         if found != Some(site.bytes) {
-            return Ok(Err(format!(
+            return Err(format!(
                 "the completion site {name:?} ({}+{:#x}) holds {:02x?}, not the {:02x?} the \
                  offsets table names",
                 site.symbol_prefix, site.offset, found, site.bytes
-            )));
+            ));
         }
         let mut spec = *spec;
         spec.symbol_prefix = site.symbol_prefix;
@@ -522,7 +523,7 @@ fn resolve_sites(
             file_offset: at.unwrap_or_default(),
         });
     }
-    Ok(Ok(probes))
+    Ok(probes)
 }
 
 #[cfg(test)]
@@ -564,7 +565,7 @@ mod tests {
             let at = (0x20000 + site.offset) as usize;
             data[at..at + site.bytes.len()].copy_from_slice(site.bytes);
         }
-        let probes = resolve_sites(&sites, &data, &method).unwrap().unwrap();
+        let probes = resolve_sites(&sites, &data, &method).unwrap();
         assert_eq!(probes.len(), SITE_PROBES.len());
         let post = probes
             .iter()
@@ -577,16 +578,16 @@ mod tests {
         assert_eq!(post.spec.symbol_prefix, sites.post_returned.symbol_prefix);
 
         data[(0x20000 + sites.status_failed.offset) as usize] ^= 0xff;
-        let why = resolve_sites(&sites, &data, &method).unwrap().unwrap_err();
+        let why = resolve_sites(&sites, &data, &method).unwrap_err();
         assert!(why.contains("StatusFailed"), "{why}");
         // A site past the end of the file is refused too, not a panic.
         let short = &data[..0x20010];
-        assert!(resolve_sites(&sites, short, &method).unwrap().is_err());
+        assert!(resolve_sites(&sites, short, &method).is_err());
         // A method the build does not export skips its site only.
         let no_make =
             |p: &'static str| Ok((p != sites.make_returned.symbol_prefix).then_some(0x20000));
         data[(0x20000 + sites.status_failed.offset) as usize] ^= 0xff;
-        let probes = resolve_sites(&sites, &data, &no_make).unwrap().unwrap();
+        let probes = resolve_sites(&sites, &data, &no_make).unwrap();
         assert_eq!(probes.len(), SITE_PROBES.len() - 1);
     }
 
