@@ -3,8 +3,8 @@
 //! recomputing the delta at the prefill rate. Pure: figures in, prediction out.
 
 use crate::config::WorkerAgent;
-use kvscope_collector::nixl::{MergedLatency, NixlPair};
 use kvscope_wire::nixl::NixlAgentRow;
+use kvscope_wire::nixl::{MergedLatency, NixlPair};
 use kvscope_wire::WorkerKey;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};

@@ -5,8 +5,8 @@
 
 use crate::cost::{self, NixlFigures};
 use crate::policy::{DirectiveStats, PolicyConfig};
-use kvscope_collector::verdict::SpillVerdict;
-use kvscope_collector::window::WindowSummary;
+use kvscope_wire::api::verdict::SpillVerdict;
+use kvscope_wire::api::window::WindowSummary;
 use serde::{Deserialize, Serialize};
 use std::collections::{HashMap, VecDeque};
 
@@ -307,7 +307,7 @@ impl TokenBucket {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvscope_collector::nixl::{MergedLatency, NixlPair};
+    use kvscope_wire::nixl::{MergedLatency, NixlPair};
     use kvscope_wire::WorkerKey;
     use std::collections::BTreeMap;
 

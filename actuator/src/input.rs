@@ -1,35 +1,14 @@
-//! What the policy reads: the collector's JSON API responses, fetched live or read from a
-//! file saved earlier (`plan --save`).
+//! What the policy reads: the collector's JSON API responses (their types are the
+//! contract in `kvscope_wire::api`), fetched live or read from a file saved earlier
+//! (`plan --save`).
 
-use kvscope_collector::analyzer::AgentStatus;
-use kvscope_collector::nixl::NixlPair;
-use kvscope_collector::verdict::SpillVerdict;
-use kvscope_collector::window::WindowSummary;
-use kvscope_wire::nixl::NixlAgentRow;
+use kvscope_wire::api::summary::CollectorSummary;
+use kvscope_wire::api::verdict::SpillVerdict;
+use kvscope_wire::api::window::WindowSummary;
+use kvscope_wire::nixl::{NixlAgentRow, NixlPair};
 use serde::{Deserialize, Serialize};
-use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Duration;
-
-/// The part of `/api/summary` the policy reads.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-#[serde(default)]
-pub struct CollectorSummary {
-    /// The latest record time the collector has seen (agents' clocks, UNIX ns).
-    pub watermark_ns: u64,
-    pub windows_closed: usize,
-    /// Every agent the collector has heard from, with when it last did.
-    pub agents: BTreeMap<String, AgentStatus>,
-    pub bus: BusView,
-}
-
-/// The part of the collector's bus status the policy reads.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-#[serde(default)]
-pub struct BusView {
-    pub connected: bool,
-    pub rebuilding: bool,
-}
 
 /// One consistent-enough read of the collector: four requests, close together.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]

@@ -32,7 +32,7 @@ use crate::config::WorkerAgent;
 use crate::cost::{self, CostParams, FigureSource, HandshakeCounts, NixlFigures};
 use crate::input::CollectorView;
 use crate::mode::{Mode, OperatorHold, Override};
-use kvscope_collector::window::{spill_delta_bucket_floor, WindowSummary, SPILL_DELTA_BUCKETS};
+use kvscope_wire::api::window::{spill_delta_bucket_floor, WindowSummary, SPILL_DELTA_BUCKETS};
 use kvscope_wire::WorkerKey;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeSet, VecDeque};

@@ -14,7 +14,7 @@ use kvscope_actuator::input::CollectorView;
 use kvscope_actuator::mode::Mode;
 use kvscope_actuator::policy::Transition;
 use kvscope_actuator::runtime::Actuator;
-use kvscope_collector::verdict::SpillVerdict;
+use kvscope_wire::api::verdict::SpillVerdict;
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex};

@@ -5,12 +5,15 @@
 //! same records give the same figures.
 
 use crate::fleet_index::{FleetIndex, MirrorError};
-use crate::verdict::SpillVerdict;
-use crate::window::{ClosedWindow, MigrationLogWindow, ModelFigures, OpenWindow, WindowSummary};
-use kvscope_wire::nixl::{MergedLatency, NixlReport};
+use crate::verdict;
+use crate::window::{ClosedWindow, OpenWindow};
+use kvscope_wire::api::summary::{AgentStatus, CollectorCounters};
+use kvscope_wire::api::verdict::SpillVerdict;
+use kvscope_wire::api::window::{MigrationLogWindow, ModelFigures, WindowSummary};
+use kvscope_wire::nixl::MergedLatency;
 use kvscope_wire::{
-    AgentHeartbeat, Envelope, KvEvent, KvEventBatch, MigrationLogKind, MigrationLogLine, Record,
-    RoutingDecision, SequenceHash, SequenceStatus, WorkerKey, WorkerRecord, WorkerState,
+    Envelope, KvEvent, KvEventBatch, MigrationLogKind, MigrationLogLine, Record, RoutingDecision,
+    SequenceHash, SequenceStatus, WorkerKey, WorkerRecord, WorkerState,
 };
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap, VecDeque};
@@ -55,102 +58,6 @@ impl Default for AnalyzerConfig {
             models: Vec::new(),
         }
     }
-}
-
-/// Everything the collector counted since it started (or since the replay began).
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct CollectorCounters {
-    pub records: u64,
-    pub kv_batches: u64,
-    pub kv_events: u64,
-    pub stored_blocks: u64,
-    pub removed_blocks: u64,
-    pub cleared_blocks: u64,
-    /// Stores whose parent block the worker never stored: dropped, as Dynamo drops them.
-    pub unknown_parent_events: u64,
-    /// Removals of blocks the worker never stored.
-    pub unknown_removed_blocks: u64,
-    /// Stores and removals on a host, disk or remote tier: they never count toward an
-    /// overlap (the router keeps them in a separate lower-tier index).
-    pub lower_tier_events: u64,
-    /// Stores whose tokens did not fill exactly one block per block hash.
-    pub token_count_mismatches: u64,
-    pub sequence_gaps: u64,
-    pub missed_batches: u64,
-    /// Stored blocks in no prompt recently routed to their worker: decode-generated.
-    pub generated_blocks: u64,
-    /// Publisher sequence numbers that went backwards: the engine restarted, so the
-    /// worker's mirror was cleared.
-    pub sequence_resets: u64,
-    /// KV batches whose publisher sequence number does not follow the last one applied
-    /// here although the agent saw no gap: batches lost or reordered between agent and
-    /// collector (a full agent buffer, a publish retried across a reconnect).
-    pub batch_order_faults: u64,
-    pub decisions: u64,
-    pub spills: u64,
-    /// Decisions whose prompt length, block size and block count cannot belong
-    /// together (corrupted or crafted): counted, not judged.
-    pub malformed_decisions: u64,
-    /// Decisions for a request id already judged (among the last 100,000): counted, not
-    /// judged again.
-    pub duplicate_decisions: u64,
-    /// Decisions whose whole prompt was cached on the chosen worker by a store that
-    /// ended its chain less than 250 ms before the decision: most likely judged after
-    /// their own prefill (the router's and the engines' clocks disagree, or the agent's
-    /// reorder window was too short). Flagged, and a data fault of their window.
-    pub verdicts_after_own_prefill: u64,
-    /// Decisions whose router log lines all reached the agent at least 50 ms late for
-    /// seconds before them (`clock_behind_ms`): the router's clock may be behind the
-    /// agent's, so they may be judged before events they depend on. Flagged, and a data
-    /// fault of their window.
-    pub verdicts_clock_behind: u64,
-    /// Decisions for a worker that never published a KV event.
-    pub decisions_for_unseen_workers: u64,
-    /// Decisions whose whole prompt was already cached on the chosen worker. Repeated
-    /// prompts do that; so does a decision applied after the KV events of its own
-    /// prefill (the agent's reorder window too short). In a chat workload, where every
-    /// turn adds new text, it should stay near zero.
-    pub decisions_fully_cached: u64,
-    pub migration_lines: u64,
-    pub heartbeats: u64,
-    /// NIXL reports from agents' eBPF probes.
-    pub nixl_reports: u64,
-    /// Records older than the window already open (clock skew between agents).
-    pub late_records: u64,
-    /// Bus messages that were not valid records (counted by the bus reader).
-    pub undecodable_records: u64,
-    /// Records stamped more than 60 s ahead of the collector's clock (a wrong clock or a
-    /// forged record): not applied, so they cannot move the windows or the watermark.
-    pub future_records: u64,
-    /// Records whose `agent` is not the agent their subject names (a forged record, or
-    /// an agent publishing another's records): not applied. A server's permissions let
-    /// each agent publish under its own name only, so this is what makes the name hold.
-    pub foreign_records: u64,
-    /// Records sent in parts that never came whole (a part missing, out of order or
-    /// past the size limit; counted by the bus reader): dropped, never guessed at.
-    pub incomplete_records: u64,
-    /// Workers whose registration went away in Dynamo's discovery store: their mirror
-    /// was dropped and no verdict names them afterwards.
-    pub workers_retired: u64,
-    /// KV batches for a retired worker (late events of a process that stopped): not
-    /// applied.
-    pub batches_for_retired_workers: u64,
-    /// KV batches a publisher's replay socket sent again to fill a gap or a late start:
-    /// recovered, not lost.
-    pub replayed_batches: u64,
-    /// Decisions judged while a worker that could have been chosen had an incomplete
-    /// mirror (batches lost for good, or a publisher first seen past its start): their
-    /// verdicts are flagged, and each counts as a data fault of its window.
-    pub verdicts_on_incomplete_mirror: u64,
-    /// KV batches and decisions of models this collector does not measure
-    /// (`analyzer.models`): skipped.
-    pub batches_other_models: u64,
-    pub decisions_other_models: u64,
-    /// Verdicts judged before a KV event they depend on: a batch stamped by its engine
-    /// before the decision, storing a block of the decision's chain, was applied after
-    /// it (it reached the agent later than the wait for it). Flagged
-    /// (`judged_before_event`), and a data fault of the window open when found.
-    pub verdicts_judged_before_event: u64,
 }
 
 /// Verdicts remembered for [`CollectorCounters::verdicts_judged_before_event`]: at most
@@ -263,16 +170,6 @@ pub struct FleetTotals {
     pub models: BTreeMap<String, ModelFigures>,
     /// The fork's KVMIGRATE log lines by kind.
     pub migration_log: MigrationLogWindow,
-}
-
-/// The latest word from one agent.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct AgentStatus {
-    pub last_seen_ns: u64,
-    pub heartbeat: AgentHeartbeat,
-    /// The agent's latest NIXL figures (cumulative), when it traces NIXL.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub nixl: Option<NixlReport>,
 }
 
 #[derive(Debug)]
@@ -840,7 +737,7 @@ impl FleetAnalyzer {
         if let Some(m) = &model {
             overlaps.retain(|w, _| self.model_of(w.worker_id) == Some(m.as_str()));
         }
-        let mut v = SpillVerdict::judge_matched(
+        let mut v = verdict::judge_matched(
             &self.index,
             d,
             &chain,
@@ -916,7 +813,7 @@ impl FleetAnalyzer {
             chosen.spills_in += 1;
             t.workers.entry(v.best).or_default().spills_out += 1;
             // The trace the verdict's span is in: the router's own, or derived.
-            let trace = v.trace_id_hex();
+            let trace = verdict::trace_id_hex(v);
             t.true_delta
                 .observe_traced(v.true_delta_tokens, trace.clone(), v.decided_ns);
             t.upper_bound
@@ -964,6 +861,7 @@ fn is_device_tier(medium: Option<&str>) -> bool {
 mod tests {
     use super::*;
     use kvscope_wire::hashing::{local_block_hashes, DYNAMO_HASH_SEED};
+    use kvscope_wire::AgentHeartbeat;
 
     const S: u64 = 1_000_000_000;
 
@@ -1462,7 +1360,11 @@ mod tests {
         assert_eq!(t.workers[&w(2)].spills_in, 1);
         assert_eq!(t.workers[&w(2)].cached_prompt_tokens, 0);
         let mut out = kvscope_wire::prom::Exposition::new(kvscope_wire::prom::Format::OpenMetrics);
-        crate::metrics::write(&mut out, &a, &crate::bus::BusStatus::default());
+        crate::metrics::write(
+            &mut out,
+            &a,
+            &kvscope_wire::api::summary::BusStatus::default(),
+        );
         let text = out.finish();
         // The spill's bucket carries it as an exemplar: the trace of its verdict span.
         let trace = kvscope_otlp::trace_id_hex("t2");

@@ -13,6 +13,7 @@ use anyhow::Context as _;
 use async_nats::jetstream::{self, consumer, stream};
 use async_nats::HeaderMap;
 use futures::StreamExt as _;
+use kvscope_wire::api::summary::BusStatus;
 use kvscope_wire::parts::{self, PartsLimits, PartsOutcome, Reassembler};
 use kvscope_wire::recording::RecordingWriter;
 use kvscope_wire::subject::stream_config;
@@ -24,30 +25,6 @@ use tracing::{error, info, warn};
 /// How far ahead of this host's clock a record may be stamped (agents' clocks disagree
 /// by this much at most).
 pub const FUTURE_TOLERANCE_NS: u64 = 60_000_000_000;
-
-/// Where the bus reader is; shown on `/metrics` and the API.
-#[derive(Debug, Default, Clone, serde::Serialize)]
-pub struct BusStatus {
-    pub connected: bool,
-    /// The stream sequence of the last record applied.
-    pub applied_seq: u64,
-    /// A model's copies of heartbeats and NIXL reports, skipped by a collector of the
-    /// whole fleet (it has them from their plain subjects).
-    pub model_copies_skipped: u64,
-    /// The subjects consumed, when limited to one model's.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub filter: Option<String>,
-    /// Records still waiting in the stream for this collector.
-    pub pending: u64,
-    /// Records applied while rebuilding state at start.
-    pub rebuilt_records: u64,
-    pub rebuilding: bool,
-    /// Stream records that were gone (expired or deleted) when the collector came to
-    /// apply them: a hole in what it has seen.
-    pub missing_records: u64,
-    /// The recording stopped after a write error.
-    pub recording_failed: bool,
-}
 
 #[derive(Debug, Clone)]
 pub struct BusConfig {

@@ -7,7 +7,7 @@
 //! window's own figures are there too (`kvscope_window_*`), as the report computes them.
 
 use crate::analyzer::{FleetAnalyzer, TokenHistogram, TOKEN_BOUNDS};
-use crate::bus::BusStatus;
+use kvscope_wire::api::summary::BusStatus;
 use kvscope_wire::prom::{labels, Exposition, Format, Kind};
 
 /// Everything `/metrics` shows, in `format`: the figures and the OTLP export health.
@@ -478,7 +478,7 @@ pub fn write(out: &mut Exposition, a: &FleetAnalyzer, bus: &BusStatus) {
             st.last_seen_ns as f64 / 1e9,
         );
     }
-    type ModelFigure = fn(&crate::window::ModelFigures) -> u64;
+    type ModelFigure = fn(&kvscope_wire::api::window::ModelFigures) -> u64;
     let per_model: [(&str, &str, ModelFigure); 6] = [
         (
             "kvscope_model_decisions",

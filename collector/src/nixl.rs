@@ -2,42 +2,12 @@
 //! bandwidth and latency, handshakes by outcome — summed over every agent's latest
 //! cumulative report, shown next to the spill figures.
 
-use crate::analyzer::AgentStatus;
+use kvscope_wire::api::summary::AgentStatus;
 use kvscope_wire::nixl::{NixlAgentRow, XferStage};
 use kvscope_wire::prom::{labels, Exposition, Kind};
-use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
-pub use kvscope_wire::nixl::MergedLatency;
-
-/// One local → remote NIXL agent pair.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-pub struct NixlPair {
-    pub local_agent: String,
-    pub remote_agent: String,
-    /// Transfers that completed with SUCCESS, by op.
-    pub transfers_ok: BTreeMap<String, u64>,
-    /// Transfers that failed (at create, post or completion) or were released in flight.
-    pub transfers_failed: u64,
-    pub bytes_ok: u64,
-    /// Post → done of successful transfers.
-    pub latency: MergedLatency,
-    /// Bytes of successful transfers over the sum of their post → done times.
-    pub bandwidth_bytes_per_second: Option<f64>,
-    pub handshakes_ok: u64,
-    pub handshakes_failed: u64,
-    pub handshake_latency: MergedLatency,
-    /// Transfers posted and in progress, as of the agents' latest reports.
-    #[serde(default)]
-    pub in_flight: u64,
-    /// How long the oldest of them had been in progress at its agent's report (s).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub oldest_in_flight_seconds: Option<f64>,
-    /// `invalidateRemoteMD` calls on the remote's metadata (its process gone or about to
-    /// be reloaded): a peer whose state went stale.
-    #[serde(default)]
-    pub metadata_invalidations: u64,
-}
+use kvscope_wire::nixl::{MergedLatency, NixlPair};
 
 /// The owners of NIXL agents every node agent's latest report tells, by node.
 pub fn owners(agents: &BTreeMap<String, AgentStatus>) -> Vec<NixlAgentRow> {

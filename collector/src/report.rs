@@ -7,12 +7,13 @@ mod plots;
 mod svg;
 mod tables;
 
-use crate::analyzer::{AgentStatus, CollectorCounters, FleetAnalyzer};
-use crate::window::{
-    token_histogram, MigrationLogWindow, ModelFigures, TokenDistribution, WindowSummary,
-    WorkerWindow,
-};
+use crate::analyzer::FleetAnalyzer;
+use crate::window::{token_distribution, token_histogram};
 use hdrhistogram::Histogram;
+use kvscope_wire::api::summary::{AgentStatus, CollectorCounters};
+use kvscope_wire::api::window::{
+    MigrationLogWindow, ModelFigures, TokenDistribution, WindowSummary, WorkerWindow,
+};
 use kvscope_wire::WorkerKey;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -218,8 +219,8 @@ impl OpportunityReport {
             spills,
             spill_rate: (requests > 0).then(|| spills as f64 / requests as f64),
             spill_rate_per_window: spread(|s| s.spill_rate),
-            upper_bound_tokens: TokenDistribution::of(&upper),
-            true_delta_tokens: TokenDistribution::of(&true_delta),
+            upper_bound_tokens: token_distribution(&upper),
+            true_delta_tokens: token_distribution(&true_delta),
             spill_token_bins: power_of_two_bins(&true_delta, &upper),
             upper_bound_tok_per_s: spread(|s| Some(s.upper_bound_tok_per_s)),
             true_delta_tok_per_s: spread(|s| Some(s.true_delta_tok_per_s)),

@@ -1,4 +1,5 @@
-//! The collector's HTTP endpoints: Prometheus `/metrics` and a read-only JSON API.
+//! The collector's HTTP endpoints: Prometheus `/metrics` and a read-only JSON API, whose
+//! types are the contract in `kvscope_wire::api`.
 
 use crate::bus::{lock, Shared};
 use crate::metrics;
@@ -8,6 +9,7 @@ use axum::http::header;
 use axum::response::IntoResponse;
 use axum::routing::get;
 use axum::{Json, Router};
+use kvscope_wire::api::summary::CollectorSummary;
 use serde::Deserialize;
 use std::sync::Arc;
 
@@ -65,17 +67,18 @@ async fn readyz(State(s): State<Arc<Shared>>) -> impl IntoResponse {
 async fn summary(State(s): State<Arc<Shared>>) -> impl IntoResponse {
     let bus = lock(&s.bus).clone();
     let a = lock(&s.analyzer);
-    Json(serde_json::json!({
-        "bus": bus,
-        "workers": a.index().workers().count(),
-        "cached_block_pairs": a.index().cached_pairs(),
-        "watermark_ns": a.watermark_ns(),
-        "windows_closed": a.closed_windows().len(),
-        "open_window": a.open_window(),
-        "counters": a.counters(),
-        "agents": a.agents(),
-        "fleet": a.fleet(),
-    }))
+    let summary = CollectorSummary {
+        bus,
+        workers: a.index().workers().count(),
+        cached_block_pairs: a.index().cached_pairs(),
+        watermark_ns: a.watermark_ns(),
+        windows_closed: a.closed_windows().len(),
+        open_window: a.open_window().cloned(),
+        counters: a.counters().clone(),
+        agents: a.agents().clone(),
+        fleet: a.fleet().clone(),
+    };
+    Json(summary)
 }
 
 #[derive(Deserialize)]

@@ -8,9 +8,9 @@
 //! verdict span, whose id derives from the request id. Spans are not made for records re-applied while the collector rebuilds its
 //! state at start: those were exported by the run that first applied them.
 
-use crate::verdict::SpillVerdict;
 use kvscope_otlp::proto::trace::v1::{span, Span, Status};
 use kvscope_otlp::{attr_bool, attr_int, attr_str, span_id, trace_id, SpanSink};
+use kvscope_wire::api::verdict::SpillVerdict;
 use kvscope_wire::{Envelope, MigrationLogKind, MigrationLogLine, Record, TraceContext};
 
 /// The span name of a spill verdict.

@@ -12,10 +12,10 @@
 use anyhow::{bail, Context as _};
 use kvscope_collector::analyzer::{AnalyzerConfig, FleetAnalyzer};
 use kvscope_collector::report::OpportunityReport;
-use kvscope_collector::verdict::SpillVerdict;
 use kvscope_lab::process::{stop_all, ManagedProcess};
 use kvscope_lab::workload::WorkloadConfig;
 use kvscope_lab::{Lab, LabConfig};
+use kvscope_wire::api::verdict::SpillVerdict;
 use kvscope_wire::Envelope;
 use kvscope_wire::Subjects;
 use serde_json::Value;

@@ -55,7 +55,7 @@ struct Outcome {
     batches_of_worker0: Vec<(u64, SequenceStatus)>,
     dropped: u64,
     records: Vec<kvscope_wire::Envelope>,
-    verdicts: Vec<kvscope_collector::verdict::SpillVerdict>,
+    verdicts: Vec<kvscope_wire::api::verdict::SpillVerdict>,
 }
 
 async fn run_through_relay(replay: bool) -> Outcome {

@@ -13,11 +13,11 @@
 mod oracle;
 
 use kvscope::fleet_run::{FleetRun, FleetRunConfig};
-use kvscope_collector::verdict::SpillVerdict;
 use kvscope_lab::bus_security::BusAgent;
 use kvscope_lab::process::{stop_all, ManagedProcess};
 use kvscope_lab::workload;
 use kvscope_lab::LabConfig;
+use kvscope_wire::api::verdict::SpillVerdict;
 use kvscope_wire::recording::read_recording;
 use kvscope_wire::Record;
 use std::collections::BTreeMap;

@@ -135,7 +135,7 @@ async fn an_agent_started_late_recovers_the_caches_through_dynamos_endpoints() {
         .collect();
     let workers: BTreeSet<u64> = run_workers(&late_records);
     assert_eq!(dumps, workers, "every worker's cache was recovered");
-    let by_id: BTreeMap<&str, &kvscope_collector::verdict::SpillVerdict> = early_verdicts
+    let by_id: BTreeMap<&str, &kvscope_wire::api::verdict::SpillVerdict> = early_verdicts
         .iter()
         .map(|v| (v.request_id.as_str(), v))
         .collect();

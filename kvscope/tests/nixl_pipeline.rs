@@ -8,10 +8,10 @@
 //! Needs root for the probes (CI runs as root): without it the agent exits naming the
 //! missing capability and this test fails.
 
-use kvscope_collector::nixl::NixlPair;
 use kvscope_lab::nats::NatsServer;
 use kvscope_lab::process::{ManagedProcess, StopOnDrop};
 use kvscope_nixl_lab::truth::{CallOutcome, TransferOutcome, Truth};
+use kvscope_wire::nixl::NixlPair;
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::Command;

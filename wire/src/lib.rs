@@ -1,9 +1,12 @@
-//! Records shared by the kvscope agent and collector.
+//! The contracts between kvscope's parts: records, subjects, hashing, codecs, the HTTP API.
 //!
 //! Everything the agent ships to the collector over NATS JetStream, and everything a
-//! recording holds, is an [`Envelope`] around one [`Record`]. Keeping these types in one
-//! small crate means the two sides can never disagree about a field.
+//! recording holds, is an [`Envelope`] around one [`Record`]; what the collector's HTTP
+//! API serves is in [`api`], the actuator's directives to a data plane in [`directive`].
+//! Keeping these types in one small crate means the two sides of each hop can never
+//! disagree about a field.
 
+pub mod api;
 pub mod config;
 pub mod directive;
 pub mod dynamo_events;

@@ -8,6 +8,7 @@
 //! the cumulative counters (e.g. Prometheus `rate()` on the collector's `/metrics`).
 
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 
 /// Upper bounds (inclusive, nanoseconds) of the latency buckets: 1-2.5-5 steps from 1 µs
 /// to 10 s. Shared by agent and collector so histograms from many agents add up.
@@ -341,6 +342,36 @@ pub struct NixlAgentRow {
     pub node: String,
     #[serde(flatten)]
     pub owner: NixlAgentOwner,
+}
+
+/// One local → remote NIXL agent pair, summed over every agent's latest report: a row of
+/// the collector's `/api/nixl`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct NixlPair {
+    pub local_agent: String,
+    pub remote_agent: String,
+    /// Transfers that completed with SUCCESS, by op.
+    pub transfers_ok: BTreeMap<String, u64>,
+    /// Transfers that failed (at create, post or completion) or were released in flight.
+    pub transfers_failed: u64,
+    pub bytes_ok: u64,
+    /// Post → done of successful transfers.
+    pub latency: MergedLatency,
+    /// Bytes of successful transfers over the sum of their post → done times.
+    pub bandwidth_bytes_per_second: Option<f64>,
+    pub handshakes_ok: u64,
+    pub handshakes_failed: u64,
+    pub handshake_latency: MergedLatency,
+    /// Transfers posted and in progress, as of the agents' latest reports.
+    #[serde(default)]
+    pub in_flight: u64,
+    /// How long the oldest of them had been in progress at its agent's report (s).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub oldest_in_flight_seconds: Option<f64>,
+    /// `invalidateRemoteMD` calls on the remote's metadata (its process gone or about to
+    /// be reloaded): a peer whose state went stale.
+    #[serde(default)]
+    pub metadata_invalidations: u64,
 }
 
 #[cfg(test)]

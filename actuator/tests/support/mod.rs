@@ -3,13 +3,14 @@
 
 #![allow(dead_code)]
 
-use kvscope_actuator::input::{CollectorSummary, CollectorView};
-use kvscope_collector::analyzer::AgentStatus;
-use kvscope_collector::nixl::{MergedLatency, NixlPair};
-use kvscope_collector::window::{
+use kvscope_actuator::input::CollectorView;
+use kvscope_wire::api::summary::AgentStatus;
+use kvscope_wire::api::summary::CollectorSummary;
+use kvscope_wire::api::window::{
     spill_delta_bucket, MigrationLogWindow, SpillPairWindow, WindowSummary, WorkerWindow,
 };
 use kvscope_wire::nixl::LATENCY_BOUNDS_NS;
+use kvscope_wire::nixl::{MergedLatency, NixlPair};
 use kvscope_wire::WorkerKey;
 
 pub const S: u64 = 1_000_000_000;

@@ -12,7 +12,7 @@ use super::plots::{spill_rate_plot, spill_tokens_plot, volume_plot};
 use super::svg::escape;
 use super::tables::{agreement, data_quality, figures, windows_table, workers};
 use super::{OpportunityReport, ReportStatus, Spread};
-use crate::window::TokenDistribution;
+use kvscope_wire::api::window::TokenDistribution;
 use std::fmt::Write as _;
 
 const CSP: &str = "default-src 'none'; style-src 'unsafe-inline'; img-src data:";
@@ -271,11 +271,11 @@ fn cards(out: &mut String, r: &OpportunityReport) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::analyzer::{AgentStatus, AnalyzerConfig, FleetAnalyzer};
+    use crate::analyzer::{AnalyzerConfig, FleetAnalyzer};
     use crate::report::plots::{PLOT_SPILL_RATE, PLOT_SPILL_TOKENS, PLOT_VOLUME};
     use crate::report::SpillTokenBin;
-    use crate::window::WindowSummary;
-    use crate::window::WorkerWindow;
+    use kvscope_wire::api::summary::AgentStatus;
+    use kvscope_wire::api::window::{WindowSummary, WorkerWindow};
     use kvscope_wire::WorkerKey;
 
     const S: u64 = 1_000_000_000;

@@ -5,7 +5,7 @@
 use super::html::pct;
 use super::svg::{self, compact, escape, px, ticks_to, time_ticks, Frame};
 use super::OpportunityReport;
-use crate::window::WindowSummary;
+use kvscope_wire::api::window::WindowSummary;
 use std::fmt::Write as _;
 
 /// Plot ids. Keep them stable: the browser test and anyone scraping the page use them.

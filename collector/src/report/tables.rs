@@ -5,7 +5,7 @@ use super::html::{pct, spread};
 use super::plots::Timeline;
 use super::svg::escape;
 use super::OpportunityReport;
-use crate::window::TokenDistribution;
+use kvscope_wire::api::window::TokenDistribution;
 use std::fmt::Write as _;
 
 const TABLE_WORKERS: &str = "workers";

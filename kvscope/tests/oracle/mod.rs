@@ -106,7 +106,7 @@ pub fn dynamo_overlaps(records: &[Envelope]) -> Vec<(String, BTreeMap<WorkerKey,
 /// Assert that every verdict's per-worker overlaps equal Dynamo's for the same records
 /// (the verdicts judged from `records`, in order), naming the first that differ.
 pub fn assert_overlaps_equal(
-    verdicts: &[kvscope_collector::verdict::SpillVerdict],
+    verdicts: &[kvscope_wire::api::verdict::SpillVerdict],
     records: &[Envelope],
 ) {
     let expected = dynamo_overlaps(records);
