@@ -59,7 +59,7 @@
 
 use crate::backend::ModeBackendConfig;
 use crate::policy::PolicyConfig;
-use kvscope_wire::config::{Env, EnvError};
+use kvscope_kit::config::{Env, EnvError};
 use kvscope_wire::{WorkerKey, WorkerSpec};
 use serde::{Deserialize, Serialize};
 use std::net::SocketAddr;
@@ -486,7 +486,7 @@ pub fn read_token(path: &Path) -> Result<String, ConfigError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvscope_wire::config::documented_toml_example;
+    use kvscope_kit::config::documented_toml_example;
 
     #[test]
     fn an_empty_file_gives_the_defaults() {

@@ -7,7 +7,7 @@
 use crate::mode::Mode;
 use crate::policy::{FlipHold, InputHealth, SafetyTrigger, Transition};
 use crate::runtime::Actuator;
-use kvscope_wire::prom::{labels, Exposition, Format, Kind};
+use kvscope_kit::prom::{labels, Exposition, Format, Kind};
 use std::collections::BTreeMap;
 
 /// Flip reasons besides the safety triggers' kinds.

@@ -355,7 +355,7 @@ pub async fn start(cfg: AgentConfig) -> anyhow::Result<RunningAgent> {
         },
         {
             let render = exposition.clone();
-            Arc::new(move || render(kvscope_wire::prom::Format::OpenMetrics))
+            Arc::new(move || render(kvscope_kit::prom::Format::OpenMetrics))
         },
         otlp_stats,
     )

@@ -45,7 +45,7 @@
 
 use crate::nixl::NixlTraceConfig;
 use anyhow::Context as _;
-use kvscope_wire::config::Env;
+use kvscope_kit::config::Env;
 use kvscope_wire::WorkerSpec;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -462,7 +462,7 @@ impl AgentConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvscope_wire::config::documented_toml_example;
+    use kvscope_kit::config::documented_toml_example;
 
     #[test]
     fn an_empty_file_gives_the_defaults() {

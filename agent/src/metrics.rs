@@ -4,8 +4,8 @@
 use crate::counters::AgentStats;
 use crate::nixl::NixlTracer;
 use crate::record_sink::{RecordSink, SourceClockReading};
+use kvscope_kit::prom::{labels, Exposition, Format, Kind};
 use kvscope_wire::nixl::{write_latency_histogram, MergedLatency, NixlReport};
-use kvscope_wire::prom::{labels, Exposition, Format, Kind};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};

@@ -1359,7 +1359,7 @@ mod tests {
         assert_eq!(t.workers[&w(1)].spills_out, 1);
         assert_eq!(t.workers[&w(2)].spills_in, 1);
         assert_eq!(t.workers[&w(2)].cached_prompt_tokens, 0);
-        let mut out = kvscope_wire::prom::Exposition::new(kvscope_wire::prom::Format::OpenMetrics);
+        let mut out = kvscope_kit::prom::Exposition::new(kvscope_kit::prom::Format::OpenMetrics);
         crate::metrics::write(
             &mut out,
             &a,

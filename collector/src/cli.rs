@@ -202,7 +202,7 @@ async fn serve(cfg: CollectorConfig) -> anyhow::Result<()> {
                 attributes: vec![("kvscope.cluster".into(), cfg.cluster.clone())],
             },
             Arc::new(move || {
-                crate::metrics::exposition(&s, kvscope_wire::prom::Format::OpenMetrics)
+                crate::metrics::exposition(&s, kvscope_kit::prom::Format::OpenMetrics)
             }),
             shared.otlp.clone(),
         )

@@ -25,7 +25,7 @@
 //! `_PROMPT_MEMORY_SECS`, `_MODELS` (comma-separated).
 
 use crate::analyzer::AnalyzerConfig;
-use kvscope_wire::config::{Env, EnvError};
+use kvscope_kit::config::{Env, EnvError};
 use serde::{Deserialize, Serialize};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -227,7 +227,7 @@ mod tests {
 
     #[test]
     fn the_documented_example_parses() {
-        let example = kvscope_wire::config::documented_toml_example(include_str!("config.rs"))
+        let example = kvscope_kit::config::documented_toml_example(include_str!("config.rs"))
             .expect("the module docs hold a TOML example");
         let c: CollectorConfig = toml::from_str(&example).unwrap();
         assert_eq!(

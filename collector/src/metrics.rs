@@ -7,8 +7,8 @@
 //! window's own figures are there too (`kvscope_window_*`), as the report computes them.
 
 use crate::analyzer::{FleetAnalyzer, TokenHistogram, TOKEN_BOUNDS};
+use kvscope_kit::prom::{labels, Exposition, Format, Kind};
 use kvscope_wire::api::summary::BusStatus;
-use kvscope_wire::prom::{labels, Exposition, Format, Kind};
 
 /// Everything `/metrics` shows, in `format`: the figures and the OTLP export health.
 /// The one source of both `/metrics` and the OTLP metrics export.

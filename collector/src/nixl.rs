@@ -2,9 +2,9 @@
 //! bandwidth and latency, handshakes by outcome — summed over every agent's latest
 //! cumulative report, shown next to the spill figures.
 
+use kvscope_kit::prom::{labels, Exposition, Kind};
 use kvscope_wire::api::summary::AgentStatus;
 use kvscope_wire::nixl::{NixlAgentRow, XferStage};
-use kvscope_wire::prom::{labels, Exposition, Kind};
 use std::collections::BTreeMap;
 
 use kvscope_wire::nixl::{MergedLatency, NixlPair};
@@ -315,7 +315,7 @@ mod tests {
             "capped at the exact max"
         );
         assert_eq!((p.handshakes_ok, p.handshakes_failed), (0, 4));
-        let mut out = Exposition::new(kvscope_wire::prom::Format::Text);
+        let mut out = Exposition::new(kvscope_kit::prom::Format::Text);
         render(&mut out, std::slice::from_ref(p));
         let text = out.finish();
         assert!(text.contains("kvscope_nixl_pair_transfers_total{local_agent=\"d0\",remote_agent=\"d1\",op=\"READ\",outcome=\"ok\"} 3"));
@@ -396,7 +396,7 @@ mod tests {
         let p = &pairs(&agents)[0];
         assert_eq!((p.in_flight, p.metadata_invalidations), (3, 2));
         assert_eq!(p.oldest_in_flight_seconds, Some(45.0));
-        let mut out = Exposition::new(kvscope_wire::prom::Format::Text);
+        let mut out = Exposition::new(kvscope_kit::prom::Format::Text);
         render(&mut out, std::slice::from_ref(p));
         let text = out.finish();
         assert!(

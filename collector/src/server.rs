@@ -34,7 +34,7 @@ async fn metrics_text(
     State(s): State<Arc<Shared>>,
     headers: axum::http::HeaderMap,
 ) -> impl IntoResponse {
-    let format = kvscope_wire::prom::Format::negotiate(
+    let format = kvscope_kit::prom::Format::negotiate(
         headers.get(header::ACCEPT).and_then(|v| v.to_str().ok()),
     );
     let body = metrics::exposition(&s, format);

@@ -21,7 +21,7 @@
 //! Dynamo reads them, never from the file.
 
 use crate::backend::Backend;
-use kvscope_wire::config::{Env, EnvError};
+use kvscope_kit::config::{Env, EnvError};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 

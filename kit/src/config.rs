@@ -1,8 +1,102 @@
-//! `print-config`: the effective configuration as TOML, secrets left out. What a config
-//! can hold in clear — OTLP headers (an `authorization` token), a password, a token —
-//! is printed as `<redacted>`; paths to files holding secrets (`*_file`) are printed.
+//! Config loading the daemons share (the agent, collector and actuator, and the OTLP
+//! settings): environment overrides (`KVSCOPE_AGENT_*`, `KVSCOPE_COLLECTOR_*`,
+//! `KVSCOPE_ACTUATOR_*`, `OTEL_*`) read over the file's values with one set of rules and
+//! one error message ([`Env`], [`EnvError`]); the TOML example a config module documents,
+//! for the tests that check it parses; and `print-config`, the effective configuration
+//! as TOML with secrets left out — what a config can hold in clear (OTLP headers such as
+//! an `authorization` token, a password, a token) is printed as `<redacted>`; paths to
+//! files holding secrets (`*_file`) are printed.
 
 use serde::Serialize;
+use std::fmt::Display;
+use std::str::FromStr;
+
+/// A variable whose value does not parse: names the variable, the value and what is
+/// wrong, so the user knows what to fix.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{key}={value:?}: {message}")]
+pub struct EnvError {
+    pub key: String,
+    pub value: String,
+    pub message: String,
+}
+
+/// The environment as a config loader reads it: a function from a variable's name to
+/// its value (the process environment in the binaries, a closure in tests).
+pub struct Env<F>(F);
+
+impl<F: Fn(&str) -> Option<String>> Env<F> {
+    pub fn new(var: F) -> Self {
+        Self(var)
+    }
+
+    /// The value as set.
+    pub fn get(&self, key: &str) -> Option<String> {
+        (self.0)(key)
+    }
+
+    /// The value without surrounding white space.
+    pub fn trimmed(&self, key: &str) -> Option<String> {
+        self.get(key).map(|v| v.trim().to_string())
+    }
+
+    /// The value (trimmed) parsed as a `T`.
+    pub fn parse<T: FromStr>(&self, key: &str) -> Result<Option<T>, EnvError>
+    where
+        T::Err: Display,
+    {
+        self.get(key).map(|v| parse_value(key, &v)).transpose()
+    }
+
+    /// A yes/no switch: `1`, `true` or `yes` turn it on, anything else off.
+    pub fn flag(&self, key: &str) -> Option<bool> {
+        self.get(key)
+            .map(|v| matches!(v.trim(), "1" | "true" | "yes"))
+    }
+
+    /// A comma-separated list, each item trimmed and parsed as a `T`; empty items are
+    /// skipped. An error names the item that does not parse.
+    pub fn list<T: FromStr>(&self, key: &str) -> Result<Option<Vec<T>>, EnvError>
+    where
+        T::Err: Display,
+    {
+        self.get(key)
+            .map(|v| {
+                v.split(',')
+                    .filter(|s| !s.trim().is_empty())
+                    .map(|s| parse_value(key, s))
+                    .collect()
+            })
+            .transpose()
+    }
+}
+
+fn parse_value<T: FromStr>(key: &str, v: &str) -> Result<T, EnvError>
+where
+    T::Err: Display,
+{
+    v.trim().parse().map_err(|e: T::Err| EnvError {
+        key: key.to_string(),
+        value: v.to_string(),
+        message: e.to_string(),
+    })
+}
+
+/// The ```` ```toml ```` block of the `//!` docs of a source file (given as its text,
+/// e.g. `include_str!("config.rs")`), as plain TOML; `None` when there is none. The
+/// config modules document their format with one, and their tests check that it parses.
+pub fn documented_toml_example(source: &str) -> Option<String> {
+    let start = source.find("//! ```toml")?;
+    let end = start + source[start..].find("//! ```\n")?;
+    Some(
+        source[start..end]
+            .lines()
+            .skip(1)
+            .map(|l| l.trim_start_matches("//!").trim_start())
+            .collect::<Vec<_>>()
+            .join("\n"),
+    )
+}
 
 /// What replaces a secret's value.
 pub const REDACTED: &str = "<redacted>";
@@ -48,7 +142,76 @@ pub fn to_redacted_toml<T: Serialize>(cfg: &T) -> Result<String, toml::ser::Erro
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::collections::BTreeMap;
+    use std::collections::{BTreeMap, HashMap};
+
+    fn env(vars: &[(&str, &str)]) -> Env<impl Fn(&str) -> Option<String>> {
+        let vars: HashMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        Env::new(move |k| vars.get(k).cloned())
+    }
+
+    #[test]
+    fn values_are_trimmed_and_parsed() {
+        let e = env(&[("N", " 42 "), ("S", " a b ")]);
+        assert_eq!(e.parse::<u32>("N"), Ok(Some(42)));
+        assert_eq!(e.parse::<u32>("UNSET"), Ok(None));
+        assert_eq!(e.get("S").as_deref(), Some(" a b "));
+        assert_eq!(e.trimmed("S").as_deref(), Some("a b"));
+    }
+
+    #[test]
+    fn a_bad_value_names_the_variable_and_the_value() {
+        let e = env(&[("KVSCOPE_X_CAPACITY", "many")]);
+        let err = e.parse::<u32>("KVSCOPE_X_CAPACITY").unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "KVSCOPE_X_CAPACITY=\"many\": invalid digit found in string"
+        );
+    }
+
+    #[test]
+    fn flags() {
+        let e = env(&[
+            ("A", "1"),
+            ("B", " yes"),
+            ("C", "true"),
+            ("D", "no"),
+            ("E", ""),
+        ]);
+        let got: Vec<_> = ["A", "B", "C", "D", "E", "F"].map(|k| e.flag(k)).to_vec();
+        assert_eq!(
+            got,
+            [
+                Some(true),
+                Some(true),
+                Some(true),
+                Some(false),
+                Some(false),
+                None
+            ]
+        );
+    }
+
+    #[test]
+    fn lists_skip_empty_items_and_name_the_bad_one() {
+        let e = env(&[("L", " 1, 2,,3 ,"), ("BAD", "1,x")]);
+        assert_eq!(e.list::<u8>("L"), Ok(Some(vec![1, 2, 3])));
+        assert_eq!(e.list::<u8>("UNSET"), Ok(None));
+        let err = e.list::<u8>("BAD").unwrap_err();
+        assert_eq!((err.key.as_str(), err.value.as_str()), ("BAD", "x"));
+    }
+
+    #[test]
+    fn the_documented_example_is_found() {
+        let src = "//! Docs.\n//!\n//! ```toml\n//! a = 1\n//!   [t]\n//! b = \"x\"\n//! ```\n\nfn f() {}\n";
+        assert_eq!(
+            documented_toml_example(src).as_deref(),
+            Some("a = 1\n[t]\nb = \"x\"")
+        );
+        assert_eq!(documented_toml_example("//! no example\n"), None);
+    }
 
     #[derive(Serialize)]
     struct Otlp {

@@ -24,7 +24,7 @@
 //! enabled = true
 //! ```
 
-use kvscope_wire::config::Env;
+use kvscope_kit::config::Env;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -496,7 +496,7 @@ impl OtlpConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvscope_wire::config::documented_toml_example;
+    use kvscope_kit::config::documented_toml_example;
 
     #[derive(Deserialize)]
     struct Wrapper {

@@ -11,7 +11,7 @@
 //! messages are sent gzip-compressed and HTTP bodies with `Content-Encoding: gzip`.
 
 use crate::config::{Compression, Protocol, SignalTarget};
-use kvscope_wire::prom::{Exposition, Kind};
+use kvscope_kit::prom::{Exposition, Kind};
 use opentelemetry_proto::tonic::collector::metrics::v1::{
     metrics_service_client::MetricsServiceClient, ExportMetricsServiceRequest,
     ExportMetricsServiceResponse,

@@ -550,7 +550,7 @@ async fn spans_loop(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvscope_wire::prom::{Exposition, Format};
+    use kvscope_kit::prom::{Exposition, Format};
 
     #[test]
     fn ids_are_deterministic_and_valid() {

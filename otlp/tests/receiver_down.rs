@@ -46,7 +46,7 @@ async fn failures_are_counted(cfg: OtlpConfig) {
         || stats.spans_failed.load(Ordering::Relaxed) < 5
     {
         assert!(Instant::now() < deadline, "failures not counted: {}", {
-            let mut out = kvscope_wire::prom::Exposition::default();
+            let mut out = kvscope_kit::prom::Exposition::default();
             stats.write_prometheus(&mut out, "t", "");
             out.finish()
         });

@@ -7,14 +7,12 @@
 //! disagree about a field.
 
 pub mod api;
-pub mod config;
 pub mod directive;
 pub mod dynamo_events;
 pub mod hashing;
 pub mod nats_security;
 pub mod nixl;
 pub mod parts;
-pub mod prom;
 pub mod record;
 pub mod recording;
 pub mod subject;

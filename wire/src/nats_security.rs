@@ -24,7 +24,7 @@
 //! `NATS_AUTH_CREDENTIALS_FILE`; [`NatsSecurity::from_dynamo_env`] reads the same, for
 //! the agent's tap of Dynamo's event plane.
 
-use crate::config::{Env, EnvError};
+use kvscope_kit::config::{Env, EnvError};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 

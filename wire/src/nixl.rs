@@ -66,7 +66,7 @@ pub fn notif_request_id(notif: &str) -> Option<&str> {
 /// [`LATENCY_BOUNDS_NS`]) as both the agent and the collector export them. `labels` is
 /// already escaped.
 pub fn write_latency_histogram(
-    out: &mut crate::prom::Exposition,
+    out: &mut kvscope_kit::prom::Exposition,
     name: &str,
     labels: &str,
     buckets: &[u64],
