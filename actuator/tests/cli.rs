@@ -2,8 +2,8 @@
 //! replayed into it, served by its own HTTP router), saved reads, the configuration, and
 //! the refusal to write without a token.
 
-use kvscope_collector::analyzer::AnalyzerConfig;
-use kvscope_collector::bus::Shared;
+use kvscope_collector::fold::analyzer::AnalyzerConfig;
+use kvscope_collector::ingest::bus::Shared;
 use kvscope_wire::hashing::{local_block_hashes, DYNAMO_HASH_SEED};
 use kvscope_wire::nixl::{
     LatencySummary, NixlCallStats, NixlReport, NixlTransferStats, XferStage, LATENCY_BOUNDS_NS,
@@ -172,7 +172,7 @@ nixl_agent = "nixl-2"
 "#;
 
 async fn serve_collector(recording: &Path) -> String {
-    let analyzer = kvscope_collector::replay::replay(
+    let analyzer = kvscope_collector::ingest::replay::replay(
         recording,
         AnalyzerConfig {
             window_secs: 5.0,
@@ -181,7 +181,7 @@ async fn serve_collector(recording: &Path) -> String {
         },
     )
     .unwrap();
-    let app = kvscope_collector::server::router(Shared::new(
+    let app = kvscope_collector::serve::api::router(Shared::new(
         analyzer,
         None,
         kvscope_wire::Subjects::new("test"),

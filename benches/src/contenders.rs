@@ -19,7 +19,7 @@ use dynamo_kv_router::protocols::{
 };
 use dynamo_kv_router::radix_tree::RadixTree;
 use dynamo_kv_router::ConcurrentRadixTreeCompressed;
-use kvscope_collector::fleet_index::FleetIndex;
+use kvscope_collector::fold::fleet_index::FleetIndex;
 use kvscope_wire::WorkerKey;
 use std::collections::{BTreeMap, HashMap};
 use std::hint::black_box;

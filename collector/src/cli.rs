@@ -1,10 +1,12 @@
 //! The collector's command line, shared by `kvscope-collector` and `kvscope collector`.
 
-use crate::bus::{self, BusConfig, Shared};
 use crate::config::CollectorConfig;
+use crate::fold::analyzer::FleetAnalyzer;
+use crate::ingest::bus::{self, BusConfig, Shared};
+use crate::ingest::replay;
 use crate::report::OpportunityReport;
+use crate::serve::api;
 use crate::supervise::{self, Essential};
-use crate::{analyzer::FleetAnalyzer, replay, server};
 use anyhow::Context as _;
 use clap::{Parser, Subcommand, ValueEnum};
 use kvscope_wire::recording::RecordingWriter;
@@ -190,7 +192,7 @@ async fn serve(cfg: CollectorConfig) -> anyhow::Result<()> {
             )
         })?;
     info!(listen = %listener.local_addr()?, "Serving /metrics and /api.");
-    let app = server::router(shared.clone());
+    let app = api::router(shared.clone());
     let mut otlp = {
         let s = shared.clone();
         kvscope_otlp::OtlpExport::start(
@@ -202,7 +204,7 @@ async fn serve(cfg: CollectorConfig) -> anyhow::Result<()> {
                 attributes: vec![("kvscope.cluster".into(), cfg.cluster.clone())],
             },
             Arc::new(move || {
-                crate::metrics::exposition(&s, kvscope_kit::prom::Format::OpenMetrics)
+                crate::serve::metrics::exposition(&s, kvscope_kit::prom::Format::OpenMetrics)
             }),
             shared.otlp.clone(),
         )

@@ -24,7 +24,7 @@
 //! `_MIN_SPILL_BLOCKS`, `_MIN_WINDOWS`, `_KEEP_WINDOWS`, `_KEEP_VERDICTS`,
 //! `_PROMPT_MEMORY_SECS`, `_MODELS` (comma-separated).
 
-use crate::analyzer::AnalyzerConfig;
+use crate::fold::analyzer::AnalyzerConfig;
 use kvscope_kit::config::{Env, EnvError};
 use serde::{Deserialize, Serialize};
 use std::net::SocketAddr;

@@ -1,21 +1,16 @@
 //! kvscope collector: the fleet view.
 //!
-//! Records from the agents (over NATS JetStream, or from a recording) are folded by the
-//! [`analyzer::FleetAnalyzer`] into a mirror of every worker's cache
-//! ([`fleet_index::FleetIndex`]), a [`verdict::SpillVerdict`] per routed request, and
-//! measurement windows ([`window`]), from which [`report`] writes the opportunity report.
+//! Records from the agents come in ([`ingest`]: over NATS JetStream, or from a
+//! recording) and are folded ([`fold`]) by the [`fold::analyzer::FleetAnalyzer`] into a
+//! mirror of every worker's cache ([`fold::fleet_index::FleetIndex`]), a spill verdict per
+//! routed request ([`fold::verdict`]) and measurement windows ([`fold::window`]); the
+//! state is served ([`serve`]: the HTTP API, `/metrics`, OTLP spans) and written up as
+//! the opportunity report ([`report`]). [`supervise`] runs the long-lived tasks.
 
-pub mod analyzer;
-pub mod bus;
 pub mod cli;
 pub mod config;
-pub mod fleet_index;
-pub mod metrics;
-pub mod nixl;
-pub mod replay;
+pub mod fold;
+pub mod ingest;
 pub mod report;
-pub mod server;
-pub mod spans;
+pub mod serve;
 pub mod supervise;
-pub mod verdict;
-pub mod window;

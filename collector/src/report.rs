@@ -7,8 +7,8 @@ mod plots;
 mod svg;
 mod tables;
 
-use crate::analyzer::FleetAnalyzer;
-use crate::window::{token_distribution, token_histogram};
+use crate::fold::analyzer::FleetAnalyzer;
+use crate::fold::window::{token_distribution, token_histogram};
 use hdrhistogram::Histogram;
 use kvscope_wire::api::summary::{AgentStatus, CollectorCounters};
 use kvscope_wire::api::window::{

@@ -4,7 +4,7 @@
 //! records published.
 
 use async_nats::jetstream;
-use kvscope_collector::analyzer::{AnalyzerConfig, FleetAnalyzer};
+use kvscope_collector::fold::analyzer::{AnalyzerConfig, FleetAnalyzer};
 use kvscope_collector::report::OpportunityReport;
 use kvscope_lab::process::{signal_group, ManagedProcess, StopOnDrop};
 use kvscope_wire::hashing::{local_block_hashes, DYNAMO_HASH_SEED};

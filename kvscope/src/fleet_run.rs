@@ -10,7 +10,7 @@
 //! it reads Dynamo's event plane from discovery alone.
 
 use anyhow::{bail, Context as _};
-use kvscope_collector::analyzer::{AnalyzerConfig, FleetAnalyzer};
+use kvscope_collector::fold::analyzer::{AnalyzerConfig, FleetAnalyzer};
 use kvscope_collector::report::OpportunityReport;
 use kvscope_lab::process::{stop_all, ManagedProcess};
 use kvscope_lab::workload::WorkloadConfig;

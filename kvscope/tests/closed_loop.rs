@@ -539,7 +539,7 @@ max_age_secs = 10.0
                 let verdicts: Vec<_> = collector
                     .into_iter()
                     .map(|(_, _, s)| s)
-                    .filter(|s| s.name == kvscope_collector::spans::SPILL_SPAN)
+                    .filter(|s| s.name == kvscope_collector::serve::spans::SPILL_SPAN)
                     .collect();
                 let missing: Vec<&str> = migrations
                     .iter()

@@ -14,7 +14,7 @@
 mod oracle;
 
 use kvscope::fleet_run::{FleetRun, FleetRunConfig, KvSource};
-use kvscope_collector::analyzer::{AnalyzerConfig, FleetAnalyzer};
+use kvscope_collector::fold::analyzer::{AnalyzerConfig, FleetAnalyzer};
 use kvscope_lab::workload;
 use kvscope_lab::{LabConfig, LabDiscovery, LabEventPlane};
 use kvscope_wire::recording::read_recording;

@@ -13,7 +13,7 @@
 mod oracle;
 
 use kvscope::fleet_run::{FleetRun, FleetRunConfig, KvSource, Replayed};
-use kvscope_collector::analyzer::FleetAnalyzer;
+use kvscope_collector::fold::analyzer::FleetAnalyzer;
 use kvscope_collector::report::OpportunityReport;
 use kvscope_lab::workload::{self, WorkloadConfig};
 use kvscope_lab::LabConfig;

@@ -12,7 +12,7 @@
 mod oracle;
 
 use kvscope::fleet_run::{FleetRun, FleetRunConfig};
-use kvscope_collector::analyzer::{AnalyzerConfig, FleetAnalyzer};
+use kvscope_collector::fold::analyzer::{AnalyzerConfig, FleetAnalyzer};
 use kvscope_collector::report::{OpportunityReport, ReportStatus};
 use kvscope_lab::workload::{self, WorkloadConfig};
 use kvscope_lab::LabConfig;

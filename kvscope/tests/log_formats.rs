@@ -15,7 +15,7 @@
 mod oracle;
 
 use kvscope::fleet_run::{FleetRun, FleetRunConfig};
-use kvscope_collector::analyzer::{AnalyzerConfig, FleetAnalyzer};
+use kvscope_collector::fold::analyzer::{AnalyzerConfig, FleetAnalyzer};
 use kvscope_lab::bus_security::BusAgent;
 use kvscope_lab::process::{stop_all, ManagedProcess};
 use kvscope_lab::workload::{self, SplitMix64};

@@ -17,7 +17,7 @@
 mod oracle;
 
 use kvscope::fleet_run::{FleetRun, FleetRunConfig};
-use kvscope_collector::analyzer::{AnalyzerConfig, FleetAnalyzer};
+use kvscope_collector::fold::analyzer::{AnalyzerConfig, FleetAnalyzer};
 use kvscope_lab::LabConfig;
 use kvscope_wire::recording::read_recording;
 use kvscope_wire::{AgentCounters, Record};

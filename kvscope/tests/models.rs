@@ -13,7 +13,7 @@
 mod oracle;
 
 use kvscope::fleet_run::{FleetRun, FleetRunConfig};
-use kvscope_collector::analyzer::{AnalyzerConfig, FleetAnalyzer};
+use kvscope_collector::fold::analyzer::{AnalyzerConfig, FleetAnalyzer};
 use kvscope_collector::report::OpportunityReport;
 use kvscope_lab::process::{ManagedProcess, StopOnDrop};
 use kvscope_lab::workload::{self, WorkloadConfig};

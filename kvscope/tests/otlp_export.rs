@@ -386,8 +386,8 @@ async fn lab_metrics_and_spans_reach_an_otlp_receiver_over_grpc_and_http() {
     let spans = loop {
         let spans = rx.spans("kvscope-collector");
         let n = |name: &str| spans.iter().filter(|(_, _, s)| s.name == name).count();
-        if n(kvscope_collector::spans::SPILL_SPAN) as u64 >= spills
-            && n(kvscope_collector::spans::MIGRATION_SPAN) >= migrations.len()
+        if n(kvscope_collector::serve::spans::SPILL_SPAN) as u64 >= spills
+            && n(kvscope_collector::serve::spans::MIGRATION_SPAN) >= migrations.len()
         {
             break spans;
         }
@@ -410,7 +410,7 @@ async fn lab_metrics_and_spans_reach_an_otlp_receiver_over_grpc_and_http() {
     assert!(resource.contains_key("host.name") && resource.contains_key("service.instance.id"));
     let spill_spans: Vec<_> = spans
         .iter()
-        .filter(|(_, _, s)| s.name == kvscope_collector::spans::SPILL_SPAN)
+        .filter(|(_, _, s)| s.name == kvscope_collector::serve::spans::SPILL_SPAN)
         .map(|(_, _, s)| s)
         .collect();
     assert_eq!(spill_spans.len() as u64, spills, "one span per spill");
@@ -500,7 +500,7 @@ async fn lab_metrics_and_spans_reach_an_otlp_receiver_over_grpc_and_http() {
     assert!(delta_sum > 0);
     let migration_spans: Vec<_> = spans
         .iter()
-        .filter(|(_, _, s)| s.name == kvscope_collector::spans::MIGRATION_SPAN)
+        .filter(|(_, _, s)| s.name == kvscope_collector::serve::spans::MIGRATION_SPAN)
         .map(|(_, _, s)| s)
         .collect();
     assert_eq!(migration_spans.len(), migrations.len());

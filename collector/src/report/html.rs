@@ -271,7 +271,7 @@ fn cards(out: &mut String, r: &OpportunityReport) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::analyzer::{AnalyzerConfig, FleetAnalyzer};
+    use crate::fold::analyzer::{AnalyzerConfig, FleetAnalyzer};
     use crate::report::plots::{PLOT_SPILL_RATE, PLOT_SPILL_TOKENS, PLOT_VOLUME};
     use crate::report::SpillTokenBin;
     use kvscope_wire::api::summary::AgentStatus;

@@ -8,7 +8,7 @@
 //! and in stream order, and a restarted collector ends with the same figures as one that
 //! never stopped.
 
-use crate::analyzer::FleetAnalyzer;
+use crate::fold::analyzer::FleetAnalyzer;
 use anyhow::Context as _;
 use async_nats::jetstream::{self, consumer, stream};
 use async_nats::HeaderMap;
@@ -144,7 +144,7 @@ impl Shared {
                 };
                 if let Some(sink) = self.spans.get().filter(|s| s.enabled()) {
                     if !rebuilding {
-                        crate::spans::record(sink, &env, verdict.as_ref(), seq);
+                        crate::serve::spans::record(sink, &env, verdict.as_ref(), seq);
                     }
                 }
                 let mut recorder = lock(&self.recorder);

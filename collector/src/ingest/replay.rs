@@ -1,6 +1,6 @@
 //! Replaying a recording through the same analyzer the live collector runs.
 
-use crate::analyzer::{AnalyzerConfig, FleetAnalyzer};
+use crate::fold::analyzer::{AnalyzerConfig, FleetAnalyzer};
 use kvscope_wire::recording::{read_recording, RecordingError};
 use std::path::Path;
 use tracing::warn;

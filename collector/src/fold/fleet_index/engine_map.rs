@@ -329,7 +329,7 @@ mod tests {
         // Keys from a small range collide, and spill to their second buckets; the
         // table grows, churns and drains.
         for (range, ops) in [(64u64, 20_000), (5_000, 60_000), (u64::MAX, 60_000)] {
-            let mut rng = crate::fleet_index::test_rng(range);
+            let mut rng = crate::fold::fleet_index::test_rng(range);
             let mut map = EngineMap::default();
             let mut model: HashMap<u64, BlockIdx> = HashMap::new();
             for op in 0..ops {
@@ -370,7 +370,7 @@ mod tests {
     fn fills_to_three_quarters_without_growing_early() {
         // A table grows when three quarters of its slots are used; before that, a key
         // whose both buckets are full must find room by moving others, also under churn.
-        let mut rng = crate::fleet_index::test_rng(7);
+        let mut rng = crate::fold::fleet_index::test_rng(7);
         let mut map = EngineMap::default();
         map.grow_to(1024);
         let full = 1024 * SLOTS * 3 / 4;

@@ -1,7 +1,7 @@
 //! Judging a routed request against the mirror: its [`SpillVerdict`], the measurements of
 //! ARCHITECTURE.md ("The measurements").
 
-use crate::fleet_index::FleetIndex;
+use crate::fold::fleet_index::FleetIndex;
 use kvscope_wire::api::verdict::SpillVerdict;
 use kvscope_wire::{RoutingDecision, SequenceHash, WorkerKey};
 use std::collections::BTreeMap;

@@ -1,9 +1,9 @@
 //! The collector's HTTP endpoints: Prometheus `/metrics` and a read-only JSON API, whose
 //! types are the contract in `kvscope_wire::api`.
 
-use crate::bus::{lock, Shared};
-use crate::metrics;
+use crate::ingest::bus::{lock, Shared};
 use crate::report::OpportunityReport;
+use crate::serve::metrics;
 use axum::extract::{Query, State};
 use axum::http::header;
 use axum::response::IntoResponse;
@@ -115,11 +115,11 @@ async fn verdicts(State(s): State<Arc<Shared>>, Query(q): Query<Limit>) -> impl 
 }
 
 async fn nixl_pairs(State(s): State<Arc<Shared>>) -> impl IntoResponse {
-    Json(crate::nixl::pairs(lock(&s.analyzer).agents()))
+    Json(crate::fold::nixl::pairs(lock(&s.analyzer).agents()))
 }
 
 async fn nixl_agents(State(s): State<Arc<Shared>>) -> impl IntoResponse {
-    Json(crate::nixl::owners(lock(&s.analyzer).agents()))
+    Json(crate::fold::nixl::owners(lock(&s.analyzer).agents()))
 }
 
 async fn report_json(State(s): State<Arc<Shared>>) -> impl IntoResponse {

@@ -1,7 +1,7 @@
 //! Measurement windows: fixed-length slices of record time with the spill figures of the
 //! requests decided in them.
 
-use crate::fleet_index::FleetIndex;
+use crate::fold::fleet_index::FleetIndex;
 use hdrhistogram::Histogram;
 use kvscope_wire::api::verdict::SpillVerdict;
 use kvscope_wire::api::window::{

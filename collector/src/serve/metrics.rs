@@ -6,16 +6,16 @@
 //! tok/s a window gives, and `histogram_quantile()` the percentiles. The last measured
 //! window's own figures are there too (`kvscope_window_*`), as the report computes them.
 
-use crate::analyzer::{FleetAnalyzer, TokenHistogram, TOKEN_BOUNDS};
+use crate::fold::analyzer::{FleetAnalyzer, TokenHistogram, TOKEN_BOUNDS};
 use kvscope_kit::prom::{labels, Exposition, Format, Kind};
 use kvscope_wire::api::summary::BusStatus;
 
 /// Everything `/metrics` shows, in `format`: the figures and the OTLP export health.
 /// The one source of both `/metrics` and the OTLP metrics export.
-pub fn exposition(shared: &crate::bus::Shared, format: Format) -> String {
-    let bus = crate::bus::lock(&shared.bus).clone();
+pub fn exposition(shared: &crate::ingest::bus::Shared, format: Format) -> String {
+    let bus = crate::ingest::bus::lock(&shared.bus).clone();
     let mut out = Exposition::new(format);
-    write(&mut out, &crate::bus::lock(&shared.analyzer), &bus);
+    write(&mut out, &crate::ingest::bus::lock(&shared.analyzer), &bus);
     shared
         .otlp
         .write_prometheus(&mut out, "kvscope_collector", "");
@@ -256,7 +256,7 @@ pub fn write(out: &mut Exposition, a: &FleetAnalyzer, bus: &BusStatus) {
         (
             "kvscope_worker_decisions",
             "Routing decisions that chose this worker (its load).",
-            (|f| f.decisions) as fn(&crate::analyzer::WorkerTotals) -> u64,
+            (|f| f.decisions) as fn(&crate::fold::analyzer::WorkerTotals) -> u64,
         ),
         (
             "kvscope_worker_prompt_tokens",
@@ -513,8 +513,8 @@ pub fn write(out: &mut Exposition, a: &FleetAnalyzer, bus: &BusStatus) {
             out.counter(name, &labels(&[("model", model)]), get(m));
         }
     }
-    crate::nixl::render(out, &crate::nixl::pairs(a.agents()));
-    crate::nixl::render_owners(out, &crate::nixl::owners(a.agents()));
+    crate::fold::nixl::render(out, &crate::fold::nixl::pairs(a.agents()));
+    crate::fold::nixl::render_owners(out, &crate::fold::nixl::owners(a.agents()));
 }
 
 /// A token histogram, each bucket with its latest spill's trace as an exemplar (in

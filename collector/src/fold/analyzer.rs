@@ -4,9 +4,9 @@
 //! It is a pure fold over records — no clocks, no I/O — so a live run and a replay of the
 //! same records give the same figures.
 
-use crate::fleet_index::{FleetIndex, MirrorError};
-use crate::verdict;
-use crate::window::{ClosedWindow, OpenWindow};
+use crate::fold::fleet_index::{FleetIndex, MirrorError};
+use crate::fold::verdict;
+use crate::fold::window::{ClosedWindow, OpenWindow};
 use kvscope_wire::api::summary::{AgentStatus, CollectorCounters};
 use kvscope_wire::api::verdict::SpillVerdict;
 use kvscope_wire::api::window::{MigrationLogWindow, ModelFigures, WindowSummary};
@@ -1360,7 +1360,7 @@ mod tests {
         assert_eq!(t.workers[&w(2)].spills_in, 1);
         assert_eq!(t.workers[&w(2)].cached_prompt_tokens, 0);
         let mut out = kvscope_kit::prom::Exposition::new(kvscope_kit::prom::Format::OpenMetrics);
-        crate::metrics::write(
+        crate::serve::metrics::write(
             &mut out,
             &a,
             &kvscope_wire::api::summary::BusStatus::default(),
