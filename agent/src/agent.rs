@@ -3,12 +3,12 @@
 
 use crate::config::AgentConfig;
 use crate::counters::AgentStats;
-use crate::log_follower::LogSource;
 use crate::nixl::NixlTracer;
-use crate::plane_tap::{PlaneContext, PlaneTaps};
-use crate::publisher::{self, PublisherConfig};
-use crate::record_sink::{now_ns, RecordSink};
-use crate::zmq_tap;
+use crate::sink::publisher::{self, PublisherConfig};
+use crate::sink::{now_ns, RecordSink};
+use crate::taps::engine::tap;
+use crate::taps::plane::tap::{PlaneContext, PlaneTaps};
+use crate::taps::router::follower::LogSource;
 use anyhow::Context as _;
 use kvscope_wire::{AgentHeartbeat, Record, Subjects};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -189,7 +189,7 @@ pub async fn start(cfg: AgentConfig) -> anyhow::Result<RunningAgent> {
 
     for ep in &cfg.kv_endpoints {
         info!(publisher = %ep.endpoint, worker_id = ?ep.worker_id, dp_rank = ?ep.dp_rank, "Tapping KV events.");
-        inputs.push(tokio::spawn(zmq_tap::run(
+        inputs.push(tokio::spawn(tap::run(
             ep.clone(),
             fleet_view.clone(),
             cfg.kv_limits(),
@@ -201,7 +201,7 @@ pub async fn start(cfg: AgentConfig) -> anyhow::Result<RunningAgent> {
     }
 
     if let Some(log) = &cfg.router_log {
-        let settings = crate::router_logs::FollowSettings {
+        let settings = crate::taps::router::files::FollowSettings {
             from_start: cfg.from_start,
             poll: Duration::from_millis(cfg.log_poll_interval_ms.max(1)),
             max_line_bytes: cfg.max_line_bytes,
@@ -211,9 +211,9 @@ pub async fn start(cfg: AgentConfig) -> anyhow::Result<RunningAgent> {
             request_trace_window_ns: cfg.request_trace_window_ms * 1_000_000,
             rescan: Duration::from_secs(2),
         };
-        if crate::router_logs::is_pattern(log) {
+        if crate::taps::router::files::is_pattern(log) {
             info!(pattern = %log, "Following the router logs a pattern matches.");
-            inputs.push(tokio::spawn(crate::router_logs::run(
+            inputs.push(tokio::spawn(crate::taps::router::files::run(
                 log.clone(),
                 settings,
                 sink.clone(),
@@ -230,7 +230,7 @@ pub async fn start(cfg: AgentConfig) -> anyhow::Result<RunningAgent> {
                 }
             };
             info!(source = ?source, "Following the router log.");
-            let (tap, _) = crate::router_logs::follow_one(
+            let (tap, _) = crate::taps::router::files::follow_one(
                 source,
                 "router_log",
                 &settings,
@@ -263,7 +263,9 @@ pub async fn start(cfg: AgentConfig) -> anyhow::Result<RunningAgent> {
             let mut tick = tokio::time::interval(period);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             tick.tick().await;
-            let owners = Arc::new(std::sync::Mutex::new(crate::owners::Owners::default()));
+            let owners = Arc::new(std::sync::Mutex::new(
+                crate::fleet::owners::Owners::default(),
+            ));
             loop {
                 tick.tick().await;
                 let mut report = t.report();

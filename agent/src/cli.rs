@@ -76,7 +76,7 @@ pub struct Cli {
     pub max_line_bytes: Option<usize>,
     /// Where decisions come from: auto, routing-input or request-trace [default: auto].
     #[arg(long, value_name = "SOURCE")]
-    pub decisions: Option<crate::decision_join::DecisionSource>,
+    pub decisions: Option<crate::taps::router::join::DecisionSource>,
     /// How long records wait for request-trace decisions, in ms [default: 10000].
     #[arg(long)]
     pub request_trace_window_ms: Option<u64>,

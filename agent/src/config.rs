@@ -67,7 +67,7 @@ pub struct AgentConfig {
     pub kv_endpoints: Vec<KvEndpoint>,
     /// The router's log file to follow, `-` for stdin, or a glob pattern (`*`, `?`,
     /// `[…]`) whose every match is followed, looked up again every 2 s (Kubernetes pod
-    /// logs; see `router_logs`) (default none). Env: `KVSCOPE_AGENT_ROUTER_LOG`.
+    /// logs; see `taps::router::files`) (default none). Env: `KVSCOPE_AGENT_ROUTER_LOG`.
     pub router_log: Option<String>,
     /// Read the router log from its beginning instead of its end (default false).
     /// Env: `KVSCOPE_AGENT_FROM_START` (`1`/`true`).
@@ -103,7 +103,7 @@ pub struct AgentConfig {
     /// and `Selected worker` lines, and Dynamo's request trace for requests those never
     /// named), `routing_input`, or `request_trace` (`DYN_REQUEST_TRACE=1`, any level).
     /// Env: `KVSCOPE_AGENT_DECISIONS`.
-    pub decisions: crate::decision_join::DecisionSource,
+    pub decisions: crate::taps::router::join::DecisionSource,
     /// Once decisions come from the request trace (written when each request ends),
     /// every record waits this long, in milliseconds, so a decision slots in at its
     /// request's arrival time; a request that ends later than that is judged late and
@@ -118,7 +118,7 @@ pub struct AgentConfig {
     /// How long a record waits for records of its sources that happened earlier but
     /// reach the agent later (a router log line vs the ZMQ events of the prefill it
     /// caused), in milliseconds (default 250; 0 sends in arrival order). Records leave
-    /// in event-time order; see `record_sink`. Env: `KVSCOPE_AGENT_REORDER_WINDOW_MS`.
+    /// in event-time order; see `sink`. Env: `KVSCOPE_AGENT_REORDER_WINDOW_MS`.
     pub reorder_window_ms: u64,
     /// The longest a record waits for an engine's KV event publisher that has gone
     /// quiet, in milliseconds (default: `reorder_window_ms`). Within it the wait is
@@ -388,8 +388,8 @@ impl AgentConfig {
     }
 
     /// What a KV event publisher may make a tap hold.
-    pub fn kv_limits(&self) -> crate::zmtp::Limits {
-        crate::zmtp::Limits {
+    pub fn kv_limits(&self) -> crate::taps::engine::zmtp::Limits {
+        crate::taps::engine::zmtp::Limits {
             max_message_bytes: self.kv_max_message_bytes,
             ..Default::default()
         }

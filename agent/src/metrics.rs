@@ -3,7 +3,7 @@
 
 use crate::counters::AgentStats;
 use crate::nixl::NixlTracer;
-use crate::record_sink::{RecordSink, SourceClockReading};
+use crate::sink::{RecordSink, SourceClockReading};
 use kvscope_kit::prom::{labels, Exposition, Format, Kind};
 use kvscope_wire::nixl::{write_latency_histogram, MergedLatency, NixlReport};
 use std::collections::BTreeMap;
@@ -230,7 +230,7 @@ pub fn exposition(
     })
 }
 
-/// Each source's clock against the agent's (see `record_sink`'s docs on clocks).
+/// Each source's clock against the agent's (see `sink`'s docs on clocks).
 fn write_source_clocks(out: &mut Exposition, agent: &str, clocks: &[SourceClockReading]) {
     if clocks.is_empty() {
         return;

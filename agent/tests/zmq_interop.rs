@@ -1,7 +1,7 @@
-//! The agent's own ZMTP client (`kvscope_agent::zmtp`) as a SUB against a real libzmq
+//! The agent's own ZMTP client (`kvscope_agent::taps::engine::zmtp`) as a SUB against a real libzmq
 //! PUB (pyzmq), with the frames a Dynamo 1.6.1 mocker really sent (lab/fixtures/samples).
 
-use kvscope_agent::zmtp::{Connection, Limits, SocketType};
+use kvscope_agent::taps::engine::zmtp::{Connection, Limits, SocketType};
 use kvscope_lab::process::{ManagedProcess, StopOnDrop};
 use std::io::BufRead;
 use std::process::{Command, Stdio};

@@ -16,7 +16,10 @@ fuzz_target!(|data: &[u8]| {
     }
     let _ = decode_router_events(data, 16);
     if data.len() >= 3 {
-        let (a, b) = (usize::from(data[0]) % data.len(), usize::from(data[1]) % data.len());
+        let (a, b) = (
+            usize::from(data[0]) % data.len(),
+            usize::from(data[1]) % data.len(),
+        );
         let (a, b) = (a.min(b), a.max(b));
         let frames = [&data[..a], &data[a..b], &data[b..], &data[..0]];
         let _ = split_zmq_frames(&frames);
@@ -28,9 +31,22 @@ fuzz_target!(|data: &[u8]| {
     };
     let mut r = Reassembler::new(limits);
     for (i, chunk) in data.chunks(37).enumerate() {
-        let id = format!("run{}-{}:{}", chunk[0] % 3, chunk.get(1).copied().unwrap_or(0) % 4, i);
-        let part = format!("{}/{}", chunk.get(2).copied().unwrap_or(0) % 5, chunk.get(3).copied().unwrap_or(1) % 6);
-        let _ = r.accept(Some(&id), (chunk[0] % 2 == 0).then_some(part.as_str()), chunk);
+        let id = format!(
+            "run{}-{}:{}",
+            chunk[0] % 3,
+            chunk.get(1).copied().unwrap_or(0) % 4,
+            i
+        );
+        let part = format!(
+            "{}/{}",
+            chunk.get(2).copied().unwrap_or(0) % 5,
+            chunk.get(3).copied().unwrap_or(1) % 6
+        );
+        let _ = r.accept(
+            Some(&id),
+            (chunk[0] % 2 == 0).then_some(part.as_str()),
+            chunk,
+        );
         assert!(r.held_bytes() <= limits.max_record_bytes * limits.max_open_records);
     }
 });

@@ -3,8 +3,8 @@
 //! parser and joiner: never a panic, every line counted as something.
 #![no_main]
 
-use kvscope_agent::cri::CriJoiner;
-use kvscope_agent::decision_join::RouterLogProcessor;
+use kvscope_agent::taps::router::cri::CriJoiner;
+use kvscope_agent::taps::router::join::RouterLogProcessor;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
@@ -12,8 +12,8 @@ fuzz_target!(|data: &[u8]| {
     let mut cri = CriJoiner::new(1 << 12);
     let mut p = RouterLogProcessor::new(30_000_000_000, 64);
     for line in text.lines() {
-        let _ = kvscope_agent::router_log::parse_line(line);
-        if let kvscope_agent::cri::CriOutput::Line { text, .. } = cri.push(line) {
+        let _ = kvscope_agent::taps::router::parse::parse_line(line);
+        if let kvscope_agent::taps::router::cri::CriOutput::Line { text, .. } = cri.push(line) {
             let _ = p.line(&text, 1_796_000_000_000_000_000);
         }
     }

@@ -4,7 +4,9 @@
 #![no_main]
 
 use bytes::BytesMut;
-use kvscope_agent::zmtp::{parse_command, parse_greeting, FrameDecoder, Item, Limits};
+use kvscope_agent::taps::engine::zmtp::{
+    parse_command, parse_greeting, FrameDecoder, Item, Limits,
+};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
@@ -26,7 +28,10 @@ fuzz_target!(|data: &[u8]| {
             match d.decode(&mut buf) {
                 Ok(Some(Item::Message(frames))) => {
                     assert!(frames.len() <= limits.max_frames);
-                    assert!(frames.iter().map(|f| f.len() as u64).sum::<u64>() <= limits.max_message_bytes);
+                    assert!(
+                        frames.iter().map(|f| f.len() as u64).sum::<u64>()
+                            <= limits.max_message_bytes
+                    );
                 }
                 Ok(Some(Item::Command(body))) => {
                     let _ = parse_command(&body);

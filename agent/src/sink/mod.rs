@@ -54,6 +54,8 @@
 //! carry the floor (`clock_behind_ms`), and the collector flags them. Both figures
 //! are on `/metrics` per source.
 
+pub mod publisher;
+
 use crate::counters::AgentStats;
 use crate::internal_events::{
     InternalEvent, PublishDropped, RecordClockCorrected, RecordLate, RecordingWriteFailed,

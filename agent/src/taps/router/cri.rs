@@ -10,7 +10,7 @@
 //! not in this form is passed through unchanged, so the same reader takes plain and
 //! JSON-lines files.
 
-use crate::router_log::parse_rfc3339_ns;
+use crate::taps::router::parse::parse_rfc3339_ns;
 
 /// What one input line gave.
 #[derive(Debug, Clone, PartialEq, Eq)]

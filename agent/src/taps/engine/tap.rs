@@ -1,5 +1,5 @@
 //! A tap on one engine's ZMQ KV event publisher, over the agent's own ZMTP client
-//! ([`crate::zmtp`]: a peer cannot make it allocate more than [`Limits`] allow).
+//! ([`crate::taps::engine::zmtp`]: a peer cannot make it allocate more than [`Limits`] allow).
 //!
 //! Subscribes to every topic, decodes each message with [`crate::kv_events`], classifies
 //! its sequence number with [`SequenceTracker`], marks it with the endpoint's configured
@@ -17,9 +17,9 @@ use crate::internal_events::{
     KvTapDisconnected, KvTapPanicked, KvUnknownEvent,
 };
 use crate::kv_events::{decode_payload, split_frames, EventProblem};
-use crate::record_sink::{RecordSink, SourceId};
-use crate::sequence::SequenceTracker;
-use crate::zmtp::{Connection, Limits, SocketType, ZmtpError};
+use crate::sink::{RecordSink, SourceId};
+use crate::taps::engine::sequence::SequenceTracker;
+use crate::taps::engine::zmtp::{Connection, Limits, SocketType, ZmtpError};
 use kvscope_wire::{KvEventBatch, Record, SequenceStatus, WorkerKey};
 use std::sync::Arc;
 use std::time::Duration;
@@ -141,7 +141,7 @@ impl KvTap {
         &mut self,
         from: u64,
         next: u64,
-        mut batches: Vec<crate::replay::Replayed>,
+        mut batches: Vec<crate::taps::engine::replay::Replayed>,
     ) -> (Vec<Record>, bool) {
         batches.retain(|(s, _)| (from..next).contains(s));
         batches.sort_by_key(|(s, _)| *s);
@@ -404,7 +404,7 @@ async fn recover(
     stats: &AgentStats,
 ) {
     let publisher = tap.endpoint.endpoint.clone();
-    match crate::replay::fetch(replay, from, limits).await {
+    match crate::taps::engine::replay::fetch(replay, from, limits).await {
         Ok(batches) => {
             let (records, complete) = tap.replayed(from, next, batches);
             let n = records.len();

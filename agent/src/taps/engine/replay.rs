@@ -8,10 +8,10 @@
 //! after an empty delimiter (older vLLM and SGLang omit the topic) — and ends with the
 //! marker `seq = u64::MAX`, empty payload. A start older than the buffer gets the whole
 //! buffer, so the caller checks what it got; a start past the newest gets the marker
-//! alone. Everything goes through [`crate::zmtp`], within the tap's limits, and the
+//! alone. Everything goes through [`crate::taps::engine::zmtp`], within the tap's limits, and the
 //! whole answer within a deadline and a batch count.
 
-use crate::zmtp::{Connection, Limits, SocketType, ZmtpError};
+use crate::taps::engine::zmtp::{Connection, Limits, SocketType, ZmtpError};
 use std::time::Duration;
 
 /// Batches one answer may hold: vLLM's default buffer, and some.

@@ -20,7 +20,7 @@ use crate::internal_events::{
     BusRefused, InternalEvent, PublishFailed, RecordPublished, RecordSetAside, RecordSplit,
     StreamReady,
 };
-use crate::record_sink::RecordSink;
+use crate::sink::RecordSink;
 use async_nats::jetstream::{self, context::PublishErrorKind, message::PublishMessage};
 use kvscope_kit::Health;
 use kvscope_wire::nats_security::{refusal, refused_connection};
@@ -191,7 +191,7 @@ fn part_bytes(max_payload: usize, run_id: &str) -> usize {
 async fn publish_window(
     js: &jetstream::Context,
     run_id: &str,
-    window: &[crate::record_sink::Outgoing],
+    window: &[crate::sink::Outgoing],
     part_bytes: usize,
     stats: &AgentStats,
 ) -> (usize, Option<String>) {

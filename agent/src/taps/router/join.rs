@@ -6,7 +6,9 @@
 //! given up as unjoined. The same log therefore always gives the same decisions,
 //! whenever and however fast it is read.
 
-use crate::router_log::{parse_line, LineContent, MalformedLine, RoutingInput, SelectedWorker};
+use crate::taps::router::parse::{
+    parse_line, LineContent, MalformedLine, RoutingInput, SelectedWorker,
+};
 use kvscope_wire::{MigrationLogLine, RoutingDecision, TraceContext, WorkerKey};
 use std::collections::{HashMap, VecDeque};
 
@@ -399,7 +401,11 @@ impl RouterLogProcessor {
         out
     }
 
-    fn decide(&mut self, parsed: crate::router_log::ParsedLine, now: u64) -> Vec<LogOutput> {
+    fn decide(
+        &mut self,
+        parsed: crate::taps::router::parse::ParsedLine,
+        now: u64,
+    ) -> Vec<LogOutput> {
         let routing_lines = self.source != DecisionSource::RequestTrace;
         let joined = match parsed.content {
             LineContent::RoutingInput(i) if routing_lines => self.joiner.input(now, i),
@@ -515,7 +521,7 @@ mod tests {
     #[test]
     fn a_line_dated_an_hour_ahead_or_a_clock_stepped_back_stops_no_join() {
         // The agent's clock reads 07:50:30.
-        let wall = crate::router_log::parse_rfc3339_ns("2026-11-29T07:50:30Z").unwrap();
+        let wall = crate::taps::router::parse::parse_rfc3339_ns("2026-11-29T07:50:30Z").unwrap();
         let mut p = RouterLogProcessor::new(30 * SEC, 1000);
         let mut out = Vec::new();
         let future =

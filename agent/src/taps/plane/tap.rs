@@ -2,7 +2,7 @@
 //! with the worker's identity inside, found through discovery. One agent anywhere sees
 //! the whole fleet this way, no per-node process and no worker id typed by hand.
 //!
-//! A ZMQ channel is one publisher's PUB: one tap each (over [`crate::zmtp`], bounded like
+//! A ZMQ channel is one publisher's PUB: one tap each (over [`crate::taps::engine::zmtp`], bounded like
 //! the engine taps), subscribed to `kv-events`. A NATS channel is a subject the
 //! publishers of an endpoint share: one subscription per subject, its messages told
 //! apart by the envelope's publisher id. Either way each publisher is its own source in
@@ -17,9 +17,9 @@ use crate::internal_events::{
     InternalEvent, KvBadFrame, KvBatchReceived, KvBatchReplayed, KvDecodeError, KvPeerViolation,
     KvReplayDone, KvReplayFailed, KvTapConnected, KvTapDisconnected,
 };
-use crate::record_sink::{RecordSink, SourceId};
-use crate::zmq_tap::{emit_problems, PublisherSequence};
-use crate::zmtp::{Connection, Limits, SocketType};
+use crate::sink::{RecordSink, SourceId};
+use crate::taps::engine::tap::{emit_problems, PublisherSequence};
+use crate::taps::engine::zmtp::{Connection, Limits, SocketType};
 use futures::StreamExt as _;
 use kvscope_discovery::{Channel, Fleet, FleetChange, KV_EVENTS_TOPIC};
 use kvscope_wire::dynamo_events::{
@@ -299,7 +299,7 @@ impl PlaneDecoder {
     }
 
     /// The publisher's worker's whole cache through Dynamo's recovery endpoint (see
-    /// [`crate::plane_recovery`]), as a `Replayed` batch that clears the worker first,
+    /// [`crate::taps::plane::recovery`]), as a `Replayed` batch that clears the worker first,
     /// numbered `seq`; live events the answer already held are dropped from then on.
     /// `None` without a recovery target, or when the query fails (counted).
     async fn dump(
@@ -318,8 +318,14 @@ impl PlaneDecoder {
             .get(&worker.worker_id)
             .and_then(|w| w.block_size)
             .unwrap_or(0);
-        let r = match crate::plane_recovery::query(tcp, worker, None, block_size, RECOVERY_TIMEOUT)
-            .await
+        let r = match crate::taps::plane::recovery::query(
+            tcp,
+            worker,
+            None,
+            block_size,
+            RECOVERY_TIMEOUT,
+        )
+        .await
         {
             Ok(r) => r,
             Err(error) => {
@@ -372,7 +378,7 @@ impl PlaneDecoder {
         fleet: &Fleet,
     ) -> Option<Record> {
         let label = format!("{channel}#{publisher_id:x}");
-        let now = crate::record_sink::now_ns() as f64 / 1e9;
+        let now = crate::sink::now_ns() as f64 / 1e9;
         let r = self.dump(publisher_id, &label, 0, now, fleet).await?;
         // An empty cache (the usual start, before any request) needs no dump: the
         // stream starts as it would have anyway.

@@ -1,15 +1,15 @@
-//! The router log tap: lines from [`crate::log_follower`] through the parser and joiner
-//! of [`crate::decision_join`], out as decision and migration records.
+//! The router log tap: lines from [`crate::taps::router::follower`] through the parser and joiner
+//! of [`crate::taps::router::join`], out as decision and migration records.
 
 use crate::counters::AgentStats;
-use crate::cri::{CriJoiner, CriOutput};
-use crate::decision_join::{DecisionSource, LogOutput, RouterLogProcessor};
 use crate::internal_events::{
     DecisionClockBehind, DecisionJoined, DecisionTraced, DecisionUnjoined, InternalEvent,
     LogLineFuture, LogLineMalformed, LogLineRead, LogLineTooLong, MigrationLineParsed,
 };
-use crate::log_follower::LogItem;
-use crate::record_sink::{now_ns, RecordSink, SourceId};
+use crate::sink::{now_ns, RecordSink, SourceId};
+use crate::taps::router::cri::{CriJoiner, CriOutput};
+use crate::taps::router::follower::LogItem;
+use crate::taps::router::join::{DecisionSource, LogOutput, RouterLogProcessor};
 use kvscope_wire::Record;
 use tokio::sync::mpsc;
 

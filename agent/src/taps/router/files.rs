@@ -14,11 +14,11 @@
 //!   frontend wrote before the next look is missed.
 
 use crate::counters::AgentStats;
-use crate::decision_join::DecisionSource;
 use crate::internal_events::{InternalEvent, RouterLogFollowed, RouterLogReleased};
-use crate::log_follower::{self, LogSource};
-use crate::record_sink::RecordSink;
-use crate::router_tap::{self, RouterTap};
+use crate::sink::RecordSink;
+use crate::taps::router::follower::{self, LogSource};
+use crate::taps::router::join::DecisionSource;
+use crate::taps::router::tap::{self, RouterTap};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -49,7 +49,7 @@ pub struct FollowSettings {
 struct Followed {
     stop: Arc<AtomicBool>,
     tap: JoinHandle<()>,
-    source: crate::record_sink::SourceId,
+    source: crate::sink::SourceId,
 }
 
 /// Stops every follower when the task ends (shutdown aborts it).
@@ -74,12 +74,12 @@ pub fn follow_one(
     sink: &Arc<RecordSink>,
     stats: &Arc<AgentStats>,
     stop: Arc<AtomicBool>,
-) -> std::io::Result<(JoinHandle<()>, crate::record_sink::SourceId)> {
+) -> std::io::Result<(JoinHandle<()>, crate::sink::SourceId)> {
     let (tx, rx) = tokio::sync::mpsc::channel(10_000);
-    log_follower::spawn(source, s.max_line_bytes, tx, stats.clone(), stop)?;
+    follower::spawn(source, s.max_line_bytes, tx, stats.clone(), stop)?;
     let tap = RouterTap::new(s.join_timeout_ns, s.max_line_bytes, s.decisions);
     let id = sink.add_source(name, s.reorder_window_ns);
-    let task = tokio::spawn(router_tap::run(
+    let task = tokio::spawn(tap::run(
         tap,
         rx,
         sink.clone(),

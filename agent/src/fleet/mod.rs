@@ -5,10 +5,12 @@
 //! tap without a configured worker id finds its worker through it), and, when it taps
 //! Dynamo's event plane, starts and stops one tap per KV publisher as they come and go.
 
+pub mod owners;
+
 use crate::counters::AgentStats;
 use crate::internal_events::{DiscoveryFailed, DiscoveryRead, InternalEvent};
-use crate::plane_tap::PlaneTaps;
-use crate::record_sink::RecordSink;
+use crate::sink::RecordSink;
+use crate::taps::plane::tap::PlaneTaps;
 use kvscope_discovery::procfs;
 use kvscope_discovery::{Backend, Fleet, FleetChange, Worker};
 use kvscope_wire::{Record, WorkerRecord, WorkerState};
@@ -117,7 +119,7 @@ pub async fn run(
 /// The worker whose process serves `endpoint` (`tcp://HOST:PORT`) on this node: the one
 /// process listening on it works for that worker — it serves the worker's request
 /// plane itself, or one of its ancestors does (vLLM's engine process under Dynamo's
-/// worker process), or it shares the worker's pod ([`crate::owners`]). An error, with
+/// worker process), or it shares the worker's pod ([`crate::fleet::owners`]). An error, with
 /// the reason, while that is not (yet) so or is ambiguous.
 pub fn resolve_endpoint(fleet: &Fleet, endpoint: &str, proc_root: &Path) -> Result<u64, String> {
     let (host, port) = procfs::host_port(endpoint)
@@ -133,7 +135,7 @@ pub fn resolve_endpoint(fleet: &Fleet, endpoint: &str, proc_root: &Path) -> Resu
             format!("several processes listen on port {port}: {owners:?}")
         });
     };
-    let owner = crate::owners::worker_of_process(fleet, &sockets, proc_root, pid);
+    let owner = crate::fleet::owners::worker_of_process(fleet, &sockets, proc_root, pid);
     owner.worker_id.ok_or_else(|| {
         let hint = if owner.ambiguous {
             format!("; give --kv {endpoint}=WORKER_ID")
