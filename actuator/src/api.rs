@@ -15,12 +15,13 @@
 
 use crate::audit;
 use crate::mode::Override;
-use crate::runtime::{now_ns, Actuator};
+use crate::runtime::Actuator;
 use axum::extract::{Query, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use kvscope_kit::clock::now_ns;
 use serde::Deserialize;
 use std::sync::Arc;
 use tokio::sync::Mutex;

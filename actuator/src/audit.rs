@@ -7,7 +7,8 @@
 
 use crate::directive::{DirectiveOutcome, MigrationDirective, Skipped};
 use crate::mode::{Mode, OperatorHold, Override};
-use crate::policy::{fmt_utc, Evaluation, Restored};
+use crate::policy::{Evaluation, Restored};
+use kvscope_kit::clock::fmt_utc;
 use serde::{Deserialize, Serialize};
 use std::io::{Read as _, Seek as _, SeekFrom, Write as _};
 use std::path::{Path, PathBuf};

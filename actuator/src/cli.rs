@@ -5,10 +5,10 @@ use crate::config::ActuatorConfig;
 use crate::input::{CollectorClient, CollectorSnapshot};
 use crate::mode::Mode;
 use crate::policy::{Observation, PolicyEngine};
-use crate::runtime::now_ns;
 use crate::{audit, plan, runtime};
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
+use kvscope_kit::clock::now_ns;
 use std::path::PathBuf;
 use std::time::Duration;
 

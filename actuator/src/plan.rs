@@ -1,7 +1,8 @@
 //! Human-readable rendering of an evaluation (what `plan` prints).
 
 use crate::mode::Mode;
-use crate::policy::{fmt_utc, Evaluation, InputHealth, PolicyConfig, Transition};
+use crate::policy::{Evaluation, InputHealth, PolicyConfig, Transition};
+use kvscope_kit::clock::fmt_utc;
 use std::fmt::Write as _;
 
 fn verdict_line(e: &Evaluation) -> String {

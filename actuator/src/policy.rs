@@ -32,6 +32,7 @@ use crate::config::WorkerAgent;
 use crate::cost::{self, CostParams, FigureSource, HandshakeCounts, NixlFigures};
 use crate::input::CollectorView;
 use crate::mode::{Mode, OperatorHold, Override};
+use kvscope_kit::clock::fmt_utc;
 use kvscope_wire::api::window::{spill_delta_bucket_floor, WindowSummary, SPILL_DELTA_BUCKETS};
 use kvscope_wire::WorkerKey;
 use serde::{Deserialize, Serialize};
@@ -1243,30 +1244,6 @@ fn midpoint(start_ns: u64, end_ns: u64) -> u64 {
 
 fn secs_ns(s: f64) -> u64 {
     (s.max(0.0) * 1e9) as u64
-}
-
-/// `2026-05-01T12:00:00.123Z` for UNIX nanoseconds.
-pub fn fmt_utc(ns: u64) -> String {
-    let secs = ns / NS;
-    let millis = (ns % NS) / 1_000_000;
-    let days = (secs / 86_400) as i64;
-    let rem = secs % 86_400;
-    // Civil from days (Howard Hinnant).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!(
-        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}.{millis:03}Z",
-        rem / 3600,
-        (rem / 60) % 60,
-        rem % 60
-    )
 }
 
 #[cfg(test)]

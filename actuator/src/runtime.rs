@@ -37,7 +37,7 @@ pub enum RuntimeError {
     },
 }
 
-pub use kvscope_wire::now_ns;
+use kvscope_kit::clock::now_ns;
 
 /// The last mode pushed to the backends.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]

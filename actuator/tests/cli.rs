@@ -4,6 +4,7 @@
 
 use kvscope_collector::fold::analyzer::AnalyzerConfig;
 use kvscope_collector::ingest::bus::Shared;
+use kvscope_kit::clock::now_ns;
 use kvscope_wire::hashing::{local_block_hashes, DYNAMO_HASH_SEED};
 use kvscope_wire::nixl::{
     LatencySummary, NixlCallStats, NixlReport, NixlTransferStats, XferStage, LATENCY_BOUNDS_NS,
@@ -35,13 +36,6 @@ fn w(id: u64) -> WorkerKey {
         worker_id: id,
         dp_rank: 0,
     }
-}
-
-fn now_ns() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos() as u64
 }
 
 fn latency(values_ns: &[u64]) -> LatencySummary {

@@ -343,7 +343,7 @@ async fn a_record_dated_far_ahead_is_quarantined_not_applied() {
     ))
     .await
     .unwrap();
-    let now = kvscope_wire::now_ns();
+    let now = kvscope_kit::clock::now_ns();
     let beat = |agent: &str, t: u64| Envelope {
         agent: agent.into(),
         observed_ns: t,

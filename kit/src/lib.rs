@@ -5,6 +5,7 @@
 //! OpenMetrics text formats), and how they speak HTTPS (Dynamo's stores, an OTLP
 //! receiver).
 
+pub mod clock;
 pub mod config;
 pub mod health;
 pub mod https;
@@ -13,3 +14,13 @@ pub mod prom;
 
 pub use health::Health;
 pub use logging::{LogArgs, LogFormat};
+
+/// The host name (`/proc/sys/kernel/hostname`, else `$HOSTNAME`, else `unknown`).
+pub fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .map(|h| h.trim().to_string())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "unknown".into())
+}

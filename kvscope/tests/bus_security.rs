@@ -126,7 +126,7 @@ async fn only_kvscope_writes_the_figures() {
         .clone()
         .expect("the lab's bus runs secured by default");
     let subjects = Subjects::new("lab");
-    let now = kvscope_wire::now_ns();
+    let now = kvscope_kit::clock::now_ns();
 
     let workload = tokio::spawn(workload::run(WorkloadConfig {
         frontend: run.lab().frontend_url().to_string(),

@@ -89,7 +89,7 @@ fn cri_writer(
                 // lines here are ASCII).
                 let end = at + take;
                 let last = end >= bytes.len();
-                let ts = kvscope_wire::now_ns();
+                let ts = kvscope_kit::clock::now_ns();
                 let stamp = format!("{}.{:09}Z", civil(ts / 1_000_000_000), ts % 1_000_000_000);
                 writeln!(
                     out,
@@ -122,19 +122,8 @@ fn cri_writer(
 
 /// `2026-12-01T09:52:26` for UNIX seconds.
 fn civil(secs: u64) -> String {
-    let days = (secs / 86_400) as i64;
     let rem = secs % 86_400;
-    // Howard Hinnant's civil-from-days.
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let y = yoe + era * 400;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = if m <= 2 { y + 1 } else { y };
+    let (y, m, d) = kvscope_kit::clock::civil_from_days((secs / 86_400) as i64);
     format!(
         "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}",
         rem / 3600,

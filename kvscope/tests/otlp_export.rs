@@ -223,9 +223,9 @@ async fn lab_metrics_and_spans_reach_an_otlp_receiver_over_grpc_and_http() {
     // The agent, still running: every counter of a scrape lies between the exports
     // before and after it; every series of the scrape is exported with its type.
     export_after(&rx, "kvscope-agent", 0).await;
-    let scrape_start = kvscope_otlp::now_ns();
+    let scrape_start = kvscope_kit::clock::now_ns();
     let agent_text = get_text(&format!("http://{agent_metrics}/metrics")).await;
-    let scrape_end = kvscope_otlp::now_ns();
+    let scrape_end = kvscope_kit::clock::now_ns();
     let after = export_after(&rx, "kvscope-agent", scrape_end).await;
     assert_eq!(
         after.via,
@@ -323,7 +323,7 @@ async fn lab_metrics_and_spans_reach_an_otlp_receiver_over_grpc_and_http() {
         .await
         .expect("the collector catches up");
     let api = run.summary().await.unwrap();
-    let scrape_end = kvscope_otlp::now_ns();
+    let scrape_end = kvscope_kit::clock::now_ns();
     let text = get_text(&format!("{}/metrics", run.api())).await;
     let last = export_after(&rx, "kvscope-collector", scrape_end).await;
     assert_eq!(last.via, Via::Grpc, "the collector exported over gRPC");
@@ -816,7 +816,7 @@ async fn nixl_transfer_and_handshake_spans_reach_an_otlp_receiver() {
 
     // This lab's NIXL latency histograms arrive as histograms equal to /metrics (its
     // processes have exited: their figures no longer move).
-    let scrape_end = kvscope_otlp::now_ns();
+    let scrape_end = kvscope_kit::clock::now_ns();
     let text = get_text(&format!("http://{metrics_addr}/metrics")).await;
     let export = export_after(&rx, "kvscope-agent", scrape_end).await;
     let (scraped, exported) = (scrape_series(&text), series(&export.metrics));

@@ -30,7 +30,7 @@ use opentelemetry_proto::tonic::resource::v1::Resource;
 use opentelemetry_proto::tonic::trace::v1::{ResourceSpans, ScopeSpans, Span};
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 use tokio::sync::{watch, Notify};
 use tokio::task::JoinHandle;
 use tracing::{info, warn};
@@ -50,13 +50,6 @@ const SPAN_BATCH: usize = 512;
 const SPAN_FLUSH_INTERVAL: Duration = Duration::from_secs(1);
 /// While exports keep failing, one warning per this period (the counters have the rest).
 const FAILURE_LOG_PERIOD: Duration = Duration::from_secs(60);
-
-/// Wall-clock time in UNIX nanoseconds.
-pub fn now_ns() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64)
-}
 
 /// A string attribute.
 pub fn attr_str(k: &str, v: impl Into<String>) -> KeyValue {
@@ -127,16 +120,6 @@ pub struct ServiceIdentity {
     pub attributes: Vec<(String, String)>,
 }
 
-/// The host name (`/proc/sys/kernel/hostname`, else `$HOSTNAME`, else `unknown`).
-pub fn host_name() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .ok()
-        .or_else(|| std::env::var("HOSTNAME").ok())
-        .map(|h| h.trim().to_string())
-        .filter(|h| !h.is_empty())
-        .unwrap_or_else(|| "unknown".into())
-}
-
 fn resource(cfg: &OtlpConfig, id: &ServiceIdentity) -> Resource {
     let mut attrs: Vec<(String, String)> = vec![
         (
@@ -145,7 +128,7 @@ fn resource(cfg: &OtlpConfig, id: &ServiceIdentity) -> Resource {
         ),
         ("service.version".into(), id.version.into()),
         ("service.instance.id".into(), id.instance_id.clone()),
-        ("host.name".into(), host_name()),
+        ("host.name".into(), kvscope_kit::host_name()),
         ("telemetry.sdk.name".into(), "kvscope".into()),
         ("telemetry.sdk.language".into(), "rust".into()),
     ];
@@ -437,7 +420,7 @@ async fn metrics_loop(
     stats: Arc<ExportStats>,
     mut stop: watch::Receiver<bool>,
 ) {
-    let start_ns = now_ns();
+    let start_ns = kvscope_kit::clock::now_ns();
     let mut log = FailureLog::new(Signal::Metrics);
     let mut tick = tokio::time::interval(period);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -449,7 +432,7 @@ async fn metrics_loop(
             _ = stop.changed() => true,
         };
         let text = source();
-        let mut converted = exposition::convert(&text, start_ns, now_ns());
+        let mut converted = exposition::convert(&text, start_ns, kvscope_kit::clock::now_ns());
         starts.apply(&mut converted.metrics);
         if converted.skipped_samples > 0 {
             add(&stats.metric_samples_skipped, converted.skipped_samples);

@@ -3,14 +3,6 @@
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
-/// The wall clock, UNIX nanoseconds: the time base of every record and of the
-/// collector's `available_ns` stamps (agent, collector and benchmarks share it).
-pub fn now_ns() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64)
-}
-
 /// One cache as the router names it: a worker instance and its data-parallel rank.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct WorkerKey {

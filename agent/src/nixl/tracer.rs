@@ -413,7 +413,7 @@ async fn read_ring(ring: RingBuf<MapData>, state: Arc<Mutex<State>>) {
         // Span times: the newest event of the batch happened about now (the ring is
         // drained at least every DRAIN_INTERVAL); the others that much earlier by the
         // probes' own clock.
-        let now = kvscope_otlp::now_ns();
+        let now = kvscope_kit::clock::now_ns();
         let newest = batch
             .iter()
             .filter_map(|e| e.as_ref().ok().map(|e| e.ts_ns))

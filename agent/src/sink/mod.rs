@@ -60,6 +60,7 @@ use crate::counters::AgentStats;
 use crate::internal_events::{
     InternalEvent, PublishDropped, RecordClockCorrected, RecordLate, RecordingWriteFailed,
 };
+use kvscope_kit::clock::now_ns;
 use kvscope_wire::recording::RecordingWriter;
 use kvscope_wire::{Envelope, Record, Subjects};
 use std::cmp::Reverse;
@@ -313,8 +314,6 @@ pub struct RecordSink {
     /// A record became the first to leave (the release timer re-arms).
     head_changed: Notify,
 }
-
-pub use kvscope_wire::now_ns;
 
 impl RecordSink {
     /// Records wait for the sources added with [`Self::add_source`]; the buffer holds

@@ -124,7 +124,8 @@ impl Shared {
                 warn!(seq, subject, agent = %env.agent, "A record whose agent is not the one its subject names; not applied, counted.");
             }
             Ok(env)
-                if env.observed_ns > kvscope_wire::now_ns().saturating_add(FUTURE_TOLERANCE_NS) =>
+                if env.observed_ns
+                    > kvscope_kit::clock::now_ns().saturating_add(FUTURE_TOLERANCE_NS) =>
             {
                 // A record dated far ahead of this host's clock would move every window
                 // and the watermark to its date: quarantined, counted.
@@ -138,7 +139,7 @@ impl Shared {
                     let verdict = analyzer.apply(&env);
                     if verdict.is_some() {
                         // Readers see the verdict once this lock is released.
-                        analyzer.stamp_latest_verdict(kvscope_wire::now_ns(), !rebuilding);
+                        analyzer.stamp_latest_verdict(kvscope_kit::clock::now_ns(), !rebuilding);
                     }
                     verdict
                 };

@@ -378,7 +378,7 @@ impl PlaneDecoder {
         fleet: &Fleet,
     ) -> Option<Record> {
         let label = format!("{channel}#{publisher_id:x}");
-        let now = crate::sink::now_ns() as f64 / 1e9;
+        let now = kvscope_kit::clock::now_ns() as f64 / 1e9;
         let r = self.dump(publisher_id, &label, 0, now, fleet).await?;
         // An empty cache (the usual start, before any request) needs no dump: the
         // stream starts as it would have anyway.

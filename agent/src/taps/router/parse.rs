@@ -701,24 +701,13 @@ fn parse_rfc3339(s: &str) -> Option<(u64, u32)> {
         }
         _ => return None,
     };
-    let days = days_from_civil(y, mo, d);
+    let days = kvscope_kit::clock::days_from_civil(y, mo, d);
     let secs = days * 86_400 + h * 3600 + mi * 60 + sec - offset_secs;
     let ns = u64::try_from(secs)
         .ok()?
         .checked_mul(1_000_000_000)?
         .checked_add(nanos as u64)?;
     Some((ns, digits))
-}
-
-/// Days since 1970-01-01 of a proleptic Gregorian date (Howard Hinnant's algorithm).
-fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
-    let y = if m <= 2 { y - 1 } else { y };
-    let era = y.div_euclid(400);
-    let yoe = y - era * 400;
-    let mp = (m + 9) % 12;
-    let doy = (153 * mp + 2) / 5 + d - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    era * 146_097 + doe - 719_468
 }
 
 #[cfg(test)]

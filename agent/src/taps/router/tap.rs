@@ -6,10 +6,11 @@ use crate::internal_events::{
     DecisionClockBehind, DecisionJoined, DecisionTraced, DecisionUnjoined, InternalEvent,
     LogLineFuture, LogLineMalformed, LogLineRead, LogLineTooLong, MigrationLineParsed,
 };
-use crate::sink::{now_ns, RecordSink, SourceId};
+use crate::sink::{RecordSink, SourceId};
 use crate::taps::router::cri::{CriJoiner, CriOutput};
 use crate::taps::router::follower::LogItem;
 use crate::taps::router::join::{DecisionSource, LogOutput, RouterLogProcessor};
+use kvscope_kit::clock::now_ns;
 use kvscope_wire::Record;
 use tokio::sync::mpsc;
 
