@@ -1,11 +1,13 @@
 //! The actuator's command line, shared by `kvscope-actuator` and `kvscope actuator` (the
 //! binary edge: errors become `anyhow` here).
 
+use crate::act::audit;
+use crate::act::mode::Mode;
 use crate::config::ActuatorConfig;
-use crate::input::{CollectorClient, CollectorSnapshot};
-use crate::mode::Mode;
-use crate::policy::{Observation, PolicyEngine};
-use crate::{audit, plan, runtime};
+use crate::daemon::serve;
+use crate::decide::input::{CollectorClient, CollectorSnapshot};
+use crate::decide::plan;
+use crate::decide::policy::{Observation, PolicyEngine};
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
 use kvscope_kit::clock::now_ns;
@@ -172,7 +174,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Run { .. } => {
             let token = cfg.required_api_token()?;
-            runtime::serve(cfg, token).await?;
+            serve::serve(cfg, token).await?;
             Ok(())
         }
         Command::Plan {

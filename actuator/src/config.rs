@@ -57,8 +57,8 @@
 //! `_MODE_COMMAND` (argv split on whitespace): when any of the three is set they replace
 //! the file's `mode_backends`.
 
-use crate::backend::ModeBackendConfig;
-use crate::policy::PolicyConfig;
+use crate::act::backend::ModeBackendConfig;
+use crate::decide::policy::PolicyConfig;
 use kvscope_kit::config::{Env, EnvError};
 use kvscope_wire::{WorkerKey, WorkerSpec};
 use serde::{Deserialize, Serialize};
@@ -365,7 +365,7 @@ impl ActuatorConfig {
         if let Some(v) = env.get("KVSCOPE_ACTUATOR_MODE_FILE") {
             env_backends.push(ModeBackendConfig::File {
                 path: v.trim().into(),
-                content: crate::backend::DEFAULT_FILE_CONTENT.into(),
+                content: crate::act::backend::DEFAULT_FILE_CONTENT.into(),
             });
         }
         if !env_backends.is_empty() {

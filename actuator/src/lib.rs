@@ -1,27 +1,17 @@
 //! kvscope actuator: flips the router's KV migration between OFF, DRY and LIVE from the
 //! collector's measured windows, and issues migration directives in LIVE.
 //!
-//! - [`policy`]: the pure policy engine (states, thresholds, safety triggers, hysteresis,
-//!   cooldown, flip cap) over a [`input::CollectorView`].
-//! - [`cost`]: the per-spill cost model from measured NIXL figures.
-//! - [`directive`]: migration directives (selection, idempotency keys, rate limit,
-//!   ledger); [`sink`] sends them.
-//! - [`backend`]: where the mode is switched (HTTP, command, file).
-//! - [`audit`]: the append-only JSON-lines audit log.
-//! - [`runtime`]: the loop that ties them; [`api`]: its HTTP API; [`cli`]: the command
-//!   line.
+//! - [`decide`]: the collector's read ([`decide::input`]), the pure policy engine
+//!   ([`decide::policy`]: states, thresholds, safety triggers, hysteresis, cooldown, flip
+//!   cap), the per-spill cost model from measured NIXL figures ([`decide::cost`]).
+//! - [`act`]: where the mode is switched ([`act::backend`]: HTTP, command, file),
+//!   migration directives ([`act::directive`]: selection, idempotency keys, rate limit,
+//!   ledger; [`act::sink`] sends them), the append-only audit log ([`act::audit`]).
+//! - [`daemon`]: the tick that ties them ([`daemon::runtime`]), the loop and its server
+//!   ([`daemon::serve`]), the HTTP API and `/metrics`; [`cli`]: the command line.
 
-pub mod api;
-pub mod audit;
-pub mod backend;
+pub mod act;
 pub mod cli;
 pub mod config;
-pub mod cost;
-pub mod directive;
-pub mod input;
-pub mod metrics;
-pub mod mode;
-pub mod plan;
-pub mod policy;
-pub mod runtime;
-pub mod sink;
+pub mod daemon;
+pub mod decide;

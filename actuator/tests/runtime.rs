@@ -7,13 +7,13 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::routing::{post, put};
 use axum::{Json, Router};
-use kvscope_actuator::audit::{self, AuditEntry, AuditEvent};
-use kvscope_actuator::backend::ModeBackendConfig;
+use kvscope_actuator::act::audit::{self, AuditEntry, AuditEvent};
+use kvscope_actuator::act::backend::ModeBackendConfig;
+use kvscope_actuator::act::mode::Mode;
 use kvscope_actuator::config::{ActuatorConfig, DirectiveConfig};
-use kvscope_actuator::input::CollectorView;
-use kvscope_actuator::mode::Mode;
-use kvscope_actuator::policy::Transition;
-use kvscope_actuator::runtime::Actuator;
+use kvscope_actuator::daemon::runtime::Actuator;
+use kvscope_actuator::decide::input::CollectorView;
+use kvscope_actuator::decide::policy::Transition;
 use kvscope_wire::api::verdict::SpillVerdict;
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -245,7 +245,7 @@ async fn dry_to_live_with_directives_then_back_to_dry_all_audited() {
         .lines()
         .all(|l| serde_json::from_str::<serde_json::Value>(l).is_ok()));
 
-    let text = kvscope_actuator::metrics::render(&a, 0);
+    let text = kvscope_actuator::daemon::metrics::render(&a, 0);
     for line in [
         "kvscope_actuator_flips_total{from=\"dry\",to=\"live\",reason=\"thresholds_met\"} 1",
         "kvscope_actuator_flips_total{from=\"live\",to=\"dry\",reason=\"silent_failure\"} 1",
@@ -276,7 +276,7 @@ async fn dry_to_live_with_directives_then_back_to_dry_all_audited() {
         "{:#?}",
         ev.reasons
     );
-    let text = kvscope_actuator::metrics::render(&b, 0);
+    let text = kvscope_actuator::daemon::metrics::render(&b, 0);
     assert!(
         text.contains("kvscope_actuator_flips_held_back_total{reason=\"cooldown\"} 1"),
         "only the cooldown held LIVE back:\n{text}"
@@ -341,7 +341,7 @@ async fn a_live_that_a_backend_cannot_apply_is_rolled_back_and_sends_nothing() {
     let ev = a.tick(Ok(f.view()), f.now()).await;
     assert_eq!(ev.to, Mode::Dry);
     assert!(ev.reasons.iter().any(|r| r.starts_with("cooldown:")));
-    let text = kvscope_actuator::metrics::render(&a, 0);
+    let text = kvscope_actuator::daemon::metrics::render(&a, 0);
     for line in [
         "kvscope_actuator_flips_total{from=\"live\",to=\"dry\",reason=\"backend_failed\"} 1",
         "kvscope_actuator_mode_apply_failures_total 1",
@@ -371,7 +371,7 @@ async fn the_api_needs_the_token_for_writes_and_the_audit() {
     let a = Arc::new(tokio::sync::Mutex::new(a));
     let token = "a-test-token-0123456789";
     let health = Arc::new(kvscope_kit::Health::new());
-    let base = serve(kvscope_actuator::api::router(
+    let base = serve(kvscope_actuator::daemon::api::router(
         a.clone(),
         health.clone(),
         token.into(),

@@ -3,9 +3,9 @@
 
 mod support;
 
+use kvscope_actuator::act::mode::{Mode, OperatorHold, Override};
 use kvscope_actuator::config::WorkerAgent;
-use kvscope_actuator::mode::{Mode, OperatorHold, Override};
-use kvscope_actuator::policy::{
+use kvscope_actuator::decide::policy::{
     DirectiveStats, Evaluation, InputHealth, Observation, PolicyConfig, PolicyEngine,
     SafetyTrigger, Transition,
 };

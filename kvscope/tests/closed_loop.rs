@@ -27,10 +27,10 @@
 mod otlp_receiver;
 
 use kvscope::fleet_run::{FleetRun, FleetRunConfig};
-use kvscope_actuator::audit::AuditEntry;
-use kvscope_actuator::audit::AuditEvent;
-use kvscope_actuator::mode::Mode;
-use kvscope_actuator::policy::{SafetyTrigger, Transition};
+use kvscope_actuator::act::audit::AuditEntry;
+use kvscope_actuator::act::audit::AuditEvent;
+use kvscope_actuator::act::mode::Mode;
+use kvscope_actuator::decide::policy::{SafetyTrigger, Transition};
 use kvscope_discovery::procfs::{SocketInfo, SocketWatch};
 use kvscope_lab::process::{ManagedProcess, StopOnDrop};
 use kvscope_lab::workload::{self, WorkloadConfig};

@@ -12,8 +12,8 @@
 //! (`scripts/setup`).
 
 use kvscope::fleet_run::{FleetRun, FleetRunConfig};
-use kvscope_actuator::input::CollectorClient;
-use kvscope_actuator::policy::{PolicyConfig, PolicyEngine};
+use kvscope_actuator::decide::input::CollectorClient;
+use kvscope_actuator::decide::policy::{PolicyConfig, PolicyEngine};
 use kvscope_lab::process::{ManagedProcess, StopOnDrop};
 use kvscope_lab::LabConfig;
 use kvscope_wire::nixl::NixlAgentRow;

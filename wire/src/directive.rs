@@ -1,6 +1,6 @@
 //! Migration directives as they travel from the actuator to a data plane (the NIXL
 //! lab's workers, or a router's endpoint), and the bearer-token check both sides use.
-//! The actuator decides them (`kvscope_actuator::directive`); receivers only need these
+//! The actuator decides them (`kvscope_actuator::act::directive`); receivers only need these
 //! types, without the actuator's dependencies.
 
 use crate::WorkerKey;

@@ -3,7 +3,7 @@
 
 #![allow(dead_code)]
 
-use kvscope_actuator::input::CollectorView;
+use kvscope_actuator::decide::input::CollectorView;
 use kvscope_wire::api::summary::AgentStatus;
 use kvscope_wire::api::summary::CollectorSummary;
 use kvscope_wire::api::window::{

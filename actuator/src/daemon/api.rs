@@ -2,7 +2,7 @@
 //!
 //! - `GET /healthz` — `ok`.
 //! - `GET /metrics` — Prometheus text: mode, evaluations, flips, directives, input
-//!   freshness (see [`crate::metrics`]). Open to read.
+//!   freshness (see [`crate::daemon::metrics`]). Open to read.
 //! - `GET /api/status` — mode, operator hold, what the backends last took, directive
 //!   totals, the latest evaluation with its reasons and figures. Open to read.
 //! - `GET /api/audit?limit=N` — the audit log's last N entries (default 100). Bearer token.
@@ -13,9 +13,9 @@
 //! one-second delay, one refusal at a time (counted in
 //! `kvscope_actuator_api_refusals_total`).
 
-use crate::audit;
-use crate::mode::Override;
-use crate::runtime::Actuator;
+use crate::act::audit;
+use crate::act::mode::Override;
+use crate::daemon::runtime::Actuator;
 use axum::extract::{Query, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -98,7 +98,7 @@ async fn unauthorized(s: &ApiState) -> Response {
 
 async fn metrics_text(State(s): State<ApiState>) -> impl IntoResponse {
     let refused = s.refusals.count.load(std::sync::atomic::Ordering::Relaxed);
-    let body = crate::metrics::render(&*s.actuator.lock().await, refused);
+    let body = crate::daemon::metrics::render(&*s.actuator.lock().await, refused);
     (
         [(
             header::CONTENT_TYPE,

@@ -2,8 +2,8 @@
 //! `Idempotency-Key` header, bounded retries with the same key, never once the actuator
 //! has left LIVE.
 
+use crate::act::directive::{DirectiveOutcome, MigrationDirective};
 use crate::config::DirectiveConfig;
-use crate::directive::{DirectiveOutcome, MigrationDirective};
 use std::time::Duration;
 use tokio::sync::watch;
 

@@ -5,9 +5,9 @@
 //! Each entry is one `write` on a file opened for appending, then synced. Read back at
 //! start for the flips of the last hour and an operator's hold.
 
-use crate::directive::{DirectiveOutcome, MigrationDirective, Skipped};
-use crate::mode::{Mode, OperatorHold, Override};
-use crate::policy::{Evaluation, Restored};
+use crate::act::directive::{DirectiveOutcome, MigrationDirective, Skipped};
+use crate::act::mode::{Mode, OperatorHold, Override};
+use crate::decide::policy::{Evaluation, Restored};
 use kvscope_kit::clock::fmt_utc;
 use serde::{Deserialize, Serialize};
 use std::io::{Read as _, Seek as _, SeekFrom, Write as _};

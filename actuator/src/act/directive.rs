@@ -1,10 +1,10 @@
 //! Migration directives: in LIVE, one per spill that passes the gate (true delta ≥
 //! `min_tokens` and a positive predicted net benefit), idempotent (the key is derived
 //! from the verdict), rate-limited, with outcomes tracked. Selection, keys, the rate
-//! limiter and the ledger are pure; sending is in [`crate::sink`].
+//! limiter and the ledger are pure; sending is in [`crate::act::sink`].
 
-use crate::cost::{self, NixlFigures};
-use crate::policy::{DirectiveStats, PolicyConfig};
+use crate::decide::cost::{self, NixlFigures};
+use crate::decide::policy::{DirectiveStats, PolicyConfig};
 use kvscope_wire::api::verdict::SpillVerdict;
 use kvscope_wire::api::window::WindowSummary;
 use serde::{Deserialize, Serialize};

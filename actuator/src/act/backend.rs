@@ -4,7 +4,7 @@
 //! Templates (command arguments, file content) substitute `{mode}` with the value of
 //! `DYN_KV_MIGRATION` (`0`, `dry`, `1`) and `{state}` with `off`, `dry` or `live`.
 
-use crate::mode::Mode;
+use crate::act::mode::Mode;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 use std::process::Stdio;

@@ -4,9 +4,9 @@
 //! and how fresh its input is. Every label set is bounded (modes, reasons and outcomes
 //! are enums) and every series exists from the first scrape, zero or not.
 
-use crate::mode::Mode;
-use crate::policy::{FlipHold, InputHealth, SafetyTrigger, Transition};
-use crate::runtime::Actuator;
+use crate::act::mode::Mode;
+use crate::daemon::runtime::Actuator;
+use crate::decide::policy::{FlipHold, InputHealth, SafetyTrigger, Transition};
 use kvscope_kit::prom::{labels, Exposition, Format, Kind};
 use std::collections::BTreeMap;
 
@@ -75,7 +75,7 @@ impl Default for ActuatorCounters {
 
 impl ActuatorCounters {
     /// Count one evaluation (`input_ok`: the collector answered).
-    pub fn evaluated(&mut self, e: &crate::policy::Evaluation, input_ok: bool) {
+    pub fn evaluated(&mut self, e: &crate::decide::policy::Evaluation, input_ok: bool) {
         *self.evaluations.entry(input_str(e.input)).or_default() += 1;
         self.last_evaluation_ns = e.at_ns;
         if input_ok {

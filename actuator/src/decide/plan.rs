@@ -1,7 +1,7 @@
 //! Human-readable rendering of an evaluation (what `plan` prints).
 
-use crate::mode::Mode;
-use crate::policy::{Evaluation, InputHealth, PolicyConfig, Transition};
+use crate::act::mode::Mode;
+use crate::decide::policy::{Evaluation, InputHealth, PolicyConfig, Transition};
 use kvscope_kit::clock::fmt_utc;
 use std::fmt::Write as _;
 
