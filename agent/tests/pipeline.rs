@@ -5,6 +5,7 @@
 
 use futures::StreamExt;
 use kvscope_agent::config::{AgentConfig, KvEndpoint};
+use kvscope_lab::nats::NatsServer;
 use kvscope_lab::process::{ManagedProcess, StopOnDrop};
 use kvscope_wire::{
     AgentCounters, Envelope, KvEvent, KvEventBatch, MigrationLogKind, MigrationLogLine, Record,
@@ -13,7 +14,7 @@ use kvscope_wire::{
 use rmpv::Value;
 use std::collections::BTreeMap;
 use std::io::{BufRead, Write};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -22,39 +23,6 @@ use support::{mocker_sample, python};
 
 fn free_port() -> u16 {
     kvscope_lab::ports::pick_ports(1).unwrap()[0]
-}
-
-fn nats_server_path() -> PathBuf {
-    for p in [
-        "/usr/sbin/nats-server",
-        "/usr/bin/nats-server",
-        "/usr/local/bin/nats-server",
-    ] {
-        if Path::new(p).exists() {
-            return p.into();
-        }
-    }
-    panic!("nats-server is not installed (apt-get install nats-server): this test needs the real server");
-}
-
-/// The server, stopped when the guard drops (a failing assertion included).
-fn start_nats(port: u16, store: &Path) -> StopOnDrop {
-    let mut cmd = Command::new(nats_server_path());
-    cmd.args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
-        .arg(store);
-    let log = store.with_extension("log");
-    let nats = StopOnDrop(vec![
-        ManagedProcess::spawn("nats-server", cmd, &log).expect("cannot start nats-server")
-    ]);
-    let deadline = Instant::now() + Duration::from_secs(15);
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(
-            Instant::now() < deadline,
-            "nats-server did not listen on {port}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    nats
 }
 
 /// A pyzmq XPUB that sends `messages` (frames) once a subscriber is there.
@@ -238,7 +206,8 @@ fn last_counters(got: &[Envelope]) -> Option<AgentCounters> {
 async fn records_from_zmq_and_the_router_log_arrive_on_jetstream() {
     let dir = tempfile::tempdir().unwrap();
     let nats_port = free_port();
-    let _nats = start_nats(nats_port, &dir.path().join("js"));
+    let _nats = NatsServer::start(&dir.path().join("js"), nats_port)
+        .expect("nats-server -js (scripts/setup)");
     let zmq_port = free_port();
     let endpoint = format!("tcp://127.0.0.1:{zmq_port}");
 
@@ -614,7 +583,8 @@ async fn records_wait_for_nats_and_overflow_is_counted() {
     );
     assert_eq!(agent.buffered(), 3);
 
-    let _nats = start_nats(nats_port, &dir.path().join("js"));
+    let _nats = NatsServer::start(&dir.path().join("js"), nats_port)
+        .expect("nats-server -js (scripts/setup)");
     let client = async_nats::connect(format!("127.0.0.1:{nats_port}"))
         .await
         .unwrap();
@@ -650,7 +620,8 @@ async fn records_wait_for_nats_and_overflow_is_counted() {
 async fn a_log_cut_and_rewritten_between_polls_loses_no_line() {
     let dir = tempfile::tempdir().unwrap();
     let nats_port = free_port();
-    let _nats = start_nats(nats_port, &dir.path().join("js"));
+    let _nats = NatsServer::start(&dir.path().join("js"), nats_port)
+        .expect("nats-server -js (scripts/setup)");
     let log_path = dir.path().join("frontend.log");
     let line = |id: &str| {
         format!("2026-11-29T07:50:01.000000Z  INFO p: KVMIGRATE: producer handshake obtained request_id=\"{id}\"\n")

@@ -6,46 +6,22 @@
 use async_nats::jetstream;
 use kvscope_collector::fold::analyzer::{AnalyzerConfig, FleetAnalyzer};
 use kvscope_collector::report::OpportunityReport;
+use kvscope_lab::nats::NatsServer;
 use kvscope_lab::process::{signal_group, ManagedProcess, StopOnDrop};
 use kvscope_wire::hashing::{local_block_hashes, DYNAMO_HASH_SEED};
 use kvscope_wire::{
     AgentHeartbeat, Envelope, KvEvent, KvEventBatch, Record, RoutingDecision, SequenceStatus,
     Subjects, WorkerKey,
 };
-use std::net::TcpListener;
 use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 const S: u64 = 1_000_000_000;
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// The server, stopped when the guard drops (a failing assertion included).
-fn start_nats(dir: &Path) -> (StopOnDrop, String) {
-    let port = free_port();
-    let mut cmd = Command::new("nats-server");
-    cmd.args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
-        .arg(dir);
-    let nats = StopOnDrop(vec![ManagedProcess::spawn(
-        "nats-server",
-        cmd,
-        &dir.with_extension("log"),
-    )
-    .expect("nats-server must be installed (scripts/setup installs it from Debian)")]);
-    let url = format!("nats://127.0.0.1:{port}");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(Instant::now() < deadline, "nats-server did not start");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    (nats, url)
+/// A port for the collector's API, free now (the collector binds it soon after).
+fn api_port() -> u16 {
+    kvscope_lab::ports::pick_ports(1).expect("a free port")[0]
 }
 
 /// A deterministic fleet trace: 3 workers storing growing conversations, decisions that
@@ -187,7 +163,9 @@ async fn wait_applied(api: &str, seq: u64) -> serde_json::Value {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_collector_resumes_without_losing_or_repeating_records() {
     let dir = tempfile::tempdir().unwrap();
-    let (_nats, url) = start_nats(&dir.path().join("js"));
+    let nats = NatsServer::start_anywhere(&dir.path().join("js"))
+        .expect("nats-server -js (scripts/setup)");
+    let url = nats.url();
     let subjects = Subjects::new("t");
     let js = jetstream::new(async_nats::connect(&url).await.unwrap());
     js.get_or_create_stream(kvscope_wire::subject::stream_config(
@@ -213,7 +191,7 @@ async fn a_killed_collector_resumes_without_losing_or_repeating_records() {
     };
     // Half the records before the collector starts: it must rebuild them from the stream.
     publish(&records[..600]).await;
-    let port = free_port();
+    let port = api_port();
     let listen = format!("127.0.0.1:{port}");
     let api = format!("http://{listen}");
     let recording = dir.path().join("rec.jsonl");
@@ -334,7 +312,9 @@ fn assert_same(a: &OpportunityReport, b: &OpportunityReport, what: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_record_dated_far_ahead_is_quarantined_not_applied() {
     let dir = tempfile::tempdir().unwrap();
-    let (_nats, url) = start_nats(&dir.path().join("js"));
+    let nats = NatsServer::start_anywhere(&dir.path().join("js"))
+        .expect("nats-server -js (scripts/setup)");
+    let url = nats.url();
     let subjects = Subjects::new("t");
     let js = jetstream::new(async_nats::connect(&url).await.unwrap());
     js.get_or_create_stream(kvscope_wire::subject::stream_config(
@@ -362,7 +342,7 @@ async fn a_record_dated_far_ahead_is_quarantined_not_applied() {
             .await
             .unwrap();
     }
-    let listen = format!("127.0.0.1:{}", free_port());
+    let listen = format!("127.0.0.1:{}", api_port());
     let api = format!("http://{listen}");
     let recording = dir.path().join("rec.jsonl");
     let _collector = spawn_collector(&url, &listen, &recording);
