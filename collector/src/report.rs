@@ -256,13 +256,6 @@ impl OpportunityReport {
     /// The report as Markdown, for a terminal or a ticket.
     pub fn to_markdown(&self) -> String {
         let mut md = String::new();
-        let pct = |x: Option<f64>| x.map_or("n/a".to_string(), |v| format!("{:.2}%", v * 100.0));
-        let sp = |s: &Spread| {
-            format!(
-                "{:.0} (min {:.0}, max {:.0}, sd {:.0})",
-                s.mean, s.min, s.max, s.stddev
-            )
-        };
         let _ = writeln!(md, "# kvscope dry-run opportunity report\n");
         match &self.status {
             ReportStatus::Ready => {
@@ -277,64 +270,14 @@ impl OpportunityReport {
             }
         }
         let _ = writeln!(md, "| figure | value |\n|---|---|");
-        let _ = writeln!(md, "| routed requests | {} |", self.requests);
-        let _ = writeln!(md, "| spills | {} |", self.spills);
-        let _ = writeln!(
-            md,
-            "| spill rate | {} (per window: mean {}, min {}, max {}, sd {}) |",
-            pct(self.spill_rate),
-            pct(Some(self.spill_rate_per_window.mean)),
-            pct(Some(self.spill_rate_per_window.min)),
-            pct(Some(self.spill_rate_per_window.max)),
-            pct(Some(self.spill_rate_per_window.stddev)),
-        );
-        let d =
-            |t: &TokenDistribution| format!("{} / {} / {} / {:.0}", t.p50, t.p90, t.max, t.mean);
-        let _ = writeln!(
-            md,
-            "| migratable tokens per spill, upper bound (p50 / p90 / max / mean) | {} |",
-            d(&self.upper_bound_tokens)
-        );
-        let _ = writeln!(
-            md,
-            "| **true delta tokens per spill** (p50 / p90 / max / mean) | {} |",
-            d(&self.true_delta_tokens)
-        );
-        let _ = writeln!(
-            md,
-            "| migratable volume, upper bound (tok/s) | {} |",
-            sp(&self.upper_bound_tok_per_s)
-        );
-        let _ = writeln!(
-            md,
-            "| **migratable volume, true delta (tok/s)** | {} |",
-            sp(&self.true_delta_tok_per_s)
-        );
-        let _ = writeln!(
-            md,
-            "| uncached prefill (tok/s) | {} |",
-            sp(&self.uncached_prefill_tok_per_s)
-        );
-        let _ = writeln!(
-            md,
-            "| true delta per active worker (tok/s) | {} |",
-            sp(&self.true_delta_tok_per_s_per_worker)
-        );
-        let _ = writeln!(
-            md,
-            "| uncached prefill per active worker (tok/s) | {} |",
-            sp(&self.uncached_prefill_tok_per_s_per_worker)
-        );
-        let _ = writeln!(
-            md,
-            "| true delta / upper bound | {} |",
-            pct(self.true_share_of_upper_bound)
-        );
-        let _ = writeln!(
-            md,
-            "| true delta in decode-generated (output) blocks | {} |",
-            pct(self.generated_share_of_true_delta)
-        );
+        for (name, value, key) in self.figure_rows() {
+            let name = if key {
+                format!("**{name}**")
+            } else {
+                name.to_string()
+            };
+            let _ = writeln!(md, "| {name} | {value} |");
+        }
         if !self.spill_token_bins.is_empty() {
             let _ = writeln!(md, "\n## Spills by token count\n\n| tokens per spill | true delta spills | upper bound spills |\n|---|---|---|");
             for b in &self.spill_token_bins {
@@ -429,6 +372,81 @@ impl OpportunityReport {
             let _ = writeln!(md, "| {name} | {v} |");
         }
         md
+    }
+
+    /// The report's figures, as (figure, value, key) rows; the key figures are the ones
+    /// this tool exists to measure (the true delta), set off in the Markdown. The
+    /// Markdown and HTML reports show these rows.
+    pub(crate) fn figure_rows(&self) -> Vec<(&'static str, String, bool)> {
+        let s = &self.spill_rate_per_window;
+        let d =
+            |t: &TokenDistribution| format!("{} / {} / {} / {:.0}", t.p50, t.p90, t.max, t.mean);
+        vec![
+            ("routed requests", self.requests.to_string(), false),
+            ("spills", self.spills.to_string(), false),
+            (
+                "spill rate",
+                format!(
+                    "{} (per window: mean {}, min {}, max {}, sd {})",
+                    pct(self.spill_rate),
+                    pct(Some(s.mean)),
+                    pct(Some(s.min)),
+                    pct(Some(s.max)),
+                    pct(Some(s.stddev))
+                ),
+                false,
+            ),
+            (
+                "migratable tokens per spill, upper bound (p50 / p90 / max / mean)",
+                d(&self.upper_bound_tokens),
+                false,
+            ),
+            (
+                "true delta tokens per spill (p50 / p90 / max / mean)",
+                d(&self.true_delta_tokens),
+                true,
+            ),
+            (
+                "migratable volume, upper bound (tok/s)",
+                spread(&self.upper_bound_tok_per_s),
+                false,
+            ),
+            (
+                "migratable volume, true delta (tok/s)",
+                spread(&self.true_delta_tok_per_s),
+                true,
+            ),
+            (
+                "uncached prefill (tok/s)",
+                spread(&self.uncached_prefill_tok_per_s),
+                false,
+            ),
+            (
+                "true delta per active worker (tok/s)",
+                spread(&self.true_delta_tok_per_s_per_worker),
+                false,
+            ),
+            (
+                "uncached prefill per active worker (tok/s)",
+                spread(&self.uncached_prefill_tok_per_s_per_worker),
+                false,
+            ),
+            (
+                "true delta / upper bound",
+                pct(self.true_share_of_upper_bound),
+                false,
+            ),
+            (
+                "true delta in decode-generated (output) blocks",
+                pct(self.generated_share_of_true_delta),
+                false,
+            ),
+            (
+                "measured windows with data faults",
+                self.windows_with_data_faults.to_string(),
+                false,
+            ),
+        ]
     }
 
     /// The data-quality counters, as (what, value) rows: the collector's, then each
@@ -546,6 +564,19 @@ impl OpportunityReport {
 }
 
 /// The power-of-two bin of `v` (≥ 1): bin k holds `[2^k, 2^(k+1))`.
+/// A share as a percentage with two decimals, `n/a` when there is none.
+fn pct(x: Option<f64>) -> String {
+    x.map_or("n/a".to_string(), |v| format!("{:.2}%", v * 100.0))
+}
+
+/// A spread across windows: the mean, then min, max and standard deviation.
+fn spread(s: &Spread) -> String {
+    format!(
+        "{:.0} (min {:.0}, max {:.0}, sd {:.0})",
+        s.mean, s.min, s.max, s.stddev
+    )
+}
+
 fn bin_of(v: u64) -> u32 {
     63 - v.max(1).leading_zeros()
 }
@@ -632,5 +663,28 @@ mod tests {
             (2.0, 1.0, 3.0, 1.0, 2)
         );
         assert_eq!(Spread::of([]), Spread::default());
+    }
+
+    #[test]
+    fn markdown_and_html_show_the_same_figures() {
+        let mut r = OpportunityReport::from_analyzer(&FleetAnalyzer::new(Default::default()));
+        r.spills = 7;
+        r.true_delta_tok_per_s = Spread::of([100.0, 300.0]);
+        r.windows_with_data_faults = 2;
+        let (md, html) = (r.to_markdown(), r.to_html());
+        for (name, value, key) in r.figure_rows() {
+            let md_row = match key {
+                true => format!("| **{name}** | {value} |"),
+                false => format!("| {name} | {value} |"),
+            };
+            assert!(md.contains(&md_row), "Markdown lacks {md_row:?}");
+            let html_row = format!(
+                "<tr><td>{}</td><td>{}</td></tr>",
+                svg::escape(name),
+                svg::escape(&value)
+            );
+            assert!(html.contains(&html_row), "HTML lacks {html_row:?}");
+        }
+        assert!(md.contains("| measured windows with data faults | 2 |"));
     }
 }

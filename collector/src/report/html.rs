@@ -11,7 +11,7 @@
 use super::plots::{spill_rate_plot, spill_tokens_plot, volume_plot};
 use super::svg::escape;
 use super::tables::{agreement, data_quality, figures, windows_table, workers};
-use super::{OpportunityReport, ReportStatus, Spread};
+use super::{pct, spread, OpportunityReport, ReportStatus};
 use kvscope_wire::api::window::TokenDistribution;
 use std::fmt::Write as _;
 
@@ -169,17 +169,6 @@ fn volume_section(out: &mut String, r: &OpportunityReport) {
     );
 }
 
-pub(super) fn pct(x: Option<f64>) -> String {
-    x.map_or("n/a".to_string(), |v| format!("{:.2}%", v * 100.0))
-}
-
-pub(super) fn spread(s: &Spread) -> String {
-    format!(
-        "{:.0} (min {:.0}, max {:.0}, sd {:.0})",
-        s.mean, s.min, s.max, s.stddev
-    )
-}
-
 fn distribution(t: &TokenDistribution) -> String {
     format!(
         "p50 {} / p90 {} / max {} / mean {:.0} tokens ({} spills)",
@@ -273,7 +262,7 @@ mod tests {
     use super::*;
     use crate::fold::analyzer::{AnalyzerConfig, FleetAnalyzer};
     use crate::report::plots::{PLOT_SPILL_RATE, PLOT_SPILL_TOKENS, PLOT_VOLUME};
-    use crate::report::SpillTokenBin;
+    use crate::report::{SpillTokenBin, Spread};
     use kvscope_wire::api::summary::AgentStatus;
     use kvscope_wire::api::window::{WindowSummary, WorkerWindow};
     use kvscope_wire::WorkerKey;

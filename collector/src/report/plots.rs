@@ -2,7 +2,7 @@
 //! tokens per spill (true delta beside the upper bound), and migratable vs uncached
 //! prefill volume per window. Each returns whether it drew data; an empty plot says why.
 
-use super::html::pct;
+use super::pct;
 use super::svg::{self, compact, escape, px, ticks_to, time_ticks, Frame};
 use super::OpportunityReport;
 use kvscope_wire::api::window::WindowSummary;

@@ -1,11 +1,10 @@
 //! The report's tables: per-worker figures, the figure list, decision-joined vs
 //! event-only, the migration log, every window, and data quality. Text is escaped.
 
-use super::html::{pct, spread};
+use super::pct;
 use super::plots::Timeline;
 use super::svg::escape;
 use super::OpportunityReport;
-use kvscope_wire::api::window::TokenDistribution;
 use std::fmt::Write as _;
 
 const TABLE_WORKERS: &str = "workers";
@@ -28,62 +27,9 @@ fn row(out: &mut String, cells: &[String]) {
 
 pub(super) fn figures(out: &mut String, r: &OpportunityReport) {
     out.push_str("<h2 id=\"figures\">Figures</h2>");
-    let s = &r.spill_rate_per_window;
-    let d = |t: &TokenDistribution| format!("{} / {} / {} / {:.0}", t.p50, t.p90, t.max, t.mean);
-    let rows = [
-        ("routed requests", r.requests.to_string()),
-        ("spills", r.spills.to_string()),
-        (
-            "spill rate",
-            format!(
-                "{} (per window: mean {}, min {}, max {}, sd {})",
-                pct(r.spill_rate),
-                pct(Some(s.mean)),
-                pct(Some(s.min)),
-                pct(Some(s.max)),
-                pct(Some(s.stddev))
-            ),
-        ),
-        (
-            "migratable tokens per spill, upper bound (p50 / p90 / max / mean)",
-            d(&r.upper_bound_tokens),
-        ),
-        (
-            "true delta tokens per spill (p50 / p90 / max / mean)",
-            d(&r.true_delta_tokens),
-        ),
-        (
-            "migratable volume, upper bound (tok/s)",
-            spread(&r.upper_bound_tok_per_s),
-        ),
-        (
-            "migratable volume, true delta (tok/s)",
-            spread(&r.true_delta_tok_per_s),
-        ),
-        (
-            "uncached prefill (tok/s)",
-            spread(&r.uncached_prefill_tok_per_s),
-        ),
-        (
-            "true delta per active worker (tok/s)",
-            spread(&r.true_delta_tok_per_s_per_worker),
-        ),
-        (
-            "uncached prefill per active worker (tok/s)",
-            spread(&r.uncached_prefill_tok_per_s_per_worker),
-        ),
-        ("true delta / upper bound", pct(r.true_share_of_upper_bound)),
-        (
-            "true delta in decode-generated (output) blocks",
-            pct(r.generated_share_of_true_delta),
-        ),
-        (
-            "measured windows with data faults",
-            r.windows_with_data_faults.to_string(),
-        ),
-    ];
+    let rows = r.figure_rows();
     table_open(out, "figures-table", rows.len(), &["figure", "value"]);
-    for (name, value) in rows {
+    for (name, value, _) in rows {
         row(out, &[name.to_string(), value]);
     }
     out.push_str("</tbody></table>\n");
