@@ -1,18 +1,21 @@
-//! What kvscope's daemons (agent, collector, actuator) share that is not a contract
-//! between them (contracts live in `kvscope-wire`, which builds on this crate): how they
-//! log, how they answer `/healthz` and `/readyz`, how they read environment overrides and
-//! print their effective config, how they write `/metrics` (the Prometheus and
-//! OpenMetrics text formats), and how they speak HTTPS (Dynamo's stores, an OTLP
-//! receiver).
+//! What kvscope's parts share that is not a contract between them (contracts live in
+//! `kvscope-wire`, which builds on this crate): the clock, how they read environment
+//! overrides and print their effective config, how they write `/metrics` (the
+//! Prometheus and OpenMetrics text formats), how they answer `/healthz` and `/readyz`;
+//! and, with the `daemon` feature, how they log and how they speak HTTPS (Dynamo's
+//! stores, an OTLP receiver).
 
 pub mod clock;
 pub mod config;
 pub mod health;
+#[cfg(feature = "daemon")]
 pub mod https;
+#[cfg(feature = "daemon")]
 pub mod logging;
 pub mod prom;
 
 pub use health::Health;
+#[cfg(feature = "daemon")]
 pub use logging::{LogArgs, LogFormat};
 
 /// The host name (`/proc/sys/kernel/hostname`, else `$HOSTNAME`, else `unknown`).
