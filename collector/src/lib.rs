@@ -11,6 +11,7 @@ pub mod cli;
 pub mod config;
 pub mod fold;
 pub mod ingest;
+pub mod internal_events;
 pub mod report;
 pub mod serve;
 pub mod supervise;

@@ -10,6 +10,7 @@ pub mod config;
 pub mod health;
 #[cfg(feature = "daemon")]
 pub mod https;
+pub mod internal_events;
 #[cfg(feature = "daemon")]
 pub mod logging;
 pub mod prom;

@@ -11,7 +11,7 @@ pub struct KvBatchReceived<'a> {
     pub events: usize,
 }
 
-impl InternalEvent for KvBatchReceived<'_> {
+impl InternalEvent<AgentStats> for KvBatchReceived<'_> {
     fn emit(self, stats: &AgentStats) {
         debug!(publisher = %self.publisher, events = self.events, "KV event batch received.");
         add(&stats.kv_batches, 1);
@@ -28,7 +28,7 @@ pub struct KvBadFrame<'a> {
 
 static BAD_FRAME: LogLimiter = LogLimiter::new();
 
-impl InternalEvent for KvBadFrame<'_> {
+impl InternalEvent<AgentStats> for KvBadFrame<'_> {
     fn emit(self, stats: &AgentStats) {
         if let Some(suppressed) = BAD_FRAME.check() {
             warn!(publisher = %self.publisher, error = %self.error, suppressed, "Bad KV event frame; message skipped.");
@@ -45,7 +45,7 @@ pub struct KvDecodeError<'a> {
 
 static DECODE_ERROR: LogLimiter = LogLimiter::new();
 
-impl InternalEvent for KvDecodeError<'_> {
+impl InternalEvent<AgentStats> for KvDecodeError<'_> {
     fn emit(self, stats: &AgentStats) {
         if let Some(suppressed) = DECODE_ERROR.check() {
             warn!(publisher = %self.publisher, error = %self.error, suppressed, "Undecodable KV event payload; batch skipped.");
@@ -62,7 +62,7 @@ pub struct KvUnknownEvent<'a> {
 
 static UNKNOWN_EVENT: LogLimiter = LogLimiter::new();
 
-impl InternalEvent for KvUnknownEvent<'_> {
+impl InternalEvent<AgentStats> for KvUnknownEvent<'_> {
     fn emit(self, stats: &AgentStats) {
         if let Some(suppressed) = UNKNOWN_EVENT.check() {
             warn!(publisher = %self.publisher, event_type = %self.event_type, suppressed, "Unknown KV event type; event skipped.");
@@ -80,7 +80,7 @@ pub struct KvMalformedEvent<'a> {
 
 static MALFORMED_EVENT: LogLimiter = LogLimiter::new();
 
-impl InternalEvent for KvMalformedEvent<'_> {
+impl InternalEvent<AgentStats> for KvMalformedEvent<'_> {
     fn emit(self, stats: &AgentStats) {
         if let Some(suppressed) = MALFORMED_EVENT.check() {
             warn!(publisher = %self.publisher, event_type = %self.event_type, reason = %self.reason, suppressed, "Malformed KV event; event skipped.");
@@ -97,7 +97,7 @@ pub struct KvSequenceGap<'a> {
     pub missed: u64,
 }
 
-impl InternalEvent for KvSequenceGap<'_> {
+impl InternalEvent<AgentStats> for KvSequenceGap<'_> {
     fn emit(self, stats: &AgentStats) {
         warn!(publisher = %self.publisher, expected = self.expected, got = self.got, missed = self.missed, "KV event sequence gap.");
         add(&stats.kv_sequence_gaps, 1);
@@ -112,7 +112,7 @@ pub struct KvSequenceReset<'a> {
     pub got: u64,
 }
 
-impl InternalEvent for KvSequenceReset<'_> {
+impl InternalEvent<AgentStats> for KvSequenceReset<'_> {
     fn emit(self, stats: &AgentStats) {
         warn!(publisher = %self.publisher, previous = self.previous, got = self.got, "KV event sequence reset (engine restarted).");
         add(&stats.kv_sequence_resets, 1);
@@ -124,7 +124,7 @@ pub struct KvTapConnected<'a> {
     pub publisher: &'a str,
 }
 
-impl InternalEvent for KvTapConnected<'_> {
+impl InternalEvent<AgentStats> for KvTapConnected<'_> {
     fn emit(self, _stats: &AgentStats) {
         info!(publisher = %self.publisher, "KV event tap connected.");
     }
@@ -137,7 +137,7 @@ pub struct KvTapDisconnected<'a> {
     pub retry_in_ms: u64,
 }
 
-impl InternalEvent for KvTapDisconnected<'_> {
+impl InternalEvent<AgentStats> for KvTapDisconnected<'_> {
     fn emit(self, _stats: &AgentStats) {
         warn!(publisher = %self.publisher, error = %self.error, retry_in_ms = self.retry_in_ms, "KV event tap disconnected; reconnecting.");
     }
@@ -153,7 +153,7 @@ pub struct KvPeerViolation<'a> {
 
 static PEER_VIOLATION: LogLimiter = LogLimiter::new();
 
-impl InternalEvent for KvPeerViolation<'_> {
+impl InternalEvent<AgentStats> for KvPeerViolation<'_> {
     fn emit(self, stats: &AgentStats) {
         if let Some(suppressed) = PEER_VIOLATION.check() {
             warn!(publisher = %self.publisher, error = %self.error, suppressed, "KV publisher broke the protocol or a limit; connection dropped.");
@@ -168,7 +168,7 @@ pub struct KvTapPanicked<'a> {
     pub error: &'a str,
 }
 
-impl InternalEvent for KvTapPanicked<'_> {
+impl InternalEvent<AgentStats> for KvTapPanicked<'_> {
     fn emit(self, stats: &AgentStats) {
         error!(publisher = %self.publisher, error = %self.error, "KV event tap panicked; restarting it.");
         add(&stats.kv_tap_panics, 1);
@@ -182,7 +182,7 @@ pub struct KvWorkerUnresolved<'a> {
     pub reason: &'a str,
 }
 
-impl InternalEvent for KvWorkerUnresolved<'_> {
+impl InternalEvent<AgentStats> for KvWorkerUnresolved<'_> {
     fn emit(self, _stats: &AgentStats) {
         info!(publisher = %self.publisher, reason = %self.reason, "Waiting to learn which worker this KV publisher belongs to.");
     }
@@ -196,7 +196,7 @@ pub struct DiscoveryRead<'a> {
     pub changes: usize,
 }
 
-impl InternalEvent for DiscoveryRead<'_> {
+impl InternalEvent<AgentStats> for DiscoveryRead<'_> {
     fn emit(self, stats: &AgentStats) {
         info!(backend = %self.backend, workers = self.workers, kv_publishers = self.publishers, changes = self.changes, "Fleet changed in discovery.");
         add(&stats.discovery_changes, self.changes as u64);
@@ -212,7 +212,7 @@ pub struct DiscoveryFailed<'a> {
 
 static DISCOVERY_FAILED: LogLimiter = LogLimiter::new();
 
-impl InternalEvent for DiscoveryFailed<'_> {
+impl InternalEvent<AgentStats> for DiscoveryFailed<'_> {
     fn emit(self, stats: &AgentStats) {
         if let Some(suppressed) = DISCOVERY_FAILED.check() {
             warn!(backend = %self.backend, error = %self.error, suppressed, "Cannot read Dynamo's discovery store; keeping the last read.");
@@ -227,7 +227,7 @@ pub struct KvBatchReplayed<'a> {
     pub seq: u64,
 }
 
-impl InternalEvent for KvBatchReplayed<'_> {
+impl InternalEvent<AgentStats> for KvBatchReplayed<'_> {
     fn emit(self, stats: &AgentStats) {
         debug!(publisher = %self.publisher, seq = self.seq, "KV batch replayed.");
         add(&stats.kv_batches_replayed, 1);
@@ -244,7 +244,7 @@ pub struct KvReplayDone<'a> {
     pub complete: bool,
 }
 
-impl InternalEvent for KvReplayDone<'_> {
+impl InternalEvent<AgentStats> for KvReplayDone<'_> {
     fn emit(self, stats: &AgentStats) {
         if self.complete {
             info!(publisher = %self.publisher, from = self.from, next = self.next, batches = self.batches, "Missed KV batches recovered from the replay socket.");
@@ -264,7 +264,7 @@ pub struct KvReplayFailed<'a> {
 
 static REPLAY_FAILED: LogLimiter = LogLimiter::new();
 
-impl InternalEvent for KvReplayFailed<'_> {
+impl InternalEvent<AgentStats> for KvReplayFailed<'_> {
     fn emit(self, stats: &AgentStats) {
         if let Some(suppressed) = REPLAY_FAILED.check() {
             warn!(publisher = %self.publisher, replay = %self.replay, error = %self.error, suppressed, "KV event replay failed; the missed batches stay missing.");

@@ -8,7 +8,7 @@ use tracing::{debug, info, warn};
 /// One line read from the router's log.
 pub struct LogLineRead;
 
-impl InternalEvent for LogLineRead {
+impl InternalEvent<AgentStats> for LogLineRead {
     fn emit(self, stats: &AgentStats) {
         add(&stats.log_lines, 1);
     }
@@ -22,7 +22,7 @@ pub struct LogLineMalformed<'a> {
 
 static MALFORMED_LINE: LogLimiter = LogLimiter::new();
 
-impl InternalEvent for LogLineMalformed<'_> {
+impl InternalEvent<AgentStats> for LogLineMalformed<'_> {
     fn emit(self, stats: &AgentStats) {
         if let Some(suppressed) = MALFORMED_LINE.check() {
             warn!(kind = %self.kind, reason = %self.reason, suppressed, "Malformed router log line; skipped.");
@@ -35,7 +35,7 @@ pub struct DecisionJoined<'a> {
     pub request_id: &'a str,
 }
 
-impl InternalEvent for DecisionJoined<'_> {
+impl InternalEvent<AgentStats> for DecisionJoined<'_> {
     fn emit(self, stats: &AgentStats) {
         debug!(request_id = %self.request_id, "Routing decision joined.");
         add(&stats.decisions_joined, 1);
@@ -50,7 +50,7 @@ pub struct DecisionUnjoined<'a> {
 
 static UNJOINED: LogLimiter = LogLimiter::new();
 
-impl InternalEvent for DecisionUnjoined<'_> {
+impl InternalEvent<AgentStats> for DecisionUnjoined<'_> {
     fn emit(self, stats: &AgentStats) {
         if let Some(suppressed) = UNJOINED.check() {
             warn!(request_id = %self.request_id, half = %self.half, suppressed, "Routing decision never completed.");
@@ -63,7 +63,7 @@ pub struct MigrationLineParsed {
     pub kind: MigrationLogKind,
 }
 
-impl InternalEvent for MigrationLineParsed {
+impl InternalEvent<AgentStats> for MigrationLineParsed {
     fn emit(self, stats: &AgentStats) {
         debug!(kind = ?self.kind, "Migration log line.");
         add(&stats.migration_lines, 1);
@@ -76,7 +76,7 @@ pub struct LogFileReopened<'a> {
     pub reason: &'a str,
 }
 
-impl InternalEvent for LogFileReopened<'_> {
+impl InternalEvent<AgentStats> for LogFileReopened<'_> {
     fn emit(self, _stats: &AgentStats) {
         info!(path = %self.path, reason = %self.reason, "Router log reopened.");
     }
@@ -88,7 +88,7 @@ pub struct RouterLogFollowed<'a> {
     pub from_start: bool,
 }
 
-impl InternalEvent for RouterLogFollowed<'_> {
+impl InternalEvent<AgentStats> for RouterLogFollowed<'_> {
     fn emit(self, _stats: &AgentStats) {
         info!(path = %self.path.display(), from_start = self.from_start, "Following a router log the pattern matches.");
     }
@@ -100,7 +100,7 @@ pub struct RouterLogReleased<'a> {
     pub path: &'a std::path::Path,
 }
 
-impl InternalEvent for RouterLogReleased<'_> {
+impl InternalEvent<AgentStats> for RouterLogReleased<'_> {
     fn emit(self, _stats: &AgentStats) {
         info!(path = %self.path.display(), "Router log let go: no longer the live file the pattern matches.");
     }
@@ -114,7 +114,7 @@ pub struct LogFileUnavailable<'a> {
 
 static UNAVAILABLE: LogLimiter = LogLimiter::new();
 
-impl InternalEvent for LogFileUnavailable<'_> {
+impl InternalEvent<AgentStats> for LogFileUnavailable<'_> {
     fn emit(self, _stats: &AgentStats) {
         if let Some(suppressed) = UNAVAILABLE.check() {
             warn!(path = %self.path, error = %self.error, suppressed, "Router log unavailable; waiting for it.");
@@ -130,7 +130,7 @@ pub struct LogLineTooLong<'a> {
 
 static TOO_LONG: LogLimiter = LogLimiter::new();
 
-impl InternalEvent for LogLineTooLong<'_> {
+impl InternalEvent<AgentStats> for LogLineTooLong<'_> {
     fn emit(self, stats: &AgentStats) {
         if let Some(suppressed) = TOO_LONG.check() {
             warn!(source = %self.source, bytes = self.bytes, suppressed, "Router log line longer than max_line_bytes; skipped.");
@@ -144,7 +144,7 @@ pub struct DecisionTraced<'a> {
     pub request_id: &'a str,
 }
 
-impl InternalEvent for DecisionTraced<'_> {
+impl InternalEvent<AgentStats> for DecisionTraced<'_> {
     fn emit(self, stats: &AgentStats) {
         debug!(request_id = %self.request_id, "Routing decision from the request trace.");
         add(&stats.decisions_traced, 1);
@@ -161,7 +161,7 @@ pub struct LogFileTruncated<'a> {
     pub size_now: u64,
 }
 
-impl InternalEvent for LogFileTruncated<'_> {
+impl InternalEvent<AgentStats> for LogFileTruncated<'_> {
     fn emit(self, stats: &AgentStats) {
         warn!(path = %self.path, position = self.position, size_now = self.size_now, "Router log truncated under the follower; reading it again from its start (lines written just before the cut may be missed).");
         add(&stats.log_truncations, 1);
@@ -177,7 +177,7 @@ pub struct LogLineFuture {
 
 static FUTURE: LogLimiter = LogLimiter::new();
 
-impl InternalEvent for LogLineFuture {
+impl InternalEvent<AgentStats> for LogLineFuture {
     fn emit(self, stats: &AgentStats) {
         if let Some(suppressed) = FUTURE.check() {
             warn!(

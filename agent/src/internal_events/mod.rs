@@ -1,5 +1,5 @@
-//! Everything the agent says about itself, one struct per thing (Vector's
-//! `internal_events`): `emit()` logs with structured fields and bumps the matching
+//! Everything the agent says about itself, one struct per thing (the kit's
+//! [`InternalEvent`]): `emit()` logs with structured fields and bumps the matching
 //! [`AgentCounters`](kvscope_wire::AgentCounters) field, so a counter never drifts from
 //! its log line. Noisy warnings are rate-limited; the counters never are.
 
@@ -11,52 +11,13 @@ pub use kv::*;
 pub use log::*;
 pub use publish::*;
 
-use crate::counters::AgentStats;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{SystemTime, UNIX_EPOCH};
-
-/// A thing that happened inside the agent.
-pub trait InternalEvent {
-    fn emit(self, stats: &AgentStats);
-}
-
-/// At most one log line per second per call site; returns how many were suppressed
-/// since the last one logged, or `None` when this one should be suppressed too.
-pub(crate) struct LogLimiter {
-    last_sec: AtomicU64,
-    suppressed: AtomicU64,
-}
-
-impl LogLimiter {
-    pub(crate) const fn new() -> Self {
-        Self {
-            last_sec: AtomicU64::new(0),
-            suppressed: AtomicU64::new(0),
-        }
-    }
-
-    pub(crate) fn check(&self) -> Option<u64> {
-        let now = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs());
-        let last = self.last_sec.load(Ordering::Relaxed);
-        if now != last
-            && self
-                .last_sec
-                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
-                .is_ok()
-        {
-            Some(self.suppressed.swap(0, Ordering::Relaxed))
-        } else {
-            self.suppressed.fetch_add(1, Ordering::Relaxed);
-            None
-        }
-    }
-}
+/// The agent's events implement `InternalEvent<AgentStats>` (`crate::counters::AgentStats`).
+pub use kvscope_kit::internal_events::{InternalEvent, LogLimiter};
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::counters::AgentStats;
 
     #[test]
     fn each_event_bumps_its_counter() {
@@ -201,13 +162,5 @@ mod tests {
                 decisions_clock_behind: 0,
             }
         );
-    }
-
-    #[test]
-    fn the_limiter_lets_one_through_per_second() {
-        let l = LogLimiter::new();
-        assert_eq!(l.check(), Some(0));
-        assert_eq!(l.check(), None);
-        assert_eq!(l.check(), None);
     }
 }

@@ -7,7 +7,7 @@ use tracing::{debug, error, info, trace, warn};
 /// A record acknowledged by JetStream.
 pub struct RecordPublished;
 
-impl InternalEvent for RecordPublished {
+impl InternalEvent<AgentStats> for RecordPublished {
     fn emit(self, stats: &AgentStats) {
         trace!("Record published.");
         add(&stats.published, 1);
@@ -26,7 +26,7 @@ pub struct PublishDropped<'a> {
 
 static DROPPED: LogLimiter = LogLimiter::new();
 
-impl InternalEvent for PublishDropped<'_> {
+impl InternalEvent<AgentStats> for PublishDropped<'_> {
     fn emit(self, stats: &AgentStats) {
         if let Some(suppressed) = DROPPED.check() {
             warn!(capacity = self.capacity, max_bytes = self.max_bytes, bytes = self.bytes, subject = %self.subject, suppressed, "Local buffer full; record dropped.");
@@ -42,7 +42,7 @@ pub struct RecordSplit<'a> {
     pub subject: &'a str,
 }
 
-impl InternalEvent for RecordSplit<'_> {
+impl InternalEvent<AgentStats> for RecordSplit<'_> {
     fn emit(self, stats: &AgentStats) {
         debug!(bytes = self.bytes, parts = self.parts, subject = %self.subject, "Record sent in parts.");
         add(&stats.records_split, 1);
@@ -59,7 +59,7 @@ pub struct RecordSetAside<'a> {
 
 static SET_ASIDE: LogLimiter = LogLimiter::new();
 
-impl InternalEvent for RecordSetAside<'_> {
+impl InternalEvent<AgentStats> for RecordSetAside<'_> {
     fn emit(self, stats: &AgentStats) {
         if let Some(suppressed) = SET_ASIDE.check() {
             error!(error = %self.error, bytes = self.bytes, subject = %self.subject, suppressed, "JetStream refused a record; set aside, the others go on.");
@@ -77,7 +77,7 @@ pub struct RecordLate<'a> {
 
 static LATE: LogLimiter = LogLimiter::new();
 
-impl InternalEvent for RecordLate<'_> {
+impl InternalEvent<AgentStats> for RecordLate<'_> {
     fn emit(self, stats: &AgentStats) {
         if let Some(suppressed) = LATE.check() {
             warn!(behind_ms = self.behind_ms, subject = %self.subject, suppressed, "Record arrived after the reorder window; sent out of order. Raise reorder_window_ms if this repeats.");
@@ -95,7 +95,7 @@ pub struct RecordClockCorrected<'a> {
 
 static CORRECTED: LogLimiter = LogLimiter::new();
 
-impl InternalEvent for RecordClockCorrected<'_> {
+impl InternalEvent<AgentStats> for RecordClockCorrected<'_> {
     fn emit(self, stats: &AgentStats) {
         if let Some(suppressed) = CORRECTED.check() {
             info!(source = %self.source, ahead_ms = self.ahead_ns as f64 / 1e6, suppressed, "Source clock reads ahead of this host's; its time stamps are moved back by that much.");
@@ -112,7 +112,7 @@ pub struct DecisionClockBehind {
 
 static BEHIND: LogLimiter = LogLimiter::new();
 
-impl InternalEvent for DecisionClockBehind {
+impl InternalEvent<AgentStats> for DecisionClockBehind {
     fn emit(self, stats: &AgentStats) {
         if let Some(suppressed) = BEHIND.check() {
             warn!(lag_floor_ms = self.floor_ns as f64 / 1e6, suppressed, "Every router log line reached the agent late for seconds: the router's clock may be behind this host's (or its log is delivered late). Its decisions are flagged as possibly judged early.");
@@ -129,7 +129,7 @@ pub struct PublishFailed<'a> {
 
 static FAILED: LogLimiter = LogLimiter::new();
 
-impl InternalEvent for PublishFailed<'_> {
+impl InternalEvent<AgentStats> for PublishFailed<'_> {
     fn emit(self, stats: &AgentStats) {
         if let Some(suppressed) = FAILED.check() {
             warn!(error = %self.error, buffered = self.buffered, suppressed, "Publishing to JetStream failed; retrying.");
@@ -146,7 +146,7 @@ pub struct BusRefused<'a> {
 
 static REFUSED: LogLimiter = LogLimiter::new();
 
-impl InternalEvent for BusRefused<'_> {
+impl InternalEvent<AgentStats> for BusRefused<'_> {
     fn emit(self, stats: &AgentStats) {
         if let Some(suppressed) = REFUSED.check() {
             warn!(error = %self.error, suppressed, "NATS refused this agent (check its [nats] credentials and the server's permissions for kvscope.<cluster>.<agent_id>.>); retrying.");
@@ -160,7 +160,7 @@ pub struct StreamReady<'a> {
     pub stream: &'a str,
 }
 
-impl InternalEvent for StreamReady<'_> {
+impl InternalEvent<AgentStats> for StreamReady<'_> {
     fn emit(self, _stats: &AgentStats) {
         info!(stream = %self.stream, "JetStream stream ready.");
     }
@@ -173,7 +173,7 @@ pub struct RecordingWriteFailed<'a> {
 
 static RECORDING: LogLimiter = LogLimiter::new();
 
-impl InternalEvent for RecordingWriteFailed<'_> {
+impl InternalEvent<AgentStats> for RecordingWriteFailed<'_> {
     fn emit(self, _stats: &AgentStats) {
         if let Some(suppressed) = RECORDING.check() {
             warn!(error = %self.error, suppressed, "Cannot write the recording.");

@@ -9,6 +9,7 @@
 //! never stopped.
 
 use crate::fold::analyzer::FleetAnalyzer;
+use crate::internal_events::*;
 use anyhow::Context as _;
 use async_nats::jetstream::{self, consumer, stream};
 use async_nats::HeaderMap;
@@ -20,7 +21,7 @@ use kvscope_wire::subject::stream_config;
 use kvscope_wire::{Envelope, Subjects};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tracing::{error, info, warn};
+use tracing::info;
 
 /// How far ahead of this host's clock a record may be stamped (agents' clocks disagree
 /// by this much at most).
@@ -101,13 +102,12 @@ impl Shared {
                 lost_parts,
                 then,
             } => {
-                warn!(
+                RecordIncomplete {
                     seq,
                     reason,
                     lost_parts,
-                    "A record sent in parts never came whole; dropped and counted."
-                );
-                lock(&self.analyzer).counters_mut().incomplete_records += 1;
+                }
+                .emit(self);
                 self.apply_outcome(subject, *then, payload, seq);
             }
         }
@@ -120,8 +120,12 @@ impl Shared {
             Ok(env) if !self.subjects.subject_matches_agent(subject, &env.agent) => {
                 // The server's permissions bind a subject to one agent's credentials; a
                 // record naming another agent is forged (or misrouted): never applied.
-                lock(&self.analyzer).counters_mut().foreign_records += 1;
-                warn!(seq, subject, agent = %env.agent, "A record whose agent is not the one its subject names; not applied, counted.");
+                RecordForeign {
+                    seq,
+                    subject,
+                    agent: &env.agent,
+                }
+                .emit(self);
             }
             Ok(env)
                 if env.observed_ns
@@ -129,8 +133,12 @@ impl Shared {
             {
                 // A record dated far ahead of this host's clock would move every window
                 // and the watermark to its date: quarantined, counted.
-                lock(&self.analyzer).counters_mut().future_records += 1;
-                warn!(seq, agent = %env.agent, observed_ns = env.observed_ns, "A record dated far in the future; not applied, counted.");
+                RecordFromFuture {
+                    seq,
+                    agent: &env.agent,
+                    observed_ns: env.observed_ns,
+                }
+                .emit(self);
             }
             Ok(env) => {
                 let rebuilding = lock(&self.bus).rebuilding;
@@ -150,14 +158,12 @@ impl Shared {
                 }
                 let mut recorder = lock(&self.recorder);
                 if let Some(Err(e)) = recorder.as_mut().map(|r| r.write(&env)) {
-                    error!(error = %e, "Cannot write the recording; recording stops.");
                     *recorder = None;
-                    lock(&self.bus).recording_failed = true;
+                    RecordingFailed { error: &e }.emit(self);
                 }
             }
             Err(e) => {
-                lock(&self.analyzer).counters_mut().undecodable_records += 1;
-                warn!(seq, error = %e, "Undecodable record on the bus; skipped and counted.");
+                RecordUndecodable { seq, error: &e }.emit(self);
             }
         }
         lock(&self.bus).applied_seq = seq;
@@ -166,7 +172,7 @@ impl Shared {
     pub fn flush_recording(&self) {
         if let Some(rec) = lock(&self.recorder).as_mut() {
             if let Err(e) = rec.flush() {
-                warn!(error = %e, "Cannot flush the recording.");
+                RecordingFlushFailed { error: &e }.emit(self);
             }
         }
     }
@@ -190,7 +196,7 @@ async fn connect(cfg: &BusConfig, shared: Arc<Shared>) -> anyhow::Result<async_n
             let shared = shared.clone();
             async move {
                 if let Some(e) = kvscope_wire::nats_security::refusal(&event) {
-                    warn!(error = %e, "NATS refused this collector (check its [nats] credentials and the server's permissions).");
+                    NatsRefused { error: &e }.emit(&shared);
                 }
                 match event {
                     async_nats::Event::Disconnected => lock(&shared.bus).connected = false,
@@ -213,7 +219,12 @@ pub async fn run(cfg: BusConfig, shared: Arc<Shared>) -> anyhow::Result<()> {
         match connect(&cfg, shared.clone()).await {
             Ok(c) => break c,
             Err(e) => {
-                warn!(nats = %cfg.nats_url, error = %e, retry_in_ms = backoff.as_millis() as u64, "Cannot connect to NATS yet; waiting for it (is nats-server -js running there, and does it accept this collector's [nats] credentials?).");
+                NatsUnreachable {
+                    url: &cfg.nats_url,
+                    error: &e,
+                    retry_in: backoff,
+                }
+                .emit(&shared);
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(Duration::from_secs(5));
             }
@@ -262,7 +273,7 @@ pub async fn run(cfg: BusConfig, shared: Arc<Shared>) -> anyhow::Result<()> {
         let msg = match msg {
             Ok(m) => m,
             Err(e) => {
-                warn!(error = %e, "Pull from JetStream failed; retrying.");
+                PullFailed { error: &e }.emit(&shared);
                 tokio::time::sleep(Duration::from_millis(200)).await;
                 continue;
             }
@@ -270,7 +281,7 @@ pub async fn run(cfg: BusConfig, shared: Arc<Shared>) -> anyhow::Result<()> {
         let (seq, pending, delivery) = match msg.info() {
             Ok(i) => (i.stream_sequence, i.pending, i.consumer_sequence),
             Err(e) => {
-                warn!(error = %e, "JetStream message without metadata; skipped.");
+                MessageWithoutMetadata { error: &e }.emit(&shared);
                 continue;
             }
         };
@@ -292,7 +303,7 @@ pub async fn run(cfg: BusConfig, shared: Arc<Shared>) -> anyhow::Result<()> {
         }
         lock(&shared.bus).pending = pending;
         if let Err(e) = msg.ack().await {
-            warn!(seq, error = %e, "Ack failed; the record may be delivered again and will be skipped then.");
+            AckFailed { seq, error: &e }.emit(&shared);
         }
     }
     anyhow::bail!("the durable consumer's message stream ended")
@@ -314,10 +325,8 @@ async fn fill_gap(
             }
             Ok(m) => shared.apply_message(&m.subject, Some(&m.headers), &m.payload, s),
             Err(e) => {
-                warn!(seq = s, error = %e, "A stream record is gone before it was applied; counted as missing.");
-                let mut bus = lock(&shared.bus);
-                bus.missing_records += 1;
-                bus.applied_seq = s;
+                RecordMissing { seq: s, error: &e }.emit(shared);
+                lock(&shared.bus).applied_seq = s;
             }
         }
     }

@@ -25,7 +25,7 @@ pub fn exposition(shared: &crate::ingest::bus::Shared, format: Format) -> String
 /// The collector's figures for the current state.
 pub fn write(out: &mut Exposition, a: &FleetAnalyzer, bus: &BusStatus) {
     let c = a.counters();
-    let counters: [(&str, &str, u64); 34] = [
+    let counters: [(&str, &str, u64); 40] = [
         ("kvscope_collector_records", "Records applied.", c.records),
         (
             "kvscope_collector_undecodable_records",
@@ -187,6 +187,36 @@ pub fn write(out: &mut Exposition, a: &FleetAnalyzer, bus: &BusStatus) {
             "kvscope_collector_bus_missing_records",
             "Stream records gone (expired or deleted) before this collector applied them.",
             bus.missing_records,
+        ),
+        (
+            "kvscope_collector_bus_connect_failures",
+            "Attempts to connect to NATS that failed (the collector waits and tries again).",
+            bus.connect_failures,
+        ),
+        (
+            "kvscope_collector_bus_refusals",
+            "Things the NATS server refused this collector (its credentials or permissions).",
+            bus.nats_refusals,
+        ),
+        (
+            "kvscope_collector_bus_pull_failures",
+            "Pulls from the durable consumer that failed (retried).",
+            bus.pull_failures,
+        ),
+        (
+            "kvscope_collector_bus_messages_without_metadata",
+            "Deliveries without JetStream metadata: skipped (a record among them is fetched by sequence once the gap shows).",
+            bus.messages_without_metadata,
+        ),
+        (
+            "kvscope_collector_bus_ack_failures",
+            "Acks that failed (the record may be delivered again, and is skipped then).",
+            bus.ack_failures,
+        ),
+        (
+            "kvscope_collector_recording_flush_failures",
+            "Flushes of the recording that failed (tried again at the next).",
+            bus.recording_flush_failures,
         ),
     ];
     for (name, help, v) in counters {

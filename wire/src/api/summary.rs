@@ -51,6 +51,19 @@ pub struct BusStatus {
     pub missing_records: u64,
     /// The recording stopped after a write error.
     pub recording_failed: bool,
+    /// Flushes of the recording that failed (it tries again at the next).
+    pub recording_flush_failures: u64,
+    /// Attempts to connect to NATS that failed (the reader waits and tries again).
+    pub connect_failures: u64,
+    /// Things the NATS server refused this collector (credentials, permissions).
+    pub nats_refusals: u64,
+    /// Pulls from the durable consumer that failed (retried).
+    pub pull_failures: u64,
+    /// Deliveries without JetStream metadata: skipped (a record among them is fetched
+    /// by sequence when the next delivery shows the gap).
+    pub messages_without_metadata: u64,
+    /// Acks that failed (the record may come again, and is skipped then).
+    pub ack_failures: u64,
 }
 
 /// Everything the collector counted since it started (or since the replay began).
