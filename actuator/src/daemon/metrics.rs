@@ -44,6 +44,8 @@ pub struct ActuatorCounters {
     pub safety: BTreeMap<&'static str, u64>,
     /// Pushes of a mode that some backend refused.
     pub mode_apply_failures: u64,
+    /// Audit entries that could not be written (each one lost from the log).
+    pub audit_write_failures: u64,
     /// Evaluations without a collector read.
     pub input_errors: u64,
     pub last_good_input_ns: u64,
@@ -66,6 +68,7 @@ impl Default for ActuatorCounters {
             held_back: FlipHold::ALL.iter().map(|h| (h.as_str(), 0)).collect(),
             safety: SafetyTrigger::KINDS.iter().map(|k| (*k, 0)).collect(),
             mode_apply_failures: 0,
+            audit_write_failures: 0,
             input_errors: 0,
             last_good_input_ns: 0,
             last_evaluation_ns: 0,
@@ -154,6 +157,12 @@ pub fn render(a: &Actuator, api_refusals: u64) -> String {
         "Pushes of a mode that some backend refused (retried every evaluation).",
         "",
         c.mode_apply_failures,
+    );
+    out.single_counter(
+        "kvscope_actuator_audit_write_failures",
+        "Audit entries that could not be written to the audit log: each one is missing from it.",
+        "",
+        c.audit_write_failures,
     );
     out.single_gauge(
         "kvscope_actuator_operator_hold",

@@ -167,7 +167,9 @@ impl Actuator {
     fn write(&mut self, at_ns: u64, event: AuditEvent) {
         let entry = AuditEntry::new(at_ns, self.engine.mode(), self.engine.state().hold, event);
         if let Err(e) = self.audit.append(&entry) {
-            error!(error = %e, "Cannot write the audit log.");
+            // The entry is lost from the log: counted, so an alert can say so.
+            self.counters.audit_write_failures += 1;
+            error!(error = %e, "Cannot write the audit log; this entry is lost (counted).");
         }
     }
 
