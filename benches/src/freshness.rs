@@ -29,8 +29,9 @@ use anyhow::{bail, Context as _};
 use bytes::Bytes;
 use kvscope_collector::config::CollectorConfig;
 use kvscope_kit::clock::now_ns;
+use kvscope_lab::daemons::{CollectorApi, Daemons};
 use kvscope_lab::nats::NatsServer;
-use kvscope_lab::process::{stop_all, ManagedProcess};
+use kvscope_lab::process::ManagedProcess;
 use kvscope_lab::workload::SplitMix64;
 use kvscope_wire::hashing::{chain_hash, local_block_hash, DYNAMO_HASH_SEED};
 use serde::Serialize;
@@ -251,9 +252,8 @@ const WORKER_ID_BASE: u64 = 7_000_000_000_000_000_000;
 struct Pipeline {
     dir: PathBuf,
     nats: NatsServer,
-    agent: Option<ManagedProcess>,
-    collector: Option<ManagedProcess>,
-    api: String,
+    daemons: Daemons,
+    api: CollectorApi,
     /// Last, so the folder goes after NATS has stopped writing its store there.
     _temp: Option<tempfile::TempDir>,
 }
@@ -269,15 +269,7 @@ impl Pipeline {
     /// Fails, naming the log to read (kept on disk), when the agent or the collector
     /// has exited.
     fn check_alive(&mut self) -> anyhow::Result<()> {
-        let dead = self
-            .agent
-            .iter_mut()
-            .chain(self.collector.iter_mut())
-            .find_map(|p| {
-                p.exited()
-                    .map(|status| (p.name.clone(), status, p.log.clone()))
-            });
-        if let Some((name, status, log)) = dead {
+        if let Some((name, status, log)) = self.daemons.exited() {
             self.keep_logs();
             bail!(
                 "the {name} exited ({status}) during the run; see {}",
@@ -288,61 +280,28 @@ impl Pipeline {
     }
 
     fn stop(&mut self) {
-        let mut procs: Vec<ManagedProcess> = self
-            .collector
-            .take()
-            .into_iter()
-            .chain(self.agent.take())
-            .collect();
-        stop_all(&mut procs, Duration::from_secs(5));
+        self.daemons.stop(Duration::from_secs(5));
     }
 
     fn pids(&self) -> Vec<(String, u32)> {
         let mut v = vec![("nats-server".to_string(), self.nats.pid())];
-        if let Some(p) = &self.agent {
-            v.push(("agent".into(), p.pid()));
-        }
-        if let Some(p) = &self.collector {
-            v.push(("collector".into(), p.pid()));
-        }
+        v.extend(self.daemons.pids());
         v.push(("generator (this bench)".into(), std::process::id()));
         v
-    }
-
-    async fn get(&self, http: &reqwest::Client, path: &str) -> anyhow::Result<Value> {
-        Ok(http
-            .get(format!("{}{path}", self.api))
-            .send()
-            .await?
-            .error_for_status()?
-            .json()
-            .await?)
     }
 
     /// Poll the collector's summary until `ready` holds or `timeout` passes.
     async fn wait_summary(
         &self,
-        http: &reqwest::Client,
         what: &str,
         timeout: Duration,
         ready: impl Fn(&Value) -> bool,
     ) -> anyhow::Result<Value> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Ok(s) = self.get(http, "/api/summary").await {
-                if ready(&s) {
-                    return Ok(s);
-                }
-            }
-            if Instant::now() > deadline {
-                bail!(
-                    "waited {:?} for {what}; see the logs in {} (run with --out DIR to keep them)",
-                    timeout,
-                    self.dir.display()
-                );
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        let hint = format!(
+            "see the logs in {} (run with --out DIR to keep them)",
+            self.dir.display()
+        );
+        self.api.wait_summary(what, timeout, &hint, ready).await
     }
 }
 
@@ -412,9 +371,11 @@ fn start_pipeline(
         dir,
         _temp: temp,
         nats,
-        agent: Some(agent),
-        collector: Some(collector),
-        api: format!("http://{listen}"),
+        daemons: Daemons {
+            collector: Some(collector),
+            agent: Some(agent),
+        },
+        api: CollectorApi::new(&listen),
     })
 }
 
@@ -445,10 +406,8 @@ async fn run(args: &FreshnessArgs) -> anyhow::Result<FreshnessReport> {
     let router_log = dir.join("router.log");
     std::fs::write(&router_log, b"")?;
     let mut pipeline = start_pipeline(args, &kvscope, &ports, &router_log, dir, temp)?;
-    let http = reqwest::Client::new();
     pipeline
         .wait_summary(
-            &http,
             "the collector's API and the agent's first heartbeat",
             Duration::from_secs(30),
             |s| s["agents"].as_object().is_some_and(|a| !a.is_empty()),
@@ -469,7 +428,7 @@ async fn run(args: &FreshnessArgs) -> anyhow::Result<FreshnessReport> {
     };
     tokio::select! {
         r = announce => r?,
-        r = pipeline.wait_summary(&http, "every worker's ZMQ publisher to reach the collector", Duration::from_secs(30), |s| {
+        r = pipeline.wait_summary("every worker's ZMQ publisher to reach the collector", Duration::from_secs(30), |s| {
             s["workers"].as_u64() == Some(workers)
         }) => { r?; }
     }
@@ -523,7 +482,6 @@ async fn run(args: &FreshnessArgs) -> anyhow::Result<FreshnessReport> {
     };
     let summary = match pipeline
         .wait_summary(
-            &http,
             "the collector to apply everything published",
             Duration::from_secs(120),
             applied,
@@ -539,11 +497,12 @@ async fn run(args: &FreshnessArgs) -> anyhow::Result<FreshnessReport> {
                 "kvscope-bench freshness: {e:#}; logs kept in {}",
                 pipeline.dir.display()
             );
-            pipeline.get(&http, "/api/summary").await?
+            pipeline.api.summary().await?
         }
     };
-    let verdicts = pipeline
-        .get(&http, &format!("/api/verdicts?limit={}", issued + 10))
+    let verdicts: Value = pipeline
+        .api
+        .get_json(&format!("/api/verdicts?limit={}", issued + 10))
         .await?;
     pipeline.stop();
 

@@ -12,7 +12,8 @@
 use anyhow::{bail, Context as _};
 use kvscope_collector::fold::analyzer::{AnalyzerConfig, FleetAnalyzer};
 use kvscope_collector::report::OpportunityReport;
-use kvscope_lab::process::{stop_all, ManagedProcess};
+use kvscope_lab::daemons::{CollectorApi, Daemons};
+use kvscope_lab::process::ManagedProcess;
 use kvscope_lab::workload::WorkloadConfig;
 use kvscope_lab::{Lab, LabConfig};
 use kvscope_wire::api::verdict::SpillVerdict;
@@ -91,11 +92,12 @@ pub struct FleetRunConfig {
 pub struct FleetRun {
     exe: PathBuf,
     cfg: FleetRunConfig,
+    /// Before the lab: stopped first when the run is dropped.
+    daemons: Daemons,
     lab: Option<Lab>,
-    agent: Option<ManagedProcess>,
-    collector: Option<ManagedProcess>,
     nats_url: String,
     collector_listen: String,
+    collector_api: CollectorApi,
     /// The collector's recording of every record it applied, in order.
     pub recording: PathBuf,
     /// The agent's own recording of every record it published.
@@ -146,12 +148,12 @@ impl FleetRun {
             exe: exe.to_path_buf(),
             cfg,
             collector_listen: format!("127.0.0.1:{port}"),
+            collector_api: CollectorApi::new(&format!("127.0.0.1:{port}")),
             recording: run_dir.join("collector-recording.jsonl"),
             agent_recording: run_dir.join("agent-recording.jsonl"),
             nats_url,
             lab: Some(lab),
-            agent: None,
-            collector: None,
+            daemons: Daemons::default(),
             agent_extra_args: Vec::new(),
         };
         let extra = agent_args(run.lab())?;
@@ -196,7 +198,7 @@ impl FleetRun {
     }
 
     pub fn api(&self) -> String {
-        format!("http://{}", self.collector_listen)
+        self.collector_api.base().to_string()
     }
 
     /// The collector's listen address (`host:port`).
@@ -239,7 +241,7 @@ impl FleetRun {
     /// collector's.
     pub fn process_groups(&self) -> Vec<u32> {
         let mut groups = self.lab().manifest().process_groups();
-        groups.extend(self.agent.iter().chain(&self.collector).map(|p| p.pid()));
+        groups.extend(self.daemons.pids().into_iter().map(|(_, pid)| pid));
         groups
     }
 
@@ -267,7 +269,7 @@ impl FleetRun {
             .envs(self.bus_env(kvscope_lab::bus_security::COLLECTOR_USER)?)
             .envs(self.cfg.collector_env.iter().map(|(k, v)| (k, v)));
         let log = self.run_dir().join("collector.log");
-        self.collector = Some(ManagedProcess::spawn("collector", cmd, &log)?);
+        self.daemons.collector = Some(ManagedProcess::spawn("collector", cmd, &log)?);
         Ok(())
     }
 
@@ -303,7 +305,7 @@ impl FleetRun {
         }
         cmd.args(&self.agent_extra_args);
         let log = self.run_dir().join("agent.log");
-        self.agent = Some(ManagedProcess::spawn("agent", cmd, &log)?);
+        self.daemons.agent = Some(ManagedProcess::spawn("agent", cmd, &log)?);
         Ok(())
     }
 
@@ -320,19 +322,11 @@ impl FleetRun {
         log: &str,
         ready: impl Fn(&Value) -> bool,
     ) -> anyhow::Result<()> {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            if self.summary().await.is_ok_and(|s| ready(&s)) {
-                return Ok(());
-            }
-            if Instant::now() > deadline {
-                bail!(
-                    "waited 30 s for {what}; see {}",
-                    self.run_dir().join(log).display()
-                );
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        let hint = format!("see {}", self.run_dir().join(log).display());
+        self.collector_api
+            .wait_summary(what, Duration::from_secs(30), &hint, ready)
+            .await
+            .map(|_| ())
     }
 
     /// Stop lab mocker `index` and start it again (a new worker id): see
@@ -362,9 +356,7 @@ impl FleetRun {
 
     /// Stop the agent (SIGTERM, then SIGKILL after a grace period).
     pub fn stop_agent(&mut self) {
-        if let Some(p) = self.agent.take() {
-            stop_all(&mut [p], Duration::from_secs(5));
-        }
+        self.daemons.stop_agent(Duration::from_secs(5));
     }
 
     /// Wait until the collector has a heartbeat from the agent, so the agent's taps are
@@ -378,10 +370,7 @@ impl FleetRun {
 
     /// Kill the collector without warning (SIGKILL), as a crash would.
     pub fn kill_collector(&mut self) {
-        if let Some(mut p) = self.collector.take() {
-            let _ = p.child.kill();
-            let _ = p.child.wait();
-        }
+        self.daemons.kill_collector();
     }
 
     /// Start the collector again (after [`Self::kill_collector`]).
@@ -391,7 +380,7 @@ impl FleetRun {
     }
 
     pub async fn summary(&self) -> anyhow::Result<Value> {
-        self.get_json("/api/summary").await
+        self.collector_api.summary().await
     }
 
     pub async fn report(&self) -> anyhow::Result<OpportunityReport> {
@@ -400,20 +389,12 @@ impl FleetRun {
 
     /// GET a JSON document from the collector's API.
     pub async fn get_json<T: serde::de::DeserializeOwned>(&self, path: &str) -> anyhow::Result<T> {
-        Ok(reqwest::get(format!("{}{path}", self.api()))
-            .await?
-            .error_for_status()?
-            .json()
-            .await?)
+        self.collector_api.get_json(path).await
     }
 
     /// GET a text document from the collector (`/metrics`, the report's Markdown).
     pub async fn get_text(&self, path: &str) -> anyhow::Result<String> {
-        Ok(reqwest::get(format!("{}{path}", self.api()))
-            .await?
-            .error_for_status()?
-            .text()
-            .await?)
+        self.collector_api.get_text(path).await
     }
 
     /// Wait until the agent has published everything it saw of the workload and the
@@ -459,28 +440,9 @@ impl FleetRun {
     }
 
     pub fn stop(mut self) {
-        let grace = Duration::from_secs(5);
-        let mut procs: Vec<ManagedProcess> = self
-            .collector
-            .take()
-            .into_iter()
-            .chain(self.agent.take())
-            .collect();
-        stop_all(&mut procs, grace);
+        self.daemons.stop(Duration::from_secs(5));
         if let Some(lab) = self.lab.take() {
             lab.stop();
         }
-    }
-}
-
-impl Drop for FleetRun {
-    fn drop(&mut self) {
-        let mut procs: Vec<ManagedProcess> = self
-            .collector
-            .take()
-            .into_iter()
-            .chain(self.agent.take())
-            .collect();
-        stop_all(&mut procs, Duration::from_secs(2));
     }
 }

@@ -10,6 +10,7 @@
 //! - [`router_log`]: just enough parsing of the router's log to check a run.
 
 pub mod bus_security;
+pub mod daemons;
 pub mod etcd;
 mod lab;
 pub mod nats;
