@@ -247,16 +247,8 @@ impl Default for DirectiveConfig {
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("cannot read config file {path}: {source}")]
-    Read {
-        path: PathBuf,
-        source: std::io::Error,
-    },
-    #[error("invalid config file {path}: {source}")]
-    Parse {
-        path: PathBuf,
-        source: toml::de::Error,
-    },
+    #[error(transparent)]
+    File(#[from] kvscope_kit::config::ConfigFileError),
     #[error("invalid config: {0}")]
     Toml(#[from] toml::de::Error),
     #[error(transparent)]
@@ -281,19 +273,7 @@ pub enum ConfigError {
 impl ActuatorConfig {
     /// Defaults, then the file (if any), then the process environment.
     pub fn load(file: Option<&Path>) -> Result<Self, ConfigError> {
-        let mut cfg = match file {
-            Some(path) => {
-                let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-                    path: path.into(),
-                    source,
-                })?;
-                toml::from_str(&text).map_err(|source| ConfigError::Parse {
-                    path: path.into(),
-                    source,
-                })?
-            }
-            None => Self::default(),
-        };
+        let mut cfg: Self = kvscope_kit::config::load_file(file)?;
         cfg.apply_env(|k| std::env::var(k).ok())?;
         Ok(cfg)
     }

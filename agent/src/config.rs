@@ -44,7 +44,6 @@
 //! ```
 
 use crate::nixl::NixlTraceConfig;
-use anyhow::Context as _;
 use kvscope_kit::config::Env;
 use kvscope_wire::WorkerSpec;
 use serde::{Deserialize, Serialize};
@@ -264,14 +263,7 @@ fn default_agent_id() -> String {
 impl AgentConfig {
     /// Defaults, then the file (if any), then the process environment.
     pub fn load(file: Option<&Path>) -> anyhow::Result<Self> {
-        let mut cfg = match file {
-            Some(path) => {
-                let text = std::fs::read_to_string(path)
-                    .with_context(|| format!("cannot read config {}", path.display()))?;
-                Self::from_toml(&text).with_context(|| format!("bad config {}", path.display()))?
-            }
-            None => Self::default(),
-        };
+        let mut cfg: Self = kvscope_kit::config::load_file(file)?;
         cfg.apply_env(|k| std::env::var(k).ok())?;
         Ok(cfg)
     }

@@ -94,7 +94,7 @@ pub enum Format {
 }
 
 pub async fn run(cli: Cli) -> anyhow::Result<()> {
-    let mut cfg = CollectorConfig::load(cli.config.as_deref())?;
+    let mut cfg: CollectorConfig = kvscope_kit::config::load_file(cli.config.as_deref())?;
     cfg.otlp
         .apply_env(|k| std::env::var(k).ok())
         .context("bad OTEL_* environment variable")?;

@@ -28,7 +28,7 @@ use crate::fold::analyzer::AnalyzerConfig;
 use kvscope_kit::config::{Env, EnvError};
 use serde::{Deserialize, Serialize};
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -74,20 +74,6 @@ impl Default for CollectorConfig {
             nats: Default::default(),
         }
     }
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum ConfigError {
-    #[error("cannot read config file {path}: {source}")]
-    Read {
-        path: PathBuf,
-        source: std::io::Error,
-    },
-    #[error("invalid config file {path}: {source}")]
-    Parse {
-        path: PathBuf,
-        source: toml::de::Error,
-    },
 }
 
 impl CollectorConfig {
@@ -143,26 +129,12 @@ impl CollectorConfig {
         }
         Ok(())
     }
-
-    /// Load from `path`, or the defaults when there is no file.
-    pub fn load(path: Option<&Path>) -> Result<Self, ConfigError> {
-        let Some(path) = path else {
-            return Ok(Self::default());
-        };
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-            path: path.into(),
-            source,
-        })?;
-        toml::from_str(&text).map_err(|source| ConfigError::Parse {
-            path: path.into(),
-            source,
-        })
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::Path;
 
     #[test]
     fn a_partial_file_keeps_the_other_defaults() {

@@ -1,5 +1,6 @@
 //! Config loading the daemons share (the agent, collector and actuator, and the OTLP
-//! settings): environment overrides (`KVSCOPE_AGENT_*`, `KVSCOPE_COLLECTOR_*`,
+//! settings): the file over the defaults ([`load_file`], [`ConfigFileError`]), then
+//! environment overrides (`KVSCOPE_AGENT_*`, `KVSCOPE_COLLECTOR_*`,
 //! `KVSCOPE_ACTUATOR_*`, `OTEL_*`) read over the file's values with one set of rules and
 //! one error message ([`Env`], [`EnvError`]); the TOML example a config module documents,
 //! for the tests that check it parses; and `print-config`, the effective configuration
@@ -7,9 +8,43 @@
 //! an `authorization` token, a password, a token) is printed as `<redacted>`; paths to
 //! files holding secrets (`*_file`) are printed.
 
+use serde::de::DeserializeOwned;
 use serde::Serialize;
 use std::fmt::Display;
+use std::path::{Path, PathBuf};
 use std::str::FromStr;
+
+/// A config file that cannot be used: names the file and what is wrong with it.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigFileError {
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("invalid config file {path}: {source}")]
+    Parse {
+        path: PathBuf,
+        source: toml::de::Error,
+    },
+}
+
+/// The first steps of every daemon's config: its defaults, replaced by the TOML file at
+/// `file` when there is one (unknown keys refused where the type says so). Environment
+/// overrides ([`Env`]) and flags come after, in the daemon.
+pub fn load_file<T: DeserializeOwned + Default>(file: Option<&Path>) -> Result<T, ConfigFileError> {
+    let Some(path) = file else {
+        return Ok(T::default());
+    };
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigFileError::Read {
+        path: path.into(),
+        source,
+    })?;
+    toml::from_str(&text).map_err(|source| ConfigFileError::Parse {
+        path: path.into(),
+        source,
+    })
+}
 
 /// A variable whose value does not parse: names the variable, the value and what is
 /// wrong, so the user knows what to fix.
@@ -249,5 +284,39 @@ mod tests {
         assert_eq!(text.matches(REDACTED).count(), 3, "{text}");
         assert!(text.contains("/etc/kvscope/token"));
         assert!(text.contains("tls://bus:4222") && text.contains("https://otel:4318"));
+    }
+
+    #[test]
+    fn a_config_file_is_read_over_the_defaults_and_its_errors_name_it() {
+        #[derive(serde::Deserialize, Default, Debug, PartialEq)]
+        #[serde(deny_unknown_fields, default)]
+        struct C {
+            a: u32,
+            b: String,
+        }
+        assert_eq!(load_file::<C>(None).unwrap(), C::default());
+        let dir = std::env::temp_dir().join(format!("kvscope-kit-config-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let good = dir.join("good.toml");
+        std::fs::write(&good, "a = 3\n").unwrap();
+        assert_eq!(
+            load_file::<C>(Some(&good)).unwrap(),
+            C {
+                a: 3,
+                b: String::new()
+            }
+        );
+        let bad = dir.join("bad.toml");
+        std::fs::write(&bad, "c = 1\n").unwrap();
+        let e = load_file::<C>(Some(&bad)).unwrap_err().to_string();
+        assert!(e.contains("bad.toml") && e.contains("unknown field"), "{e}");
+        let e = load_file::<C>(Some(&dir.join("absent.toml")))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("cannot read config file") && e.contains("absent.toml"),
+            "{e}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
