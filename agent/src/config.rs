@@ -252,12 +252,7 @@ impl Default for AgentConfig {
 }
 
 fn default_agent_id() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .ok()
-        .or_else(|| std::env::var("HOSTNAME").ok())
-        .map(|h| h.trim().to_string())
-        .filter(|h| !h.is_empty())
-        .unwrap_or_else(|| "agent".into())
+    kvscope_kit::host_name().unwrap_or_else(|| "agent".into())
 }
 
 impl AgentConfig {

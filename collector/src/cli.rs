@@ -200,7 +200,11 @@ async fn serve(cfg: CollectorConfig) -> anyhow::Result<()> {
             kvscope_otlp::ServiceIdentity {
                 name: "kvscope-collector",
                 version: env!("CARGO_PKG_VERSION"),
-                instance_id: format!("{}/{}", kvscope_kit::host_name(), cfg.durable_name),
+                instance_id: format!(
+                    "{}/{}",
+                    kvscope_kit::host_name().as_deref().unwrap_or("unknown"),
+                    cfg.durable_name
+                ),
                 attributes: vec![("kvscope.cluster".into(), cfg.cluster.clone())],
             },
             Arc::new(move || {

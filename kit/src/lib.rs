@@ -19,12 +19,12 @@ pub use health::Health;
 #[cfg(feature = "daemon")]
 pub use logging::{LogArgs, LogFormat};
 
-/// The host name (`/proc/sys/kernel/hostname`, else `$HOSTNAME`, else `unknown`).
-pub fn host_name() -> String {
+/// The host name (`/proc/sys/kernel/hostname`, else `$HOSTNAME`), if either names one;
+/// a pod's is its pod name.
+pub fn host_name() -> Option<String> {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .ok()
         .or_else(|| std::env::var("HOSTNAME").ok())
         .map(|h| h.trim().to_string())
         .filter(|h| !h.is_empty())
-        .unwrap_or_else(|| "unknown".into())
 }

@@ -128,7 +128,10 @@ fn resource(cfg: &OtlpConfig, id: &ServiceIdentity) -> Resource {
         ),
         ("service.version".into(), id.version.into()),
         ("service.instance.id".into(), id.instance_id.clone()),
-        ("host.name".into(), kvscope_kit::host_name()),
+        (
+            "host.name".into(),
+            kvscope_kit::host_name().unwrap_or_else(|| "unknown".into()),
+        ),
         ("telemetry.sdk.name".into(), "kvscope".into()),
         ("telemetry.sdk.language".into(), "rust".into()),
     ];
