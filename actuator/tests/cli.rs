@@ -6,9 +6,7 @@ use kvscope_collector::fold::analyzer::AnalyzerConfig;
 use kvscope_collector::ingest::bus::Shared;
 use kvscope_kit::clock::now_ns;
 use kvscope_wire::hashing::{local_block_hashes, DYNAMO_HASH_SEED};
-use kvscope_wire::nixl::{
-    LatencySummary, NixlCallStats, NixlReport, NixlTransferStats, XferStage, LATENCY_BOUNDS_NS,
-};
+use kvscope_wire::nixl::{LatencySummary, NixlCallStats, NixlReport, NixlTransferStats, XferStage};
 use kvscope_wire::recording::RecordingWriter;
 use kvscope_wire::{
     AgentHeartbeat, Envelope, KvEvent, KvEventBatch, Record, RoutingDecision, SequenceStatus,
@@ -35,19 +33,6 @@ fn w(id: u64) -> WorkerKey {
     WorkerKey {
         worker_id: id,
         dp_rank: 0,
-    }
-}
-
-fn latency(values_ns: &[u64]) -> LatencySummary {
-    LatencySummary {
-        count: values_ns.len() as u64,
-        sum_ns: values_ns.iter().sum(),
-        max_ns: values_ns.iter().copied().max().unwrap_or(0),
-        buckets: LATENCY_BOUNDS_NS
-            .iter()
-            .map(|le| values_ns.iter().filter(|v| *v <= le).count() as u64)
-            .collect(),
-        ..LatencySummary::default()
     }
 }
 
@@ -131,7 +116,7 @@ fn record_fleet(path: &Path) {
             transfers: 10,
             bytes: 10_000_000,
             descriptors: 10,
-            latency: latency(&[1_000_000; 10]),
+            latency: LatencySummary::exact(&[1_000_000; 10]),
         }],
         calls: vec![NixlCallStats {
             pid: 7,
@@ -141,7 +126,7 @@ fn record_fleet(path: &Path) {
             status: "SUCCESS".into(),
             calls: 5,
             bytes: 0,
-            latency: latency(&[800_000; 5]),
+            latency: LatencySummary::exact(&[800_000; 5]),
         }],
         ..NixlReport::default()
     };

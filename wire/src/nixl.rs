@@ -107,7 +107,42 @@ pub struct MergedLatency {
     pub buckets: Vec<u64>,
 }
 
+impl LatencySummary {
+    /// The summary of exactly these observations (percentiles by nearest rank): what a
+    /// fixture or a replayed run states outright.
+    pub fn exact(values_ns: &[u64]) -> Self {
+        let m = MergedLatency::exact(values_ns);
+        let mut sorted = values_ns.to_vec();
+        sorted.sort_unstable();
+        let rank = |q: f64| {
+            let i = ((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len().max(1));
+            sorted.get(i - 1).copied().unwrap_or(0)
+        };
+        Self {
+            count: m.count,
+            sum_ns: m.sum_ns,
+            max_ns: m.max_ns,
+            p50_ns: rank(0.5),
+            p90_ns: rank(0.9),
+            p99_ns: rank(0.99),
+            buckets: m.buckets,
+        }
+    }
+}
+
 impl MergedLatency {
+    /// The distribution of exactly these observations (every bucket present).
+    pub fn exact(values_ns: &[u64]) -> Self {
+        let mut m = Self {
+            buckets: vec![0; LATENCY_BOUNDS_NS.len()],
+            ..Self::default()
+        };
+        for &v in values_ns {
+            m.observe(v);
+        }
+        m
+    }
+
     /// Add one agent's summary.
     pub fn add(&mut self, l: &LatencySummary) {
         self.add_parts(l.count, l.sum_ns, l.max_ns, &l.buckets);
@@ -376,7 +411,7 @@ pub struct NixlPair {
 
 #[cfg(test)]
 mod tests {
-    use super::notif_request_id;
+    use super::*;
 
     #[test]
     fn request_ids_from_vllm_notifications() {
@@ -397,5 +432,22 @@ mod tests {
         ] {
             assert_eq!(notif_request_id(other), None, "{other}");
         }
+    }
+
+    #[test]
+    fn exact_summaries_state_their_observations() {
+        let l = LatencySummary::exact(&[3_000, 1_000, 2_000, 10_000]);
+        assert_eq!((l.count, l.sum_ns, l.max_ns), (4, 16_000, 10_000));
+        assert_eq!((l.p50_ns, l.p90_ns, l.p99_ns), (2_000, 10_000, 10_000));
+        assert_eq!(l.buckets.len(), LATENCY_BOUNDS_NS.len());
+        // Cumulative: the 1 µs bound holds one, every bound from 10 µs all four.
+        assert_eq!(l.buckets[0], 1);
+        assert_eq!(*l.buckets.last().unwrap(), 4);
+        let mut m = MergedLatency::default();
+        m.add(&l);
+        assert_eq!(m, MergedLatency::exact(&[3_000, 1_000, 2_000, 10_000]));
+        let empty = LatencySummary::exact(&[]);
+        assert_eq!((empty.count, empty.p99_ns), (0, 0));
+        assert!(empty.buckets.iter().all(|b| *b == 0));
     }
 }

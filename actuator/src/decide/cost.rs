@@ -237,30 +237,17 @@ impl<'a> NixlFigures<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvscope_wire::nixl::LATENCY_BOUNDS_NS;
-
-    fn lat(values_ns: &[u64]) -> MergedLatency {
-        MergedLatency {
-            count: values_ns.len() as u64,
-            sum_ns: values_ns.iter().sum(),
-            max_ns: values_ns.iter().copied().max().unwrap_or(0),
-            buckets: LATENCY_BOUNDS_NS
-                .iter()
-                .map(|le| values_ns.iter().filter(|v| *v <= le).count() as u64)
-                .collect(),
-        }
-    }
 
     fn pair(l: &str, r: &str, bw: f64, hs_ns: u64) -> NixlPair {
         NixlPair {
             local_agent: l.into(),
             remote_agent: r.into(),
             bytes_ok: (bw * 0.5) as u64,
-            latency: lat(&[500_000_000]),
+            latency: MergedLatency::exact(&[500_000_000]),
             bandwidth_bytes_per_second: Some(bw),
             handshakes_ok: 4,
             handshakes_failed: 1,
-            handshake_latency: lat(&[hs_ns; 4]),
+            handshake_latency: MergedLatency::exact(&[hs_ns; 4]),
             ..NixlPair::default()
         }
     }

@@ -9,7 +9,6 @@ use kvscope_wire::api::summary::CollectorSummary;
 use kvscope_wire::api::window::{
     spill_delta_bucket, MigrationLogWindow, SpillPairWindow, WindowSummary, WorkerWindow,
 };
-use kvscope_wire::nixl::LATENCY_BOUNDS_NS;
 use kvscope_wire::nixl::{MergedLatency, NixlPair};
 use kvscope_wire::WorkerKey;
 
@@ -88,18 +87,6 @@ impl Spec {
     }
 }
 
-pub fn latency(values_ns: &[u64]) -> MergedLatency {
-    MergedLatency {
-        count: values_ns.len() as u64,
-        sum_ns: values_ns.iter().sum(),
-        max_ns: values_ns.iter().copied().max().unwrap_or(0),
-        buckets: LATENCY_BOUNDS_NS
-            .iter()
-            .map(|le| values_ns.iter().filter(|v| *v <= le).count() as u64)
-            .collect(),
-    }
-}
-
 /// A NIXL pair: `bandwidth` bytes/s over 100 transfers, handshakes of 2 ms.
 pub fn nixl_pair(local: &str, remote: &str, bandwidth: f64, ok: u64, failed: u64) -> NixlPair {
     let lat = vec![10_000_000u64; 100]; // 100 transfers of 10 ms
@@ -109,11 +96,11 @@ pub fn nixl_pair(local: &str, remote: &str, bandwidth: f64, ok: u64, failed: u64
         remote_agent: remote.into(),
         transfers_ok: [("READ".to_string(), 100u64)].into_iter().collect(),
         bytes_ok: bytes,
-        latency: latency(&lat),
+        latency: MergedLatency::exact(&lat),
         bandwidth_bytes_per_second: Some(bytes as f64),
         handshakes_ok: ok,
         handshakes_failed: failed,
-        handshake_latency: latency(&vec![2_000_000; (ok + failed) as usize]),
+        handshake_latency: MergedLatency::exact(&vec![2_000_000; (ok + failed) as usize]),
         ..NixlPair::default()
     }
 }

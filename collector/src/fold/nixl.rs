@@ -226,19 +226,6 @@ mod tests {
         LatencySummary, NixlCallStats, NixlReport, NixlTransferStats, LATENCY_BOUNDS_NS,
     };
 
-    fn lat(values_ns: &[u64]) -> LatencySummary {
-        LatencySummary {
-            count: values_ns.len() as u64,
-            sum_ns: values_ns.iter().sum(),
-            max_ns: values_ns.iter().copied().max().unwrap_or(0),
-            buckets: LATENCY_BOUNDS_NS
-                .iter()
-                .map(|le| values_ns.iter().filter(|v| *v <= le).count() as u64)
-                .collect(),
-            ..LatencySummary::default()
-        }
-    }
-
     fn xfer(
         local: &str,
         remote: &str,
@@ -261,7 +248,7 @@ mod tests {
             transfers: n,
             bytes,
             descriptors: 0,
-            latency: lat(l),
+            latency: LatencySummary::exact(l),
         }
     }
 
@@ -288,7 +275,7 @@ mod tests {
                             status: "ERR_MISMATCH".into(),
                             calls: 2,
                             bytes: 0,
-                            latency: lat(&[10_000, 20_000]),
+                            latency: LatencySummary::exact(&[10_000, 20_000]),
                         }],
                         ..NixlReport::default()
                     }),
@@ -342,7 +329,7 @@ mod tests {
                             status: "SUCCESS".into(),
                             calls: u64::MAX,
                             bytes: 0,
-                            latency: lat(&[]),
+                            latency: LatencySummary::exact(&[]),
                         }],
                         ..NixlReport::default()
                     }),
@@ -385,7 +372,7 @@ mod tests {
                             status: "SUCCESS".into(),
                             calls: 1,
                             bytes: 0,
-                            latency: lat(&[]),
+                            latency: LatencySummary::exact(&[]),
                         }],
                         ..NixlReport::default()
                     }),
