@@ -457,7 +457,7 @@ impl ActuatorConfig {
 
 /// Read a token file: its first line, trimmed.
 pub fn read_token(path: &Path) -> Result<String, ConfigError> {
-    kvscope_wire::directive::read_token(path).map_err(|source| ConfigError::TokenFile {
+    kvscope_kit::auth::read_token(path).map_err(|source| ConfigError::TokenFile {
         path: path.into(),
         source,
     })

@@ -12,8 +12,9 @@
 use kvscope_lab::nats::NatsServer;
 use kvscope_lab::process::{ManagedProcess, StopOnDrop};
 use kvscope_wire::recording::read_recording;
+use kvscope_wire::vllm_events::{encode_payload, frames};
+use kvscope_wire::KvEvent;
 use kvscope_wire::Record;
-use rmpv::Value;
 use std::io::{BufRead, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::process::{Command, Stdio};
@@ -143,22 +144,14 @@ fn metric(addr: &str, name: &str) -> Option<u64> {
         .find_map(|l| l.rsplit(' ').next()?.parse().ok())
 }
 
+/// One `AllBlocksCleared` batch from a vLLM publisher, with an empty topic.
 fn batch(seq: u64) -> Vec<Vec<u8>> {
-    let mut payload = Vec::new();
-    let ts = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_secs_f64();
-    rmpv::encode::write_value(
-        &mut payload,
-        &Value::Array(vec![
-            Value::F64(ts),
-            Value::Array(vec![Value::Array(vec![Value::from("AllBlocksCleared")])]),
-            Value::from(0),
-        ]),
-    )
-    .unwrap();
-    vec![Vec::new(), seq.to_be_bytes().to_vec(), payload]
+    let payload = encode_payload(
+        kvscope_kit::clock::now_ns() as f64 / 1e9,
+        &[KvEvent::AllBlocksCleared],
+        0,
+    );
+    frames(b"", seq, payload).to_vec()
 }
 
 #[test]

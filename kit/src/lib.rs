@@ -1,10 +1,12 @@
 //! What kvscope's parts share that is not a contract between them (contracts live in
 //! `kvscope-wire`, which builds on this crate): the clock, how they read environment
 //! overrides and print their effective config, how they write `/metrics` (the
-//! Prometheus and OpenMetrics text formats), how they answer `/healthz` and `/readyz`;
+//! Prometheus and OpenMetrics text formats), how they answer `/healthz` and `/readyz`,
+//! how writing endpoints check their bearer token;
 //! and, with the `daemon` feature, how they log and how they speak HTTPS (Dynamo's
 //! stores, an OTLP receiver).
 
+pub mod auth;
 pub mod clock;
 pub mod config;
 pub mod health;

@@ -1,11 +1,11 @@
 //! Migration directives as they travel from the actuator to a data plane (the NIXL
-//! lab's workers, or a router's endpoint), and the bearer-token check both sides use.
+//! lab's workers, or a router's endpoint). Both sides check the bearer token with
+//! `kvscope_kit::auth`.
 //! The actuator decides them (`kvscope_actuator::act::directive`); receivers only need these
 //! types, without the actuator's dependencies.
 
 use crate::WorkerKey;
 use serde::{Deserialize, Serialize};
-use std::path::Path;
 
 /// The HTTP header carrying [`MigrationDirective::idempotency_key`].
 pub const IDEMPOTENCY_HEADER: &str = "Idempotency-Key";
@@ -68,52 +68,4 @@ pub struct Prediction {
     pub prefill_tok_per_s: f64,
     /// recompute − migrate: positive means migrating is faster.
     pub net_benefit_s: f64,
-}
-
-/// Whether an `Authorization` header value is `Bearer <token>` (compared in constant
-/// time); an empty `token` refuses everything.
-pub fn bearer_matches(authorization: Option<&str>, token: &str) -> bool {
-    let Some(given) = authorization.and_then(|v| v.strip_prefix("Bearer ")) else {
-        return false;
-    };
-    !token.is_empty() && constant_time_eq(given.trim().as_bytes(), token.as_bytes())
-}
-
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
-/// A token file's first line, trimmed.
-pub fn read_token(path: &Path) -> std::io::Result<String> {
-    let text = std::fs::read_to_string(path)?;
-    Ok(text.lines().next().unwrap_or("").trim().to_string())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn bearer_tokens_must_match_exactly() {
-        assert!(bearer_matches(
-            Some("Bearer secret-token-123"),
-            "secret-token-123"
-        ));
-        assert!(!bearer_matches(
-            Some("Bearer secret-token-124"),
-            "secret-token-123"
-        ));
-        assert!(!bearer_matches(
-            Some("secret-token-123"),
-            "secret-token-123"
-        ));
-        assert!(!bearer_matches(None, "secret-token-123"));
-        assert!(
-            !bearer_matches(Some("Bearer "), ""),
-            "an empty token refuses everything"
-        );
-    }
 }

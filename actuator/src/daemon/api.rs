@@ -71,17 +71,6 @@ async fn readyz(State(s): State<ApiState>) -> Response {
     (StatusCode::from_u16(status).unwrap_or(StatusCode::OK), body).into_response()
 }
 
-/// Whether `headers` carry `Authorization: Bearer <token>` (compared in constant time);
-/// an empty `token` refuses everything.
-fn authorized(headers: &HeaderMap, token: &str) -> bool {
-    kvscope_wire::directive::bearer_matches(
-        headers
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok()),
-        token,
-    )
-}
-
 async fn unauthorized(s: &ApiState) -> Response {
     s.refusals
         .count
@@ -91,7 +80,7 @@ async fn unauthorized(s: &ApiState) -> Response {
     (
         StatusCode::UNAUTHORIZED,
         [(header::WWW_AUTHENTICATE, "Bearer")],
-        "a valid bearer token is required\n",
+        kvscope_kit::auth::REFUSAL_BODY,
     )
         .into_response()
 }
@@ -122,7 +111,7 @@ async fn audit_tail(
     headers: HeaderMap,
     Query(q): Query<Limit>,
 ) -> Response {
-    if !authorized(&headers, &s.token) {
+    if !kvscope_kit::auth::authorized(&headers, &s.token) {
         return unauthorized(&s).await;
     }
     let path = s.actuator.lock().await.audit_path().to_path_buf();
@@ -145,7 +134,7 @@ async fn override_mode(
     headers: HeaderMap,
     body: axum::body::Bytes,
 ) -> Response {
-    if !authorized(&headers, &s.token) {
+    if !kvscope_kit::auth::authorized(&headers, &s.token) {
         return unauthorized(&s).await;
     }
     let req: OverrideRequest = match serde_json::from_slice(&body) {
@@ -166,27 +155,4 @@ async fn override_mode(
     };
     a.operator(req.state, &note, now_ns()).await;
     Json(a.status()).into_response()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn bearer_tokens_must_match_exactly() {
-        let mut h = HeaderMap::new();
-        assert!(!authorized(&h, "secret-token-123"));
-        h.insert(
-            header::AUTHORIZATION,
-            "Bearer secret-token-123".parse().unwrap(),
-        );
-        assert!(authorized(&h, "secret-token-123"));
-        assert!(!authorized(&h, "secret-token-124"));
-        assert!(!authorized(&h, ""), "an empty token refuses everything");
-        h.insert(
-            header::AUTHORIZATION,
-            "Basic secret-token-123".parse().unwrap(),
-        );
-        assert!(!authorized(&h, "secret-token-123"));
-    }
 }

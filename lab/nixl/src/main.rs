@@ -559,7 +559,7 @@ fn serve_cmd(args: ServeArgs) -> Result<()> {
     ensure_env(&libs)?;
     watchdog(args.deadline_secs);
     let token = match &args.token_file {
-        Some(p) => kvscope_wire::directive::read_token(p)
+        Some(p) => kvscope_kit::auth::read_token(p)
             .with_context(|| format!("reading the token file {}", p.display()))?,
         None => std::env::var("KVSCOPE_NIXL_LAB_TOKEN").unwrap_or_default(),
     };

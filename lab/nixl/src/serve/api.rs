@@ -10,7 +10,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use kvscope_wire::directive::{bearer_matches, MigrationDirective, IDEMPOTENCY_HEADER};
+use kvscope_wire::directive::{MigrationDirective, IDEMPOTENCY_HEADER};
 use kvscope_wire::{KvEvent, WorkerKey};
 use serde::{Deserialize, Serialize};
 use std::sync::atomic::Ordering;
@@ -65,20 +65,11 @@ pub struct ServeStatus {
     pub outcomes: Vec<MigrationOutcome>,
 }
 
-fn authorized(headers: &HeaderMap, token: &str) -> bool {
-    bearer_matches(
-        headers
-            .get(axum::http::header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok()),
-        token,
-    )
-}
-
 fn unauthorized() -> Response {
     (
         StatusCode::UNAUTHORIZED,
         [(axum::http::header::WWW_AUTHENTICATE, "Bearer")],
-        "a valid bearer token is required\n",
+        kvscope_kit::auth::REFUSAL_BODY,
     )
         .into_response()
 }
@@ -120,7 +111,7 @@ struct InjectBody {
 }
 
 async fn inject(State(s): State<AppState>, headers: HeaderMap, body: Json<InjectBody>) -> Response {
-    if !authorized(&headers, &s.token) {
+    if !kvscope_kit::auth::authorized(&headers, &s.token) {
         return unauthorized();
     }
     s.inject.store(body.handshake_failures, Ordering::Relaxed);
@@ -186,7 +177,7 @@ async fn migrate(
     headers: HeaderMap,
     body: axum::body::Bytes,
 ) -> Response {
-    if !authorized(&headers, &s.token) {
+    if !kvscope_kit::auth::authorized(&headers, &s.token) {
         s.ledger.bump(|c| c.unauthorized += 1);
         return unauthorized();
     }
