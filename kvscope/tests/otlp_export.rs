@@ -106,6 +106,11 @@ fn hex_bytes(hex: &str) -> Vec<u8> {
         .collect()
 }
 
+/// Whether a span's status is an error (an unset status, sent or left out, is not).
+fn is_error(s: &kvscope_otlp::proto::trace::v1::Span) -> bool {
+    s.status.as_ref().is_some_and(|st| st.code == 2)
+}
+
 fn is_export_health(name: &str) -> bool {
     // The exporter's own counters move with every export.
     name.contains("_otlp_")
@@ -757,17 +762,17 @@ async fn nixl_transfer_and_handshake_spans_reach_an_otlp_receiver() {
             s.end_time_unix_nano > s.start_time_unix_nano,
             "the span lasts its latency"
         );
-        assert!(s.status.is_none(), "{a:?}");
+        assert!(!is_error(s), "{a:?}");
         assert!(!a["nixl.local_agent"].is_empty() && !a["nixl.remote_agent"].is_empty());
         assert!(a["nixl.op"] == "READ" || a["nixl.op"] == "WRITE");
     }
     let failed = spans
         .iter()
-        .filter(|(_, s)| s.status.as_ref().is_some_and(|st| st.code == 2))
+        .filter(|(_, s)| is_error(s))
         .count();
     // Each error span says what went wrong (OTel's error.type): the NIXL status, or the
     // release in flight.
-    for (a, s) in spans.iter().filter(|(_, s)| s.status.is_some()) {
+    for (a, s) in spans.iter().filter(|(_, s)| is_error(s)) {
         let want = if a["nixl.stage"] == "released_in_flight" {
             "released_in_flight".to_string()
         } else {
@@ -778,7 +783,7 @@ async fn nixl_transfer_and_handshake_spans_reach_an_otlp_receiver() {
     assert!(
         spans
             .iter()
-            .all(|(a, s)| s.status.is_some() || !a.contains_key("error.type")),
+            .all(|(a, s)| is_error(s) || !a.contains_key("error.type")),
         "only error spans carry error.type"
     );
     assert_eq!(

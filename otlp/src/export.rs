@@ -1,5 +1,6 @@
-//! Sending OTLP requests: gRPC (tonic) or HTTP/protobuf (reqwest), with the configured
-//! headers and timeout, and the export health counters.
+//! Sending OTLP metric requests: gRPC (tonic) or HTTP/protobuf (reqwest, or TLS over
+//! `kvscope_kit::https`), with the configured headers and timeout; the transports the
+//! span exporter ([`crate::traces`]) is given too; and the export health counters.
 //!
 //! A failed request is retried, as the OTLP specification says, when its outcome is
 //! retryable — gRPC `UNAVAILABLE`, `CANCELLED`, `DEADLINE_EXCEEDED`, `ABORTED`,
@@ -15,9 +16,6 @@ use kvscope_kit::prom::{Exposition, Kind};
 use opentelemetry_proto::tonic::collector::metrics::v1::{
     metrics_service_client::MetricsServiceClient, ExportMetricsServiceRequest,
     ExportMetricsServiceResponse,
-};
-use opentelemetry_proto::tonic::collector::trace::v1::{
-    trace_service_client::TraceServiceClient, ExportTraceServiceRequest, ExportTraceServiceResponse,
 };
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -151,8 +149,8 @@ fn gzip(body: &[u8]) -> Vec<u8> {
 }
 
 /// The first wait before a retry; each next one doubles, up to [`MAX_BACKOFF`].
-const FIRST_BACKOFF: Duration = Duration::from_millis(100);
-const MAX_BACKOFF: Duration = Duration::from_secs(5);
+pub(crate) const FIRST_BACKOFF: Duration = Duration::from_millis(100);
+pub(crate) const MAX_BACKOFF: Duration = Duration::from_secs(5);
 
 /// A failed attempt, and whether it may be retried (after at least the hint, if any).
 struct Failed {
@@ -190,14 +188,136 @@ fn backoff(n: u32) -> Duration {
     base.mul_f64(0.5 + fastrand::f64())
 }
 
-enum Transport {
-    Grpc(Channel),
-    Http(reqwest::Client),
-    /// OTLP/HTTP over TLS (rustls with the `ring` provider per connection).
-    Https(kvscope_kit::https::TlsClient),
+fn bad_endpoint(target: &SignalTarget, reason: String) -> ExportError {
+    ExportError::Endpoint {
+        url: target.url.clone(),
+        reason,
+    }
 }
 
-/// One signal's connection to its receiver.
+fn read_file(target: &SignalTarget, path: &std::path::Path) -> Result<Vec<u8>, ExportError> {
+    std::fs::read(path)
+        .map_err(|e| bad_endpoint(target, format!("cannot read {}: {e}", path.display())))
+}
+
+/// The gRPC channel to `target` (TLS as configured), connected lazily.
+pub(crate) fn grpc_channel(target: &SignalTarget) -> Result<Channel, ExportError> {
+    let mut ep = tonic::transport::Endpoint::from_shared(target.url.clone())
+        .map_err(|e| bad_endpoint(target, e.to_string()))?
+        .timeout(target.timeout)
+        .connect_timeout(target.timeout);
+    if let Some(tls) = &target.tls {
+        let mut cfg = tonic::transport::ClientTlsConfig::new().ca_certificate(
+            tonic::transport::Certificate::from_pem(read_file(target, &tls.ca)?),
+        );
+        if let Some((cert, key)) = &tls.client {
+            cfg = cfg.identity(tonic::transport::Identity::from_pem(
+                read_file(target, cert)?,
+                read_file(target, key)?,
+            ));
+        }
+        ep = ep
+            .tls_config(cfg)
+            .map_err(|e| bad_endpoint(target, e.to_string()))?;
+    }
+    Ok(ep.connect_lazy())
+}
+
+/// The configured headers as gRPC metadata.
+pub(crate) fn grpc_metadata(target: &SignalTarget) -> Result<MetadataMap, ExportError> {
+    let mut metadata = MetadataMap::new();
+    for (k, v) in &target.headers {
+        let key = MetadataKey::from_bytes(k.to_ascii_lowercase().as_bytes())
+            .map_err(|_| ExportError::Header(k.clone()))?;
+        let val =
+            MetadataValue::try_from(v.as_str()).map_err(|_| ExportError::Header(k.clone()))?;
+        metadata.insert(key, val);
+    }
+    Ok(metadata)
+}
+
+/// An HTTP answer, whichever transport brought it.
+pub(crate) struct HttpAnswer {
+    pub status: u16,
+    pub headers: reqwest::header::HeaderMap,
+    pub body: bytes::Bytes,
+}
+
+/// OTLP/HTTP: reqwest, or TLS (rustls with the `ring` provider per connection).
+pub(crate) enum HttpTransport {
+    Plain(reqwest::Client),
+    Tls(kvscope_kit::https::TlsClient),
+}
+
+impl HttpTransport {
+    pub(crate) fn new(target: &SignalTarget) -> Result<Self, ExportError> {
+        reqwest::Url::parse(&target.url).map_err(|e| bad_endpoint(target, e.to_string()))?;
+        Ok(match &target.tls {
+            Some(tls) => {
+                let client = tls.client.as_ref().map(|(c, k)| (c.as_path(), k.as_path()));
+                Self::Tls(
+                    kvscope_kit::https::TlsClient::new(&tls.ca, client)
+                        .map_err(|e| bad_endpoint(target, e))?,
+                )
+            }
+            None => Self::Plain(
+                reqwest::Client::builder()
+                    .timeout(target.timeout)
+                    .build()
+                    .map_err(|e| bad_endpoint(target, e.to_string()))?,
+            ),
+        })
+    }
+
+    /// POST `body` to `url`; an error means no answer (not sent, or none came).
+    pub(crate) async fn post(
+        &self,
+        url: &str,
+        headers: &reqwest::header::HeaderMap,
+        body: bytes::Bytes,
+        left: Duration,
+    ) -> Result<HttpAnswer, Box<dyn std::error::Error + Send + Sync>> {
+        match self {
+            Self::Plain(client) => {
+                let resp = client
+                    .post(url)
+                    .headers(headers.clone())
+                    .timeout(left)
+                    .body(body)
+                    .send()
+                    .await?;
+                let (status, headers) = (resp.status().as_u16(), resp.headers().clone());
+                Ok(HttpAnswer {
+                    status,
+                    headers,
+                    body: resp.bytes().await?,
+                })
+            }
+            Self::Tls(client) => {
+                let headers: Vec<(&str, &str)> = headers
+                    .iter()
+                    .filter_map(|(k, v)| Some((k.as_str(), v.to_str().ok()?)))
+                    .collect();
+                let answer = client
+                    .request("POST", url, &headers, Some(body.to_vec()), left)
+                    .await?;
+                Ok(HttpAnswer {
+                    status: answer.status,
+                    headers: answer.headers,
+                    body: answer.body.into(),
+                })
+            }
+        }
+    }
+}
+
+enum Transport {
+    Grpc(Channel),
+    Http(HttpTransport),
+}
+
+/// One signal's connection to its receiver (metrics; spans go through
+/// [`crate::traces::TraceExporter`]).
 pub struct SignalExporter {
     target: SignalTarget,
     transport: Transport,
@@ -209,11 +329,6 @@ impl SignalExporter {
     /// Check the target and prepare its connection (gRPC connects lazily, so a receiver
     /// that is down does not stop the process; each export then fails and is counted).
     pub fn new(target: SignalTarget) -> Result<Self, ExportError> {
-        let bad = |reason: String| ExportError::Endpoint {
-            url: target.url.clone(),
-            reason,
-        };
-        let mut metadata = MetadataMap::new();
         // Every OTLP/HTTP request's headers: the body's type and encoding, then the
         // configured ones.
         let mut http_headers = reqwest::header::HeaderMap::new();
@@ -227,61 +342,23 @@ impl SignalExporter {
                 reqwest::header::HeaderValue::from_static("gzip"),
             );
         }
-        for (k, v) in &target.headers {
-            match target.protocol {
-                Protocol::Grpc => {
-                    let key = MetadataKey::from_bytes(k.to_ascii_lowercase().as_bytes())
-                        .map_err(|_| ExportError::Header(k.clone()))?;
-                    let val = MetadataValue::try_from(v.as_str())
-                        .map_err(|_| ExportError::Header(k.clone()))?;
-                    metadata.insert(key, val);
-                }
-                Protocol::HttpProtobuf => {
+        let (transport, metadata) = match target.protocol {
+            Protocol::Grpc => (
+                Transport::Grpc(grpc_channel(&target)?),
+                grpc_metadata(&target)?,
+            ),
+            Protocol::HttpProtobuf => {
+                for (k, v) in &target.headers {
                     let key = reqwest::header::HeaderName::from_bytes(k.as_bytes())
                         .map_err(|_| ExportError::Header(k.clone()))?;
                     let val = reqwest::header::HeaderValue::from_str(v)
                         .map_err(|_| ExportError::Header(k.clone()))?;
                     http_headers.insert(key, val);
                 }
-            }
-        }
-        let read = |path: &std::path::Path| {
-            std::fs::read(path).map_err(|e| bad(format!("cannot read {}: {e}", path.display())))
-        };
-        let transport = match target.protocol {
-            Protocol::Grpc => {
-                let mut ep = tonic::transport::Endpoint::from_shared(target.url.clone())
-                    .map_err(|e| bad(e.to_string()))?
-                    .timeout(target.timeout)
-                    .connect_timeout(target.timeout);
-                if let Some(tls) = &target.tls {
-                    let mut cfg = tonic::transport::ClientTlsConfig::new()
-                        .ca_certificate(tonic::transport::Certificate::from_pem(read(&tls.ca)?));
-                    if let Some((cert, key)) = &tls.client {
-                        cfg = cfg.identity(tonic::transport::Identity::from_pem(
-                            read(cert)?,
-                            read(key)?,
-                        ));
-                    }
-                    ep = ep.tls_config(cfg).map_err(|e| bad(e.to_string()))?;
-                }
-                Transport::Grpc(ep.connect_lazy())
-            }
-            Protocol::HttpProtobuf => {
-                reqwest::Url::parse(&target.url).map_err(|e| bad(e.to_string()))?;
-                if let Some(tls) = &target.tls {
-                    let client = tls.client.as_ref().map(|(c, k)| (c.as_path(), k.as_path()));
-                    Transport::Https(
-                        kvscope_kit::https::TlsClient::new(&tls.ca, client).map_err(bad)?,
-                    )
-                } else {
-                    Transport::Http(
-                        reqwest::Client::builder()
-                            .timeout(target.timeout)
-                            .build()
-                            .map_err(|e| bad(e.to_string()))?,
-                    )
-                }
+                (
+                    Transport::Http(HttpTransport::new(&target)?),
+                    MetadataMap::new(),
+                )
             }
         };
         Ok(Self {
@@ -339,75 +416,29 @@ impl SignalExporter {
 
     async fn post<Resp: prost::Message + Default>(
         &self,
-        client: &reqwest::Client,
+        http: &HttpTransport,
         body: bytes::Bytes,
         left: Duration,
     ) -> Result<Resp, Failed> {
-        let resp = client
-            .post(&self.target.url)
-            .headers(self.http_headers.clone())
-            .timeout(left)
-            .body(body)
-            .send()
+        let answer = http
+            .post(&self.target.url, &self.http_headers, body, left)
             .await
             .map_err(|e| Failed {
                 // Not sent, or no answer: the receiver is away, try again.
                 error: self.send_error(e),
                 retry: Some(None),
             })?;
-        let (status, headers) = (resp.status().as_u16(), resp.headers().clone());
-        let bytes = resp.bytes().await.map_err(|e| Failed {
-            error: self.send_error(e),
-            retry: Some(None),
-        })?;
-        self.answered(status, &headers, &bytes)
-    }
-
-    /// An HTTP answer as the export's outcome: a retryable status with its
-    /// `Retry-After`, or the response (an empty body is a full success).
-    fn answered<Resp: prost::Message + Default>(
-        &self,
-        status: u16,
-        headers: &reqwest::header::HeaderMap,
-        body: &[u8],
-    ) -> Result<Resp, Failed> {
-        if !(200..300).contains(&status) {
+        if !(200..300).contains(&answer.status) {
             return Err(Failed {
-                error: self.send_error(format!("HTTP {status}")),
-                retry: http_retryable(status).then(|| retry_after(headers)),
+                error: self.send_error(format!("HTTP {}", answer.status)),
+                retry: http_retryable(answer.status).then(|| retry_after(&answer.headers)),
             });
         }
-        Resp::decode(body).map_err(|e| Failed {
+        // An empty body is a full success.
+        Resp::decode(answer.body).map_err(|e| Failed {
             error: self.send_error(format!("bad response: {e}")),
             retry: None,
         })
-    }
-
-    async fn post_tls<Resp: prost::Message + Default>(
-        &self,
-        client: &kvscope_kit::https::TlsClient,
-        body: bytes::Bytes,
-        left: Duration,
-    ) -> Result<Resp, Failed> {
-        let headers: Vec<(&str, &str)> = self
-            .http_headers
-            .iter()
-            .filter_map(|(k, v)| Some((k.as_str(), v.to_str().ok()?)))
-            .collect();
-        let answer = client
-            .request(
-                "POST",
-                &self.target.url,
-                &headers,
-                Some(body.to_vec()),
-                left,
-            )
-            .await
-            .map_err(|e| Failed {
-                error: self.send_error(e),
-                retry: Some(None),
-            })?;
-        self.answered(answer.status, &answer.headers, &answer.body)
     }
 
     /// The HTTP body of `msg` (empty for gRPC, which encodes its own), compressed as
@@ -463,8 +494,7 @@ impl SignalExporter {
                         .await
                         .map(|r| r.into_inner())
                         .map_err(|s| self.grpc_failed(s)),
-                    Transport::Http(c) => self.post(c, body, left).await,
-                    Transport::Https(c) => self.post_tls(c, body, left).await,
+                    Transport::Http(h) => self.post(h, body, left).await,
                 }
             }
         })
@@ -489,25 +519,5 @@ impl SignalExporter {
         Ok(resp
             .partial_success
             .map_or(0, |p| p.rejected_data_points.max(0) as u64))
-    }
-
-    /// Export spans; returns the number of spans the receiver rejected.
-    pub async fn export_spans(
-        &self,
-        req: ExportTraceServiceRequest,
-        retries: &AtomicU64,
-    ) -> Result<u64, ExportError> {
-        let resp: ExportTraceServiceResponse = self
-            .send(req, retries, |ch, gzip, r| async move {
-                let mut c = TraceServiceClient::new(ch);
-                if let Some(e) = gzip {
-                    c = c.send_compressed(e);
-                }
-                c.export(r).await
-            })
-            .await?;
-        Ok(resp
-            .partial_success
-            .map_or(0, |p| p.rejected_spans.max(0) as u64))
     }
 }

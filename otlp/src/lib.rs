@@ -4,18 +4,19 @@
 //! ([`exposition`]), so OTLP and Prometheus carry the same figures. Spans are queued
 //! through a [`SpanSink`] (rate-capped, bounded, every drop counted) and sent in batches.
 //!
-//! Why the messages are built here with `opentelemetry-proto` and sent with tonic /
-//! reqwest, not through the `opentelemetry_sdk` pipelines: the SDK (0.33) takes metric
-//! data only through its instruments, whose data types have no public constructors and
-//! no instrument accepts pre-aggregated histogram buckets — but the collector's NIXL
-//! latency histograms are buckets merged from the agents' reports. Spans use the same
-//! path so both signals share one transport, one config and one set of health counters,
-//! and so span drops (rate cap, full queue, failed export) are counted exactly instead
-//! of ending in the SDK's internal log.
+//! Spans are sent by `opentelemetry-otlp`'s span exporter (its transports, retries,
+//! gzip), given the spans kvscope builds ([`traces`]); kvscope keeps counting every
+//! drop, retry and rejection it can see. Metrics are built here with
+//! `opentelemetry-proto` and sent with tonic / reqwest: the SDK (0.33) takes metric data
+//! only through its instruments, whose data types have no public constructors, and no
+//! instrument accepts pre-aggregated histogram buckets — but the collector's NIXL
+//! latency histograms are buckets merged from the agents' reports. Both signals share
+//! one config, one TLS setup and one set of health counters.
 
 pub mod config;
 pub mod export;
 pub mod exposition;
+pub mod traces;
 
 pub use config::{Compression, OtlpConfig, Protocol, Signal};
 pub use export::{ExportError, ExportStats};
@@ -23,11 +24,10 @@ pub use opentelemetry_proto::tonic as proto;
 
 use export::{add, SignalExporter};
 use opentelemetry_proto::tonic::collector::metrics::v1::ExportMetricsServiceRequest;
-use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
 use opentelemetry_proto::tonic::common::v1::{any_value, AnyValue, InstrumentationScope, KeyValue};
 use opentelemetry_proto::tonic::metrics::v1::{ResourceMetrics, ScopeMetrics};
 use opentelemetry_proto::tonic::resource::v1::Resource;
-use opentelemetry_proto::tonic::trace::v1::{ResourceSpans, ScopeSpans, Span};
+use opentelemetry_proto::tonic::trace::v1::Span;
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -323,7 +323,7 @@ impl OtlpExport {
         let spans = match traces_target {
             Some(t) => {
                 info!(url = %t.url, protocol = ?t.protocol, max_spans_per_second = cfg.max_spans_per_second, "Exporting spans over OTLP.");
-                let exporter = SignalExporter::new(t)?;
+                let exporter = traces::TraceExporter::new(&t, &resource)?;
                 let inner = Arc::new(SpanSinkInner {
                     queue: Mutex::new(SpanQueue {
                         spans: VecDeque::new(),
@@ -335,12 +335,7 @@ impl OtlpExport {
                     wake: Notify::new(),
                     stats: stats.clone(),
                 });
-                tasks.push(tokio::spawn(spans_loop(
-                    exporter,
-                    resource,
-                    inner.clone(),
-                    stop_rx,
-                )));
+                tasks.push(tokio::spawn(spans_loop(exporter, inner.clone(), stop_rx)));
                 SpanSink { inner: Some(inner) }
             }
             None => SpanSink::disabled(),
@@ -472,8 +467,7 @@ async fn metrics_loop(
 }
 
 async fn spans_loop(
-    exporter: SignalExporter,
-    resource: Resource,
+    exporter: traces::TraceExporter,
     sink: Arc<SpanSinkInner>,
     mut stop: watch::Receiver<bool>,
 ) {
@@ -498,18 +492,7 @@ async fn spans_loop(
                 break;
             }
             let n = batch.len() as u64;
-            let req = ExportTraceServiceRequest {
-                resource_spans: vec![ResourceSpans {
-                    resource: Some(resource.clone()),
-                    scope_spans: vec![ScopeSpans {
-                        scope: Some(scope()),
-                        spans: batch,
-                        ..Default::default()
-                    }],
-                    ..Default::default()
-                }],
-            };
-            match exporter.export_spans(req, &stats.span_export_retries).await {
+            match exporter.export(batch, &stats.span_export_retries).await {
                 Ok(rejected) => {
                     add(&stats.span_exports, 1);
                     add(&stats.spans_exported, n.saturating_sub(rejected));

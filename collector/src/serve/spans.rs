@@ -22,20 +22,26 @@ fn verdict_span_id(request_id: &str) -> Vec<u8> {
     span_id(&format!("verdict/{request_id}"))
 }
 
-/// The trace id and parent span id of a span about `key`: the router's when known.
-fn place(trace: Option<&TraceContext>, key: &str) -> (Vec<u8>, Vec<u8>) {
+/// The trace id, parent span id and span flags of a span about `key`: the router's
+/// trace and span when known (a parent in another process), else a trace of its own.
+fn place(trace: Option<&TraceContext>, key: &str) -> (Vec<u8>, Vec<u8>, u32) {
     match trace {
-        Some(t) => (t.trace_id_bytes(), t.span_id_bytes()),
-        None => (trace_id(key), Vec::new()),
+        Some(t) => (
+            t.trace_id_bytes(),
+            t.span_id_bytes(),
+            kvscope_otlp::traces::PARENT_IS_REMOTE,
+        ),
+        None => (trace_id(key), Vec::new(), 0),
     }
 }
 
 /// The spill verdict as a span at its decision time.
 pub fn verdict_span(v: &SpillVerdict, agent: &str) -> Span {
-    let (trace_id, parent_span_id) = place(v.trace.as_ref(), &v.request_id);
+    let (trace_id, parent_span_id, flags) = place(v.trace.as_ref(), &v.request_id);
     Span {
         trace_id,
         parent_span_id,
+        flags,
         span_id: verdict_span_id(&v.request_id),
         name: SPILL_SPAN.into(),
         kind: span::SpanKind::Internal as i32,
@@ -114,7 +120,7 @@ pub fn migration_span(m: &MigrationLogLine, agent: &str, observed_ns: u64, seq: 
             .into_iter()
             .filter_map(|(k, v)| v.map(|v| attr_int(k, v))),
     );
-    let (trace_id, parent_span_id) = place(m.trace.as_ref(), &trace_key);
+    let (trace_id, parent_span_id, flags) = place(m.trace.as_ref(), &trace_key);
     let links = m
         .request_id
         .as_deref()
@@ -137,6 +143,7 @@ pub fn migration_span(m: &MigrationLogLine, agent: &str, observed_ns: u64, seq: 
     Span {
         trace_id,
         parent_span_id,
+        flags,
         span_id: span_id(&format!("migration/{agent}/{seq}/{trace_key}/{outcome}")),
         name: MIGRATION_SPAN.into(),
         kind: span::SpanKind::Internal as i32,
@@ -230,8 +237,15 @@ mod tests {
         );
         assert_eq!(s.links[0].trace_id, trace_bytes);
         assert_eq!(s.links[0].span_id, verdict_span_id("r-1"));
-        let (trace, parent) = place(None, "r-1");
-        assert_eq!((trace, parent), (trace_id("r-1"), Vec::new()));
-        assert_eq!(place(Some(&t), "r-1"), (trace_bytes, span_bytes));
+        assert_eq!(s.flags, kvscope_otlp::traces::PARENT_IS_REMOTE);
+        assert_eq!(place(None, "r-1"), (trace_id("r-1"), Vec::new(), 0));
+        assert_eq!(
+            place(Some(&t), "r-1"),
+            (
+                trace_bytes,
+                span_bytes,
+                kvscope_otlp::traces::PARENT_IS_REMOTE
+            )
+        );
     }
 }
