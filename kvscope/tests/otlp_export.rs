@@ -766,10 +766,7 @@ async fn nixl_transfer_and_handshake_spans_reach_an_otlp_receiver() {
         assert!(!a["nixl.local_agent"].is_empty() && !a["nixl.remote_agent"].is_empty());
         assert!(a["nixl.op"] == "READ" || a["nixl.op"] == "WRITE");
     }
-    let failed = spans
-        .iter()
-        .filter(|(_, s)| is_error(s))
-        .count();
+    let failed = spans.iter().filter(|(_, s)| is_error(s)).count();
     // Each error span says what went wrong (OTel's error.type): the NIXL status, or the
     // release in flight.
     for (a, s) in spans.iter().filter(|(_, s)| is_error(s)) {
