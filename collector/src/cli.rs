@@ -83,6 +83,85 @@ pub enum Command {
         #[arg(long, value_enum, default_value = "markdown")]
         format: Format,
     },
+    /// Predict from a recording what a smaller KV cache per worker would do (the share a
+    /// KV-transfer connector's buffers would take if migration were on).
+    #[command(long_about = WHATIF_ABOUT)]
+    Whatif(WhatifArgs),
+}
+
+/// `whatif --help`: every input and where it comes from.
+pub const WHATIF_ABOUT: &str = "Predict from a recording what a smaller KV cache per \
+worker would do: the hit rate and uncached prefill tokens with each worker's cache \
+`--reserve` smaller (the share NixlConnector's buffers would take if KV migration were \
+turned on).
+
+Inputs: the recording (measured: every routed request, where it went, its prompt's \
+blocks, and what the chosen worker held of them, judged by the same fold the live \
+collector runs); --gpu-blocks (given: each worker's KV cache in blocks in the recorded \
+run, the engine's --num-gpu-blocks, which vLLM logs at start as its number of GPU \
+blocks); --reserve (the shares to predict).
+
+How: each worker's cache is simulated as a least-recently-used cache of prompt blocks \
+and the recorded requests replayed over it in order, each going where it went (routing \
+held fixed: a KV-aware router seeing smaller overlaps may choose otherwise, which the \
+prediction does not follow). An engine's cache also holds decoded blocks and running \
+requests' blocks, so the simulated size that reproduces the recorded hit rate is found \
+first (the calibration, printed) and scaled by 1 - reserve. With nothing changed the \
+figures are the recorded run's own.";
+
+/// The what-if's inputs (see [`WHATIF_ABOUT`]).
+#[derive(clap::Args, Debug)]
+pub struct WhatifArgs {
+    /// The recording to replay (from `run --record` or the agent's `--record`).
+    #[arg(long)]
+    pub replay: PathBuf,
+    /// Each worker's KV cache in the recorded run, in blocks (the engine's --num-gpu-blocks).
+    #[arg(long)]
+    pub gpu_blocks: u64,
+    /// The shares of each worker's cache to set aside, comma-separated, each in [0, 1).
+    #[arg(long, value_delimiter = ',', default_value = "0,0.05,0.1,0.15,0.2")]
+    pub reserve: Vec<f64>,
+    /// What to print.
+    #[arg(long, value_enum, default_value = "markdown")]
+    pub format: WhatifFormat,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum WhatifFormat {
+    Markdown,
+    Json,
+}
+
+/// Run the what-if of `args` with the analyzer settings of `cfg`.
+pub fn whatif(cfg: &CollectorConfig, args: &WhatifArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(args.gpu_blocks > 0, "--gpu-blocks must be positive");
+    if let Some(r) = args
+        .reserve
+        .iter()
+        .find(|r| !(r.is_finite() && (0.0..1.0).contains(*r)))
+    {
+        anyhow::bail!("--reserve {r} is not a share in [0, 1)");
+    }
+    let w = crate::whatif::WhatIf::from_recording(&args.replay, cfg.analyzer.clone())?;
+    anyhow::ensure!(
+        !w.requests().is_empty(),
+        "{} holds no routed request the collector could judge",
+        args.replay.display()
+    );
+    let c = w.capacity(args.gpu_blocks, &args.reserve);
+    match args.format {
+        WhatifFormat::Markdown => print!("{}", c.to_markdown()),
+        WhatifFormat::Json => println!("{}", serde_json::to_string_pretty(&c)?),
+    }
+    Ok(())
+}
+
+/// `kvscope whatif`: the config file (and environment) as the collector reads them.
+pub fn whatif_main(config: Option<&Path>, args: &WhatifArgs) -> anyhow::Result<()> {
+    let mut cfg: CollectorConfig = kvscope_kit::config::load_file(config)?;
+    cfg.apply_env(|k| std::env::var(k).ok())
+        .context("bad KVSCOPE_COLLECTOR_* variable")?;
+    whatif(&cfg, args)
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -124,6 +203,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             print!("{}", kvscope_kit::config::to_redacted_toml(&cfg)?);
             Ok(())
         }
+        Command::Whatif(args) => whatif(&cfg, &args),
         Command::Report {
             replay: path,
             out,

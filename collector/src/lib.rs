@@ -6,6 +6,7 @@
 //! routed request ([`fold::verdict`]) and measurement windows ([`fold::window`]); the
 //! state is served ([`serve`]: the HTTP API, `/metrics`, OTLP spans) and written up as
 //! the opportunity report ([`report`]). [`supervise`] runs the long-lived tasks.
+//! [`whatif`] replays a recording over simulated caches to predict a change.
 
 pub mod cli;
 pub mod config;
@@ -15,3 +16,4 @@ pub mod internal_events;
 pub mod report;
 pub mod serve;
 pub mod supervise;
+pub mod whatif;

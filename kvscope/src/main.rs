@@ -31,6 +31,21 @@ enum Command {
     /// workers and NATS on 127.0.0.1, attach the agent and collector, run a bounded
     /// multi-turn chat workload, print the dry-run opportunity report, stop everything.
     Demo(DemoArgs),
+    /// Predict from a recording what a smaller KV cache per worker would do (same as
+    /// `kvscope collector whatif`).
+    #[command(long_about = kvscope_collector::cli::WHATIF_ABOUT)]
+    Whatif(WhatifCli),
+}
+
+#[derive(Args)]
+struct WhatifCli {
+    /// The collector's TOML config file (its analyzer settings apply).
+    #[arg(long, env = "KVSCOPE_COLLECTOR_CONFIG")]
+    config: Option<PathBuf>,
+    #[command(flatten)]
+    log: kvscope_kit::LogArgs,
+    #[command(flatten)]
+    args: kvscope_collector::cli::WhatifArgs,
 }
 
 #[derive(Args)]
@@ -86,12 +101,14 @@ async fn main() -> std::process::ExitCode {
         Command::Collector(c) => c.log.log_format,
         Command::Actuator(c) => c.log.log_format,
         Command::Demo(d) => d.log.log_format,
+        Command::Whatif(w) => w.log.log_format,
     });
     let result = match cli.command {
         Command::Agent(cli) => kvscope_agent::cli::run(*cli).await,
         Command::Collector(cli) => kvscope_collector::cli::run(cli).await,
         Command::Actuator(cli) => kvscope_actuator::cli::run(cli).await,
         Command::Demo(args) => demo(args).await,
+        Command::Whatif(w) => kvscope_collector::cli::whatif_main(w.config.as_deref(), &w.args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

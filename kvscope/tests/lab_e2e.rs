@@ -36,6 +36,7 @@ async fn lab_fleet_end_to_end_with_a_collector_crash() {
         frontend_args: vec!["--router-temperature".into(), "0.2".into()],
         ..LabConfig::default()
     };
+    let gpu_blocks = lab.num_gpu_blocks;
     kvscope_lab::setup::ensure_venv(&lab.lab_dir).expect("the lab venv (scripts/setup makes it)");
     let exe = Path::new(env!("CARGO_BIN_EXE_kvscope"));
     let mut run = FleetRun::start(
@@ -137,7 +138,7 @@ async fn lab_fleet_end_to_end_with_a_collector_crash() {
         warmup_secs: WINDOW_SECS,
         ..AnalyzerConfig::default()
     };
-    let mut analyzer = FleetAnalyzer::new(cfg);
+    let mut analyzer = FleetAnalyzer::new(cfg.clone());
     let verdicts: Vec<_> = rec
         .envelopes
         .iter()
@@ -148,6 +149,43 @@ async fn lab_fleet_end_to_end_with_a_collector_crash() {
         verdicts.iter().any(|v| !v.overlaps.is_empty()),
         "some requests hit a cached prefix"
     );
+
+    // The what-if with nothing changed is the recorded run: per request, the overlap on
+    // its chosen worker just checked against Dynamo's radix tree; in all, its prompt and
+    // uncached prefill tokens; `kvscope whatif` prints the same totals.
+    let w = kvscope_collector::whatif::WhatIf::from_recording(&recording, cfg).unwrap();
+    assert_eq!(w.requests().len(), verdicts.len());
+    for (r, v) in w.requests().iter().zip(&verdicts) {
+        assert_eq!(
+            (r.request_id.as_str(), r.worker, r.recorded_overlap_blocks),
+            (v.request_id.as_str(), v.chosen, v.chosen_overlap_blocks)
+        );
+    }
+    let prompt: u64 = verdicts.iter().map(|v| v.isl_tokens).sum();
+    let uncached: u64 = verdicts.iter().map(|v| v.uncached_prefill_tokens).sum();
+    let c = w.capacity(gpu_blocks as u64, &[0.0, 0.5]);
+    assert_eq!(
+        (c.recorded.prompt_tokens, c.recorded.uncached_prefill_tokens),
+        (prompt, uncached)
+    );
+    assert!(
+        c.rows[1].totals.uncached_prefill_tokens >= c.rows[0].totals.uncached_prefill_tokens,
+        "half the cache never prefills less: {c:?}"
+    );
+    let out = Command::new(exe)
+        .args(["whatif", "--format", "json", "--reserve", "0,0.5"])
+        .args(["--gpu-blocks", &gpu_blocks.to_string(), "--replay"])
+        .arg(&recording)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let cli: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(cli["recorded"]["uncached_prefill_tokens"], uncached);
+    assert_eq!(cli["rows"][1]["blocks_per_worker"], gpu_blocks / 2);
 
     // Every turn adds new text, so no decision may find its whole prompt cached on the
     // chosen worker: one that does was applied after its own prefill's KV events.

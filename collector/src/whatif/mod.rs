@@ -1,0 +1,317 @@
+//! What-if: a recording's routed requests replayed over per-worker caches kvscope
+//! simulates, to predict what a change of the fleet would do to its figures before
+//! anyone makes it. This first question is capacity: the hit rate and uncached prefill
+//! with each worker's KV cache `reserve` smaller (the share NixlConnector's buffers
+//! would take if migration were turned on).
+//!
+//! The routing decisions are held fixed: each request goes where it went in the
+//! recording. With smaller caches a KV-aware router would see smaller overlaps and may
+//! choose otherwise; the prediction does not follow that.
+//!
+//! The simulated cache is a least-recently-used cache of prompt blocks. A real engine's
+//! cache also holds what it decodes, partial blocks and the blocks of requests still
+//! running, so it holds fewer prompt blocks than its size: the what-if first finds the
+//! simulated size that reproduces the recorded run's own hit rate (the calibration,
+//! measured on the same recording), then scales that size by `1 − reserve`.
+//!
+//! With nothing changed (reserve 0 and no simulation) the figures are the recorded
+//! run's own, per request: the same fold the collector runs ([`WhatIf::recorded`]).
+
+pub mod cache;
+
+use crate::fold::analyzer::{AnalyzerConfig, FleetAnalyzer};
+use cache::SimulatedCache;
+use kvscope_wire::recording::{read_recording, RecordingError};
+use kvscope_wire::{sequence_hashes, Record, SequenceHash, WorkerKey};
+use serde::Serialize;
+use std::collections::HashMap;
+use std::path::Path;
+
+/// One routed request as recorded: where it went, its prompt's full blocks, and what
+/// the chosen worker held of them (the recorded mirror's answer).
+#[derive(Debug, Clone)]
+pub struct RoutedRequest {
+    pub request_id: String,
+    pub worker: WorkerKey,
+    pub chain: Vec<SequenceHash>,
+    pub isl_tokens: u64,
+    pub block_size: u32,
+    pub recorded_overlap_blocks: u32,
+}
+
+/// Prompt tokens and how many of them were cached, over a set of requests.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct CacheTotals {
+    pub requests: u64,
+    pub prompt_tokens: u64,
+    pub cached_tokens: u64,
+    /// prompt − cached: the tokens prefilled.
+    pub uncached_prefill_tokens: u64,
+}
+
+impl CacheTotals {
+    fn add(&mut self, isl: u64, cached_blocks: u64, block_size: u32) {
+        let cached = (cached_blocks * block_size as u64).min(isl);
+        self.requests += 1;
+        self.prompt_tokens += isl;
+        self.cached_tokens += cached;
+        self.uncached_prefill_tokens += isl - cached;
+    }
+
+    /// cached / prompt tokens.
+    pub fn hit_rate(&self) -> f64 {
+        if self.prompt_tokens == 0 {
+            0.0
+        } else {
+            self.cached_tokens as f64 / self.prompt_tokens as f64
+        }
+    }
+}
+
+/// The prediction at one reserve.
+#[derive(Debug, Clone, Serialize)]
+pub struct CapacityRow {
+    /// The share of each worker's cache set aside.
+    pub reserve: f64,
+    /// Blocks per worker left to the cache: `⌊blocks × (1 − reserve)⌋`.
+    pub blocks_per_worker: u64,
+    /// The simulated size those blocks stand for (calibrated, see the module docs).
+    pub simulated_blocks: u64,
+    #[serde(flatten)]
+    pub totals: CacheTotals,
+    pub hit_rate: f64,
+}
+
+/// What a recording says, and what it predicts at each reserve.
+#[derive(Debug, Clone, Serialize)]
+pub struct CapacityWhatIf {
+    /// Each worker's cache in blocks in the recorded run (given: the engine's
+    /// `--num-gpu-blocks`).
+    pub blocks_per_worker: u64,
+    /// The recorded run's own figures.
+    pub recorded: CacheTotals,
+    pub recorded_hit_rate: f64,
+    /// Simulated blocks per real block: the size at which the simulation reproduces
+    /// the recorded hit rate, over `blocks_per_worker`.
+    pub calibration: f64,
+    /// Requests whose simulated overlap at the calibrated size equals the recorded one.
+    pub requests_matched_exactly: u64,
+    pub rows: Vec<CapacityRow>,
+}
+
+/// A recording's routed requests, in the order the collector judged them.
+#[derive(Debug)]
+pub struct WhatIf {
+    requests: Vec<RoutedRequest>,
+}
+
+impl WhatIf {
+    /// Replay the recording at `path` through the collector's fold and keep each judged
+    /// request.
+    pub fn from_recording(path: &Path, cfg: AnalyzerConfig) -> Result<Self, RecordingError> {
+        let rec = read_recording(path)?;
+        let mut a = FleetAnalyzer::new(cfg);
+        let mut requests = Vec::new();
+        for env in &rec.envelopes {
+            let verdict = a.apply(env);
+            if let (Record::Decision(d), Some(v)) = (&env.record, verdict) {
+                let chain = match &d.sequence_hashes {
+                    Some(s) => s.clone(),
+                    None => sequence_hashes(&d.local_hashes),
+                };
+                requests.push(RoutedRequest {
+                    request_id: d.request_id.clone(),
+                    worker: d.worker,
+                    chain,
+                    isl_tokens: d.isl_tokens,
+                    block_size: d.block_size,
+                    recorded_overlap_blocks: v.chosen_overlap_blocks,
+                });
+            }
+        }
+        Ok(Self { requests })
+    }
+
+    pub fn requests(&self) -> &[RoutedRequest] {
+        &self.requests
+    }
+
+    /// The recorded run's figures (nothing changed).
+    pub fn recorded(&self) -> CacheTotals {
+        let mut t = CacheTotals::default();
+        for r in &self.requests {
+            t.add(r.isl_tokens, r.recorded_overlap_blocks as u64, r.block_size);
+        }
+        t
+    }
+
+    /// Every request replayed over caches of `blocks` each: the totals, and the
+    /// simulated overlap of each request.
+    pub fn simulate(&self, blocks: u64) -> (CacheTotals, Vec<u32>) {
+        let mut caches: HashMap<WorkerKey, SimulatedCache> = HashMap::new();
+        let mut t = CacheTotals::default();
+        let mut overlaps = Vec::with_capacity(self.requests.len());
+        for r in &self.requests {
+            let c = caches
+                .entry(r.worker)
+                .or_insert_with(|| SimulatedCache::new(blocks as usize));
+            let hit = c.prefill(&r.chain);
+            t.add(r.isl_tokens, hit as u64, r.block_size);
+            overlaps.push(hit as u32);
+        }
+        (t, overlaps)
+    }
+
+    /// The simulated size whose hit rate is closest to the recorded run's (LRU's hit
+    /// rate only grows with its size, so a bisection finds it).
+    fn calibrated_blocks(&self, blocks_per_worker: u64) -> u64 {
+        let want = self.recorded().cached_tokens;
+        let longest = self
+            .requests
+            .iter()
+            .map(|r| r.chain.len() as u64)
+            .sum::<u64>();
+        let (mut lo, mut hi) = (0u64, longest.max(blocks_per_worker).max(1));
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            if self.simulate(mid).0.cached_tokens >= want {
+                hi = mid;
+            } else {
+                lo = mid + 1;
+            }
+        }
+        lo
+    }
+
+    /// The prediction at each of `reserves` for workers of `blocks_per_worker` blocks.
+    pub fn capacity(&self, blocks_per_worker: u64, reserves: &[f64]) -> CapacityWhatIf {
+        let recorded = self.recorded();
+        let calibrated = self.calibrated_blocks(blocks_per_worker);
+        let calibration = calibrated as f64 / blocks_per_worker.max(1) as f64;
+        let (_, overlaps) = self.simulate(calibrated);
+        let requests_matched_exactly = self
+            .requests
+            .iter()
+            .zip(&overlaps)
+            .filter(|(r, &o)| r.recorded_overlap_blocks == o)
+            .count() as u64;
+        let rows = reserves
+            .iter()
+            .map(|&reserve| {
+                let blocks = (blocks_per_worker as f64 * (1.0 - reserve)).floor() as u64;
+                let simulated_blocks = (blocks as f64 * calibration).round() as u64;
+                let (totals, _) = self.simulate(simulated_blocks);
+                CapacityRow {
+                    reserve,
+                    blocks_per_worker: blocks,
+                    simulated_blocks,
+                    hit_rate: totals.hit_rate(),
+                    totals,
+                }
+            })
+            .collect();
+        CapacityWhatIf {
+            blocks_per_worker,
+            recorded_hit_rate: recorded.hit_rate(),
+            recorded,
+            calibration,
+            requests_matched_exactly,
+            rows,
+        }
+    }
+}
+
+impl CapacityWhatIf {
+    pub fn to_markdown(&self) -> String {
+        let mut s = String::new();
+        s.push_str(&format!(
+            "# What if each worker's KV cache were smaller\n\n\
+             Recorded: {} requests, {} blocks per worker, hit rate {:.1}%, {} uncached prefill tokens.\n\
+             Calibration: the simulation reproduces that hit rate at {:.2} simulated blocks per block; \
+             at that size {} of {} requests get exactly their recorded overlap.\n\
+             Routing decisions held fixed (each request goes where it went).\n\n\
+             | reserve | blocks per worker | hit rate | uncached prefill tokens | vs recorded |\n\
+             |---:|---:|---:|---:|---:|\n",
+            self.recorded.requests,
+            self.blocks_per_worker,
+            100.0 * self.recorded_hit_rate,
+            self.recorded.uncached_prefill_tokens,
+            self.calibration,
+            self.requests_matched_exactly,
+            self.recorded.requests,
+        ));
+        for r in &self.rows {
+            let vs = if self.recorded.uncached_prefill_tokens == 0 {
+                "—".to_string()
+            } else {
+                format!(
+                    "{:+.1}%",
+                    100.0
+                        * (r.totals.uncached_prefill_tokens as f64
+                            / self.recorded.uncached_prefill_tokens as f64
+                            - 1.0)
+                )
+            };
+            s.push_str(&format!(
+                "| {:.0}% | {} | {:.1}% | {} | {} |\n",
+                100.0 * r.reserve,
+                r.blocks_per_worker,
+                100.0 * r.hit_rate,
+                r.totals.uncached_prefill_tokens,
+                vs
+            ));
+        }
+        s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(worker: u64, chain: &[u64], recorded: u32) -> RoutedRequest {
+        RoutedRequest {
+            request_id: format!("r{}", chain[0]),
+            worker: WorkerKey {
+                worker_id: worker,
+                dp_rank: 0,
+            },
+            chain: chain.to_vec(),
+            isl_tokens: chain.len() as u64 * 16,
+            block_size: 16,
+            recorded_overlap_blocks: recorded,
+        }
+    }
+
+    #[test]
+    fn nothing_changed_is_the_recorded_run_and_less_room_costs_hits() {
+        // Two families alternating on one worker: with room for both their prefixes
+        // every repeat hits; with room for one, none does.
+        let requests: Vec<_> = (0..6)
+            .map(|i| {
+                let fam = (i % 2) * 100;
+                let recorded = if i < 2 { 0 } else { 4 };
+                req(1, &[fam + 1, fam + 2, fam + 3, fam + 4], recorded)
+            })
+            .collect();
+        let w = WhatIf { requests };
+        let rec = w.recorded();
+        assert_eq!(rec.requests, 6);
+        assert_eq!(rec.cached_tokens, 4 * 4 * 16);
+        let (t8, o8) = w.simulate(8);
+        assert_eq!(t8, rec, "room for both: the recorded run exactly");
+        assert_eq!(o8, vec![0, 0, 4, 4, 4, 4]);
+        let (t4, _) = w.simulate(4);
+        assert_eq!(
+            t4.cached_tokens, 0,
+            "room for one family: the other evicts it"
+        );
+        let c = w.capacity(8, &[0.0, 0.5]);
+        assert_eq!(c.calibration, 1.0);
+        assert_eq!(c.requests_matched_exactly, 6);
+        assert_eq!(c.rows[0].totals, rec);
+        assert_eq!(c.rows[1].blocks_per_worker, 4);
+        assert_eq!(c.rows[1].totals.uncached_prefill_tokens, rec.prompt_tokens);
+        assert!(c.to_markdown().contains("| 50% | 4 | 0.0% |"));
+    }
+}
