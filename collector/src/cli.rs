@@ -97,9 +97,10 @@ turned on).
 
 Inputs: the recording (measured: every routed request, where it went, its prompt's \
 blocks, and what the chosen worker held of them, judged by the same fold the live \
-collector runs); --gpu-blocks (given: each worker's KV cache in blocks in the recorded \
-run, the engine's --num-gpu-blocks, which vLLM logs at start as its number of GPU \
-blocks); --reserve (the shares to predict).
+collector runs); each worker's KV cache in blocks (measured: what Dynamo's discovery \
+says of it, runtime_config.total_kv_blocks, in the recording's worker records; or \
+given with --gpu-blocks, the engine's --num-gpu-blocks); --reserve (the shares to \
+predict).
 
 How: each worker's cache is simulated as a least-recently-used cache of prompt blocks \
 and the recorded requests replayed over it in order, each going where it went (routing \
@@ -115,9 +116,11 @@ pub struct WhatifArgs {
     /// The recording to replay (from `run --record` or the agent's `--record`).
     #[arg(long)]
     pub replay: PathBuf,
-    /// Each worker's KV cache in the recorded run, in blocks (the engine's --num-gpu-blocks).
+    /// Each worker's KV cache in the recorded run, in blocks (the engine's
+    /// --num-gpu-blocks). Default: what Dynamo's discovery says of each worker
+    /// (`total_kv_blocks`), from the recording.
     #[arg(long)]
-    pub gpu_blocks: u64,
+    pub gpu_blocks: Option<u64>,
     /// The shares of each worker's cache to set aside, comma-separated, each in [0, 1).
     #[arg(long, value_delimiter = ',', default_value = "0,0.05,0.1,0.15,0.2")]
     pub reserve: Vec<f64>,
@@ -134,7 +137,7 @@ pub enum WhatifFormat {
 
 /// Run the what-if of `args` with the analyzer settings of `cfg`.
 pub fn whatif(cfg: &CollectorConfig, args: &WhatifArgs) -> anyhow::Result<()> {
-    anyhow::ensure!(args.gpu_blocks > 0, "--gpu-blocks must be positive");
+    anyhow::ensure!(args.gpu_blocks != Some(0), "--gpu-blocks must be positive");
     if let Some(r) = args
         .reserve
         .iter()
@@ -148,7 +151,7 @@ pub fn whatif(cfg: &CollectorConfig, args: &WhatifArgs) -> anyhow::Result<()> {
         "{} holds no routed request the collector could judge",
         args.replay.display()
     );
-    let c = w.capacity(args.gpu_blocks, &args.reserve);
+    let c = w.capacity(args.gpu_blocks, &args.reserve)?;
     match args.format {
         WhatifFormat::Markdown => print!("{}", c.to_markdown()),
         WhatifFormat::Json => println!("{}", serde_json::to_string_pretty(&c)?),

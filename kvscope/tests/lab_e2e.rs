@@ -163,7 +163,7 @@ async fn lab_fleet_end_to_end_with_a_collector_crash() {
     }
     let prompt: u64 = verdicts.iter().map(|v| v.isl_tokens).sum();
     let uncached: u64 = verdicts.iter().map(|v| v.uncached_prefill_tokens).sum();
-    let c = w.capacity(gpu_blocks as u64, &[0.0, 0.5]);
+    let c = w.capacity(Some(gpu_blocks as u64), &[0.0, 0.5]).unwrap();
     assert_eq!(
         (c.recorded.prompt_tokens, c.recorded.uncached_prefill_tokens),
         (prompt, uncached)
@@ -173,8 +173,15 @@ async fn lab_fleet_end_to_end_with_a_collector_crash() {
         "half the cache never prefills less: {c:?}"
     );
     let out = Command::new(exe)
-        .args(["whatif", "--format", "json", "--reserve", "0,0.5"])
-        .args(["--gpu-blocks", &gpu_blocks.to_string(), "--replay"])
+        // Each worker's size from the recording's discovery records.
+        .args([
+            "whatif",
+            "--format",
+            "json",
+            "--reserve",
+            "0,0.5",
+            "--replay",
+        ])
         .arg(&recording)
         .output()
         .unwrap();

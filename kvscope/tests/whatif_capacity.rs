@@ -83,8 +83,11 @@ async fn a_smaller_cache_is_predicted_from_a_run_with_the_full_one() {
         "the same prompts, token for token in length"
     );
     let reserve = 1.0 - SMALLER as f64 / FULL as f64;
-    let c = full.capacity(FULL as u64, &[0.0, reserve]);
-    assert_eq!(c.rows[1].blocks_per_worker, SMALLER as u64);
+    // The sizes as Dynamo's discovery gave them: nothing typed.
+    let c = full.capacity(None, &[0.0, reserve]).unwrap();
+    assert_eq!(c.capacity_from, "discovery");
+    assert_eq!(c.blocks_per_worker, Some(FULL as u64));
+    assert_eq!(c.rows[1].blocks_per_worker, Some(SMALLER as u64));
     eprintln!("{}", c.to_markdown());
     let predicted = c.rows[1].totals;
     assert!(

@@ -14,6 +14,9 @@
 //! simulated size that reproduces the recorded run's own hit rate (the calibration,
 //! measured on the same recording), then scales that size by `1 − reserve`.
 //!
+//! Each worker's cache size is what Dynamo's discovery says of it
+//! (`runtime_config.total_kv_blocks`, in the recording's worker records), unless given.
+//!
 //! With nothing changed (reserve 0 and no simulation) the figures are the recorded
 //! run's own, per request: the same fold the collector runs ([`WhatIf::recorded`]).
 
@@ -68,15 +71,28 @@ impl CacheTotals {
     }
 }
 
+/// Why a what-if cannot be answered.
+#[derive(Debug, thiserror::Error)]
+pub enum WhatIfError {
+    #[error(transparent)]
+    Recording(#[from] RecordingError),
+    #[error(
+        "worker {0} has no KV cache size: its discovery record gives no total_kv_blocks \
+         (give --gpu-blocks)"
+    )]
+    UnknownCapacity(u64),
+}
+
 /// The prediction at one reserve.
 #[derive(Debug, Clone, Serialize)]
 pub struct CapacityRow {
     /// The share of each worker's cache set aside.
     pub reserve: f64,
-    /// Blocks per worker left to the cache: `⌊blocks × (1 − reserve)⌋`.
-    pub blocks_per_worker: u64,
-    /// The simulated size those blocks stand for (calibrated, see the module docs).
-    pub simulated_blocks: u64,
+    /// Blocks per worker left to the cache, `⌊blocks × (1 − reserve)⌋`, when every
+    /// worker has the same size.
+    pub blocks_per_worker: Option<u64>,
+    /// The same over every worker the requests went to.
+    pub fleet_blocks: u64,
     #[serde(flatten)]
     pub totals: CacheTotals,
     pub hit_rate: f64,
@@ -85,14 +101,15 @@ pub struct CapacityRow {
 /// What a recording says, and what it predicts at each reserve.
 #[derive(Debug, Clone, Serialize)]
 pub struct CapacityWhatIf {
-    /// Each worker's cache in blocks in the recorded run (given: the engine's
-    /// `--num-gpu-blocks`).
-    pub blocks_per_worker: u64,
+    /// Each worker's cache in blocks in the recorded run, when all have one size.
+    pub blocks_per_worker: Option<u64>,
+    /// Where the sizes come from: `discovery` (Dynamo's `total_kv_blocks`) or `given`.
+    pub capacity_from: &'static str,
     /// The recorded run's own figures.
     pub recorded: CacheTotals,
     pub recorded_hit_rate: f64,
     /// Simulated blocks per real block: the size at which the simulation reproduces
-    /// the recorded hit rate, over `blocks_per_worker`.
+    /// the recorded hit rate, over each worker's size.
     pub calibration: f64,
     /// Requests whose simulated overlap at the calibrated size equals the recorded one.
     pub requests_matched_exactly: u64,
@@ -103,16 +120,24 @@ pub struct CapacityWhatIf {
 #[derive(Debug)]
 pub struct WhatIf {
     requests: Vec<RoutedRequest>,
+    /// Blocks per dp rank, by worker id, as discovery last described each worker.
+    discovered_blocks: HashMap<u64, u64>,
 }
 
 impl WhatIf {
     /// Replay the recording at `path` through the collector's fold and keep each judged
     /// request.
-    pub fn from_recording(path: &Path, cfg: AnalyzerConfig) -> Result<Self, RecordingError> {
+    pub fn from_recording(path: &Path, cfg: AnalyzerConfig) -> Result<Self, WhatIfError> {
         let rec = read_recording(path)?;
         let mut a = FleetAnalyzer::new(cfg);
         let mut requests = Vec::new();
+        let mut discovered_blocks = HashMap::new();
         for env in &rec.envelopes {
+            if let Record::Worker(w) = &env.record {
+                if let Some(b) = w.total_kv_blocks {
+                    discovered_blocks.insert(w.worker_id, b);
+                }
+            }
             let verdict = a.apply(env);
             if let (Record::Decision(d), Some(v)) = (&env.record, verdict) {
                 let chain = match &d.sequence_hashes {
@@ -129,7 +154,10 @@ impl WhatIf {
                 });
             }
         }
-        Ok(Self { requests })
+        Ok(Self {
+            requests,
+            discovered_blocks,
+        })
     }
 
     pub fn requests(&self) -> &[RoutedRequest] {
@@ -145,16 +173,16 @@ impl WhatIf {
         t
     }
 
-    /// Every request replayed over caches of `blocks` each: the totals, and the
-    /// simulated overlap of each request.
-    pub fn simulate(&self, blocks: u64) -> (CacheTotals, Vec<u32>) {
+    /// Every request replayed over caches of `blocks(worker)` each: the totals, and
+    /// the simulated overlap of each request.
+    pub fn simulate(&self, blocks: impl Fn(&WorkerKey) -> u64) -> (CacheTotals, Vec<u32>) {
         let mut caches: HashMap<WorkerKey, SimulatedCache> = HashMap::new();
         let mut t = CacheTotals::default();
         let mut overlaps = Vec::with_capacity(self.requests.len());
         for r in &self.requests {
             let c = caches
                 .entry(r.worker)
-                .or_insert_with(|| SimulatedCache::new(blocks as usize));
+                .or_insert_with(|| SimulatedCache::new(blocks(&r.worker) as usize));
             let hit = c.prefill(&r.chain);
             t.add(r.isl_tokens, hit as u64, r.block_size);
             overlaps.push(hit as u32);
@@ -162,19 +190,42 @@ impl WhatIf {
         (t, overlaps)
     }
 
-    /// The simulated size whose hit rate is closest to the recorded run's (LRU's hit
-    /// rate only grows with its size, so a bisection finds it).
-    fn calibrated_blocks(&self, blocks_per_worker: u64) -> u64 {
+    /// Each worker's size in blocks: `given`, else discovery's.
+    fn sizes(&self, given: Option<u64>) -> Result<HashMap<WorkerKey, u64>, WhatIfError> {
+        let mut sizes = HashMap::new();
+        for r in &self.requests {
+            let b = match given {
+                Some(b) => b,
+                None => *self
+                    .discovered_blocks
+                    .get(&r.worker.worker_id)
+                    .ok_or(WhatIfError::UnknownCapacity(r.worker.worker_id))?,
+            };
+            sizes.insert(r.worker, b);
+        }
+        Ok(sizes)
+    }
+
+    /// The scale of every worker's size whose simulated hit rate is the recorded run's
+    /// (LRU's hit rate only grows with its size, so a bisection finds it), in
+    /// thousandths.
+    fn calibrated_permille(&self, sizes: &HashMap<WorkerKey, u64>) -> u64 {
         let want = self.recorded().cached_tokens;
-        let longest = self
-            .requests
-            .iter()
-            .map(|r| r.chain.len() as u64)
-            .sum::<u64>();
-        let (mut lo, mut hi) = (0u64, longest.max(blocks_per_worker).max(1));
+        let scaled = |permille: u64| {
+            move |w: &WorkerKey| (sizes.get(w).copied().unwrap_or(0) * permille + 500) / 1000
+        };
+        // A size that holds every block ever asked for never evicts: the top.
+        let most: u64 = self.requests.iter().map(|r| r.chain.len() as u64).sum();
+        let smallest = sizes
+            .values()
+            .copied()
+            .filter(|&b| b > 0)
+            .min()
+            .unwrap_or(1);
+        let (mut lo, mut hi) = (0u64, (most * 1000).div_ceil(smallest).max(1000));
         while lo < hi {
             let mid = lo + (hi - lo) / 2;
-            if self.simulate(mid).0.cached_tokens >= want {
+            if self.simulate(scaled(mid)).0.cached_tokens >= want {
                 hi = mid;
             } else {
                 lo = mid + 1;
@@ -183,12 +234,30 @@ impl WhatIf {
         lo
     }
 
-    /// The prediction at each of `reserves` for workers of `blocks_per_worker` blocks.
-    pub fn capacity(&self, blocks_per_worker: u64, reserves: &[f64]) -> CapacityWhatIf {
+    /// The prediction at each of `reserves`, each worker's size `given` or discovery's.
+    pub fn capacity(
+        &self,
+        given: Option<u64>,
+        reserves: &[f64],
+    ) -> Result<CapacityWhatIf, WhatIfError> {
+        let sizes = self.sizes(given)?;
+        let uniform = |m: &HashMap<WorkerKey, u64>| {
+            let mut v = m.values();
+            let first = *v.next()?;
+            v.all(|&b| b == first).then_some(first)
+        };
         let recorded = self.recorded();
-        let calibrated = self.calibrated_blocks(blocks_per_worker);
-        let calibration = calibrated as f64 / blocks_per_worker.max(1) as f64;
-        let (_, overlaps) = self.simulate(calibrated);
+        let permille = self.calibrated_permille(&sizes);
+        let scale = |m: &HashMap<WorkerKey, u64>| {
+            m.iter()
+                .map(|(w, b)| (*w, (b * permille + 500) / 1000))
+                .collect::<HashMap<_, _>>()
+        };
+        let at = |m: &HashMap<WorkerKey, u64>| {
+            let m = scale(m);
+            self.simulate(move |w| m.get(w).copied().unwrap_or(0))
+        };
+        let (_, overlaps) = at(&sizes);
         let requests_matched_exactly = self
             .requests
             .iter()
@@ -198,26 +267,35 @@ impl WhatIf {
         let rows = reserves
             .iter()
             .map(|&reserve| {
-                let blocks = (blocks_per_worker as f64 * (1.0 - reserve)).floor() as u64;
-                let simulated_blocks = (blocks as f64 * calibration).round() as u64;
-                let (totals, _) = self.simulate(simulated_blocks);
+                let left: HashMap<WorkerKey, u64> = sizes
+                    .iter()
+                    .map(|(w, b)| (*w, (*b as f64 * (1.0 - reserve)).floor() as u64))
+                    .collect();
+                let (totals, _) = at(&left);
                 CapacityRow {
                     reserve,
-                    blocks_per_worker: blocks,
-                    simulated_blocks,
+                    blocks_per_worker: uniform(&left),
+                    fleet_blocks: left.values().sum(),
                     hit_rate: totals.hit_rate(),
                     totals,
                 }
             })
             .collect();
-        CapacityWhatIf {
-            blocks_per_worker,
+        Ok(CapacityWhatIf {
+            blocks_per_worker: uniform(&sizes),
+            capacity_from: if given.is_some() {
+                "given"
+            } else {
+                "discovery"
+            },
             recorded_hit_rate: recorded.hit_rate(),
             recorded,
-            calibration,
+            // The sizes simulated over the sizes, as rounded to whole blocks.
+            calibration: scale(&sizes).values().sum::<u64>() as f64
+                / sizes.values().sum::<u64>().max(1) as f64,
             requests_matched_exactly,
             rows,
-        }
+        })
     }
 }
 
@@ -226,14 +304,16 @@ impl CapacityWhatIf {
         let mut s = String::new();
         s.push_str(&format!(
             "# What if each worker's KV cache were smaller\n\n\
-             Recorded: {} requests, {} blocks per worker, hit rate {:.1}%, {} uncached prefill tokens.\n\
+             Recorded: {} requests, {} blocks per worker ({}), hit rate {:.1}%, {} uncached prefill tokens.\n\
              Calibration: the simulation reproduces that hit rate at {:.2} simulated blocks per block; \
              at that size {} of {} requests get exactly their recorded overlap.\n\
              Routing decisions held fixed (each request goes where it went).\n\n\
              | reserve | blocks per worker | hit rate | uncached prefill tokens | vs recorded |\n\
              |---:|---:|---:|---:|---:|\n",
             self.recorded.requests,
-            self.blocks_per_worker,
+            self.blocks_per_worker
+                .map_or("various".to_string(), |b| b.to_string()),
+            self.capacity_from,
             100.0 * self.recorded_hit_rate,
             self.recorded.uncached_prefill_tokens,
             self.calibration,
@@ -255,7 +335,8 @@ impl CapacityWhatIf {
             s.push_str(&format!(
                 "| {:.0}% | {} | {:.1}% | {} | {} |\n",
                 100.0 * r.reserve,
-                r.blocks_per_worker,
+                r.blocks_per_worker
+                    .map_or(format!("{} in all", r.fleet_blocks), |b| b.to_string()),
                 100.0 * r.hit_rate,
                 r.totals.uncached_prefill_tokens,
                 vs
@@ -294,24 +375,48 @@ mod tests {
                 req(1, &[fam + 1, fam + 2, fam + 3, fam + 4], recorded)
             })
             .collect();
-        let w = WhatIf { requests };
+        let w = WhatIf {
+            requests,
+            discovered_blocks: HashMap::from([(1, 8)]),
+        };
         let rec = w.recorded();
         assert_eq!(rec.requests, 6);
         assert_eq!(rec.cached_tokens, 4 * 4 * 16);
-        let (t8, o8) = w.simulate(8);
+        let (t8, o8) = w.simulate(|_| 8);
         assert_eq!(t8, rec, "room for both: the recorded run exactly");
         assert_eq!(o8, vec![0, 0, 4, 4, 4, 4]);
-        let (t4, _) = w.simulate(4);
+        let (t4, _) = w.simulate(|_| 4);
         assert_eq!(
             t4.cached_tokens, 0,
             "room for one family: the other evicts it"
         );
-        let c = w.capacity(8, &[0.0, 0.5]);
+        let c = w.capacity(None, &[0.0, 0.5]).unwrap();
+        assert_eq!(c.capacity_from, "discovery");
+        assert_eq!(c.blocks_per_worker, Some(8));
         assert_eq!(c.calibration, 1.0);
         assert_eq!(c.requests_matched_exactly, 6);
         assert_eq!(c.rows[0].totals, rec);
-        assert_eq!(c.rows[1].blocks_per_worker, 4);
+        assert_eq!(c.rows[1].blocks_per_worker, Some(4));
         assert_eq!(c.rows[1].totals.uncached_prefill_tokens, rec.prompt_tokens);
         assert!(c.to_markdown().contains("| 50% | 4 | 0.0% |"));
+        // A given size wins over discovery's; the calibration then says the recorded
+        // hits needed twice what was given.
+        let given = w.capacity(Some(4), &[0.0]).unwrap();
+        assert_eq!(
+            (
+                given.capacity_from,
+                given.blocks_per_worker,
+                given.calibration
+            ),
+            ("given", Some(4), 2.0)
+        );
+        let unknown = WhatIf {
+            requests: w.requests.clone(),
+            discovered_blocks: HashMap::new(),
+        };
+        assert!(matches!(
+            unknown.capacity(None, &[0.0]),
+            Err(WhatIfError::UnknownCapacity(1))
+        ));
     }
 }
