@@ -138,20 +138,10 @@ pub enum WhatifFormat {
 /// Run the what-if of `args` with the analyzer settings of `cfg`.
 pub fn whatif(cfg: &CollectorConfig, args: &WhatifArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.gpu_blocks != Some(0), "--gpu-blocks must be positive");
-    if let Some(r) = args
-        .reserve
-        .iter()
-        .find(|r| !(r.is_finite() && (0.0..1.0).contains(*r)))
-    {
-        anyhow::bail!("--reserve {r} is not a share in [0, 1)");
-    }
     let w = crate::whatif::WhatIf::from_recording(&args.replay, cfg.analyzer.clone())?;
-    anyhow::ensure!(
-        !w.requests().is_empty(),
-        "{} holds no routed request the collector could judge",
-        args.replay.display()
-    );
-    let c = w.capacity(args.gpu_blocks, &args.reserve)?;
+    let c = w
+        .capacity(args.gpu_blocks, &args.reserve)
+        .with_context(|| format!("what-if on {}", args.replay.display()))?;
     match args.format {
         WhatifFormat::Markdown => print!("{}", c.to_markdown()),
         WhatifFormat::Json => println!("{}", serde_json::to_string_pretty(&c)?),

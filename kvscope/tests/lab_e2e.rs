@@ -86,6 +86,10 @@ async fn lab_fleet_end_to_end_with_a_collector_crash() {
         .await
         .expect("the collector catches up");
     let live = run.report().await.expect("the live report");
+    let live_whatif: serde_json::Value = run
+        .get_json("/api/whatif?reserve=0,0.5")
+        .await
+        .expect("the live what-if");
     let recording = run.recording.clone();
     let agent_recording = run.agent_recording.clone();
     run.stop();
@@ -192,6 +196,10 @@ async fn lab_fleet_end_to_end_with_a_collector_crash() {
     );
     let cli: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(cli["recorded"]["uncached_prefill_tokens"], uncached);
+    assert_eq!(
+        live_whatif, cli,
+        "the live collector's /api/whatif is the what-if on its recording"
+    );
     assert_eq!(cli["rows"][1]["blocks_per_worker"], gpu_blocks / 2);
 
     // Every turn adds new text, so no decision may find its whole prompt cached on the

@@ -207,6 +207,26 @@ pub struct FleetAnalyzer {
     /// Per request named by NIXL notifications: the latest cumulative row of each
     /// (node agent, local NIXL agent, remote NIXL agent), and the requests' arrival order.
     request_nixl: RequestNixlRows,
+    /// The latest judged requests, oldest first, for the what-if (`/api/whatif`), and
+    /// their chains' hashes in all.
+    routed: VecDeque<RoutedRequest>,
+    routed_hashes: usize,
+}
+
+/// The judged requests kept for the what-if: at most this many chain hashes in all
+/// (32 MiB), the oldest forgotten first.
+const ROUTED_MEMORY_HASHES: usize = 1 << 22;
+
+/// One routed request as judged: where it went, its prompt's full blocks, and what the
+/// chosen worker held of them (what the what-if replays).
+#[derive(Debug, Clone)]
+pub struct RoutedRequest {
+    pub request_id: String,
+    pub worker: WorkerKey,
+    pub chain: Vec<SequenceHash>,
+    pub isl_tokens: u64,
+    pub block_size: u32,
+    pub recorded_overlap_blocks: u32,
 }
 
 /// What node agents reported moving per request (see [`FleetAnalyzer::request_nixl`]).
@@ -271,6 +291,8 @@ impl FleetAnalyzer {
             judged: VecDeque::new(),
             judged_hashes: 0,
             request_nixl: RequestNixlRows::default(),
+            routed: VecDeque::new(),
+            routed_hashes: 0,
         }
     }
 
@@ -324,6 +346,11 @@ impl FleetAnalyzer {
     pub fn open_window(&self) -> Option<&WindowSummary> {
         self.open.as_ref().map(|w| &w.summary)
     }
+    /// The latest judged requests, oldest first (see [`RoutedRequest`]).
+    pub fn routed_requests(&self) -> impl ExactSizeIterator<Item = &RoutedRequest> {
+        self.routed.iter()
+    }
+
     pub fn recent_verdicts(&self) -> impl DoubleEndedIterator<Item = &SpillVerdict> {
         self.verdicts.iter()
     }
@@ -759,6 +786,21 @@ impl FleetAnalyzer {
         if v.clock_behind_ms.is_some() {
             self.counters.verdicts_clock_behind += 1;
             self.open_summary().data_faults += 1;
+        }
+        self.routed_hashes += chain.len();
+        self.routed.push_back(RoutedRequest {
+            request_id: d.request_id.clone(),
+            worker: d.worker,
+            chain: chain.clone(),
+            isl_tokens: d.isl_tokens,
+            block_size: d.block_size,
+            recorded_overlap_blocks: v.chosen_overlap_blocks,
+        });
+        while self.routed_hashes > ROUTED_MEMORY_HASHES {
+            let Some(r) = self.routed.pop_front() else {
+                break;
+            };
+            self.routed_hashes -= r.chain.len();
         }
         let last = chain.last().copied();
         let prompts = self.recent_prompts.entry(d.worker).or_default();

@@ -1,12 +1,13 @@
 //! The collector's HTTP endpoints: Prometheus `/metrics` and a read-only JSON API, whose
-//! types are the contract in `kvscope_wire::api`.
+//! types are the contract in `kvscope_wire::api` (`/api/whatif` answers the collector's
+//! own what-if, `crate::whatif::CapacityWhatIf`).
 
 use crate::ingest::bus::{lock, Shared};
 use crate::report::OpportunityReport;
 use crate::serve::metrics;
 use axum::extract::{Query, State};
-use axum::http::header;
-use axum::response::IntoResponse;
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
 use kvscope_wire::api::summary::CollectorSummary;
@@ -26,6 +27,7 @@ pub fn router(shared: Arc<Shared>) -> Router {
         .route("/api/report.html", get(report_html))
         .route("/api/nixl", get(nixl_pairs))
         .route("/api/nixl/agents", get(nixl_agents))
+        .route("/api/whatif", get(whatif))
         .with_state(shared)
 }
 
@@ -134,4 +136,34 @@ async fn report_md(State(s): State<Arc<Shared>>) -> impl IntoResponse {
 async fn report_html(State(s): State<Arc<Shared>>) -> impl IntoResponse {
     let html = OpportunityReport::from_analyzer(&lock(&s.analyzer)).to_html();
     ([(header::CONTENT_TYPE, "text/html; charset=utf-8")], html)
+}
+
+#[derive(Deserialize)]
+struct WhatIfQuery {
+    /// Comma-separated shares of each worker's cache (default 0,0.05,0.1,0.15,0.2).
+    reserve: Option<String>,
+    /// Each worker's size in blocks instead of discovery's.
+    gpu_blocks: Option<u64>,
+}
+
+/// `kvscope whatif` on the requests the collector keeps: `?reserve=0,0.15&gpu_blocks=N`.
+async fn whatif(State(s): State<Arc<Shared>>, Query(q): Query<WhatIfQuery>) -> Response {
+    let bad = |msg: String| (StatusCode::BAD_REQUEST, format!("{msg}\n")).into_response();
+    let reserves: Result<Vec<f64>, _> = q
+        .reserve
+        .as_deref()
+        .unwrap_or("0,0.05,0.1,0.15,0.2")
+        .split(',')
+        .map(|r| r.trim().parse::<f64>())
+        .collect();
+    let Ok(reserves) = reserves else {
+        return bad("reserve: comma-separated numbers, e.g. 0,0.15".into());
+    };
+    // Copied out under the lock; the simulation runs without it, off the async threads.
+    let w = crate::whatif::WhatIf::from_analyzer(&lock(&s.analyzer));
+    match tokio::task::spawn_blocking(move || w.capacity(q.gpu_blocks, &reserves)).await {
+        Ok(Ok(c)) => Json(c).into_response(),
+        Ok(Err(e)) => bad(e.to_string()),
+        Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, format!("{e}\n")).into_response(),
+    }
 }

@@ -22,25 +22,15 @@
 
 pub mod cache;
 
+pub use crate::fold::analyzer::RoutedRequest;
+
 use crate::fold::analyzer::{AnalyzerConfig, FleetAnalyzer};
 use cache::SimulatedCache;
 use kvscope_wire::recording::{read_recording, RecordingError};
-use kvscope_wire::{sequence_hashes, Record, SequenceHash, WorkerKey};
+use kvscope_wire::{sequence_hashes, Record, WorkerKey};
 use serde::Serialize;
 use std::collections::HashMap;
 use std::path::Path;
-
-/// One routed request as recorded: where it went, its prompt's full blocks, and what
-/// the chosen worker held of them (the recorded mirror's answer).
-#[derive(Debug, Clone)]
-pub struct RoutedRequest {
-    pub request_id: String,
-    pub worker: WorkerKey,
-    pub chain: Vec<SequenceHash>,
-    pub isl_tokens: u64,
-    pub block_size: u32,
-    pub recorded_overlap_blocks: u32,
-}
 
 /// Prompt tokens and how many of them were cached, over a set of requests.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
@@ -81,6 +71,10 @@ pub enum WhatIfError {
          (give --gpu-blocks)"
     )]
     UnknownCapacity(u64),
+    #[error("reserve {0} is not a share of the cache in [0, 1)")]
+    Reserve(f64),
+    #[error("no routed request the collector could judge")]
+    NoRequests,
 }
 
 /// The prediction at one reserve.
@@ -158,6 +152,19 @@ impl WhatIf {
             requests,
             discovered_blocks,
         })
+    }
+
+    /// The requests the live collector keeps (the latest; see
+    /// [`FleetAnalyzer::routed_requests`]) and the sizes its discovery records give.
+    pub fn from_analyzer(a: &FleetAnalyzer) -> Self {
+        Self {
+            requests: a.routed_requests().cloned().collect(),
+            discovered_blocks: a
+                .fleet()
+                .values()
+                .filter_map(|w| Some((w.worker_id, w.total_kv_blocks?)))
+                .collect(),
+        }
     }
 
     pub fn requests(&self) -> &[RoutedRequest] {
@@ -240,6 +247,15 @@ impl WhatIf {
         given: Option<u64>,
         reserves: &[f64],
     ) -> Result<CapacityWhatIf, WhatIfError> {
+        if let Some(&r) = reserves
+            .iter()
+            .find(|r| !(r.is_finite() && (0.0..1.0).contains(*r)))
+        {
+            return Err(WhatIfError::Reserve(r));
+        }
+        if self.requests.is_empty() {
+            return Err(WhatIfError::NoRequests);
+        }
         let sizes = self.sizes(given)?;
         let uniform = |m: &HashMap<WorkerKey, u64>| {
             let mut v = m.values();
