@@ -137,7 +137,6 @@ pub enum WhatifFormat {
 
 /// Run the what-if of `args` with the analyzer settings of `cfg`.
 pub fn whatif(cfg: &CollectorConfig, args: &WhatifArgs) -> anyhow::Result<()> {
-    anyhow::ensure!(args.gpu_blocks != Some(0), "--gpu-blocks must be positive");
     let w = crate::whatif::WhatIf::from_recording(&args.replay, cfg.analyzer.clone())?;
     let c = w
         .capacity(args.gpu_blocks, &args.reserve)

@@ -236,6 +236,21 @@ pub(crate) fn grpc_metadata(target: &SignalTarget) -> Result<MetadataMap, Export
     Ok(metadata)
 }
 
+/// The configured headers as HTTP headers.
+pub(crate) fn configured_http_headers(
+    target: &SignalTarget,
+) -> Result<reqwest::header::HeaderMap, ExportError> {
+    let mut headers = reqwest::header::HeaderMap::new();
+    for (k, v) in &target.headers {
+        let key = reqwest::header::HeaderName::from_bytes(k.as_bytes())
+            .map_err(|_| ExportError::Header(k.clone()))?;
+        let val = reqwest::header::HeaderValue::from_str(v)
+            .map_err(|_| ExportError::Header(k.clone()))?;
+        headers.insert(key, val);
+    }
+    Ok(headers)
+}
+
 /// An HTTP answer, whichever transport brought it.
 pub(crate) struct HttpAnswer {
     pub status: u16,
@@ -348,13 +363,7 @@ impl SignalExporter {
                 grpc_metadata(&target)?,
             ),
             Protocol::HttpProtobuf => {
-                for (k, v) in &target.headers {
-                    let key = reqwest::header::HeaderName::from_bytes(k.as_bytes())
-                        .map_err(|_| ExportError::Header(k.clone()))?;
-                    let val = reqwest::header::HeaderValue::from_str(v)
-                        .map_err(|_| ExportError::Header(k.clone()))?;
-                    http_headers.insert(key, val);
-                }
+                http_headers.extend(configured_http_headers(&target)?);
                 (
                     Transport::Http(HttpTransport::new(&target)?),
                     MetadataMap::new(),

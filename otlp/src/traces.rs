@@ -3,7 +3,8 @@
 //! kvscope's (plain, or TLS over `kvscope_kit::https`). The exporter does the OTLP
 //! specification's retries (its retryable gRPC codes and HTTP 429/502/503/504, a
 //! connection that failed; exponential backoff with jitter; HTTP `Retry-After` and gRPC
-//! `RetryInfo` honoured; all within the export timeout), gzip and headers. kvscope
+//! `RetryInfo` honoured) and gzip; kvscope gives each attempt its headers and what is
+//! left of the export timeout, so an export and its retries end within it. kvscope
 //! hands it the spans it built ([`to_span_data`]) and keeps counting what the SDK would
 //! only log: every attempt passes a gRPC interceptor or the HTTP client, so retries are
 //! counted; over HTTP the client reads the receiver's partial success from the answer.
@@ -30,8 +31,8 @@ use opentelemetry_proto::tonic::trace::v1::{span, status, Span};
 use opentelemetry_sdk::trace::{SpanData, SpanEvents, SpanExporter as _, SpanLinks};
 use std::borrow::Cow;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// Retries until the export timeout says stop (the exporter checks it before each).
 const RETRY_POLICY_MAX_RETRIES: usize = usize::MAX;
@@ -40,10 +41,37 @@ const RETRY_POLICY_MAX_RETRIES: usize = usize::MAX;
 pub struct TraceExporter {
     inner: opentelemetry_otlp::SpanExporter,
     url: String,
-    /// Requests sent (first tries and retries), counted as they go out.
-    attempts: Arc<AtomicU64>,
+    /// The export timeout: every attempt of an export, and the waits between, in it.
+    timeout: Duration,
+    attempts: Arc<Attempts>,
+}
+
+/// What every attempt of an export shares with the exporter: counted as each goes out,
+/// sent within what is left of the export's timeout, with kvscope's headers (the SDK
+/// reads the OTLP header variables again itself and would let a general one win over a
+/// signal's; these are set last, as `config` merged them).
+#[derive(Default)]
+struct Attempts {
+    /// Requests sent (first tries and retries).
+    sent: AtomicU64,
     /// Spans the receiver rejected in a partial success (OTLP/HTTP).
-    rejected: Arc<AtomicU64>,
+    rejected: AtomicU64,
+    /// When the export under way must end.
+    deadline: Mutex<Option<Instant>>,
+    /// Why the last attempt got no answer (the SDK keeps only "network error").
+    last_error: Mutex<Option<String>>,
+}
+
+impl Attempts {
+    /// Count an attempt; the time it may take.
+    fn start(&self) -> Duration {
+        self.sent.fetch_add(1, Ordering::Relaxed);
+        let deadline = *self.deadline.lock().unwrap_or_else(|e| e.into_inner());
+        deadline.map_or(Duration::from_secs(10), |d| {
+            d.saturating_duration_since(Instant::now())
+                .max(Duration::from_millis(1))
+        })
+    }
 }
 
 impl std::fmt::Debug for TraceExporter {
@@ -62,8 +90,7 @@ impl TraceExporter {
             url: target.url.clone(),
             reason,
         };
-        let attempts = Arc::new(AtomicU64::new(0));
-        let rejected = Arc::new(AtomicU64::new(0));
+        let attempts = Arc::new(Attempts::default());
         let retry = opentelemetry_otlp::RetryPolicy::default()
             .with_max_retries(RETRY_POLICY_MAX_RETRIES)
             .with_initial_delay(crate::export::FIRST_BACKOFF)
@@ -73,14 +100,19 @@ impl TraceExporter {
         let mut inner = match target.protocol {
             Protocol::Grpc => {
                 let counted = attempts.clone();
+                let metadata = crate::export::grpc_metadata(target)?;
                 let mut b = opentelemetry_otlp::SpanExporter::builder()
                     .with_tonic()
                     .with_channel(crate::export::grpc_channel(target)?)
-                    .with_metadata(crate::export::grpc_metadata(target)?)
                     .with_timeout(target.timeout)
                     .with_retry_policy(retry)
-                    .with_interceptor(move |req: tonic::Request<()>| {
-                        counted.fetch_add(1, Ordering::Relaxed);
+                    .with_interceptor(move |mut req: tonic::Request<()>| {
+                        req.set_timeout(counted.start());
+                        for kv in metadata.iter() {
+                            if let tonic::metadata::KeyAndValueRef::Ascii(k, v) = kv {
+                                req.metadata_mut().insert(k.clone(), v.clone());
+                            }
+                        }
                         Ok(req)
                     });
                 if gzip {
@@ -91,16 +123,14 @@ impl TraceExporter {
             Protocol::HttpProtobuf => {
                 let client = CountingClient {
                     transport: crate::export::HttpTransport::new(target)?,
-                    timeout: target.timeout,
+                    headers: crate::export::configured_http_headers(target)?,
                     attempts: attempts.clone(),
-                    rejected: rejected.clone(),
                 };
                 let mut b = opentelemetry_otlp::SpanExporter::builder()
                     .with_http()
                     .with_http_client(client)
                     .with_endpoint(target.url.clone())
                     .with_protocol(opentelemetry_otlp::Protocol::HttpBinary)
-                    .with_headers(target.headers.clone().into_iter().collect())
                     .with_timeout(target.timeout)
                     .with_retry_policy(retry);
                 if gzip {
@@ -113,27 +143,39 @@ impl TraceExporter {
         Ok(Self {
             inner,
             url: target.url.clone(),
+            timeout: target.timeout,
             attempts,
-            rejected,
         })
     }
 
-    /// Export `spans`, counting the requests sent again in `retries`; returns the
-    /// number the receiver rejected (as far as it is known, see the module docs).
+    /// Export `spans` within the export timeout (its retries included), counting the
+    /// requests sent again in `retries`; returns the number the receiver rejected (as
+    /// far as it is known, see the module docs).
     pub async fn export(&self, spans: Vec<Span>, retries: &AtomicU64) -> Result<u64, ExportError> {
-        let before = self.attempts.load(Ordering::Relaxed);
-        self.rejected.store(0, Ordering::Relaxed);
+        let a = &self.attempts;
+        let before = a.sent.load(Ordering::Relaxed);
+        a.rejected.store(0, Ordering::Relaxed);
+        *a.last_error.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        *a.deadline.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now() + self.timeout);
         let result = self
             .inner
             .export(spans.into_iter().map(to_span_data).collect())
             .await;
-        let sent = self.attempts.load(Ordering::Relaxed).saturating_sub(before);
+        let sent = a.sent.load(Ordering::Relaxed).saturating_sub(before);
         add(retries, sent.saturating_sub(1));
         result.map_err(|e| ExportError::Send {
             url: self.url.clone(),
-            reason: e.to_string(),
+            reason: match a
+                .last_error
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .take()
+            {
+                Some(why) => format!("{e}: {why}"),
+                None => e.to_string(),
+            },
         })?;
-        Ok(self.rejected.load(Ordering::Relaxed))
+        Ok(a.rejected.load(Ordering::Relaxed))
     }
 }
 
@@ -141,9 +183,9 @@ impl TraceExporter {
 /// answer's partial success read.
 struct CountingClient {
     transport: crate::export::HttpTransport,
-    timeout: Duration,
-    attempts: Arc<AtomicU64>,
-    rejected: Arc<AtomicU64>,
+    /// The configured headers, set over the exporter's.
+    headers: reqwest::header::HeaderMap,
+    attempts: Arc<Attempts>,
 }
 
 impl std::fmt::Debug for CountingClient {
@@ -155,12 +197,27 @@ impl std::fmt::Debug for CountingClient {
 #[async_trait::async_trait]
 impl HttpClient for CountingClient {
     async fn send_bytes(&self, request: Request<Bytes>) -> Result<Response<Bytes>, HttpError> {
-        self.attempts.fetch_add(1, Ordering::Relaxed);
+        let left = self.attempts.start();
         let (parts, body) = request.into_parts();
-        let answer = self
+        let mut headers = parts.headers;
+        for (k, v) in &self.headers {
+            headers.insert(k.clone(), v.clone());
+        }
+        let answer = match self
             .transport
-            .post(&parts.uri.to_string(), &parts.headers, body, self.timeout)
-            .await?;
+            .post(&parts.uri.to_string(), &headers, body, left)
+            .await
+        {
+            Ok(a) => a,
+            Err(e) => {
+                *self
+                    .attempts
+                    .last_error
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner()) = Some(e.to_string());
+                return Err(e);
+            }
+        };
         if (200..300).contains(&answer.status) {
             use prost::Message as _;
             // An empty or unreadable body is a full success as far as anyone can know.
@@ -168,7 +225,7 @@ impl HttpClient for CountingClient {
                 let n = r
                     .partial_success
                     .map_or(0, |p| p.rejected_spans.max(0) as u64);
-                self.rejected.fetch_add(n, Ordering::Relaxed);
+                self.attempts.rejected.fetch_add(n, Ordering::Relaxed);
             }
         }
         let mut resp = Response::builder().status(answer.status);
@@ -247,12 +304,18 @@ const IS_REMOTE: u32 = 0x200;
 /// The flags of a span whose parent is another process's (the router's span).
 pub const PARENT_IS_REMOTE: u32 = HAS_IS_REMOTE | IS_REMOTE;
 
-fn context(trace: &[u8], span: &[u8], state: &str, flags: u32) -> SpanContext {
+/// A span context; `exported` for a span kvscope sends (sampled, whatever its word
+/// says), not for a span it links to (its flags as given).
+fn context(trace: &[u8], span: &[u8], state: &str, flags: u32, exported: bool) -> SpanContext {
+    let trace_flags = TraceFlags::new(flags as u8);
     SpanContext::new(
         trace_id(trace),
         span_id(span),
-        // kvscope exports every span it builds: sampled, whatever the word says.
-        TraceFlags::new(flags as u8).with_sampled(true),
+        if exported {
+            trace_flags.with_sampled(true)
+        } else {
+            trace_flags
+        },
         flags & HAS_IS_REMOTE != 0 && flags & IS_REMOTE != 0,
         state.parse().unwrap_or_else(|_| TraceState::default()),
     )
@@ -276,7 +339,7 @@ pub fn to_span_data(s: Span) -> SpanData {
         _ => Status::Unset,
     };
     SpanData {
-        span_context: context(&s.trace_id, &s.span_id, &s.trace_state, s.flags),
+        span_context: context(&s.trace_id, &s.span_id, &s.trace_state, s.flags, true),
         parent_span_id: span_id(&s.parent_span_id),
         parent_span_is_remote: s.flags & HAS_IS_REMOTE != 0 && s.flags & IS_REMOTE != 0,
         span_kind: kind,
@@ -309,7 +372,7 @@ pub fn to_span_data(s: Span) -> SpanData {
                 .into_iter()
                 .map(|ln| {
                     Link::new(
-                        context(&ln.trace_id, &ln.span_id, &ln.trace_state, ln.flags),
+                        context(&ln.trace_id, &ln.span_id, &ln.trace_state, ln.flags, false),
                         attributes(ln.attributes),
                         ln.dropped_attributes_count,
                     )
@@ -390,7 +453,8 @@ mod tests {
                 trace_id: vec![7; 16],
                 span_id: vec![8; 8],
                 attributes: vec![attr_str("kvscope.link", "spill_verdict")],
-                flags: 0x101,
+                // Not sampled, not remote: sent as it is.
+                flags: 0x100,
                 ..Default::default()
             }],
             status: Some(ProtoStatus {

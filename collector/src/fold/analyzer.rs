@@ -214,8 +214,10 @@ pub struct FleetAnalyzer {
 }
 
 /// The judged requests kept for the what-if: at most this many chain hashes in all
-/// (32 MiB), the oldest forgotten first.
+/// (32 MiB), each request counted as [`ROUTED_REQUEST_WEIGHT`] more for its id and
+/// fields, the oldest forgotten first.
 const ROUTED_MEMORY_HASHES: usize = 1 << 22;
+const ROUTED_REQUEST_WEIGHT: usize = 16;
 
 /// One routed request as judged: where it went, its prompt's full blocks, and what the
 /// chosen worker held of them (what the what-if replays).
@@ -787,7 +789,7 @@ impl FleetAnalyzer {
             self.counters.verdicts_clock_behind += 1;
             self.open_summary().data_faults += 1;
         }
-        self.routed_hashes += chain.len();
+        self.routed_hashes += chain.len() + ROUTED_REQUEST_WEIGHT;
         self.routed.push_back(RoutedRequest {
             request_id: d.request_id.clone(),
             worker: d.worker,
@@ -800,7 +802,7 @@ impl FleetAnalyzer {
             let Some(r) = self.routed.pop_front() else {
                 break;
             };
-            self.routed_hashes -= r.chain.len();
+            self.routed_hashes -= r.chain.len() + ROUTED_REQUEST_WEIGHT;
         }
         let last = chain.last().copied();
         let prompts = self.recent_prompts.entry(d.worker).or_default();

@@ -159,6 +159,29 @@ async fn whatif(State(s): State<Arc<Shared>>, Query(q): Query<WhatIfQuery>) -> R
     let Ok(reserves) = reserves else {
         return bad("reserve: comma-separated numbers, e.g. 0,0.15".into());
     };
+    if reserves.len() > crate::whatif::MAX_RESERVES {
+        return bad(format!(
+            "at most {} reserves at once",
+            crate::whatif::MAX_RESERVES
+        ));
+    }
+    // One at a time: each is ~30 simulations of every kept request.
+    static RUNNING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if RUNNING.swap(true, std::sync::atomic::Ordering::AcqRel) {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            [(header::RETRY_AFTER, "1")],
+            "a what-if is running; try again\n",
+        )
+            .into_response();
+    }
+    struct Done;
+    impl Drop for Done {
+        fn drop(&mut self) {
+            RUNNING.store(false, std::sync::atomic::Ordering::Release);
+        }
+    }
+    let _done = Done;
     // Copied out under the lock; the simulation runs without it, off the async threads.
     let w = crate::whatif::WhatIf::from_analyzer(&lock(&s.analyzer));
     match tokio::task::spawn_blocking(move || w.capacity(q.gpu_blocks, &reserves)).await {

@@ -75,6 +75,21 @@ pub enum WhatIfError {
     Reserve(f64),
     #[error("no routed request the collector could judge")]
     NoRequests,
+    #[error("a cache of {0} blocks per worker is not a size to simulate (1 to {MAX_BLOCKS})")]
+    Size(u64),
+    #[error("at most {MAX_RESERVES} reserves at once, not {0}")]
+    TooManyReserves(usize),
+}
+
+/// The largest cache size simulated, in blocks per worker (2^32 blocks of 16 tokens are
+/// 68 billion tokens: no engine holds that).
+pub const MAX_BLOCKS: u64 = 1 << 32;
+/// Reserves predicted in one what-if at most.
+pub const MAX_RESERVES: usize = 32;
+
+/// `blocks` scaled by `permille` thousandths, rounded (in u128: no overflow).
+fn scaled(blocks: u64, permille: u64) -> u64 {
+    ((blocks as u128 * permille as u128 + 500) / 1000).min(u64::MAX as u128) as u64
 }
 
 /// The prediction at one reserve.
@@ -105,6 +120,11 @@ pub struct CapacityWhatIf {
     /// Simulated blocks per real block: the size at which the simulation reproduces
     /// the recorded hit rate, over each worker's size.
     pub calibration: f64,
+    /// False when even caches that never evict reach fewer hits than recorded: the
+    /// recording starts on warm caches (the live collector keeps only its latest
+    /// requests, whose prefixes older ones may have stored). The calibration is then
+    /// its ceiling and the rows understate what a reserve costs.
+    pub calibrated: bool,
     /// Requests whose simulated overlap at the calibrated size equals the recorded one.
     pub requests_matched_exactly: u64,
     pub rows: Vec<CapacityRow>,
@@ -128,7 +148,8 @@ impl WhatIf {
         let mut discovered_blocks = HashMap::new();
         for env in &rec.envelopes {
             if let Record::Worker(w) = &env.record {
-                if let Some(b) = w.total_kv_blocks {
+                // A size of 0 says nothing: unknown.
+                if let Some(b) = w.total_kv_blocks.filter(|&b| b > 0) {
                     discovered_blocks.insert(w.worker_id, b);
                 }
             }
@@ -162,7 +183,7 @@ impl WhatIf {
             discovered_blocks: a
                 .fleet()
                 .values()
-                .filter_map(|w| Some((w.worker_id, w.total_kv_blocks?)))
+                .filter_map(|w| Some((w.worker_id, w.total_kv_blocks.filter(|&b| b > 0)?)))
                 .collect(),
         }
     }
@@ -199,6 +220,9 @@ impl WhatIf {
 
     /// Each worker's size in blocks: `given`, else discovery's.
     fn sizes(&self, given: Option<u64>) -> Result<HashMap<WorkerKey, u64>, WhatIfError> {
+        if let Some(b) = given.filter(|b| !(1..=MAX_BLOCKS).contains(b)) {
+            return Err(WhatIfError::Size(b));
+        }
         let mut sizes = HashMap::new();
         for r in &self.requests {
             let b = match given {
@@ -208,18 +232,20 @@ impl WhatIf {
                     .get(&r.worker.worker_id)
                     .ok_or(WhatIfError::UnknownCapacity(r.worker.worker_id))?,
             };
-            sizes.insert(r.worker, b);
+            sizes.insert(r.worker, b.min(MAX_BLOCKS));
         }
         Ok(sizes)
     }
 
     /// The scale of every worker's size whose simulated hit rate is the recorded run's
     /// (LRU's hit rate only grows with its size, so a bisection finds it), in
-    /// thousandths.
-    fn calibrated_permille(&self, sizes: &HashMap<WorkerKey, u64>) -> u64 {
+    /// thousandths, and whether any scale reaches it.
+    fn calibrated_permille(&self, sizes: &HashMap<WorkerKey, u64>) -> (u64, bool) {
         let want = self.recorded().cached_tokens;
-        let scaled = |permille: u64| {
-            move |w: &WorkerKey| (sizes.get(w).copied().unwrap_or(0) * permille + 500) / 1000
+        let at = |permille: u64| {
+            self.simulate(|w| scaled(sizes.get(w).copied().unwrap_or(0), permille))
+                .0
+                .cached_tokens
         };
         // A size that holds every block ever asked for never evicts: the top.
         let most: u64 = self.requests.iter().map(|r| r.chain.len() as u64).sum();
@@ -229,16 +255,23 @@ impl WhatIf {
             .filter(|&b| b > 0)
             .min()
             .unwrap_or(1);
-        let (mut lo, mut hi) = (0u64, (most * 1000).div_ceil(smallest).max(1000));
+        let top = (most.saturating_mul(1000))
+            .div_ceil(smallest)
+            .max(1000)
+            .saturating_add(1);
+        if at(top) < want {
+            return (top, false);
+        }
+        let (mut lo, mut hi) = (0u64, top);
         while lo < hi {
             let mid = lo + (hi - lo) / 2;
-            if self.simulate(scaled(mid)).0.cached_tokens >= want {
+            if at(mid) >= want {
                 hi = mid;
             } else {
                 lo = mid + 1;
             }
         }
-        lo
+        (lo, true)
     }
 
     /// The prediction at each of `reserves`, each worker's size `given` or discovery's.
@@ -247,6 +280,9 @@ impl WhatIf {
         given: Option<u64>,
         reserves: &[f64],
     ) -> Result<CapacityWhatIf, WhatIfError> {
+        if reserves.len() > MAX_RESERVES {
+            return Err(WhatIfError::TooManyReserves(reserves.len()));
+        }
         if let Some(&r) = reserves
             .iter()
             .find(|r| !(r.is_finite() && (0.0..1.0).contains(*r)))
@@ -263,10 +299,10 @@ impl WhatIf {
             v.all(|&b| b == first).then_some(first)
         };
         let recorded = self.recorded();
-        let permille = self.calibrated_permille(&sizes);
+        let (permille, calibrated) = self.calibrated_permille(&sizes);
         let scale = |m: &HashMap<WorkerKey, u64>| {
             m.iter()
-                .map(|(w, b)| (*w, (b * permille + 500) / 1000))
+                .map(|(w, b)| (*w, scaled(*b, permille)))
                 .collect::<HashMap<_, _>>()
         };
         let at = |m: &HashMap<WorkerKey, u64>| {
@@ -309,6 +345,7 @@ impl WhatIf {
             // The sizes simulated over the sizes, as rounded to whole blocks.
             calibration: scale(&sizes).values().sum::<u64>() as f64
                 / sizes.values().sum::<u64>().max(1) as f64,
+            calibrated,
             requests_matched_exactly,
             rows,
         })
@@ -323,7 +360,7 @@ impl CapacityWhatIf {
              Recorded: {} requests, {} blocks per worker ({}), hit rate {:.1}%, {} uncached prefill tokens.\n\
              Calibration: the simulation reproduces that hit rate at {:.2} simulated blocks per block; \
              at that size {} of {} requests get exactly their recorded overlap.\n\
-             Routing decisions held fixed (each request goes where it went).\n\n\
+             {}Routing decisions held fixed (each request goes where it went).\n\n\
              | reserve | blocks per worker | hit rate | uncached prefill tokens | vs recorded |\n\
              |---:|---:|---:|---:|---:|\n",
             self.recorded.requests,
@@ -335,6 +372,13 @@ impl CapacityWhatIf {
             self.calibration,
             self.requests_matched_exactly,
             self.recorded.requests,
+            if self.calibrated {
+                ""
+            } else {
+                "**Not calibrated**: even caches that never evict reach fewer hits than \
+                 recorded (the requests start on warm caches), so the rows understate what a \
+                 reserve costs.\n"
+            },
         ));
         for r in &self.rows {
             let vs = if self.recorded.uncached_prefill_tokens == 0 {
@@ -434,5 +478,34 @@ mod tests {
             unknown.capacity(None, &[0.0]),
             Err(WhatIfError::UnknownCapacity(1))
         ));
+        assert!(matches!(
+            w.capacity(Some(0), &[0.0]),
+            Err(WhatIfError::Size(0))
+        ));
+        assert!(matches!(
+            w.capacity(Some(u64::MAX), &[0.0]),
+            Err(WhatIfError::Size(_))
+        ));
+        assert!(matches!(
+            w.capacity(None, &[1.0]),
+            Err(WhatIfError::Reserve(_))
+        ));
+        assert!(matches!(
+            w.capacity(None, &[0.1; 33]),
+            Err(WhatIfError::TooManyReserves(33))
+        ));
+        assert!(c.calibrated);
+    }
+
+    #[test]
+    fn requests_that_start_on_warm_caches_say_so() {
+        // Recorded as hits from the first request on: no simulated cache can know them.
+        let w = WhatIf {
+            requests: vec![req(1, &[1, 2], 2), req(1, &[3, 4], 2)],
+            discovered_blocks: HashMap::from([(1, 8)]),
+        };
+        let c = w.capacity(None, &[0.0, 0.5]).unwrap();
+        assert!(!c.calibrated);
+        assert!(c.to_markdown().contains("Not calibrated"));
     }
 }
