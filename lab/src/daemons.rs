@@ -93,26 +93,22 @@ impl CollectorApi {
 
     /// GET a JSON document (`/api/summary`, `/api/report`, …).
     pub async fn get_json<T: serde::de::DeserializeOwned>(&self, path: &str) -> anyhow::Result<T> {
-        Ok(self
-            .http
-            .get(format!("{}{path}", self.base))
-            .send()
-            .await?
-            .error_for_status()?
-            .json()
-            .await?)
+        Ok(self.get(path).await?.json().await?)
     }
 
     /// GET a text document (`/metrics`, the report's Markdown).
     pub async fn get_text(&self, path: &str) -> anyhow::Result<String> {
+        Ok(self.get(path).await?.text().await?)
+    }
+
+    /// GET `path`; an error status is an error.
+    async fn get(&self, path: &str) -> anyhow::Result<reqwest::Response> {
         Ok(self
             .http
             .get(format!("{}{path}", self.base))
             .send()
             .await?
-            .error_for_status()?
-            .text()
-            .await?)
+            .error_for_status()?)
     }
 
     pub async fn summary(&self) -> anyhow::Result<Value> {

@@ -349,7 +349,9 @@ impl FleetAnalyzer {
         self.open.as_ref().map(|w| &w.summary)
     }
     /// The latest judged requests, oldest first (see [`RoutedRequest`]).
-    pub fn routed_requests(&self) -> impl ExactSizeIterator<Item = &RoutedRequest> {
+    pub fn routed_requests(
+        &self,
+    ) -> impl DoubleEndedIterator<Item = &RoutedRequest> + ExactSizeIterator {
         self.routed.iter()
     }
 
@@ -789,11 +791,16 @@ impl FleetAnalyzer {
             self.counters.verdicts_clock_behind += 1;
             self.open_summary().data_faults += 1;
         }
+        let last = chain.last().copied();
+        let prompts = self.recent_prompts.entry(d.worker).or_default();
+        for &b in &chain {
+            prompts.insert(b, t);
+        }
         self.routed_hashes += chain.len() + ROUTED_REQUEST_WEIGHT;
         self.routed.push_back(RoutedRequest {
             request_id: d.request_id.clone(),
             worker: d.worker,
-            chain: chain.clone(),
+            chain,
             isl_tokens: d.isl_tokens,
             block_size: d.block_size,
             recorded_overlap_blocks: v.chosen_overlap_blocks,
@@ -803,11 +810,6 @@ impl FleetAnalyzer {
                 break;
             };
             self.routed_hashes -= r.chain.len() + ROUTED_REQUEST_WEIGHT;
-        }
-        let last = chain.last().copied();
-        let prompts = self.recent_prompts.entry(d.worker).or_default();
-        for b in chain {
-            prompts.insert(b, t);
         }
         if d.blocks() > 0 && v.chosen_overlap_blocks as usize == d.blocks() {
             self.counters.decisions_fully_cached += 1;

@@ -27,7 +27,7 @@ pub use crate::fold::analyzer::RoutedRequest;
 use crate::fold::analyzer::{AnalyzerConfig, FleetAnalyzer};
 use cache::SimulatedCache;
 use kvscope_wire::recording::{read_recording, RecordingError};
-use kvscope_wire::{sequence_hashes, Record, WorkerKey};
+use kvscope_wire::WorkerKey;
 use serde::Serialize;
 use std::collections::HashMap;
 use std::path::Path;
@@ -87,6 +87,15 @@ pub const MAX_BLOCKS: u64 = 1 << 32;
 /// Reserves predicted in one what-if at most.
 pub const MAX_RESERVES: usize = 32;
 
+/// Blocks per dp rank by worker id, as discovery last described each worker (a size of
+/// 0 says nothing: unknown).
+fn discovered_blocks(a: &FleetAnalyzer) -> HashMap<u64, u64> {
+    a.fleet()
+        .values()
+        .filter_map(|w| Some((w.worker_id, w.total_kv_blocks.filter(|&b| b > 0)?)))
+        .collect()
+}
+
 /// `blocks` scaled by `permille` thousandths, rounded (in u128: no overflow).
 fn scaled(blocks: u64, permille: u64) -> u64 {
     ((blocks as u128 * permille as u128 + 500) / 1000).min(u64::MAX as u128) as u64
@@ -144,34 +153,16 @@ impl WhatIf {
     pub fn from_recording(path: &Path, cfg: AnalyzerConfig) -> Result<Self, WhatIfError> {
         let rec = read_recording(path)?;
         let mut a = FleetAnalyzer::new(cfg);
+        // Every judged request, not only the latest the analyzer keeps.
         let mut requests = Vec::new();
-        let mut discovered_blocks = HashMap::new();
         for env in &rec.envelopes {
-            if let Record::Worker(w) = &env.record {
-                // A size of 0 says nothing: unknown.
-                if let Some(b) = w.total_kv_blocks.filter(|&b| b > 0) {
-                    discovered_blocks.insert(w.worker_id, b);
-                }
-            }
-            let verdict = a.apply(env);
-            if let (Record::Decision(d), Some(v)) = (&env.record, verdict) {
-                let chain = match &d.sequence_hashes {
-                    Some(s) => s.clone(),
-                    None => sequence_hashes(&d.local_hashes),
-                };
-                requests.push(RoutedRequest {
-                    request_id: d.request_id.clone(),
-                    worker: d.worker,
-                    chain,
-                    isl_tokens: d.isl_tokens,
-                    block_size: d.block_size,
-                    recorded_overlap_blocks: v.chosen_overlap_blocks,
-                });
+            if a.apply(env).is_some() {
+                requests.extend(a.routed_requests().next_back().cloned());
             }
         }
         Ok(Self {
             requests,
-            discovered_blocks,
+            discovered_blocks: discovered_blocks(&a),
         })
     }
 
@@ -180,11 +171,7 @@ impl WhatIf {
     pub fn from_analyzer(a: &FleetAnalyzer) -> Self {
         Self {
             requests: a.routed_requests().cloned().collect(),
-            discovered_blocks: a
-                .fleet()
-                .values()
-                .filter_map(|w| Some((w.worker_id, w.total_kv_blocks.filter(|&b| b > 0)?)))
-                .collect(),
+            discovered_blocks: discovered_blocks(a),
         }
     }
 
