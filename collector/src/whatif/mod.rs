@@ -26,7 +26,7 @@ pub use crate::fold::analyzer::RoutedRequest;
 
 use crate::fold::analyzer::{AnalyzerConfig, FleetAnalyzer};
 use cache::SimulatedCache;
-use kvscope_wire::recording::{read_recording, RecordingError};
+use kvscope_wire::recording::RecordingError;
 use kvscope_wire::WorkerKey;
 use serde::Serialize;
 use std::collections::HashMap;
@@ -136,6 +136,8 @@ pub struct CapacityWhatIf {
     pub calibrated: bool,
     /// Requests whose simulated overlap at the calibrated size equals the recorded one.
     pub requests_matched_exactly: u64,
+    /// Records that could not be read and were skipped (see the log).
+    pub undecodable_records: u64,
     pub rows: Vec<CapacityRow>,
 }
 
@@ -145,24 +147,23 @@ pub struct WhatIf {
     requests: Vec<RoutedRequest>,
     /// Blocks per dp rank, by worker id, as discovery last described each worker.
     discovered_blocks: HashMap<u64, u64>,
+    /// Records that could not be read (recording lines, bus messages): counted, skipped.
+    undecodable_records: u64,
 }
 
 impl WhatIf {
     /// Replay the recording at `path` through the collector's fold and keep each judged
     /// request.
     pub fn from_recording(path: &Path, cfg: AnalyzerConfig) -> Result<Self, WhatIfError> {
-        let rec = read_recording(path)?;
-        let mut a = FleetAnalyzer::new(cfg);
         // Every judged request, not only the latest the analyzer keeps.
         let mut requests = Vec::new();
-        for env in &rec.envelopes {
-            if a.apply(env).is_some() {
-                requests.extend(a.routed_requests().next_back().cloned());
-            }
-        }
+        let a = crate::ingest::replay::replay_with(path, cfg, |a| {
+            requests.extend(a.routed_requests().next_back().cloned());
+        })?;
         Ok(Self {
             requests,
             discovered_blocks: discovered_blocks(&a),
+            undecodable_records: a.counters().undecodable_records,
         })
     }
 
@@ -172,6 +173,7 @@ impl WhatIf {
         Self {
             requests: a.routed_requests().cloned().collect(),
             discovered_blocks: discovered_blocks(a),
+            undecodable_records: a.counters().undecodable_records,
         }
     }
 
@@ -334,6 +336,7 @@ impl WhatIf {
                 / sizes.values().sum::<u64>().max(1) as f64,
             calibrated,
             requests_matched_exactly,
+            undecodable_records: self.undecodable_records,
             rows,
         })
     }
@@ -359,7 +362,14 @@ impl CapacityWhatIf {
             self.calibration,
             self.requests_matched_exactly,
             self.recorded.requests,
-            if self.calibrated {
+            if self.undecodable_records > 0 {
+                format!(
+                    "**{} records could not be read** and were skipped (see the log).\n",
+                    self.undecodable_records
+                )
+            } else {
+                String::new()
+            } + if self.calibrated {
                 ""
             } else {
                 "**Not calibrated**: even caches that never evict reach fewer hits than \
@@ -425,6 +435,7 @@ mod tests {
         let w = WhatIf {
             requests,
             discovered_blocks: HashMap::from([(1, 8)]),
+            undecodable_records: 0,
         };
         let rec = w.recorded();
         assert_eq!(rec.requests, 6);
@@ -460,6 +471,7 @@ mod tests {
         let unknown = WhatIf {
             requests: w.requests.clone(),
             discovered_blocks: HashMap::new(),
+            undecodable_records: 0,
         };
         assert!(matches!(
             unknown.capacity(None, &[0.0]),
@@ -490,9 +502,12 @@ mod tests {
         let w = WhatIf {
             requests: vec![req(1, &[1, 2], 2), req(1, &[3, 4], 2)],
             discovered_blocks: HashMap::from([(1, 8)]),
+            undecodable_records: 3,
         };
         let c = w.capacity(None, &[0.0, 0.5]).unwrap();
         assert!(!c.calibrated);
-        assert!(c.to_markdown().contains("Not calibrated"));
+        let md = c.to_markdown();
+        assert!(md.contains("Not calibrated"));
+        assert!(md.contains("**3 records could not be read**"), "{md}");
     }
 }
