@@ -60,7 +60,7 @@
 use crate::act::backend::ModeBackendConfig;
 use crate::decide::policy::PolicyConfig;
 use kvscope_kit::config::{Env, EnvError};
-use kvscope_wire::{WorkerKey, WorkerSpec};
+use kvscope_wire::cost::WorkerAgent;
 use serde::{Deserialize, Serialize};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -121,52 +121,6 @@ impl Default for ActuatorConfig {
             mode_backends: Vec::new(),
             directives: DirectiveConfig::default(),
         }
-    }
-}
-
-/// One Dynamo worker and the NIXL agent it runs.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct WorkerAgent {
-    /// The worker (instance) id the router logs.
-    pub worker_id: u64,
-    /// Data-parallel rank; absent: every rank of the worker.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub dp_rank: Option<u32>,
-    /// The NIXL agent name the worker's NIXL agent registers (as the eBPF probes see it).
-    pub nixl_agent: String,
-}
-
-impl WorkerAgent {
-    pub fn matches(&self, w: &WorkerKey) -> bool {
-        WorkerSpec {
-            worker_id: self.worker_id,
-            dp_rank: self.dp_rank,
-        }
-        .matches(w)
-    }
-}
-
-impl std::str::FromStr for WorkerAgent {
-    type Err = String;
-
-    /// `WORKER_ID[/DP]=AGENT`.
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let (worker, agent) = s
-            .split_once('=')
-            .ok_or_else(|| format!("{s:?} is not WORKER_ID[/DP]=AGENT"))?;
-        let agent = agent.trim();
-        if agent.is_empty() {
-            return Err(format!("{s:?} has no agent name"));
-        }
-        let w: WorkerSpec = worker
-            .parse()
-            .map_err(|e| format!("{s:?} is not WORKER_ID[/DP]=AGENT: {e}"))?;
-        Ok(WorkerAgent {
-            worker_id: w.worker_id,
-            dp_rank: w.dp_rank,
-            nixl_agent: agent.to_string(),
-        })
     }
 }
 
@@ -467,6 +421,7 @@ pub fn read_token(path: &Path) -> Result<String, ConfigError> {
 mod tests {
     use super::*;
     use kvscope_kit::config::documented_toml_example;
+    use kvscope_wire::WorkerKey;
 
     #[test]
     fn an_empty_file_gives_the_defaults() {

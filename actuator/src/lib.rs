@@ -3,7 +3,7 @@
 //!
 //! - [`decide`]: the collector's read ([`decide::input`]), the pure policy engine
 //!   ([`decide::policy`]: states, thresholds, safety triggers, hysteresis, cooldown, flip
-//!   cap), the per-spill cost model from measured NIXL figures ([`decide::cost`]).
+//!   cap), the per-spill cost model from measured NIXL figures ([`kvscope_wire::cost`]).
 //! - [`act`]: where the mode is switched ([`act::backend`]: HTTP, command, file),
 //!   migration directives ([`act::directive`]: selection, idempotency keys, rate limit,
 //!   ledger; [`act::sink`] sends them), the append-only audit log ([`act::audit`]).

@@ -12,7 +12,7 @@ use kvscope_actuator::act::directive::{BlockRange, DirectiveOutcome, MigrationDi
 use kvscope_actuator::act::mode::Mode;
 use kvscope_actuator::act::sink::DirectiveSink;
 use kvscope_actuator::config::DirectiveConfig;
-use kvscope_actuator::decide::cost::Prediction;
+use kvscope_wire::cost::Prediction;
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex};

@@ -4,11 +4,11 @@
 mod support;
 
 use kvscope_actuator::act::mode::{Mode, OperatorHold, Override};
-use kvscope_actuator::config::WorkerAgent;
 use kvscope_actuator::decide::policy::{
     DirectiveStats, Evaluation, InputHealth, Observation, PolicyConfig, PolicyEngine,
     SafetyTrigger, Transition,
 };
+use kvscope_wire::cost::WorkerAgent;
 use kvscope_wire::nixl::{NixlAgentOwner, NixlAgentRow};
 use support::*;
 

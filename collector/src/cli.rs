@@ -83,32 +83,48 @@ pub enum Command {
         #[arg(long, value_enum, default_value = "markdown")]
         format: Format,
     },
-    /// Predict from a recording what a smaller KV cache per worker would do (the share a
-    /// KV-transfer connector's buffers would take if migration were on).
+    /// Predict from a recording what turning KV migration on would save net of its
+    /// costs: a smaller KV cache per worker (the connector's reserve) against each spill's
+    /// delta moved over NIXL.
     #[command(long_about = WHATIF_ABOUT)]
     Whatif(WhatifArgs),
 }
 
 /// `whatif --help`: every input and where it comes from.
-pub const WHATIF_ABOUT: &str = "Predict from a recording what a smaller KV cache per \
-worker would do: the hit rate and uncached prefill tokens with each worker's cache \
-`--reserve` smaller (the share NixlConnector's buffers would take if KV migration were \
-turned on).
+pub const WHATIF_ABOUT: &str = "Predict from a recording what turning KV migration on \
+would save on this fleet, net of its costs. Two questions, one answer:
 
-Inputs: the recording (measured: every routed request, where it went, its prompt's \
-blocks, and what the chosen worker held of them, judged by the same fold the live \
-collector runs); each worker's KV cache in blocks (measured: what Dynamo's discovery \
-says of it, runtime_config.total_kv_blocks, in the recording's worker records; or \
-given with --gpu-blocks, the engine's --num-gpu-blocks); --reserve (the shares to \
-predict).
+Capacity: the hit rate and uncached prefill tokens with each worker's cache --reserve \
+smaller (the share NixlConnector's buffers would take).
 
-How: each worker's cache is simulated as a least-recently-used cache of prompt blocks \
-and the recorded requests replayed over it in order, each going where it went (routing \
-held fixed: a KV-aware router seeing smaller overlaps may choose otherwise, which the \
-prediction does not follow). An engine's cache also holds decoded blocks and running \
-requests' blocks, so the simulated size that reproduces the recorded hit rate is found \
-first (the calibration, printed) and scaled by 1 - reserve. With nothing changed the \
-figures are the recorded run's own.";
+Migration: each spill whose true delta reaches a token gate (--gate) moves that delta \
+to the chosen worker, priced as the actuator prices a directive: one handshake + bytes \
+/ the pair's NIXL bandwidth + a dispatch overhead, against recomputing the delta at the \
+prefill rate; migrations slower than recomputing are not made. Per reserve and gate: \
+migrations, bytes, NIXL seconds, and the prefill tokens and seconds saved net of the \
+reserve's lost hits and the migrations' time; the break-even reserve, the best gate, and \
+the actuator thresholds (min_tokens, min_true_delta_tok_per_s) to set at \
+--connector-reserve.
+
+Measured inputs, from the recording: every routed request (where it went, its prompt's \
+blocks, what each worker held of them, judged by the same fold the live collector runs); \
+each worker's KV cache in blocks (Dynamo's discovery, runtime_config.total_kv_blocks; or \
+--gpu-blocks); NIXL bandwidth and mean handshake latency per pair of agents (the eBPF \
+probes' reports, mapped to workers by the agents' process trees; fleet-wide where a pair \
+was not measured; or --nixl-bandwidth-gbps, --handshake-ms). Given inputs: KV bytes per \
+token (--kv-bytes-per-token, or --model-config with the model's config.json; default an \
+8B model in fp16), the prefill rate (--prefill-tok-per-s, default 10000 tokens/s), the \
+dispatch overhead (--dispatch-overhead-ms, default 5). The answer says which were \
+defaults.
+
+How: with nothing changed the figures are the recorded run's own (the recorded spills \
+migrated: exact). With a reserve, each worker's cache is simulated as a \
+least-recently-used cache of prompt blocks and the requests replayed over it in order, \
+each going where it went (routing held fixed: a KV-aware router seeing other overlaps \
+may choose otherwise, which the prediction does not follow). An engine's cache also \
+holds decoded blocks and running requests' blocks, so the simulated size that \
+reproduces the recorded hit rate is found first (the calibration, printed) and scaled \
+by 1 - reserve.";
 
 /// The what-if's inputs (see [`WHATIF_ABOUT`]).
 #[derive(clap::Args, Debug)]
@@ -116,14 +132,8 @@ pub struct WhatifArgs {
     /// The recording to replay (from `run --record` or the agent's `--record`).
     #[arg(long)]
     pub replay: PathBuf,
-    /// Each worker's KV cache in the recorded run, in blocks (the engine's
-    /// --num-gpu-blocks). Default: what Dynamo's discovery says of each worker
-    /// (`total_kv_blocks`), from the recording.
-    #[arg(long)]
-    pub gpu_blocks: Option<u64>,
-    /// The shares of each worker's cache to set aside, comma-separated, each in [0, 1).
-    #[arg(long, value_delimiter = ',', default_value = "0,0.05,0.1,0.15,0.2")]
-    pub reserve: Vec<f64>,
+    #[command(flatten)]
+    pub inputs: crate::whatif::question::WhatIfInputs,
     /// What to print.
     #[arg(long, value_enum, default_value = "markdown")]
     pub format: WhatifFormat,
@@ -138,8 +148,9 @@ pub enum WhatifFormat {
 /// Run the what-if of `args` with the analyzer settings of `cfg`.
 pub fn whatif(cfg: &CollectorConfig, args: &WhatifArgs) -> anyhow::Result<()> {
     let w = crate::whatif::WhatIf::from_recording(&args.replay, cfg.analyzer.clone())?;
-    let c = w
-        .capacity(args.gpu_blocks, &args.reserve)
+    let c = args
+        .inputs
+        .answer(&w)
         .with_context(|| format!("what-if on {}", args.replay.display()))?;
     match args.format {
         WhatifFormat::Markdown => print!("{}", c.to_markdown()),

@@ -87,7 +87,10 @@ async fn lab_fleet_end_to_end_with_a_collector_crash() {
         .expect("the collector catches up");
     let live = run.report().await.expect("the live report");
     let live_whatif: serde_json::Value = run
-        .get_json("/api/whatif?reserve=0,0.5")
+        .get_json(
+            "/api/whatif?reserve=0,0.5&kv_bytes_per_token=256&gate=16,1024\
+             &nixl_bandwidth_gbps=10&handshake_ms=0.1&dispatch_overhead_ms=0",
+        )
         .await
         .expect("the live what-if");
     let recording = run.recording.clone();
@@ -184,6 +187,17 @@ async fn lab_fleet_end_to_end_with_a_collector_crash() {
             "json",
             "--reserve",
             "0,0.5",
+            // Migration priced so that every spill pays (no NIXL in this lab).
+            "--kv-bytes-per-token",
+            "256",
+            "--gate",
+            "16,1024",
+            "--nixl-bandwidth-gbps",
+            "10",
+            "--handshake-ms",
+            "0.1",
+            "--dispatch-overhead-ms",
+            "0",
             "--replay",
         ])
         .arg(&recording)
@@ -195,12 +209,41 @@ async fn lab_fleet_end_to_end_with_a_collector_crash() {
         String::from_utf8_lossy(&out.stderr)
     );
     let cli: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(cli["recorded"]["uncached_prefill_tokens"], uncached);
+    assert_eq!(
+        cli["capacity"]["recorded"]["uncached_prefill_tokens"],
+        uncached
+    );
     assert_eq!(
         live_whatif, cli,
         "the live collector's /api/whatif is the what-if on its recording"
     );
-    assert_eq!(cli["rows"][1]["blocks_per_worker"], gpu_blocks / 2);
+    assert_eq!(
+        cli["capacity"]["rows"][1]["blocks_per_worker"],
+        gpu_blocks / 2
+    );
+    // Migration with nothing else changed moves exactly the recorded spills' true deltas
+    // over each gate.
+    for (i, gate) in [16u64, 1024].into_iter().enumerate() {
+        let over: Vec<_> = verdicts
+            .iter()
+            .filter(|v| v.spill && v.true_delta_tokens >= gate)
+            .collect();
+        let g = &cli["migration"]["recorded_gates"][i];
+        assert_eq!(g["gate_tokens"], gate);
+        assert_eq!(g["spills_over_gate"], over.len(), "{g}");
+        assert_eq!(
+            g["migrations"],
+            over.len(),
+            "every spill pays at this price: {g}"
+        );
+        let tokens: u64 = over.iter().map(|v| v.true_delta_tokens).sum();
+        assert_eq!(g["migrated_tokens"], tokens);
+        assert_eq!(g["bytes"], tokens * 256);
+    }
+    assert!(
+        cli["migration"]["recorded_gates"][0]["migrations"].as_u64() > Some(0),
+        "the lab spills"
+    );
 
     // Every turn adds new text, so no decision may find its whole prompt cached on the
     // chosen worker: one that does was applied after its own prefill's KV events.

@@ -3,10 +3,10 @@
 //! from the verdict), rate-limited, with outcomes tracked. Selection, keys, the rate
 //! limiter and the ledger are pure; sending is in [`crate::act::sink`].
 
-use crate::decide::cost::{self, NixlFigures};
 use crate::decide::policy::{DirectiveStats, PolicyConfig};
 use kvscope_wire::api::verdict::SpillVerdict;
 use kvscope_wire::api::window::WindowSummary;
+use kvscope_wire::cost::{self, NixlFigures};
 use serde::{Deserialize, Serialize};
 use std::collections::{HashMap, VecDeque};
 

@@ -224,11 +224,17 @@ const ROUTED_REQUEST_WEIGHT: usize = 16;
 #[derive(Debug, Clone)]
 pub struct RoutedRequest {
     pub request_id: String,
+    pub decided_ns: u64,
+    /// The model of the chosen worker: the router chose among its workers only.
+    pub model: Option<String>,
     pub worker: WorkerKey,
     pub chain: Vec<SequenceHash>,
     pub isl_tokens: u64,
     pub block_size: u32,
     pub recorded_overlap_blocks: u32,
+    /// The worker holding the most of the chain then, and how much (the verdict's best).
+    pub recorded_best: WorkerKey,
+    pub recorded_best_overlap_blocks: u32,
 }
 
 /// What node agents reported moving per request (see [`FleetAnalyzer::request_nixl`]).
@@ -799,11 +805,15 @@ impl FleetAnalyzer {
         self.routed_hashes += chain.len() + ROUTED_REQUEST_WEIGHT;
         self.routed.push_back(RoutedRequest {
             request_id: d.request_id.clone(),
+            decided_ns: v.decided_ns,
+            model: v.model.clone(),
             worker: d.worker,
             chain,
             isl_tokens: d.isl_tokens,
             block_size: d.block_size,
             recorded_overlap_blocks: v.chosen_overlap_blocks,
+            recorded_best: v.best,
+            recorded_best_overlap_blocks: v.best_overlap_blocks,
         });
         while self.routed_hashes > ROUTED_MEMORY_HASHES {
             let Some(r) = self.routed.pop_front() else {

@@ -5,6 +5,7 @@
 use crate::ingest::bus::{lock, Shared};
 use crate::report::OpportunityReport;
 use crate::serve::metrics;
+use axum::extract::rejection::QueryRejection;
 use axum::extract::{Query, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -138,33 +139,18 @@ async fn report_html(State(s): State<Arc<Shared>>) -> impl IntoResponse {
     ([(header::CONTENT_TYPE, "text/html; charset=utf-8")], html)
 }
 
-#[derive(Deserialize)]
-struct WhatIfQuery {
-    /// Comma-separated shares of each worker's cache (default 0,0.05,0.1,0.15,0.2).
-    reserve: Option<String>,
-    /// Each worker's size in blocks instead of discovery's.
-    gpu_blocks: Option<u64>,
-}
-
-/// `kvscope whatif` on the requests the collector keeps: `?reserve=0,0.15&gpu_blocks=N`.
-async fn whatif(State(s): State<Arc<Shared>>, Query(q): Query<WhatIfQuery>) -> Response {
+/// `kvscope whatif` on the requests the collector keeps, its flags as the query:
+/// `?reserve=0,0.15&gpu_blocks=N&kv_bytes_per_token=B&gate=1024,16384…` (no model config:
+/// the collector reads no file a request names).
+async fn whatif(
+    State(s): State<Arc<Shared>>,
+    q: Result<Query<crate::whatif::question::WhatIfInputs>, QueryRejection>,
+) -> Response {
     let bad = |msg: String| (StatusCode::BAD_REQUEST, format!("{msg}\n")).into_response();
-    let reserves: Result<Vec<f64>, _> = q
-        .reserve
-        .as_deref()
-        .unwrap_or("0,0.05,0.1,0.15,0.2")
-        .split(',')
-        .map(|r| r.trim().parse::<f64>())
-        .collect();
-    let Ok(reserves) = reserves else {
-        return bad("reserve: comma-separated numbers, e.g. 0,0.15".into());
+    let q = match q {
+        Ok(Query(q)) => q,
+        Err(e) => return bad(e.body_text()),
     };
-    if reserves.len() > crate::whatif::MAX_RESERVES {
-        return bad(format!(
-            "at most {} reserves at once",
-            crate::whatif::MAX_RESERVES
-        ));
-    }
     // One at a time: each is ~30 simulations of every kept request.
     static RUNNING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
     if RUNNING.swap(true, std::sync::atomic::Ordering::AcqRel) {
@@ -184,7 +170,7 @@ async fn whatif(State(s): State<Arc<Shared>>, Query(q): Query<WhatIfQuery>) -> R
     let _done = Done;
     // Copied out under the lock; the simulation runs without it, off the async threads.
     let w = crate::whatif::WhatIf::from_analyzer(&lock(&s.analyzer));
-    match tokio::task::spawn_blocking(move || w.capacity(q.gpu_blocks, &reserves)).await {
+    match tokio::task::spawn_blocking(move || q.answer(&w)).await {
         Ok(Ok(c)) => Json(c).into_response(),
         Ok(Err(e)) => bad(e.to_string()),
         Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, format!("{e}\n")).into_response(),

@@ -21,16 +21,20 @@
 //! run's own, per request: the same fold the collector runs ([`WhatIf::recorded`]).
 
 pub mod cache;
+pub mod migration;
+pub mod question;
 
 pub use crate::fold::analyzer::RoutedRequest;
 
 use crate::fold::analyzer::{AnalyzerConfig, FleetAnalyzer};
 use cache::SimulatedCache;
+use kvscope_wire::nixl::{NixlAgentRow, NixlPair};
 use kvscope_wire::recording::RecordingError;
 use kvscope_wire::WorkerKey;
 use serde::Serialize;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
+use std::sync::Mutex;
 
 /// Prompt tokens and how many of them were cached, over a set of requests.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
@@ -79,6 +83,13 @@ pub enum WhatIfError {
     Size(u64),
     #[error("at most {MAX_RESERVES} reserves at once, not {0}")]
     TooManyReserves(usize),
+    #[error("1 to {max} token gates at once, not {0}", max = migration::MAX_GATES)]
+    Gates(usize),
+    #[error(
+        "a migration is priced with KV bytes per token and a prefill rate above 0, and a \
+         bandwidth, handshake and dispatch overhead that are finite and not negative"
+    )]
+    Pricing,
 }
 
 /// The largest cache size simulated, in blocks per worker (2^32 blocks of 16 tokens are
@@ -99,6 +110,27 @@ fn discovered_blocks(a: &FleetAnalyzer) -> HashMap<u64, u64> {
 /// `blocks` scaled by `permille` thousandths, rounded (in u128: no overflow).
 fn scaled(blocks: u64, permille: u64) -> u64 {
     ((blocks as u128 * permille as u128 + 500) / 1000).min(u64::MAX as u128) as u64
+}
+
+/// Each worker's blocks left after setting `reserve` of them aside, `⌊blocks × (1 − reserve)⌋`.
+fn left_after(sizes: &HashMap<WorkerKey, u64>, reserve: f64) -> HashMap<WorkerKey, u64> {
+    sizes
+        .iter()
+        .map(|(w, b)| (*w, (*b as f64 * (1.0 - reserve)).floor() as u64))
+        .collect()
+}
+
+/// The one size every worker has, if they all have one.
+fn uniform(sizes: &HashMap<WorkerKey, u64>) -> Option<u64> {
+    let mut v = sizes.values();
+    let first = *v.next()?;
+    v.all(|&b| b == first).then_some(first)
+}
+
+/// The sizes simulated over the sizes, as rounded to whole blocks.
+fn calibration(sizes: &HashMap<WorkerKey, u64>, permille: u64) -> f64 {
+    sizes.values().map(|&b| scaled(b, permille)).sum::<u64>() as f64
+        / sizes.values().sum::<u64>().max(1) as f64
 }
 
 /// The prediction at one reserve.
@@ -149,7 +181,21 @@ pub struct WhatIf {
     discovered_blocks: HashMap<u64, u64>,
     /// Records that could not be read (recording lines, bus messages): counted, skipped.
     undecodable_records: u64,
+    /// The collector's least overlap difference that makes a spill.
+    min_spill_blocks: u32,
+    /// What the agents' NIXL probes measured, per pair, and which worker each agent
+    /// works for: what a migration is priced with.
+    nixl_pairs: Vec<NixlPair>,
+    nixl_agents: Vec<NixlAgentRow>,
+    /// Calibrations found, by the sizes they were found for: each is some 30 replays,
+    /// and every question asks for the same one.
+    calibrations: Mutex<Vec<(Sizes, Calibration)>>,
 }
+
+/// Every worker's size, sorted: what a calibration was found for.
+type Sizes = Vec<(WorkerKey, u64)>;
+/// The scale in thousandths, and whether it reproduces the recorded hits.
+type Calibration = (u64, bool);
 
 impl WhatIf {
     /// Replay the recording at `path` through the collector's fold and keep each judged
@@ -160,21 +206,25 @@ impl WhatIf {
         let a = crate::ingest::replay::replay_with(path, cfg, |a| {
             requests.extend(a.routed_requests().next_back().cloned());
         })?;
-        Ok(Self {
+        Ok(Self::with_requests(&a, requests))
+    }
+
+    fn with_requests(a: &FleetAnalyzer, requests: Vec<RoutedRequest>) -> Self {
+        Self {
             requests,
-            discovered_blocks: discovered_blocks(&a),
+            discovered_blocks: discovered_blocks(a),
             undecodable_records: a.counters().undecodable_records,
-        })
+            min_spill_blocks: a.config().min_spill_blocks,
+            nixl_pairs: crate::fold::nixl::pairs(a.agents()),
+            nixl_agents: crate::fold::nixl::owners(a.agents()),
+            calibrations: Mutex::default(),
+        }
     }
 
     /// The requests the live collector keeps (the latest; see
     /// [`FleetAnalyzer::routed_requests`]) and the sizes its discovery records give.
     pub fn from_analyzer(a: &FleetAnalyzer) -> Self {
-        Self {
-            requests: a.routed_requests().cloned().collect(),
-            discovered_blocks: discovered_blocks(a),
-            undecodable_records: a.counters().undecodable_records,
-        }
+        Self::with_requests(a, a.routed_requests().cloned().collect())
     }
 
     pub fn requests(&self) -> &[RoutedRequest] {
@@ -193,18 +243,58 @@ impl WhatIf {
     /// Every request replayed over caches of `blocks(worker)` each: the totals, and
     /// the simulated overlap of each request.
     pub fn simulate(&self, blocks: impl Fn(&WorkerKey) -> u64) -> (CacheTotals, Vec<u32>) {
-        let mut caches: HashMap<WorkerKey, SimulatedCache> = HashMap::new();
-        let mut t = CacheTotals::default();
         let mut overlaps = Vec::with_capacity(self.requests.len());
-        for r in &self.requests {
-            let c = caches
-                .entry(r.worker)
-                .or_insert_with(|| SimulatedCache::new(blocks(&r.worker) as usize));
-            let hit = c.prefill(&r.chain);
-            t.add(r.isl_tokens, hit as u64, r.block_size);
-            overlaps.push(hit as u32);
-        }
+        let t = self.replay(blocks, false, |_, hit, _| overlaps.push(hit as u32));
         (t, overlaps)
+    }
+
+    /// Every request replayed in order over caches of `blocks(worker)` each, prefilled on
+    /// its chosen worker: `each` is told the request, the prefix its chosen worker held,
+    /// and, when `others`, the worker of its model holding more of it than any other
+    /// and more than the chosen one (the best, for a spill), with how much.
+    fn replay(
+        &self,
+        blocks: impl Fn(&WorkerKey) -> u64,
+        others: bool,
+        mut each: impl FnMut(&RoutedRequest, usize, Option<(WorkerKey, usize)>),
+    ) -> CacheTotals {
+        let mut caches: HashMap<WorkerKey, SimulatedCache> = HashMap::new();
+        // The workers of each model, in one order: ties go to the first, as the
+        // collector's verdict breaks them by worker key.
+        let mut of_model: BTreeMap<Option<&str>, Vec<WorkerKey>> = BTreeMap::new();
+        if others {
+            for r in &self.requests {
+                let ws = of_model.entry(r.model.as_deref()).or_default();
+                if !ws.contains(&r.worker) {
+                    ws.push(r.worker);
+                }
+            }
+            for ws in of_model.values_mut() {
+                ws.sort();
+            }
+        }
+        let mut t = CacheTotals::default();
+        for r in &self.requests {
+            let hit = caches.get(&r.worker).map_or(0, |c| c.prefix_hit(&r.chain));
+            let best = of_model
+                .get(&r.model.as_deref())
+                .into_iter()
+                .flatten()
+                .filter(|w| **w != r.worker)
+                .filter_map(|w| Some((*w, caches.get(w)?.prefix_hit(&r.chain))))
+                .filter(|(_, h)| *h > hit)
+                .fold(None, |b: Option<(WorkerKey, usize)>, (w, h)| match b {
+                    Some((_, bh)) if bh >= h => b,
+                    _ => Some((w, h)),
+                });
+            each(r, hit, best);
+            caches
+                .entry(r.worker)
+                .or_insert_with(|| SimulatedCache::new(blocks(&r.worker) as usize))
+                .prefill(&r.chain);
+            t.add(r.isl_tokens, hit as u64, r.block_size);
+        }
+        t
     }
 
     /// Each worker's size in blocks: `given`, else discovery's.
@@ -230,6 +320,19 @@ impl WhatIf {
     /// (LRU's hit rate only grows with its size, so a bisection finds it), in
     /// thousandths, and whether any scale reaches it.
     fn calibrated_permille(&self, sizes: &HashMap<WorkerKey, u64>) -> (u64, bool) {
+        let mut key: Sizes = sizes.iter().map(|(w, b)| (*w, *b)).collect();
+        key.sort();
+        let found = |c: &[(Sizes, Calibration)]| c.iter().find(|(k, _)| *k == key).map(|(_, v)| *v);
+        let memo = || self.calibrations.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(v) = found(&memo()) {
+            return v;
+        }
+        let v = self.calibrate(sizes);
+        memo().push((key, v));
+        v
+    }
+
+    fn calibrate(&self, sizes: &HashMap<WorkerKey, u64>) -> (u64, bool) {
         let want = self.recorded().cached_tokens;
         let at = |permille: u64| {
             self.simulate(|w| scaled(sizes.get(w).copied().unwrap_or(0), permille))
@@ -263,12 +366,8 @@ impl WhatIf {
         (lo, true)
     }
 
-    /// The prediction at each of `reserves`, each worker's size `given` or discovery's.
-    pub fn capacity(
-        &self,
-        given: Option<u64>,
-        reserves: &[f64],
-    ) -> Result<CapacityWhatIf, WhatIfError> {
+    /// Reserves to predict, and requests to predict them on.
+    fn check(&self, reserves: &[f64]) -> Result<(), WhatIfError> {
         if reserves.len() > MAX_RESERVES {
             return Err(WhatIfError::TooManyReserves(reserves.len()));
         }
@@ -281,12 +380,17 @@ impl WhatIf {
         if self.requests.is_empty() {
             return Err(WhatIfError::NoRequests);
         }
+        Ok(())
+    }
+
+    /// The prediction at each of `reserves`, each worker's size `given` or discovery's.
+    pub fn capacity(
+        &self,
+        given: Option<u64>,
+        reserves: &[f64],
+    ) -> Result<CapacityWhatIf, WhatIfError> {
+        self.check(reserves)?;
         let sizes = self.sizes(given)?;
-        let uniform = |m: &HashMap<WorkerKey, u64>| {
-            let mut v = m.values();
-            let first = *v.next()?;
-            v.all(|&b| b == first).then_some(first)
-        };
         let recorded = self.recorded();
         let (permille, calibrated) = self.calibrated_permille(&sizes);
         let scale = |m: &HashMap<WorkerKey, u64>| {
@@ -308,10 +412,7 @@ impl WhatIf {
         let rows = reserves
             .iter()
             .map(|&reserve| {
-                let left: HashMap<WorkerKey, u64> = sizes
-                    .iter()
-                    .map(|(w, b)| (*w, (*b as f64 * (1.0 - reserve)).floor() as u64))
-                    .collect();
+                let left = left_after(&sizes, reserve);
                 let (totals, _) = at(&left);
                 CapacityRow {
                     reserve,
@@ -331,9 +432,7 @@ impl WhatIf {
             },
             recorded_hit_rate: recorded.hit_rate(),
             recorded,
-            // The sizes simulated over the sizes, as rounded to whole blocks.
-            calibration: scale(&sizes).values().sum::<u64>() as f64
-                / sizes.values().sum::<u64>().max(1) as f64,
+            calibration: calibration(&sizes, permille),
             calibrated,
             requests_matched_exactly,
             undecodable_records: self.undecodable_records,
@@ -410,6 +509,8 @@ mod tests {
     fn req(worker: u64, chain: &[u64], recorded: u32) -> RoutedRequest {
         RoutedRequest {
             request_id: format!("r{}", chain[0]),
+            decided_ns: 0,
+            model: None,
             worker: WorkerKey {
                 worker_id: worker,
                 dp_rank: 0,
@@ -418,6 +519,25 @@ mod tests {
             isl_tokens: chain.len() as u64 * 16,
             block_size: 16,
             recorded_overlap_blocks: recorded,
+            recorded_best: WorkerKey {
+                worker_id: worker,
+                dp_rank: 0,
+            },
+            recorded_best_overlap_blocks: recorded,
+        }
+    }
+
+    impl WhatIf {
+        pub(super) fn empty() -> Self {
+            WhatIf {
+                requests: Vec::new(),
+                discovered_blocks: HashMap::new(),
+                undecodable_records: 0,
+                min_spill_blocks: 1,
+                nixl_pairs: Vec::new(),
+                nixl_agents: Vec::new(),
+                calibrations: Mutex::default(),
+            }
         }
     }
 
@@ -436,6 +556,7 @@ mod tests {
             requests,
             discovered_blocks: HashMap::from([(1, 8)]),
             undecodable_records: 0,
+            ..WhatIf::empty()
         };
         let rec = w.recorded();
         assert_eq!(rec.requests, 6);
@@ -472,6 +593,7 @@ mod tests {
             requests: w.requests.clone(),
             discovered_blocks: HashMap::new(),
             undecodable_records: 0,
+            ..WhatIf::empty()
         };
         assert!(matches!(
             unknown.capacity(None, &[0.0]),
@@ -503,6 +625,7 @@ mod tests {
             requests: vec![req(1, &[1, 2], 2), req(1, &[3, 4], 2)],
             discovered_blocks: HashMap::from([(1, 8)]),
             undecodable_records: 3,
+            ..WhatIf::empty()
         };
         let c = w.capacity(None, &[0.0, 0.5]).unwrap();
         assert!(!c.calibrated);

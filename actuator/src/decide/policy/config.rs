@@ -1,8 +1,8 @@
 //! The policy's thresholds: when to go LIVE and when to fall back to DRY (the
 //! actuator's `[policy]` table).
 
-use crate::decide::cost::CostParams;
 use kvscope_wire::api::window::WindowSummary;
+use kvscope_wire::cost::CostParams;
 use kvscope_wire::WorkerKey;
 use serde::{Deserialize, Serialize};
 

@@ -7,7 +7,7 @@
 //!   data faults, true-delta volume ≥ `min_true_delta_tok_per_s`, at least
 //!   `min_candidate_spills` spills whose true delta clears `min_tokens`, a share ≥
 //!   `min_beneficial_share` of those with a positive predicted net benefit (see
-//!   [`crate::decide::cost`]), and the fork's dispatch failures within budget;
+//!   [`kvscope_wire::cost`]), and the fork's dispatch failures within budget;
 //! - the NIXL path proven: ≥ `min_handshakes` handshakes observed between the mapped
 //!   agents (every agent without a mapping) and a success ratio ≥
 //!   `min_handshake_success_ratio` (over the recent ones when there are enough, else
@@ -29,11 +29,11 @@
 //! LIVE ends, windows measured mostly before that do not count toward entering again.
 
 use crate::act::mode::{Mode, OperatorHold, Override};
-use crate::config::WorkerAgent;
-use crate::decide::cost::{self, FigureSource, HandshakeCounts, NixlFigures};
 use crate::decide::input::CollectorView;
 use kvscope_kit::clock::fmt_utc;
 use kvscope_wire::api::window::{spill_delta_bucket_floor, WindowSummary, SPILL_DELTA_BUCKETS};
+use kvscope_wire::cost::WorkerAgent;
+use kvscope_wire::cost::{self, FigureSource, HandshakeCounts, NixlFigures};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeSet, VecDeque};
 use std::fmt;
@@ -112,9 +112,9 @@ impl PolicyEngine {
         &self.cfg
     }
     /// The configured mapping, completed with what the node agents told (see
-    /// [`crate::decide::cost::mapping`]).
+    /// [`kvscope_wire::cost::mapping`]).
     pub fn mapping_for(&self, view: &CollectorView) -> Vec<WorkerAgent> {
-        crate::decide::cost::mapping(&self.mapping, &view.nixl_agents)
+        kvscope_wire::cost::mapping(&self.mapping, &view.nixl_agents)
     }
     pub fn state(&self) -> &PolicyState {
         &self.state

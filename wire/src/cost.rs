@@ -1,13 +1,61 @@
 //! The cost model of one migration (ARCHITECTURE.md, "The measurements"): handshake latency +
 //! bytes / measured NIXL bandwidth between the pair + dispatch overhead, against
-//! recomputing the delta at the prefill rate. Pure: figures in, prediction out.
+//! recomputing the delta at the prefill rate. Pure: figures in, prediction out. The
+//! actuator prices each directive with it and the what-if each migration it predicts,
+//! so both charge a migration the same.
 
-use crate::config::WorkerAgent;
-use kvscope_wire::nixl::NixlAgentRow;
-use kvscope_wire::nixl::{MergedLatency, NixlPair};
-use kvscope_wire::WorkerKey;
+use crate::nixl::NixlAgentRow;
+use crate::nixl::{MergedLatency, NixlPair};
+use crate::record::WorkerSpec;
+use crate::WorkerKey;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
+
+/// One Dynamo worker and the NIXL agent it runs.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerAgent {
+    /// The worker (instance) id the router logs.
+    pub worker_id: u64,
+    /// Data-parallel rank; absent: every rank of the worker.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dp_rank: Option<u32>,
+    /// The NIXL agent name the worker's NIXL agent registers (as the eBPF probes see it).
+    pub nixl_agent: String,
+}
+
+impl WorkerAgent {
+    pub fn matches(&self, w: &WorkerKey) -> bool {
+        WorkerSpec {
+            worker_id: self.worker_id,
+            dp_rank: self.dp_rank,
+        }
+        .matches(w)
+    }
+}
+
+impl std::str::FromStr for WorkerAgent {
+    type Err = String;
+
+    /// `WORKER_ID[/DP]=AGENT`.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let (worker, agent) = s
+            .split_once('=')
+            .ok_or_else(|| format!("{s:?} is not WORKER_ID[/DP]=AGENT"))?;
+        let agent = agent.trim();
+        if agent.is_empty() {
+            return Err(format!("{s:?} has no agent name"));
+        }
+        let w: WorkerSpec = worker
+            .parse()
+            .map_err(|e| format!("{s:?} is not WORKER_ID[/DP]=AGENT: {e}"))?;
+        Ok(WorkerAgent {
+            worker_id: w.worker_id,
+            dp_rank: w.dp_rank,
+            nixl_agent: agent.to_string(),
+        })
+    }
+}
 
 /// The cost model's parameters (part of the policy config).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -42,7 +90,7 @@ pub struct PathFigures {
     pub handshake_from: FigureSource,
 }
 
-pub use kvscope_wire::directive::Prediction;
+pub use crate::directive::Prediction;
 
 /// Predict one migration; `None` when the path lacks a bandwidth or handshake figure.
 pub fn predict(
@@ -71,6 +119,47 @@ pub fn predict(
         prefill_tok_per_s,
         net_benefit_s: recompute_s - migrate_s,
     })
+}
+
+/// KV cache bytes per token of a model, from its Hugging Face `config.json`: K and V ×
+/// layers × KV heads × head size × the dtype's bytes, or, for a model with latent
+/// attention (MLA: `kv_lora_rank`), layers × (latent + rotary head size) × bytes. A
+/// multimodal model's figures are read from its `text_config`. An engine running an fp8
+/// KV cache holds half of an fp16 model's: give the bytes instead.
+pub fn kv_bytes_per_token(config: &serde_json::Value) -> Result<u64, String> {
+    let c = match config.get("text_config") {
+        Some(t) if config.get("num_hidden_layers").is_none() => t,
+        _ => config,
+    };
+    let num = |k: &str| {
+        c.get(k)
+            .and_then(serde_json::Value::as_u64)
+            .filter(|&n| n > 0)
+    };
+    let layers = num("num_hidden_layers").ok_or("no num_hidden_layers")?;
+    let dtype = c
+        .get("torch_dtype")
+        .or_else(|| c.get("dtype"))
+        .or_else(|| config.get("torch_dtype"))
+        .and_then(serde_json::Value::as_str)
+        .unwrap_or("bfloat16");
+    let bytes = match dtype {
+        "float32" => 4,
+        "float16" | "bfloat16" => 2,
+        d if d.starts_with("float8") => 1,
+        d => return Err(format!("dtype {d:?} has no known size")),
+    };
+    if let Some(latent) = num("kv_lora_rank") {
+        let rope = num("qk_rope_head_dim").unwrap_or(0);
+        return Ok(layers * (latent + rope) * bytes);
+    }
+    let heads = num("num_attention_heads").ok_or("no num_attention_heads")?;
+    let kv_heads = num("num_key_value_heads").unwrap_or(heads);
+    let head_dim = match num("head_dim") {
+        Some(d) => d,
+        None => num("hidden_size").ok_or("no head_dim or hidden_size")? / heads,
+    };
+    Ok(2 * layers * kv_heads * head_dim * bytes)
 }
 
 /// NIXL handshake counts.
@@ -130,18 +219,47 @@ pub fn mapping(configured: &[WorkerAgent], told: &[NixlAgentRow]) -> Vec<WorkerA
     out
 }
 
+/// What a migration is charged of the measured handshake latencies.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum HandshakeCharge {
+    /// A quantile: the actuator's, to price a migration it may still refuse
+    /// conservatively.
+    Quantile(f64),
+    /// The mean: the what-if's, to predict what many migrations cost in all.
+    Mean,
+}
+
+impl HandshakeCharge {
+    fn of(self, l: &MergedLatency) -> Option<f64> {
+        let ns = match self {
+            HandshakeCharge::Quantile(q) => l.quantile_ns(q)?,
+            HandshakeCharge::Mean => l.sum_ns.checked_div(l.count)?,
+        };
+        Some(ns as f64 / 1e9)
+    }
+}
+
 /// The NIXL figures of the fleet, looked up by Dynamo worker through the mapping.
 #[derive(Debug)]
 pub struct NixlFigures<'a> {
     pairs: &'a [NixlPair],
     mapping: &'a [WorkerAgent],
-    quantile: f64,
+    charge: HandshakeCharge,
     fleet_bandwidth: Option<f64>,
     fleet_handshake_s: Option<f64>,
 }
 
 impl<'a> NixlFigures<'a> {
+    /// Handshakes charged at `quantile` of their measured latency.
     pub fn new(pairs: &'a [NixlPair], mapping: &'a [WorkerAgent], quantile: f64) -> Self {
+        Self::charging(pairs, mapping, HandshakeCharge::Quantile(quantile))
+    }
+
+    pub fn charging(
+        pairs: &'a [NixlPair],
+        mapping: &'a [WorkerAgent],
+        charge: HandshakeCharge,
+    ) -> Self {
         let (bytes, ns) = pairs.iter().fold((0u64, 0u64), |(b, n), p| {
             (b + p.bytes_ok, n + p.latency.sum_ns)
         });
@@ -152,9 +270,9 @@ impl<'a> NixlFigures<'a> {
         Self {
             pairs,
             mapping,
-            quantile,
+            charge,
             fleet_bandwidth: (bytes > 0 && ns > 0).then(|| bytes as f64 / (ns as f64 / 1e9)),
-            fleet_handshake_s: hs.quantile_ns(quantile).map(|n| n as f64 / 1e9),
+            fleet_handshake_s: charge.of(&hs),
         }
     }
 
@@ -195,8 +313,7 @@ impl<'a> NixlFigures<'a> {
             self.fleet_bandwidth,
         );
         let (handshake_s, handshake_from) = from(
-            pair.and_then(|p| p.handshake_latency.quantile_ns(self.quantile))
-                .map(|n| n as f64 / 1e9),
+            pair.and_then(|p| self.charge.of(&p.handshake_latency)),
             self.fleet_handshake_s,
         );
         PathFigures {
@@ -330,6 +447,30 @@ mod tests {
         );
         let none = NixlFigures::new(&[], &[], 0.9).path(&w(1), &w(2));
         assert_eq!(none.handshake_from, FigureSource::Missing);
+    }
+
+    #[test]
+    fn kv_bytes_per_token_from_model_configs() {
+        // Llama 3.1 8B: 32 layers × 8 KV heads × 128 × K, V × 2 bytes.
+        let llama = serde_json::json!({
+            "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "hidden_size": 4096, "torch_dtype": "bfloat16"
+        });
+        assert_eq!(kv_bytes_per_token(&llama), Ok(131_072));
+        // DeepSeek V3: 61 layers × (512 latent + 64 rotary) × 2 bytes.
+        let mla = serde_json::json!({
+            "num_hidden_layers": 61, "num_attention_heads": 128, "kv_lora_rank": 512,
+            "qk_rope_head_dim": 64, "torch_dtype": "bfloat16"
+        });
+        assert_eq!(kv_bytes_per_token(&mla), Ok(61 * 576 * 2));
+        let multimodal = serde_json::json!({"torch_dtype": "float16", "text_config": {
+            "num_hidden_layers": 2, "num_attention_heads": 4, "head_dim": 64
+        }});
+        assert_eq!(kv_bytes_per_token(&multimodal), Ok(2 * 2 * 4 * 64 * 2));
+        assert!(kv_bytes_per_token(&serde_json::json!({})).is_err());
+        let odd = serde_json::json!({"num_hidden_layers": 2, "num_attention_heads": 4,
+            "head_dim": 64, "torch_dtype": "int3"});
+        assert!(kv_bytes_per_token(&odd).unwrap_err().contains("int3"));
     }
 
     #[test]

@@ -1,0 +1,170 @@
+//! The what-if's inputs, as `kvscope whatif` takes them (flags) and `/api/whatif` takes
+//! them (a query string), and its answer: every question asked of one set of requests.
+
+use super::migration::{MigrationQuestion, MigrationWhatIf, Pricing, DEFAULT_GATES};
+use super::{CapacityWhatIf, WhatIf, WhatIfError};
+use serde::{Deserialize, Deserializer, Serialize};
+use std::path::PathBuf;
+
+/// The actuator's default prefill rate, tokens/s per worker.
+pub const DEFAULT_PREFILL_TOK_PER_S: f64 = 10_000.0;
+/// The actuator's default KV bytes per token: an 8B model in fp16 (32 layers × 8 KV
+/// heads × 128 dims × K and V × 2 bytes).
+pub const DEFAULT_KV_BYTES_PER_TOKEN: u64 = 131_072;
+
+/// What to predict, and what to price it with (see `kvscope whatif --help`).
+#[derive(clap::Args, Debug, Clone, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct WhatIfInputs {
+    /// Each worker's KV cache in the recorded run, in blocks (the engine's
+    /// --num-gpu-blocks). Default: what Dynamo's discovery says of each worker
+    /// (`total_kv_blocks`), from the recording.
+    #[arg(long)]
+    pub gpu_blocks: Option<u64>,
+    /// The shares of each worker's cache to set aside, comma-separated, each in [0, 1)
+    /// [default: 0,0.05,0.1,0.15,0.2].
+    #[arg(long, value_delimiter = ',')]
+    #[serde(deserialize_with = "comma_list")]
+    pub reserve: Vec<f64>,
+    /// KV cache bytes per token of the served model. Default: from --model-config, else
+    /// 131072 (an 8B model in fp16), said so in the answer.
+    #[arg(long)]
+    pub kv_bytes_per_token: Option<u64>,
+    /// The model's Hugging Face `config.json`: KV bytes per token from its layers, KV
+    /// heads, head size and dtype (or its latent KV size for MLA models).
+    #[arg(long, conflicts_with = "kv_bytes_per_token")]
+    #[serde(skip)]
+    pub model_config: Option<PathBuf>,
+    /// Prefill rate of one worker, tokens/s [default: 10000, the actuator's].
+    #[arg(long)]
+    pub prefill_tok_per_s: Option<f64>,
+    /// Fixed cost of dispatching one migration, milliseconds [default: 5, the actuator's].
+    #[arg(long)]
+    pub dispatch_overhead_ms: Option<f64>,
+    /// NIXL bandwidth to charge every migration, GB/s. Default: what the eBPF probes
+    /// measured per pair in the recording (fleet-wide where a pair was not measured).
+    #[arg(long)]
+    pub nixl_bandwidth_gbps: Option<f64>,
+    /// Handshake latency to charge every migration, milliseconds. Default: the mean the
+    /// probes measured per pair in the recording.
+    #[arg(long)]
+    pub handshake_ms: Option<f64>,
+    /// Token gates to try (the actuator's `min_tokens`), comma-separated
+    /// [default: 16,256,1024,4096,16384,65536].
+    #[arg(long, value_delimiter = ',')]
+    #[serde(deserialize_with = "comma_list")]
+    pub gate: Vec<u64>,
+    /// The share NixlConnector's buffers would take: the reserve the recommended
+    /// thresholds are for (added to the reserves swept) [default: 0.1].
+    #[arg(long)]
+    pub connector_reserve: Option<f64>,
+}
+
+/// `0,0.15` in a query string.
+fn comma_list<'de, D, T>(d: D) -> Result<Vec<T>, D::Error>
+where
+    D: Deserializer<'de>,
+    T: std::str::FromStr,
+{
+    let s = String::deserialize(d)?;
+    s.split(',')
+        .filter(|p| !p.trim().is_empty())
+        .map(|p| {
+            p.trim()
+                .parse::<T>()
+                .map_err(|_| serde::de::Error::custom(format!("{p:?} in {s:?} is not a number")))
+        })
+        .collect()
+}
+
+/// Every question the what-if answers, on one set of requests.
+#[derive(Debug, Clone, Serialize)]
+pub struct WhatIfAnswer {
+    pub capacity: CapacityWhatIf,
+    pub migration: MigrationWhatIf,
+}
+
+/// Why the inputs cannot be read.
+#[derive(Debug, thiserror::Error)]
+pub enum InputError {
+    #[error("reading the model config {0}: {1}")]
+    ModelConfig(PathBuf, String),
+    #[error(transparent)]
+    WhatIf(#[from] WhatIfError),
+}
+
+impl WhatIfInputs {
+    fn pricing(&self) -> Result<Pricing, InputError> {
+        let (kv_bytes_per_token, kv_bytes_from) =
+            match (&self.kv_bytes_per_token, &self.model_config) {
+                (Some(b), _) => (*b, "given".to_string()),
+                (None, Some(path)) => {
+                    let text = std::fs::read_to_string(path)
+                        .map_err(|e| InputError::ModelConfig(path.clone(), e.to_string()))?;
+                    let cfg: serde_json::Value = serde_json::from_str(&text)
+                        .map_err(|e| InputError::ModelConfig(path.clone(), e.to_string()))?;
+                    let b = kvscope_wire::cost::kv_bytes_per_token(&cfg)
+                        .map_err(|e| InputError::ModelConfig(path.clone(), e))?;
+                    (b, format!("from {}", path.display()))
+                }
+                (None, None) => (
+                    DEFAULT_KV_BYTES_PER_TOKEN,
+                    "default, an 8B model in fp16: give --kv-bytes-per-token or --model-config"
+                        .to_string(),
+                ),
+            };
+        Ok(Pricing {
+            kv_bytes_per_token,
+            kv_bytes_from,
+            prefill_tok_per_s: self.prefill_tok_per_s.unwrap_or(DEFAULT_PREFILL_TOK_PER_S),
+            prefill_from: if self.prefill_tok_per_s.is_some() {
+                "given"
+            } else {
+                "default, the actuator's: give --prefill-tok-per-s"
+            }
+            .to_string(),
+            dispatch_overhead_s: self.dispatch_overhead_ms.unwrap_or(5.0) / 1e3,
+            bandwidth_bytes_per_s: self.nixl_bandwidth_gbps.map(|g| g * 1e9),
+            handshake_s: self.handshake_ms.map(|h| h / 1e3),
+        })
+    }
+
+    /// Every question asked of `w`.
+    pub fn answer(&self, w: &WhatIf) -> Result<WhatIfAnswer, InputError> {
+        let mut reserves = if self.reserve.is_empty() {
+            vec![0.0, 0.05, 0.1, 0.15, 0.2]
+        } else {
+            self.reserve.clone()
+        };
+        let capacity = w.capacity(self.gpu_blocks, &reserves)?;
+        let connector_reserve = self.connector_reserve.unwrap_or(0.1);
+        if !reserves.contains(&connector_reserve) {
+            reserves.push(connector_reserve);
+        }
+        let migration = w.migration(&MigrationQuestion {
+            pricing: self.pricing()?,
+            gates: if self.gate.is_empty() {
+                DEFAULT_GATES.to_vec()
+            } else {
+                self.gate.clone()
+            },
+            reserves,
+            connector_reserve,
+            gpu_blocks: self.gpu_blocks,
+        })?;
+        Ok(WhatIfAnswer {
+            capacity,
+            migration,
+        })
+    }
+}
+
+impl WhatIfAnswer {
+    pub fn to_markdown(&self) -> String {
+        format!(
+            "{}\n{}",
+            self.capacity.to_markdown(),
+            self.migration.to_markdown()
+        )
+    }
+}
