@@ -79,6 +79,8 @@ pub enum FigureSource {
     FleetWide,
     /// Not measured anywhere.
     Missing,
+    /// Given by the operator instead of what was measured.
+    Given,
 }
 
 /// The NIXL figures of the path one migration would take.

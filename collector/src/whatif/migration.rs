@@ -186,15 +186,10 @@ pub struct MigrationQuestion {
     pub gpu_blocks: Option<u64>,
 }
 
-/// Sums of priced spills into a gate's outcome.
-#[derive(Default)]
-struct Tally {
-    g: GateOutcome,
-}
-
-impl Tally {
+impl GateOutcome {
+    /// Count a spill over the gate.
     fn add(&mut self, s: &PricedSpill) {
-        let g = &mut self.g;
+        let g = self;
         g.spills_over_gate += 1;
         match &s.prediction {
             None => g.unpriced += 1,
@@ -225,14 +220,14 @@ impl Tally {
         pricing: &Pricing,
         secs: f64,
     ) -> GateOutcome {
-        let g = &mut self.g;
+        let g = &mut self;
         g.gate_tokens = gate;
         g.uncached_prefill_tokens = uncached.saturating_sub(g.migrated_tokens);
         g.net_prefill_tokens_saved = baseline as i64 - g.uncached_prefill_tokens as i64;
         g.net_s_saved = g.net_prefill_tokens_saved as f64 / pricing.prefill_tok_per_s
             - (g.nixl_s + g.dispatch_s);
         g.net_prefill_tok_per_s = per_s(g.net_prefill_tokens_saved as f64, secs);
-        self.g
+        self
     }
 }
 
@@ -257,11 +252,11 @@ impl WhatIf {
         let mut path = figures.path(&source, &r.worker);
         if let Some(b) = pricing.bandwidth_bytes_per_s {
             path.bandwidth_bytes_per_s = Some(b);
-            path.bandwidth_from = FigureSource::Pair;
+            path.bandwidth_from = FigureSource::Given;
         }
         if let Some(h) = pricing.handshake_s {
             path.handshake_s = Some(h);
-            path.handshake_from = FigureSource::Pair;
+            path.handshake_from = FigureSource::Given;
         }
         let tokens = u64::from(gap_blocks) * u64::from(r.block_size);
         let PathFigures {
@@ -285,6 +280,15 @@ impl WhatIf {
     pub fn recorded_spills(&self, pricing: &Pricing, gate: u64) -> Vec<PricedSpill> {
         let mapping = kvscope_wire::cost::mapping(&[], &self.nixl_agents);
         let figures = NixlFigures::charging(&self.nixl_pairs, &mapping, HandshakeCharge::Mean);
+        self.recorded_spills_priced(pricing, &figures, gate)
+    }
+
+    fn recorded_spills_priced(
+        &self,
+        pricing: &Pricing,
+        figures: &NixlFigures<'_>,
+        gate: u64,
+    ) -> Vec<PricedSpill> {
         self.requests
             .iter()
             .filter_map(|r| {
@@ -294,7 +298,7 @@ impl WhatIf {
                 let spill = r.recorded_best != r.worker && gap >= self.min_spill_blocks.max(1);
                 let tokens = u64::from(gap) * u64::from(r.block_size);
                 (spill && tokens >= gate)
-                    .then(|| self.priced(pricing, &figures, r, r.recorded_best, gap))
+                    .then(|| self.priced(pricing, figures, r, r.recorded_best, gap))
             })
             .collect()
     }
@@ -342,20 +346,21 @@ impl WhatIf {
         let mapping = kvscope_wire::cost::mapping(&[], &self.nixl_agents);
         let figures = NixlFigures::charging(&self.nixl_pairs, &mapping, HandshakeCharge::Mean);
         let recorded = self.recorded();
-        let mut recorded_gates = Vec::new();
-        for &gate in &q.gates {
-            let mut t = Tally::default();
-            for s in self.recorded_spills(p, gate) {
-                t.add(&s);
-            }
-            recorded_gates.push(t.finish(
-                gate,
-                recorded.uncached_prefill_tokens,
-                recorded.uncached_prefill_tokens,
-                p,
-                secs,
-            ));
-        }
+        // Priced once, over the smallest gate; each gate counts those it lets through.
+        let smallest = q.gates.iter().copied().min().unwrap_or(0);
+        let spills = self.recorded_spills_priced(p, &figures, smallest);
+        let recorded_gates = q
+            .gates
+            .iter()
+            .map(|&gate| {
+                let mut g = GateOutcome::default();
+                for s in spills.iter().filter(|s| s.tokens >= gate) {
+                    g.add(s);
+                }
+                let uncached = recorded.uncached_prefill_tokens;
+                g.finish(gate, uncached, uncached, p, secs)
+            })
+            .collect();
         let mut rows: Vec<ReserveRow> = Vec::new();
         let mut baseline = None;
         for &reserve in &reserves {
@@ -364,7 +369,7 @@ impl WhatIf {
                 .iter()
                 .map(|(w, b)| (*w, super::scaled(*b, permille)))
                 .collect();
-            let mut tallies: Vec<Tally> = q.gates.iter().map(|_| Tally::default()).collect();
+            let mut tallies = vec![GateOutcome::default(); q.gates.len()];
             let totals = self.replay(
                 |w| simulated.get(w).copied().unwrap_or(0),
                 true,
