@@ -224,14 +224,23 @@ pub fn mapping(configured: &[WorkerAgent], told: &[NixlAgentRow]) -> Vec<WorkerA
 /// What a migration is charged of the measured handshake latencies.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum HandshakeCharge {
-    /// A quantile: the actuator's, to price a migration it may still refuse
-    /// conservatively.
+    /// A quantile of every handshake's latency, failed ones included: the actuator's, to
+    /// price a migration it may still refuse conservatively.
     Quantile(f64),
-    /// The mean: the what-if's, to predict what many migrations cost in all.
+    /// The mean of the successful handshakes: the what-if's, to predict what the
+    /// migrations that go through cost in all (a failed `loadRemoteMD` returns early and
+    /// would make a handshake look cheaper than it is).
     Mean,
 }
 
 impl HandshakeCharge {
+    fn latency(self, p: &NixlPair) -> &MergedLatency {
+        match self {
+            HandshakeCharge::Quantile(_) => &p.handshake_latency,
+            HandshakeCharge::Mean => &p.handshake_ok_latency,
+        }
+    }
+
     fn of(self, l: &MergedLatency) -> Option<f64> {
         let ns = match self {
             HandshakeCharge::Quantile(q) => l.quantile_ns(q)?,
@@ -267,7 +276,7 @@ impl<'a> NixlFigures<'a> {
         });
         let mut hs = MergedLatency::default();
         for p in pairs {
-            hs.merge(&p.handshake_latency);
+            hs.merge(charge.latency(p));
         }
         Self {
             pairs,
@@ -315,7 +324,7 @@ impl<'a> NixlFigures<'a> {
             self.fleet_bandwidth,
         );
         let (handshake_s, handshake_from) = from(
-            pair.and_then(|p| self.charge.of(&p.handshake_latency)),
+            pair.and_then(|p| self.charge.of(self.charge.latency(p))),
             self.fleet_handshake_s,
         );
         PathFigures {
@@ -366,7 +375,9 @@ mod tests {
             bandwidth_bytes_per_second: Some(bw),
             handshakes_ok: 4,
             handshakes_failed: 1,
-            handshake_latency: MergedLatency::exact(&[hs_ns; 4]),
+            // The failed one returned early.
+            handshake_latency: MergedLatency::exact(&[hs_ns, hs_ns, hs_ns, hs_ns, hs_ns / 10]),
+            handshake_ok_latency: MergedLatency::exact(&[hs_ns; 4]),
             ..NixlPair::default()
         }
     }
@@ -447,6 +458,11 @@ mod tests {
             HandshakeCounts { ok: 4, failed: 4 },
             "the pair between mapped agents, and a mapped agent's loads of unnamed peers"
         );
+        // The what-if's charge: the mean of the successful handshakes only.
+        let mean = NixlFigures::charging(&pairs, &mapping, HandshakeCharge::Mean);
+        assert_eq!(mean.path(&w(1), &w(2)).handshake_s, Some(0.002));
+        let hs = mean.fleet_handshake_s().unwrap();
+        assert!((hs - 0.021).abs() < 1e-12, "{hs}");
         let none = NixlFigures::new(&[], &[], 0.9).path(&w(1), &w(2));
         assert_eq!(none.handshake_from, FigureSource::Missing);
     }

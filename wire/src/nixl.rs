@@ -396,7 +396,11 @@ pub struct NixlPair {
     pub bandwidth_bytes_per_second: Option<f64>,
     pub handshakes_ok: u64,
     pub handshakes_failed: u64,
+    /// Every metadata-exchange call's latency, failed ones included.
     pub handshake_latency: MergedLatency,
+    /// The successful ones' only: what a migration that goes through pays.
+    #[serde(default)]
+    pub handshake_ok_latency: MergedLatency,
     /// Transfers posted and in progress, as of the agents' latest reports.
     #[serde(default)]
     pub in_flight: u64,

@@ -10,7 +10,7 @@ use crate::fold::window::{ClosedWindow, OpenWindow};
 use kvscope_wire::api::summary::{AgentStatus, CollectorCounters};
 use kvscope_wire::api::verdict::SpillVerdict;
 use kvscope_wire::api::window::{MigrationLogWindow, ModelFigures, WindowSummary};
-use kvscope_wire::nixl::MergedLatency;
+use kvscope_wire::nixl::{MergedLatency, NixlAgentOwner, NixlAgentRow};
 use kvscope_wire::{
     Envelope, KvEvent, KvEventBatch, MigrationLogKind, MigrationLogLine, Record, RoutingDecision,
     SequenceHash, SequenceStatus, WorkerKey, WorkerRecord, WorkerState,
@@ -211,7 +211,15 @@ pub struct FleetAnalyzer {
     /// their chains' hashes in all.
     routed: VecDeque<RoutedRequest>,
     routed_hashes: usize,
+    /// Every NIXL agent's owner as its node agent last told it, by (node, NIXL agent),
+    /// with when: a node agent stops telling an agent whose process is gone, but the
+    /// requests it served stay in the what-if's history.
+    told_owners: BTreeMap<(String, String), (NixlAgentOwner, u64)>,
 }
+
+/// NIXL agent owners remembered after their node agent stopped telling them, at most
+/// (the oldest told are forgotten first: engines that restart take new agent names).
+const MAX_TOLD_OWNERS: usize = 4096;
 
 /// The judged requests kept for the what-if: at most this many chain hashes in all
 /// (32 MiB), each request counted as [`ROUTED_REQUEST_WEIGHT`] more for its id and
@@ -301,6 +309,7 @@ impl FleetAnalyzer {
             request_nixl: RequestNixlRows::default(),
             routed: VecDeque::new(),
             routed_hashes: 0,
+            told_owners: BTreeMap::new(),
         }
     }
 
@@ -321,6 +330,35 @@ impl FleetAnalyzer {
     }
     pub fn agents(&self) -> &BTreeMap<String, AgentStatus> {
         &self.agents
+    }
+    /// Every NIXL agent's owner as last told, those no longer told included (see
+    /// `told_owners`): what maps the workers of past requests to their NIXL agents.
+    pub fn owners_ever_told(&self) -> Vec<NixlAgentRow> {
+        self.told_owners
+            .iter()
+            .map(|((node, _), (owner, _))| NixlAgentRow {
+                node: node.clone(),
+                owner: owner.clone(),
+            })
+            .collect()
+    }
+
+    fn remember_owners(&mut self, node: &str, owners: &[NixlAgentOwner], at_ns: u64) {
+        for o in owners {
+            self.told_owners
+                .insert((node.to_string(), o.agent.clone()), (o.clone(), at_ns));
+        }
+        while self.told_owners.len() > MAX_TOLD_OWNERS {
+            let Some(oldest) = self
+                .told_owners
+                .iter()
+                .min_by_key(|(_, (_, at))| *at)
+                .map(|(k, _)| k.clone())
+            else {
+                break;
+            };
+            self.told_owners.remove(&oldest);
+        }
     }
     /// Workers whose mirror is incomplete now (see `verdicts_on_incomplete_mirror`).
     pub fn incomplete_workers(&self) -> impl Iterator<Item = &WorkerKey> {
@@ -457,6 +495,7 @@ impl FleetAnalyzer {
                 a.last_seen_ns = a.last_seen_ns.max(env.observed_ns);
                 a.nixl = Some(report.clone());
                 self.request_nixl.apply(&env.agent, &report.requests);
+                self.remember_owners(&env.agent, &report.owners, env.observed_ns);
                 None
             }
         }
@@ -934,6 +973,35 @@ mod tests {
             observed_ns: t,
             record,
         }
+    }
+
+    #[test]
+    fn owners_stay_told_after_their_process_is_gone() {
+        let mut a = FleetAnalyzer::new(AnalyzerConfig::default());
+        let owner = |agent: &str, worker_id: u64| NixlAgentOwner {
+            agent: agent.into(),
+            pid: 7,
+            worker_id: Some(worker_id),
+            dp_rank: None,
+            how: "parent process 6".into(),
+        };
+        let report = |owners: Vec<NixlAgentOwner>| {
+            Record::Nixl(kvscope_wire::nixl::NixlReport {
+                owners,
+                ..Default::default()
+            })
+        };
+        a.apply(&env(S, report(vec![owner("d0", 1), owner("d1", 2)])));
+        // d1's engine restarted as another worker; d0's process is gone.
+        a.apply(&env(2 * S, report(vec![owner("d1", 3)])));
+        a.apply(&env(3 * S, report(vec![])));
+        assert!(crate::fold::nixl::owners(a.agents()).is_empty());
+        let told: Vec<(String, Option<u64>)> = a
+            .owners_ever_told()
+            .into_iter()
+            .map(|r| (r.owner.agent, r.owner.worker_id))
+            .collect();
+        assert_eq!(told, [("d0".into(), Some(1)), ("d1".into(), Some(3))]);
     }
 
     fn stored(

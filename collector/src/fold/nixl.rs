@@ -65,6 +65,7 @@ pub fn pairs(agents: &BTreeMap<String, AgentStatus>) -> Vec<NixlPair> {
             let p = by_pair.entry(k).or_default();
             if c.status == "SUCCESS" {
                 p.handshakes_ok = p.handshakes_ok.saturating_add(c.calls);
+                p.handshake_ok_latency.add(&c.latency);
             } else {
                 p.handshakes_failed = p.handshakes_failed.saturating_add(c.calls);
             }

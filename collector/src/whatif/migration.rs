@@ -15,7 +15,7 @@
 //! `min_spill_blocks`. A migrated delta is then resident on the chosen worker as if it
 //! had prefilled it, so the cache evolves as without migration: only the request's own
 //! prefill shrinks. Routing is held fixed, and a migration is charged a handshake as the
-//! fork's producer handshake does, at the mean measured handshake latency of the pair.
+//! fork's producer handshake does, at the mean latency of the pair's successful handshakes.
 
 use super::{CacheTotals, RoutedRequest, WhatIf, WhatIfError};
 use kvscope_wire::cost::{

@@ -216,7 +216,7 @@ impl WhatIf {
             undecodable_records: a.counters().undecodable_records,
             min_spill_blocks: a.config().min_spill_blocks,
             nixl_pairs: crate::fold::nixl::pairs(a.agents()),
-            nixl_agents: crate::fold::nixl::owners(a.agents()),
+            nixl_agents: a.owners_ever_told(),
             calibrations: Mutex::default(),
         }
     }

@@ -45,8 +45,8 @@ pub struct WhatIfInputs {
     /// measured per pair in the recording (fleet-wide where a pair was not measured).
     #[arg(long)]
     pub nixl_bandwidth_gbps: Option<f64>,
-    /// Handshake latency to charge every migration, milliseconds. Default: the mean the
-    /// probes measured per pair in the recording.
+    /// Handshake latency to charge every migration, milliseconds. Default: the mean of
+    /// the successful handshakes the probes measured per pair in the recording.
     #[arg(long)]
     pub handshake_ms: Option<f64>,
     /// Token gates to try (the actuator's `min_tokens`), comma-separated

@@ -160,6 +160,13 @@ fn outcome_of(
             .filter(|h| h.outcome == crate::truth::CallOutcome::Error)
             .count() as u64,
         transfers: r.transfers.len() as u64,
+        load_ns: r
+            .handshakes
+            .iter()
+            .filter(|h| h.call == crate::truth::HandshakeCall::LoadRemoteMd)
+            .map(|h| h.wall_ns)
+            .sum(),
+        post_to_done_ns: r.transfers.iter().filter_map(|t| t.post_to_done_ns).sum(),
         detail: detail.or_else(|| r.detail.clone()),
         at_ns: crate::worker::unix_ns(),
     }

@@ -26,6 +26,12 @@ pub struct MigrationOutcome {
     pub handshakes: u64,
     pub handshakes_failed: u64,
     pub transfers: u64,
+    /// The data plane's own clock: Σ wall time inside the `loadRemoteMD` calls (the
+    /// handshake the migration paid), and Σ post → done of its completed READs, ns.
+    #[serde(default)]
+    pub load_ns: u64,
+    #[serde(default)]
+    pub post_to_done_ns: u64,
     pub detail: Option<String>,
     pub at_ns: u64,
 }
