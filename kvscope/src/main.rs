@@ -87,6 +87,13 @@ struct DemoArgs {
     /// Warm-up not measured, in seconds.
     #[arg(long, default_value_t = 5.0)]
     warmup_secs: f64,
+    /// Let the mockers answer with random tokens. By default each reply is planned from
+    /// the workload's seed and the mockers answer with it, so the reply comes back as the
+    /// same tokens in the next turn, as a real chat client sends it, and the blocks
+    /// decode generated are part of the next prompt (the report's "true delta in
+    /// decode-generated blocks").
+    #[arg(long)]
+    random_answers: bool,
     /// Write report.md, report.json, report.html and the recordings here (default: the lab
     /// run folder).
     #[arg(long)]
@@ -120,7 +127,17 @@ async fn main() -> std::process::ExitCode {
 }
 
 async fn demo(args: DemoArgs) -> anyhow::Result<()> {
-    let lab = LabConfig {
+    let mut wl = WorkloadConfig {
+        sessions: args.sessions,
+        families: args.families,
+        max_turns: args.turns,
+        concurrency: args.concurrency,
+        rate: Some(args.rate),
+        duration_secs: args.duration_secs,
+        fixed_answers: !args.random_answers,
+        ..WorkloadConfig::default()
+    };
+    let mut lab = LabConfig {
         workers: args.workers,
         num_gpu_blocks: args.gpu_blocks,
         frontend_args: vec![
@@ -134,6 +151,13 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
         lab.lab_dir.display()
     );
     kvscope_lab::setup::ensure_venv(&lab.lab_dir)?;
+    let answers = if wl.fixed_answers {
+        let path = workload::write_answer_trace(&wl, &lab.lab_dir)?;
+        lab = lab.answering_from(&path);
+        Some(path)
+    } else {
+        None
+    };
     eprintln!(
         "kvscope demo: starting the lab ({} mocker workers) with the agent and collector …",
         args.workers
@@ -156,16 +180,7 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
         run.api(),
         run.api()
     );
-    let wl = WorkloadConfig {
-        frontend: run.lab().frontend_url().to_string(),
-        sessions: args.sessions,
-        families: args.families,
-        max_turns: args.turns,
-        concurrency: args.concurrency,
-        rate: Some(args.rate),
-        duration_secs: args.duration_secs,
-        ..WorkloadConfig::default()
-    };
+    wl.frontend = run.lab().frontend_url().to_string();
     eprintln!(
         "kvscope demo: running the workload ({} sessions × {} turns, ≤ {} req/s, ≤ {} s) …",
         args.sessions, args.turns, args.rate, args.duration_secs
@@ -189,6 +204,11 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
         out.join("workload.json"),
         serde_json::to_vec_pretty(&summary)?,
     )?;
+    if let Some(path) = answers {
+        // The replies the mockers were given, beside the workload that asked for them.
+        std::fs::copy(&path, out.join("answers.jsonl"))?;
+        let _ = std::fs::remove_file(path);
+    }
     println!("{}", report.to_markdown());
     if let Some(router_view) = summary.router_spilled_cached_tokens {
         let kvscope_view: u64 = report.windows.iter().map(|w| w.true_delta_tokens).sum();
@@ -199,7 +219,7 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
         );
     }
     eprintln!(
-        "kvscope demo: report.md, report.json, report.html and workload.json in {}; recording in {}",
+        "kvscope demo: report.md, report.json, report.html and workload.json (and answers.jsonl, the planned replies) in {}; recording in {}",
         out.display(),
         run.recording.display()
     );

@@ -152,6 +152,15 @@ impl Default for LabConfig {
 }
 
 impl LabConfig {
+    /// Have every mocker answer with the replies planned in `trace` (a Mooncake JSONL
+    /// file, [`crate::workload::answer_trace`]) for the requests that name them, instead
+    /// of random tokens: Dynamo's `--response-replay-trace-path`.
+    pub fn answering_from(mut self, trace: &std::path::Path) -> Self {
+        self.mocker_args.push("--response-replay-trace-path".into());
+        self.mocker_args.push(trace.display().to_string());
+        self
+    }
+
     /// The model mocker `index` serves.
     pub fn worker_model(&self, index: usize) -> &str {
         self.worker_models

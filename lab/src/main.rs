@@ -53,6 +53,14 @@ enum Cmd {
         #[arg(long)]
         out: Option<PathBuf>,
     },
+    /// Write the replies `--fixed-answers` plans for this workload, as the mockers'
+    /// `--response-replay-trace-path` reads them (Mooncake JSONL).
+    Answers {
+        #[command(flatten)]
+        workload: WorkloadArgs,
+        #[arg(long)]
+        out: PathBuf,
+    },
     /// Start the lab, run the workload, stop the lab; prints the summary (JSON).
     Run {
         #[command(flatten)]
@@ -258,6 +266,11 @@ struct WorkloadArgs {
     /// Prefix of x-request-id values (default kvs<seed>).
     #[arg(long)]
     tag: Option<String>,
+    /// Planned replies that come back as the same tokens in the next turn (the mockers
+    /// must read `kvscope-lab answers`' trace: `run` sees to it; for `up`, pass
+    /// --mocker-arg=--response-replay-trace-path --mocker-arg=<file>).
+    #[arg(long)]
+    fixed_answers: bool,
 }
 
 impl WorkloadArgs {
@@ -278,6 +291,7 @@ impl WorkloadArgs {
             user_words: self.user_words,
             think_time_ms: self.think_time_ms,
             tag: self.tag.clone(),
+            fixed_answers: self.fixed_answers,
             ..WorkloadConfig::default()
         }
     }
@@ -327,13 +341,24 @@ async fn main() -> Result<()> {
                 std::process::exit(1);
             }
         }
+        Cmd::Answers { workload: w, out } => {
+            std::fs::write(&out, workload::answer_trace(&w.config("")))
+                .with_context(|| format!("writing {}", out.display()))?;
+        }
         Cmd::Run {
             lab,
             workload: w,
             out,
         } => {
-            let cfg = lab.config();
+            let mut cfg = lab.config();
             setup::ensure_venv(&cfg.lab_dir)?;
+            let answers = if w.fixed_answers {
+                let path = workload::write_answer_trace(&w.config(""), &cfg.lab_dir)?;
+                cfg = cfg.answering_from(&path);
+                Some(path)
+            } else {
+                None
+            };
             let lab = Lab::start(cfg).await?;
             eprintln!("{}", serde_json::to_string_pretty(lab.manifest())?);
             let result = tokio::select! {
@@ -343,6 +368,9 @@ async fn main() -> Result<()> {
             let out = out.unwrap_or_else(|| lab.run_dir().join("workload.json"));
             let manifest = lab.manifest().clone();
             tokio::task::spawn_blocking(move || lab.stop()).await?;
+            if let Some(path) = answers {
+                let _ = std::fs::remove_file(path);
+            }
             let Some(summary) = result else {
                 anyhow::bail!("interrupted");
             };

@@ -4,7 +4,9 @@
 //! tokens differ between families; `sessions` conversations are spread round-robin over
 //! the families. Each turn appends a new user message to the conversation so far (system
 //! prompt, earlier user turns and the model's replies), so the prompt grows by appending,
-//! as in real chat. Content is deterministic given `seed` (the mocker's replies are not).
+//! as in real chat. Content is deterministic given `seed`; the mocker's replies are not,
+//! unless `fixed_answers` is set (see [`answer_trace`]): then every reply is planned from
+//! the seed too, and comes back as the same tokens in the session's next turn.
 //!
 //! With the lab's model fixture one word (`w0` … `w1999`) is one token, and the chat
 //! template renders `<|role|> content ` per message, so prompt token counts are exact.
@@ -70,6 +72,11 @@ pub struct WorkloadConfig {
     pub think_time_ms: u64,
     /// Prefix of the `x-request-id` header values. Default `kvs<seed>`.
     pub tag: Option<String>,
+    /// Ask the mockers for planned replies ([`answer_trace`], which their
+    /// `--response-replay-trace-path` must hold), so that each reply's tokens, and the
+    /// blocks its decode generated, come back in the next turn; and check that each
+    /// reply was the planned one. Default false (the mocker's random tokens).
+    pub fixed_answers: bool,
 }
 
 impl Default for WorkloadConfig {
@@ -91,6 +98,7 @@ impl Default for WorkloadConfig {
             request_timeout_secs: 60.0,
             think_time_ms: 0,
             tag: None,
+            fixed_answers: false,
         }
     }
 }
@@ -113,6 +121,12 @@ pub struct RequestRecord {
     pub usage_completion_tokens: Option<u64>,
     /// `usage.prompt_tokens_details.cached_tokens` from the response.
     pub usage_cached_tokens: Option<u64>,
+    /// With `fixed_answers`: the worker that decoded the reply (`nvext.worker_id`), and
+    /// whether the reply's token ids (`nvext.completion_token_ids`) were the planned ones.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub worker_id: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub answer_as_planned: Option<bool>,
     /// Milliseconds since the workload started, when the request was sent.
     pub sent_at_ms: u64,
     pub latency_ms: u64,
@@ -207,6 +221,66 @@ pub fn system_prompt(seed: u64, family: usize, words_n: usize) -> String {
     format!("{head} {}", words(&mut rng, words_n.saturating_sub(1)))
 }
 
+/// Token id of the fixture's word `w0` (`w<n>` is `n + FIRST_WORD_ID`; the ids below are
+/// its special tokens).
+pub const FIRST_WORD_ID: u32 = 7;
+
+/// The planned reply of `session`'s `turn`: `n` token ids of the fixture's words.
+pub fn planned_answer(seed: u64, session: usize, turn: usize, n: u32) -> Vec<u32> {
+    let mut rng = stream_rng(seed, 3, session as u64, turn as u64);
+    (0..n)
+        .map(|_| FIRST_WORD_ID + rng.below(VOCAB_WORDS) as u32)
+        .collect()
+}
+
+/// The `x-request-id` of a turn.
+pub fn x_request_id(tag: &str, family: usize, session: usize, turn: usize) -> String {
+    format!("{tag}-f{family}-s{session}-t{turn}")
+}
+
+/// The header values' prefix (`tag`, default `kvs<seed>`).
+pub fn request_tag(cfg: &WorkloadConfig) -> String {
+    cfg.tag
+        .clone()
+        .unwrap_or_else(|| format!("kvs{}", cfg.seed))
+}
+
+/// The replies `fixed_answers` plans, as the mocker's `--response-replay-trace-path`
+/// reads them: one Mooncake JSONL row per turn of every session, keyed by the turn's
+/// `x-request-id`, which each request names in its `output_replay_id` annotation.
+pub fn answer_trace(cfg: &WorkloadConfig) -> String {
+    let tag = request_tag(cfg);
+    let mut out = String::new();
+    for session in 0..cfg.sessions {
+        let family = session % cfg.families.max(1);
+        for turn in 0..cfg.max_turns {
+            let ids = planned_answer(cfg.seed, session, turn, cfg.max_tokens);
+            let row = json!({
+                "request_id": x_request_id(&tag, family, session, turn),
+                "output_length": ids.len(),
+                "output_token_ids": ids,
+            });
+            out.push_str(&row.to_string());
+            out.push('\n');
+        }
+    }
+    out
+}
+
+/// Write [`answer_trace`] of `cfg` under `lab_dir` (`answers/<tag>-<pid>.jsonl`) for the
+/// mockers to read at start ([`crate::LabConfig::answering_from`]); its path.
+pub fn write_answer_trace(
+    cfg: &WorkloadConfig,
+    lab_dir: &std::path::Path,
+) -> Result<std::path::PathBuf> {
+    let dir = lab_dir.join("answers");
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let path = dir.join(format!("{}-{}.jsonl", request_tag(cfg), std::process::id()));
+    std::fs::write(&path, answer_trace(cfg))
+        .with_context(|| format!("writing {}", path.display()))?;
+    Ok(path)
+}
+
 /// The user message of `session`'s `turn`.
 pub fn user_message(seed: u64, session: usize, turn: usize, words_n: usize) -> String {
     let mut rng = stream_rng(seed, 2, session as u64, turn as u64);
@@ -261,10 +335,7 @@ pub async fn run(cfg: WorkloadConfig) -> Result<WorkloadSummary> {
     };
     let before = scrape_router_counters(&client, &frontend).await;
     let start = Instant::now();
-    let tag = cfg
-        .tag
-        .clone()
-        .unwrap_or_else(|| format!("kvs{}", cfg.seed));
+    let tag = request_tag(&cfg);
     info!(
         frontend = %frontend, model = %model, sessions = cfg.sessions, families = cfg.families,
         concurrency = cfg.concurrency, max_turns = cfg.max_turns, "Workload starting."
@@ -384,8 +455,8 @@ async fn send(
     messages: &[(String, String)],
 ) -> (RequestRecord, Option<String>) {
     let cfg = &sh.cfg;
-    let x_request_id = format!("{}-f{family}-s{session}-t{turn}", sh.tag);
-    let (url, body) = match cfg.api {
+    let x_request_id = x_request_id(&sh.tag, family, session, turn);
+    let (url, mut body) = match cfg.api {
         Api::Chat => (
             format!("{}/v1/chat/completions", cfg.frontend),
             json!({
@@ -405,6 +476,12 @@ async fn send(
             }),
         ),
     };
+    if cfg.fixed_answers {
+        body["nvext"] = json!({
+            "annotations": [format!("output_replay_id:{x_request_id}")],
+            "extra_fields": ["completion_token_ids", "worker_id"],
+        });
+    }
     let sent_at = Instant::now();
     let mut rec = RequestRecord {
         family,
@@ -416,6 +493,8 @@ async fn send(
         usage_prompt_tokens: None,
         usage_completion_tokens: None,
         usage_cached_tokens: None,
+        worker_id: None,
+        answer_as_planned: None,
         sent_at_ms: sent_at.duration_since(sh.start).as_millis() as u64,
         latency_ms: 0,
         http_status: None,
@@ -458,6 +537,17 @@ async fn send(
                             .or_else(|| v.pointer("/choices/0/text"))
                             .and_then(Value::as_str)
                             .map(str::to_string);
+                        if cfg.fixed_answers {
+                            rec.worker_id = v
+                                .pointer("/nvext/worker_id/decode_worker_id")
+                                .or_else(|| v.pointer("/nvext/worker_id/prefill_worker_id"))
+                                .and_then(Value::as_u64);
+                            let planned = planned_answer(cfg.seed, session, turn, cfg.max_tokens);
+                            let got: Option<Vec<u32>> = v
+                                .pointer("/nvext/completion_token_ids")
+                                .and_then(|ids| serde_json::from_value(ids.clone()).ok());
+                            rec.answer_as_planned = Some(got.as_ref() == Some(&planned));
+                        }
                         rec.ok = reply.is_some() && rec.router_request_id.is_some();
                         if !rec.ok {
                             rec.error = Some(format!("unexpected body: {}", truncate(&text, 300)));
