@@ -3,7 +3,6 @@
 use crate::config::CollectorConfig;
 use crate::fold::analyzer::FleetAnalyzer;
 use crate::ingest::bus::{self, BusConfig, Shared};
-use crate::ingest::replay;
 use crate::report::OpportunityReport;
 use crate::serve::api;
 use crate::supervise::{self, Essential};
@@ -72,6 +71,7 @@ pub enum Command {
     PrintConfig,
     /// Write the dry-run opportunity report from a recording: Markdown, JSON, or one
     /// self-contained HTML page with plots (no scripts or assets fetched; opens offline).
+    /// It ends with the what-if of the same requests (`whatif`'s inputs, same flags).
     Report {
         /// The recording to replay (from `run --record` or the agent's `--record`).
         #[arg(long)]
@@ -82,6 +82,8 @@ pub enum Command {
         /// What to print when --out is not given.
         #[arg(long, value_enum, default_value = "markdown")]
         format: Format,
+        #[command(flatten)]
+        whatif: crate::whatif::question::WhatIfInputs,
     },
     /// Predict from a recording what turning KV migration on would save net of its
     /// costs: a smaller KV cache per worker (the connector's reserve) against each spill's
@@ -211,9 +213,23 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             replay: path,
             out,
             format,
+            whatif,
         } => {
-            let a = replay::replay(&path, cfg.analyzer.clone())?;
-            let report = OpportunityReport::from_analyzer(&a);
+            let (a, w) = crate::whatif::WhatIf::replay_recording(&path, cfg.analyzer.clone())?;
+            // What the recording lacks leaves the what-if out, saying why; a bad input is
+            // an error.
+            use crate::whatif::{question::InputError, WhatIfError};
+            let answer = match whatif.answer(&w) {
+                Ok(a) => Ok(a),
+                Err(InputError::WhatIf(
+                    e @ (WhatIfError::UnknownCapacity(_) | WhatIfError::NoRequests),
+                )) => {
+                    tracing::warn!(error = %e, "No what-if in the report.");
+                    Err(e.to_string())
+                }
+                Err(e) => return Err(e).with_context(|| format!("what-if on {}", path.display())),
+            };
+            let report = OpportunityReport::from_analyzer(&a).with_whatif(answer);
             match out {
                 Some(dir) => write_report(&dir, &report)?,
                 None => match format {

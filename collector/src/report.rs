@@ -6,9 +6,11 @@ mod html;
 mod plots;
 mod svg;
 mod tables;
+mod whatif;
 
 use crate::fold::analyzer::FleetAnalyzer;
 use crate::fold::window::{token_distribution, token_histogram};
+use crate::whatif::question::WhatIfAnswer;
 use hdrhistogram::Histogram;
 use kvscope_wire::api::summary::{AgentStatus, CollectorCounters};
 use kvscope_wire::api::window::{
@@ -125,6 +127,14 @@ pub struct OpportunityReport {
     pub agents: BTreeMap<String, AgentStatus>,
     /// Every closed window, warm-up included (flagged).
     pub windows: Vec<WindowSummary>,
+    /// The what-if of the same requests (`kvscope whatif`'s answer), where the report
+    /// was made from a whole recording (`kvscope collector report`, `kvscope demo`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub whatif: Option<WhatIfAnswer>,
+    /// Why the what-if could not be answered on these requests (no cache size known, no
+    /// request judged), where one was asked for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub whatif_unavailable: Option<String>,
 }
 
 impl OpportunityReport {
@@ -241,7 +251,18 @@ impl OpportunityReport {
             collector: a.counters().clone(),
             agents: a.agents().clone(),
             windows: a.closed_windows().map(|w| w.summary.clone()).collect(),
+            whatif: None,
+            whatif_unavailable: None,
         }
+    }
+
+    /// With the what-if of the same requests, or why it could not be answered.
+    pub fn with_whatif(mut self, answer: Result<WhatIfAnswer, String>) -> Self {
+        match answer {
+            Ok(a) => self.whatif = Some(a),
+            Err(why) => self.whatif_unavailable = Some(why),
+        }
+        self
     }
 
     /// The report as one self-contained HTML page with its plots (see [`html`]).
@@ -370,6 +391,22 @@ impl OpportunityReport {
         let _ = writeln!(md, "\n## Data quality\n\n| counter | value |\n|---|---|");
         for (name, v) in self.data_quality_rows() {
             let _ = writeln!(md, "| {name} | {v} |");
+        }
+        if let Some(why) = &self.whatif_unavailable {
+            let _ = writeln!(md, "\n## What-if\n\nNot answered on these requests: {why}.");
+        }
+        if let Some(w) = &self.whatif {
+            // The what-if's own Markdown, its headings one level down.
+            for part in [w.capacity.to_markdown(), w.migration.to_markdown()] {
+                md.push('\n');
+                for line in part.lines() {
+                    if line.starts_with('#') {
+                        md.push('#');
+                    }
+                    md.push_str(line);
+                    md.push('\n');
+                }
+            }
         }
         md
     }

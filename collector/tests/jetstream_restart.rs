@@ -268,7 +268,11 @@ async fn a_killed_collector_resumes_without_losing_or_repeating_records() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let replayed: OpportunityReport = serde_json::from_slice(&out.stdout).unwrap();
+    let mut replayed: OpportunityReport = serde_json::from_slice(&out.stdout).unwrap();
+    // The report of a recording ends with its what-if (here, with no cache size in the
+    // trace, why there is none); the live report has none.
+    assert!(replayed.whatif_unavailable.is_some());
+    replayed.whatif_unavailable = None;
     assert_same(
         &replayed,
         &expected,

@@ -416,10 +416,25 @@ fn the_html_report_renders_its_plots_in_chromium_without_network() {
     let out = work.join("report");
     let collector = env!("CARGO_BIN_EXE_kvscope-collector");
     let common = ["--window-secs", "1", "--warmup-secs", "2"];
+    // The what-if at the report's end: the fleet's size (its recording has no discovery)
+    // and NIXL figures given, so that migration is priced.
+    let whatif = [
+        "--gpu-blocks",
+        "256",
+        "--kv-bytes-per-token",
+        "256",
+        "--nixl-bandwidth-gbps",
+        "5",
+        "--handshake-ms",
+        "2",
+        "--prefill-tok-per-s",
+        "2000",
+    ];
     let written = Command::new(collector)
         .args(common)
         .args(["report", "--replay"])
         .arg(&recording)
+        .args(whatif)
         .arg("--out")
         .arg(&out)
         .output()
@@ -438,6 +453,7 @@ fn the_html_report_renders_its_plots_in_chromium_without_network() {
         .args(common)
         .args(["report", "--format", "html", "--replay"])
         .arg(&recording)
+        .args(whatif)
         .output()
         .unwrap();
     assert!(printed.status.success());
@@ -459,6 +475,11 @@ fn the_html_report_renders_its_plots_in_chromium_without_network() {
         "some spills had part of the prefix on the chosen worker"
     );
     assert!(report.migration_log.spill_lines > 0);
+    let whatif = report.whatif.as_ref().expect("the report's what-if");
+    assert!(
+        whatif.migration.recorded_gates[0].migrations > 0,
+        "the what-if priced and migrated the recorded spills"
+    );
 
     // Statically: nothing in the page points anywhere.
     for needle in [
@@ -492,6 +513,11 @@ fn the_html_report_renders_its_plots_in_chromium_without_network() {
                 .sum(),
         ),
         ("plot-volume", 3 * report.windows.len()),
+        ("plot-whatif-reserve", whatif.capacity.rows.len()),
+        (
+            "plot-whatif-migration",
+            whatif.migration.rows.len() * (whatif.migration.rows[0].gates.len() + 1),
+        ),
     ];
     for (id, marks) in expect {
         let p = plots
@@ -538,6 +564,37 @@ fn the_html_report_renders_its_plots_in_chromium_without_network() {
             b.upper_bound_spills
         };
         assert_eq!(number(&m["data-value"]) as u64, want);
+    }
+    for m in &plots["plot-whatif-reserve"].marks {
+        let reserve = number(&m["data-reserve"]);
+        let row = whatif
+            .capacity
+            .rows
+            .iter()
+            .find(|r| r.reserve == reserve)
+            .unwrap();
+        assert_eq!(number(&m["data-value"]), row.hit_rate);
+    }
+    for m in &plots["plot-whatif-migration"].marks {
+        let reserve = number(&m["data-reserve"]);
+        let row = whatif
+            .migration
+            .rows
+            .iter()
+            .find(|r| r.reserve == reserve)
+            .unwrap();
+        let want = match m.get("data-gate") {
+            Some(g) => {
+                let g = number(g) as u64;
+                row.gates
+                    .iter()
+                    .find(|o| o.gate_tokens == g)
+                    .unwrap()
+                    .net_prefill_tok_per_s
+            }
+            None => -row.reserve_cost_tok_per_s,
+        };
+        assert_eq!(number(&m["data-value"]), want, "{m:?}");
     }
     let workers: Vec<&BTreeMap<String, String>> = tags
         .iter()

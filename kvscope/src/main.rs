@@ -196,6 +196,21 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
     let out = args
         .out
         .unwrap_or_else(|| run.lab().run_dir().to_path_buf());
+    // The what-if of the run's requests, from its whole recording once the collector
+    // has flushed it: the report's last section.
+    let recording = run.recording.clone();
+    run.stop();
+    eprintln!("kvscope demo: the what-if on the recording …");
+    let cfg = kvscope_collector::fold::analyzer::AnalyzerConfig {
+        window_secs: args.window_secs,
+        warmup_secs: args.warmup_secs,
+        ..Default::default()
+    };
+    let whatif = kvscope_collector::whatif::WhatIf::from_recording(&recording, cfg)
+        .map_err(kvscope_collector::whatif::question::InputError::from)
+        .and_then(|w| kvscope_collector::whatif::question::WhatIfInputs::default().answer(&w))
+        .map_err(|e| e.to_string());
+    let report = report.with_whatif(whatif);
     std::fs::create_dir_all(&out)?;
     std::fs::write(out.join("report.md"), report.to_markdown())?;
     std::fs::write(out.join("report.json"), report.to_json_pretty())?;
@@ -221,8 +236,7 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
     eprintln!(
         "kvscope demo: report.md, report.json, report.html and workload.json (and answers.jsonl, the planned replies) in {}; recording in {}",
         out.display(),
-        run.recording.display()
+        recording.display()
     );
-    run.stop();
     Ok(())
 }

@@ -75,6 +75,13 @@ svg.plot{width:100%;height:auto;display:block;margin:6px 0}
 .key.true-delta{background:var(--td)}
 .key.upper-bound{background:var(--ub);opacity:.75}
 .key.uncached{background:var(--un)}
+h3{font-size:15px;margin:20px 0 4px}
+.line.gate-0{stroke:#0f766e}.point.gate-0,.key.gate-0{fill:#0f766e;background:#0f766e}
+.line.gate-1{stroke:#c2410c}.point.gate-1,.key.gate-1{fill:#c2410c;background:#c2410c}
+.line.gate-2{stroke:#7c3aed}.point.gate-2,.key.gate-2{fill:#7c3aed;background:#7c3aed}
+.line.gate-3{stroke:#2563eb}.point.gate-3,.key.gate-3{fill:#2563eb;background:#2563eb}
+.line.gate-4{stroke:#ca8a04}.point.gate-4,.key.gate-4{fill:#ca8a04;background:#ca8a04}
+.line.gate-5{stroke:#db2777}.point.gate-5,.key.gate-5{fill:#db2777;background:#db2777}
 footer{margin-top:36px;color:var(--muted);font-size:12px}
 ";
 pub(super) fn render(r: &OpportunityReport) -> String {
@@ -98,6 +105,17 @@ pub(super) fn render(r: &OpportunityReport) -> String {
     agreement(&mut out, r);
     windows_table(&mut out, r);
     data_quality(&mut out, r);
+    if let Some(w) = &r.whatif {
+        super::whatif::section(&mut out, w);
+    }
+    if let Some(why) = &r.whatif_unavailable {
+        let _ = write!(
+            out,
+            "<h2 id=\"whatif\">What-if</h2><p class=\"caption\">Not answered on these \
+             requests: {}.</p>",
+            escape(why)
+        );
+    }
     let _ = writeln!(
         out,
         "<footer>Written by kvscope-collector {}. This page is self-contained: it loads no \
@@ -271,6 +289,21 @@ mod tests {
 
     fn empty_report() -> OpportunityReport {
         OpportunityReport::from_analyzer(&FleetAnalyzer::new(AnalyzerConfig::default()))
+    }
+
+    #[test]
+    fn a_what_if_not_answered_says_why() {
+        let plain = empty_report();
+        assert!(!plain.to_html().contains("id=\"whatif\""));
+        let r = empty_report().with_whatif(Err("no routed request <judged>".into()));
+        let html = r.to_html();
+        assert!(html.contains("id=\"whatif\""));
+        assert!(html.contains("no routed request &lt;judged&gt;"));
+        assert!(r
+            .to_markdown()
+            .contains("Not answered on these requests: no routed request <judged>."));
+        let back: OpportunityReport = serde_json::from_str(&r.to_json_pretty()).unwrap();
+        assert_eq!(back, r);
     }
 
     /// Two warm-up windows and four measured ones, one without requests and one with

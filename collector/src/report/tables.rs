@@ -9,7 +9,7 @@ use std::fmt::Write as _;
 
 const TABLE_WORKERS: &str = "workers";
 
-fn table_open(out: &mut String, id: &str, rows: usize, head: &[&str]) {
+pub(super) fn table_open(out: &mut String, id: &str, rows: usize, head: &[&str]) {
     let _ = write!(out, "<table id=\"{id}\" data-rows=\"{rows}\"><thead><tr>");
     for h in head {
         let _ = write!(out, "<th>{}</th>", escape(h));
@@ -17,7 +17,7 @@ fn table_open(out: &mut String, id: &str, rows: usize, head: &[&str]) {
     out.push_str("</tr></thead><tbody>");
 }
 
-fn row(out: &mut String, cells: &[String]) {
+pub(super) fn row(out: &mut String, cells: &[String]) {
     out.push_str("<tr>");
     for c in cells {
         let _ = write!(out, "<td>{}</td>", escape(c));

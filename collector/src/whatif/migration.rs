@@ -22,7 +22,7 @@ use kvscope_wire::cost::{
     predict, CostParams, FigureSource, HandshakeCharge, NixlFigures, PathFigures, Prediction,
 };
 use kvscope_wire::WorkerKey;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 
 /// The default token gates swept (the actuator's default `min_tokens` is 16384).
@@ -31,7 +31,7 @@ pub const DEFAULT_GATES: [u64; 6] = [16, 256, 1024, 4096, 16384, 65536];
 pub const MAX_GATES: usize = 16;
 
 /// What prices a migration, and where each figure came from.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Pricing {
     pub kv_bytes_per_token: u64,
     /// `given` (a flag or the model's config) or `default` (an 8B model in fp16: set it).
@@ -80,7 +80,7 @@ impl PricedSpill {
 }
 
 /// What one gate does at one reserve.
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct GateOutcome {
     pub gate_tokens: u64,
     /// Spills whose true delta reaches the gate.
@@ -110,7 +110,7 @@ pub struct GateOutcome {
 }
 
 /// One reserve: what it costs alone, and what each gate then saves.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ReserveRow {
     pub reserve: f64,
     pub blocks_per_worker: Option<u64>,
@@ -126,7 +126,7 @@ pub struct ReserveRow {
 }
 
 /// Where migration stops paying for its reserve.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum BreakEven {
     /// Net zero at this reserve (linear between the swept reserves either side).
@@ -138,7 +138,7 @@ pub enum BreakEven {
 }
 
 /// The actuator's thresholds the what-if recommends, at the connector's reserve.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Recommendation {
     pub reserve: f64,
     /// `[policy] min_tokens`.
@@ -152,7 +152,7 @@ pub struct Recommendation {
 }
 
 /// The migration what-if of a recording.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct MigrationWhatIf {
     pub pricing: Pricing,
     /// NIXL pairs measured in the recording, and workers mapped to NIXL agents.

@@ -31,13 +31,13 @@ use cache::SimulatedCache;
 use kvscope_wire::nixl::{NixlAgentRow, NixlPair};
 use kvscope_wire::recording::RecordingError;
 use kvscope_wire::WorkerKey;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 use std::sync::Mutex;
 
 /// Prompt tokens and how many of them were cached, over a set of requests.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct CacheTotals {
     pub requests: u64,
     pub prompt_tokens: u64,
@@ -134,7 +134,7 @@ fn calibration(sizes: &HashMap<WorkerKey, u64>, permille: u64) -> f64 {
 }
 
 /// The prediction at one reserve.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct CapacityRow {
     /// The share of each worker's cache set aside.
     pub reserve: f64,
@@ -149,12 +149,12 @@ pub struct CapacityRow {
 }
 
 /// What a recording says, and what it predicts at each reserve.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct CapacityWhatIf {
     /// Each worker's cache in blocks in the recorded run, when all have one size.
     pub blocks_per_worker: Option<u64>,
     /// Where the sizes come from: `discovery` (Dynamo's `total_kv_blocks`) or `given`.
-    pub capacity_from: &'static str,
+    pub capacity_from: String,
     /// The recorded run's own figures.
     pub recorded: CacheTotals,
     pub recorded_hit_rate: f64,
@@ -201,12 +201,22 @@ impl WhatIf {
     /// Replay the recording at `path` through the collector's fold and keep each judged
     /// request.
     pub fn from_recording(path: &Path, cfg: AnalyzerConfig) -> Result<Self, WhatIfError> {
+        Ok(Self::replay_recording(path, cfg)?.1)
+    }
+
+    /// One replay of the recording at `path`: the collector's fold at its end (what the
+    /// opportunity report is made from) and the what-if of every request judged.
+    pub fn replay_recording(
+        path: &Path,
+        cfg: AnalyzerConfig,
+    ) -> Result<(FleetAnalyzer, Self), WhatIfError> {
         // Every judged request, not only the latest the analyzer keeps.
         let mut requests = Vec::new();
         let a = crate::ingest::replay::replay_with(path, cfg, |a| {
             requests.extend(a.routed_requests().next_back().cloned());
         })?;
-        Ok(Self::with_requests(&a, requests))
+        let w = Self::with_requests(&a, requests);
+        Ok((a, w))
     }
 
     fn with_requests(a: &FleetAnalyzer, requests: Vec<RoutedRequest>) -> Self {
@@ -429,7 +439,8 @@ impl WhatIf {
                 "given"
             } else {
                 "discovery"
-            },
+            }
+            .to_string(),
             recorded_hit_rate: recorded.hit_rate(),
             recorded,
             calibration: calibration(&sizes, permille),
@@ -583,7 +594,7 @@ mod tests {
         let given = w.capacity(Some(4), &[0.0]).unwrap();
         assert_eq!(
             (
-                given.capacity_from,
+                given.capacity_from.as_str(),
                 given.blocks_per_worker,
                 given.calibration
             ),

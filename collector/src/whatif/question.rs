@@ -78,7 +78,7 @@ where
 }
 
 /// Every question the what-if answers, on one set of requests.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct WhatIfAnswer {
     pub capacity: CapacityWhatIf,
     pub migration: MigrationWhatIf,
