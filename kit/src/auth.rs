@@ -7,12 +7,15 @@ use std::path::Path;
 pub const REFUSAL_BODY: &str = "a valid bearer token is required\n";
 
 /// Whether an `Authorization` header value is `Bearer <token>` (compared in constant
-/// time); an empty `token` refuses everything.
+/// time); an empty `token` refuses everything. The scheme is case-insensitive, as HTTP
+/// auth schemes are (RFC 9110 §11.1): clients send `bearer` too.
 pub fn bearer_matches(authorization: Option<&str>, token: &str) -> bool {
-    let Some(given) = authorization.and_then(|v| v.strip_prefix("Bearer ")) else {
+    let Some((scheme, given)) = authorization.and_then(|v| v.trim_start().split_once(' ')) else {
         return false;
     };
-    !token.is_empty() && constant_time_eq(given.trim().as_bytes(), token.as_bytes())
+    scheme.eq_ignore_ascii_case("bearer")
+        && !token.is_empty()
+        && constant_time_eq(given.trim().as_bytes(), token.as_bytes())
 }
 
 /// Whether `headers` carry `Authorization: Bearer <token>`.
@@ -58,6 +61,23 @@ mod tests {
             "secret-token-123"
         ));
         assert!(!bearer_matches(None, "secret-token-123"));
+        for scheme in ["bearer", "BEARER", "BeArEr"] {
+            assert!(
+                bearer_matches(
+                    Some(&format!("{scheme} secret-token-123")),
+                    "secret-token-123"
+                ),
+                "the scheme is case-insensitive: {scheme}"
+            );
+        }
+        assert!(!bearer_matches(
+            Some("Bearers secret-token-123"),
+            "secret-token-123"
+        ));
+        assert!(!bearer_matches(
+            Some("Basic secret-token-123"),
+            "secret-token-123"
+        ));
         assert!(
             !bearer_matches(Some("Bearer "), ""),
             "an empty token refuses everything"
