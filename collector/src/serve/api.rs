@@ -167,10 +167,16 @@ async fn whatif(
             RUNNING.store(false, std::sync::atomic::Ordering::Release);
         }
     }
-    let _done = Done;
+    let done = Done;
     // Copied out under the lock; the simulation runs without it, off the async threads.
     let w = crate::whatif::WhatIf::from_analyzer(&lock(&s.analyzer));
-    match tokio::task::spawn_blocking(move || q.answer(&w)).await {
+    // The slot is freed when the simulation ends, not when this handler does: a client
+    // that hangs up leaves it running, and a second one must not start beside it.
+    let run = move || {
+        let _done = done;
+        q.answer(&w)
+    };
+    match tokio::task::spawn_blocking(run).await {
         Ok(Ok(c)) => Json(c).into_response(),
         Ok(Err(e)) => bad(e.to_string()),
         Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, format!("{e}\n")).into_response(),
