@@ -541,6 +541,10 @@ impl OpportunityReport {
                 c.duplicate_decisions,
             ),
             (
+                "decode decisions of disaggregated requests (their prefill decision is judged)",
+                c.decode_legs,
+            ),
+            (
                 "verdicts most likely judged after their own prefill (clock skew)",
                 c.verdicts_after_own_prefill,
             ),

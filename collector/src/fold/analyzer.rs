@@ -200,7 +200,8 @@ pub struct FleetAnalyzer {
     /// probably applied after its own prefill.
     recent_store_ends: HashMap<WorkerKey, VecDeque<(SequenceHash, u64)>>,
     /// Request ids judged lately, oldest first, to refuse a decision seen twice.
-    judged_ids: (std::collections::HashSet<String>, VecDeque<String>),
+    /// Each with whether its judged decision was a prefill worker's (disaggregated).
+    judged_ids: (HashMap<String, bool>, VecDeque<String>),
     /// The latest verdicts' chains, oldest first (see [`Judged`]), and their hashes in all.
     judged: VecDeque<Judged>,
     judged_hashes: usize,
@@ -215,6 +216,20 @@ pub struct FleetAnalyzer {
     /// with when: a node agent stops telling an agent whose process is gone, but the
     /// requests it served stay in the what-if's history.
     told_owners: BTreeMap<(String, String), (NixlAgentOwner, u64)>,
+}
+
+/// What a decision is to the request ids judged lately.
+enum Judgement {
+    First,
+    /// The decode decision after the request's judged prefill decision.
+    DecodeLeg,
+    /// Seen before: a repeated line, or a replay.
+    Again,
+}
+
+/// A prefill worker's decision or record (`worker_type`), as Dynamo names them.
+fn is_prefill(worker_type: Option<&str>) -> bool {
+    worker_type.is_some_and(|t| t.eq_ignore_ascii_case("prefill"))
 }
 
 /// NIXL agent owners remembered after their node agent stopped telling them, at most
@@ -472,9 +487,16 @@ impl FleetAnalyzer {
                     self.open_summary().data_faults += 1;
                     return None;
                 }
-                if !self.first_judgement(&d.request_id) {
-                    self.counters.duplicate_decisions += 1;
-                    return None;
+                match self.first_judgement(&d.request_id, is_prefill(d.worker_type.as_deref())) {
+                    Judgement::First => {}
+                    Judgement::DecodeLeg => {
+                        self.counters.decode_legs += 1;
+                        return None;
+                    }
+                    Judgement::Again => {
+                        self.counters.duplicate_decisions += 1;
+                        return None;
+                    }
                 }
                 Some(self.judge(d, env.observed_ns))
             }
@@ -501,20 +523,36 @@ impl FleetAnalyzer {
         }
     }
 
-    /// Whether `id` was not judged lately (and remember it).
-    fn first_judgement(&mut self, id: &str) -> bool {
+    /// Whether `id` was judged lately (and remember it): a disaggregated request's router
+    /// picks a prefill worker and then a decode worker under one request id, and the
+    /// prefill decision is the one whose cache decides the prompt's prefill.
+    fn first_judgement(&mut self, id: &str, prefill: bool) -> Judgement {
         const KEEP: usize = 100_000;
-        let (set, order) = &mut self.judged_ids;
-        if !set.insert(id.to_string()) {
-            return false;
+        let (seen, order) = &mut self.judged_ids;
+        if let Some(&was_prefill) = seen.get(id) {
+            return if was_prefill && !prefill {
+                Judgement::DecodeLeg
+            } else {
+                Judgement::Again
+            };
         }
+        seen.insert(id.to_string(), prefill);
         order.push_back(id.to_string());
         if order.len() > KEEP {
             if let Some(old) = order.pop_front() {
-                set.remove(&old);
+                seen.remove(&old);
             }
         }
-        true
+        Judgement::First
+    }
+
+    /// The worker's pool as discovery describes it: prefill workers are one, every
+    /// other worker (aggregated, decode) the other; `None` when not told.
+    fn pool_of(&self, worker_id: u64) -> Option<bool> {
+        self.fleet
+            .get(&worker_id)
+            .and_then(|w| w.worker_type.as_deref())
+            .map(|t| is_prefill(Some(t)))
     }
 
     /// A worker appeared, changed or went away in discovery. A retired worker's caches
@@ -813,6 +851,11 @@ impl FleetAnalyzer {
         if let Some(m) = &model {
             overlaps.retain(|w, _| self.model_of(w.worker_id) == Some(m.as_str()));
         }
+        // Nor, on a disaggregated fleet, a worker of the other pool: a prefill decision
+        // chooses among prefill workers.
+        if let Some(pool) = self.pool_of(d.worker.worker_id) {
+            overlaps.retain(|w, _| self.pool_of(w.worker_id).is_none_or(|p| p == pool));
+        }
         let mut v = verdict::judge_matched(
             &self.index,
             d,
@@ -1076,6 +1119,54 @@ mod tests {
             dp_ranks: vec![0],
             worker_type: None,
         })
+    }
+
+    #[test]
+    fn a_disaggregated_request_is_judged_on_its_prefill_pool() {
+        // Workers 1 and 2 prefill, 3 decodes; the decode worker holds the whole prompt
+        // (a decode engine publishing its cache), prefill worker 1 half of it.
+        let mut a = FleetAnalyzer::new(cfg());
+        let typed = |id: u64, t: &str| match worker(id, WorkerState::Up) {
+            Record::Worker(mut r) => {
+                r.worker_type = Some(t.into());
+                Record::Worker(r)
+            }
+            other => other,
+        };
+        for (id, t) in [(1, "prefill"), (2, "prefill"), (3, "decode")] {
+            a.apply(&env(1, typed(id, t)));
+        }
+        let toks: Vec<u32> = (0..8).collect();
+        a.apply(&env(
+            2,
+            stored(1, 0, SequenceStatus::First, &toks[..4], &[1, 2]),
+        ));
+        a.apply(&env(
+            2,
+            stored(3, 0, SequenceStatus::First, &toks, &[1, 2, 3, 4]),
+        ));
+        let leg = |to: u64, t: &str| match decision("r1", to, &toks) {
+            Record::Decision(mut d) => {
+                d.worker_type = Some(t.into());
+                Record::Decision(d)
+            }
+            other => other,
+        };
+        // The router sends the prefill to worker 2: a spill from worker 1, not from the
+        // decode worker, which the prefill router could not choose.
+        let v = a.apply(&env(S, leg(2, "prefill"))).unwrap();
+        assert!(v.spill);
+        assert_eq!((v.best, v.best_overlap_blocks), (w(1), 2));
+        assert!(!v.overlaps.contains_key(&w(3)), "{:?}", v.overlaps);
+        // Its decode decision is the same request's other leg: counted, not judged, not
+        // a duplicate.
+        assert!(a.apply(&env(S, leg(3, "decode"))).is_none());
+        assert!(a.apply(&env(S, leg(2, "prefill"))).is_none());
+        let c = a.counters();
+        assert_eq!(
+            (c.decisions, c.decode_legs, c.duplicate_decisions),
+            (1, 1, 1)
+        );
     }
 
     #[test]

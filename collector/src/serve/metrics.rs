@@ -25,7 +25,7 @@ pub fn exposition(shared: &crate::ingest::bus::Shared, format: Format) -> String
 /// The collector's figures for the current state.
 pub fn write(out: &mut Exposition, a: &FleetAnalyzer, bus: &BusStatus) {
     let c = a.counters();
-    let counters: [(&str, &str, u64); 40] = [
+    let counters: [(&str, &str, u64); 41] = [
         ("kvscope_collector_records", "Records applied.", c.records),
         (
             "kvscope_collector_undecodable_records",
@@ -172,6 +172,11 @@ pub fn write(out: &mut Exposition, a: &FleetAnalyzer, bus: &BusStatus) {
             "kvscope_duplicate_decisions",
             "Decisions for a request id already judged: counted, not judged again.",
             c.duplicate_decisions,
+        ),
+        (
+            "kvscope_decode_legs",
+            "Decode decisions of disaggregated requests whose prefill decision was judged: counted, not judged.",
+            c.decode_legs,
         ),
         (
             "kvscope_decisions_for_unseen_workers",

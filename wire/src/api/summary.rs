@@ -104,6 +104,11 @@ pub struct CollectorCounters {
     /// Decisions for a request id already judged (among the last 100,000): counted, not
     /// judged again.
     pub duplicate_decisions: u64,
+    /// The decode decision of a disaggregated request whose prefill decision was judged:
+    /// the prefill pool computes the prompt's KV, so that decision is the request's
+    /// verdict; counted, not judged (nor a fault).
+    #[serde(default)]
+    pub decode_legs: u64,
     /// Decisions whose whole prompt was cached on the chosen worker by a store that
     /// ended its chain less than 250 ms before the decision: most likely judged after
     /// their own prefill (the router's and the engines' clocks disagree, or the agent's
