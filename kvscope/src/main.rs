@@ -63,6 +63,11 @@ struct DemoArgs {
     /// alone come and go with the machine's speed; 0.2 makes them certain.
     #[arg(long, default_value_t = 0.2)]
     router_temperature: f64,
+    /// More arguments for Dynamo's frontend (repeatable), e.g.
+    /// `--frontend-arg=--router-track-output-blocks` or
+    /// `--frontend-arg=--router-session-affinity-ttl-secs --frontend-arg=30`.
+    #[arg(long = "frontend-arg", allow_hyphen_values = true)]
+    frontend_args: Vec<String>,
     /// Conversations in the workload.
     #[arg(long, default_value_t = 48)]
     sessions: usize,
@@ -140,10 +145,13 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
     let mut lab = LabConfig {
         workers: args.workers,
         num_gpu_blocks: args.gpu_blocks,
-        frontend_args: vec![
-            "--router-temperature".into(),
+        frontend_args: [
+            "--router-temperature".to_string(),
             args.router_temperature.to_string(),
-        ],
+        ]
+        .into_iter()
+        .chain(args.frontend_args.iter().cloned())
+        .collect(),
         ..LabConfig::default()
     };
     eprintln!(
