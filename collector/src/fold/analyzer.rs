@@ -363,16 +363,18 @@ impl FleetAnalyzer {
             self.told_owners
                 .insert((node.to_string(), o.agent.clone()), (o.clone(), at_ns));
         }
-        while self.told_owners.len() > MAX_TOLD_OWNERS {
-            let Some(oldest) = self
+        // Forget the oldest told in one pass (a report naming thousands of new agents
+        // costs one sort, not a scan per agent).
+        if let Some(excess) = self.told_owners.len().checked_sub(MAX_TOLD_OWNERS) {
+            let mut by_age: Vec<((String, String), u64)> = self
                 .told_owners
                 .iter()
-                .min_by_key(|(_, (_, at))| *at)
-                .map(|(k, _)| k.clone())
-            else {
-                break;
-            };
-            self.told_owners.remove(&oldest);
+                .map(|(k, (_, at))| (k.clone(), *at))
+                .collect();
+            by_age.sort_by_key(|(_, at)| *at);
+            for (k, _) in by_age.into_iter().take(excess) {
+                self.told_owners.remove(&k);
+            }
         }
     }
     /// Workers whose mirror is incomplete now (see `verdicts_on_incomplete_mirror`).
@@ -1045,6 +1047,16 @@ mod tests {
             .map(|r| (r.owner.agent, r.owner.worker_id))
             .collect();
         assert_eq!(told, [("d0".into(), Some(1)), ("d1".into(), Some(3))]);
+        // A report naming more agents than are remembered keeps the newest told.
+        let many: Vec<NixlAgentOwner> = (0..MAX_TOLD_OWNERS as u64 + 10)
+            .map(|i| owner(&format!("x{i}"), 100 + i))
+            .collect();
+        a.apply(&env(4 * S, report(many)));
+        let told = a.owners_ever_told();
+        assert_eq!(told.len(), MAX_TOLD_OWNERS);
+        assert!(!told
+            .iter()
+            .any(|r| r.owner.agent == "d0" || r.owner.agent == "d1"));
     }
 
     fn stored(
