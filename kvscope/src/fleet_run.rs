@@ -295,7 +295,12 @@ impl FleetRun {
             .envs(lab.manifest().dynamo_env())
             .envs(self.cfg.agent_env.iter().map(|(k, v)| (k, v)));
         if self.cfg.kv_source == KvSource::EngineTaps {
-            for w in lab.workers() {
+            // A decode mocker of a disaggregated lab publishes nothing to tap.
+            for w in lab
+                .workers()
+                .iter()
+                .filter(|w| !w.kv_events_endpoint.is_empty())
+            {
                 let tap = match &w.kv_replay_endpoint {
                     Some(replay) => format!("{}@{replay}", w.kv_events_endpoint),
                     None => w.kv_events_endpoint.clone(),

@@ -37,6 +37,11 @@ pub struct LabConfig {
     pub worker_models: Vec<String>,
     /// Number of mocker workers (one process each). Default 3.
     pub workers: usize,
+    /// Disaggregated serving: this many prefill mockers (`--disaggregation-mode prefill`,
+    /// each with a bootstrap port) beside the `workers`, which then decode
+    /// (`--disaggregation-mode decode`). Dynamo 1.6.1's decode mockers publish no KV
+    /// events: their manifest entries have no KV endpoint. Default 0 (aggregated).
+    pub prefill_workers: usize,
     /// KV block size in tokens. Default 16.
     pub block_size: u32,
     /// KV capacity per worker in blocks (`--num-gpu-blocks-override`); small, so the
@@ -126,6 +131,7 @@ impl Default for LabConfig {
             model_name: "kvscope-tiny".into(),
             worker_models: Vec::new(),
             workers: 3,
+            prefill_workers: 0,
             block_size: 16,
             num_gpu_blocks: 256,
             speedup_ratio: 2.0,
@@ -151,7 +157,33 @@ impl Default for LabConfig {
     }
 }
 
+/// A mocker's part in a disaggregated lab.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    Prefill,
+    Decode,
+}
+
+impl Role {
+    pub fn name(self) -> &'static str {
+        match self {
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
+}
+
 impl LabConfig {
+    /// Mocker `index`'s part: the first `workers` decode and the rest prefill in a
+    /// disaggregated lab; none when aggregated.
+    pub fn role(&self, index: usize) -> Option<Role> {
+        match (self.prefill_workers, index >= self.workers) {
+            (0, _) => None,
+            (_, true) => Some(Role::Prefill),
+            (_, false) => Some(Role::Decode),
+        }
+    }
+
     /// Have every mocker answer with the replies planned in `trace` (a Mooncake JSONL
     /// file, [`crate::workload::answer_trace`]) for the requests that name them, instead
     /// of random tokens: Dynamo's `--response-replay-trace-path`.
@@ -196,8 +228,12 @@ pub struct WorkerInfo {
     /// Dynamo worker id, exactly as the router logs it (`Selected worker … worker_id=`).
     pub worker_id: u64,
     pub dp_rank: u32,
-    /// The vLLM-format KV event publisher (ZMQ PUB) of this worker.
+    /// The vLLM-format KV event publisher (ZMQ PUB) of this worker; empty for a decode
+    /// worker of a disaggregated lab, which publishes none.
     pub kv_events_endpoint: String,
+    /// `prefill` or `decode` in a disaggregated lab; none when aggregated.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub role: Option<String>,
     /// Its replay socket (ZMQ ROUTER), when the lab runs with replay.
     #[serde(default)]
     pub kv_replay_endpoint: Option<String>,
@@ -355,6 +391,7 @@ pub struct Lab {
 struct PendingWorker {
     index: usize,
     port: u16,
+    role: Option<Role>,
     proc_idx: usize,
     worker_id: Option<u64>,
 }
@@ -393,12 +430,14 @@ impl Lab {
 
         // Held until the whole fleet is up, so nothing alongside takes a port before the
         // process it is meant for binds it.
-        let reservation =
-            crate::ports::reserve_ports(5 + 2 * config.workers).context("choosing free ports")?;
+        let mockers = config.workers + config.prefill_workers;
+        let reservation = crate::ports::reserve_ports(5 + 2 * mockers + config.prefill_workers)
+            .context("choosing free ports")?;
         let ports = reservation.ports();
         let (http_port, nats_port, etcd_ports) = (ports[0], ports[1], [ports[2], ports[3]]);
         let dynamo_nats_port = ports[4];
-        let (zmq_ports, replay_ports) = ports[5..].split_at(config.workers);
+        let (zmq_ports, rest) = ports[5..].split_at(mockers);
+        let (replay_ports, bootstrap_ports) = rest.split_at(mockers);
         if config.event_plane == LabEventPlane::Nats && !config.nats {
             return Err(LabError::Other(anyhow::anyhow!(
                 "the NATS event plane needs the lab's NATS server (nats = true)"
@@ -557,6 +596,8 @@ impl Lab {
                 .env("DYN_TCP_RPC_HOST", "127.0.0.1")
                 .env("DYN_TCP_RESPONSE_STREAM_HOST", "127.0.0.1")
                 .env("DYN_SYSTEM_HOST", "127.0.0.1")
+                // A prefill worker's bootstrap address (else the machine's host name).
+                .env("DYN_HTTP_RPC_HOST", "127.0.0.1")
                 .env("DYN_FILE_KV", &discovery_dir)
                 .env("DYN_SELF_HOST_METADATA", "0")
                 .env("PYTHONUNBUFFERED", "1")
@@ -608,6 +649,7 @@ impl Lab {
 
         let mut pending = Vec::new();
         for (index, &port) in zmq_ports.iter().enumerate() {
+            let role = config.role(index);
             let mut cmd = Command::new(&python);
             cmd.args(["-m", "dynamo.mocker", "--model-path"])
                 .arg(&model_path)
@@ -628,6 +670,16 @@ impl Lab {
                 } else {
                     Vec::new()
                 })
+                .args(match role {
+                    Some(Role::Prefill) => vec![
+                        "--disaggregation-mode".to_string(),
+                        "prefill".into(),
+                        "--bootstrap-ports".into(),
+                        bootstrap_ports[index - config.workers].to_string(),
+                    ],
+                    Some(Role::Decode) => vec!["--disaggregation-mode".into(), "decode".into()],
+                    None => Vec::new(),
+                })
                 .args(&config.mocker_args)
                 .current_dir(&run_dir);
             dyn_env(&mut cmd, &config.worker_log_filter);
@@ -639,6 +691,7 @@ impl Lab {
             pending.push(PendingWorker {
                 index,
                 port,
+                role,
                 proc_idx: lab.procs.len(),
                 worker_id: None,
             });
@@ -754,10 +807,14 @@ impl Lab {
                 model: config.worker_model(w.index).to_string(),
                 worker_id,
                 dp_rank: 0,
-                kv_events_endpoint: format!("tcp://127.0.0.1:{}", w.port),
-                kv_replay_endpoint: config
-                    .replay
+                kv_events_endpoint: if w.role == Some(Role::Decode) {
+                    String::new()
+                } else {
+                    format!("tcp://127.0.0.1:{}", w.port)
+                },
+                kv_replay_endpoint: (config.replay && w.role != Some(Role::Decode))
                     .then(|| format!("tcp://127.0.0.1:{}", replay_ports[w.index])),
+                role: w.role.map(|r| r.name().to_string()),
                 process: ProcessInfo {
                     name: p.name.clone(),
                     pid: p.pid(),
@@ -971,9 +1028,12 @@ fn worker_id_from_log(log: &Path) -> Option<u64> {
     let text = String::from_utf8_lossy(&bytes);
     text.lines().find_map(|line| {
         let line = strip_ansi(line);
+        // A decode worker of a disaggregated lab publishes no KV events; its forward
+        // pass metrics publisher names the same id.
         let rest = line
             .split("Initializing KvEventPublisher for worker ")
-            .nth(1)?;
+            .nth(1)
+            .or_else(|| line.split("FPM direct publisher started worker_id=").nth(1))?;
         rest.split(|c: char| !c.is_ascii_digit())
             .next()?
             .parse()
