@@ -159,10 +159,11 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
         lab.lab_dir.display()
     );
     kvscope_lab::setup::ensure_venv(&lab.lab_dir)?;
+    // Removed when the demo ends, however it ends (a copy goes beside the report).
     let answers = if wl.fixed_answers {
-        let path = workload::write_answer_trace(&wl, &lab.lab_dir)?;
-        lab = lab.answering_from(&path);
-        Some(path)
+        let trace = workload::write_answer_trace(&wl, &lab.lab_dir)?;
+        lab = lab.answering_from(trace.path());
+        Some(trace)
     } else {
         None
     };
@@ -227,10 +228,9 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
         out.join("workload.json"),
         serde_json::to_vec_pretty(&summary)?,
     )?;
-    if let Some(path) = answers {
+    if let Some(trace) = &answers {
         // The replies the mockers were given, beside the workload that asked for them.
-        std::fs::copy(&path, out.join("answers.jsonl"))?;
-        let _ = std::fs::remove_file(path);
+        std::fs::copy(trace.path(), out.join("answers.jsonl"))?;
     }
     println!("{}", report.to_markdown());
     if let Some(router_view) = summary.router_spilled_cached_tokens {

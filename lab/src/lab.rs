@@ -750,7 +750,7 @@ impl Lab {
                 }
                 for w in &pending {
                     match w.worker_id {
-                        None => waiting.push(format!("mocker-{} worker id (log line 'Initializing KvEventPublisher for worker')", w.index)),
+                        None => waiting.push(format!("mocker-{} worker id (log line 'Initializing KvEventPublisher for worker', or a decode worker's 'FPM direct publisher started worker_id=')", w.index)),
                         Some(id) if !router_workers.contains(&id) => waiting.push(format!("router to add worker {id} (mocker-{})", w.index)),
                         _ => {}
                     }

@@ -352,10 +352,11 @@ async fn main() -> Result<()> {
         } => {
             let mut cfg = lab.config();
             setup::ensure_venv(&cfg.lab_dir)?;
-            let answers = if w.fixed_answers {
-                let path = workload::write_answer_trace(&w.config(""), &cfg.lab_dir)?;
-                cfg = cfg.answering_from(&path);
-                Some(path)
+            // Removed when this arm ends, however it ends.
+            let _answers = if w.fixed_answers {
+                let trace = workload::write_answer_trace(&w.config(""), &cfg.lab_dir)?;
+                cfg = cfg.answering_from(trace.path());
+                Some(trace)
             } else {
                 None
             };
@@ -368,9 +369,6 @@ async fn main() -> Result<()> {
             let out = out.unwrap_or_else(|| lab.run_dir().join("workload.json"));
             let manifest = lab.manifest().clone();
             tokio::task::spawn_blocking(move || lab.stop()).await?;
-            if let Some(path) = answers {
-                let _ = std::fs::remove_file(path);
-            }
             let Some(summary) = result else {
                 anyhow::bail!("interrupted");
             };

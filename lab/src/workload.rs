@@ -267,18 +267,35 @@ pub fn answer_trace(cfg: &WorkloadConfig) -> String {
     out
 }
 
+/// A written [`answer_trace`], removed when dropped (the run it was for is over, or
+/// failed to start).
+#[derive(Debug)]
+pub struct AnswerTraceFile(std::path::PathBuf);
+
+impl AnswerTraceFile {
+    pub fn path(&self) -> &std::path::Path {
+        &self.0
+    }
+}
+
+impl Drop for AnswerTraceFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
 /// Write [`answer_trace`] of `cfg` under `lab_dir` (`answers/<tag>-<pid>.jsonl`) for the
-/// mockers to read at start ([`crate::LabConfig::answering_from`]); its path.
+/// mockers to read at start ([`crate::LabConfig::answering_from`]).
 pub fn write_answer_trace(
     cfg: &WorkloadConfig,
     lab_dir: &std::path::Path,
-) -> Result<std::path::PathBuf> {
+) -> Result<AnswerTraceFile> {
     let dir = lab_dir.join("answers");
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     let path = dir.join(format!("{}-{}.jsonl", request_tag(cfg), std::process::id()));
     std::fs::write(&path, answer_trace(cfg))
         .with_context(|| format!("writing {}", path.display()))?;
-    Ok(path)
+    Ok(AnswerTraceFile(path))
 }
 
 /// The user message of `session`'s `turn`.

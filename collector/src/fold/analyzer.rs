@@ -200,8 +200,8 @@ pub struct FleetAnalyzer {
     /// probably applied after its own prefill.
     recent_store_ends: HashMap<WorkerKey, VecDeque<(SequenceHash, u64)>>,
     /// Request ids judged lately, oldest first, to refuse a decision seen twice.
-    /// Each with whether its judged decision was a prefill worker's (disaggregated).
-    judged_ids: (HashMap<String, bool>, VecDeque<String>),
+    /// Each with which of its decisions were seen (a disaggregated request has two).
+    judged_ids: (HashMap<String, Legs>, VecDeque<String>),
     /// The latest verdicts' chains, oldest first (see [`Judged`]), and their hashes in all.
     judged: VecDeque<Judged>,
     judged_hashes: usize,
@@ -216,6 +216,16 @@ pub struct FleetAnalyzer {
     /// with when: a node agent stops telling an agent whose process is gone, but the
     /// requests it served stay in the what-if's history.
     told_owners: BTreeMap<(String, String), (NixlAgentOwner, u64)>,
+}
+
+/// The decisions seen of a request judged lately.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Legs {
+    /// An aggregated (or decode) decision, judged.
+    One,
+    /// A prefill decision, judged; its decode decision not seen yet.
+    Prefill,
+    PrefillAndDecode,
 }
 
 /// What a decision is to the request ids judged lately.
@@ -365,7 +375,12 @@ impl FleetAnalyzer {
         }
         // Forget the oldest told in one pass (a report naming thousands of new agents
         // costs one sort, not a scan per agent).
-        if let Some(excess) = self.told_owners.len().checked_sub(MAX_TOLD_OWNERS) {
+        if let Some(excess) = self
+            .told_owners
+            .len()
+            .checked_sub(MAX_TOLD_OWNERS)
+            .filter(|&e| e > 0)
+        {
             let mut by_age: Vec<((String, String), u64)> = self
                 .told_owners
                 .iter()
@@ -528,17 +543,25 @@ impl FleetAnalyzer {
     /// Whether `id` was judged lately (and remember it): a disaggregated request's router
     /// picks a prefill worker and then a decode worker under one request id, and the
     /// prefill decision is the one whose cache decides the prompt's prefill.
+    /// A decode decision seen before the request's prefill decision is judged as an
+    /// aggregated one, and the prefill decision after it counted as a duplicate: Dynamo
+    /// 1.6.1 logs the prefill decision first.
     fn first_judgement(&mut self, id: &str, prefill: bool) -> Judgement {
         const KEEP: usize = 100_000;
         let (seen, order) = &mut self.judged_ids;
-        if let Some(&was_prefill) = seen.get(id) {
-            return if was_prefill && !prefill {
-                Judgement::DecodeLeg
-            } else {
-                Judgement::Again
+        if let Some(legs) = seen.get_mut(id) {
+            return match (*legs, prefill) {
+                (Legs::Prefill, false) => {
+                    *legs = Legs::PrefillAndDecode;
+                    Judgement::DecodeLeg
+                }
+                _ => Judgement::Again,
             };
         }
-        seen.insert(id.to_string(), prefill);
+        seen.insert(
+            id.to_string(),
+            if prefill { Legs::Prefill } else { Legs::One },
+        );
         order.push_back(id.to_string());
         if order.len() > KEEP {
             if let Some(old) = order.pop_front() {
@@ -1173,11 +1196,13 @@ mod tests {
         // Its decode decision is the same request's other leg: counted, not judged, not
         // a duplicate.
         assert!(a.apply(&env(S, leg(3, "decode"))).is_none());
+        // A repeated line of either leg is a duplicate.
         assert!(a.apply(&env(S, leg(2, "prefill"))).is_none());
+        assert!(a.apply(&env(S, leg(3, "decode"))).is_none());
         let c = a.counters();
         assert_eq!(
             (c.decisions, c.decode_legs, c.duplicate_decisions),
-            (1, 1, 1)
+            (1, 1, 2)
         );
     }
 
