@@ -218,17 +218,12 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             let (a, w) = crate::whatif::WhatIf::replay_recording(&path, cfg.analyzer.clone())?;
             // What the recording lacks leaves the what-if out, saying why; a bad input is
             // an error.
-            use crate::whatif::{question::InputError, WhatIfError};
-            let answer = match whatif.answer(&w) {
-                Ok(a) => Ok(a),
-                Err(InputError::WhatIf(
-                    e @ (WhatIfError::UnknownCapacity(_) | WhatIfError::NoRequests),
-                )) => {
-                    tracing::warn!(error = %e, "No what-if in the report.");
-                    Err(e.to_string())
-                }
-                Err(e) => return Err(e).with_context(|| format!("what-if on {}", path.display())),
-            };
+            let answer = whatif
+                .answer_for_report(&w)
+                .with_context(|| format!("what-if on {}", path.display()))?;
+            if let Err(why) = &answer {
+                tracing::warn!(error = %why, "No what-if in the report.");
+            }
             let report = OpportunityReport::from_analyzer(&a).with_whatif(answer);
             match out {
                 Some(dir) => write_report(&dir, &report)?,

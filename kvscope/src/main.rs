@@ -215,10 +215,12 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
         warmup_secs: args.warmup_secs,
         ..Default::default()
     };
-    let whatif = kvscope_collector::whatif::WhatIf::from_recording(&recording, cfg)
-        .map_err(kvscope_collector::whatif::question::InputError::from)
-        .and_then(|w| kvscope_collector::whatif::question::WhatIfInputs::default().answer(&w))
-        .map_err(|e| e.to_string());
+    let whatif = match kvscope_collector::whatif::WhatIf::from_recording(&recording, cfg) {
+        Ok(w) => {
+            kvscope_collector::whatif::question::WhatIfInputs::default().answer_for_report(&w)?
+        }
+        Err(e) => Err(e.to_string()),
+    };
     let report = report.with_whatif(whatif);
     std::fs::create_dir_all(&out)?;
     std::fs::write(out.join("report.md"), report.to_markdown())?;

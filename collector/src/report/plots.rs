@@ -68,7 +68,7 @@ impl Timeline {
     }
 }
 
-fn polyline(out: &mut String, class: &str, points: &[(f64, f64)]) {
+pub(super) fn polyline(out: &mut String, class: &str, points: &[(f64, f64)]) {
     if points.len() < 2 {
         return;
     }

@@ -3,6 +3,7 @@
 //! token gate, against what the reserve alone costs; then the break-even reserve and the
 //! recommended actuator thresholds. Every number is a field of the answer.
 
+use super::plots::polyline;
 use super::svg::{self, compact, escape, px, ticks_to, Frame};
 use super::tables::{row, table_open};
 use crate::whatif::migration::{BreakEven, MigrationWhatIf};
@@ -42,7 +43,7 @@ pub(super) fn section(out: &mut String, w: &WhatIfAnswer) {
 }
 
 fn pct(v: f64) -> String {
-    format!("{:.1}%", 100.0 * v)
+    super::pct(Some(v))
 }
 
 /// The reserve axis: 0 to the largest reserve swept, in percent.
@@ -93,17 +94,6 @@ fn reserve_plot(out: &mut String, c: &CapacityWhatIf) {
         );
     }
     out.push_str("</svg>\n");
-}
-
-fn polyline(out: &mut String, class: &str, points: &[(f64, f64)]) {
-    if points.len() < 2 {
-        return;
-    }
-    let _ = write!(out, "<polyline class=\"line {class}\" points=\"");
-    for (i, (x, y)) in points.iter().enumerate() {
-        let _ = write!(out, "{}{},{}", if i > 0 { " " } else { "" }, px(*x), px(*y));
-    }
-    out.push_str("\"/>");
 }
 
 fn capacity_table(out: &mut String, c: &CapacityWhatIf) {

@@ -94,6 +94,21 @@ pub enum InputError {
 }
 
 impl WhatIfInputs {
+    /// The answer a report carries: what the requests lack (no cache size known, no
+    /// request judged) is `Ok(Err(why))`, for the report to say; a bad input is an error.
+    pub fn answer_for_report(
+        &self,
+        w: &WhatIf,
+    ) -> Result<Result<WhatIfAnswer, String>, InputError> {
+        match self.answer(w) {
+            Ok(a) => Ok(Ok(a)),
+            Err(InputError::WhatIf(
+                e @ (WhatIfError::UnknownCapacity(_) | WhatIfError::NoRequests),
+            )) => Ok(Err(e.to_string())),
+            Err(e) => Err(e),
+        }
+    }
+
     fn pricing(&self) -> Result<Pricing, InputError> {
         let (kv_bytes_per_token, kv_bytes_from) =
             match (&self.kv_bytes_per_token, &self.model_config) {
