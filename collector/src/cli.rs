@@ -94,7 +94,8 @@ pub enum Command {
 
 /// `whatif --help`: every input and where it comes from.
 pub const WHATIF_ABOUT: &str = "Predict from a recording what turning KV migration on \
-would save on this fleet, net of its costs. Two questions, one answer:
+would save on this fleet, net of its costs, and where conditional disaggregation pays \
+off. Three questions, one answer:
 
 Capacity: the hit rate and uncached prefill tokens with each worker's cache --reserve \
 smaller (the share NixlConnector's buffers would take).
@@ -107,6 +108,14 @@ migrations, bytes, NIXL seconds, and the prefill tokens and seconds saved net of
 reserve's lost hits and the migrations' time; the break-even reserve, the best gate, and \
 the actuator thresholds (min_tokens, min_true_delta_tok_per_s) to set at \
 --connector-reserve.
+
+Conditional disaggregation (with --ttft-samples): each path's time to first token, \
+fitted from measured requests of both (prefill on the decode worker, or on a prefill \
+worker with the KV handed over) as fixed + per-token × uncached tokens; the uncached \
+size where they cross (the break-even), each threshold's share of requests kept local \
+and predicted mean TTFT, and the frontend's --router-conditional-disagg-config for the \
+break-even. Judged on the recording's requests (uncached = prompt − the chosen \
+worker's cached prefix), or on the samples' own without --replay.
 
 Measured inputs, from the recording: every routed request (where it went, its prompt's \
 blocks, what each worker held of them, judged by the same fold the live collector runs); \
@@ -131,9 +140,10 @@ by 1 - reserve.";
 /// The what-if's inputs (see [`WHATIF_ABOUT`]).
 #[derive(clap::Args, Debug)]
 pub struct WhatifArgs {
-    /// The recording to replay (from `run --record` or the agent's `--record`).
-    #[arg(long)]
-    pub replay: PathBuf,
+    /// The recording to replay (from `run --record` or the agent's `--record`). Without
+    /// it only conditional disaggregation is answered, from --ttft-samples.
+    #[arg(long, required_unless_present = "ttft_samples")]
+    pub replay: Option<PathBuf>,
     #[command(flatten)]
     pub inputs: crate::whatif::question::WhatIfInputs,
     /// What to print.
@@ -149,11 +159,22 @@ pub enum WhatifFormat {
 
 /// Run the what-if of `args` with the analyzer settings of `cfg`.
 pub fn whatif(cfg: &CollectorConfig, args: &WhatifArgs) -> anyhow::Result<()> {
-    let w = crate::whatif::WhatIf::from_recording(&args.replay, cfg.analyzer.clone())?;
+    let Some(replay) = &args.replay else {
+        let d = args
+            .inputs
+            .disagg(None)?
+            .context("without --replay, --ttft-samples is needed")?;
+        match args.format {
+            WhatifFormat::Markdown => print!("{}", d.to_markdown()),
+            WhatifFormat::Json => println!("{}", serde_json::to_string_pretty(&d)?),
+        }
+        return Ok(());
+    };
+    let w = crate::whatif::WhatIf::from_recording(replay, cfg.analyzer.clone())?;
     let c = args
         .inputs
         .answer(&w)
-        .with_context(|| format!("what-if on {}", args.replay.display()))?;
+        .with_context(|| format!("what-if on {}", replay.display()))?;
     match args.format {
         WhatifFormat::Markdown => print!("{}", c.to_markdown()),
         WhatifFormat::Json => println!("{}", serde_json::to_string_pretty(&c)?),

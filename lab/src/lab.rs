@@ -49,6 +49,10 @@ pub struct LabConfig {
     pub num_gpu_blocks: u32,
     /// Mocker `--speedup-ratio` (higher = faster simulated GPU). Default 2.0.
     pub speedup_ratio: f64,
+    /// The prefill mockers' `--speedup-ratio`, where it differs from `speedup_ratio`: a
+    /// decode pool slower at prefill than the prefill pool (as busy decode engines are),
+    /// so that remote prefill can pay off for long prompts. Default none.
+    pub prefill_speedup_ratio: Option<f64>,
     /// Start a `nats-server -js` on loopback (Dynamo itself doesn't need it here; the
     /// kvscope agent and collector use it as their bus). Default true.
     pub nats: bool,
@@ -135,6 +139,7 @@ impl Default for LabConfig {
             block_size: 16,
             num_gpu_blocks: 256,
             speedup_ratio: 2.0,
+            prefill_speedup_ratio: None,
             nats: true,
             bus_security: true,
             bus_agents: vec![crate::bus_security::BusAgent::new("lab-node", "lab")],
@@ -659,7 +664,16 @@ impl Lab {
                     "--num-gpu-blocks-override",
                     &config.num_gpu_blocks.to_string(),
                 ])
-                .args(["--speedup-ratio", &config.speedup_ratio.to_string()])
+                .args([
+                    "--speedup-ratio",
+                    &match role {
+                        Some(Role::Prefill) => {
+                            config.prefill_speedup_ratio.unwrap_or(config.speedup_ratio)
+                        }
+                        _ => config.speedup_ratio,
+                    }
+                    .to_string(),
+                ])
                 .args(["--zmq-kv-events-ports", &port.to_string()])
                 .args(&planes)
                 .args(if config.replay {

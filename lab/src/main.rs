@@ -98,6 +98,13 @@ struct LabArgs {
     /// Mocker --speedup-ratio (higher = faster simulated engine).
     #[arg(long, default_value_t = 2.0)]
     speedup_ratio: f64,
+    /// Disaggregated serving: this many prefill mockers beside the --workers, which then
+    /// decode (--disaggregation-mode prefill / decode).
+    #[arg(long, default_value_t = 0)]
+    prefill_workers: usize,
+    /// The prefill mockers' --speedup-ratio (default: --speedup-ratio).
+    #[arg(long)]
+    prefill_speedup_ratio: Option<f64>,
     /// Model directory (default: the committed fixture lab/fixtures/model).
     #[arg(long)]
     model_path: Option<PathBuf>,
@@ -192,6 +199,8 @@ impl LabArgs {
             block_size: self.block_size,
             num_gpu_blocks: self.num_gpu_blocks,
             speedup_ratio: self.speedup_ratio,
+            prefill_workers: self.prefill_workers,
+            prefill_speedup_ratio: self.prefill_speedup_ratio,
             nats: !self.no_nats,
             bus_security: !self.open_bus,
             bus_agents: if self.bus_agents.is_empty() {
@@ -271,6 +280,12 @@ struct WorkloadArgs {
     /// --mocker-arg=--response-replay-trace-path --mocker-arg=<file>).
     #[arg(long)]
     fixed_answers: bool,
+    /// Stream replies and record each one's time to first token (ttft_ms).
+    #[arg(long)]
+    stream: bool,
+    /// Draw each family's system prompt length from --system-words ..= this (seeded).
+    #[arg(long)]
+    system_words_max: Option<usize>,
 }
 
 impl WorkloadArgs {
@@ -292,6 +307,8 @@ impl WorkloadArgs {
             think_time_ms: self.think_time_ms,
             tag: self.tag.clone(),
             fixed_answers: self.fixed_answers,
+            stream: self.stream,
+            system_words_max: self.system_words_max,
             ..WorkloadConfig::default()
         }
     }

@@ -77,6 +77,13 @@ pub struct WorkloadConfig {
     /// blocks its decode generated, come back in the next turn; and check that each
     /// reply was the planned one. Default false (the mocker's random tokens).
     pub fixed_answers: bool,
+    /// Stream each reply (`stream: true`) and record its time to first token
+    /// ([`RequestRecord::ttft_ms`]). Default false.
+    pub stream: bool,
+    /// Draw each family's system prompt length from `system_words ..= system_words_max`
+    /// words (seeded), instead of `system_words` for all: prompts of many sizes, as
+    /// conditional disaggregation's thresholds need. Default none.
+    pub system_words_max: Option<usize>,
 }
 
 impl Default for WorkloadConfig {
@@ -99,6 +106,8 @@ impl Default for WorkloadConfig {
             think_time_ms: 0,
             tag: None,
             fixed_answers: false,
+            stream: false,
+            system_words_max: None,
         }
     }
 }
@@ -127,6 +136,14 @@ pub struct RequestRecord {
     pub worker_id: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub answer_as_planned: Option<bool>,
+    /// The prefill worker of a disaggregated request (`nvext.worker_id.prefill_worker_id`,
+    /// where it differs from the decode worker): its prefill ran remotely. Recorded
+    /// with `stream` or `fixed_answers`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefill_worker_id: Option<u64>,
+    /// With `stream`: milliseconds from sending to the first chunk carrying reply text.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttft_ms: Option<f64>,
     /// Milliseconds since the workload started, when the request was sent.
     pub sent_at_ms: u64,
     pub latency_ms: u64,
@@ -219,6 +236,18 @@ pub fn system_prompt(seed: u64, family: usize, words_n: usize) -> String {
     let mut rng = stream_rng(seed, 1, family as u64, 0);
     let head = format!("w{}", family as u64 % VOCAB_WORDS);
     format!("{head} {}", words(&mut rng, words_n.saturating_sub(1)))
+}
+
+/// Words in family `family`'s system prompt: `system_words`, or with `system_words_max`
+/// a seeded draw from `system_words ..= system_words_max` (never below 256).
+pub fn system_words(cfg: &WorkloadConfig, family: usize) -> usize {
+    let low = cfg.system_words.max(256);
+    match cfg.system_words_max {
+        Some(high) if high > low => {
+            low + stream_rng(cfg.seed, 4, family as u64, 0).below((high - low + 1) as u64) as usize
+        }
+        _ => low,
+    }
 }
 
 /// Token id of the fixture's word `w0` (`w<n>` is `n + FIRST_WORD_ID`; the ids below are
@@ -425,7 +454,7 @@ async fn run_session(sh: Arc<Shared>, session: usize) -> Vec<RequestRecord> {
     let family = session % cfg.families;
     let mut messages: Vec<(String, String)> = vec![(
         "system".into(),
-        system_prompt(cfg.seed, family, cfg.system_words.max(256)),
+        system_prompt(cfg.seed, family, system_words(cfg, family)),
     )];
     let mut records = Vec::new();
     for turn in 0..cfg.max_turns {
@@ -493,11 +522,22 @@ async fn send(
             }),
         ),
     };
+    let mut extra_fields = Vec::new();
     if cfg.fixed_answers {
-        body["nvext"] = json!({
-            "annotations": [format!("output_replay_id:{x_request_id}")],
-            "extra_fields": ["completion_token_ids", "worker_id"],
-        });
+        extra_fields.push("completion_token_ids");
+    }
+    if cfg.fixed_answers || cfg.stream {
+        extra_fields.push("worker_id");
+    }
+    if !extra_fields.is_empty() {
+        body["nvext"] = json!({ "extra_fields": extra_fields });
+    }
+    if cfg.fixed_answers {
+        body["nvext"]["annotations"] = json!([format!("output_replay_id:{x_request_id}")]);
+    }
+    if cfg.stream {
+        body["stream"] = json!(true);
+        body["stream_options"] = json!({ "include_usage": true });
     }
     let sent_at = Instant::now();
     let mut rec = RequestRecord {
@@ -512,6 +552,8 @@ async fn send(
         usage_cached_tokens: None,
         worker_id: None,
         answer_as_planned: None,
+        prefill_worker_id: None,
+        ttft_ms: None,
         sent_at_ms: sent_at.duration_since(sh.start).as_millis() as u64,
         latency_ms: 0,
         http_status: None,
@@ -531,46 +573,63 @@ async fn send(
         Ok(resp) => {
             let status = resp.status();
             rec.http_status = Some(status.as_u16());
-            match resp.text().await {
-                Err(e) => rec.error = Some(format!("reading body: {e}")),
-                Ok(text) if !status.is_success() => {
-                    rec.error = Some(format!("HTTP {status}: {}", truncate(&text, 300)))
-                }
-                Ok(text) => match serde_json::from_str::<Value>(&text) {
-                    Err(e) => rec.error = Some(format!("bad JSON: {e}")),
-                    Ok(v) => {
-                        rec.router_request_id =
-                            v.get("id").and_then(Value::as_str).map(router_request_id);
-                        rec.usage_prompt_tokens =
-                            v.pointer("/usage/prompt_tokens").and_then(Value::as_u64);
-                        rec.usage_completion_tokens = v
-                            .pointer("/usage/completion_tokens")
-                            .and_then(Value::as_u64);
-                        rec.usage_cached_tokens = v
-                            .pointer("/usage/prompt_tokens_details/cached_tokens")
-                            .and_then(Value::as_u64);
-                        reply = v
-                            .pointer("/choices/0/message/content")
-                            .or_else(|| v.pointer("/choices/0/text"))
-                            .and_then(Value::as_str)
-                            .map(str::to_string);
-                        if cfg.fixed_answers {
-                            rec.worker_id = v
-                                .pointer("/nvext/worker_id/decode_worker_id")
-                                .or_else(|| v.pointer("/nvext/worker_id/prefill_worker_id"))
-                                .and_then(Value::as_u64);
-                            let planned = planned_answer(cfg.seed, session, turn, cfg.max_tokens);
-                            let got: Option<Vec<u32>> = v
-                                .pointer("/nvext/completion_token_ids")
-                                .and_then(|ids| serde_json::from_value(ids.clone()).ok());
-                            rec.answer_as_planned = Some(got.as_ref() == Some(&planned));
-                        }
-                        rec.ok = reply.is_some() && rec.router_request_id.is_some();
-                        if !rec.ok {
-                            rec.error = Some(format!("unexpected body: {}", truncate(&text, 300)));
-                        }
+            let body = if cfg.stream && status.is_success() {
+                read_stream(resp, sent_at).await.map(|(v, ttft)| {
+                    rec.ttft_ms = ttft;
+                    v
+                })
+            } else {
+                match resp.text().await {
+                    Err(e) => Err(format!("reading body: {e}")),
+                    Ok(text) if !status.is_success() => {
+                        Err(format!("HTTP {status}: {}", truncate(&text, 300)))
                     }
-                },
+                    Ok(text) => {
+                        serde_json::from_str::<Value>(&text).map_err(|e| format!("bad JSON: {e}"))
+                    }
+                }
+            };
+            match body {
+                Err(e) => rec.error = Some(e),
+                Ok(v) => {
+                    rec.router_request_id =
+                        v.get("id").and_then(Value::as_str).map(router_request_id);
+                    rec.usage_prompt_tokens =
+                        v.pointer("/usage/prompt_tokens").and_then(Value::as_u64);
+                    rec.usage_completion_tokens = v
+                        .pointer("/usage/completion_tokens")
+                        .and_then(Value::as_u64);
+                    rec.usage_cached_tokens = v
+                        .pointer("/usage/prompt_tokens_details/cached_tokens")
+                        .and_then(Value::as_u64);
+                    reply = v
+                        .pointer("/choices/0/message/content")
+                        .or_else(|| v.pointer("/choices/0/text"))
+                        .and_then(Value::as_str)
+                        .map(str::to_string);
+                    let decode = v
+                        .pointer("/nvext/worker_id/decode_worker_id")
+                        .and_then(Value::as_u64);
+                    let prefill = v
+                        .pointer("/nvext/worker_id/prefill_worker_id")
+                        .and_then(Value::as_u64);
+                    rec.worker_id = decode.or(prefill);
+                    rec.prefill_worker_id = prefill.filter(|p| decode.is_some_and(|d| d != *p));
+                    if cfg.fixed_answers {
+                        let planned = planned_answer(cfg.seed, session, turn, cfg.max_tokens);
+                        let got: Option<Vec<u32>> = v
+                            .pointer("/nvext/completion_token_ids")
+                            .and_then(|ids| serde_json::from_value(ids.clone()).ok());
+                        rec.answer_as_planned = Some(got.as_ref() == Some(&planned));
+                    }
+                    rec.ok = reply.is_some() && rec.router_request_id.is_some();
+                    if !rec.ok {
+                        rec.error = Some(format!(
+                            "unexpected body: {}",
+                            truncate(&v.to_string(), 300)
+                        ));
+                    }
+                }
             }
         }
     }
@@ -579,6 +638,111 @@ async fn send(
         warn!(x_request_id = %rec.x_request_id, error = %e, "Request failed.");
     }
     (rec, reply)
+}
+
+/// Reads a streamed reply (server-sent events, `data: {chunk}` … `data: [DONE]`) into one
+/// body shaped like the unstreamed reply's: the chunks' text joined into
+/// `choices[0].message.content`, their `completion_token_ids` joined, the last `usage`,
+/// `id` and `nvext.worker_id` seen. Also returns the time from `sent_at` to the first
+/// chunk carrying text.
+async fn read_stream(
+    mut resp: reqwest::Response,
+    sent_at: Instant,
+) -> std::result::Result<(Value, Option<f64>), String> {
+    let mut folded = StreamFold::default();
+    let mut pending: Vec<u8> = Vec::new();
+    loop {
+        let chunk = resp
+            .chunk()
+            .await
+            .map_err(|e| format!("reading stream: {e}"))?;
+        let Some(chunk) = chunk else { break };
+        pending.extend_from_slice(&chunk);
+        while let Some(end) = pending.iter().position(|b| *b == b'\n') {
+            let line: Vec<u8> = pending.drain(..=end).collect();
+            let line = String::from_utf8_lossy(&line);
+            if folded.line(line.trim_end()) && folded.ttft_ms.is_none() {
+                folded.ttft_ms = Some(sent_at.elapsed().as_secs_f64() * 1e3);
+            }
+        }
+    }
+    folded.line(String::from_utf8_lossy(&pending).trim_end());
+    if let Some(e) = folded.error {
+        return Err(e);
+    }
+    let ttft_ms = folded.ttft_ms;
+    Ok((folded.body(), ttft_ms))
+}
+
+/// A streamed reply's chunks, folded as they arrive ([`read_stream`]).
+#[derive(Default)]
+struct StreamFold {
+    id: Option<Value>,
+    text: String,
+    token_ids: Vec<Value>,
+    usage: Option<Value>,
+    worker_id: Option<Value>,
+    ttft_ms: Option<f64>,
+    error: Option<String>,
+}
+
+impl StreamFold {
+    /// Folds one line of the stream; true when it carried reply text.
+    fn line(&mut self, line: &str) -> bool {
+        let Some(data) = line.strip_prefix("data:").map(str::trim) else {
+            return false;
+        };
+        if data.is_empty() || data == "[DONE]" {
+            return false;
+        }
+        let v: Value = match serde_json::from_str(data) {
+            Ok(v) => v,
+            Err(e) => {
+                self.error
+                    .get_or_insert(format!("bad stream chunk ({e}): {}", truncate(data, 300)));
+                return false;
+            }
+        };
+        if let Some(e) = v.get("error") {
+            self.error
+                .get_or_insert(format!("stream error: {}", truncate(&e.to_string(), 300)));
+        }
+        if let Some(id) = v.get("id") {
+            self.id = Some(id.clone());
+        }
+        if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
+            self.usage = Some(u.clone());
+        }
+        if let Some(w) = v.pointer("/nvext/worker_id") {
+            self.worker_id = Some(w.clone());
+        }
+        if let Some(Value::Array(ids)) = v.pointer("/nvext/completion_token_ids") {
+            self.token_ids.extend(ids.iter().cloned());
+        }
+        let text = v
+            .pointer("/choices/0/delta/content")
+            .or_else(|| v.pointer("/choices/0/text"))
+            .and_then(Value::as_str)
+            .unwrap_or("");
+        self.text.push_str(text);
+        !text.is_empty()
+    }
+
+    fn body(self) -> Value {
+        let mut nvext = json!({});
+        if let Some(w) = self.worker_id {
+            nvext["worker_id"] = w;
+        }
+        if !self.token_ids.is_empty() {
+            nvext["completion_token_ids"] = Value::Array(self.token_ids);
+        }
+        json!({
+            "id": self.id,
+            "usage": self.usage,
+            "choices": [{ "message": { "content": self.text } }],
+            "nvext": nvext,
+        })
+    }
 }
 
 /// The router's request id for a response `id` (`chatcmpl-<uuid>` / `cmpl-<uuid>` → `<uuid>`).
@@ -668,6 +832,42 @@ mod tests {
         // <|system|> w1 w2 w3 <|user|> w5 w6 <|assistant|>  (router logged isl_tokens=8)
         assert_eq!(count_tokens(&m), 8);
         assert_eq!(render_prompt(&m).split_whitespace().count(), 8);
+    }
+
+    #[test]
+    fn folds_a_streamed_reply() {
+        let mut f = StreamFold::default();
+        let lines = [
+            r#"data: {"id":"chatcmpl-a","choices":[{"delta":{"role":"assistant"}}]}"#,
+            "",
+            r#"data: {"id":"chatcmpl-a","choices":[{"delta":{"content":"w1 "}}],"nvext":{"worker_id":{"prefill_worker_id":3,"decode_worker_id":4}}}"#,
+            r#"data: {"id":"chatcmpl-a","choices":[{"delta":{"content":"w2"}}]}"#,
+            r#"data: {"id":"chatcmpl-a","choices":[],"usage":{"prompt_tokens":9,"completion_tokens":2}}"#,
+            "data: [DONE]",
+        ];
+        let texts: Vec<bool> = lines.iter().map(|l| f.line(l)).collect();
+        assert_eq!(texts, [false, false, true, true, false, false]);
+        assert!(f.error.is_none());
+        let v = f.body();
+        assert_eq!(v.pointer("/choices/0/message/content").unwrap(), "w1 w2");
+        assert_eq!(v.pointer("/usage/prompt_tokens").unwrap(), 9);
+        assert_eq!(v.pointer("/nvext/worker_id/prefill_worker_id").unwrap(), 3);
+        let mut bad = StreamFold::default();
+        bad.line("data: {not json");
+        assert!(bad.error.unwrap().contains("bad stream chunk"));
+    }
+
+    #[test]
+    fn prompt_lengths_spread_when_asked() {
+        let cfg = WorkloadConfig {
+            system_words: 256,
+            system_words_max: Some(6000),
+            ..WorkloadConfig::default()
+        };
+        let n: Vec<usize> = (0..24).map(|f| system_words(&cfg, f)).collect();
+        assert!(n.iter().all(|w| (256..=6000).contains(w)));
+        assert!(n.iter().collect::<std::collections::BTreeSet<_>>().len() > 20);
+        assert_eq!(system_words(&WorkloadConfig::default(), 3), 320);
     }
 
     #[test]

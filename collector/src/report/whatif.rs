@@ -6,6 +6,7 @@
 use super::plots::polyline;
 use super::svg::{self, compact, escape, px, ticks_to, Frame};
 use super::tables::{row, table_open};
+use crate::whatif::disagg::DisaggWhatIf;
 use crate::whatif::migration::{BreakEven, MigrationWhatIf};
 use crate::whatif::question::WhatIfAnswer;
 use crate::whatif::CapacityWhatIf;
@@ -40,6 +41,82 @@ pub(super) fn section(out: &mut String, w: &WhatIfAnswer) {
     reserve_plot(out, c);
     capacity_table(out, c);
     migration(out, &w.migration);
+    if let Some(d) = &w.disagg {
+        disagg(out, d);
+    }
+}
+
+fn disagg(out: &mut String, d: &DisaggWhatIf) {
+    let verdict = match d.break_even_tokens {
+        Some(0) => "remote prefill is faster at every size".to_string(),
+        Some(b) => format!("remote prefill pays off from {b} uncached tokens on"),
+        None => "remote prefill never pays off".to_string(),
+    };
+    let _ = write!(
+        out,
+        "<h3 id=\"whatif-disagg\">Conditional disaggregation</h3><p class=\"caption\">Time \
+         to first token fitted per path from {} ({} left out): {verdict}. On {} ({}), {} stay \
+         local at the recommended threshold of {} tokens: <code>{}</code>.</p>",
+        escape(&d.samples_from),
+        d.samples_left_out,
+        escape(&d.requests_from),
+        d.requests,
+        pct(d.local_share),
+        d.recommended_threshold_tokens,
+        escape(&d.recommended_setting),
+    );
+    table_open(
+        out,
+        "whatif-disagg-fit",
+        2,
+        &[
+            "path",
+            "fixed ms",
+            "ms per 1k uncached tokens",
+            "samples",
+            "rms residual ms",
+        ],
+    );
+    for (name, l) in [
+        ("local prefill", &d.costs.local),
+        ("remote prefill", &d.costs.remote),
+    ] {
+        row(
+            out,
+            &[
+                name.to_string(),
+                format!("{:.1}", l.fixed_ms),
+                format!("{:.1}", l.ms_per_ktok),
+                l.samples.to_string(),
+                format!("{:.1}", l.rms_residual_ms),
+            ],
+        );
+    }
+    out.push_str("</tbody></table>\n");
+    table_open(
+        out,
+        "whatif-disagg-table",
+        d.rows.len(),
+        &[
+            "threshold (uncached tokens)",
+            "local share",
+            "predicted mean TTFT ms",
+        ],
+    );
+    for r in &d.rows {
+        row(
+            out,
+            &[
+                r.threshold_tokens.to_string(),
+                pct(r.local_share),
+                format!("{:.1}", r.predicted_mean_ttft_ms),
+            ],
+        );
+    }
+    out.push_str("</tbody></table>\n");
+    for n in &d.notes {
+        let _ = write!(out, "<p class=\"caption\">Note: {}.</p>", escape(n));
+    }
 }
 
 fn pct(v: f64) -> String {

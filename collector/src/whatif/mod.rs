@@ -21,6 +21,7 @@
 //! run's own, per request: the same fold the collector runs ([`WhatIf::recorded`]).
 
 pub mod cache;
+pub mod disagg;
 pub mod migration;
 pub mod question;
 

@@ -1,6 +1,7 @@
 //! The what-if's inputs, as `kvscope whatif` takes them (flags) and `/api/whatif` takes
 //! them (a query string), and its answer: every question asked of one set of requests.
 
+use super::disagg::{DisaggError, DisaggWhatIf, TtftSample};
 use super::migration::{MigrationQuestion, MigrationWhatIf, Pricing, DEFAULT_GATES};
 use super::{CapacityWhatIf, WhatIf, WhatIfError};
 use serde::{Deserialize, Deserializer, Serialize};
@@ -58,6 +59,20 @@ pub struct WhatIfInputs {
     /// thresholds are for (added to the reserves swept) [default: 0.1].
     #[arg(long)]
     pub connector_reserve: Option<f64>,
+    /// Conditional disaggregation: measured time-to-first-token samples of both paths
+    /// (repeatable): JSON lines with `prompt_tokens`, `ttft_ms`, `remote` (or
+    /// `prefill_worker_id`) and optionally `cached_tokens`, or a `kvscope-lab workload
+    /// --stream` summary. Each path is fitted as fixed + per-token × uncached tokens; the
+    /// answer is the break-even uncached size and the frontend's setting. Without
+    /// --replay, the samples' own requests are judged.
+    #[arg(long, value_name = "FILE")]
+    #[serde(skip)]
+    pub ttft_samples: Vec<PathBuf>,
+    /// Conditional-disaggregation thresholds (uncached tokens) to tabulate,
+    /// comma-separated [default: 256,512,1024,2048,4096,8192,16384].
+    #[arg(long, value_delimiter = ',')]
+    #[serde(deserialize_with = "comma_list")]
+    pub disagg_threshold: Vec<u64>,
 }
 
 /// `0,0.15` in a query string.
@@ -82,6 +97,9 @@ where
 pub struct WhatIfAnswer {
     pub capacity: CapacityWhatIf,
     pub migration: MigrationWhatIf,
+    /// With TTFT samples: conditional disaggregation's break-even.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disagg: Option<DisaggWhatIf>,
 }
 
 /// Why the inputs cannot be read.
@@ -91,6 +109,8 @@ pub enum InputError {
     ModelConfig(PathBuf, String),
     #[error(transparent)]
     WhatIf(#[from] WhatIfError),
+    #[error(transparent)]
+    Disagg(#[from] DisaggError),
 }
 
 impl WhatIfInputs {
@@ -170,16 +190,63 @@ impl WhatIfInputs {
         Ok(WhatIfAnswer {
             capacity,
             migration,
+            disagg: self.disagg(Some(w))?,
         })
+    }
+
+    /// Conditional disaggregation, where TTFT samples are given: judged on `w`'s
+    /// requests (uncached = prompt − the chosen worker's cached prefix), else on the
+    /// samples' own.
+    pub fn disagg(&self, w: Option<&WhatIf>) -> Result<Option<DisaggWhatIf>, InputError> {
+        if self.ttft_samples.is_empty() {
+            return Ok(None);
+        }
+        let mut samples: Vec<TtftSample> = Vec::new();
+        let mut left_out = 0;
+        for path in &self.ttft_samples {
+            let (s, l) = super::disagg::read_samples(path)?;
+            samples.extend(s);
+            left_out += l;
+        }
+        let from = self
+            .ttft_samples
+            .iter()
+            .map(|p| p.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", ");
+        let uncached: Vec<u64> = w
+            .map(|w| {
+                w.requests()
+                    .iter()
+                    .map(|r| {
+                        r.isl_tokens.saturating_sub(
+                            u64::from(r.recorded_overlap_blocks) * u64::from(r.block_size),
+                        )
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        Ok(Some(super::disagg::answer(
+            &samples,
+            from,
+            left_out,
+            Some((&uncached, "the recording's judged requests".to_string())),
+            &self.disagg_threshold,
+        )?))
     }
 }
 
 impl WhatIfAnswer {
     pub fn to_markdown(&self) -> String {
-        format!(
+        let mut s = format!(
             "{}\n{}",
             self.capacity.to_markdown(),
             self.migration.to_markdown()
-        )
+        );
+        if let Some(d) = &self.disagg {
+            s.push('\n');
+            s.push_str(&d.to_markdown());
+        }
+        s
     }
 }
