@@ -171,10 +171,30 @@ pub fn whatif(cfg: &CollectorConfig, args: &WhatifArgs) -> anyhow::Result<()> {
         return Ok(());
     };
     let w = crate::whatif::WhatIf::from_recording(replay, cfg.analyzer.clone())?;
-    let c = args
-        .inputs
-        .answer(&w)
-        .with_context(|| format!("what-if on {}", replay.display()))?;
+    let c = match args.inputs.answer_for_report(&w) {
+        Ok(Ok(c)) => c,
+        // What the recording lacks for the capacity and migration questions leaves
+        // conditional disaggregation, where samples are given, still to answer.
+        Ok(Err(why)) if !args.inputs.ttft_samples.is_empty() => {
+            eprintln!(
+                "what-if on {}: {why}; conditional disaggregation only",
+                replay.display()
+            );
+            let d = args
+                .inputs
+                .disagg(Some(&w))?
+                .context("TTFT samples given")?;
+            match args.format {
+                WhatifFormat::Markdown => print!("{}", d.to_markdown()),
+                WhatifFormat::Json => println!("{}", serde_json::to_string_pretty(&d)?),
+            }
+            return Ok(());
+        }
+        Ok(Err(why)) => anyhow::bail!("what-if on {}: {why}", replay.display()),
+        Err(e) => {
+            return Err(anyhow::Error::new(e).context(format!("what-if on {}", replay.display())))
+        }
+    };
     match args.format {
         WhatifFormat::Markdown => print!("{}", c.to_markdown()),
         WhatifFormat::Json => println!("{}", serde_json::to_string_pretty(&c)?),

@@ -14,7 +14,8 @@
 //! Asserts: the recommended threshold is the measured best of the thresholds tried, or
 //! next to it, and its measured mean is within 5% of the best any threshold gives; the
 //! fit predicts every threshold's measured mean within 15%; the frontend takes the
-//! recommended setting (its decisions under it are printed: see below).
+//! recommended setting, and keeps as many prefills local under it as kvscope predicted
+//! Dynamo's `isl_bounding` would (none: see below).
 //!
 //! Why not the frontend's own switch: Dynamo 1.6.1's `isl_bounding` keeps a prefill
 //! local only while eff_isl / prompt < eff_isl_ratio_threshold ≤ 1.0, and its mocker
@@ -263,6 +264,14 @@ async fn the_recommended_threshold_is_the_measured_best() {
         .iter()
         .filter(|r| r.prefill_worker_id.is_none())
         .count();
+    // kvscope predicted what isl_bounding keeps local (only prefixes cached on the decode
+    // worker count) on the samples' requests; none of seed 2's had one cached either.
+    let predicted_kept = answer["local_share_isl_bounding"].as_f64().unwrap();
+    assert_eq!(
+        kept as f64 / s.requests.len() as f64,
+        predicted_kept,
+        "the share the frontend kept local is the one predicted under isl_bounding"
+    );
     eprintln!(
         "under {config}: {kept} of {} prefills stayed local (Dynamo 1.6.1's mocker decode \
          workers publish no KV events, so isl_bounding sees nothing cached and sends all remote)",

@@ -130,8 +130,9 @@ pub struct RequestRecord {
     pub usage_completion_tokens: Option<u64>,
     /// `usage.prompt_tokens_details.cached_tokens` from the response.
     pub usage_cached_tokens: Option<u64>,
-    /// With `fixed_answers`: the worker that decoded the reply (`nvext.worker_id`), and
-    /// whether the reply's token ids (`nvext.completion_token_ids`) were the planned ones.
+    /// With `fixed_answers` or `stream`: the worker that decoded the reply
+    /// (`nvext.worker_id`); with `fixed_answers`, whether the reply's token ids
+    /// (`nvext.completion_token_ids`) were the planned ones.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub worker_id: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -666,7 +667,9 @@ async fn read_stream(
             }
         }
     }
-    folded.line(String::from_utf8_lossy(&pending).trim_end());
+    if folded.line(String::from_utf8_lossy(&pending).trim_end()) && folded.ttft_ms.is_none() {
+        folded.ttft_ms = Some(sent_at.elapsed().as_secs_f64() * 1e3);
+    }
     if let Some(e) = folded.error {
         return Err(e);
     }
@@ -703,7 +706,7 @@ impl StreamFold {
                 return false;
             }
         };
-        if let Some(e) = v.get("error") {
+        if let Some(e) = v.get("error").filter(|e| !e.is_null()) {
             self.error
                 .get_or_insert(format!("stream error: {}", truncate(&e.to_string(), 300)));
         }
@@ -713,8 +716,14 @@ impl StreamFold {
         if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
             self.usage = Some(u.clone());
         }
-        if let Some(w) = v.pointer("/nvext/worker_id") {
-            self.worker_id = Some(w.clone());
+        // Merged: a chunk may name one of the prefill and decode workers only.
+        if let Some(serde_json::Value::Object(w)) = v.pointer("/nvext/worker_id") {
+            let into = self.worker_id.get_or_insert_with(|| json!({}));
+            for (k, id) in w {
+                if !id.is_null() {
+                    into[k] = id.clone();
+                }
+            }
         }
         if let Some(Value::Array(ids)) = v.pointer("/nvext/completion_token_ids") {
             self.token_ids.extend(ids.iter().cloned());
@@ -739,7 +748,8 @@ impl StreamFold {
         json!({
             "id": self.id,
             "usage": self.usage,
-            "choices": [{ "message": { "content": self.text } }],
+            // No text streamed: no reply (the request fails as an unstreamed one would).
+            "choices": [{ "message": { "content": (!self.text.is_empty()).then_some(self.text) } }],
             "nvext": nvext,
         })
     }

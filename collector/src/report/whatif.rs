@@ -47,11 +47,7 @@ pub(super) fn section(out: &mut String, w: &WhatIfAnswer) {
 }
 
 fn disagg(out: &mut String, d: &DisaggWhatIf) {
-    let verdict = match d.break_even_tokens {
-        Some(0) => "remote prefill is faster at every size".to_string(),
-        Some(b) => format!("remote prefill pays off from {b} uncached tokens on"),
-        None => "remote prefill never pays off".to_string(),
-    };
+    let verdict = d.crossing.sentence().replace("**", "");
     let _ = write!(
         out,
         "<h3 id=\"whatif-disagg\">Conditional disaggregation</h3><p class=\"caption\">Time \
@@ -109,6 +105,7 @@ fn disagg(out: &mut String, d: &DisaggWhatIf) {
             &[
                 r.threshold_tokens.to_string(),
                 pct(r.local_share),
+                pct(r.local_share_isl_bounding),
                 format!("{:.1}", r.predicted_mean_ttft_ms),
             ],
         );

@@ -22,6 +22,7 @@ use std::path::{Path, PathBuf};
 /// One request's measured time to first token.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct TtftSample {
+    pub prompt_tokens: u64,
     /// Prompt tokens the request had to prefill (prompt − cached prefix).
     pub uncached_tokens: u64,
     pub ttft_ms: f64,
@@ -54,9 +55,10 @@ pub enum DisaggError {
 }
 
 /// Reads samples from JSON lines (one object per request) or from a `kvscope-lab`
-/// workload summary (an object whose `requests` are such objects). Each object gives
-/// `prompt_tokens` and `ttft_ms`; `remote` (bool), or else `prefill_worker_id` (present:
-/// remote); `cached_tokens` or `usage_cached_tokens` (default 0). Failed requests
+/// workload summary (an object whose `requests` are such objects; errors name the
+/// request's place in it as its line). Each object gives `prompt_tokens` and `ttft_ms`;
+/// `remote` (bool), or else `prefill_worker_id` (remote where it differs from the
+/// `decode_worker_id` or `worker_id` given); `cached_tokens` or `usage_cached_tokens` (default 0). Failed requests
 /// (`ok: false`) and those without `ttft_ms` are left out and counted.
 pub fn read_samples(path: &Path) -> Result<(Vec<TtftSample>, u64), DisaggError> {
     let text =
@@ -112,8 +114,11 @@ pub fn read_samples(path: &Path) -> Result<(Vec<TtftSample>, u64), DisaggError> 
             left_out += 1;
             continue;
         };
-        if !(ttft_ms.is_finite() && ttft_ms >= 0.0) {
-            return Err(bad("ttft_ms is not a non-negative number"));
+        // A day bounds any real time to first token, and keeps the fit's sums finite.
+        if !(0.0..=86_400_000.0).contains(&ttft_ms) {
+            return Err(bad(
+                "ttft_ms is not a number of milliseconds from 0 to a day",
+            ));
         }
         let prompt = v
             .get("prompt_tokens")
@@ -121,8 +126,11 @@ pub fn read_samples(path: &Path) -> Result<(Vec<TtftSample>, u64), DisaggError> 
             .ok_or_else(|| bad("no prompt_tokens (a whole number)"))?;
         let cached = v
             .get("cached_tokens")
-            .or_else(|| v.get("usage_cached_tokens"))
             .and_then(serde_json::Value::as_u64)
+            .or_else(|| {
+                v.get("usage_cached_tokens")
+                    .and_then(serde_json::Value::as_u64)
+            })
             .unwrap_or(0);
         let remote = match v.get("remote") {
             Some(r) => r
@@ -131,6 +139,7 @@ pub fn read_samples(path: &Path) -> Result<(Vec<TtftSample>, u64), DisaggError> 
             None => v.get("prefill_worker_id").is_some_and(|p| !p.is_null()),
         };
         samples.push(TtftSample {
+            prompt_tokens: prompt,
             uncached_tokens: prompt.saturating_sub(cached),
             ttft_ms,
             remote,
@@ -169,6 +178,9 @@ impl TtftLine {
         let sxy: f64 = samples.iter().map(|s| (s.0 as f64 - mx) * (s.1 - my)).sum();
         let slope = sxy / sxx;
         let fixed = my - slope * mx;
+        if !(slope.is_finite() && fixed.is_finite()) {
+            return None;
+        }
         let rms = (samples
             .iter()
             .map(|s| (s.1 - fixed - slope * s.0 as f64).powi(2))
@@ -220,19 +232,28 @@ impl DisaggCosts {
         }
     }
 
-    /// The uncached size where remote prefill starts to be faster: `Some(0)` when it
-    /// always is, `None` when it never is (local is as fast or faster at every size).
-    pub fn break_even_tokens(&self) -> Option<u64> {
+    /// Where the paths cross.
+    pub fn crossing(&self) -> Crossing {
         let (l, r) = (&self.local, &self.remote);
         let slope_gain = l.ms_per_ktok - r.ms_per_ktok; // ms per 1000 tokens remote saves
         let fixed_cost = r.fixed_ms - l.fixed_ms; // ms remote costs up front
-        if fixed_cost <= 0.0 && slope_gain >= 0.0 {
-            return Some(0);
+        let at = || (fixed_cost / slope_gain * 1e3).ceil().max(0.0) as u64;
+        match (fixed_cost <= 0.0, slope_gain >= 0.0) {
+            (true, true) => Crossing::RemoteAlways,
+            (false, true) if slope_gain > 0.0 => Crossing::RemoteFrom(at()),
+            (false, _) => Crossing::Never,
+            (true, false) => Crossing::RemoteBelow(at()),
         }
-        if slope_gain <= 0.0 {
-            return None;
+    }
+
+    /// The uncached size where remote prefill starts to be faster: `Some(0)` when it
+    /// always is, `None` when no size on is (see [`Self::crossing`]).
+    pub fn break_even_tokens(&self) -> Option<u64> {
+        match self.crossing() {
+            Crossing::RemoteAlways => Some(0),
+            Crossing::RemoteFrom(n) => Some(n),
+            Crossing::Never | Crossing::RemoteBelow(_) => None,
         }
-        Some((fixed_cost / slope_gain * 1e3).ceil() as u64)
     }
 
     /// Mean time to first token over `uncached` sizes when prefills of fewer than
@@ -255,12 +276,32 @@ impl DisaggCosts {
     }
 }
 
+/// How the fitted paths compare.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Crossing {
+    /// Remote prefill is as fast or faster at every size.
+    RemoteAlways,
+    /// Remote prefill is faster from this many uncached tokens on.
+    RemoteFrom(u64),
+    /// Local prefill is as fast or faster at every size.
+    Never,
+    /// Remote prefill is faster only below this size (a cheaper start but a slower rate):
+    /// a threshold that keeps short prefills local cannot follow that, so the better of
+    /// all-remote and all-local is recommended.
+    RemoteBelow(u64),
+}
+
 /// One threshold's predicted effect.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct DisaggRow {
     pub threshold_tokens: u64,
     /// Share of the requests whose prefill stays local (uncached < threshold).
     pub local_share: f64,
+    /// The share Dynamo's `isl_bounding` keeps local at this threshold with
+    /// `eff_isl_ratio_threshold` 1.0: it also needs something cached on the decode worker.
+    pub local_share_isl_bounding: f64,
+    /// With each request on the path the threshold gives it (the ideal switch).
     pub predicted_mean_ttft_ms: f64,
 }
 
@@ -271,7 +312,9 @@ pub struct DisaggWhatIf {
     /// Where the samples came from, and how many were left out (failed, no TTFT).
     pub samples_from: String,
     pub samples_left_out: u64,
-    /// `Some(n)`: remote prefill is faster from `n` uncached tokens on; `None`: never.
+    pub crossing: Crossing,
+    /// `Some(n)`: remote prefill is faster from `n` uncached tokens on; `None`: from no
+    /// size on.
     pub break_even_tokens: Option<u64>,
     /// The threshold recommended: the break-even, or above every request's size when
     /// remote never pays off.
@@ -283,8 +326,10 @@ pub struct DisaggWhatIf {
     /// What the requests below are: the recording's or the samples'.
     pub requests_from: String,
     pub requests: u64,
-    /// Share of the requests on each side of the recommended threshold.
+    /// Share of the requests below the recommended threshold.
     pub local_share: f64,
+    /// … of which Dynamo's `isl_bounding` keeps local (see [`DisaggRow`]).
+    pub local_share_isl_bounding: f64,
     pub rows: Vec<DisaggRow>,
     pub notes: Vec<String>,
 }
@@ -292,28 +337,52 @@ pub struct DisaggWhatIf {
 /// Thresholds tabulated unless others are asked for.
 pub const DEFAULT_THRESHOLDS: [u64; 7] = [256, 512, 1024, 2048, 4096, 8192, 16384];
 
-/// The question: fitted costs, the requests to judge them on, thresholds to tabulate.
+/// The question: fitted costs, the requests to judge them on (each one's uncached and
+/// prompt tokens; the samples' own where none is given), thresholds to tabulate.
 pub fn answer(
     samples: &[TtftSample],
     samples_from: String,
     samples_left_out: u64,
-    requests: Option<(&[u64], String)>,
+    requests: Option<(&[(u64, u64)], String)>,
     thresholds: &[u64],
 ) -> Result<DisaggWhatIf, DisaggError> {
     let costs = DisaggCosts::fit(samples)?;
-    let own: Vec<u64>;
-    let (uncached, requests_from) = match requests {
+    let own: Vec<(u64, u64)>;
+    let (judged, requests_from) = match requests {
         Some((r, from)) if !r.is_empty() => (r, from),
         _ => {
-            own = samples.iter().map(|s| s.uncached_tokens).collect();
+            own = samples
+                .iter()
+                .map(|s| (s.uncached_tokens, s.prompt_tokens))
+                .collect();
             (own.as_slice(), "the TTFT samples".to_string())
         }
     };
+    let uncached: Vec<u64> = judged.iter().map(|r| r.0).collect();
+    let uncached = uncached.as_slice();
+    let crossing = costs.crossing();
     let break_even = costs.break_even_tokens();
-    let largest = uncached.iter().copied().max().unwrap_or(0);
-    let recommended = break_even.unwrap_or(largest + 1);
-    let share =
-        |t: u64| uncached.iter().filter(|&&u| u < t).count() as f64 / uncached.len().max(1) as f64;
+    let all_local = uncached
+        .iter()
+        .copied()
+        .max()
+        .unwrap_or(0)
+        .saturating_add(1);
+    let recommended = match crossing {
+        Crossing::RemoteAlways => 0,
+        Crossing::RemoteFrom(n) => n,
+        Crossing::Never => all_local,
+        Crossing::RemoteBelow(_) => {
+            if costs.mean_ttft_ms(uncached, 0) < costs.mean_ttft_ms(uncached, all_local) {
+                0
+            } else {
+                all_local
+            }
+        }
+    };
+    let n = judged.len().max(1) as f64;
+    let share = |t: u64| judged.iter().filter(|r| r.0 < t).count() as f64 / n;
+    let share_isl = |t: u64| judged.iter().filter(|r| r.0 < t && r.0 < r.1).count() as f64 / n;
     let mut ts: Vec<u64> = if thresholds.is_empty() {
         DEFAULT_THRESHOLDS.to_vec()
     } else {
@@ -327,6 +396,7 @@ pub fn answer(
         .map(|&t| DisaggRow {
             threshold_tokens: t,
             local_share: share(t),
+            local_share_isl_bounding: share_isl(t),
             predicted_mean_ttft_ms: costs.mean_ttft_ms(uncached, t),
         })
         .collect();
@@ -341,10 +411,26 @@ pub fn answer(
             .max_uncached_tokens
             .min(costs.remote.max_uncached_tokens),
     );
-    if let Some(b) = break_even.filter(|b| *b < lo || *b > hi) {
+    if lo > hi {
+        notes.push(format!(
+            "the two paths were measured at sizes that do not overlap (local {}–{}, remote \
+             {}–{}): the comparison is extrapolated; measure both at the same sizes",
+            costs.local.min_uncached_tokens,
+            costs.local.max_uncached_tokens,
+            costs.remote.min_uncached_tokens,
+            costs.remote.max_uncached_tokens
+        ));
+    } else if let Some(b) = break_even.filter(|b| *b > 0 && (*b < lo || *b > hi)) {
         notes.push(format!(
             "the break-even ({b} tokens) lies outside the sizes both paths were measured at \
              ({lo}–{hi}): it is extrapolated; measure requests of that size"
+        ));
+    }
+    if let Crossing::RemoteBelow(b) = crossing {
+        notes.push(format!(
+            "remote prefill is faster only below {b} uncached tokens (it starts sooner but \
+             prefills slower); a threshold keeps short prefills local, so the better of \
+             all-remote and all-local is recommended"
         ));
     }
     notes.push(
@@ -363,6 +449,7 @@ pub fn answer(
         costs,
         samples_from,
         samples_left_out,
+        crossing,
         break_even_tokens: break_even,
         recommended_threshold_tokens: recommended,
         recommended_config: config.clone(),
@@ -372,9 +459,29 @@ pub fn answer(
         requests_from,
         requests: uncached.len() as u64,
         local_share: share(recommended),
+        local_share_isl_bounding: share_isl(recommended),
         rows,
         notes,
     })
+}
+
+impl Crossing {
+    /// The answer in words.
+    pub fn sentence(&self) -> String {
+        match self {
+            Crossing::RemoteAlways => "Remote prefill is faster at every size".into(),
+            Crossing::RemoteFrom(n) => {
+                format!("Remote prefill pays off from **{n} uncached tokens** on")
+            }
+            Crossing::Never => {
+                "Remote prefill never pays off: local is as fast or faster at every size".into()
+            }
+            Crossing::RemoteBelow(n) => format!(
+                "Remote prefill is faster only below {n} uncached tokens (it starts sooner but \
+                 prefills slower)"
+            ),
+        }
+    }
 }
 
 impl DisaggWhatIf {
@@ -398,25 +505,24 @@ impl DisaggWhatIf {
                 l.rms_residual_ms
             ));
         }
-        s.push_str(&match self.break_even_tokens {
-            Some(0) => "\nRemote prefill is faster at every size.\n".to_string(),
-            Some(b) => format!("\nRemote prefill pays off from **{b} uncached tokens** on.\n"),
-            None => "\nRemote prefill never pays off: local is as fast or faster at every size.\n"
-                .to_string(),
-        });
+        s.push_str(&format!("\n{}.\n", self.crossing.sentence()));
         s.push_str(&format!(
             "\nOn {} ({}): {:.1}% of requests stay local at the recommended threshold of {} \
-             tokens.\n\n| threshold (tokens) | local share | predicted mean TTFT ms |\n|---:|---:|---:|\n",
+             tokens ({:.1}% under Dynamo's isl_bounding, which also needs a cached prefix).\n\n\
+             | threshold (tokens) | local share | under isl_bounding | predicted mean TTFT ms |\n\
+             |---:|---:|---:|---:|\n",
             self.requests_from,
             self.requests,
             100.0 * self.local_share,
-            self.recommended_threshold_tokens
+            self.recommended_threshold_tokens,
+            100.0 * self.local_share_isl_bounding
         ));
         for r in &self.rows {
             s.push_str(&format!(
-                "| {} | {:.1}% | {:.1} |\n",
+                "| {} | {:.1}% | {:.1}% | {:.1} |\n",
                 r.threshold_tokens,
                 100.0 * r.local_share,
+                100.0 * r.local_share_isl_bounding,
                 r.predicted_mean_ttft_ms
             ));
         }
@@ -436,6 +542,7 @@ mod tests {
         [500u64, 1000, 2000, 4000]
             .iter()
             .map(|&u| TtftSample {
+                prompt_tokens: u,
                 uncached_tokens: u,
                 ttft_ms: fixed + per_ktok * u as f64 / 1e3,
                 remote,
@@ -471,34 +578,55 @@ mod tests {
     fn never_and_always() {
         let mut s = line(10.0, 50.0, false);
         s.extend(line(60.0, 60.0, true));
-        let a = answer(&s, "t".into(), 0, Some((&[100, 9000], "r".into())), &[]).unwrap();
-        assert_eq!(a.break_even_tokens, None);
+        let judged = [(100, 100), (9000, 12000)];
+        let a = answer(&s, "t".into(), 0, Some((&judged, "r".into())), &[]).unwrap();
+        assert_eq!((a.crossing, a.break_even_tokens), (Crossing::Never, None));
         assert_eq!(a.recommended_threshold_tokens, 9001);
         assert_eq!(a.local_share, 1.0);
+        // Dynamo keeps local only what has a cached prefix: the second request.
+        assert_eq!(a.local_share_isl_bounding, 0.5);
         let mut s = line(60.0, 100.0, false);
         s.extend(line(10.0, 50.0, true));
         assert_eq!(DisaggCosts::fit(&s).unwrap().break_even_tokens(), Some(0));
+        // Remote starts sooner but prefills slower: faster only below 1000 tokens, so
+        // all-remote wins on short requests and all-local on long ones.
+        let mut s = line(60.0, 50.0, false);
+        s.extend(line(10.0, 100.0, true));
+        assert_eq!(
+            DisaggCosts::fit(&s).unwrap().crossing(),
+            Crossing::RemoteBelow(1000)
+        );
+        let short = [(200, 200), (300, 300)];
+        let a = answer(&s, "t".into(), 0, Some((&short, "r".into())), &[]).unwrap();
+        assert_eq!(a.recommended_threshold_tokens, 0);
+        let long = [(4000, 4000), (300, 300)];
+        let a = answer(&s, "t".into(), 0, Some((&long, "r".into())), &[]).unwrap();
+        assert_eq!(a.recommended_threshold_tokens, 4001);
     }
 
     #[test]
     fn one_size_per_path_is_too_few() {
         let s = vec![
             TtftSample {
+                prompt_tokens: 10,
                 uncached_tokens: 10,
                 ttft_ms: 1.0,
                 remote: false,
             },
             TtftSample {
+                prompt_tokens: 10,
                 uncached_tokens: 10,
                 ttft_ms: 2.0,
                 remote: false,
             },
             TtftSample {
+                prompt_tokens: 10,
                 uncached_tokens: 10,
                 ttft_ms: 3.0,
                 remote: true,
             },
             TtftSample {
+                prompt_tokens: 20,
                 uncached_tokens: 20,
                 ttft_ms: 3.0,
                 remote: true,
@@ -532,11 +660,13 @@ mod tests {
             s,
             vec![
                 TtftSample {
+                    prompt_tokens: 100,
                     uncached_tokens: 60,
                     ttft_ms: 5.0,
                     remote: true
                 },
                 TtftSample {
+                    prompt_tokens: 30,
                     uncached_tokens: 30,
                     ttft_ms: 2.5,
                     remote: false

@@ -214,14 +214,13 @@ impl WhatIfInputs {
             .map(|p| p.display().to_string())
             .collect::<Vec<_>>()
             .join(", ");
-        let uncached: Vec<u64> = w
+        let judged: Vec<(u64, u64)> = w
             .map(|w| {
                 w.requests()
                     .iter()
                     .map(|r| {
-                        r.isl_tokens.saturating_sub(
-                            u64::from(r.recorded_overlap_blocks) * u64::from(r.block_size),
-                        )
+                        let cached = u64::from(r.recorded_overlap_blocks) * u64::from(r.block_size);
+                        (r.isl_tokens.saturating_sub(cached), r.isl_tokens)
                     })
                     .collect()
             })
@@ -230,7 +229,7 @@ impl WhatIfInputs {
             &samples,
             from,
             left_out,
-            Some((&uncached, "the recording's judged requests".to_string())),
+            Some((&judged, "the recording's judged requests".to_string())),
             &self.disagg_threshold,
         )?))
     }
