@@ -159,45 +159,38 @@ pub enum WhatifFormat {
 
 /// Run the what-if of `args` with the analyzer settings of `cfg`.
 pub fn whatif(cfg: &CollectorConfig, args: &WhatifArgs) -> anyhow::Result<()> {
-    let Some(replay) = &args.replay else {
+    let disagg_only = |w: Option<&crate::whatif::WhatIf>| -> anyhow::Result<()> {
         let d = args
             .inputs
-            .disagg(None)?
-            .context("without --replay, --ttft-samples is needed")?;
-        match args.format {
-            WhatifFormat::Markdown => print!("{}", d.to_markdown()),
-            WhatifFormat::Json => println!("{}", serde_json::to_string_pretty(&d)?),
-        }
-        return Ok(());
+            .disagg(w)?
+            .context("without a recording that answers, --ttft-samples is needed")?;
+        print_answer(args.format, d.to_markdown(), &d)
+    };
+    let Some(replay) = &args.replay else {
+        return disagg_only(None);
     };
     let w = crate::whatif::WhatIf::from_recording(replay, cfg.analyzer.clone())?;
-    let c = match args.inputs.answer_for_report(&w) {
-        Ok(Ok(c)) => c,
+    let what_if_on = || format!("what-if on {}", replay.display());
+    match args.inputs.answer_for_report(&w).with_context(what_if_on)? {
+        Ok(c) => print_answer(args.format, c.to_markdown(), &c),
         // What the recording lacks for the capacity and migration questions leaves
         // conditional disaggregation, where samples are given, still to answer.
-        Ok(Err(why)) if !args.inputs.ttft_samples.is_empty() => {
-            eprintln!(
-                "what-if on {}: {why}; conditional disaggregation only",
-                replay.display()
-            );
-            let d = args
-                .inputs
-                .disagg(Some(&w))?
-                .context("TTFT samples given")?;
-            match args.format {
-                WhatifFormat::Markdown => print!("{}", d.to_markdown()),
-                WhatifFormat::Json => println!("{}", serde_json::to_string_pretty(&d)?),
-            }
-            return Ok(());
+        Err(why) if !args.inputs.ttft_samples.is_empty() => {
+            eprintln!("{}: {why}; conditional disaggregation only", what_if_on());
+            disagg_only(Some(&w))
         }
-        Ok(Err(why)) => anyhow::bail!("what-if on {}: {why}", replay.display()),
-        Err(e) => {
-            return Err(anyhow::Error::new(e).context(format!("what-if on {}", replay.display())))
-        }
-    };
-    match args.format {
-        WhatifFormat::Markdown => print!("{}", c.to_markdown()),
-        WhatifFormat::Json => println!("{}", serde_json::to_string_pretty(&c)?),
+        Err(why) => anyhow::bail!("{}: {why}", what_if_on()),
+    }
+}
+
+fn print_answer(
+    format: WhatifFormat,
+    markdown: String,
+    json: &impl serde::Serialize,
+) -> anyhow::Result<()> {
+    match format {
+        WhatifFormat::Markdown => print!("{markdown}"),
+        WhatifFormat::Json => println!("{}", serde_json::to_string_pretty(json)?),
     }
     Ok(())
 }

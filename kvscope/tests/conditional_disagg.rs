@@ -218,7 +218,7 @@ async fn the_recommended_threshold_is_the_measured_best() {
         THRESHOLDS[best.1]
     );
     assert!(
-        answer["break_even_tokens"].as_u64().is_some(),
+        answer["crossing"]["remote_from"].as_u64().is_some(),
         "remote prefill pays off somewhere on this lab: {answer}"
     );
     // The best any threshold could do, measured: every request size tried as one.

@@ -47,7 +47,7 @@ pub(super) fn section(out: &mut String, w: &WhatIfAnswer) {
 }
 
 fn disagg(out: &mut String, d: &DisaggWhatIf) {
-    let verdict = d.crossing.sentence().replace("**", "");
+    let verdict = d.crossing.sentence();
     let _ = write!(
         out,
         "<h3 id=\"whatif-disagg\">Conditional disaggregation</h3><p class=\"caption\">Time \

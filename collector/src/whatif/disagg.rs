@@ -313,9 +313,6 @@ pub struct DisaggWhatIf {
     pub samples_from: String,
     pub samples_left_out: u64,
     pub crossing: Crossing,
-    /// `Some(n)`: remote prefill is faster from `n` uncached tokens on; `None`: from no
-    /// size on.
-    pub break_even_tokens: Option<u64>,
     /// The threshold recommended: the break-even, or above every request's size when
     /// remote never pays off.
     pub recommended_threshold_tokens: u64,
@@ -450,7 +447,6 @@ pub fn answer(
         samples_from,
         samples_left_out,
         crossing,
-        break_even_tokens: break_even,
         recommended_threshold_tokens: recommended,
         recommended_config: config.clone(),
         recommended_setting: format!(
@@ -471,7 +467,7 @@ impl Crossing {
         match self {
             Crossing::RemoteAlways => "Remote prefill is faster at every size".into(),
             Crossing::RemoteFrom(n) => {
-                format!("Remote prefill pays off from **{n} uncached tokens** on")
+                format!("Remote prefill pays off from {n} uncached tokens on")
             }
             Crossing::Never => {
                 "Remote prefill never pays off: local is as fast or faster at every size".into()
@@ -580,7 +576,7 @@ mod tests {
         s.extend(line(60.0, 60.0, true));
         let judged = [(100, 100), (9000, 12000)];
         let a = answer(&s, "t".into(), 0, Some((&judged, "r".into())), &[]).unwrap();
-        assert_eq!((a.crossing, a.break_even_tokens), (Crossing::Never, None));
+        assert_eq!(a.crossing, Crossing::Never);
         assert_eq!(a.recommended_threshold_tokens, 9001);
         assert_eq!(a.local_share, 1.0);
         // Dynamo keeps local only what has a cached prefix: the second request.

@@ -47,9 +47,14 @@ pub struct CacheTotals {
     pub uncached_prefill_tokens: u64,
 }
 
+/// The tokens of an `isl`-token prompt that `cached_blocks` blocks hold.
+pub(crate) fn cached_tokens(isl: u64, cached_blocks: u64, block_size: u32) -> u64 {
+    (cached_blocks * block_size as u64).min(isl)
+}
+
 impl CacheTotals {
     fn add(&mut self, isl: u64, cached_blocks: u64, block_size: u32) {
-        let cached = (cached_blocks * block_size as u64).min(isl);
+        let cached = cached_tokens(isl, cached_blocks, block_size);
         self.requests += 1;
         self.prompt_tokens += isl;
         self.cached_tokens += cached;

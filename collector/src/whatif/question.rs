@@ -219,8 +219,12 @@ impl WhatIfInputs {
                 w.requests()
                     .iter()
                     .map(|r| {
-                        let cached = u64::from(r.recorded_overlap_blocks) * u64::from(r.block_size);
-                        (r.isl_tokens.saturating_sub(cached), r.isl_tokens)
+                        let cached = super::cached_tokens(
+                            r.isl_tokens,
+                            r.recorded_overlap_blocks.into(),
+                            r.block_size,
+                        );
+                        (r.isl_tokens - cached, r.isl_tokens)
                     })
                     .collect()
             })
