@@ -397,9 +397,7 @@ impl OpportunityReport {
         }
         if let Some(w) = &self.whatif {
             // The what-if's own Markdown, its headings one level down.
-            let mut parts = vec![w.capacity.to_markdown(), w.migration.to_markdown()];
-            parts.extend(w.disagg.as_ref().map(|d| d.to_markdown()));
-            for part in parts {
+            for part in w.markdown_parts() {
                 md.push('\n');
                 for line in part.lines() {
                     if line.starts_with('#') {

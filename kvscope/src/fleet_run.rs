@@ -360,7 +360,11 @@ impl FleetRun {
     }
 
     /// Stop the agent (SIGTERM, then SIGKILL after a grace period).
+    /// Stop the agent, once it has had time to read what the lab last wrote (it polls
+    /// the router's log every 20 ms; a request's trace record is written as it ends,
+    /// the moment the workload sees its reply).
     pub fn stop_agent(&mut self) {
+        std::thread::sleep(Duration::from_millis(500));
         self.daemons.stop_agent(Duration::from_secs(5));
     }
 

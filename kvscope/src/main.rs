@@ -99,6 +99,11 @@ struct DemoArgs {
     /// decode-generated blocks").
     #[arg(long)]
     random_answers: bool,
+    /// Name each conversation's session as Dynamo's frontend reads it for session
+    /// affinity (the `x-dynamo-session-id` header), for a run with
+    /// `--frontend-arg=--router-session-affinity-ttl-secs --frontend-arg=<secs>`.
+    #[arg(long)]
+    session_ids: bool,
     /// Write report.md, report.json, report.html and the recordings here (default: the lab
     /// run folder).
     #[arg(long)]
@@ -140,6 +145,7 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
         rate: Some(args.rate),
         duration_secs: args.duration_secs,
         fixed_answers: !args.random_answers,
+        session_ids: args.session_ids,
         ..WorkloadConfig::default()
     };
     let mut lab = LabConfig {
@@ -152,6 +158,8 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
         .into_iter()
         .chain(args.frontend_args.iter().cloned())
         .collect(),
+        // Each request's timing, which the what-if's router model books load by.
+        request_trace: true,
         ..LabConfig::default()
     };
     eprintln!(
@@ -172,7 +180,7 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
         args.workers
     );
     let exe = std::env::current_exe().context("cannot find the kvscope binary itself")?;
-    let run = FleetRun::start(
+    let mut run = FleetRun::start(
         &exe,
         FleetRunConfig {
             kv_source: Default::default(),
@@ -199,6 +207,9 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
         "kvscope demo: workload done: {} sent, {} ok, {} failed in {:.1} s",
         summary.sent, summary.ok, summary.failed, summary.elapsed_secs
     );
+    // The agent stops first, releasing what it still holds (a request trace's
+    // decisions wait out their window), so the collector applies everything.
+    run.stop_agent();
     run.wait_drained(Duration::from_secs(2), Duration::from_secs(60))
         .await?;
     let report = run.report().await?;

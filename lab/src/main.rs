@@ -286,6 +286,10 @@ struct WorkloadArgs {
     /// Draw each family's system prompt length from --system-words ..= this (seeded).
     #[arg(long)]
     system_words_max: Option<usize>,
+    /// Name each conversation's session (x-dynamo-session-id), as a frontend with
+    /// --router-session-affinity-ttl-secs reads it.
+    #[arg(long)]
+    session_ids: bool,
 }
 
 impl WorkloadArgs {
@@ -309,6 +313,7 @@ impl WorkloadArgs {
             fixed_answers: self.fixed_answers,
             stream: self.stream,
             system_words_max: self.system_words_max,
+            session_ids: self.session_ids,
             ..WorkloadConfig::default()
         }
     }

@@ -84,6 +84,11 @@ pub struct WorkloadConfig {
     /// words (seeded), instead of `system_words` for all: prompts of many sizes, as
     /// conditional disaggregation's thresholds need. Default none.
     pub system_words_max: Option<usize>,
+    /// Name each conversation's session as Dynamo's frontend reads it for session
+    /// affinity (`x-dynamo-session-id: <tag>-s<session>`), so a frontend started with
+    /// `--router-session-affinity-ttl-secs` keeps a conversation on one worker.
+    /// Default false.
+    pub session_ids: bool,
 }
 
 impl Default for WorkloadConfig {
@@ -108,6 +113,7 @@ impl Default for WorkloadConfig {
             fixed_answers: false,
             stream: false,
             system_words_max: None,
+            session_ids: false,
         }
     }
 }
@@ -261,6 +267,14 @@ pub fn planned_answer(seed: u64, session: usize, turn: usize, n: u32) -> Vec<u32
     (0..n)
         .map(|_| FIRST_WORD_ID + rng.below(VOCAB_WORDS) as u32)
         .collect()
+}
+
+/// The header Dynamo's frontend names a request's session by, for session affinity.
+pub const SESSION_HEADER: &str = "x-dynamo-session-id";
+
+/// The session id of a conversation ([`WorkloadConfig::session_ids`]).
+pub fn session_id(tag: &str, session: usize) -> String {
+    format!("{tag}-s{session}")
 }
 
 /// The `x-request-id` of a turn.
@@ -561,13 +575,11 @@ async fn send(
         ok: false,
         error: None,
     };
-    let result = sh
-        .client
-        .post(&url)
-        .header("x-request-id", &x_request_id)
-        .json(&body)
-        .send()
-        .await;
+    let mut post = sh.client.post(&url).header("x-request-id", &x_request_id);
+    if cfg.session_ids {
+        post = post.header(SESSION_HEADER, session_id(&sh.tag, session));
+    }
+    let result = post.json(&body).send().await;
     let mut reply = None;
     match result {
         Err(e) => rec.error = Some(format!("request failed: {e}")),

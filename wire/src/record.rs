@@ -136,6 +136,8 @@ pub enum Record {
     Nixl(crate::nixl::NixlReport),
     /// A worker as Dynamo's discovery store describes it: appeared or changed, or gone.
     Worker(WorkerRecord),
+    /// A request's life as Dynamo's request trace tells it when the request ends.
+    RequestEnd(RequestEnd),
 }
 
 /// Whether a worker is registered.
@@ -414,6 +416,35 @@ pub enum MigrationLogKind {
     DispatchFailed,
     /// `KVMIGRATE: decoding on target with migrated KV`
     DecodingOnTarget,
+}
+
+/// A request's life as Dynamo's request trace tells it (`DYN_REQUEST_TRACE=1`, one
+/// `request_end` record per request, at any log level): when it arrived, when its first
+/// token came and when it ended, and its sizes. The router books a worker's load by
+/// these same moments (a request's prompt from its arrival, its prefill until its first
+/// token, its blocks until it ends), so the what-if rebuilds each worker's load from
+/// them; the first-token times are also each path's measured TTFT.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RequestEnd {
+    pub request_id: String,
+    /// The worker that decoded it (the one that prefilled it too, unless
+    /// `prefill_worker` says otherwise).
+    pub worker: WorkerKey,
+    /// The worker that prefilled it, where that was another worker (disaggregated).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefill_worker: Option<WorkerKey>,
+    /// When the frontend received it, UNIX ns.
+    pub received_ns: u64,
+    /// Time to its first token, ms (none when it ended before one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttft_ms: Option<f64>,
+    /// From arrival to its end, ms.
+    pub total_ms: f64,
+    pub input_tokens: u64,
+    pub output_tokens: u64,
+    /// Prompt tokens the engine found cached, as the trace reports them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cached_tokens: Option<u64>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

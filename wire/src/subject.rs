@@ -94,6 +94,7 @@ impl Subjects {
             Record::Heartbeat(_) => format!("kvscope.{c}.{agent}.{m}heartbeat"),
             Record::Nixl(_) => format!("kvscope.{c}.{agent}.{m}nixl"),
             Record::Worker(_) => format!("kvscope.{c}.{agent}.{m}fleet"),
+            Record::RequestEnd(_) => format!("kvscope.{c}.{agent}.{m}request"),
         }
     }
 

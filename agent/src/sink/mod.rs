@@ -600,6 +600,7 @@ impl RecordSink {
         let model = match record {
             Record::KvEvents(b) => inner.worker_models.get(&b.worker.worker_id),
             Record::Decision(d) => inner.worker_models.get(&d.worker.worker_id),
+            Record::RequestEnd(e) => inner.worker_models.get(&e.worker.worker_id),
             Record::Worker(w) => w.model.as_ref(),
             _ => None,
         };

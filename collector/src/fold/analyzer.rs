@@ -12,8 +12,8 @@ use kvscope_wire::api::verdict::SpillVerdict;
 use kvscope_wire::api::window::{MigrationLogWindow, ModelFigures, WindowSummary};
 use kvscope_wire::nixl::{MergedLatency, NixlAgentOwner, NixlAgentRow};
 use kvscope_wire::{
-    Envelope, KvEvent, KvEventBatch, MigrationLogKind, MigrationLogLine, Record, RoutingDecision,
-    SequenceHash, SequenceStatus, WorkerKey, WorkerRecord, WorkerState,
+    Envelope, KvEvent, KvEventBatch, MigrationLogKind, MigrationLogLine, Record, RequestEnd,
+    RoutingDecision, SequenceHash, SequenceStatus, WorkerKey, WorkerRecord, WorkerState,
 };
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap, VecDeque};
@@ -212,6 +212,8 @@ pub struct FleetAnalyzer {
     /// their chains' hashes in all.
     routed: VecDeque<RoutedRequest>,
     routed_hashes: usize,
+    /// The latest requests' ends (Dynamo's request trace), for the same what-if.
+    request_ends: RequestEnds,
     /// Every NIXL agent's owner as its node agent last told it, by (node, NIXL agent),
     /// with when: a node agent stops telling an agent whose process is gone, but the
     /// requests it served stay in the what-if's history.
@@ -268,6 +270,10 @@ pub struct RoutedRequest {
     /// The worker holding the most of the chain then, and how much (the verdict's best).
     pub recorded_best: WorkerKey,
     pub recorded_best_overlap_blocks: u32,
+    /// The runs of the chain (start, end positions) that the chosen or the best worker
+    /// held as decode-generated: an earlier turn's reply, which its worker's decode
+    /// stored before this prompt came back with it.
+    pub decoded_runs: Vec<(u32, u32)>,
 }
 
 /// What node agents reported moving per request (see [`FleetAnalyzer::request_nixl`]).
@@ -307,6 +313,31 @@ impl RequestNixlRows {
     }
 }
 
+/// The latest requests' ends from Dynamo's request trace, by request id, for the
+/// what-if's router model (`/api/whatif`).
+#[derive(Debug, Default)]
+struct RequestEnds {
+    ends: HashMap<String, RequestEnd>,
+    order: VecDeque<String>,
+}
+
+impl RequestEnds {
+    /// Requests remembered, oldest forgotten first: as many as the what-if keeps
+    /// routed requests at lab prompt sizes (~20 MiB).
+    const CAP: usize = 100_000;
+
+    fn insert(&mut self, e: &RequestEnd) {
+        if self.ends.insert(e.request_id.clone(), e.clone()).is_none() {
+            self.order.push_back(e.request_id.clone());
+            if self.order.len() > Self::CAP {
+                if let Some(old) = self.order.pop_front() {
+                    self.ends.remove(&old);
+                }
+            }
+        }
+    }
+}
+
 impl FleetAnalyzer {
     pub fn new(cfg: AnalyzerConfig) -> Self {
         let window_ns = ((cfg.window_secs.max(0.001)) * 1e9) as u64;
@@ -334,6 +365,7 @@ impl FleetAnalyzer {
             request_nixl: RequestNixlRows::default(),
             routed: VecDeque::new(),
             routed_hashes: 0,
+            request_ends: RequestEnds::default(),
             told_owners: BTreeMap::new(),
         }
     }
@@ -431,6 +463,11 @@ impl FleetAnalyzer {
         self.routed.iter()
     }
 
+    /// The latest requests' ends as Dynamo's request trace told them, by request id.
+    pub fn request_ends(&self) -> &HashMap<String, RequestEnd> {
+        &self.request_ends.ends
+    }
+
     pub fn recent_verdicts(&self) -> impl DoubleEndedIterator<Item = &SpillVerdict> {
         self.verdicts.iter()
     }
@@ -519,6 +556,13 @@ impl FleetAnalyzer {
             }
             Record::Migration(m) => {
                 self.apply_migration_line(m);
+                None
+            }
+            Record::RequestEnd(e) => {
+                self.counters.request_ends += 1;
+                if self.measures(e.worker.worker_id) {
+                    self.request_ends.insert(e);
+                }
                 None
             }
             Record::Heartbeat(h) => {
@@ -909,8 +953,28 @@ impl FleetAnalyzer {
         for &b in &chain {
             prompts.insert(b, t);
         }
-        self.routed_hashes += chain.len() + ROUTED_REQUEST_WEIGHT;
+        let mut decoded_runs = self
+            .index
+            .generated_runs(&v.chosen, &chain[..v.chosen_overlap_blocks as usize]);
+        if v.best != v.chosen {
+            decoded_runs.extend(
+                self.index
+                    .generated_runs(&v.best, &chain[..v.best_overlap_blocks as usize]),
+            );
+            decoded_runs.sort_unstable();
+            // One run where the two workers' runs overlap.
+            let mut merged: Vec<(u32, u32)> = Vec::with_capacity(decoded_runs.len());
+            for (start, end) in decoded_runs {
+                match merged.last_mut() {
+                    Some((_, e)) if start <= *e => *e = (*e).max(end),
+                    _ => merged.push((start, end)),
+                }
+            }
+            decoded_runs = merged;
+        }
+        self.routed_hashes += chain.len() + ROUTED_REQUEST_WEIGHT + decoded_runs.len();
         self.routed.push_back(RoutedRequest {
+            decoded_runs,
             request_id: d.request_id.clone(),
             decided_ns: v.decided_ns,
             model: v.model.clone(),
@@ -926,7 +990,7 @@ impl FleetAnalyzer {
             let Some(r) = self.routed.pop_front() else {
                 break;
             };
-            self.routed_hashes -= r.chain.len() + ROUTED_REQUEST_WEIGHT;
+            self.routed_hashes -= r.chain.len() + ROUTED_REQUEST_WEIGHT + r.decoded_runs.len();
         }
         if d.blocks() > 0 && v.chosen_overlap_blocks as usize == d.blocks() {
             self.counters.decisions_fully_cached += 1;

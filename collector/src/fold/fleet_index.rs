@@ -445,6 +445,30 @@ impl FleetIndex {
         })
     }
 
+    /// The runs of `blocks` (start, end positions, end exclusive) cached on `worker` as
+    /// decode-generated, in order.
+    pub fn generated_runs(&self, worker: &WorkerKey, blocks: &[SequenceHash]) -> Vec<(u32, u32)> {
+        let Some(w) = self.index_of.get(worker) else {
+            return Vec::new();
+        };
+        let generated = &self.workers[*w as usize].generated;
+        let mut runs: Vec<(u32, u32)> = Vec::new();
+        if generated.is_empty() {
+            return runs;
+        }
+        for (i, b) in blocks.iter().enumerate() {
+            if !generated.contains(b) {
+                continue;
+            }
+            let i = i as u32;
+            match runs.last_mut() {
+                Some((_, end)) if *end == i => *end = i + 1,
+                _ => runs.push((i, i + 1)),
+            }
+        }
+        runs
+    }
+
     /// A request's local hashes matched against the mirror: the chain's sequence hashes
     /// and every worker's overlap. The
     /// sequence hashes are read from the records while the chain is mirrored (found by

@@ -9,6 +9,7 @@ use super::tables::{row, table_open};
 use crate::whatif::disagg::DisaggWhatIf;
 use crate::whatif::migration::{BreakEven, MigrationWhatIf};
 use crate::whatif::question::WhatIfAnswer;
+use crate::whatif::router::{RouterWhatIf, Spread};
 use crate::whatif::CapacityWhatIf;
 use std::fmt::Write as _;
 
@@ -44,6 +45,77 @@ pub(super) fn section(out: &mut String, w: &WhatIfAnswer) {
     if let Some(d) = &w.disagg {
         disagg(out, d);
     }
+    if let Some(r) = &w.router {
+        router(out, r);
+    }
+    if let Some(why) = &w.router_unavailable {
+        let _ = write!(
+            out,
+            "<h3 id=\"whatif-router\">Router settings</h3><p class=\"caption\">Not predicted: {}.</p>",
+            escape(why)
+        );
+    }
+}
+
+fn router(out: &mut String, r: &RouterWhatIf) {
+    let _ = write!(
+        out,
+        "<h3 id=\"whatif-router\">Router settings</h3><p class=\"caption\">The recorded \
+         requests routed again by Dynamo 1.6.1's own load tracker and worker selector over \
+         the simulated caches ({:.2} simulated blocks per block), {} runs per setting (mean, \
+         min–max); arrivals and durations held as recorded ({} requests timed by Dynamo's \
+         request trace, {} given the median life); {} conversations followed by their \
+         prompts as affinity's sessions.</p>",
+        r.calibration, r.runs, r.requests_timed, r.requests_untimed, r.sessions
+    );
+    table_open(
+        out,
+        "whatif-router-table",
+        r.rows.len() + 2,
+        &[
+            "router",
+            "spill rate",
+            "Σ true delta tokens",
+            "hit rate",
+            "uncached prefill tokens",
+            "turns kept on their worker",
+            "by affinity",
+        ],
+    );
+    let f = &r.recorded;
+    row(
+        out,
+        &[
+            "recorded run (measured)".to_string(),
+            pct(f.spill_rate),
+            f.true_delta_tokens.to_string(),
+            pct(f.hit_rate),
+            f.uncached_prefill_tokens.to_string(),
+            pct(f.stay_share),
+            String::new(),
+        ],
+    );
+    let spread_pct = |s: &Spread| format!("{} ({}–{})", pct(s.mean), pct(s.min), pct(s.max));
+    let spread_n = |s: &Spread| format!("{:.0} ({:.0}–{:.0})", s.mean, s.min, s.max);
+    for k in std::iter::once(&r.model_at_recorded).chain(&r.rows) {
+        row(
+            out,
+            &[
+                if k.change.is_empty() {
+                    "model, as recorded".to_string()
+                } else {
+                    format!("model, {}", k.change)
+                },
+                spread_pct(&k.spill_rate),
+                spread_n(&k.true_delta_tokens),
+                spread_pct(&k.hit_rate),
+                spread_n(&k.uncached_prefill_tokens),
+                pct(k.stay_share),
+                pct(k.pinned_share),
+            ],
+        );
+    }
+    out.push_str("</tbody></table>\n");
 }
 
 fn disagg(out: &mut String, d: &DisaggWhatIf) {
@@ -96,6 +168,7 @@ fn disagg(out: &mut String, d: &DisaggWhatIf) {
         &[
             "threshold (uncached tokens)",
             "local share",
+            "local share (isl_bounding)",
             "predicted mean TTFT ms",
         ],
     );

@@ -25,7 +25,7 @@ pub fn exposition(shared: &crate::ingest::bus::Shared, format: Format) -> String
 /// The collector's figures for the current state.
 pub fn write(out: &mut Exposition, a: &FleetAnalyzer, bus: &BusStatus) {
     let c = a.counters();
-    let counters: [(&str, &str, u64); 41] = [
+    let counters: [(&str, &str, u64); 42] = [
         ("kvscope_collector_records", "Records applied.", c.records),
         (
             "kvscope_collector_undecodable_records",
@@ -167,6 +167,11 @@ pub fn write(out: &mut Exposition, a: &FleetAnalyzer, bus: &BusStatus) {
             "kvscope_verdicts_judged_before_event",
             "Verdicts found judged before a KV event they depend on (stamped earlier by its engine, applied after them): flagged.",
             c.verdicts_judged_before_event,
+        ),
+        (
+            "kvscope_request_ends",
+            "Requests' ends read from Dynamo's request trace (the what-if's router model times each worker's load by them).",
+            c.request_ends,
         ),
         (
             "kvscope_duplicate_decisions",

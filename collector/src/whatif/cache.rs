@@ -1,18 +1,27 @@
 //! One worker's prefix cache as the what-if simulates it: a fixed number of blocks,
-//! least recently used evicted first (the mocker's and vLLM's policy for blocks no
-//! running request holds), a request's prefix matched block by block from its first.
+//! those no running request holds evicted least recently used first (the mocker's and
+//! vLLM's policy), a request's prefix matched block by block from its first.
 
 use kvscope_wire::SequenceHash;
 use std::collections::{BTreeMap, HashMap};
 
-/// A cache of `capacity` blocks, each touched by the requests that use it.
+/// A resident block: how many running requests hold it, and when it was last freed
+/// or used (its place in the eviction order while none holds it).
+#[derive(Debug, Clone, Copy)]
+struct Resident {
+    holders: u32,
+    tick: u64,
+}
+
+/// A cache of `capacity` blocks, each touched by the requests that use it. A block a
+/// running request holds is never evicted (an engine cannot evict what it is
+/// computing with); the others go least recently used first.
 #[derive(Debug, Clone)]
 pub struct SimulatedCache {
     capacity: usize,
-    /// Each resident block and the tick it was last used at.
-    last_use: HashMap<SequenceHash, u64>,
-    /// The same, by tick: the first entry is the least recently used block.
-    by_tick: BTreeMap<u64, SequenceHash>,
+    resident: HashMap<SequenceHash, Resident>,
+    /// The blocks no running request holds, by tick: the first is evicted first.
+    free: BTreeMap<u64, SequenceHash>,
     tick: u64,
     evicted: u64,
 }
@@ -21,8 +30,8 @@ impl SimulatedCache {
     pub fn new(capacity: usize) -> Self {
         Self {
             capacity,
-            last_use: HashMap::new(),
-            by_tick: BTreeMap::new(),
+            resident: HashMap::new(),
+            free: BTreeMap::new(),
             tick: 0,
             evicted: 0,
         }
@@ -32,40 +41,116 @@ impl SimulatedCache {
     pub fn prefix_hit(&self, chain: &[SequenceHash]) -> usize {
         chain
             .iter()
-            .take_while(|b| self.last_use.contains_key(b))
+            .take_while(|b| self.resident.contains_key(b))
             .count()
     }
 
-    /// A request prefilled `chain` here: its matched prefix is reused, the rest stored,
-    /// all of it now the most recently used (the first block most recent of all, as an
-    /// engine frees a finished request's blocks last-first, so a shared prefix outlives
-    /// its tails); the least recently used others are evicted to make room. Returns the
-    /// prefix that was already here.
+    /// A request prefilled `chain` here and ended at once: [`Self::acquire`] then
+    /// [`Self::release`]. Returns the prefix that was already here.
     pub fn prefill(&mut self, chain: &[SequenceHash]) -> usize {
+        let hit = self.acquire(chain);
+        self.release(chain);
+        hit
+    }
+
+    /// A request starts running on `chain`: its matched prefix is reused, the rest
+    /// stored, all of it held until [`Self::release`]; the least recently used free
+    /// blocks are evicted to make room (a cache whose every block is held runs over its
+    /// size, as an engine's running requests outgrow its free blocks). Returns the
+    /// prefix that was already here.
+    pub fn acquire(&mut self, chain: &[SequenceHash]) -> usize {
         let hit = self.prefix_hit(chain);
         if self.capacity == 0 {
             return hit;
         }
-        // Tails first, so the prefix ends up the most recent.
-        for &b in chain.iter().rev() {
-            self.tick += 1;
-            if let Some(old) = self.last_use.insert(b, self.tick) {
-                self.by_tick.remove(&old);
+        for &b in chain {
+            match self.resident.get_mut(&b) {
+                Some(r) => {
+                    if r.holders == 0 {
+                        self.free.remove(&r.tick);
+                    }
+                    r.holders += 1;
+                }
+                None => {
+                    self.resident.insert(
+                        b,
+                        Resident {
+                            holders: 1,
+                            tick: 0,
+                        },
+                    );
+                }
             }
-            self.by_tick.insert(self.tick, b);
         }
-        while self.last_use.len() > self.capacity {
-            let Some((_, b)) = self.by_tick.pop_first() else {
-                break;
-            };
-            self.last_use.remove(&b);
-            self.evicted += 1;
-        }
+        self.evict();
         hit
     }
 
+    /// A request that [`Self::acquire`]d `chain` ended: its blocks are freed, tails
+    /// first, so the prefix ends up the most recent (an engine frees a finished
+    /// request's blocks last-first, so a shared prefix outlives its tails).
+    pub fn release(&mut self, chain: &[SequenceHash]) {
+        if self.capacity == 0 {
+            return;
+        }
+        for &b in chain.iter().rev() {
+            let Some(r) = self.resident.get_mut(&b) else {
+                continue;
+            };
+            if r.holders > 0 {
+                r.holders -= 1;
+                if r.holders == 0 {
+                    self.tick += 1;
+                    r.tick = self.tick;
+                    self.free.insert(self.tick, b);
+                }
+            }
+        }
+        self.evict();
+    }
+
+    /// Blocks a decode stored (a reply), free at once: each missing one stored, each
+    /// free one made recent, tails first; held ones stay held.
+    pub fn store(&mut self, blocks: &[SequenceHash]) {
+        if self.capacity == 0 {
+            return;
+        }
+        for &b in blocks.iter().rev() {
+            self.tick += 1;
+            match self.resident.get_mut(&b) {
+                Some(r) if r.holders > 0 => {}
+                Some(r) => {
+                    self.free.remove(&r.tick);
+                    r.tick = self.tick;
+                    self.free.insert(self.tick, b);
+                }
+                None => {
+                    self.resident.insert(
+                        b,
+                        Resident {
+                            holders: 0,
+                            tick: self.tick,
+                        },
+                    );
+                    self.free.insert(self.tick, b);
+                }
+            }
+        }
+        self.evict();
+    }
+
+    fn evict(&mut self) {
+        while self.resident.len() > self.capacity {
+            let Some((_, b)) = self.free.pop_first() else {
+                break;
+            };
+            self.resident.remove(&b);
+            self.evicted += 1;
+        }
+    }
+
     pub fn resident(&self) -> usize {
-        self.last_use.len()
+        self.resident.len()
     }
 
     pub fn evicted(&self) -> u64 {
@@ -101,6 +186,37 @@ mod tests {
         assert_eq!(c.prefix_hit(&[1, 2, 3]), 2);
         assert_eq!(c.prefix_hit(&[1, 5]), 2);
         assert_eq!(c.resident(), 4);
+    }
+
+    #[test]
+    fn a_running_request_s_blocks_are_never_evicted() {
+        let mut c = SimulatedCache::new(4);
+        c.prefill(&[1, 2]);
+        assert_eq!(c.acquire(&[5, 6, 7]), 0); // running: 1 or 2 must go
+        assert_eq!(c.resident(), 4);
+        assert_eq!(c.prefix_hit(&[1]), 1, "the prefix outlived its tail 2");
+        assert_eq!(c.acquire(&[8, 9]), 0); // 1 goes; the rest are held: over its size
+        assert_eq!(c.resident(), 5);
+        assert_eq!(c.prefix_hit(&[5, 6, 7]), 3);
+        c.release(&[5, 6, 7]);
+        assert_eq!(c.resident(), 4, "freed blocks are evicted back to its size");
+        assert_eq!(
+            c.prefix_hit(&[5, 6, 7]),
+            2,
+            "the freed prefix outlives its tail"
+        );
+        // A reply stored after a running prompt: free at once, its prompt still held.
+        c.store(&[8, 9, 10]);
+        assert_eq!(c.prefix_hit(&[8, 9, 10]), 3);
+        c.release(&[8, 9]);
+        assert_eq!(c.resident(), 4);
+        // Two requests sharing a prefix: it stays held until both end.
+        let mut s = SimulatedCache::new(2);
+        s.acquire(&[1]);
+        s.acquire(&[1]);
+        s.release(&[1]);
+        s.prefill(&[2, 3]);
+        assert_eq!(s.prefix_hit(&[1]), 1);
     }
 
     #[test]

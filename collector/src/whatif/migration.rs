@@ -644,6 +644,7 @@ mod tests {
             recorded_overlap_blocks: chosen,
             recorded_best: w(best),
             recorded_best_overlap_blocks: best_blocks,
+            decoded_runs: Vec::new(),
         }
     }
 

@@ -24,6 +24,7 @@ pub mod cache;
 pub mod disagg;
 pub mod migration;
 pub mod question;
+pub mod router;
 
 pub use crate::fold::analyzer::RoutedRequest;
 
@@ -31,9 +32,10 @@ use crate::fold::analyzer::{AnalyzerConfig, FleetAnalyzer};
 use cache::SimulatedCache;
 use kvscope_wire::nixl::{NixlAgentRow, NixlPair};
 use kvscope_wire::recording::RecordingError;
-use kvscope_wire::WorkerKey;
+use kvscope_wire::{Record, RequestEnd, SequenceHash, WorkerKey};
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeMap, HashMap};
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BinaryHeap, HashMap};
 use std::path::Path;
 use std::sync::Mutex;
 
@@ -179,10 +181,52 @@ pub struct CapacityWhatIf {
     pub rows: Vec<CapacityRow>,
 }
 
+/// Where a replay sends request `i` (the request, each candidate worker's prefix hit
+/// now) when it does not hold the recorded decision.
+type Route<'a> = dyn FnMut(usize, &RoutedRequest, &[(WorkerKey, usize)]) -> WorkerKey + 'a;
+
+/// What falls due for a request after its decision, in this order at one moment: its
+/// reply is stored, then its blocks are freed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Due {
+    Reply,
+    End,
+}
+
+/// Each request's previous turn: the longest earlier request of its model whose whole
+/// chain begins its own (a sequence hash names its whole prefix, so one lookup per
+/// block finds it; the latest such request wins). A chat turn's prompt is the previous
+/// prompt, its reply and a new message, so this follows a conversation without the
+/// session's name, which no router log gives.
+fn previous_turns(requests: &[RoutedRequest]) -> Vec<Option<usize>> {
+    let mut by_last: HashMap<(Option<&str>, SequenceHash), usize> = HashMap::new();
+    requests
+        .iter()
+        .enumerate()
+        .map(|(i, r)| {
+            let model = r.model.as_deref();
+            let n = r.chain.len();
+            // A strictly shorter chain: a repeated prompt is no next turn.
+            let prev = r.chain[..n.saturating_sub(1)]
+                .iter()
+                .rev()
+                .find_map(|h| by_last.get(&(model, *h)).copied());
+            if let Some(&last) = r.chain.last() {
+                by_last.insert((model, last), i);
+            }
+            prev
+        })
+        .collect()
+}
+
 /// A recording's routed requests, in the order the collector judged them.
 #[derive(Debug)]
 pub struct WhatIf {
     requests: Vec<RoutedRequest>,
+    /// Each request's previous turn, where its chain shows one ([`previous_turns`]).
+    previous: Vec<Option<usize>>,
+    /// The requests' ends as Dynamo's request trace told them, by request id.
+    ends: HashMap<String, RequestEnd>,
     /// Blocks per dp rank, by worker id, as discovery last described each worker.
     discovered_blocks: HashMap<u64, u64>,
     /// Records that could not be read (recording lines, bus messages): counted, skipped.
@@ -216,17 +260,29 @@ impl WhatIf {
         path: &Path,
         cfg: AnalyzerConfig,
     ) -> Result<(FleetAnalyzer, Self), WhatIfError> {
-        // Every judged request, not only the latest the analyzer keeps.
+        // Every judged request and request end, not only the latest the analyzer keeps.
         let mut requests = Vec::new();
-        let a = crate::ingest::replay::replay_with(path, cfg, |a| {
-            requests.extend(a.routed_requests().next_back().cloned());
+        let mut ends = HashMap::new();
+        let a = crate::ingest::replay::replay_with(path, cfg, |a, env, judged| {
+            if judged {
+                requests.extend(a.routed_requests().next_back().cloned());
+            }
+            if let Record::RequestEnd(e) = &env.record {
+                ends.insert(e.request_id.clone(), e.clone());
+            }
         })?;
-        let w = Self::with_requests(&a, requests);
+        let w = Self::with_requests(&a, requests, ends);
         Ok((a, w))
     }
 
-    fn with_requests(a: &FleetAnalyzer, requests: Vec<RoutedRequest>) -> Self {
+    fn with_requests(
+        a: &FleetAnalyzer,
+        requests: Vec<RoutedRequest>,
+        ends: HashMap<String, RequestEnd>,
+    ) -> Self {
         Self {
+            previous: previous_turns(&requests),
+            ends,
             requests,
             discovered_blocks: discovered_blocks(a),
             undecodable_records: a.counters().undecodable_records,
@@ -240,7 +296,11 @@ impl WhatIf {
     /// The requests the live collector keeps (the latest; see
     /// [`FleetAnalyzer::routed_requests`]) and the sizes its discovery records give.
     pub fn from_analyzer(a: &FleetAnalyzer) -> Self {
-        Self::with_requests(a, a.routed_requests().cloned().collect())
+        Self::with_requests(
+            a,
+            a.routed_requests().cloned().collect(),
+            a.request_ends().clone(),
+        )
     }
 
     pub fn requests(&self) -> &[RoutedRequest] {
@@ -274,43 +334,166 @@ impl WhatIf {
         others: bool,
         mut each: impl FnMut(&RoutedRequest, usize, Option<(WorkerKey, usize)>),
     ) -> CacheTotals {
-        let mut caches: HashMap<WorkerKey, SimulatedCache> = HashMap::new();
-        // The workers of each model, in one order: ties go to the first, as the
-        // collector's verdict breaks them by worker key.
+        self.replay_routed(blocks, others, None, |r, _, hit, best| each(r, hit, best))
+    }
+
+    /// Each model's workers (those its requests went to), in one order: ties go to the
+    /// first, as the collector's verdict breaks them by worker key.
+    fn workers_by_model(&self) -> BTreeMap<Option<&str>, Vec<WorkerKey>> {
         let mut of_model: BTreeMap<Option<&str>, Vec<WorkerKey>> = BTreeMap::new();
-        if others {
-            for r in &self.requests {
-                let ws = of_model.entry(r.model.as_deref()).or_default();
-                if !ws.contains(&r.worker) {
-                    ws.push(r.worker);
-                }
-            }
-            for ws in of_model.values_mut() {
-                ws.sort();
+        for r in &self.requests {
+            let ws = of_model.entry(r.model.as_deref()).or_default();
+            if !ws.contains(&r.worker) {
+                ws.push(r.worker);
             }
         }
+        for ws in of_model.values_mut() {
+            ws.sort();
+        }
+        of_model
+    }
+
+    /// [`Self::replay`], each request sent where `route` says (told the request's place,
+    /// the request and each candidate worker's prefix hit now), else where it went in the
+    /// recording; `each` is also told where it went. A request's previous turn's reply is
+    /// stored first on the worker that turn went to, as its decode stored it there.
+    fn replay_routed(
+        &self,
+        blocks: impl Fn(&WorkerKey) -> u64,
+        others: bool,
+        mut route: Option<&mut Route<'_>>,
+        mut each: impl FnMut(&RoutedRequest, WorkerKey, usize, Option<(WorkerKey, usize)>),
+    ) -> CacheTotals {
+        let mut caches: HashMap<WorkerKey, SimulatedCache> = HashMap::new();
+        let candidates = others || route.is_some();
+        let of_model = if candidates {
+            self.workers_by_model()
+        } else {
+            BTreeMap::new()
+        };
+        let mut went: Vec<WorkerKey> = Vec::with_capacity(self.requests.len());
+        let mut hits: Vec<(WorkerKey, usize)> = Vec::new();
         let mut t = CacheTotals::default();
-        for r in &self.requests {
-            let hit = caches.get(&r.worker).map_or(0, |c| c.prefix_hit(&r.chain));
-            let best = of_model
-                .get(&r.model.as_deref())
-                .into_iter()
-                .flatten()
-                .filter(|w| **w != r.worker)
-                .filter_map(|w| Some((*w, caches.get(w)?.prefix_hit(&r.chain))))
-                .filter(|(_, h)| *h > hit)
-                .fold(None, |b: Option<(WorkerKey, usize)>, (w, h)| match b {
+        // A request holds its blocks until it ends (its request-trace record; at once
+        // without one); its reply is stored on its worker then too (or, at the latest,
+        // when the next turn comes with it).
+        let replies = self.replies();
+        let mut due: BinaryHeap<Reverse<(u64, Due, usize)>> = BinaryHeap::new();
+        let mut stored = vec![false; self.requests.len()];
+        fn cache<'c>(
+            caches: &'c mut HashMap<WorkerKey, SimulatedCache>,
+            w: WorkerKey,
+            blocks: &impl Fn(&WorkerKey) -> u64,
+        ) -> &'c mut SimulatedCache {
+            caches
+                .entry(w)
+                .or_insert_with_key(|w| SimulatedCache::new(blocks(w) as usize))
+        }
+        let mut store_reply =
+            |caches: &mut HashMap<WorkerKey, SimulatedCache>, went: &[WorkerKey], p: usize| {
+                let Some((next, _)) = replies[p] else {
+                    return;
+                };
+                if std::mem::replace(&mut stored[p], true) {
+                    return;
+                }
+                if let Some((_, reply)) = self.previous_reply(next) {
+                    cache(caches, went[p], &blocks).store(reply);
+                }
+            };
+        for (i, r) in self.requests.iter().enumerate() {
+            while let Some(&Reverse((at, what, p))) = due.peek() {
+                if at > r.decided_ns {
+                    break;
+                }
+                due.pop();
+                match what {
+                    Due::Reply => store_reply(&mut caches, &went, p),
+                    Due::End => {
+                        cache(&mut caches, went[p], &blocks).release(&self.requests[p].chain)
+                    }
+                }
+            }
+            if let Some(p) = self.previous.get(i).copied().flatten() {
+                store_reply(&mut caches, &went, p);
+            }
+            hits.clear();
+            if candidates {
+                hits.extend(
+                    of_model
+                        .get(&r.model.as_deref())
+                        .into_iter()
+                        .flatten()
+                        .map(|w| (*w, caches.get(w).map_or(0, |c| c.prefix_hit(&r.chain)))),
+                );
+            }
+            let worker = match route.as_mut() {
+                Some(route) => route(i, r, &hits),
+                None => r.worker,
+            };
+            let hit = hits
+                .iter()
+                .find(|(w, _)| *w == worker)
+                .map(|(_, h)| *h)
+                .unwrap_or_else(|| caches.get(&worker).map_or(0, |c| c.prefix_hit(&r.chain)));
+            let best = hits.iter().filter(|(w, h)| *w != worker && *h > hit).fold(
+                None,
+                |b: Option<(WorkerKey, usize)>, &(w, h)| match b {
                     Some((_, bh)) if bh >= h => b,
                     _ => Some((w, h)),
-                });
-            each(r, hit, best);
-            caches
-                .entry(r.worker)
-                .or_insert_with(|| SimulatedCache::new(blocks(&r.worker) as usize))
-                .prefill(&r.chain);
+                },
+            );
+            each(r, worker, hit, best);
+            went.push(worker);
+            match self.ended_ns(r) {
+                Some(end) if end > r.decided_ns => {
+                    cache(&mut caches, worker, &blocks).acquire(&r.chain);
+                    due.push(Reverse((end, Due::End, i)));
+                }
+                _ => {
+                    cache(&mut caches, worker, &blocks).prefill(&r.chain);
+                }
+            }
+            if let Some((_, at)) = replies[i] {
+                due.push(Reverse((at, Due::Reply, i)));
+            }
             t.add(r.isl_tokens, hit as u64, r.block_size);
         }
         t
+    }
+
+    /// When `r` ended, by its request-trace record.
+    fn ended_ns(&self, r: &RoutedRequest) -> Option<u64> {
+        let e = self.ends.get(&r.request_id)?;
+        Some(r.decided_ns + (e.total_ms.clamp(0.0, 1e9) * 1e6) as u64)
+    }
+
+    /// For each request whose reply a later turn shows stored by a decode: that turn, and
+    /// when the request ended (its request-trace record; else that turn's arrival).
+    fn replies(&self) -> Vec<Option<(usize, u64)>> {
+        let mut replies = vec![None; self.requests.len()];
+        for i in 0..self.requests.len() {
+            let Some((p, _)) = self.previous_reply(i) else {
+                continue;
+            };
+            if replies[p].is_some() {
+                continue;
+            }
+            let ended = self.ended_ns(&self.requests[p]);
+            replies[p] = Some((i, ended.unwrap_or(self.requests[i].decided_ns)));
+        }
+        replies
+    }
+
+    /// Request `i`'s previous turn, and `i`'s chain up to the end of that turn's reply,
+    /// when the recording shows the reply's blocks stored by a decode (they start where
+    /// the previous turn's prompt ended).
+    fn previous_reply(&self, i: usize) -> Option<(usize, &[SequenceHash])> {
+        let p = self.previous.get(i).copied().flatten()?;
+        let r = &self.requests[i];
+        let start = self.requests[p].chain.len() as u32;
+        let &(_, end) = r.decoded_runs.iter().find(|(s, _)| *s == start)?;
+        Some((p, r.chain.get(..end as usize)?))
     }
 
     /// Each worker's size in blocks: `given`, else discovery's.
@@ -541,6 +724,7 @@ mod tests {
                 dp_rank: 0,
             },
             recorded_best_overlap_blocks: recorded,
+            decoded_runs: Vec::new(),
         }
     }
 
@@ -549,6 +733,8 @@ mod tests {
             WhatIf {
                 requests: Vec::new(),
                 discovered_blocks: HashMap::new(),
+                previous: Vec::new(),
+                ends: HashMap::new(),
                 undecodable_records: 0,
                 min_spill_blocks: 1,
                 nixl_pairs: Vec::new(),

@@ -3,6 +3,7 @@
 
 use super::disagg::{DisaggError, DisaggWhatIf, TtftSample};
 use super::migration::{MigrationQuestion, MigrationWhatIf, Pricing, DEFAULT_GATES};
+use super::router::{RouterSettings, RouterWhatIf, RouterWhatIfError};
 use super::{CapacityWhatIf, WhatIf, WhatIfError};
 use serde::{Deserialize, Deserializer, Serialize};
 use std::path::PathBuf;
@@ -73,6 +74,48 @@ pub struct WhatIfInputs {
     #[arg(long, value_delimiter = ',')]
     #[serde(deserialize_with = "comma_list")]
     pub disagg_threshold: Vec<u64>,
+    /// Router knobs: a change of the router's settings to predict (repeatable), as
+    /// `key=value` pairs of Dynamo's frontend flags without `--router-`, comma-separated:
+    /// `session-affinity-ttl-secs=N|off`, `track-output-blocks=true|false`,
+    /// `kv-overlap-score-credit=X`, `prefill-load-scale=X`, `kv-overlap-score-weight=X`
+    /// (deprecated: the load scale, and credit 0 at 0), `temperature=X`. The recorded
+    /// requests are routed again by Dynamo's own load tracker and selector, timed by
+    /// Dynamo's request trace (DYN_REQUEST_TRACE=1) [default:
+    /// session-affinity-ttl-secs=300, track-output-blocks=true,
+    /// kv-overlap-score-credit=0.5, kv-overlap-score-credit=2]. In a query string,
+    /// changes are separated by `;`.
+    #[arg(long = "router", value_name = "CHANGE")]
+    #[serde(deserialize_with = "semicolon_list")]
+    pub router: Vec<String>,
+    /// The recorded run's router settings, as a change of Dynamo 1.6.1's defaults in
+    /// the same form (e.g. `temperature=0.2`) [default: Dynamo's defaults].
+    #[arg(long, value_name = "CHANGE")]
+    pub router_recorded: Option<String>,
+    /// Runs of the router model per setting, each with its own seed for the selector's
+    /// tie-breaks and sampling [default: 5].
+    #[arg(long)]
+    pub router_runs: Option<u32>,
+}
+
+/// The changes the router knobs are asked about when none are given.
+pub const DEFAULT_ROUTER_CHANGES: [&str; 4] = [
+    "session-affinity-ttl-secs=300",
+    "track-output-blocks=true",
+    "kv-overlap-score-credit=0.5",
+    "kv-overlap-score-credit=2",
+];
+
+/// `a=1,b=2;c=3` in a query string: changes separated by `;`.
+fn semicolon_list<'de, D>(d: D) -> Result<Vec<String>, D::Error>
+where
+    D: Deserializer<'de>,
+{
+    let s = String::deserialize(d)?;
+    Ok(s.split(';')
+        .map(str::trim)
+        .filter(|p| !p.is_empty())
+        .map(str::to_string)
+        .collect())
 }
 
 /// `0,0.15` in a query string.
@@ -100,6 +143,12 @@ pub struct WhatIfAnswer {
     /// With TTFT samples: conditional disaggregation's break-even.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub disagg: Option<DisaggWhatIf>,
+    /// The router knobs, where the recording times the requests.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub router: Option<RouterWhatIf>,
+    /// Why the router knobs were not predicted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub router_unavailable: Option<String>,
 }
 
 /// Why the inputs cannot be read.
@@ -111,6 +160,8 @@ pub enum InputError {
     WhatIf(#[from] WhatIfError),
     #[error(transparent)]
     Disagg(#[from] DisaggError),
+    #[error(transparent)]
+    Router(#[from] RouterWhatIfError),
 }
 
 impl WhatIfInputs {
@@ -187,11 +238,40 @@ impl WhatIfInputs {
             connector_reserve,
             gpu_blocks: self.gpu_blocks,
         })?;
+        let (router, router_unavailable) = match self.router_knobs(w) {
+            Ok(r) => (Some(r), None),
+            Err(RouterWhatIfError::NoTiming) => {
+                (None, Some(RouterWhatIfError::NoTiming.to_string()))
+            }
+            Err(e) => return Err(e.into()),
+        };
         Ok(WhatIfAnswer {
             capacity,
             migration,
             disagg: self.disagg(Some(w))?,
+            router,
+            router_unavailable,
         })
+    }
+
+    /// The router knobs asked about (or the default ones), on `w`'s requests.
+    pub fn router_knobs(&self, w: &WhatIf) -> Result<RouterWhatIf, RouterWhatIfError> {
+        let recorded = RouterSettings::default()
+            .changed(self.router_recorded.as_deref().unwrap_or_default())?;
+        let changes: Vec<String> = if self.router.is_empty() {
+            DEFAULT_ROUTER_CHANGES
+                .iter()
+                .map(|c| c.to_string())
+                .collect()
+        } else {
+            self.router.clone()
+        };
+        w.router_knobs(
+            recorded,
+            &changes,
+            self.router_runs.unwrap_or(5),
+            self.gpu_blocks,
+        )
     }
 
     /// Conditional disaggregation, where TTFT samples are given: judged on `w`'s
@@ -240,16 +320,18 @@ impl WhatIfInputs {
 }
 
 impl WhatIfAnswer {
+    /// Each question's answer in Markdown, a heading each.
+    pub fn markdown_parts(&self) -> Vec<String> {
+        let mut parts = vec![self.capacity.to_markdown(), self.migration.to_markdown()];
+        parts.extend(self.disagg.as_ref().map(|d| d.to_markdown()));
+        parts.extend(self.router.as_ref().map(|r| r.to_markdown()));
+        parts.extend(self.router_unavailable.as_ref().map(|why| {
+            format!("# What if the router were set otherwise\n\nNot predicted: {why}.\n")
+        }));
+        parts
+    }
+
     pub fn to_markdown(&self) -> String {
-        let mut s = format!(
-            "{}\n{}",
-            self.capacity.to_markdown(),
-            self.migration.to_markdown()
-        );
-        if let Some(d) = &self.disagg {
-            s.push('\n');
-            s.push_str(&d.to_markdown());
-        }
-        s
+        self.markdown_parts().join("\n")
     }
 }

@@ -127,6 +127,9 @@ pub struct CollectorCounters {
     /// turn adds new text, it should stay near zero.
     pub decisions_fully_cached: u64,
     pub migration_lines: u64,
+    /// Requests' ends from Dynamo's request trace (the what-if's router model times
+    /// each worker's load by them).
+    pub request_ends: u64,
     pub heartbeats: u64,
     /// NIXL reports from agents' eBPF probes.
     pub nixl_reports: u64,

@@ -324,6 +324,9 @@ pub enum LogOutput {
     },
     /// A request-trace record for a request already decided from its routing lines.
     TraceDuplicate,
+    /// A request's life from its request-trace record (with its decision, or its
+    /// duplicate, before it).
+    RequestEnd(kvscope_wire::RequestEnd),
     /// A line dated further ahead of this host's clock than clocks can disagree: its
     /// time is not taken (it would stop every join until real time caught up).
     FutureLine {
@@ -420,8 +423,12 @@ impl RouterLogProcessor {
                     .into_iter()
                     .map(|j| self.output(j))
                     .collect();
+                let end = LogOutput::RequestEnd(t.end);
                 out.push(match self.source {
-                    DecisionSource::RoutingInput => return out,
+                    DecisionSource::RoutingInput => {
+                        out.push(end);
+                        return out;
+                    }
                     _ if self.routed.contains(&t.request_id) => LogOutput::TraceDuplicate,
                     _ => LogOutput::TracedDecision {
                         at_ns: t.received_ns,
@@ -439,6 +446,7 @@ impl RouterLogProcessor {
                         },
                     },
                 });
+                out.push(end);
                 return out;
             }
             LineContent::Migration(mut m) => {

@@ -52,7 +52,7 @@ pub struct SelectedWorker {
 /// A record of Dynamo's request trace (`DYN_REQUEST_TRACE=1`): one per request, written
 /// when the request ends, at any log level. It names the worker and the prompt's blocks
 /// as sequence hashes.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct TracedRequest {
     pub request_id: String,
     pub worker: kvscope_wire::WorkerKey,
@@ -63,6 +63,8 @@ pub struct TracedRequest {
     pub sequence_hashes: Vec<u64>,
     /// When the frontend received the request (UNIX ns): the decision was made then.
     pub received_ns: u64,
+    /// The request's life: its first token, its end, its sizes.
+    pub end: kvscope_wire::RequestEnd,
 }
 
 /// The request trace's schema name.
@@ -123,6 +125,10 @@ pub struct MalformedLine {
 
 const ROUTING_INPUT: &str = "[ROUTING_INPUT]";
 const SELECTED_WORKER: &str = "Selected worker";
+/// A request pinned to a worker (session affinity, or a worker named in the request):
+/// `Selected pinned worker: worker_type=decode, worker_id=… dp_rank=0, logit: …`, its
+/// fields written into the message.
+const SELECTED_PINNED_WORKER: &str = "Selected pinned worker:";
 const KVMIGRATE: &str = "KVMIGRATE";
 
 /// The fork's migration messages, by the text after which their fields start.
@@ -207,7 +213,7 @@ pub fn parse_json_line(line: &str) -> Option<Result<ParsedLine, MalformedLine>> 
         .and_then(|m| m.as_str())
         .unwrap_or_default();
     let text = |k: &str| obj.get(k).and_then(|v| v.as_str());
-    let Some((kind, _)) = marker(message) else {
+    let Some((kind, in_message)) = marker(message) else {
         let span = text("request_id").zip(
             text("trace_id")
                 .zip(text("span_id"))
@@ -224,7 +230,7 @@ pub fn parse_json_line(line: &str) -> Option<Result<ParsedLine, MalformedLine>> 
             },
         }));
     };
-    let pairs = obj
+    let mut pairs: Vec<(String, String)> = obj
         .iter()
         .filter(|(k, _)| !matches!(k.as_str(), "time" | "level" | "target" | "message"))
         .map(|(k, v)| {
@@ -235,6 +241,11 @@ pub fn parse_json_line(line: &str) -> Option<Result<ParsedLine, MalformedLine>> 
             (k.clone(), text)
         })
         .collect();
+    // Fields a message writes into its own text (a pinned worker's) come after the
+    // event's, which win.
+    if let Some(Ok(f)) = in_message.map(Fields::read) {
+        pairs.extend(f.pairs);
+    }
     Some(
         content(kind, Ok(Fields { pairs }))
             .map(|content| ParsedLine { ts_ns, content })
@@ -299,15 +310,43 @@ fn request_trace(t: &serde_json::Value) -> Result<ParsedLine, MalformedLine> {
     let received_ns = u64_at("/request_received_ms")
         .ok_or_else(|| malformed("no request_received_ms"))?
         .saturating_mul(1_000_000);
+    // A time the trace gives as a number of ms; a negative, infinite or missing one is
+    // no time (the trace writes null for a request that never produced a token).
+    let ms_at = |p: &str| {
+        r.pointer(p)
+            .and_then(|v| v.as_f64())
+            .filter(|ms| ms.is_finite() && *ms >= 0.0)
+    };
+    let worker = kvscope_wire::WorkerKey { worker_id, dp_rank };
+    let prefill_worker = u64_at("/worker/prefill_worker_id")
+        .map(|worker_id| kvscope_wire::WorkerKey {
+            worker_id,
+            dp_rank: u64_at("/worker/prefill_dp_rank")
+                .and_then(|d| u32::try_from(d).ok())
+                .unwrap_or(0),
+        })
+        .filter(|p| *p != worker);
+    let end = kvscope_wire::RequestEnd {
+        request_id: request_id.clone(),
+        worker,
+        prefill_worker,
+        received_ns,
+        ttft_ms: ms_at("/ttft_ms"),
+        total_ms: ms_at("/total_time_ms").ok_or_else(|| malformed("no total_time_ms"))?,
+        input_tokens: u64_at("/input_tokens").unwrap_or(isl_tokens),
+        output_tokens: u64_at("/output_tokens").unwrap_or(0),
+        cached_tokens: u64_at("/cached_tokens"),
+    };
     Ok(ParsedLine {
         ts_ns,
         content: LineContent::RequestTrace(TracedRequest {
             request_id,
-            worker: kvscope_wire::WorkerKey { worker_id, dp_rank },
+            worker,
             isl_tokens,
             block_size,
             sequence_hashes,
             received_ns,
+            end,
         }),
     })
 }
@@ -336,6 +375,11 @@ fn marker(text: &str) -> Option<(Marker, Option<&str>)> {
         Some((
             Marker::RoutingInput,
             Some(&text[pos + ROUTING_INPUT.len()..]),
+        ))
+    } else if let Some(pos) = text.find(SELECTED_PINNED_WORKER) {
+        Some((
+            Marker::SelectedWorker,
+            Some(&text[pos + SELECTED_PINNED_WORKER.len()..]),
         ))
     } else if let Some(pos) = text.find(SELECTED_WORKER) {
         Some((
@@ -391,15 +435,21 @@ fn routing_input(f: &Fields) -> Result<RoutingInput, String> {
 }
 
 fn selected_worker(f: &Fields) -> Result<SelectedWorker, String> {
+    // A pinned worker's message separates its fields with commas.
+    let get = |k: &str| f.get(k).map(|v| v.trim_end_matches(','));
+    fn number<T: std::str::FromStr>(k: &str, v: Option<&str>) -> Result<T, String> {
+        let v = v.ok_or_else(|| format!("no {k}"))?;
+        v.parse().map_err(|_| format!("{k}={v:?}"))
+    }
     Ok(SelectedWorker {
         request_id: f.require("request_id")?.to_string(),
-        worker_id: f.parse("worker_id")?,
-        dp_rank: match f.get("dp_rank") {
+        worker_id: number("worker_id", get("worker_id"))?,
+        dp_rank: match get("dp_rank") {
             None => 0,
-            Some(_) => f.parse("dp_rank")?,
+            v => number("dp_rank", v)?,
         },
-        worker_type: f.get("worker_type").map(str::to_string),
-        router_mode: f.get("router_mode").map(str::to_string),
+        worker_type: get("worker_type").map(str::to_string),
+        router_mode: get("router_mode").map(str::to_string),
     })
 }
 
@@ -732,6 +782,24 @@ mod tests {
                 trace: None,
             })
         );
+    }
+
+    /// A request under session affinity, as Dynamo 1.6.1's frontend logged it in the lab
+    /// (`--router-session-affinity-ttl-secs`): its fields in the message, comma-separated.
+    #[test]
+    fn selected_pinned_worker_line() {
+        let text = r#"2026-12-03T08:49:08.000973Z  INFO dynamo_kv_router::scheduling::selector: Selected pinned worker: worker_type=decode, worker_id=11605553951028822029 dp_rank=0, logit: 59.312, effective cached blocks: 25.00 request_id="ec879ef0-bdb2-475a-9deb-fb2b8edd9eaa""#;
+        let want = LineContent::SelectedWorker(SelectedWorker {
+            request_id: "ec879ef0-bdb2-475a-9deb-fb2b8edd9eaa".into(),
+            worker_id: 11605553951028822029,
+            dp_rank: 0,
+            worker_type: Some("decode".into()),
+            router_mode: None,
+        });
+        assert_eq!(parse_line(text).unwrap().content, want);
+        // The same event as a JSON line: the message as written, the event's field a key.
+        let json = r#"{"time":"2026-12-03T08:49:08.000973Z","level":"INFO","target":"dynamo_kv_router::scheduling::selector","message":"Selected pinned worker: worker_type=decode, worker_id=11605553951028822029 dp_rank=0, logit: 59.312, effective cached blocks: 25.00","request_id":"ec879ef0-bdb2-475a-9deb-fb2b8edd9eaa"}"#;
+        assert_eq!(parse_line(json).unwrap().content, want);
     }
 
     #[test]

@@ -86,6 +86,8 @@ impl RouterTap {
                     records.push((Record::Decision(decision), Some(at_ns)));
                 }
                 LogOutput::TraceDuplicate => {}
+                // Stamped when it ended, as its line was written.
+                LogOutput::RequestEnd(e) => records.push((Record::RequestEnd(e), None)),
                 LogOutput::FutureLine { ts_ns, ahead_ns } => {
                     LogLineFuture { ts_ns, ahead_ns }.emit(stats)
                 }
