@@ -307,6 +307,35 @@ impl WhatIf {
         &self.requests
     }
 
+    /// Each request's time to first token from its request-trace end, as a sample of
+    /// its prefill's path (remote where a prefill worker other than its decode worker
+    /// prefilled it; uncached: its prompt less what the engine reported cached, else
+    /// less its recorded overlap); and how many ends gave no first token (left out).
+    pub fn ttft_samples(&self) -> (Vec<disagg::TtftSample>, u64) {
+        let mut left_out = 0;
+        let samples = self
+            .requests
+            .iter()
+            .filter_map(|r| {
+                let e = self.ends.get(&r.request_id)?;
+                let Some(ttft_ms) = e.ttft_ms else {
+                    left_out += 1;
+                    return None;
+                };
+                let cached = e.cached_tokens.unwrap_or_else(|| {
+                    cached_tokens(r.isl_tokens, r.recorded_overlap_blocks.into(), r.block_size)
+                });
+                Some(disagg::TtftSample {
+                    prompt_tokens: e.input_tokens,
+                    uncached_tokens: e.input_tokens.saturating_sub(cached),
+                    ttft_ms,
+                    remote: e.prefill_worker.is_some(),
+                })
+            })
+            .collect();
+        (samples, left_out)
+    }
+
     /// The recorded run's figures (nothing changed).
     pub fn recorded(&self) -> CacheTotals {
         let mut t = CacheTotals::default();
@@ -819,6 +848,65 @@ mod tests {
             Err(WhatIfError::TooManyReserves(33))
         ));
         assert!(c.calibrated);
+    }
+
+    #[test]
+    fn the_request_ends_answer_conditional_disaggregation_where_they_hold_both_paths() {
+        // Local prefills cost 10 ms + 1 ms per 100 tokens, remote ones 30 ms flat.
+        let mut requests = Vec::new();
+        let mut ends = HashMap::new();
+        for (i, (tokens, remote)) in [(400, false), (800, false), (1600, false), (3200, false)]
+            .into_iter()
+            .chain([(400, true), (3200, true)])
+            .enumerate()
+        {
+            let mut r = req(1, &[i as u64 + 1], 0);
+            r.request_id = format!("r{i}");
+            r.isl_tokens = tokens;
+            ends.insert(
+                r.request_id.clone(),
+                RequestEnd {
+                    request_id: r.request_id.clone(),
+                    worker: r.worker,
+                    prefill_worker: remote.then_some(WorkerKey {
+                        worker_id: 9,
+                        dp_rank: 0,
+                    }),
+                    received_ns: 0,
+                    ttft_ms: Some(if remote {
+                        30.0
+                    } else {
+                        10.0 + tokens as f64 / 100.0
+                    }),
+                    total_ms: 100.0,
+                    input_tokens: tokens,
+                    output_tokens: 8,
+                    cached_tokens: Some(0),
+                },
+            );
+            requests.push(r);
+        }
+        let both = WhatIf {
+            requests: requests.clone(),
+            ends: ends.clone(),
+            ..WhatIf::empty()
+        };
+        let d = question::WhatIfInputs::default()
+            .disagg(Some(&both))
+            .unwrap()
+            .expect("both paths measured: answered");
+        assert_eq!(d.crossing, disagg::Crossing::RemoteFrom(2000));
+        // One path only (every prefill local): nothing to fit the other with.
+        ends.retain(|_, e| e.prefill_worker.is_none());
+        let local = WhatIf {
+            requests,
+            ends,
+            ..WhatIf::empty()
+        };
+        assert!(question::WhatIfInputs::default()
+            .disagg(Some(&local))
+            .unwrap()
+            .is_none());
     }
 
     #[test]

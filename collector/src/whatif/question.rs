@@ -65,7 +65,9 @@ pub struct WhatIfInputs {
     /// `prefill_worker_id`) and optionally `cached_tokens`, or a `kvscope-lab workload
     /// --stream` summary. Each path is fitted as fixed + per-token × uncached tokens; the
     /// answer is the break-even uncached size and the frontend's setting. Without
-    /// --replay, the samples' own requests are judged.
+    /// --replay, the samples' own requests are judged. Without samples, a recording's
+    /// own request ends (Dynamo's request trace: each request's first token and prefill
+    /// worker) are the samples, where they hold both paths.
     #[arg(long, value_name = "FILE")]
     #[serde(skip)]
     pub ttft_samples: Vec<PathBuf>,
@@ -277,23 +279,35 @@ impl WhatIfInputs {
     /// Conditional disaggregation, where TTFT samples are given: judged on `w`'s
     /// requests (uncached = prompt − the chosen worker's cached prefix), else on the
     /// samples' own.
+    ///
+    /// Without samples given, the recording's own request ends are the samples (Dynamo's
+    /// request trace times each request's first token and names its prefill worker), and
+    /// the question is answered where they hold both paths.
     pub fn disagg(&self, w: Option<&WhatIf>) -> Result<Option<DisaggWhatIf>, InputError> {
-        if self.ttft_samples.is_empty() {
-            return Ok(None);
-        }
-        let mut samples: Vec<TtftSample> = Vec::new();
-        let mut left_out = 0;
-        for path in &self.ttft_samples {
-            let (s, l) = super::disagg::read_samples(path)?;
-            samples.extend(s);
-            left_out += l;
-        }
-        let from = self
-            .ttft_samples
-            .iter()
-            .map(|p| p.display().to_string())
-            .collect::<Vec<_>>()
-            .join(", ");
+        let given = !self.ttft_samples.is_empty();
+        let (samples, left_out, from) = if given {
+            let mut samples: Vec<TtftSample> = Vec::new();
+            let mut left_out = 0;
+            for path in &self.ttft_samples {
+                let (s, l) = super::disagg::read_samples(path)?;
+                samples.extend(s);
+                left_out += l;
+            }
+            let from = self
+                .ttft_samples
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", ");
+            (samples, left_out, from)
+        } else {
+            let Some(w) = w else {
+                return Ok(None);
+            };
+            let (samples, left_out) = w.ttft_samples();
+            let from = "the recording's request ends (Dynamo's request trace)".to_string();
+            (samples, left_out, from)
+        };
         let judged: Vec<(u64, u64)> = w
             .map(|w| {
                 w.requests()
@@ -309,13 +323,18 @@ impl WhatIfInputs {
                     .collect()
             })
             .unwrap_or_default();
-        Ok(Some(super::disagg::answer(
+        match super::disagg::answer(
             &samples,
             from,
             left_out,
             Some((&judged, "the recording's judged requests".to_string())),
             &self.disagg_threshold,
-        )?))
+        ) {
+            Ok(a) => Ok(Some(a)),
+            // A recording whose requests all took one path cannot fit the other.
+            Err(DisaggError::TooFew { .. }) if !given => Ok(None),
+            Err(e) => Err(e.into()),
+        }
     }
 }
 
