@@ -92,6 +92,7 @@ fn record_fleet(path: &Path) {
                 worker_type: None,
                 router_mode: None,
                 clock_behind_ms: None,
+                selection: Default::default(),
                 trace: None,
             }),
         ))

@@ -493,6 +493,7 @@ async fn records_from_zmq_and_the_router_log_arrive_on_jetstream() {
             worker_type: Some("decode".into()),
             router_mode: Some("kv".into()),
             clock_behind_ms: None,
+            selection: Default::default(),
             trace: None,
         }]
     );

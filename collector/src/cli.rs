@@ -117,7 +117,26 @@ and predicted mean TTFT, and the frontend's --router-conditional-disagg-config f
 break-even. Judged on the recording's requests (uncached = prompt − the chosen \
 worker's cached prefix), or on the samples' own without --replay.
 
-Router settings (--router, repeatable; --router-recorded for the recorded run's own): the recorded requests routed again by Dynamo 1.6.1's own load tracker (ActiveSequencesMultiWorker: each worker's active blocks and prefill tokens, booked when a request is routed, its prefill dropped at its first token, its blocks at its end) and its reference worker selector (DefaultWorkerSelector: the frontend's cost and picker, seeded, --router-runs runs per setting), over the simulated caches: spill rate, Σ true delta, hit rate and uncached prefill per setting, beside the recorded run and the model at the recorded settings (with the share of decisions it makes as the router made them). Each request's arrival, time to first token, end and output length come from Dynamo's request trace (DYN_REQUEST_TRACE=1 on the frontend; the agent reads it from the log; without it this question is not answered), and are held as recorded: a request sent elsewhere keeps its durations. Session affinity's sessions are the conversations the prompts show (a turn's prompt begins with its previous turn's whole prompt), as if clients named one session per conversation; a session's idle time counts from its last request's end.
+Router settings (--router, repeatable; --router-recorded for the recorded run's own): \
+the recorded requests routed again by Dynamo 1.6.1's own load tracker \
+(ActiveSequencesMultiWorker: each worker's active blocks and prefill tokens, booked \
+when a request is routed, its prefill dropped at its first token, its blocks at its \
+end) and its reference worker selector (DefaultWorkerSelector: the frontend's cost and \
+picker, seeded, --router-runs runs per setting), over the simulated caches: spill \
+rate, Σ true delta, hit rate, uncached prefill and the share of turns kept on their \
+previous turn's worker per setting, beside the recorded run and the model at the \
+recorded settings; and how far the model's load view is the router's own (each \
+recorded decision's cost from the model's load against the logit the router logged). \
+Each request's arrival, time to first token, end and output length come from Dynamo's \
+request trace (DYN_REQUEST_TRACE=1 on the frontend; the agent reads it from the log; \
+without it this question is not answered), and are held as recorded: a request sent \
+elsewhere keeps its durations. Session affinity's sessions are the conversations the \
+prompts show (a turn's prompt begins with its previous turn's whole prompt), as if \
+clients named one session per conversation; a session's idle time counts from its last \
+request's end. On a disaggregated fleet the judged decisions are the prefill pool's: a \
+prefill worker holds a request until its first token, and affinity binds no prefill \
+decision. At temperature 0 a lightly loaded fleet can settle into different routings \
+from one run to the next: one recording predicts one of them.
 
 Measured inputs, from the recording: every routed request (where it went, its prompt's \
 blocks, what each worker held of them, judged by the same fold the live collector runs); \

@@ -88,6 +88,7 @@ fn trace(n: usize) -> Vec<Envelope> {
                 worker_type: None,
                 router_mode: Some("kv".into()),
                 clock_behind_ms: None,
+                selection: Default::default(),
                 trace: None,
             }))),
             _ => out.push(env(Record::Heartbeat(AgentHeartbeat::default()))),

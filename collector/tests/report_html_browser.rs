@@ -92,6 +92,7 @@ fn fleet_records() -> Vec<Envelope> {
                 worker_type: None,
                 router_mode: None,
                 clock_behind_ms: None,
+                selection: Default::default(),
                 trace: None,
             }),
         ));

@@ -360,11 +360,11 @@ impl FleetRun {
     }
 
     /// Stop the agent (SIGTERM, then SIGKILL after a grace period).
-    /// Stop the agent, once it has had time to read what the lab last wrote (it polls
-    /// the router's log every 20 ms; a request's trace record is written as it ends,
-    /// the moment the workload sees its reply).
-    pub fn stop_agent(&mut self) {
-        std::thread::sleep(Duration::from_millis(500));
+    /// Stop the agent, once it has had time to read what the lab last wrote: it polls
+    /// the router's log every 20 ms, and a request's trace record is written as the
+    /// request ends, the moment the workload sees its reply.
+    pub async fn stop_agent(&mut self) {
+        tokio::time::sleep(Duration::from_millis(500)).await;
         self.daemons.stop_agent(Duration::from_secs(5));
     }
 
@@ -435,11 +435,11 @@ impl FleetRun {
         }
     }
 
-    /// Stop the collector gracefully (it flushes its recording), then the agent and the lab.
     /// The end of a run: stop the agent, let the collector apply everything it sent,
-    /// stop everything; the collector's recording.
+    /// stop everything (the collector gracefully: it flushes its recording); the
+    /// collector's recording.
     pub async fn finish(mut self) -> anyhow::Result<PathBuf> {
-        self.stop_agent();
+        self.stop_agent().await;
         self.wait_drained(Duration::from_secs(1), Duration::from_secs(60))
             .await
             .context("the collector did not catch up with the agent")?;

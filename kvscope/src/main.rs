@@ -209,7 +209,7 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
     );
     // The agent stops first, releasing what it still holds (a request trace's
     // decisions wait out their window), so the collector applies everything.
-    run.stop_agent();
+    run.stop_agent().await;
     run.wait_drained(Duration::from_secs(2), Duration::from_secs(60))
         .await?;
     let report = run.report().await?;

@@ -58,6 +58,7 @@ fn forged(agent: &str, request_id: &str, observed_ns: u64) -> Envelope {
             worker_type: None,
             router_mode: Some("kv".into()),
             clock_behind_ms: None,
+            selection: Default::default(),
             trace: None,
         }),
     }

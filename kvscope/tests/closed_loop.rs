@@ -674,7 +674,7 @@ max_age_secs = 10.0
     let seen = sockets.finish();
     assert_loopback_only(&seen, run.lab());
     drop(serve);
-    run.stop_agent();
+    run.stop_agent().await;
     run.wait_drained(Duration::from_secs(1), Duration::from_secs(60))
         .await
         .expect("the collector catches up");

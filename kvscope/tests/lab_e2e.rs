@@ -81,7 +81,7 @@ async fn lab_fleet_end_to_end_with_a_collector_crash() {
     );
 
     // Stop the agent so the stream stops growing, let the collector apply all of it.
-    run.stop_agent();
+    run.stop_agent().await;
     run.wait_drained(Duration::from_secs(1), Duration::from_secs(60))
         .await
         .expect("the collector catches up");

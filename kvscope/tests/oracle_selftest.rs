@@ -80,6 +80,7 @@ fn decision(id: &str, worker: WorkerKey, tokens: &[u32]) -> Record {
         worker_type: None,
         router_mode: Some("kv".into()),
         clock_behind_ms: None,
+        selection: Default::default(),
         trace: None,
     })
 }

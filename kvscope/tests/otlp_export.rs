@@ -323,7 +323,7 @@ async fn lab_metrics_and_spans_reach_an_otlp_receiver_over_grpc_and_http() {
 
     // The collector, once everything is applied and the agent stopped: its last export
     // and its /metrics agree exactly (but for the exporter's own counters).
-    run.stop_agent();
+    run.stop_agent().await;
     run.wait_drained(Duration::from_secs(1), Duration::from_secs(60))
         .await
         .expect("the collector catches up");

@@ -343,10 +343,32 @@ pub struct RoutingDecision {
     /// by up to that much, so the decision may be stamped, and judged, too early.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub clock_behind_ms: Option<u64>,
+    /// What the router's line said of its choice, beside the worker.
+    #[serde(default, skip_serializing_if = "Selection::is_empty")]
+    pub selection: Selection,
     /// The request's place in the router's own traces, when its log lines carry it
     /// (Dynamo's JSON lines do).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub trace: Option<TraceContext>,
+}
+
+/// What Dynamo's router logged of a choice besides the worker.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Selection {
+    /// The chosen worker's cost (`logit`; lower is better): its prefill and decode load
+    /// less its cache credit, as the router's load view had them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub logit: Option<f64>,
+    /// The request was pinned to its worker (`Selected pinned worker`: session
+    /// affinity, or a worker the request named), not chosen among all.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub pinned: bool,
+}
+
+impl Selection {
+    pub fn is_empty(&self) -> bool {
+        *self == Self::default()
+    }
 }
 
 impl RoutingDecision {
@@ -438,8 +460,9 @@ pub struct RequestEnd {
     /// Time to its first token, ms (none when it ended before one).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ttft_ms: Option<f64>,
-    /// From arrival to its end, ms.
-    pub total_ms: f64,
+    /// From arrival to its end, ms (none when the record gives none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub total_ms: Option<f64>,
     pub input_tokens: u64,
     pub output_tokens: u64,
     /// Prompt tokens the engine found cached, as the trace reports them.

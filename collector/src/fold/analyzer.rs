@@ -13,7 +13,7 @@ use kvscope_wire::api::window::{MigrationLogWindow, ModelFigures, WindowSummary}
 use kvscope_wire::nixl::{MergedLatency, NixlAgentOwner, NixlAgentRow};
 use kvscope_wire::{
     Envelope, KvEvent, KvEventBatch, MigrationLogKind, MigrationLogLine, Record, RequestEnd,
-    RoutingDecision, SequenceHash, SequenceStatus, WorkerKey, WorkerRecord, WorkerState,
+    RoutingDecision, Selection, SequenceHash, SequenceStatus, WorkerKey, WorkerRecord, WorkerState,
 };
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap, VecDeque};
@@ -212,8 +212,10 @@ pub struct FleetAnalyzer {
     /// their chains' hashes in all.
     routed: VecDeque<RoutedRequest>,
     routed_hashes: usize,
-    /// The latest requests' ends (Dynamo's request trace), for the same what-if.
-    request_ends: RequestEnds,
+    /// Each kept request's place among all ever kept, by request id, and the place of
+    /// the oldest still kept: where a request's end (its request-trace record) is told.
+    routed_at: HashMap<String, u64>,
+    routed_first: u64,
     /// Every NIXL agent's owner as its node agent last told it, by (node, NIXL agent),
     /// with when: a node agent stops telling an agent whose process is gone, but the
     /// requests it served stay in the what-if's history.
@@ -249,10 +251,10 @@ fn is_prefill(worker_type: Option<&str>) -> bool {
 const MAX_TOLD_OWNERS: usize = 4096;
 
 /// The judged requests kept for the what-if: at most this many chain hashes in all
-/// (32 MiB), each request counted as [`ROUTED_REQUEST_WEIGHT`] more for its id and
-/// fields, the oldest forgotten first.
+/// (32 MiB), each request counted as [`ROUTED_REQUEST_WEIGHT`] more for its id, its
+/// fields and its request-trace end, the oldest forgotten first.
 const ROUTED_MEMORY_HASHES: usize = 1 << 22;
-const ROUTED_REQUEST_WEIGHT: usize = 16;
+const ROUTED_REQUEST_WEIGHT: usize = 32;
 
 /// One routed request as judged: where it went, its prompt's full blocks, and what the
 /// chosen worker held of them (what the what-if replays).
@@ -270,10 +272,14 @@ pub struct RoutedRequest {
     /// The worker holding the most of the chain then, and how much (the verdict's best).
     pub recorded_best: WorkerKey,
     pub recorded_best_overlap_blocks: u32,
-    /// The runs of the chain (start, end positions) that the chosen or the best worker
-    /// held as decode-generated: an earlier turn's reply, which its worker's decode
-    /// stored before this prompt came back with it.
-    pub decoded_runs: Vec<(u32, u32)>,
+    /// The run of the chain (start, end positions) that ends the chosen's or the best
+    /// worker's cached prefix as decode-generated blocks: the previous turn's reply,
+    /// which its worker's decode stored before this prompt came back with it.
+    pub decoded_tail: Option<(u32, u32)>,
+    /// What the router logged of its choice (its cost; pinned or not).
+    pub selection: Selection,
+    /// The request's life as Dynamo's request trace told it, once it ended.
+    pub end: Option<RequestEnd>,
 }
 
 /// What node agents reported moving per request (see [`FleetAnalyzer::request_nixl`]).
@@ -313,31 +319,6 @@ impl RequestNixlRows {
     }
 }
 
-/// The latest requests' ends from Dynamo's request trace, by request id, for the
-/// what-if's router model (`/api/whatif`).
-#[derive(Debug, Default)]
-struct RequestEnds {
-    ends: HashMap<String, RequestEnd>,
-    order: VecDeque<String>,
-}
-
-impl RequestEnds {
-    /// Requests remembered, oldest forgotten first: as many as the what-if keeps
-    /// routed requests at lab prompt sizes (~20 MiB).
-    const CAP: usize = 100_000;
-
-    fn insert(&mut self, e: &RequestEnd) {
-        if self.ends.insert(e.request_id.clone(), e.clone()).is_none() {
-            self.order.push_back(e.request_id.clone());
-            if self.order.len() > Self::CAP {
-                if let Some(old) = self.order.pop_front() {
-                    self.ends.remove(&old);
-                }
-            }
-        }
-    }
-}
-
 impl FleetAnalyzer {
     pub fn new(cfg: AnalyzerConfig) -> Self {
         let window_ns = ((cfg.window_secs.max(0.001)) * 1e9) as u64;
@@ -365,7 +346,8 @@ impl FleetAnalyzer {
             request_nixl: RequestNixlRows::default(),
             routed: VecDeque::new(),
             routed_hashes: 0,
-            request_ends: RequestEnds::default(),
+            routed_at: HashMap::new(),
+            routed_first: 0,
             told_owners: BTreeMap::new(),
         }
     }
@@ -463,11 +445,6 @@ impl FleetAnalyzer {
         self.routed.iter()
     }
 
-    /// The latest requests' ends as Dynamo's request trace told them, by request id.
-    pub fn request_ends(&self) -> &HashMap<String, RequestEnd> {
-        &self.request_ends.ends
-    }
-
     pub fn recent_verdicts(&self) -> impl DoubleEndedIterator<Item = &SpillVerdict> {
         self.verdicts.iter()
     }
@@ -560,8 +537,13 @@ impl FleetAnalyzer {
             }
             Record::RequestEnd(e) => {
                 self.counters.request_ends += 1;
-                if self.measures(e.worker.worker_id) {
-                    self.request_ends.insert(e);
+                if let Some(&at) = self.routed_at.get(&e.request_id) {
+                    if let Some(r) = at
+                        .checked_sub(self.routed_first)
+                        .and_then(|i| self.routed.get_mut(i as usize))
+                    {
+                        r.end = Some(e.clone());
+                    }
                 }
                 None
             }
@@ -953,28 +935,19 @@ impl FleetAnalyzer {
         for &b in &chain {
             prompts.insert(b, t);
         }
-        let mut decoded_runs = self
+        let decoded_tail = self
             .index
-            .generated_runs(&v.chosen, &chain[..v.chosen_overlap_blocks as usize]);
-        if v.best != v.chosen {
-            decoded_runs.extend(
+            .generated_tail(&v.chosen, &chain[..v.chosen_overlap_blocks as usize])
+            .or_else(|| {
                 self.index
-                    .generated_runs(&v.best, &chain[..v.best_overlap_blocks as usize]),
-            );
-            decoded_runs.sort_unstable();
-            // One run where the two workers' runs overlap.
-            let mut merged: Vec<(u32, u32)> = Vec::with_capacity(decoded_runs.len());
-            for (start, end) in decoded_runs {
-                match merged.last_mut() {
-                    Some((_, e)) if start <= *e => *e = (*e).max(end),
-                    _ => merged.push((start, end)),
-                }
-            }
-            decoded_runs = merged;
-        }
-        self.routed_hashes += chain.len() + ROUTED_REQUEST_WEIGHT + decoded_runs.len();
+                    .generated_tail(&v.best, &chain[..v.best_overlap_blocks as usize])
+            });
+        self.routed_hashes += chain.len() + ROUTED_REQUEST_WEIGHT;
+        self.routed_at.insert(
+            d.request_id.clone(),
+            self.routed_first + self.routed.len() as u64,
+        );
         self.routed.push_back(RoutedRequest {
-            decoded_runs,
             request_id: d.request_id.clone(),
             decided_ns: v.decided_ns,
             model: v.model.clone(),
@@ -985,12 +958,19 @@ impl FleetAnalyzer {
             recorded_overlap_blocks: v.chosen_overlap_blocks,
             recorded_best: v.best,
             recorded_best_overlap_blocks: v.best_overlap_blocks,
+            decoded_tail,
+            selection: d.selection,
+            end: None,
         });
         while self.routed_hashes > ROUTED_MEMORY_HASHES {
             let Some(r) = self.routed.pop_front() else {
                 break;
             };
-            self.routed_hashes -= r.chain.len() + ROUTED_REQUEST_WEIGHT + r.decoded_runs.len();
+            if self.routed_at.get(&r.request_id) == Some(&self.routed_first) {
+                self.routed_at.remove(&r.request_id);
+            }
+            self.routed_first += 1;
+            self.routed_hashes -= r.chain.len() + ROUTED_REQUEST_WEIGHT;
         }
         if d.blocks() > 0 && v.chosen_overlap_blocks as usize == d.blocks() {
             self.counters.decisions_fully_cached += 1;
@@ -1192,6 +1172,7 @@ mod tests {
             worker_type: None,
             router_mode: None,
             clock_behind_ms: None,
+            selection: Default::default(),
             trace: None,
         })
     }

@@ -445,28 +445,24 @@ impl FleetIndex {
         })
     }
 
-    /// The runs of `blocks` (start, end positions, end exclusive) cached on `worker` as
-    /// decode-generated, in order.
-    pub fn generated_runs(&self, worker: &WorkerKey, blocks: &[SequenceHash]) -> Vec<(u32, u32)> {
-        let Some(w) = self.index_of.get(worker) else {
-            return Vec::new();
-        };
-        let generated = &self.workers[*w as usize].generated;
-        let mut runs: Vec<(u32, u32)> = Vec::new();
+    /// The run of decode-generated blocks `blocks` ends with on `worker` (start, end
+    /// positions, end exclusive): a previous turn's reply at the end of a cached prefix.
+    /// Read from the end, as long as the reply.
+    pub fn generated_tail(
+        &self,
+        worker: &WorkerKey,
+        blocks: &[SequenceHash],
+    ) -> Option<(u32, u32)> {
+        let generated = &self.workers[*self.index_of.get(worker)? as usize].generated;
         if generated.is_empty() {
-            return runs;
+            return None;
         }
-        for (i, b) in blocks.iter().enumerate() {
-            if !generated.contains(b) {
-                continue;
-            }
-            let i = i as u32;
-            match runs.last_mut() {
-                Some((_, end)) if *end == i => *end = i + 1,
-                _ => runs.push((i, i + 1)),
-            }
-        }
-        runs
+        let n = blocks
+            .iter()
+            .rev()
+            .take_while(|b| generated.contains(b))
+            .count();
+        (n > 0).then(|| ((blocks.len() - n) as u32, blocks.len() as u32))
     }
 
     /// A request's local hashes matched against the mirror: the chain's sequence hashes

@@ -121,6 +121,7 @@ mod tests {
             worker_type: None,
             router_mode: None,
             clock_behind_ms: None,
+            selection: Default::default(),
             trace: None,
         }
     }

@@ -6,10 +6,11 @@
 use super::plots::polyline;
 use super::svg::{self, compact, escape, px, ticks_to, Frame};
 use super::tables::{row, table_open};
+use super::Spread;
 use crate::whatif::disagg::DisaggWhatIf;
 use crate::whatif::migration::{BreakEven, MigrationWhatIf};
 use crate::whatif::question::WhatIfAnswer;
-use crate::whatif::router::{RouterWhatIf, Spread};
+use crate::whatif::router::RouterWhatIf;
 use crate::whatif::CapacityWhatIf;
 use std::fmt::Write as _;
 
@@ -68,6 +69,19 @@ fn router(out: &mut String, r: &RouterWhatIf) {
          prompts as affinity's sessions.</p>",
         r.calibration, r.runs, r.requests_timed, r.requests_untimed, r.sessions
     );
+    if let Some(v) = &r.load_view {
+        let _ = write!(
+            out,
+            "<p class=\"caption\">The model's load view against the router's own: over {} \
+             recorded decisions, the chosen worker's cost from the model's load is within \
+             {:.2} blocks of the cost the router logged at the median, {:.2} at p90 ({} \
+             within one block).</p>",
+            v.decisions,
+            v.median_abs_error_blocks,
+            v.p90_abs_error_blocks,
+            pct(v.within_one_block)
+        );
+    }
     table_open(
         out,
         "whatif-router-table",
@@ -92,7 +106,7 @@ fn router(out: &mut String, r: &RouterWhatIf) {
             pct(f.hit_rate),
             f.uncached_prefill_tokens.to_string(),
             pct(f.stay_share),
-            String::new(),
+            pct(r.recorded_pinned_share),
         ],
     );
     let spread_pct = |s: &Spread| format!("{} ({}–{})", pct(s.mean), pct(s.min), pct(s.max));
@@ -110,7 +124,7 @@ fn router(out: &mut String, r: &RouterWhatIf) {
                 spread_n(&k.true_delta_tokens),
                 spread_pct(&k.hit_rate),
                 spread_n(&k.uncached_prefill_tokens),
-                pct(k.stay_share),
+                spread_pct(&k.stay_share),
                 pct(k.pinned_share),
             ],
         );

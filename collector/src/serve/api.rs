@@ -151,7 +151,8 @@ async fn whatif(
         Ok(Query(q)) => q,
         Err(e) => return bad(e.body_text()),
     };
-    // One at a time: each is ~30 simulations of every kept request.
+    // One at a time: each is ~50 simulations of every kept request (the capacity
+    // calibration's, the reserves', the router model's runs).
     static RUNNING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
     if RUNNING.swap(true, std::sync::atomic::Ordering::AcqRel) {
         return (

@@ -644,7 +644,9 @@ mod tests {
             recorded_overlap_blocks: chosen,
             recorded_best: w(best),
             recorded_best_overlap_blocks: best_blocks,
-            decoded_runs: Vec::new(),
+            decoded_tail: None,
+            selection: Default::default(),
+            end: None,
         }
     }
 

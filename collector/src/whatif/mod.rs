@@ -24,18 +24,17 @@ pub mod cache;
 pub mod disagg;
 pub mod migration;
 pub mod question;
+pub mod replay;
 pub mod router;
 
 pub use crate::fold::analyzer::RoutedRequest;
 
 use crate::fold::analyzer::{AnalyzerConfig, FleetAnalyzer};
-use cache::SimulatedCache;
 use kvscope_wire::nixl::{NixlAgentRow, NixlPair};
 use kvscope_wire::recording::RecordingError;
-use kvscope_wire::{Record, RequestEnd, SequenceHash, WorkerKey};
+use kvscope_wire::{Record, RequestEnd, WorkerKey, WorkerState};
 use serde::{Deserialize, Serialize};
-use std::cmp::Reverse;
-use std::collections::{BTreeMap, BinaryHeap, HashMap};
+use std::collections::{HashMap, HashSet};
 use std::path::Path;
 use std::sync::Mutex;
 
@@ -181,52 +180,20 @@ pub struct CapacityWhatIf {
     pub rows: Vec<CapacityRow>,
 }
 
-/// Where a replay sends request `i` (the request, each candidate worker's prefix hit
-/// now) when it does not hold the recorded decision.
-type Route<'a> = dyn FnMut(usize, &RoutedRequest, &[(WorkerKey, usize)]) -> WorkerKey + 'a;
-
-/// What falls due for a request after its decision, in this order at one moment: its
-/// reply is stored, then its blocks are freed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-enum Due {
-    Reply,
-    End,
-}
-
-/// Each request's previous turn: the longest earlier request of its model whose whole
-/// chain begins its own (a sequence hash names its whole prefix, so one lookup per
-/// block finds it; the latest such request wins). A chat turn's prompt is the previous
-/// prompt, its reply and a new message, so this follows a conversation without the
-/// session's name, which no router log gives.
-fn previous_turns(requests: &[RoutedRequest]) -> Vec<Option<usize>> {
-    let mut by_last: HashMap<(Option<&str>, SequenceHash), usize> = HashMap::new();
-    requests
-        .iter()
-        .enumerate()
-        .map(|(i, r)| {
-            let model = r.model.as_deref();
-            let n = r.chain.len();
-            // A strictly shorter chain: a repeated prompt is no next turn.
-            let prev = r.chain[..n.saturating_sub(1)]
-                .iter()
-                .rev()
-                .find_map(|h| by_last.get(&(model, *h)).copied());
-            if let Some(&last) = r.chain.last() {
-                by_last.insert((model, last), i);
-            }
-            prev
-        })
-        .collect()
-}
-
 /// A recording's routed requests, in the order the collector judged them.
 #[derive(Debug)]
 pub struct WhatIf {
     requests: Vec<RoutedRequest>,
-    /// Each request's previous turn, where its chain shows one ([`previous_turns`]).
+    /// Each request's previous turn, where its chain shows one
+    /// ([`replay::previous_turns`]).
     previous: Vec<Option<usize>>,
-    /// The requests' ends as Dynamo's request trace told them, by request id.
-    ends: HashMap<String, RequestEnd>,
+    /// Each request's life, where Dynamo's request trace timed any.
+    lifetimes: Option<replay::Lifetimes>,
+    /// The prefill workers of a disaggregated fleet, as discovery described them.
+    prefill_workers: HashSet<u64>,
+    /// The workers discovery listed up at the end, each dp rank: candidates whether or
+    /// not a request went to them.
+    idle_workers: Vec<FleetWorker>,
     /// Blocks per dp rank, by worker id, as discovery last described each worker.
     discovered_blocks: HashMap<u64, u64>,
     /// Records that could not be read (recording lines, bus messages): counted, skipped.
@@ -240,6 +207,13 @@ pub struct WhatIf {
     /// Calibrations found, by the sizes they were found for: each is some 30 replays,
     /// and every question asks for the same one.
     calibrations: Mutex<Vec<(Sizes, Calibration)>>,
+}
+
+/// A worker rank as discovery listed it.
+#[derive(Debug, Clone)]
+struct FleetWorker {
+    key: WorkerKey,
+    model: Option<String>,
 }
 
 /// Every worker's size, sorted: what a calibration was found for.
@@ -260,9 +234,10 @@ impl WhatIf {
         path: &Path,
         cfg: AnalyzerConfig,
     ) -> Result<(FleetAnalyzer, Self), WhatIfError> {
-        // Every judged request and request end, not only the latest the analyzer keeps.
-        let mut requests = Vec::new();
-        let mut ends = HashMap::new();
+        // Every judged request, not only the latest the analyzer keeps, each with its
+        // end (which comes after it).
+        let mut requests: Vec<RoutedRequest> = Vec::new();
+        let mut ends: HashMap<String, RequestEnd> = HashMap::new();
         let a = crate::ingest::replay::replay_with(path, cfg, |a, env, judged| {
             if judged {
                 requests.extend(a.routed_requests().next_back().cloned());
@@ -271,18 +246,43 @@ impl WhatIf {
                 ends.insert(e.request_id.clone(), e.clone());
             }
         })?;
-        let w = Self::with_requests(&a, requests, ends);
+        for r in &mut requests {
+            if let Some(e) = ends.remove(&r.request_id) {
+                r.end = Some(e);
+            }
+        }
+        let w = Self::with_requests(&a, requests);
         Ok((a, w))
     }
 
-    fn with_requests(
-        a: &FleetAnalyzer,
-        requests: Vec<RoutedRequest>,
-        ends: HashMap<String, RequestEnd>,
-    ) -> Self {
+    fn with_requests(a: &FleetAnalyzer, requests: Vec<RoutedRequest>) -> Self {
+        let up = a.fleet().values().filter(|w| w.state == WorkerState::Up);
         Self {
-            previous: previous_turns(&requests),
-            ends,
+            previous: replay::previous_turns(&requests),
+            lifetimes: Self::compute_lifetimes(&requests),
+            prefill_workers: a
+                .fleet()
+                .values()
+                .filter(|w| w.worker_type.as_deref() == Some("prefill"))
+                .map(|w| w.worker_id)
+                .collect(),
+            idle_workers: up
+                .filter(|w| w.total_kv_blocks.is_some_and(|b| b > 0))
+                .flat_map(|w| {
+                    let ranks = if w.dp_ranks.is_empty() {
+                        vec![0]
+                    } else {
+                        w.dp_ranks.clone()
+                    };
+                    ranks.into_iter().map(|dp_rank| FleetWorker {
+                        key: WorkerKey {
+                            worker_id: w.worker_id,
+                            dp_rank,
+                        },
+                        model: w.model.clone(),
+                    })
+                })
+                .collect(),
             requests,
             discovered_blocks: discovered_blocks(a),
             undecodable_records: a.counters().undecodable_records,
@@ -296,11 +296,7 @@ impl WhatIf {
     /// The requests the live collector keeps (the latest; see
     /// [`FleetAnalyzer::routed_requests`]) and the sizes its discovery records give.
     pub fn from_analyzer(a: &FleetAnalyzer) -> Self {
-        Self::with_requests(
-            a,
-            a.routed_requests().cloned().collect(),
-            a.request_ends().clone(),
-        )
+        Self::with_requests(a, a.routed_requests().cloned().collect())
     }
 
     pub fn requests(&self) -> &[RoutedRequest] {
@@ -317,7 +313,7 @@ impl WhatIf {
             .requests
             .iter()
             .filter_map(|r| {
-                let e = self.ends.get(&r.request_id)?;
+                let e = r.end.as_ref()?;
                 let Some(ttft_ms) = e.ttft_ms else {
                     left_out += 1;
                     return None;
@@ -366,165 +362,6 @@ impl WhatIf {
         self.replay_routed(blocks, others, None, |r, _, hit, best| each(r, hit, best))
     }
 
-    /// Each model's workers (those its requests went to), in one order: ties go to the
-    /// first, as the collector's verdict breaks them by worker key.
-    fn workers_by_model(&self) -> BTreeMap<Option<&str>, Vec<WorkerKey>> {
-        let mut of_model: BTreeMap<Option<&str>, Vec<WorkerKey>> = BTreeMap::new();
-        for r in &self.requests {
-            let ws = of_model.entry(r.model.as_deref()).or_default();
-            if !ws.contains(&r.worker) {
-                ws.push(r.worker);
-            }
-        }
-        for ws in of_model.values_mut() {
-            ws.sort();
-        }
-        of_model
-    }
-
-    /// [`Self::replay`], each request sent where `route` says (told the request's place,
-    /// the request and each candidate worker's prefix hit now), else where it went in the
-    /// recording; `each` is also told where it went. A request's previous turn's reply is
-    /// stored first on the worker that turn went to, as its decode stored it there.
-    fn replay_routed(
-        &self,
-        blocks: impl Fn(&WorkerKey) -> u64,
-        others: bool,
-        mut route: Option<&mut Route<'_>>,
-        mut each: impl FnMut(&RoutedRequest, WorkerKey, usize, Option<(WorkerKey, usize)>),
-    ) -> CacheTotals {
-        let mut caches: HashMap<WorkerKey, SimulatedCache> = HashMap::new();
-        let candidates = others || route.is_some();
-        let of_model = if candidates {
-            self.workers_by_model()
-        } else {
-            BTreeMap::new()
-        };
-        let mut went: Vec<WorkerKey> = Vec::with_capacity(self.requests.len());
-        let mut hits: Vec<(WorkerKey, usize)> = Vec::new();
-        let mut t = CacheTotals::default();
-        // A request holds its blocks until it ends (its request-trace record; at once
-        // without one); its reply is stored on its worker then too (or, at the latest,
-        // when the next turn comes with it).
-        let replies = self.replies();
-        let mut due: BinaryHeap<Reverse<(u64, Due, usize)>> = BinaryHeap::new();
-        let mut stored = vec![false; self.requests.len()];
-        fn cache<'c>(
-            caches: &'c mut HashMap<WorkerKey, SimulatedCache>,
-            w: WorkerKey,
-            blocks: &impl Fn(&WorkerKey) -> u64,
-        ) -> &'c mut SimulatedCache {
-            caches
-                .entry(w)
-                .or_insert_with_key(|w| SimulatedCache::new(blocks(w) as usize))
-        }
-        let mut store_reply =
-            |caches: &mut HashMap<WorkerKey, SimulatedCache>, went: &[WorkerKey], p: usize| {
-                let Some((next, _)) = replies[p] else {
-                    return;
-                };
-                if std::mem::replace(&mut stored[p], true) {
-                    return;
-                }
-                if let Some((_, reply)) = self.previous_reply(next) {
-                    cache(caches, went[p], &blocks).store(reply);
-                }
-            };
-        for (i, r) in self.requests.iter().enumerate() {
-            while let Some(&Reverse((at, what, p))) = due.peek() {
-                if at > r.decided_ns {
-                    break;
-                }
-                due.pop();
-                match what {
-                    Due::Reply => store_reply(&mut caches, &went, p),
-                    Due::End => {
-                        cache(&mut caches, went[p], &blocks).release(&self.requests[p].chain)
-                    }
-                }
-            }
-            if let Some(p) = self.previous.get(i).copied().flatten() {
-                store_reply(&mut caches, &went, p);
-            }
-            hits.clear();
-            if candidates {
-                hits.extend(
-                    of_model
-                        .get(&r.model.as_deref())
-                        .into_iter()
-                        .flatten()
-                        .map(|w| (*w, caches.get(w).map_or(0, |c| c.prefix_hit(&r.chain)))),
-                );
-            }
-            let worker = match route.as_mut() {
-                Some(route) => route(i, r, &hits),
-                None => r.worker,
-            };
-            let hit = hits
-                .iter()
-                .find(|(w, _)| *w == worker)
-                .map(|(_, h)| *h)
-                .unwrap_or_else(|| caches.get(&worker).map_or(0, |c| c.prefix_hit(&r.chain)));
-            let best = hits.iter().filter(|(w, h)| *w != worker && *h > hit).fold(
-                None,
-                |b: Option<(WorkerKey, usize)>, &(w, h)| match b {
-                    Some((_, bh)) if bh >= h => b,
-                    _ => Some((w, h)),
-                },
-            );
-            each(r, worker, hit, best);
-            went.push(worker);
-            match self.ended_ns(r) {
-                Some(end) if end > r.decided_ns => {
-                    cache(&mut caches, worker, &blocks).acquire(&r.chain);
-                    due.push(Reverse((end, Due::End, i)));
-                }
-                _ => {
-                    cache(&mut caches, worker, &blocks).prefill(&r.chain);
-                }
-            }
-            if let Some((_, at)) = replies[i] {
-                due.push(Reverse((at, Due::Reply, i)));
-            }
-            t.add(r.isl_tokens, hit as u64, r.block_size);
-        }
-        t
-    }
-
-    /// When `r` ended, by its request-trace record.
-    fn ended_ns(&self, r: &RoutedRequest) -> Option<u64> {
-        let e = self.ends.get(&r.request_id)?;
-        Some(r.decided_ns + (e.total_ms.clamp(0.0, 1e9) * 1e6) as u64)
-    }
-
-    /// For each request whose reply a later turn shows stored by a decode: that turn, and
-    /// when the request ended (its request-trace record; else that turn's arrival).
-    fn replies(&self) -> Vec<Option<(usize, u64)>> {
-        let mut replies = vec![None; self.requests.len()];
-        for i in 0..self.requests.len() {
-            let Some((p, _)) = self.previous_reply(i) else {
-                continue;
-            };
-            if replies[p].is_some() {
-                continue;
-            }
-            let ended = self.ended_ns(&self.requests[p]);
-            replies[p] = Some((i, ended.unwrap_or(self.requests[i].decided_ns)));
-        }
-        replies
-    }
-
-    /// Request `i`'s previous turn, and `i`'s chain up to the end of that turn's reply,
-    /// when the recording shows the reply's blocks stored by a decode (they start where
-    /// the previous turn's prompt ended).
-    fn previous_reply(&self, i: usize) -> Option<(usize, &[SequenceHash])> {
-        let p = self.previous.get(i).copied().flatten()?;
-        let r = &self.requests[i];
-        let start = self.requests[p].chain.len() as u32;
-        let &(_, end) = r.decoded_runs.iter().find(|(s, _)| *s == start)?;
-        Some((p, r.chain.get(..end as usize)?))
-    }
-
     /// Each worker's size in blocks: `given`, else discovery's.
     fn sizes(&self, given: Option<u64>) -> Result<HashMap<WorkerKey, u64>, WhatIfError> {
         if let Some(b) = given.filter(|b| !(1..=MAX_BLOCKS).contains(b)) {
@@ -540,6 +377,14 @@ impl WhatIf {
                     .ok_or(WhatIfError::UnknownCapacity(r.worker.worker_id))?,
             };
             sizes.insert(r.worker, b.min(MAX_BLOCKS));
+        }
+        // Workers no request went to have discovery's size (they are candidates only
+        // where it gives one).
+        for w in &self.idle_workers {
+            let b = given.or_else(|| self.discovered_blocks.get(&w.key.worker_id).copied());
+            if let Some(b) = b {
+                sizes.entry(w.key).or_insert(b.min(MAX_BLOCKS));
+            }
         }
         Ok(sizes)
     }
@@ -753,7 +598,9 @@ mod tests {
                 dp_rank: 0,
             },
             recorded_best_overlap_blocks: recorded,
-            decoded_runs: Vec::new(),
+            decoded_tail: None,
+            selection: Default::default(),
+            end: None,
         }
     }
 
@@ -763,7 +610,9 @@ mod tests {
                 requests: Vec::new(),
                 discovered_blocks: HashMap::new(),
                 previous: Vec::new(),
-                ends: HashMap::new(),
+                lifetimes: None,
+                prefill_workers: HashSet::new(),
+                idle_workers: Vec::new(),
                 undecodable_records: 0,
                 min_spill_blocks: 1,
                 nixl_pairs: Vec::new(),
@@ -854,7 +703,6 @@ mod tests {
     fn the_request_ends_answer_conditional_disaggregation_where_they_hold_both_paths() {
         // Local prefills cost 10 ms + 1 ms per 100 tokens, remote ones 30 ms flat.
         let mut requests = Vec::new();
-        let mut ends = HashMap::new();
         for (i, (tokens, remote)) in [(400, false), (800, false), (1600, false), (3200, false)]
             .into_iter()
             .chain([(400, true), (3200, true)])
@@ -863,32 +711,28 @@ mod tests {
             let mut r = req(1, &[i as u64 + 1], 0);
             r.request_id = format!("r{i}");
             r.isl_tokens = tokens;
-            ends.insert(
-                r.request_id.clone(),
-                RequestEnd {
-                    request_id: r.request_id.clone(),
-                    worker: r.worker,
-                    prefill_worker: remote.then_some(WorkerKey {
-                        worker_id: 9,
-                        dp_rank: 0,
-                    }),
-                    received_ns: 0,
-                    ttft_ms: Some(if remote {
-                        30.0
-                    } else {
-                        10.0 + tokens as f64 / 100.0
-                    }),
-                    total_ms: 100.0,
-                    input_tokens: tokens,
-                    output_tokens: 8,
-                    cached_tokens: Some(0),
-                },
-            );
+            r.end = Some(RequestEnd {
+                request_id: r.request_id.clone(),
+                worker: r.worker,
+                prefill_worker: remote.then_some(WorkerKey {
+                    worker_id: 9,
+                    dp_rank: 0,
+                }),
+                received_ns: 0,
+                ttft_ms: Some(if remote {
+                    30.0
+                } else {
+                    10.0 + tokens as f64 / 100.0
+                }),
+                total_ms: Some(100.0),
+                input_tokens: tokens,
+                output_tokens: 8,
+                cached_tokens: Some(0),
+            });
             requests.push(r);
         }
         let both = WhatIf {
             requests: requests.clone(),
-            ends: ends.clone(),
             ..WhatIf::empty()
         };
         let d = question::WhatIfInputs::default()
@@ -897,10 +741,9 @@ mod tests {
             .expect("both paths measured: answered");
         assert_eq!(d.crossing, disagg::Crossing::RemoteFrom(2000));
         // One path only (every prefill local): nothing to fit the other with.
-        ends.retain(|_, e| e.prefill_worker.is_none());
+        requests.retain(|r| r.end.as_ref().is_some_and(|e| e.prefill_worker.is_none()));
         let local = WhatIf {
             requests,
-            ends,
             ..WhatIf::empty()
         };
         assert!(question::WhatIfInputs::default()

@@ -94,7 +94,7 @@ pub struct WhatIfInputs {
     #[arg(long, value_name = "CHANGE")]
     pub router_recorded: Option<String>,
     /// Runs of the router model per setting, each with its own seed for the selector's
-    /// tie-breaks and sampling [default: 5].
+    /// tie-breaks and sampling, 1 to 16 [default: 3].
     #[arg(long)]
     pub router_runs: Option<u32>,
 }
@@ -271,7 +271,7 @@ impl WhatIfInputs {
         w.router_knobs(
             recorded,
             &changes,
-            self.router_runs.unwrap_or(5),
+            self.router_runs.unwrap_or(3),
             self.gpu_blocks,
         )
     }

@@ -20,7 +20,9 @@
 //! ([`super::previous_turns`]): what affinity does when clients name one session per
 //! conversation.
 
+use super::replay::{Pool, Router};
 use super::{RoutedRequest, WhatIf, WhatIfError};
+use crate::report::Spread;
 use dynamo_kv_router::protocols::{PrefillLoadHint, WorkerWithDpRank};
 use dynamo_kv_router::scheduling::{OverlapSignals, ScheduleMode};
 use dynamo_kv_router::{
@@ -29,8 +31,7 @@ use dynamo_kv_router::{
 };
 use kvscope_wire::WorkerKey;
 use serde::{Deserialize, Serialize};
-use std::cmp::Reverse;
-use std::collections::{BTreeMap, BinaryHeap, HashMap};
+use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
 /// The router's settings the model reads, as Dynamo 1.6.1's frontend takes them.
@@ -181,25 +182,6 @@ impl WorkerConfigLike for ModelWorker {
     }
 }
 
-/// How long each part of a request took, as its request-trace record says.
-#[derive(Debug, Clone, Copy)]
-struct Lifetime {
-    ttft_ns: u64,
-    total_ns: u64,
-    output_tokens: u64,
-}
-
-/// Something that happens to a routed request after its decision.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-enum Step {
-    /// Its first token: its prefill tokens leave the worker's load.
-    FirstToken,
-    /// Its output grew by a block (with output-block tracking).
-    OutputBlock,
-    /// It ended: its blocks leave the worker's load, its session's idle time starts.
-    End,
-}
-
 /// A session's binding to a worker (hard affinity, as Dynamo's `SessionAffinity`).
 #[derive(Debug, Clone, Copy)]
 struct Binding {
@@ -208,160 +190,93 @@ struct Binding {
     idle_until_ns: u64,
 }
 
-/// One model's router: its workers, its load tracker and its selector.
-struct ModelRouter {
+/// One pool's router: its workers, its load tracker.
+struct PoolRouter {
     workers: HashMap<u64, ModelWorker>,
     keys: Vec<WorkerKey>,
     tracker: ActiveSequencesMultiWorker<NoopSequencePublisher>,
+    prefill: bool,
 }
 
-/// One run of the model over the recorded requests.
+/// One run of the model over the recorded requests: Dynamo's selector and load tracker
+/// deciding each request as the replay brings it.
 struct Run<'a> {
     w: &'a WhatIf,
     settings: RouterSettings,
-    selector: DefaultWorkerSelector,
-    routers: BTreeMap<Option<&'a str>, ModelRouter>,
-    lifetimes: &'a [Lifetime],
+    /// `None`: every request goes where it went (the load-view check).
+    selector: Option<DefaultWorkerSelector>,
+    routers: BTreeMap<Pool<'a>, PoolRouter>,
     /// Each request's session: the first turn of its conversation.
     session_of: &'a [usize],
     sessions: HashMap<usize, Binding>,
-    steps: BinaryHeap<Reverse<(u64, u64, Step, usize)>>,
-    step_seq: u64,
+    /// Requests the tracker holds now.
+    booked: Vec<bool>,
     base: tokio::time::Instant,
     t0_ns: u64,
-    /// Where each request went, and whether by its session's binding.
     went: Vec<WorkerKey>,
     pinned: u64,
+    selector_errors: u64,
+    tracker_errors: u64,
+    /// With the recorded decisions: each decision's cost by the tracker's load against
+    /// the cost the router logged, in blocks.
+    cost_errors: Vec<f64>,
 }
 
-impl Run<'_> {
+impl<'a> Run<'a> {
+    fn new(
+        w: &'a WhatIf,
+        settings: RouterSettings,
+        seed: Option<u64>,
+        session_of: &'a [usize],
+    ) -> Self {
+        Run {
+            w,
+            settings,
+            selector: seed.map(|seed| {
+                DefaultWorkerSelector::new_seeded(Some(settings.kv_router_config()), "decode", seed)
+            }),
+            routers: w.pool_routers(),
+            session_of,
+            sessions: HashMap::new(),
+            booked: vec![false; w.requests.len()],
+            base: tokio::time::Instant::now(),
+            t0_ns: w.requests.first().map_or(0, |r| r.decided_ns),
+            went: Vec::with_capacity(w.requests.len()),
+            pinned: 0,
+            selector_errors: 0,
+            tracker_errors: 0,
+            cost_errors: Vec::new(),
+        }
+    }
+
     fn instant(&self, t_ns: u64) -> tokio::time::Instant {
         self.base + Duration::from_nanos(t_ns.saturating_sub(self.t0_ns))
     }
 
-    fn schedule(&mut self, at_ns: u64, step: Step, i: usize) {
-        self.step_seq += 1;
-        self.steps.push(Reverse((at_ns, self.step_seq, step, i)));
+    fn router_of(&self, i: usize) -> Option<&PoolRouter> {
+        self.routers.get(&self.w.pool_of(&self.w.requests[i]))
     }
 
-    /// Every step due by `now_ns`, in time order.
-    fn advance(&mut self, now_ns: u64) {
-        while let Some(&Reverse((at, _, step, i))) = self.steps.peek() {
-            if at > now_ns {
-                break;
-            }
-            self.steps.pop();
-            let w = self.w;
-            let r = &w.requests[i];
-            let when = self.instant(at);
-            let Some(router) = self.routers.get(&r.model.as_deref()) else {
-                continue;
-            };
-            // The tracker's errors are a request it no longer holds: nothing to undo.
-            match step {
-                Step::FirstToken => {
-                    let _ = router.tracker.mark_prefill_completed(&r.request_id, when);
-                }
-                Step::OutputBlock => {
-                    let _ = router.tracker.add_output_block(&r.request_id, None);
-                }
-                Step::End => {
-                    let _ = router.tracker.free(&r.request_id, when);
-                    if let (Some(ttl), Some(b)) = (
-                        self.settings.session_affinity_ttl_secs,
-                        self.sessions.get_mut(&self.session_of[i]),
-                    ) {
-                        b.in_flight = b.in_flight.saturating_sub(1);
-                        b.idle_until_ns = at.saturating_add(ttl * 1_000_000_000);
-                    }
-                }
+    /// The tracker let go of request `i` (its end, or the router's expiry).
+    fn unbook(&mut self, i: usize, at_ns: u64) {
+        if !std::mem::replace(&mut self.booked[i], false) {
+            return;
+        }
+        let when = self.instant(at_ns);
+        let id = &self.w.requests[i].request_id;
+        if let Some(router) = self.router_of(i) {
+            if router.tracker.free(id, when).is_err() {
+                self.tracker_errors += 1;
             }
         }
-    }
-
-    /// Where request `i` goes, given each candidate's cached prefix now; booked there.
-    fn route(&mut self, i: usize, r: &RoutedRequest, hits: &[(WorkerKey, usize)]) -> WorkerKey {
-        let now = r.decided_ns;
-        self.advance(now);
-        let when = self.instant(now);
-        let session = self.session_of[i];
-        let Some(router) = self.routers.get(&r.model.as_deref()) else {
-            self.went.push(r.worker);
-            return r.worker;
-        };
-        let bound = self
-            .settings
-            .session_affinity_ttl_secs
-            .and_then(|_| self.sessions.get(&session))
-            .filter(|b| b.in_flight > 0 || now < b.idle_until_ns)
-            .map(|b| b.worker)
-            .filter(|w| router.keys.contains(w));
-        let worker = match bound {
-            Some(w) => w,
-            None => self.select(router, r, hits, when).unwrap_or(r.worker),
-        };
-        let hit = hits
-            .iter()
-            .find(|(w, _)| *w == worker)
-            .map_or(0, |(_, h)| *h);
-        let cached = super::cached_tokens(r.isl_tokens, hit as u64, r.block_size);
-        // A request id the tracker holds already (a repeated id) keeps its first booking.
-        let _ = router.tracker.add_request(
-            SequenceRequest {
-                request_id: r.request_id.clone(),
-                token_sequence: Some(r.chain.clone()),
-                track_prefill_tokens: true,
-                expected_output_tokens: None,
-                prefill_load_hint: Some(PrefillLoadHint {
-                    initial_effective_prefill_tokens: (r.isl_tokens - cached) as usize,
-                    expected_prefill_duration: None,
-                }),
-                worker: WorkerWithDpRank::new(worker.worker_id, worker.dp_rank),
-                lora_name: None,
-            },
-            when,
-        );
-        if bound.is_some() {
-            self.pinned += 1;
-        }
-        let block_size = r.block_size.max(1) as u64;
-        let life = self.lifetimes[i];
-        self.schedule(now.saturating_add(life.ttft_ns), Step::FirstToken, i);
-        if self.settings.track_output_blocks && life.output_tokens > 0 {
-            // The router adds a block each time prompt + output so far spans one more.
-            let itl = (life.total_ns.saturating_sub(life.ttft_ns))
-                / life.output_tokens.saturating_sub(1).max(1);
-            let mut blocks = r.isl_tokens.div_ceil(block_size);
-            for k in 1..=life.output_tokens {
-                let total = (r.isl_tokens + k).div_ceil(block_size);
-                if total > blocks {
-                    blocks = total;
-                    let at = now
-                        .saturating_add(life.ttft_ns)
-                        .saturating_add(itl.saturating_mul(k - 1));
-                    self.schedule(at, Step::OutputBlock, i);
-                }
-            }
-        }
-        self.schedule(now.saturating_add(life.total_ns), Step::End, i);
-        if self.settings.session_affinity_ttl_secs.is_some() {
-            let b = self.sessions.entry(session).or_insert(Binding {
-                worker,
-                in_flight: 0,
-                idle_until_ns: 0,
-            });
-            b.worker = worker;
-            b.in_flight += 1;
-        }
-        self.went.push(worker);
-        worker
     }
 
     /// The worker Dynamo's selector picks for `r` with each candidate's cached prefix
-    /// and the tracker's load now.
+    /// and the tracker's load now (Dynamo's own log lines of the pick silenced: they
+    /// would read as real decisions).
     fn select(
-        &self,
-        router: &ModelRouter,
+        selector: &DefaultWorkerSelector,
+        router: &PoolRouter,
         r: &RoutedRequest,
         hits: &[(WorkerKey, usize)],
         when: tokio::time::Instant,
@@ -403,19 +318,157 @@ impl Run<'_> {
             worker_loads: router.tracker.project_worker_loads(Some(&r.chain), when),
             resp_tx: None,
         };
-        let picked = self
-            .selector
-            .select_worker(WorkerSelectionInput::configured(
+        let picked = tracing::dispatcher::with_default(&tracing::Dispatch::none(), || {
+            selector.select_worker(WorkerSelectionInput::configured(
                 &router.workers,
                 &request,
                 request.eligibility(),
                 r.block_size,
             ))
-            .ok()?;
+        })
+        .ok()?;
         Some(WorkerKey {
             worker_id: picked.worker.worker_id,
             dp_rank: picked.worker.dp_rank,
         })
+    }
+
+    /// The cost Dynamo's default scorer gives `worker` for `r` with the tracker's load
+    /// now and `overlap` cached blocks (no host or disk tier): what the router logs as
+    /// the chosen worker's `logit`.
+    fn cost(
+        &self,
+        router: &PoolRouter,
+        r: &RoutedRequest,
+        worker: WorkerKey,
+        overlap: u32,
+        when: tokio::time::Instant,
+    ) -> Option<f64> {
+        let loads = router.tracker.project_worker_loads(Some(&r.chain), when);
+        let l = loads.get(&WorkerWithDpRank::new(worker.worker_id, worker.dp_rank))?;
+        let bs = f64::from(r.block_size.max(1));
+        let prefill_blocks = (l.active_prefill_tokens as f64 + r.isl_tokens as f64) / bs;
+        let prefill =
+            (prefill_blocks - self.settings.overlap_score_credit * f64::from(overlap)).max(0.0);
+        Some(self.settings.prefill_load_scale * prefill + l.potential_decode_blocks() as f64)
+    }
+}
+
+impl Router for Run<'_> {
+    fn route(&mut self, i: usize, r: &RoutedRequest, hits: &[(WorkerKey, usize)]) -> WorkerKey {
+        let now = r.decided_ns;
+        let when = self.instant(now);
+        let session = self.session_of[i];
+        let Some(router) = self.router_of(i) else {
+            self.went.push(r.worker);
+            return r.worker;
+        };
+        // Affinity binds a conversation to its decode worker; a prefill pool's
+        // decisions are made afresh.
+        let affinity = self.settings.session_affinity_ttl_secs.is_some() && !router.prefill;
+        let bound = affinity
+            .then(|| self.sessions.get(&session))
+            .flatten()
+            .filter(|b| b.in_flight > 0 || now < b.idle_until_ns)
+            .map(|b| b.worker)
+            .filter(|w| router.keys.binary_search(w).is_ok());
+        let (worker, selector_error) = match (bound, &self.selector) {
+            (Some(w), _) => (w, false),
+            (None, Some(selector)) => match Self::select(selector, router, r, hits, when) {
+                Some(w) => (w, false),
+                None => (r.worker, true),
+            },
+            (None, None) => (r.worker, false),
+        };
+        let cost_error = match (&self.selector, r.selection.logit) {
+            (None, Some(logged)) => self
+                .cost(router, r, worker, r.recorded_overlap_blocks, when)
+                .map(|cost| cost - logged),
+            _ => None,
+        };
+        let hit = hits
+            .iter()
+            .find(|(w, _)| *w == worker)
+            .map_or(0, |(_, h)| *h);
+        let cached = super::cached_tokens(r.isl_tokens, hit as u64, r.block_size);
+        let booked = router
+            .tracker
+            .add_request(
+                SequenceRequest {
+                    request_id: r.request_id.clone(),
+                    token_sequence: Some(r.chain.clone()),
+                    track_prefill_tokens: true,
+                    expected_output_tokens: None,
+                    prefill_load_hint: Some(PrefillLoadHint {
+                        initial_effective_prefill_tokens: (r.isl_tokens - cached) as usize,
+                        expected_prefill_duration: None,
+                    }),
+                    worker: WorkerWithDpRank::new(worker.worker_id, worker.dp_rank),
+                    lora_name: None,
+                },
+                when,
+            )
+            .is_ok();
+        self.booked[i] = booked;
+        self.cost_errors.extend(cost_error);
+        self.tracker_errors += u64::from(!booked);
+        self.selector_errors += u64::from(selector_error);
+        self.pinned += u64::from(bound.is_some());
+        if affinity {
+            let b = self.sessions.entry(session).or_insert(Binding {
+                worker,
+                in_flight: 0,
+                idle_until_ns: 0,
+            });
+            b.worker = worker;
+            b.in_flight += 1;
+        }
+        self.went.push(worker);
+        worker
+    }
+
+    fn tracks_output_blocks(&self) -> bool {
+        self.settings.track_output_blocks
+    }
+
+    fn first_token(&mut self, i: usize, at_ns: u64) {
+        if !self.booked[i] {
+            return;
+        }
+        let when = self.instant(at_ns);
+        let id = &self.w.requests[i].request_id;
+        if let Some(router) = self.router_of(i) {
+            if router.tracker.mark_prefill_completed(id, when).is_err() {
+                self.tracker_errors += 1;
+            }
+        }
+    }
+
+    fn output_block(&mut self, i: usize) {
+        if !self.booked[i] {
+            return;
+        }
+        let id = &self.w.requests[i].request_id;
+        if let Some(router) = self.router_of(i) {
+            if router.tracker.add_output_block(id, None).is_err() {
+                self.tracker_errors += 1;
+            }
+        }
+    }
+
+    fn expired(&mut self, i: usize, at_ns: u64) {
+        self.unbook(i, at_ns);
+    }
+
+    fn ended(&mut self, i: usize, at_ns: u64) {
+        self.unbook(i, at_ns);
+        if let (Some(ttl), Some(b)) = (
+            self.settings.session_affinity_ttl_secs,
+            self.sessions.get_mut(&self.session_of[i]),
+        ) {
+            b.in_flight = b.in_flight.saturating_sub(1);
+            b.idle_until_ns = at_ns.saturating_add(ttl.saturating_mul(1_000_000_000));
+        }
     }
 }
 
@@ -423,39 +476,18 @@ impl Run<'_> {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct RoutedFigures {
     pub requests: u64,
-    /// Of the requests that follow a previous turn, the share sent to its worker.
-    pub stay_share: f64,
     pub spills: u64,
     pub spill_rate: f64,
     /// Σ (best − chosen overlap) × block size over the spills.
     pub true_delta_tokens: u64,
     pub hit_rate: f64,
     pub uncached_prefill_tokens: u64,
+    /// Of the requests that follow a previous turn, the share sent to its worker.
+    pub stay_share: f64,
 }
 
-/// The spread of a figure over the model's runs (seeds).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
-pub struct Spread {
-    pub mean: f64,
-    pub min: f64,
-    pub max: f64,
-}
-
-impl Spread {
-    fn of(values: impl IntoIterator<Item = f64>) -> Self {
-        let v: Vec<f64> = values.into_iter().collect();
-        if v.is_empty() {
-            return Self::default();
-        }
-        Self {
-            mean: v.iter().sum::<f64>() / v.len() as f64,
-            min: v.iter().copied().fold(f64::INFINITY, f64::min),
-            max: v.iter().copied().fold(f64::NEG_INFINITY, f64::max),
-        }
-    }
-}
-
-/// What the model predicts for one setting of the router, over its runs.
+/// What the model predicts for one setting of the router, over its runs (each figure's
+/// mean and spread over the runs).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct KnobRow {
     /// The change asked for, as given (empty: the recorded settings).
@@ -465,12 +497,30 @@ pub struct KnobRow {
     pub true_delta_tokens: Spread,
     pub hit_rate: Spread,
     pub uncached_prefill_tokens: Spread,
+    /// Of the requests that follow a previous turn, the share sent to that turn's
+    /// worker: how much the router keeps conversations in place, whatever worker each
+    /// one started on.
+    pub stay_share: Spread,
     /// Requests sent by their session's binding (affinity), mean share.
     pub pinned_share: f64,
-    /// Of the requests that follow a previous turn, the share sent to that turn's
-    /// worker (mean): how much the router keeps conversations in place, whatever
-    /// worker each one started on.
-    pub stay_share: f64,
+    /// Decisions the selector could not make (the recorded worker kept), and load the
+    /// tracker refused, summed over the runs.
+    pub selector_errors: u64,
+    pub tracker_errors: u64,
+}
+
+/// How far the model's load view is the router's own: each recorded decision's cost,
+/// from the tracker's load with every request where it went, against the `logit` the
+/// router logged for it.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct LoadViewCheck {
+    /// Decisions whose line carried a cost.
+    pub decisions: u64,
+    /// |model − logged|, blocks.
+    pub median_abs_error_blocks: f64,
+    pub p90_abs_error_blocks: f64,
+    /// Share within one block.
+    pub within_one_block: f64,
 }
 
 /// The router-knob question's answer.
@@ -480,6 +530,13 @@ pub struct RouterWhatIf {
     pub recorded_settings: RouterSettings,
     /// The recorded run's own figures, as the collector judged them.
     pub recorded: RoutedFigures,
+    /// Recorded decisions the router logged as pinned (session affinity, or a worker
+    /// the request named).
+    pub recorded_pinned_share: f64,
+    /// The model's load view against the router's logged costs, where the log gave
+    /// them (`Selected worker … logit=`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub load_view: Option<LoadViewCheck>,
     /// The model at the recorded settings: how far it reproduces the recorded run.
     pub model_at_recorded: KnobRow,
     pub rows: Vec<KnobRow>,
@@ -498,36 +555,9 @@ pub struct RouterWhatIf {
 /// At most this many router settings in one what-if.
 pub const MAX_ROUTER_CHANGES: usize = 16;
 /// At most this many runs (seeds) per setting.
-pub const MAX_ROUTER_RUNS: u32 = 32;
+pub const MAX_ROUTER_RUNS: u32 = 16;
 
 impl WhatIf {
-    /// Each request's life from its request-trace record (the median for one without),
-    /// and how many had one; `None` when none had.
-    fn lifetimes(&self) -> Option<(Vec<Lifetime>, u64)> {
-        let known: Vec<Option<Lifetime>> = self
-            .requests
-            .iter()
-            .map(|r| {
-                let e = self.ends.get(&r.request_id)?;
-                let ns = |ms: f64| (ms * 1e6).round().clamp(0.0, 1e15) as u64;
-                let total_ns = ns(e.total_ms);
-                Some(Lifetime {
-                    ttft_ns: e.ttft_ms.map_or(total_ns, ns).min(total_ns),
-                    total_ns,
-                    output_tokens: e.output_tokens,
-                })
-            })
-            .collect();
-        let mut timed: Vec<Lifetime> = known.iter().flatten().copied().collect();
-        if timed.is_empty() {
-            return None;
-        }
-        let n = timed.len() as u64;
-        timed.sort_by_key(|l| l.total_ns);
-        let median = timed[timed.len() / 2];
-        Some((known.into_iter().map(|l| l.unwrap_or(median)).collect(), n))
-    }
-
     /// Each request's session: the first turn of its conversation.
     fn sessions(&self) -> Vec<usize> {
         let mut of = Vec::with_capacity(self.requests.len());
@@ -541,11 +571,11 @@ impl WhatIf {
         of
     }
 
-    /// The model's routers, one per model, over the workers its requests went to.
-    fn model_routers(&self) -> BTreeMap<Option<&str>, ModelRouter> {
-        self.workers_by_model()
+    /// The model's routers, one per pool, over its candidate workers.
+    fn pool_routers(&self) -> BTreeMap<Pool<'_>, PoolRouter> {
+        self.workers_by_pool()
             .into_iter()
-            .map(|(model, keys)| {
+            .map(|(pool, keys)| {
                 let mut ranks: HashMap<u64, (u32, u32)> = HashMap::new();
                 for k in &keys {
                     let e = ranks.entry(k.worker_id).or_insert((k.dp_rank, k.dp_rank));
@@ -559,9 +589,9 @@ impl WhatIf {
                 let block_size = self
                     .requests
                     .iter()
-                    .find(|r| r.model.as_deref() == model)
-                    .map_or(16, |r| r.block_size);
-                let router = ModelRouter {
+                    .find(|r| self.pool_of(r) == pool)
+                    .map_or(16, |r| r.block_size.max(1));
+                let router = PoolRouter {
                     workers: dp_range
                         .iter()
                         .map(|(w, (start, size))| {
@@ -576,15 +606,16 @@ impl WhatIf {
                         .collect(),
                     tracker: ActiveSequencesMultiWorker::new_without_expiry(
                         NoopSequencePublisher,
-                        block_size.max(1) as usize,
+                        block_size as usize,
                         dp_range,
                         false,
                         0,
-                        "decode",
+                        if pool.1 { "prefill" } else { "decode" },
                     ),
                     keys,
+                    prefill: pool.1,
                 };
-                (model, router)
+                (pool, router)
             })
             .collect()
     }
@@ -627,43 +658,22 @@ impl WhatIf {
         f
     }
 
-    /// One run of the model at `settings` with `seed`, over caches of `sizes` blocks.
-    fn route_once(
-        &self,
+    /// One run of the model: with a seed, Dynamo's selector decides; without, every
+    /// request goes where it went. Over caches of `sizes` blocks.
+    fn route_once<'a>(
+        &'a self,
         settings: RouterSettings,
-        seed: u64,
+        seed: Option<u64>,
         sizes: &HashMap<WorkerKey, u64>,
-        lifetimes: &[Lifetime],
-        session_of: &[usize],
-    ) -> (RoutedFigures, u64, Vec<WorkerKey>) {
-        let t0_ns = self.requests.first().map_or(0, |r| r.decided_ns);
-        let mut run = Run {
-            w: self,
-            settings,
-            selector: DefaultWorkerSelector::new_seeded(
-                Some(settings.kv_router_config()),
-                "decode",
-                seed,
-            ),
-            routers: self.model_routers(),
-            lifetimes,
-            session_of,
-            sessions: HashMap::new(),
-            steps: BinaryHeap::new(),
-            step_seq: 0,
-            base: tokio::time::Instant::now(),
-            t0_ns,
-            went: Vec::with_capacity(self.requests.len()),
-            pinned: 0,
-        };
+        session_of: &'a [usize],
+    ) -> (RoutedFigures, Run<'a>) {
+        let mut run = Run::new(self, settings, seed, session_of);
         let min = self.min_spill_blocks.max(1) as usize;
         let mut f = RoutedFigures::default();
-        let mut route =
-            |i: usize, r: &RoutedRequest, hits: &[(WorkerKey, usize)]| run.route(i, r, hits);
         let totals = self.replay_routed(
             |w| sizes.get(w).copied().unwrap_or(0),
             true,
-            Some(&mut route),
+            Some(&mut run),
             |r, _, hit, best| {
                 if let Some((_, b)) = best.filter(|(_, b)| b - hit >= min) {
                     f.spills += 1;
@@ -675,7 +685,8 @@ impl WhatIf {
         f.spill_rate = f.spills as f64 / f.requests.max(1) as f64;
         f.hit_rate = totals.hit_rate();
         f.uncached_prefill_tokens = totals.uncached_prefill_tokens;
-        (f, run.pinned, run.went)
+        f.stay_share = self.stay_share(&run.went);
+        (f, run)
     }
 
     /// The model's prediction for each change of the recorded router settings, over
@@ -698,7 +709,11 @@ impl WhatIf {
             .map(|c| recorded_settings.changed(c))
             .collect::<Result<_, _>>()?;
         self.check(&[])?;
-        let (lifetimes, timed) = self.lifetimes().ok_or(RouterWhatIfError::NoTiming)?;
+        let timed = self
+            .lifetimes
+            .as_ref()
+            .ok_or(RouterWhatIfError::NoTiming)?
+            .timed;
         let sizes = self.sizes(given)?;
         let (permille, _) = self.calibrated_permille(&sizes);
         let simulated: HashMap<WorkerKey, u64> = sizes
@@ -708,12 +723,10 @@ impl WhatIf {
         let session_of = self.sessions();
         let n = self.requests.len() as f64;
         let row = |change: &str, s: RouterSettings| {
-            let outs: Vec<(RoutedFigures, u64, f64)> = (0..runs as u64)
+            let outs: Vec<(RoutedFigures, u64, u64, u64)> = (0..u64::from(runs))
                 .map(|seed| {
-                    let (f, pinned, went) =
-                        self.route_once(s, seed, &simulated, &lifetimes, &session_of);
-                    let stay = self.stay_share(&went);
-                    (f, pinned, stay)
+                    let (f, run) = self.route_once(s, Some(seed), &simulated, &session_of);
+                    (f, run.pinned, run.selector_errors, run.tracker_errors)
                 })
                 .collect();
             let spread =
@@ -725,16 +738,32 @@ impl WhatIf {
                 true_delta_tokens: spread(&|f| f.true_delta_tokens as f64),
                 hit_rate: spread(&|f| f.hit_rate),
                 uncached_prefill_tokens: spread(&|f| f.uncached_prefill_tokens as f64),
-                pinned_share: outs.iter().map(|o| o.1 as f64).sum::<f64>() / (n * runs as f64),
-                stay_share: outs.iter().map(|o| o.2).sum::<f64>() / runs as f64,
+                stay_share: spread(&|f| f.stay_share),
+                pinned_share: outs.iter().map(|o| o.1 as f64).sum::<f64>() / (n * f64::from(runs)),
+                selector_errors: outs.iter().map(|o| o.2).sum(),
+                tracker_errors: outs.iter().map(|o| o.3).sum(),
             }
         };
-        let mut session_roots = session_of.clone();
-        session_roots.sort_unstable();
-        session_roots.dedup();
+        let (_, held) = self.route_once(recorded_settings, None, &simulated, &session_of);
+        let mut errors: Vec<f64> = held.cost_errors.iter().map(|e| e.abs()).collect();
+        errors.sort_by(f64::total_cmp);
+        // Nearest rank.
+        let at =
+            |q: f64| errors[((q * errors.len() as f64).ceil() as usize).clamp(1, errors.len()) - 1];
+        let load_view = (!errors.is_empty()).then(|| LoadViewCheck {
+            decisions: errors.len() as u64,
+            median_abs_error_blocks: at(0.5),
+            p90_abs_error_blocks: at(0.9),
+            within_one_block: errors.iter().filter(|e| **e <= 1.0).count() as f64
+                / errors.len() as f64,
+        });
         Ok(RouterWhatIf {
             recorded_settings,
             recorded: self.recorded_figures(),
+            recorded_pinned_share: self.requests.iter().filter(|r| r.selection.pinned).count()
+                as f64
+                / n,
+            load_view,
             model_at_recorded: row("", recorded_settings),
             rows: changes
                 .iter()
@@ -744,7 +773,7 @@ impl WhatIf {
             runs,
             requests_timed: timed,
             requests_untimed: self.requests.len() as u64 - timed,
-            sessions: session_roots.len() as u64,
+            sessions: self.previous.iter().filter(|p| p.is_none()).count() as u64,
             calibration: super::calibration(&sizes, permille),
         })
     }
@@ -768,45 +797,74 @@ pub enum RouterWhatIfError {
     Runs(u32),
 }
 
+/// A share as a percentage.
+fn pct(v: f64) -> String {
+    format!("{:.1}%", 100.0 * v)
+}
+
+/// A figure's mean over the runs, and their range where they differ.
+fn over_runs(s: &Spread, show: impl Fn(f64) -> String) -> String {
+    if show(s.min) == show(s.max) {
+        show(s.mean)
+    } else {
+        format!("{} ({}–{})", show(s.mean), show(s.min), show(s.max))
+    }
+}
+
 impl RouterWhatIf {
     pub fn to_markdown(&self) -> String {
-        let pct = |v: f64| format!("{:.1}%", 100.0 * v);
-        let spread_pct = |s: &Spread| {
-            if s.max - s.min < 5e-4 {
-                pct(s.mean)
-            } else {
-                format!("{} ({}–{})", pct(s.mean), pct(s.min), pct(s.max))
-            }
-        };
-        let spread_n = |s: &Spread| {
-            if s.max - s.min < 0.5 {
-                format!("{:.0}", s.mean)
-            } else {
-                format!("{:.0} ({:.0}–{:.0})", s.mean, s.min, s.max)
-            }
-        };
+        let tokens = |v: f64| format!("{v:.0}");
         let mut s = format!(
             "# What if the router were set otherwise\n\n\
              The recorded requests routed again by Dynamo 1.6.1's own load tracker and worker \
              selector over the simulated caches ({:.2} simulated blocks per block), {} runs per \
-             setting; each request's arrival and durations held as recorded \
-             ({} requests timed by Dynamo's request trace, {} given the median life); \
-             {} conversations followed by their prompts, as the sessions of affinity.\n\n\
-             | router | spill rate | Σ true delta (tokens) | hit rate | uncached prefill tokens | \
-             turns kept on their worker | by affinity |\n\
-             |---|---:|---:|---:|---:|---:|---:|\n\
-             | recorded run (measured) | {} | {} | {} | {} | {} | |\n",
-            self.calibration,
-            self.runs,
-            self.requests_timed,
-            self.requests_untimed,
-            self.sessions,
+             setting (mean, and the runs' range); each request's arrival and durations held as \
+             recorded ({} requests timed by Dynamo's request trace, {} given the median life); \
+             {} conversations followed by their prompts, as the sessions of affinity.\n",
+            self.calibration, self.runs, self.requests_timed, self.requests_untimed, self.sessions,
+        );
+        if let Some(v) = &self.load_view {
+            s.push_str(&format!(
+                "The model's load view against the router's own: over {} recorded decisions, the \
+                 chosen worker's cost from the model's load is within {:.2} blocks of the cost \
+                 the router logged at the median and {:.2} at p90 ({} within one block).\n",
+                v.decisions,
+                v.median_abs_error_blocks,
+                v.p90_abs_error_blocks,
+                pct(v.within_one_block)
+            ));
+        }
+        if self.recorded_pinned_share > 0.0
+            && self.recorded_settings.session_affinity_ttl_secs.is_none()
+        {
+            s.push_str(&format!(
+                "**{} of the recorded decisions were pinned** (session affinity, or a worker the \
+                 request named), but the recorded settings have no affinity: give \
+                 --router-recorded session-affinity-ttl-secs=N if it was on.\n",
+                pct(self.recorded_pinned_share)
+            ));
+        }
+        if self.recorded_settings.temperature == 0.0 {
+            s.push_str(
+                "At temperature 0 a lightly loaded fleet can settle into different routings from \
+                 one run to the next (most costs tie): one recording predicts one such run; \
+                 compare several.\n",
+            );
+        }
+        s.push_str(
+            "\n| router | spill rate | Σ true delta (tokens) | hit rate | uncached prefill tokens | \
+             turns kept on their worker | by affinity |\n|---|---:|---:|---:|---:|---:|---:|\n",
+        );
+        s.push_str(&format!(
+            "| recorded run (measured) | {} | {} | {} | {} | {} | {} |\n",
             pct(self.recorded.spill_rate),
             self.recorded.true_delta_tokens,
             pct(self.recorded.hit_rate),
             self.recorded.uncached_prefill_tokens,
             pct(self.recorded.stay_share),
-        );
+            pct(self.recorded_pinned_share),
+        ));
+        let mut errors = 0;
         for r in std::iter::once(&self.model_at_recorded).chain(&self.rows) {
             let name = if r.change.is_empty() {
                 "model, as recorded".to_string()
@@ -815,12 +873,19 @@ impl RouterWhatIf {
             };
             s.push_str(&format!(
                 "| {name} | {} | {} | {} | {} | {} | {} |\n",
-                spread_pct(&r.spill_rate),
-                spread_n(&r.true_delta_tokens),
-                spread_pct(&r.hit_rate),
-                spread_n(&r.uncached_prefill_tokens),
-                pct(r.stay_share),
+                over_runs(&r.spill_rate, pct),
+                over_runs(&r.true_delta_tokens, tokens),
+                over_runs(&r.hit_rate, pct),
+                over_runs(&r.uncached_prefill_tokens, tokens),
+                over_runs(&r.stay_share, pct),
                 pct(r.pinned_share),
+            ));
+            errors += r.selector_errors + r.tracker_errors;
+        }
+        if errors > 0 {
+            s.push_str(&format!(
+                "\n**{errors} decisions or bookings the model could not make** (each kept the \
+                 recorded worker; see the JSON's selector_errors and tracker_errors).\n"
             ));
         }
         s
@@ -840,47 +905,41 @@ mod tests {
     }
 
     /// A request routed to `worker` at `at_ms`, its prompt `chain` (16-token blocks),
-    /// its first token after 0.1 ms, its end after `total_ms`.
-    fn request(id: &str, worker: u64, at_ms: f64, chain: Vec<u64>) -> RoutedRequest {
+    /// its first token 0.1 ms after, its end `total_ms` after.
+    fn request(id: &str, worker: u64, at_ms: f64, chain: Vec<u64>, total_ms: f64) -> RoutedRequest {
+        let decided_ns = (at_ms * 1e6) as u64;
         RoutedRequest {
             request_id: id.to_string(),
-            decided_ns: (at_ms * 1e6) as u64,
+            decided_ns,
             model: None,
             worker: w(worker),
             isl_tokens: chain.len() as u64 * 16,
-            chain,
             block_size: 16,
             recorded_overlap_blocks: 0,
             recorded_best: w(worker),
             recorded_best_overlap_blocks: 0,
-            decoded_runs: Vec::new(),
+            decoded_tail: None,
+            selection: Default::default(),
+            end: Some(RequestEnd {
+                request_id: id.to_string(),
+                worker: w(worker),
+                prefill_worker: None,
+                received_ns: decided_ns,
+                ttft_ms: Some(0.1),
+                total_ms: Some(total_ms),
+                input_tokens: chain.len() as u64 * 16,
+                output_tokens: 8,
+                cached_tokens: None,
+            }),
+            chain,
         }
     }
 
-    fn end(r: &RoutedRequest, total_ms: f64) -> (String, RequestEnd) {
-        (
-            r.request_id.clone(),
-            RequestEnd {
-                request_id: r.request_id.clone(),
-                worker: r.worker,
-                prefill_worker: None,
-                received_ns: r.decided_ns,
-                ttft_ms: Some(0.1),
-                total_ms,
-                input_tokens: r.isl_tokens,
-                output_tokens: 8,
-                cached_tokens: None,
-            },
-        )
-    }
-
-    fn what_if(requests: Vec<(RoutedRequest, f64)>) -> WhatIf {
-        let ends = requests.iter().map(|(r, t)| end(r, *t)).collect();
-        let requests: Vec<RoutedRequest> = requests.into_iter().map(|(r, _)| r).collect();
+    fn what_if(requests: Vec<RoutedRequest>) -> WhatIf {
         WhatIf {
-            previous: super::super::previous_turns(&requests),
+            previous: crate::whatif::replay::previous_turns(&requests),
+            lifetimes: WhatIf::compute_lifetimes(&requests),
             requests,
-            ends,
             discovered_blocks: HashMap::from([(1, 1000), (2, 1000)]),
             ..WhatIf::empty()
         }
@@ -893,19 +952,19 @@ mod tests {
     fn loaded_session(second_turn_ms: f64) -> WhatIf {
         let blocks = |from: u64, n: u64| (from..from + n).collect::<Vec<_>>();
         what_if(vec![
-            (request("s-t1", 1, 0.0, blocks(1, 20)), 1.0),
-            (request("big", 2, 0.5, blocks(100, 40)), 100_000.0),
-            (request("big2", 1, 1.0, blocks(200, 48)), 100_000.0),
-            (request("s-t2", 1, second_turn_ms, blocks(1, 22)), 1.0),
+            request("s-t1", 1, 0.0, blocks(1, 20), 1.0),
+            request("big", 2, 0.5, blocks(100, 40), 100_000.0),
+            request("big2", 1, 1.0, blocks(200, 48), 100_000.0),
+            request("s-t2", 1, second_turn_ms, blocks(1, 22), 1.0),
         ])
     }
 
     fn went(w: &WhatIf, change: &str) -> (Vec<WorkerKey>, u64) {
         let s = RouterSettings::default().changed(change).unwrap();
         let sizes = HashMap::from([(self::w(1), 1000), (self::w(2), 1000)]);
-        let (lifetimes, _) = w.lifetimes().unwrap();
-        let (_, pinned, went) = w.route_once(s, 7, &sizes, &lifetimes, &w.sessions());
-        (went, pinned)
+        let sessions = w.sessions();
+        let (_, run) = w.route_once(s, Some(7), &sizes, &sessions);
+        (run.went, run.pinned)
     }
 
     #[test]
@@ -963,19 +1022,52 @@ mod tests {
     }
 
     #[test]
+    fn the_load_view_is_checked_against_the_router_s_logged_costs() {
+        let mut w = loaded_session(2.0);
+        // As recorded: big2 on an idle worker 1 (s-t1 ended at 1 ms): 768/16 + 48 = 96,
+        // logged 99; s-t2 on worker 1 beside big2, 20 blocks cached:
+        // max(0, 352/16 − 20) + 48 + 22 = 72, logged 72.
+        w.requests[2].selection.logit = Some(99.0);
+        w.requests[3].selection.logit = Some(72.0);
+        w.requests[3].recorded_overlap_blocks = 20;
+        w.requests[3].selection.pinned = true;
+        let a = w
+            .router_knobs(RouterSettings::default(), &[], 1, None)
+            .unwrap();
+        let v = a.load_view.unwrap();
+        assert_eq!(v.decisions, 2);
+        assert_eq!(v.median_abs_error_blocks, 0.0);
+        assert_eq!(v.p90_abs_error_blocks, 3.0);
+        assert_eq!(v.within_one_block, 0.5);
+        assert_eq!(a.recorded_pinned_share, 0.25);
+        assert!(
+            a.to_markdown().contains("were pinned"),
+            "{}",
+            a.to_markdown()
+        );
+    }
+
+    #[test]
     fn without_request_timing_the_router_is_not_modelled() {
         let mut w = loaded_session(2.0);
-        w.ends.clear();
+        w.lifetimes = None;
         assert!(matches!(
             w.router_knobs(RouterSettings::default(), &[], 1, None),
             Err(RouterWhatIfError::NoTiming)
         ));
         let mut one = loaded_session(2.0);
-        one.ends.retain(|id, _| id == "big");
-        let (l, timed) = one.lifetimes().unwrap();
-        assert_eq!(timed, 1);
+        for r in &mut one.requests {
+            if r.request_id != "big" {
+                r.end = None;
+            }
+        }
+        let l = WhatIf::compute_lifetimes(&one.requests).unwrap();
+        assert_eq!(l.timed, 1);
         assert!(
-            l.iter().all(|l| l.total_ns == 100_000_000_000),
+            one.requests
+                .iter()
+                .zip(&l.of)
+                .all(|(r, l)| l.end_ns - r.decided_ns == 100_000_000_000),
             "the median life"
         );
         assert!(matches!(

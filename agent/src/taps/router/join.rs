@@ -32,7 +32,7 @@ impl Half {
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum JoinOutput {
-    Joined(RoutingDecision),
+    Joined(Box<RoutingDecision>),
     Unjoined { request_id: String, half: Half },
 }
 
@@ -77,7 +77,7 @@ impl DecisionJoiner {
     pub fn input(&mut self, ts_ns: u64, input: RoutingInput) -> Vec<JoinOutput> {
         let mut out = self.advance(ts_ns);
         if let Some(sel) = self.selections.remove(&input.request_id) {
-            out.push(JoinOutput::Joined(join(input, sel.value)));
+            out.push(JoinOutput::Joined(Box::new(join(input, sel.value))));
             return out;
         }
         let id = input.request_id.clone();
@@ -111,7 +111,7 @@ impl DecisionJoiner {
     pub fn selected(&mut self, ts_ns: u64, sel: SelectedWorker) -> Vec<JoinOutput> {
         let mut out = self.advance(ts_ns);
         if let Some(input) = self.inputs.remove(&sel.request_id) {
-            out.push(JoinOutput::Joined(join(input.value, sel)));
+            out.push(JoinOutput::Joined(Box::new(join(input.value, sel))));
             return out;
         }
         let id = sel.request_id.clone();
@@ -216,6 +216,7 @@ fn join(input: RoutingInput, sel: SelectedWorker) -> RoutingDecision {
         worker_type: sel.worker_type,
         router_mode: sel.router_mode,
         clock_behind_ms: None,
+        selection: sel.selection,
         trace: input.trace,
     }
 }
@@ -443,6 +444,7 @@ impl RouterLogProcessor {
                             worker_type: None,
                             router_mode: None,
                             clock_behind_ms: None,
+                            selection: Default::default(),
                         },
                     },
                 });
@@ -502,7 +504,7 @@ impl RouterLogProcessor {
 
 fn from_join(j: JoinOutput) -> LogOutput {
     match j {
-        JoinOutput::Joined(d) => LogOutput::Decision(d),
+        JoinOutput::Joined(d) => LogOutput::Decision(*d),
         JoinOutput::Unjoined { request_id, half } => LogOutput::Unjoined { request_id, half },
     }
 }
@@ -567,6 +569,10 @@ mod tests {
             worker_type: Some("decode".into()),
             router_mode: Some("kv".into()),
             clock_behind_ms: None,
+            selection: kvscope_wire::Selection {
+                logit: Some(1.5),
+                pinned: false,
+            },
             trace: None,
         })
     }

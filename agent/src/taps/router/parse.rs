@@ -40,13 +40,14 @@ pub struct RoutingInput {
 }
 
 /// `Selected worker`: the router's pick.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct SelectedWorker {
     pub request_id: String,
     pub worker_id: u64,
     pub dp_rank: u32,
     pub worker_type: Option<String>,
     pub router_mode: Option<String>,
+    pub selection: kvscope_wire::Selection,
 }
 
 /// A record of Dynamo's request trace (`DYN_REQUEST_TRACE=1`): one per request, written
@@ -169,7 +170,7 @@ pub fn parse_line(raw: &str) -> Result<ParsedLine, MalformedLine> {
         });
     };
     let fields = match rest {
-        Some(rest) => Fields::read(rest),
+        Some(rest) => Fields::read_message(kind, rest),
         None => Err("unknown KVMIGRATE message".into()),
     };
     content(kind, fields)
@@ -243,7 +244,7 @@ pub fn parse_json_line(line: &str) -> Option<Result<ParsedLine, MalformedLine>> 
         .collect();
     // Fields a message writes into its own text (a pinned worker's) come after the
     // event's, which win.
-    if let Some(Ok(f)) = in_message.map(Fields::read) {
+    if let Some(Ok(f)) = in_message.map(|m| Fields::read_message(kind, m)) {
         pairs.extend(f.pairs);
     }
     Some(
@@ -332,7 +333,7 @@ fn request_trace(t: &serde_json::Value) -> Result<ParsedLine, MalformedLine> {
         prefill_worker,
         received_ns,
         ttft_ms: ms_at("/ttft_ms"),
-        total_ms: ms_at("/total_time_ms").ok_or_else(|| malformed("no total_time_ms"))?,
+        total_ms: ms_at("/total_time_ms"),
         input_tokens: u64_at("/input_tokens").unwrap_or(isl_tokens),
         output_tokens: u64_at("/output_tokens").unwrap_or(0),
         cached_tokens: u64_at("/cached_tokens"),
@@ -357,6 +358,7 @@ fn request_trace(t: &serde_json::Value) -> Result<ParsedLine, MalformedLine> {
 enum Marker {
     RoutingInput,
     SelectedWorker,
+    SelectedPinnedWorker,
     Migration(Option<MigrationLogKind>),
 }
 
@@ -364,7 +366,7 @@ impl Marker {
     fn line_kind(self) -> LineKind {
         match self {
             Marker::RoutingInput => LineKind::RoutingInput,
-            Marker::SelectedWorker => LineKind::SelectedWorker,
+            Marker::SelectedWorker | Marker::SelectedPinnedWorker => LineKind::SelectedWorker,
             Marker::Migration(_) => LineKind::Migration,
         }
     }
@@ -378,7 +380,7 @@ fn marker(text: &str) -> Option<(Marker, Option<&str>)> {
         ))
     } else if let Some(pos) = text.find(SELECTED_PINNED_WORKER) {
         Some((
-            Marker::SelectedWorker,
+            Marker::SelectedPinnedWorker,
             Some(&text[pos + SELECTED_PINNED_WORKER.len()..]),
         ))
     } else if let Some(pos) = text.find(SELECTED_WORKER) {
@@ -405,7 +407,10 @@ fn content(kind: Marker, fields: Result<Fields, String>) -> Result<LineContent, 
     let fields = fields?;
     Ok(match kind {
         Marker::RoutingInput => LineContent::RoutingInput(routing_input(&fields)?),
-        Marker::SelectedWorker => LineContent::SelectedWorker(selected_worker(&fields)?),
+        Marker::SelectedWorker => LineContent::SelectedWorker(selected_worker(&fields, false)?),
+        Marker::SelectedPinnedWorker => {
+            LineContent::SelectedWorker(selected_worker(&fields, true)?)
+        }
         Marker::Migration(Some(k)) => LineContent::Migration(migration(k, fields)?),
         Marker::Migration(None) => return Err("unknown KVMIGRATE message".into()),
     })
@@ -434,22 +439,24 @@ fn routing_input(f: &Fields) -> Result<RoutingInput, String> {
     Ok(input)
 }
 
-fn selected_worker(f: &Fields) -> Result<SelectedWorker, String> {
-    // A pinned worker's message separates its fields with commas.
-    let get = |k: &str| f.get(k).map(|v| v.trim_end_matches(','));
-    fn number<T: std::str::FromStr>(k: &str, v: Option<&str>) -> Result<T, String> {
-        let v = v.ok_or_else(|| format!("no {k}"))?;
-        v.parse().map_err(|_| format!("{k}={v:?}"))
-    }
+fn selected_worker(f: &Fields, pinned: bool) -> Result<SelectedWorker, String> {
     Ok(SelectedWorker {
         request_id: f.require("request_id")?.to_string(),
-        worker_id: number("worker_id", get("worker_id"))?,
-        dp_rank: match get("dp_rank") {
+        worker_id: f.parse("worker_id")?,
+        dp_rank: match f.get("dp_rank") {
             None => 0,
-            v => number("dp_rank", v)?,
+            Some(_) => f.parse("dp_rank")?,
         },
-        worker_type: get("worker_type").map(str::to_string),
-        router_mode: get("router_mode").map(str::to_string),
+        worker_type: f.get("worker_type").map(str::to_string),
+        router_mode: f.get("router_mode").map(str::to_string),
+        selection: kvscope_wire::Selection {
+            // A cost that is no finite number is no cost (the line is still a decision).
+            logit: f
+                .get("logit")
+                .and_then(|v| v.parse::<f64>().ok())
+                .filter(|l| l.is_finite()),
+            pinned,
+        },
     })
 }
 
@@ -499,6 +506,18 @@ impl Fields {
     /// The W3C trace context the line was written in, when it carries a valid one.
     fn trace(&self) -> Option<TraceContext> {
         TraceContext::parse(self.get("trace_id")?, self.get("span_id")?)
+    }
+
+    /// [`Self::read`] for a message's fields. A pinned worker's message writes its own
+    /// (`worker_type=decode, worker_id=… dp_rank=0, logit: 59.3, …`): commas part them,
+    /// and its cost is `logit: N`.
+    fn read_message(kind: Marker, s: &str) -> Result<Self, String> {
+        match kind {
+            Marker::SelectedPinnedWorker => {
+                Self::read(&s.replace(',', " ").replace("logit: ", "logit="))
+            }
+            _ => Self::read(s),
+        }
     }
 
     /// Read every `key=value` pair in `s`; words without `=` (the message) are skipped.
@@ -795,6 +814,10 @@ mod tests {
             dp_rank: 0,
             worker_type: Some("decode".into()),
             router_mode: None,
+            selection: kvscope_wire::Selection {
+                logit: Some(59.312),
+                pinned: true,
+            },
         });
         assert_eq!(parse_line(text).unwrap().content, want);
         // The same event as a JSON line: the message as written, the event's field a key.
@@ -813,6 +836,10 @@ mod tests {
                 dp_rank: 1,
                 worker_type: Some("decode".into()),
                 router_mode: Some("kv".into()),
+                selection: kvscope_wire::Selection {
+                    logit: Some(62.625),
+                    pinned: false,
+                },
             })
         );
         // Fields in another order, dp_rank missing: still parsed by name.
