@@ -121,6 +121,17 @@ async fn router_settings_are_predicted_from_a_run_with_the_defaults() {
     // The model at the recorded settings reproduces the recorded run.
     let recorded = &predicted["recorded"];
     let model = &predicted["model_at_recorded"];
+    // The model's load view is the router's own: each recorded decision's cost from the
+    // model's load against the logit the router logged.
+    let view = &predicted["load_view"];
+    eprintln!("load view: {view}");
+    assert_eq!(
+        view["decisions"].as_u64(),
+        Some(384),
+        "every decision's cost logged"
+    );
+    assert!(view["median_abs_error_blocks"].as_f64().unwrap() <= 0.5);
+    assert!(view["within_one_block"].as_f64().unwrap() >= 0.95);
     let (model_hit, recorded_hit) = (
         model["hit_rate"]["mean"].as_f64().unwrap(),
         recorded["hit_rate"].as_f64().unwrap(),
@@ -169,7 +180,8 @@ async fn router_settings_are_predicted_from_a_run_with_the_defaults() {
     for (i, (change, flags, session_ids, settings, uncached_held)) in runs.into_iter().enumerate() {
         let rec = run_lab(flags, session_ids).await;
         // What the run measured: the collector's own verdicts, as the what-if reads them.
-        let measured = whatif(&rec, settings, &["temperature=0.5"])["recorded"].clone();
+        let answer = whatif(&rec, settings, &["temperature=0.5"]);
+        let measured = answer["recorded"].clone();
         let row = &predicted["rows"][i];
         assert_eq!(row["change"].as_str(), Some(change));
         let p = |k: &str| row[k]["mean"].as_f64().unwrap();
@@ -206,6 +218,11 @@ async fn router_settings_are_predicted_from_a_run_with_the_defaults() {
                 m("stay_share"),
                 1.0,
                 "the real router kept every later turn on its session's worker"
+            );
+            assert_eq!(
+                answer["recorded_pinned_share"].as_f64(),
+                Some(336.0 / 384.0),
+                "every later turn read as pinned from its `Selected pinned worker` line"
             );
         }
     }

@@ -272,9 +272,9 @@ pub struct RoutedRequest {
     /// The worker holding the most of the chain then, and how much (the verdict's best).
     pub recorded_best: WorkerKey,
     pub recorded_best_overlap_blocks: u32,
-    /// The run of the chain (start, end positions) that ends the chosen's or the best
-    /// worker's cached prefix as decode-generated blocks: the previous turn's reply,
-    /// which its worker's decode stored before this prompt came back with it.
+    /// The run of the chain (start, end positions) that ends the best's (else the
+    /// chosen) worker's cached prefix as decode-generated blocks: the previous turn's
+    /// reply, which its worker's decode stored before this prompt came back with it.
     pub decoded_tail: Option<(u32, u32)>,
     /// What the router logged of its choice (its cost; pinned or not).
     pub selection: Selection,
@@ -935,12 +935,14 @@ impl FleetAnalyzer {
         for &b in &chain {
             prompts.insert(b, t);
         }
+        // The best worker's first: the longest cached prefix ends where the previous
+        // turn's reply does (the chosen worker may hold an older turn's).
         let decoded_tail = self
             .index
-            .generated_tail(&v.chosen, &chain[..v.chosen_overlap_blocks as usize])
+            .generated_tail(&v.best, &chain[..v.best_overlap_blocks as usize])
             .or_else(|| {
                 self.index
-                    .generated_tail(&v.best, &chain[..v.best_overlap_blocks as usize])
+                    .generated_tail(&v.chosen, &chain[..v.chosen_overlap_blocks as usize])
             });
         self.routed_hashes += chain.len() + ROUTED_REQUEST_WEIGHT;
         self.routed_at.insert(
@@ -1641,6 +1643,25 @@ mod tests {
         assert!(v.spill);
         assert_eq!(v.true_delta_tokens, 6);
         assert_eq!(v.generated_delta_tokens, 2);
+        // The what-if's view of it: the previous reply ends the best worker's cached
+        // prefix (the chosen worker holds none of it); its end, once told, beside it.
+        let r = a.routed_requests().next_back().unwrap();
+        assert_eq!(r.decoded_tail, Some((2, 3)));
+        assert!(r.end.is_none());
+        let end = RequestEnd {
+            request_id: "t2".into(),
+            worker: w(2),
+            prefill_worker: None,
+            received_ns: 4,
+            ttft_ms: Some(1.0),
+            total_ms: Some(2.0),
+            input_tokens: 8,
+            output_tokens: 2,
+            cached_tokens: None,
+        };
+        a.apply(&env(5, Record::RequestEnd(end.clone())));
+        assert_eq!(a.routed_requests().next_back().unwrap().end, Some(end));
+        assert_eq!(a.counters().request_ends, 1);
 
         // The cumulative figures behind /metrics: one spill in the histograms, both
         // decisions per worker.
