@@ -175,6 +175,7 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
     } else {
         None
     };
+    let lab_frontend_args = lab.frontend_args.clone();
     eprintln!(
         "kvscope demo: starting the lab ({} mocker workers) with the agent and collector …",
         args.workers
@@ -226,10 +227,17 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
         warmup_secs: args.warmup_secs,
         ..Default::default()
     };
+    // The router's own settings, as the demo started it: the model's recorded run.
+    let router_recorded =
+        kvscope_collector::whatif::router::RouterSettings::change_from_frontend_args(
+            &lab_frontend_args,
+        );
     let whatif = match kvscope_collector::whatif::WhatIf::from_recording(&recording, cfg) {
-        Ok(w) => {
-            kvscope_collector::whatif::question::WhatIfInputs::default().answer_for_report(&w)?
+        Ok(w) => kvscope_collector::whatif::question::WhatIfInputs {
+            router_recorded: Some(router_recorded),
+            ..Default::default()
         }
+        .answer_for_report(&w)?,
         Err(e) => Err(e.to_string()),
     };
     let report = report.with_whatif(whatif);

@@ -75,11 +75,13 @@ fn router(out: &mut String, r: &RouterWhatIf) {
             "<p class=\"caption\">The model's load view against the router's own: over {} \
              recorded decisions, the chosen worker's cost from the model's load is within \
              {:.2} blocks of the cost the router logged at the median, {:.2} at p90 ({} \
-             within one block).</p>",
+             within one block); {} of the decisions took the cheapest worker by those \
+             costs.</p>",
             v.decisions,
             v.median_abs_error_blocks,
             v.p90_abs_error_blocks,
-            pct(v.within_one_block)
+            pct(v.within_one_block),
+            pct(v.chose_cheapest),
         );
     }
     table_open(

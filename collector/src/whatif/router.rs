@@ -150,6 +150,39 @@ impl RouterSettings {
         Ok(self)
     }
 
+    /// The change of Dynamo's defaults that a frontend's command line makes, in the form
+    /// [`Self::changed`] reads: the flags the model knows (`--router-temperature 0.5`,
+    /// `--router-track-output-blocks`, `--router-session-affinity-ttl-secs=300`, …);
+    /// every other argument is left alone.
+    pub fn change_from_frontend_args(args: &[String]) -> String {
+        const VALUED: [&str; 5] = [
+            "kv-overlap-score-credit",
+            "prefill-load-scale",
+            "kv-overlap-score-weight",
+            "temperature",
+            "session-affinity-ttl-secs",
+        ];
+        let mut pairs = Vec::new();
+        let mut it = args.iter().peekable();
+        while let Some(arg) = it.next() {
+            let Some(flag) = arg.strip_prefix("--router-") else {
+                continue;
+            };
+            let (key, inline) = match flag.split_once('=') {
+                Some((k, v)) => (k, Some(v.to_string())),
+                None => (flag, None),
+            };
+            if key == "track-output-blocks" {
+                pairs.push(format!("{key}={}", inline.as_deref().unwrap_or("true")));
+            } else if VALUED.contains(&key) {
+                if let Some(v) = inline.or_else(|| it.next().cloned()) {
+                    pairs.push(format!("{key}={v}"));
+                }
+            }
+        }
+        pairs.join(",")
+    }
+
     fn kv_router_config(&self) -> KvRouterConfig {
         KvRouterConfig {
             overlap_score_credit: self.overlap_score_credit,
@@ -220,6 +253,9 @@ struct Run<'a> {
     /// With the recorded decisions: each decision's cost by the tracker's load against
     /// the cost the router logged, in blocks.
     cost_errors: Vec<f64>,
+    /// With the recorded decisions: those judged (a choice among several workers), and
+    /// those that took the cheapest by the model's costs.
+    cheapest: (u64, u64),
 }
 
 impl<'a> Run<'a> {
@@ -246,6 +282,7 @@ impl<'a> Run<'a> {
             selector_errors: 0,
             tracker_errors: 0,
             cost_errors: Vec::new(),
+            cheapest: (0, 0),
         }
     }
 
@@ -386,6 +423,21 @@ impl Router for Run<'_> {
                 .map(|cost| cost - logged),
             _ => None,
         };
+        // Whether the router took the cheapest worker (at temperature 0 it always does):
+        // each candidate's cost by the same load, its overlap as simulated.
+        let cheapest = (self.selector.is_none() && bound.is_none() && hits.len() > 1)
+            .then(|| {
+                let cost = |w: WorkerKey, h: usize| self.cost(router, r, w, h as u32, when);
+                let own = hits.iter().find(|(w, _)| *w == worker)?;
+                let mine = cost(worker, own.1)?;
+                Some(
+                    hits.iter()
+                        .filter(|(w, _)| *w != worker)
+                        .filter_map(|&(w, h)| cost(w, h))
+                        .all(|other| mine <= other + 1e-9),
+                )
+            })
+            .flatten();
         let hit = hits
             .iter()
             .find(|(w, _)| *w == worker)
@@ -411,6 +463,10 @@ impl Router for Run<'_> {
             .is_ok();
         self.booked[i] = booked;
         self.cost_errors.extend(cost_error);
+        if let Some(c) = cheapest {
+            self.cheapest.0 += 1;
+            self.cheapest.1 += u64::from(c);
+        }
         self.tracker_errors += u64::from(!booked);
         self.selector_errors += u64::from(selector_error);
         self.pinned += u64::from(bound.is_some());
@@ -521,6 +577,10 @@ pub struct LoadViewCheck {
     pub p90_abs_error_blocks: f64,
     /// Share within one block.
     pub within_one_block: f64,
+    /// Of the recorded decisions among several workers, the share that took the
+    /// cheapest by the model's costs (each worker's overlap as simulated): all at
+    /// temperature 0, fewer where the router samples.
+    pub chose_cheapest: f64,
 }
 
 /// The router-knob question's answer.
@@ -756,6 +816,7 @@ impl WhatIf {
             p90_abs_error_blocks: at(0.9),
             within_one_block: errors.iter().filter(|e| **e <= 1.0).count() as f64
                 / errors.len() as f64,
+            chose_cheapest: held.cheapest.1 as f64 / held.cheapest.0.max(1) as f64,
         });
         Ok(RouterWhatIf {
             recorded_settings,
@@ -827,12 +888,28 @@ impl RouterWhatIf {
             s.push_str(&format!(
                 "The model's load view against the router's own: over {} recorded decisions, the \
                  chosen worker's cost from the model's load is within {:.2} blocks of the cost \
-                 the router logged at the median and {:.2} at p90 ({} within one block).\n",
+                 the router logged at the median and {:.2} at p90 ({} within one block); {} \
+                 of the decisions took the cheapest worker by those costs.\n",
                 v.decisions,
                 v.median_abs_error_blocks,
                 v.p90_abs_error_blocks,
-                pct(v.within_one_block)
+                pct(v.within_one_block),
+                pct(v.chose_cheapest),
             ));
+            if v.median_abs_error_blocks > 1.0 {
+                s.push_str(
+                    "**The router's logged costs are not the model's**: the recorded settings \
+                     given (overlap credit, prefill load scale) are likely not the router's; \
+                     give --router-recorded as its frontend was started.\n",
+                );
+            }
+            if self.recorded_settings.temperature == 0.0 && v.chose_cheapest < 0.9 {
+                s.push_str(
+                    "**The router sampled**: at temperature 0 it takes the cheapest worker \
+                     every time; give --router-recorded temperature=… as its frontend was \
+                     started.\n",
+                );
+            }
         }
         if self.recorded_pinned_share > 0.0
             && self.recorded_settings.session_affinity_ttl_secs.is_none()
@@ -1039,6 +1116,10 @@ mod tests {
         assert_eq!(v.median_abs_error_blocks, 0.0);
         assert_eq!(v.p90_abs_error_blocks, 3.0);
         assert_eq!(v.within_one_block, 0.5);
+        assert_eq!(
+            v.chose_cheapest, 1.0,
+            "each recorded decision took the cheapest"
+        );
         assert_eq!(a.recorded_pinned_share, 0.25);
         assert!(
             a.to_markdown().contains("were pinned"),
@@ -1103,6 +1184,28 @@ mod tests {
         let w2 = d.changed("kv-overlap-score-weight=2").unwrap();
         assert_eq!((w2.prefill_load_scale, w2.overlap_score_credit), (2.0, 1.0));
         assert_eq!(d.changed("").unwrap(), d);
+        let args: Vec<String> = [
+            "--router-temperature",
+            "0.2",
+            "--http-host",
+            "127.0.0.1",
+            "--router-track-output-blocks",
+            "--router-session-affinity-ttl-secs=300",
+            "--router-mode",
+            "kv",
+        ]
+        .iter()
+        .map(|a| a.to_string())
+        .collect();
+        let change = RouterSettings::change_from_frontend_args(&args);
+        assert_eq!(
+            change,
+            "temperature=0.2,track-output-blocks=true,session-affinity-ttl-secs=300"
+        );
+        assert_eq!(
+            d.changed(&change).unwrap().session_affinity_ttl_secs,
+            Some(300)
+        );
         assert!(matches!(
             d.changed("overlap=1"),
             Err(SettingError::Unknown(_))
