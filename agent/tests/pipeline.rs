@@ -493,7 +493,10 @@ async fn records_from_zmq_and_the_router_log_arrive_on_jetstream() {
             worker_type: Some("decode".into()),
             router_mode: Some("kv".into()),
             clock_behind_ms: None,
-            selection: Default::default(),
+            selection: kvscope_wire::Selection {
+                logit: Some(62.625),
+                pinned: false,
+            },
             trace: None,
         }]
     );
