@@ -10,12 +10,14 @@
 //! - output-block tracking (`--router-track-output-blocks`).
 //!
 //! Each prediction's hit rate must lie within 10% of the run's and its spill rate within
-//! 10 points; for affinity and load alone, the uncached prefill tokens within 10% too.
-//! The two move the hit rate from ~74% to ~92% and ~69%, so a model that did not route
-//! would miss by more. Output-block tracking changes only the router's load accounting
-//! and moves nothing beyond the lab's run-to-run spread, which at temperature 0.5 is
-//! itself up to ±8% in uncached prefill between two runs of one setting (63,600 and
-//! 69,760 tokens): its uncached tokens are printed, and BENCHMARKS.md tabulates them.
+//! 10 points; the uncached prefill tokens within 10% for affinity and 15% for load
+//! alone. The two move the hit rate from ~74% to ~92% and ~69%, so a model that did not
+//! route would miss by more. The lab's own run-to-run spread at temperature 0.5 is up to
+//! ±6–9% in uncached prefill between two runs of one setting (63,600 and 69,760 tokens
+//! with the defaults; 77,008 to 86,528 on load alone), which one run cannot predict:
+//! hence load alone's 15%, and output-block tracking's uncached tokens (the knob changes
+//! only the router's load accounting and moves nothing beyond that spread) printed,
+//! not held; BENCHMARKS.md tabulates them.
 //! The workload is bounded by turns (48 conversations × 8 turns): every run sends the
 //! same prompts.
 //!
@@ -153,31 +155,33 @@ async fn router_settings_are_predicted_from_a_run_with_the_defaults() {
                 misses.push(format!("{what}: {:+.1}% off", 100.0 * err));
             }
         };
-    // (change, frontend flags, session ids sent, uncached prefill held to 10%)
-    let runs: [(&str, &[&str], bool, &str, bool); 3] = [
+    // (change, frontend flags, session ids sent, what uncached prefill is held to, %)
+    let runs: [(&str, &[&str], bool, &str, f64); 3] = [
         (
             changes[0],
             &["--router-session-affinity-ttl-secs", "300"],
             true,
             "temperature=0.5,session-affinity-ttl-secs=300",
-            true,
+            10.0,
         ),
         (
             changes[1],
             &["--router-kv-overlap-score-credit", "0"],
             false,
             "temperature=0.5,kv-overlap-score-credit=0",
-            true,
+            15.0,
         ),
         (
             changes[2],
             &["--router-track-output-blocks"],
             false,
             "temperature=0.5,track-output-blocks=true",
-            false,
+            f64::INFINITY,
         ),
     ];
-    for (i, (change, flags, session_ids, settings, uncached_held)) in runs.into_iter().enumerate() {
+    for (i, (change, flags, session_ids, settings, uncached_tolerance_pct)) in
+        runs.into_iter().enumerate()
+    {
         let rec = run_lab(flags, session_ids).await;
         // What the run measured: the collector's own verdicts, as the what-if reads them.
         let answer = whatif(&rec, settings, &["temperature=0.5"]);
@@ -198,7 +202,7 @@ async fn router_settings_are_predicted_from_a_run_with_the_defaults() {
             p("uncached_prefill_tokens"),
             m("uncached_prefill_tokens"),
             format!("{change}: uncached prefill tokens"),
-            if uncached_held { 10.0 } else { f64::INFINITY },
+            uncached_tolerance_pct,
         );
         let spill = (p("spill_rate") - m("spill_rate")).abs();
         eprintln!(
