@@ -56,7 +56,15 @@ const volatile __u64 off_req_status = 0;     /* nixlXferReqH → nixl_status_t s
 #define REG_R13 3
 #define REG_R14 4
 #define REG_R15 5
-const volatile __u64 site_create_status = 0; /* createXferReq's status at its site */
+/* createXferReq's failure paths (one probe each; its cookie: the status's source, and
+ * CREATE_FAILED_REQUEST_BUILT once the request holds the op and remote agent): `this`,
+ * the frame slots holding the op's and the remote agent name's addresses before the
+ * request is built, and the register holding the request after. */
+#define CREATE_FAILED_REQUEST_BUILT (1ull << 40)
+const volatile __u64 site_create_agent = 0;
+const volatile __u64 site_create_op_ref = 0;
+const volatile __u64 site_create_remote_ref = 0;
+const volatile __u64 site_create_request = 0;
 const volatile __u64 site_make_status = 0;   /* makeXferReq's status at its site */
 const volatile __u64 site_post_status = 0;   /* postXferReq's status at its site */
 const volatile __u64 site_done_req = 0;      /* the request at getXferStatus' sites */

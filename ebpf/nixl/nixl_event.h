@@ -19,7 +19,8 @@ enum nixl_event_kind {
 	 * `name` when the build's offsets are known. */
 	EV_AGENT_SEEN = 2,
 	/* createXferReq / makeXferReq returned: `call`, `req`, `status`, `op`, `name`
-	 * (remote agent, createXferReq only), `latency_ns`. */
+	 * (remote agent, createXferReq only), `latency_ns` (0 from a create-failure site,
+	 * which sees no entry). */
 	EV_XFER_CREATE = 3,
 	/* postXferReq returned: `req`, `status`, `latency_ns` (the call itself), and with
 	 * known offsets `op`, `bytes`, `descs`, `name` (remote agent) read from the request. */

@@ -119,11 +119,41 @@ int BPF_KRETPROBE(make_xfer_exit)
 	return xfer_created(CALL_MAKE_XFER_REQ, (__s32)PT_REGS_RC(ctx));
 }
 
-/* createXferReq's site: on every return path, after its status is final. */
+/*
+ * One of createXferReq's failure paths (sites: no entry probe, and nothing on a
+ * successful create, whose post reads the request). The cookie names the path's
+ * status and where its op and remote agent are: the argument slots, or the request.
+ */
 SEC("uprobe")
-int BPF_KPROBE(create_xfer_returned)
+int BPF_KPROBE(create_xfer_failed)
 {
-	return xfer_created(CALL_CREATE_XFER_REQ, (__s32)site_value(ctx, site_create_status));
+	__u64 cookie = bpf_get_attach_cookie(ctx);
+	__u64 self = site_value(ctx, site_create_agent);
+	note_agent(self);
+	struct nixl_event *e = event_reserve(EV_XFER_CREATE);
+	if (!e)
+		return 0;
+	e->call = CALL_CREATE_XFER_REQ;
+	e->agent = self;
+	e->status = (__s32)site_value(ctx, cookie & (CREATE_FAILED_REQUEST_BUILT - 1));
+	__s32 op = -1;
+	const char *remote = 0;
+	if (cookie & CREATE_FAILED_REQUEST_BUILT) {
+		const char *req = (const char *)site_value(ctx, site_create_request);
+		if (req) {
+			bpf_probe_read_user(&op, sizeof(op), req + off_req_op);
+			remote = req + off_req_remote;
+		}
+	} else {
+		const void *op_ref = (const void *)site_value(ctx, site_create_op_ref);
+		if (op_ref)
+			bpf_probe_read_user(&op, sizeof(op), op_ref);
+		remote = (const char *)site_value(ctx, site_create_remote_ref);
+	}
+	e->op = op;
+	read_std_string(e->name, remote, &e->flags);
+	event_submit(e);
+	return 0;
 }
 
 SEC("uprobe")

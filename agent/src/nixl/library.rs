@@ -20,7 +20,8 @@ pub enum ProbeSide {
 /// The completion sites, by name.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SiteName {
-    CreateReturned,
+    /// Each of `createXferReq`'s failure paths (one probe each).
+    CreateFailed,
     MakeReturned,
     PostReturned,
     StatusSucceeded,
@@ -30,15 +31,22 @@ pub enum SiteName {
 }
 
 impl SiteName {
-    fn of(self, sites: &TransferSites) -> CodeSite {
+    /// The instructions of this name in `sites`, each with its probe's cookie where the
+    /// site gives its own (else the spec's).
+    fn of(self, sites: &TransferSites) -> Vec<(CodeSite, Option<u64>)> {
+        let one = |site: CodeSite| vec![(site, None)];
         match self {
-            Self::CreateReturned => sites.create_returned,
-            Self::MakeReturned => sites.make_returned,
-            Self::PostReturned => sites.post_returned,
-            Self::StatusSucceeded => sites.status_succeeded,
-            Self::StatusFailed => sites.status_failed,
-            Self::StatusStale => sites.status_stale,
-            Self::ReleasedInFlight => sites.released_in_flight,
+            Self::CreateFailed => sites
+                .create_failed
+                .iter()
+                .map(|f| (f.site, Some(f.cookie())))
+                .collect(),
+            Self::MakeReturned => one(sites.make_returned),
+            Self::PostReturned => one(sites.post_returned),
+            Self::StatusSucceeded => one(sites.status_succeeded),
+            Self::StatusFailed => one(sites.status_failed),
+            Self::StatusStale => one(sites.status_stale),
+            Self::ReleasedInFlight => one(sites.released_in_flight),
         }
     }
 }
@@ -78,8 +86,9 @@ const fn probe(
     }
 }
 
-/// A status-call probe (see [`ProbeSpec::replaced_by_sites`]).
-const fn status_call(mut spec: ProbeSpec) -> ProbeSpec {
+/// A probe not attached where the build's sites are (see
+/// [`ProbeSpec::replaced_by_sites`]).
+const fn without_sites(mut spec: ProbeSpec) -> ProbeSpec {
     spec.replaced_by_sites = true;
     spec
 }
@@ -94,11 +103,8 @@ use ProbeSide::{Entry, Return};
 /// The completion-site probes, attached instead of the status-call ones where the
 /// build's sites are known (their methods are those of the sites).
 pub const SITE_PROBES: &[ProbeSpec] = &[
-    site(
-        "create_xfer_returned",
-        SiteName::CreateReturned,
-        Some(NixlCall::CreateXferReq),
-    ),
+    // Its cookie is each failure's own (`CreateFailure::cookie`).
+    site("create_xfer_failed", SiteName::CreateFailed, None),
     site(
         "make_xfer_returned",
         SiteName::MakeReturned,
@@ -131,14 +137,15 @@ pub const PROBES: &[ProbeSpec] = &[
         Some(NixlCall::AgentCtor),
         false,
     ),
-    probe(
+    // With sites, a successful create is not probed at all: its post reads the request.
+    without_sites(probe(
         "create_xfer_enter",
         Entry,
         "_ZNK9nixlAgent13createXferReqE",
         Some(NixlCall::CreateXferReq),
         true,
-    ),
-    status_call(probe(
+    )),
+    without_sites(probe(
         "create_xfer_exit",
         Return,
         "_ZNK9nixlAgent13createXferReqE",
@@ -153,7 +160,7 @@ pub const PROBES: &[ProbeSpec] = &[
         Some(NixlCall::MakeXferReq),
         false,
     ),
-    status_call(probe(
+    without_sites(probe(
         "make_xfer_exit",
         Return,
         "_ZNK9nixlAgent11makeXferReqE14nixl_xfer_op_t",
@@ -167,28 +174,28 @@ pub const PROBES: &[ProbeSpec] = &[
         Some(NixlCall::PostXferReq),
         true,
     ),
-    status_call(probe(
+    without_sites(probe(
         "post_xfer_exit",
         Return,
         "_ZNK9nixlAgent11postXferReqE",
         Some(NixlCall::PostXferReq),
         true,
     )),
-    status_call(probe(
+    without_sites(probe(
         "xfer_status_enter",
         Entry,
         "_ZNK9nixlAgent13getXferStatusE",
         None,
         true,
     )),
-    status_call(probe(
+    without_sites(probe(
         "xfer_status_exit",
         Return,
         "_ZNK9nixlAgent13getXferStatusE",
         None,
         true,
     )),
-    status_call(probe(
+    without_sites(probe(
         "release_xfer_enter",
         Entry,
         "_ZNK9nixlAgent14releaseXferReqE",
@@ -379,6 +386,8 @@ pub enum LibraryError {
 pub struct ResolvedProbe {
     pub spec: ProbeSpec,
     pub file_offset: u64,
+    /// The uprobe cookie: the spec's method, or what a site gives its program.
+    pub cookie: Option<u64>,
 }
 
 /// What the agent learned about one `libnixl.so` file.
@@ -461,6 +470,7 @@ impl NixlLibrary {
                 Some(offset) => probes.push(ResolvedProbe {
                     spec: *spec,
                     file_offset: offset,
+                    cookie: spec.call.map(|c| c as u64),
                 }),
                 None if spec.required => {
                     return Err(LibraryError::MissingSymbol {
@@ -501,27 +511,29 @@ fn resolve_sites(
         let ProbeSide::Site(name) = spec.side else {
             continue;
         };
-        let site = name.of(sites);
-        let Some(start) = method(site.symbol_prefix).map_err(|e| e.to_string())? else {
-            continue;
-        };
-        let at = start.checked_add_signed(site.offset);
-        let found = at
-            .and_then(|at| usize::try_from(at).ok())
-            .and_then(|at| data.get(at..at.checked_add(site.bytes.len())?));
-        if found != Some(site.bytes) {
-            return Err(format!(
-                "the completion site {name:?} ({}+{:#x}) holds {:02x?}, not the {:02x?} the \
-                 offsets table names",
-                site.symbol_prefix, site.offset, found, site.bytes
-            ));
+        for (site, cookie) in name.of(sites) {
+            let Some(start) = method(site.symbol_prefix).map_err(|e| e.to_string())? else {
+                continue;
+            };
+            let at = start.checked_add_signed(site.offset);
+            let found = at
+                .and_then(|at| usize::try_from(at).ok())
+                .and_then(|at| data.get(at..at.checked_add(site.bytes.len())?));
+            if found != Some(site.bytes) {
+                return Err(format!(
+                    "the completion site {name:?} ({}+{:#x}) holds {:02x?}, not the {:02x?} \
+                     the offsets table names",
+                    site.symbol_prefix, site.offset, found, site.bytes
+                ));
+            }
+            let mut spec = *spec;
+            spec.symbol_prefix = site.symbol_prefix;
+            probes.push(ResolvedProbe {
+                spec,
+                file_offset: at.unwrap_or_default(),
+                cookie: cookie.or(spec.call.map(|c| c as u64)),
+            });
         }
-        let mut spec = *spec;
-        spec.symbol_prefix = site.symbol_prefix;
-        probes.push(ResolvedProbe {
-            spec,
-            file_offset: at.unwrap_or_default(),
-        });
     }
     Ok(probes)
 }
@@ -557,16 +569,29 @@ mod tests {
         // Every method at 0x20000 of a fake file (the cold parts are before it).
         let method = |_: &'static str| Ok(Some(0x20000));
         let mut data = vec![0u8; 0x21000];
+        let mut count = 0;
         for spec in SITE_PROBES {
             let ProbeSide::Site(name) = spec.side else {
                 unreachable!()
             };
-            let site = name.of(&sites);
-            let at = (0x20000 + site.offset) as usize;
-            data[at..at + site.bytes.len()].copy_from_slice(site.bytes);
+            for (site, _) in name.of(&sites) {
+                let at = (0x20000 + site.offset) as usize;
+                data[at..at + site.bytes.len()].copy_from_slice(site.bytes);
+                count += 1;
+            }
         }
         let probes = resolve_sites(&sites, &data, &method).unwrap();
-        assert_eq!(probes.len(), SITE_PROBES.len());
+        assert_eq!(probes.len(), count);
+        // One probe per failure path of createXferReq, each with its own cookie.
+        let failed: Vec<_> = probes
+            .iter()
+            .filter(|p| p.spec.program == "create_xfer_failed")
+            .collect();
+        assert_eq!(failed.len(), sites.create_failed.len());
+        for (p, f) in failed.iter().zip(sites.create_failed) {
+            assert_eq!(p.cookie, Some(f.cookie()));
+            assert_eq!(p.file_offset as i64, 0x20000 + f.site.offset);
+        }
         let post = probes
             .iter()
             .find(|p| p.spec.program == "post_xfer_returned")
@@ -588,7 +613,31 @@ mod tests {
             |p: &'static str| Ok((p != sites.make_returned.symbol_prefix).then_some(0x20000));
         data[(0x20000 + sites.status_failed.offset) as usize] ^= 0xff;
         let probes = resolve_sites(&sites, &data, &no_make).unwrap();
-        assert_eq!(probes.len(), SITE_PROBES.len() - 1);
+        assert_eq!(probes.len(), count - 1);
+    }
+
+    /// With the sites a successful `createXferReq` fires no probe: its entry probe is
+    /// one the sites replace, and its sites are on failure paths only.
+    #[test]
+    fn with_sites_a_successful_create_is_not_probed() {
+        let create = "_ZNK9nixlAgent13createXferReqE";
+        assert!(PROBES
+            .iter()
+            .filter(|p| p.symbol_prefix == create)
+            .all(|p| p.replaced_by_sites));
+        let sites = offsets::KNOWN_BUILDS[0].1.sites.unwrap();
+        assert!(SITE_PROBES
+            .iter()
+            .filter_map(|p| match p.side {
+                ProbeSide::Site(name) => Some(name.of(&sites)),
+                _ => None,
+            })
+            .flatten()
+            .filter(|(site, _)| site.symbol_prefix == create)
+            .all(|(site, cookie)| sites
+                .create_failed
+                .iter()
+                .any(|f| f.site == site && Some(f.cookie()) == cookie)));
     }
 
     #[test]

@@ -78,7 +78,7 @@ pub enum SiteReg {
 }
 
 impl SiteValue {
-    fn encoded(self) -> u64 {
+    pub(crate) fn encoded(self) -> u64 {
         match self {
             Self::Reg(r) => (1 << 32) | r as u64,
             Self::Frame(off) => (2 << 32) | u64::from(off),
@@ -102,17 +102,57 @@ pub struct CodeSite {
     pub bytes: &'static [u8],
 }
 
+/// One path on which `createXferReq` fails and returns, taken by no successful call:
+/// where it starts, what it returns, and whether the request handle was built by then
+/// (the op and remote agent are read from it) or not (from the arguments' frame slots,
+/// [`TransferSites::create_args`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CreateFailure {
+    pub site: CodeSite,
+    pub status: SiteValue,
+    pub request_built: bool,
+}
+
+/// Where `createXferReq`'s arguments are on its failure paths before the request is
+/// built: `this`, the slot holding the address of the op, the one holding the address
+/// of the remote agent's name, and the register holding the request once it is built.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CreateArgs {
+    pub agent: SiteValue,
+    pub op_ref: SiteValue,
+    pub remote_ref: SiteValue,
+    pub request: SiteValue,
+}
+
+/// Bit of a create-failure probe's cookie saying the request was built (`common.h`).
+pub const CREATE_FAILED_REQUEST_BUILT: u64 = 1 << 40;
+
+impl CreateFailure {
+    /// The uprobe cookie of this failure's probe: its status source and where its op
+    /// and remote agent are.
+    pub fn cookie(&self) -> u64 {
+        self.status.encoded()
+            | if self.request_built {
+                CREATE_FAILED_REQUEST_BUILT
+            } else {
+                0
+            }
+    }
+}
+
 /// Where one build's transfers end, so that no probe fires on the busy-polled
-/// `getXferStatus` or on a release of a finished transfer. Each return site is a
-/// conditional jump every return path of its method runs through after the status is
-/// final (x86 uprobes emulate jumps: one trap, no single-step), found by reading the
-/// method's disassembly; the status sites are on the two paths `getXferStatus` takes
-/// when the backend has just reported the transfer done or failed, which run once per
-/// transfer.
+/// `getXferStatus`, on a release of a finished transfer, or on a successful
+/// `createXferReq`. Each return site is a conditional jump every return path of its
+/// method runs through after the status is final (x86 uprobes emulate jumps: one trap,
+/// no single-step), found by reading the method's disassembly; the status sites are on
+/// the two paths `getXferStatus` takes when the backend has just reported the transfer
+/// done or failed, which run once per transfer; `createXferReq` is seen only on the
+/// paths where it fails (a successful create is learned from its post).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TransferSites {
-    pub create_returned: CodeSite,
-    pub create_status: SiteValue,
+    /// Every path on which `createXferReq` returns a failure.
+    pub create_failed: &'static [CreateFailure],
+    pub create_args: CreateArgs,
     pub make_returned: CodeSite,
     pub make_status: SiteValue,
     pub post_returned: CodeSite,
@@ -136,6 +176,28 @@ const POST: &str = "_ZNK9nixlAgent11postXferReqE";
 const STATUS: &str = "_ZNK9nixlAgent13getXferStatusE";
 const RELEASE: &str = "_ZNK9nixlAgent14releaseXferReqE";
 
+/// `lea -0xe0(%rbp),%rax`: the error log's message, a failure path's first instruction.
+const LEA_MSG: [u8; 7] = [0x48, 0x8d, 0x85, 0x20, 0xff, 0xff, 0xff];
+/// `mov -0x138(%rbp),%rdi`: the same, once the slot holds the message.
+const MOV_MSG: [u8; 7] = [0x48, 0x8b, 0xbd, 0xc8, 0xfe, 0xff, 0xff];
+
+const fn create_failed(
+    offset: i64,
+    bytes: &'static [u8],
+    status: SiteValue,
+    request_built: bool,
+) -> CreateFailure {
+    CreateFailure {
+        site: CodeSite {
+            symbol_prefix: CREATE,
+            offset,
+            bytes,
+        },
+        status,
+        request_built,
+    }
+}
+
 /// Known builds: (GNU build-id as hex, offsets).
 pub const KNOWN_BUILDS: &[(&str, NixlOffsets)] = &[(
     // PyPI nixl-cu12==1.5.1, .nixl_cu12.mesonpy.libs/libnixl.so
@@ -155,13 +217,41 @@ pub const KNOWN_BUILDS: &[(&str, NixlOffsets)] = &[(
         desc_len: 0x8,
         req_status: 0xb8,
         sites: Some(TransferSites {
-            // `test %rbx,%rbx; je` before the epilogue's `mov %r15d,%eax`.
-            create_returned: CodeSite {
-                symbol_prefix: CREATE,
-                offset: 0x5b8,
-                bytes: &[0x74, 0x12],
+            // Each failure's first instruction, in the method's cold part (the hot
+            // branch's target); no successful call runs any of them. Before the request
+            // is built the op and remote agent are read through the argument slots
+            // (overwritten later on these paths by the error log's message); after, from
+            // the request (%rbx).
+            create_failed: &[
+                // Descriptor counts differ (INVALID_PARAM).
+                create_failed(0x4ce3a - 0x63dc0, &LEA_MSG, SiteValue::Const(-2), false),
+                // A descriptor's lengths differ (INVALID_PARAM).
+                create_failed(0x4cf66 - 0x63dc0, &LEA_MSG, SiteValue::Const(-2), false),
+                // The remote agent is unknown, or was invalidated (NOT_FOUND).
+                create_failed(0x4d47f - 0x63dc0, &LEA_MSG, SiteValue::Const(-4), false),
+                // No backend for the local or remote memory type (NOT_FOUND).
+                create_failed(0x4d22c - 0x63dc0, &LEA_MSG, SiteValue::Const(-4), false),
+                // No backend in common (NOT_FOUND).
+                create_failed(0x4d554 - 0x63dc0, &LEA_MSG, SiteValue::Const(-4), false),
+                // No backend could populate both lists (NOT_FOUND).
+                create_failed(0x4d188 - 0x63dc0, &MOV_MSG, SiteValue::Const(-4), true),
+                // The backend does not support this transfer (NOT_SUPPORTED).
+                create_failed(0x4cff6 - 0x63dc0, &MOV_MSG, SiteValue::Const(-3), true),
+                // The backend's prepXfer failed: its status, in %r15
+                // (`jmp` to the cold part's error log).
+                create_failed(
+                    0x64677 - 0x63dc0,
+                    &[0xe9, 0xe6, 0x8c, 0xfe, 0xff],
+                    SiteValue::Reg(SiteReg::R15),
+                    true,
+                ),
+            ],
+            create_args: CreateArgs {
+                agent: SiteValue::Reg(SiteReg::R12),
+                op_ref: SiteValue::Frame(0x138),
+                remote_ref: SiteValue::Frame(0x118),
+                request: SiteValue::Reg(SiteReg::Rbx),
             },
-            create_status: SiteValue::Reg(SiteReg::R15),
             // `je` before the epilogue's `mov %ebx,%eax`.
             make_returned: CodeSite {
                 symbol_prefix: MAKE,
@@ -224,7 +314,7 @@ impl NixlOffsets {
     pub fn globals(
         offsets: Option<&NixlOffsets>,
         sites_attached: bool,
-    ) -> [(&'static str, u64); 19] {
+    ) -> [(&'static str, u64); 22] {
         let o = offsets.copied().unwrap_or(NixlOffsets {
             version: "",
             agent_data: 0,
@@ -261,7 +351,10 @@ impl NixlOffsets {
             ("desc_stride", o.desc_stride),
             ("off_desc_len", o.desc_len),
             ("off_req_status", o.req_status),
-            ("site_create_status", site(|s| s.create_status)),
+            ("site_create_agent", site(|s| s.create_args.agent)),
+            ("site_create_op_ref", site(|s| s.create_args.op_ref)),
+            ("site_create_remote_ref", site(|s| s.create_args.remote_ref)),
+            ("site_create_request", site(|s| s.create_args.request)),
             ("site_make_status", site(|s| s.make_status)),
             ("site_post_status", site(|s| s.post_status)),
             ("site_done_req", site(|s| s.done_req)),
@@ -308,6 +401,14 @@ mod tests {
             assert_eq!(SiteValue::Reg(reg).encoded(), (1 << 32) | reg as u64);
         }
         assert_eq!(SiteValue::Frame(0xe8).encoded(), (2 << 32) | 0xe8);
+        // A create failure's cookie: its status's source, and the bit for a built request.
+        assert!(common.contains("#define CREATE_FAILED_REQUEST_BUILT (1ull << 40)"));
+        let sites = KNOWN_BUILDS[0].1.sites.unwrap();
+        for f in sites.create_failed {
+            let c = f.cookie();
+            assert_eq!(c & (CREATE_FAILED_REQUEST_BUILT - 1), f.status.encoded());
+            assert_eq!(c & CREATE_FAILED_REQUEST_BUILT != 0, f.request_built);
+        }
         // The sites' globals are zero unless the sites were attached.
         let o = KNOWN_BUILDS[0].1;
         let zero = NixlOffsets::globals(Some(&o), false);

@@ -208,7 +208,7 @@ impl LoadedProbes {
             );
             let point = UProbeAttachPoint {
                 location: UProbeAttachLocation::AbsoluteOffset(probe.file_offset),
-                cookie: spec.call.map(|c| c as u64),
+                cookie: probe.cookie,
             };
             program
                 .attach(point, &library.path, aya_scope)
