@@ -45,27 +45,33 @@ const volatile __u64 off_req_status = 0;     /* nixlXferReqH → nixl_status_t s
  * nothing fires on the busy-polled getXferStatus until a transfer's status changes and
  * nothing on a release unless the transfer is still in flight. Where a site finds a
  * value is build-specific too: SRC_REG | register, SRC_FRAME | offset below the
- * frame pointer, or SRC_CONST | the value a path returns without storing it. 0 = this build has no sites (the status-call probes are attached).
+ * frame pointer, SRC_FRAME_REF | offset of a slot holding a 32-bit value's address, or
+ * SRC_CONST | the value a path returns without storing it. 0 = this build has no sites (the status-call probes are attached).
  */
 #define SRC_REG (1ull << 32)
 #define SRC_FRAME (2ull << 32)
 #define SRC_CONST (3ull << 32) /* the low 32 bits are the value (a status) */
+#define SRC_FRAME_REF (4ull << 32) /* a frame slot holding the address of a 32-bit value */
 #define REG_RBX 0
 #define REG_RBP 1
 #define REG_R12 2
 #define REG_R13 3
 #define REG_R14 4
 #define REG_R15 5
-/* createXferReq's failure paths (one probe each; its cookie: the status's source, and
- * CREATE_FAILED_REQUEST_BUILT once the request holds the op and remote agent): `this`,
- * the frame slots holding the op's and the remote agent name's addresses before the
- * request is built, and the register holding the request after. */
-#define CREATE_FAILED_REQUEST_BUILT (1ull << 40)
+/* createXferReq's and makeXferReq's failure paths (one probe each; its cookie: the
+ * status's source, FAILED_REQUEST_BUILT once the request holds the op and remote agent,
+ * FAILED_IN_MAKE for makeXferReq): `this`, the op before the request is built, the frame
+ * slot holding the remote agent name's address (createXferReq's argument), and the
+ * request once built. */
+#define FAILED_REQUEST_BUILT (1ull << 40)
+#define FAILED_IN_MAKE (1ull << 41)
 const volatile __u64 site_create_agent = 0;
-const volatile __u64 site_create_op_ref = 0;
+const volatile __u64 site_create_op = 0;
 const volatile __u64 site_create_remote_ref = 0;
 const volatile __u64 site_create_request = 0;
-const volatile __u64 site_make_status = 0;   /* makeXferReq's status at its site */
+const volatile __u64 site_make_agent = 0;
+const volatile __u64 site_make_op = 0;
+const volatile __u64 site_make_request = 0;
 const volatile __u64 site_post_status = 0;   /* postXferReq's status at its site */
 const volatile __u64 site_done_req = 0;      /* the request at getXferStatus' sites */
 const volatile __u64 site_stale_status = 0;  /* what its stale-remote path returns */
@@ -176,6 +182,14 @@ static __always_inline __u64 site_value(struct pt_regs *ctx, __u64 src)
 	if ((src >> 32) == (SRC_FRAME >> 32)) {
 		__u64 x = 0;
 		bpf_probe_read_user(&x, sizeof(x), (const char *)ctx->rbp - v);
+		return x;
+	}
+	if ((src >> 32) == (SRC_FRAME_REF >> 32)) {
+		__u64 addr = 0;
+		__u32 x = 0;
+		bpf_probe_read_user(&addr, sizeof(addr), (const char *)ctx->rbp - v);
+		if (addr)
+			bpf_probe_read_user(&x, sizeof(x), (const void *)addr);
 		return x;
 	}
 	return 0;

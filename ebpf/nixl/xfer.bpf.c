@@ -17,7 +17,8 @@
  *   releaseXferReq(nixlXferReqH *req)                                      rsi
  *
  * Where the build's completion sites are known (common.h), the returns are seen at one
- * instruction each instead of by return probes, a transfer's end at the paths
+ * instruction each instead of by return probes (createXferReq's and makeXferReq's only on
+ * the paths where they fail), a transfer's end at the paths
  * getXferStatus takes only when its status changes, and a release only when it finds
  * the transfer in flight: nothing
  * fires on a busy poll or a plain release. Otherwise the status-call probes below do:
@@ -120,46 +121,44 @@ int BPF_KRETPROBE(make_xfer_exit)
 }
 
 /*
- * One of createXferReq's failure paths (sites: no entry probe, and nothing on a
- * successful create, whose post reads the request). The cookie names the path's
- * status and where its op and remote agent are: the argument slots, or the request.
+ * One of createXferReq's or makeXferReq's failure paths (sites: no entry probe, and
+ * nothing on a successful creation, whose post reads the request). The cookie names
+ * the method, the path's status, and where its op (and a create's remote agent) are:
+ * the argument slots, or the request. makeXferReq names no remote agent (as its entry
+ * and return probes do not).
  */
 SEC("uprobe")
-int BPF_KPROBE(create_xfer_failed)
+int BPF_KPROBE(xfer_creation_failed)
 {
 	__u64 cookie = bpf_get_attach_cookie(ctx);
-	__u64 self = site_value(ctx, site_create_agent);
+	int make = (cookie & FAILED_IN_MAKE) != 0;
+	__u64 self = site_value(ctx, make ? site_make_agent : site_create_agent);
 	note_agent(self);
 	struct nixl_event *e = event_reserve(EV_XFER_CREATE);
 	if (!e)
 		return 0;
-	e->call = CALL_CREATE_XFER_REQ;
+	e->call = make ? CALL_MAKE_XFER_REQ : CALL_CREATE_XFER_REQ;
 	e->agent = self;
-	e->status = (__s32)site_value(ctx, cookie & (CREATE_FAILED_REQUEST_BUILT - 1));
+	e->status = (__s32)site_value(ctx, cookie & (FAILED_REQUEST_BUILT - 1));
 	__s32 op = -1;
 	const char *remote = 0;
-	if (cookie & CREATE_FAILED_REQUEST_BUILT) {
-		const char *req = (const char *)site_value(ctx, site_create_request);
+	if (cookie & FAILED_REQUEST_BUILT) {
+		const char *req =
+			(const char *)site_value(ctx, make ? site_make_request : site_create_request);
 		if (req) {
 			bpf_probe_read_user(&op, sizeof(op), req + off_req_op);
-			remote = req + off_req_remote;
+			if (!make)
+				remote = req + off_req_remote;
 		}
 	} else {
-		const void *op_ref = (const void *)site_value(ctx, site_create_op_ref);
-		if (op_ref)
-			bpf_probe_read_user(&op, sizeof(op), op_ref);
-		remote = (const char *)site_value(ctx, site_create_remote_ref);
+		op = (__s32)site_value(ctx, make ? site_make_op : site_create_op);
+		if (!make)
+			remote = (const char *)site_value(ctx, site_create_remote_ref);
 	}
 	e->op = op;
 	read_std_string(e->name, remote, &e->flags);
 	event_submit(e);
 	return 0;
-}
-
-SEC("uprobe")
-int BPF_KPROBE(make_xfer_returned)
-{
-	return xfer_created(CALL_MAKE_XFER_REQ, (__s32)site_value(ctx, site_make_status));
 }
 
 SEC("uprobe")

@@ -22,7 +22,8 @@ pub enum ProbeSide {
 pub enum SiteName {
     /// Each of `createXferReq`'s failure paths (one probe each).
     CreateFailed,
-    MakeReturned,
+    /// Each of `makeXferReq`'s.
+    MakeFailed,
     PostReturned,
     StatusSucceeded,
     StatusFailed,
@@ -39,9 +40,13 @@ impl SiteName {
             Self::CreateFailed => sites
                 .create_failed
                 .iter()
-                .map(|f| (f.site, Some(f.cookie())))
+                .map(|f| (f.site, Some(f.cookie(false))))
                 .collect(),
-            Self::MakeReturned => one(sites.make_returned),
+            Self::MakeFailed => sites
+                .make_failed
+                .iter()
+                .map(|f| (f.site, Some(f.cookie(true))))
+                .collect(),
             Self::PostReturned => one(sites.post_returned),
             Self::StatusSucceeded => one(sites.status_succeeded),
             Self::StatusFailed => one(sites.status_failed),
@@ -103,13 +108,9 @@ use ProbeSide::{Entry, Return};
 /// The completion-site probes, attached instead of the status-call ones where the
 /// build's sites are known (their methods are those of the sites).
 pub const SITE_PROBES: &[ProbeSpec] = &[
-    // Its cookie is each failure's own (`CreateFailure::cookie`).
-    site("create_xfer_failed", SiteName::CreateFailed, None),
-    site(
-        "make_xfer_returned",
-        SiteName::MakeReturned,
-        Some(NixlCall::MakeXferReq),
-    ),
+    // Their cookies are each failure's own (`CreationFailure::cookie`).
+    site("xfer_creation_failed", SiteName::CreateFailed, None),
+    site("xfer_creation_failed", SiteName::MakeFailed, None),
     site(
         "post_xfer_returned",
         SiteName::PostReturned,
@@ -152,14 +153,14 @@ pub const PROBES: &[ProbeSpec] = &[
         Some(NixlCall::CreateXferReq),
         true,
     )),
-    // The span overload; the std::vector one forwards to it.
-    probe(
+    // The span overload; the std::vector one forwards to it. With sites, as a create.
+    without_sites(probe(
         "make_xfer_enter",
         Entry,
         "_ZNK9nixlAgent11makeXferReqE14nixl_xfer_op_t",
         Some(NixlCall::MakeXferReq),
         false,
-    ),
+    )),
     without_sites(probe(
         "make_xfer_exit",
         Return,
@@ -582,15 +583,20 @@ mod tests {
         }
         let probes = resolve_sites(&sites, &data, &method).unwrap();
         assert_eq!(probes.len(), count);
-        // One probe per failure path of createXferReq, each with its own cookie.
+        // One probe per failure path of createXferReq and makeXferReq, each with its
+        // own cookie.
         let failed: Vec<_> = probes
             .iter()
-            .filter(|p| p.spec.program == "create_xfer_failed")
+            .filter(|p| p.spec.program == "xfer_creation_failed")
             .collect();
-        assert_eq!(failed.len(), sites.create_failed.len());
-        for (p, f) in failed.iter().zip(sites.create_failed) {
-            assert_eq!(p.cookie, Some(f.cookie()));
+        let expected: Vec<_> = (sites.create_failed.iter().map(|f| (f, false)))
+            .chain(sites.make_failed.iter().map(|f| (f, true)))
+            .collect();
+        assert_eq!(failed.len(), expected.len());
+        for (p, (f, make)) in failed.iter().zip(expected) {
+            assert_eq!(p.cookie, Some(f.cookie(make)));
             assert_eq!(p.file_offset as i64, 0x20000 + f.site.offset);
+            assert_eq!(p.spec.symbol_prefix, f.site.symbol_prefix);
         }
         let post = probes
             .iter()
@@ -608,36 +614,46 @@ mod tests {
         // A site past the end of the file is refused too, not a panic.
         let short = &data[..0x20010];
         assert!(resolve_sites(&sites, short, &method).is_err());
-        // A method the build does not export skips its site only.
-        let no_make =
-            |p: &'static str| Ok((p != sites.make_returned.symbol_prefix).then_some(0x20000));
+        // A method the build does not export skips its sites only.
+        let make = sites.make_failed[0].site.symbol_prefix;
+        let no_make = |p: &'static str| Ok((p != make).then_some(0x20000));
         data[(0x20000 + sites.status_failed.offset) as usize] ^= 0xff;
         let probes = resolve_sites(&sites, &data, &no_make).unwrap();
-        assert_eq!(probes.len(), count - 1);
+        assert_eq!(probes.len(), count - sites.make_failed.len());
     }
 
-    /// With the sites a successful `createXferReq` fires no probe: its entry probe is
-    /// one the sites replace, and its sites are on failure paths only.
+    /// With the sites a successful `createXferReq` or `makeXferReq` fires no probe:
+    /// their entry probes are ones the sites replace, and their sites are on failure
+    /// paths only.
     #[test]
-    fn with_sites_a_successful_create_is_not_probed() {
-        let create = "_ZNK9nixlAgent13createXferReqE";
-        assert!(PROBES
-            .iter()
-            .filter(|p| p.symbol_prefix == create)
-            .all(|p| p.replaced_by_sites));
+    fn with_sites_a_successful_creation_is_not_probed() {
         let sites = offsets::KNOWN_BUILDS[0].1.sites.unwrap();
-        assert!(SITE_PROBES
-            .iter()
-            .filter_map(|p| match p.side {
-                ProbeSide::Site(name) => Some(name.of(&sites)),
-                _ => None,
-            })
-            .flatten()
-            .filter(|(site, _)| site.symbol_prefix == create)
-            .all(|(site, cookie)| sites
-                .create_failed
+        for (method, failures, make) in [
+            ("_ZNK9nixlAgent13createXferReqE", sites.create_failed, false),
+            (
+                "_ZNK9nixlAgent11makeXferReqE14nixl_xfer_op_t",
+                sites.make_failed,
+                true,
+            ),
+        ] {
+            assert!(PROBES
                 .iter()
-                .any(|f| f.site == site && Some(f.cookie()) == cookie)));
+                .filter(|p| p.symbol_prefix == method)
+                .all(|p| p.replaced_by_sites));
+            let at_method: Vec<_> = SITE_PROBES
+                .iter()
+                .filter_map(|p| match p.side {
+                    ProbeSide::Site(name) => Some(name.of(&sites)),
+                    _ => None,
+                })
+                .flatten()
+                .filter(|(site, _)| site.symbol_prefix == method)
+                .collect();
+            assert_eq!(at_method.len(), failures.len());
+            assert!(at_method.iter().all(|(site, cookie)| failures
+                .iter()
+                .any(|f| f.site == *site && Some(f.cookie(make)) == *cookie)));
+        }
     }
 
     #[test]

@@ -62,6 +62,9 @@ pub struct NixlOffsets {
 pub enum SiteValue {
     Reg(SiteReg),
     Frame(u32),
+    /// A 32-bit value whose address a frame slot holds (an argument passed by
+    /// reference).
+    FrameRef(u32),
     /// What the path returns without keeping it anywhere (a status).
     Const(i32),
 }
@@ -83,6 +86,7 @@ impl SiteValue {
             Self::Reg(r) => (1 << 32) | r as u64,
             Self::Frame(off) => (2 << 32) | u64::from(off),
             Self::Const(v) => (3 << 32) | u64::from(v as u32),
+            Self::FrameRef(off) => (4 << 32) | u64::from(off),
         }
     }
 }
@@ -102,59 +106,65 @@ pub struct CodeSite {
     pub bytes: &'static [u8],
 }
 
-/// One path on which `createXferReq` fails and returns, taken by no successful call:
-/// where it starts, what it returns, and whether the request handle was built by then
-/// (the op and remote agent are read from it) or not (from the arguments' frame slots,
-/// [`TransferSites::create_args`]).
+/// One path on which `createXferReq` or `makeXferReq` fails and returns, taken by no
+/// successful call: where it starts (or sets its status), what it returns, and whether
+/// the request handle was built by then (the op, and for a create the remote agent, are
+/// read from it) or not (from the arguments' frame slots, [`CreationArgs`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct CreateFailure {
+pub struct CreationFailure {
     pub site: CodeSite,
     pub status: SiteValue,
     pub request_built: bool,
 }
 
-/// Where `createXferReq`'s arguments are on its failure paths before the request is
-/// built: `this`, the slot holding the address of the op, the one holding the address
-/// of the remote agent's name, and the register holding the request once it is built.
+/// Where a creating method's arguments are on its failure paths: `this`, the op before
+/// the request is built, the slot holding the address of the remote agent's name
+/// (`createXferReq`'s argument; `makeXferReq` has none), and the register holding the
+/// request once it is built.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct CreateArgs {
+pub struct CreationArgs {
     pub agent: SiteValue,
-    pub op_ref: SiteValue,
-    pub remote_ref: SiteValue,
+    pub op: SiteValue,
+    pub remote_ref: Option<SiteValue>,
     pub request: SiteValue,
 }
 
-/// Bit of a create-failure probe's cookie saying the request was built (`common.h`).
-pub const CREATE_FAILED_REQUEST_BUILT: u64 = 1 << 40;
+/// Bits of a creation-failure probe's cookie (`common.h`): the request was built; the
+/// method is `makeXferReq`.
+pub const FAILED_REQUEST_BUILT: u64 = 1 << 40;
+pub const FAILED_IN_MAKE: u64 = 1 << 41;
 
-impl CreateFailure {
-    /// The uprobe cookie of this failure's probe: its status source and where its op
-    /// and remote agent are.
-    pub fn cookie(&self) -> u64 {
-        self.status.encoded()
-            | if self.request_built {
-                CREATE_FAILED_REQUEST_BUILT
-            } else {
-                0
-            }
+impl CreationFailure {
+    /// The uprobe cookie of this failure's probe: its status source, where its op and
+    /// remote agent are, and which method it is in.
+    pub fn cookie(&self, in_make: bool) -> u64 {
+        let built = if self.request_built {
+            FAILED_REQUEST_BUILT
+        } else {
+            0
+        };
+        let make = if in_make { FAILED_IN_MAKE } else { 0 };
+        self.status.encoded() | built | make
     }
 }
 
 /// Where one build's transfers end, so that no probe fires on the busy-polled
-/// `getXferStatus`, on a release of a finished transfer, or on a successful
-/// `createXferReq`. Each return site is a conditional jump every return path of its
-/// method runs through after the status is final (x86 uprobes emulate jumps: one trap,
-/// no single-step), found by reading the method's disassembly; the status sites are on
-/// the two paths `getXferStatus` takes when the backend has just reported the transfer
-/// done or failed, which run once per transfer; `createXferReq` is seen only on the
-/// paths where it fails (a successful create is learned from its post).
+/// `getXferStatus`, on a release of a finished transfer, or on a successful creation.
+/// `postXferReq`'s return site is a conditional jump every return path runs through
+/// after the status is final (x86 uprobes emulate jumps: one trap, no single-step); the
+/// status sites are on the two paths `getXferStatus` takes when the backend has just
+/// reported the transfer done or failed, which run once per transfer; `createXferReq`
+/// and `makeXferReq` are seen only on the paths where they fail (a successful creation
+/// is learned from its post, which reads the request). All found by reading the
+/// methods' disassembly.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TransferSites {
     /// Every path on which `createXferReq` returns a failure.
-    pub create_failed: &'static [CreateFailure],
-    pub create_args: CreateArgs,
-    pub make_returned: CodeSite,
-    pub make_status: SiteValue,
+    pub create_failed: &'static [CreationFailure],
+    pub create_args: CreationArgs,
+    /// Every path on which `makeXferReq` returns a failure.
+    pub make_failed: &'static [CreationFailure],
+    pub make_args: CreationArgs,
     pub post_returned: CodeSite,
     pub post_status: SiteValue,
     pub status_succeeded: CodeSite,
@@ -181,15 +191,19 @@ const LEA_MSG: [u8; 7] = [0x48, 0x8d, 0x85, 0x20, 0xff, 0xff, 0xff];
 /// `mov -0x138(%rbp),%rdi`: the same, once the slot holds the message.
 const MOV_MSG: [u8; 7] = [0x48, 0x8b, 0xbd, 0xc8, 0xfe, 0xff, 0xff];
 
-const fn create_failed(
+/// `mov $-2,%ebx`.
+const MOV_EBX_M2: [u8; 5] = [0xbb, 0xfe, 0xff, 0xff, 0xff];
+
+const fn failed(
+    symbol_prefix: &'static str,
     offset: i64,
     bytes: &'static [u8],
     status: SiteValue,
     request_built: bool,
-) -> CreateFailure {
-    CreateFailure {
+) -> CreationFailure {
+    CreationFailure {
         site: CodeSite {
-            symbol_prefix: CREATE,
+            symbol_prefix,
             offset,
             bytes,
         },
@@ -224,41 +238,129 @@ pub const KNOWN_BUILDS: &[(&str, NixlOffsets)] = &[(
             // the request (%rbx).
             create_failed: &[
                 // Descriptor counts differ (INVALID_PARAM).
-                create_failed(0x4ce3a - 0x63dc0, &LEA_MSG, SiteValue::Const(-2), false),
+                failed(
+                    CREATE,
+                    0x4ce3a - 0x63dc0,
+                    &LEA_MSG,
+                    SiteValue::Const(-2),
+                    false,
+                ),
                 // A descriptor's lengths differ (INVALID_PARAM).
-                create_failed(0x4cf66 - 0x63dc0, &LEA_MSG, SiteValue::Const(-2), false),
+                failed(
+                    CREATE,
+                    0x4cf66 - 0x63dc0,
+                    &LEA_MSG,
+                    SiteValue::Const(-2),
+                    false,
+                ),
                 // The remote agent is unknown, or was invalidated (NOT_FOUND).
-                create_failed(0x4d47f - 0x63dc0, &LEA_MSG, SiteValue::Const(-4), false),
+                failed(
+                    CREATE,
+                    0x4d47f - 0x63dc0,
+                    &LEA_MSG,
+                    SiteValue::Const(-4),
+                    false,
+                ),
                 // No backend for the local or remote memory type (NOT_FOUND).
-                create_failed(0x4d22c - 0x63dc0, &LEA_MSG, SiteValue::Const(-4), false),
+                failed(
+                    CREATE,
+                    0x4d22c - 0x63dc0,
+                    &LEA_MSG,
+                    SiteValue::Const(-4),
+                    false,
+                ),
                 // No backend in common (NOT_FOUND).
-                create_failed(0x4d554 - 0x63dc0, &LEA_MSG, SiteValue::Const(-4), false),
+                failed(
+                    CREATE,
+                    0x4d554 - 0x63dc0,
+                    &LEA_MSG,
+                    SiteValue::Const(-4),
+                    false,
+                ),
                 // No backend could populate both lists (NOT_FOUND).
-                create_failed(0x4d188 - 0x63dc0, &MOV_MSG, SiteValue::Const(-4), true),
+                failed(
+                    CREATE,
+                    0x4d188 - 0x63dc0,
+                    &MOV_MSG,
+                    SiteValue::Const(-4),
+                    true,
+                ),
                 // The backend does not support this transfer (NOT_SUPPORTED).
-                create_failed(0x4cff6 - 0x63dc0, &MOV_MSG, SiteValue::Const(-3), true),
-                // The backend's prepXfer failed: its status, in %r15
-                // (`jmp` to the cold part's error log).
-                create_failed(
+                failed(
+                    CREATE,
+                    0x4cff6 - 0x63dc0,
+                    &MOV_MSG,
+                    SiteValue::Const(-3),
+                    true,
+                ),
+                // The backend's prepXfer failed: its status, in %r15 (`jmp` to the
+                // cold part's error log).
+                failed(
+                    CREATE,
                     0x64677 - 0x63dc0,
                     &[0xe9, 0xe6, 0x8c, 0xfe, 0xff],
                     SiteValue::Reg(SiteReg::R15),
                     true,
                 ),
             ],
-            create_args: CreateArgs {
+            create_args: CreationArgs {
                 agent: SiteValue::Reg(SiteReg::R12),
-                op_ref: SiteValue::Frame(0x138),
-                remote_ref: SiteValue::Frame(0x118),
+                op: SiteValue::FrameRef(0x138),
+                remote_ref: Some(SiteValue::Frame(0x118)),
                 request: SiteValue::Reg(SiteReg::Rbx),
             },
-            // `je` before the epilogue's `mov %ebx,%eax`.
-            make_returned: CodeSite {
-                symbol_prefix: MAKE,
-                offset: 0xc77,
-                bytes: &[0x74, 0x0f],
+            // Each failing status's `mov $status,%ebx` in the cold part (several
+            // branches share each), and the cold block the backend's failure jumps to.
+            // The op (passed by value) stays at -0x198(%rbp) until the request is built
+            // (%r12), `this` at -0x258(%rbp) throughout.
+            make_failed: &[
+                // Bad arguments or lists, no backend in the lists (INVALID_PARAM).
+                failed(
+                    MAKE,
+                    0x4c378 - 0x62d80,
+                    &MOV_EBX_M2,
+                    SiteValue::Const(-2),
+                    false,
+                ),
+                // The backend does not support the transfer (NOT_SUPPORTED).
+                failed(
+                    MAKE,
+                    0x4c44d - 0x62d80,
+                    &[0xbb, 0xfd, 0xff, 0xff, 0xff],
+                    SiteValue::Const(-3),
+                    false,
+                ),
+                // No backend in common (NOT_FOUND).
+                failed(
+                    MAKE,
+                    0x4c7cb - 0x62d80,
+                    &[0xbb, 0xfc, 0xff, 0xff, 0xff],
+                    SiteValue::Const(-4),
+                    false,
+                ),
+                // An index past its list's end (INVALID_PARAM).
+                failed(
+                    MAKE,
+                    0x4c92a - 0x62d80,
+                    &MOV_EBX_M2,
+                    SiteValue::Const(-2),
+                    true,
+                ),
+                // The backend's prepXfer failed: its status, in %ebx.
+                failed(
+                    MAKE,
+                    0x4cb47 - 0x62d80,
+                    &[0x48, 0x8d, 0x85, 0x40, 0xff, 0xff, 0xff],
+                    SiteValue::Reg(SiteReg::Rbx),
+                    true,
+                ),
+            ],
+            make_args: CreationArgs {
+                agent: SiteValue::Frame(0x258),
+                op: SiteValue::Frame(0x198),
+                remote_ref: None,
+                request: SiteValue::Reg(SiteReg::R12),
             },
-            make_status: SiteValue::Reg(SiteReg::Rbx),
             // `je` after the tracer pops its correlation id; the status returned is
             // at -0xe8(%rbp) on every path (the null-request one included).
             post_returned: CodeSite {
@@ -314,7 +416,7 @@ impl NixlOffsets {
     pub fn globals(
         offsets: Option<&NixlOffsets>,
         sites_attached: bool,
-    ) -> [(&'static str, u64); 22] {
+    ) -> [(&'static str, u64); 24] {
         let o = offsets.copied().unwrap_or(NixlOffsets {
             version: "",
             agent_data: 0,
@@ -331,11 +433,10 @@ impl NixlOffsets {
             req_status: 0,
             sites: None,
         });
-        let site = |f: fn(&TransferSites) -> SiteValue| {
-            o.sites
-                .as_ref()
-                .filter(|_| sites_attached)
-                .map_or(0, |s| f(s).encoded())
+        let attached = o.sites.as_ref().filter(|_| sites_attached);
+        let site = |f: fn(&TransferSites) -> SiteValue| attached.map_or(0, |s| f(s).encoded());
+        let site_opt = |f: fn(&TransferSites) -> Option<SiteValue>| {
+            attached.and_then(f).map_or(0, SiteValue::encoded)
         };
         [
             ("offsets_known", u64::from(offsets.is_some())),
@@ -352,10 +453,15 @@ impl NixlOffsets {
             ("off_desc_len", o.desc_len),
             ("off_req_status", o.req_status),
             ("site_create_agent", site(|s| s.create_args.agent)),
-            ("site_create_op_ref", site(|s| s.create_args.op_ref)),
-            ("site_create_remote_ref", site(|s| s.create_args.remote_ref)),
+            ("site_create_op", site(|s| s.create_args.op)),
+            (
+                "site_create_remote_ref",
+                site_opt(|s| s.create_args.remote_ref),
+            ),
             ("site_create_request", site(|s| s.create_args.request)),
-            ("site_make_status", site(|s| s.make_status)),
+            ("site_make_agent", site(|s| s.make_args.agent)),
+            ("site_make_op", site(|s| s.make_args.op)),
+            ("site_make_request", site(|s| s.make_args.request)),
             ("site_post_status", site(|s| s.post_status)),
             ("site_done_req", site(|s| s.done_req)),
             ("site_stale_status", site(|s| s.stale_status)),
@@ -401,13 +507,20 @@ mod tests {
             assert_eq!(SiteValue::Reg(reg).encoded(), (1 << 32) | reg as u64);
         }
         assert_eq!(SiteValue::Frame(0xe8).encoded(), (2 << 32) | 0xe8);
-        // A create failure's cookie: its status's source, and the bit for a built request.
-        assert!(common.contains("#define CREATE_FAILED_REQUEST_BUILT (1ull << 40)"));
+        assert!(common.contains("#define SRC_FRAME_REF (4ull << 32)"));
+        assert_eq!(SiteValue::FrameRef(0x138).encoded(), (4 << 32) | 0x138);
+        // A creation failure's cookie: its status's source, and the bits for a built
+        // request and for makeXferReq.
+        assert!(common.contains("#define FAILED_REQUEST_BUILT (1ull << 40)"));
+        assert!(common.contains("#define FAILED_IN_MAKE (1ull << 41)"));
         let sites = KNOWN_BUILDS[0].1.sites.unwrap();
-        for f in sites.create_failed {
-            let c = f.cookie();
-            assert_eq!(c & (CREATE_FAILED_REQUEST_BUILT - 1), f.status.encoded());
-            assert_eq!(c & CREATE_FAILED_REQUEST_BUILT != 0, f.request_built);
+        for (failures, make) in [(sites.create_failed, false), (sites.make_failed, true)] {
+            for f in failures {
+                let c = f.cookie(make);
+                assert_eq!(c & (FAILED_REQUEST_BUILT - 1), f.status.encoded());
+                assert_eq!(c & FAILED_REQUEST_BUILT != 0, f.request_built);
+                assert_eq!(c & FAILED_IN_MAKE != 0, make);
+            }
         }
         // The sites' globals are zero unless the sites were attached.
         let o = KNOWN_BUILDS[0].1;

@@ -16,9 +16,10 @@ use kvscope_nixl_lab::{setup, worker, NixlLibs, REEXEC_MARKER_ENV};
 /// The `run` config fields `--set` accepts (checked against [`RunConfig`] by a test).
 const RUN_FIELDS_HELP: &str = "\
 Fields for --set KEY=VALUE (defaults are the mixed scenario):
-  workers=4 blocks=64 block_size=4096 reads=50 writes=20 min_blocks=4 max_blocks=16
-  corrupt_metadata=2 dead_listener=1 unknown_connect=1 unknown_remote=2
+  workers=4 blocks=64 block_size=4096 reads=50 prepped=12 writes=20 min_blocks=4
+  max_blocks=16 corrupt_metadata=2 dead_listener=1 unknown_connect=1 unknown_remote=2
   invalidated_remote=2 invalidated_before_post=1 invalidated_in_flight=1 remote_gone=1
+  mismatched_descriptors=1 prepped_mismatched_indices=1 prepped_index_past_end=1
   gen_notifs=2 seed=1 md_wait_ms=2000 dead_listener_wait_ms=300 transfer_timeout_ms=5000
   notif_wait_ms=2000 in_flight_attempts=50 listener_delay_us=1000 progress_delay_us=100";
 

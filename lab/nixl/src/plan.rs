@@ -27,6 +27,10 @@ pub struct RunConfig {
     pub block_size: u32,
     /// READ migrations (the target pulls the source's blocks, with a notification).
     pub reads: u32,
+    /// Of the READs and WRITEs, how many are made from prepared descriptor lists
+    /// (`prepXferDlist` + `makeXferReq`, vLLM's path) instead of `createXferReq`: every
+    /// third migration until this many.
+    pub prepped: u32,
     /// WRITE migrations (the source pushes; every other one with a notification).
     pub writes: u32,
     /// Fewest blocks per transfer.
@@ -51,6 +55,14 @@ pub struct RunConfig {
     /// Transfers to an agent destroyed after its metadata was loaded (fail at post,
     /// NIXL_ERR_REMOTE_DISCONNECT). Adds the agent `decode-doomed`.
     pub remote_gone: u32,
+    /// `createXferReq` with one remote descriptor fewer than local ones (INVALID_PARAM).
+    pub mismatched_descriptors: u32,
+    /// `makeXferReq` with one remote index fewer than local ones (INVALID_PARAM before
+    /// the request is built).
+    pub prepped_mismatched_indices: u32,
+    /// `makeXferReq` with a remote index past its list's end (INVALID_PARAM after the
+    /// request is built).
+    pub prepped_index_past_end: u32,
     /// `genNotif` messages.
     pub gen_notifs: u32,
     /// Seed for block choices and the READ/WRITE interleaving.
@@ -79,6 +91,7 @@ impl Default for RunConfig {
             blocks: 64,
             block_size: 4096,
             reads: 50,
+            prepped: 12,
             writes: 20,
             min_blocks: 4,
             max_blocks: 16,
@@ -90,6 +103,9 @@ impl Default for RunConfig {
             invalidated_before_post: 1,
             invalidated_in_flight: 1,
             remote_gone: 1,
+            mismatched_descriptors: 1,
+            prepped_mismatched_indices: 1,
+            prepped_index_past_end: 1,
             gen_notifs: 2,
             seed: 1,
             md_wait_ms: 2000,
@@ -117,6 +133,9 @@ impl RunConfig {
                 invalidated_before_post: 0,
                 invalidated_in_flight: 0,
                 remote_gone: 0,
+                mismatched_descriptors: 0,
+                prepped_mismatched_indices: 0,
+                prepped_index_past_end: 0,
                 ..Self::default()
             }),
             _ => None,
@@ -273,6 +292,8 @@ pub enum Step {
         notif: Option<String>,
         /// Injected failure.
         inject: Option<Injection>,
+        /// Made from prepared lists (`makeXferReq`) instead of `createXferReq`.
+        prepped: bool,
     },
     /// Reload `peer`'s metadata into `loader` directly after an injection invalidated it.
     Restore {
@@ -463,8 +484,10 @@ impl Plan {
             let j = (rng.next_u64() % (i as u64 + 1)) as usize;
             ops.swap(i, j);
         }
-        let (mut reads, mut writes) = (0usize, 0usize);
-        for op in ops {
+        let (mut reads, mut writes, mut prepped) = (0usize, 0usize, 0usize);
+        for (k, op) in ops.into_iter().enumerate() {
+            let through_make = k % 3 == 2 && prepped < c.prepped as usize;
+            prepped += usize::from(through_make);
             let (initiator, peer) = ring[(rng.next_u64() % ring.len() as u64) as usize];
             let nb = rng.range(c.min_blocks, c.max_blocks);
             let (local_blocks, remote_blocks, notif) = match op {
@@ -495,6 +518,7 @@ impl Plan {
                 remote_blocks,
                 notif,
                 inject: None,
+                prepped: through_make,
             });
         }
         for k in 0..c.gen_notifs as usize {
@@ -521,7 +545,42 @@ impl Plan {
                 remote_blocks,
                 notif: None,
                 inject: Some(Injection::UnknownRemote),
+                prepped: false,
             });
+        }
+        // Creations refused for their arguments, before and after the request is built.
+        let refused = [
+            (
+                c.mismatched_descriptors,
+                Injection::MismatchedDescriptors,
+                false,
+            ),
+            (
+                c.prepped_mismatched_indices,
+                Injection::PreppedMismatchedIndices,
+                true,
+            ),
+            (
+                c.prepped_index_past_end,
+                Injection::PreppedIndexPastEnd,
+                true,
+            ),
+        ];
+        for (count, inject, prepped) in refused {
+            for k in 0..count as usize {
+                let (initiator, peer) = ring[k % ring.len()];
+                let (local_blocks, remote_blocks) = read_shape(&mut rng);
+                steps.push(Step::Transfer {
+                    initiator,
+                    remote: Remote::Worker(peer),
+                    op: Op::Read,
+                    local_blocks,
+                    remote_blocks,
+                    notif: None,
+                    inject: Some(inject),
+                    prepped,
+                });
+            }
         }
         // Invalidations need a pair nixl-sys tracks (direct or fetched metadata).
         let tracked: Vec<(usize, usize)> = exchanges
@@ -561,6 +620,7 @@ impl Plan {
                     remote_blocks,
                     notif,
                     inject: Some(inject),
+                    prepped: false,
                 });
                 steps.push(Step::Restore {
                     loader: initiator,
@@ -579,6 +639,7 @@ impl Plan {
                     remote_blocks,
                     notif: None,
                     inject: Some(Injection::RemoteGone),
+                    prepped: false,
                 });
             }
         }
@@ -625,6 +686,24 @@ mod tests {
         assert_eq!(injected(Injection::InvalidatedBeforePost), 1);
         assert_eq!(injected(Injection::InvalidatedInFlight), 1);
         assert_eq!(injected(Injection::RemoteGone), 1);
+        assert_eq!(injected(Injection::MismatchedDescriptors), 1);
+        assert_eq!(injected(Injection::PreppedMismatchedIndices), 1);
+        assert_eq!(injected(Injection::PreppedIndexPastEnd), 1);
+        let prepped = p
+            .steps
+            .iter()
+            .filter(|s| {
+                matches!(
+                    s,
+                    Step::Transfer {
+                        prepped: true,
+                        inject: None,
+                        ..
+                    }
+                )
+            })
+            .count();
+        assert_eq!(prepped, 12);
         let corrupt = p
             .steps
             .iter()

@@ -54,6 +54,9 @@ pub struct TransferSpec {
     pub notif: Option<String>,
     /// Failure to inject.
     pub inject: Option<Injection>,
+    /// Make the request from prepared descriptor lists (`prepXferDlist` +
+    /// `makeXferReq`, vLLM's path) instead of `createXferReq`.
+    pub prepped: bool,
     /// For READs: the byte the landing blocks must hold afterwards.
     pub verify_fill: Option<u8>,
     /// Give up on an IN_PROG transfer after this long.

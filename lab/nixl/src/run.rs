@@ -388,6 +388,7 @@ impl Coordinator {
                 remote_blocks,
                 notif,
                 inject,
+                prepped,
             } => {
                 let (remote_name, remote_addr, remote_fill, remote_idx) = match &remote {
                     Remote::Worker(r) => (
@@ -406,6 +407,7 @@ impl Coordinator {
                     remote_blocks: remote_blocks.clone(),
                     notif,
                     inject,
+                    prepped,
                     verify_fill: if op == Op::Read { remote_fill } else { None },
                     timeout_ms: c.transfer_timeout_ms,
                     max_attempts: c.in_flight_attempts,

@@ -236,6 +236,15 @@ pub enum Injection {
     /// The remote agent was destroyed (its process gone, or its `nixlAgent` deleted)
     /// after its metadata was loaded; then a transfer to it.
     RemoteGone,
+    /// `createXferReq` with one remote descriptor fewer than local ones
+    /// (INVALID_PARAM, before the request is built).
+    MismatchedDescriptors,
+    /// `makeXferReq` with one remote index fewer than local ones (INVALID_PARAM, before
+    /// the request is built).
+    PreppedMismatchedIndices,
+    /// `makeXferReq` with a remote index past its prepared list's end (INVALID_PARAM,
+    /// once the request is built).
+    PreppedIndexPastEnd,
 }
 
 /// The native status `method` (a `nixlAgent` method name) returns when it fails the way
@@ -256,6 +265,12 @@ pub fn native_for_injection(injection: Injection, method: &str) -> Option<i32> {
         (Injection::InvalidatedBeforePost, "postXferReq") => Some(native::ERR_NOT_FOUND),
         // "remote agent was invalidated during transfer"
         (Injection::InvalidatedInFlight, "getXferStatus") => Some(native::ERR_NOT_FOUND),
+        // "different descriptor list sizes" (nixl-sys folds it into
+        // FailedToCreateXferRequest), "different number of indices", "index out of range"
+        (Injection::MismatchedDescriptors, "createXferReq")
+        | (Injection::PreppedMismatchedIndices | Injection::PreppedIndexPastEnd, "makeXferReq") => {
+            Some(native::ERR_INVALID_PARAM)
+        }
         // backend postXfer on a UCX endpoint whose peer went away
         (Injection::RemoteGone, "postXferReq") => Some(native::ERR_REMOTE_DISCONNECT),
         _ => None,

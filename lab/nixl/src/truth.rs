@@ -239,8 +239,11 @@ pub struct TransferRecord {
     pub pid: u32,
     /// Initiating agent.
     pub local: String,
-    /// Remote agent named in `createXferReq`.
+    /// Remote agent named in `createXferReq` (or in the prepared remote list).
     pub remote: String,
+    /// Made from prepared descriptor lists by `makeXferReq` instead of `createXferReq`.
+    #[serde(default)]
+    pub prepped: bool,
     /// READ or WRITE.
     pub op: Op,
     /// Descriptors per side (one per KV block; NIXL 1.5.1 does not merge them).
@@ -566,7 +569,9 @@ impl Truth {
             .iter()
             .filter(|x| x.outcome != TransferOutcome::FailedAtCreate)
             .count() as u64;
-        expect("createXferReq", self.transfers.len() as u64);
+        let prepped = self.transfers.iter().filter(|x| x.prepped).count() as u64;
+        expect("createXferReq", self.transfers.len() as u64 - prepped);
+        expect("makeXferReq", prepped);
         expect("postXferReq", created);
         expect(
             "releaseXferReq",
@@ -670,6 +675,7 @@ mod tests {
             pid: 7,
             local: "decode-1".into(),
             remote: "decode-0".into(),
+            prepped: false,
             op: Op::Read,
             descriptors: 4,
             bytes: 4 * 4096,

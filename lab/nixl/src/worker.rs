@@ -557,17 +557,27 @@ impl Worker {
             XferDescList::new(MemType::Dram).map_err(|e| format!("XferDescList: {e}"))?;
         let mut remote =
             XferDescList::new(MemType::Dram).map_err(|e| format!("XferDescList: {e}"))?;
-        for (&l, &r) in spec.local_blocks.iter().zip(&spec.remote_blocks) {
+        // An injected descriptor mismatch leaves the last remote descriptor out.
+        let remote_descs = spec.remote_blocks.len()
+            - usize::from(spec.inject == Some(Injection::MismatchedDescriptors));
+        for (k, (&l, &r)) in spec
+            .local_blocks
+            .iter()
+            .zip(&spec.remote_blocks)
+            .enumerate()
+        {
             local.add_desc(
                 (self.pool_addr + u64::from(l) * bs) as usize,
                 bs as usize,
                 0,
             );
-            remote.add_desc(
-                (spec.remote_pool_addr + u64::from(r) * bs) as usize,
-                bs as usize,
-                0,
-            );
+            if k < remote_descs {
+                remote.add_desc(
+                    (spec.remote_pool_addr + u64::from(r) * bs) as usize,
+                    bs as usize,
+                    0,
+                );
+            }
         }
         let opts = match &spec.notif {
             Some(msg) => {
@@ -593,6 +603,7 @@ impl Worker {
             pid: self.pid,
             local: self.spec.name.clone(),
             remote: spec.remote.clone(),
+            prepped: spec.prepped,
             op: spec.op,
             descriptors,
             bytes: u64::from(descriptors) * bs,
@@ -610,17 +621,64 @@ impl Worker {
             started_unix_ns,
         };
 
-        self.count("createXferReq");
-        let req = match self.agent().create_xfer_req(
-            spec.op.xfer_op(),
-            &local,
-            &remote,
-            &spec.remote,
-            opts.as_ref(),
-        ) {
+        // Prepared lists outlive their request (declared first, dropped after it).
+        let prepared = if spec.prepped {
+            // NIXL_INIT_AGENT (""): the initiator's own side.
+            let local = self
+                .agent()
+                .prepare_xfer_dlist("", &local, None)
+                .map_err(|e| format!("prepXferDlist (local): {e}"))?;
+            let remote = self
+                .agent()
+                .prepare_xfer_dlist(&spec.remote, &remote, None)
+                .map_err(|e| format!("prepXferDlist ({}): {e}", spec.remote))?;
+            Some((local, remote))
+        } else {
+            None
+        };
+        let creating = if prepared.is_some() {
+            "makeXferReq"
+        } else {
+            "createXferReq"
+        };
+        record.final_call = creating.into();
+        self.count(creating);
+        let created = match &prepared {
+            Some((local_list, remote_list)) => {
+                let local_idx: Vec<i32> = (0..descriptors as i32).collect();
+                let mut remote_idx = local_idx.clone();
+                match spec.inject {
+                    Some(Injection::PreppedMismatchedIndices) => {
+                        remote_idx.pop();
+                    }
+                    Some(Injection::PreppedIndexPastEnd) => {
+                        if let Some(last) = remote_idx.last_mut() {
+                            *last = descriptors as i32;
+                        }
+                    }
+                    _ => {}
+                }
+                self.agent().make_xfer_req(
+                    spec.op.xfer_op(),
+                    local_list,
+                    &local_idx,
+                    remote_list,
+                    &remote_idx,
+                    opts.as_ref(),
+                )
+            }
+            None => self.agent().create_xfer_req(
+                spec.op.xfer_op(),
+                &local,
+                &remote,
+                &spec.remote,
+                opts.as_ref(),
+            ),
+        };
+        let req = match created {
             Ok(req) => req,
             Err(e) => {
-                record.status = StatusSeen::from_error(&e, native("createXferReq"));
+                record.status = StatusSeen::from_error(&e, native(creating));
                 return Ok(record);
             }
         };

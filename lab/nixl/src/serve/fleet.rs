@@ -376,6 +376,7 @@ impl Driver {
             remote_blocks: blocks.to_vec(),
             notif,
             inject: None,
+            prepped: false,
             verify_fill: Some(self.infos[s].fill),
             timeout_ms: TRANSFER_TIMEOUT_MS,
             max_attempts: 1,
