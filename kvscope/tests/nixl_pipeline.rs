@@ -42,11 +42,18 @@ fn op_name(op: kvscope_nixl_lab::truth::Op) -> String {
 
 /// What the collector should show per (local, remote), from the lab's truth. Handshakes
 /// whose remote the probes cannot know (a failed loadRemoteMD: the metadata did not
-/// parse; sendLocalMD: an address, not an agent) sit under an empty remote.
+/// parse; sendLocalMD: an address, not an agent) and failed makeXferReq calls sit under
+/// an empty remote.
 fn expected(truth: &Truth) -> BTreeMap<(String, String), PairFigures> {
     let mut m: BTreeMap<(String, String), PairFigures> = BTreeMap::new();
     for x in &truth.transfers {
-        let p = m.entry((x.local.clone(), x.remote.clone())).or_default();
+        // A failed makeXferReq names no remote agent (its arguments are prepared lists).
+        let remote = if x.prepped && x.outcome == TransferOutcome::FailedAtCreate {
+            String::new()
+        } else {
+            x.remote.clone()
+        };
+        let p = m.entry((x.local.clone(), remote)).or_default();
         if x.outcome == TransferOutcome::Done {
             *p.ok_by_op.entry(op_name(x.op)).or_default() += 1;
             p.bytes_ok += x.bytes;
