@@ -117,9 +117,10 @@ pub struct Cli {
     /// Do not scan /proc for libnixl.so: trace only --nixl-lib files.
     #[arg(long)]
     pub no_nixl_discover: bool,
-    /// See NIXL transfers end with probes on every getXferStatus and releaseXferReq
-    /// call, even where the build's completion sites are known (which fire once per
-    /// transfer end instead). The figures are the same; the traced loop pays more.
+    /// Probe every createXferReq, makeXferReq, getXferStatus and releaseXferReq call,
+    /// even where the build's completion sites are known (which fire only on a failed
+    /// creation and once per transfer end instead: two hits per transfer). The figures
+    /// are the same; the traced loop pays more.
     #[arg(long)]
     pub nixl_status_probes: bool,
     /// Print the effective configuration as TOML and exit (secrets such as OTLP headers

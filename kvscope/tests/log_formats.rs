@@ -85,9 +85,13 @@ fn cri_writer(
             let mut pieces = 0;
             loop {
                 let take = (1 + rng.below(300) as usize).min(bytes.len() - at);
-                // Pieces end on character boundaries (the kubelet splits bytes; the
-                // lines here are ASCII).
-                let end = at + take;
+                // Pieces end on character boundaries (the kubelet splits bytes; a
+                // Dynamo warning carries an em dash, and where it falls depends on the
+                // checkout's path, which the line names).
+                let mut end = at + take;
+                while !text.is_char_boundary(end) {
+                    end += 1;
+                }
                 let last = end >= bytes.len();
                 let ts = kvscope_kit::clock::now_ns();
                 let stamp = format!("{}.{:09}Z", civil(ts / 1_000_000_000), ts % 1_000_000_000);
