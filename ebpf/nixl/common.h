@@ -38,6 +38,11 @@ const volatile __u64 off_dlist_begin = 0;    /* nixlDescList → descriptors vec
 const volatile __u64 desc_stride = 0;        /* sizeof(nixlBlobDesc) */
 const volatile __u64 off_desc_len = 0;       /* nixlBlobDesc → len */
 const volatile __u64 off_req_status = 0;     /* nixlXferReqH → nixl_status_t status */
+/* The span of the request holding every field above a post reads (strings with their
+ * inline characters): read in one bpf_probe_read_user, each costing ~80 ns here. */
+const volatile __u64 off_req_window = 0;
+const volatile __u64 req_window_len = 0;     /* < REQ_WINDOW */
+#define REQ_WINDOW 256
 
 /*
  * Completion sites (agent/src/nixl/offsets.rs, `TransferSites`): probes on single
@@ -152,6 +157,19 @@ struct {
 	__type(key, struct agent_key);
 	__type(value, __u8);
 } agents SEC(".maps");
+
+/* The request's window (`off_req_window`), read once per post; per CPU (a program runs
+ * to its end on one CPU). Past REQ_WINDOW so that a field at a bounded offset fits. */
+struct req_window {
+	__u8 b[REQ_WINDOW + 32];
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct req_window);
+} req_windows SEC(".maps");
 
 /* One zeroed entry to start a call_entry from (too big for the BPF stack to zero
  * cheaply every time). */

@@ -27,21 +27,72 @@
  */
 #include "common.h"
 
-static __always_inline void read_req_fields(struct nixl_event *e, __u64 req)
+/* The request's fields a post reports, in one read of its window (0: unknown build, no
+ * request, or unreadable). */
+static __always_inline __u8 *read_req_window(__u64 req)
 {
 	if (!offsets_known || !req)
+		return 0;
+	__u32 zero = 0;
+	struct req_window *w = bpf_map_lookup_elem(&req_windows, &zero);
+	if (!w)
+		return 0;
+	__u64 len = req_window_len & (REQ_WINDOW - 1);
+	if (bpf_probe_read_user(w->b, len, (const char *)req + off_req_window) != 0)
+		return 0;
+	return w->b;
+}
+
+/* Where a request field at `off` is in the window. */
+static __always_inline __u64 win_at(__u64 off)
+{
+	return (off - off_req_window) & (REQ_WINDOW - 1);
+}
+
+static __always_inline __u64 win_u64(const __u8 *w, __u64 at)
+{
+	__u64 v;
+	__builtin_memcpy(&v, w + (at & (REQ_WINDOW - 1)), sizeof(v));
+	return v;
+}
+
+/*
+ * The libstdc++ std::string at `off` of the request, into `dst` (as read_std_string):
+ * a short one's characters are inline, in the window already (its pointer points at
+ * them); a longer one's are read.
+ */
+static __always_inline void win_string(char *dst, const __u8 *w, __u64 req, __u64 off,
+				       __u32 *flags)
+{
+	__u64 at = win_at(off);
+	__u64 data = win_u64(w, at);
+	__u64 len = win_u64(w, at + 8);
+	dst[0] = 0;
+	if (!data)
 		return;
-	const char *r = (const char *)req;
-	__s32 op = -1;
-	__u64 bytes = 0;
-	__u64 descs = 0;
-	bpf_probe_read_user(&op, sizeof(op), r + off_req_op);
-	bpf_probe_read_user(&bytes, sizeof(bytes), r + off_req_bytes);
-	bpf_probe_read_user(&descs, sizeof(descs), r + off_req_descs);
+	if (len >= NIXL_NAME_LEN)
+		*flags |= FLAG_NAME_TRUNCATED;
+	if (data == req + off + 16 && len < 16) {
+		/* The inline buffer holds the characters and the terminating NUL. */
+		const __u8 *chars = w + (at & (REQ_WINDOW - 1)) + 16;
+		for (int i = 0; i < 16; i++)
+			dst[i] = chars[i];
+		return;
+	}
+	if (bpf_probe_read_user_str(dst, NIXL_NAME_LEN, (const void *)data) <= 0)
+		dst[0] = 0;
+}
+
+static __always_inline void read_req_fields(struct nixl_event *e, __u64 req, const __u8 *w)
+{
+	if (!w)
+		return;
+	__s32 op;
+	__builtin_memcpy(&op, w + win_at(off_req_op), sizeof(op));
 	e->op = op;
-	e->bytes = bytes;
-	e->descs = (__u32)descs;
-	read_std_string(e->name, r + off_req_remote, &e->flags);
+	e->bytes = win_u64(w, win_at(off_req_bytes));
+	e->descs = (__u32)win_u64(w, win_at(off_req_descs));
+	win_string(e->name, w, req, off_req_remote, &e->flags);
 }
 
 SEC("uprobe")
@@ -187,17 +238,14 @@ static __always_inline int xfer_posted(__s32 status)
 	/* The notification rides in the handle from create (or from post's own arguments,
 	 * which post copies in before it returns). Sent first, so user space knows it when
 	 * the post's record ends the transfer. */
-	if (offsets_known && c.arg) {
-		__u8 has_notif = 0;
-		bpf_probe_read_user(&has_notif, sizeof(has_notif), (const char *)c.arg + off_req_has_notif);
-		if (has_notif) {
-			struct nixl_event *n = event_reserve(EV_XFER_NOTIF);
-			if (n) {
-				n->agent = c.agent;
-				n->req = c.arg;
-				read_std_string(n->name, (const char *)c.arg + off_req_notif, &n->flags);
-				event_submit(n);
-			}
+	const __u8 *w = read_req_window(c.arg);
+	if (w && w[win_at(off_req_has_notif)]) {
+		struct nixl_event *n = event_reserve(EV_XFER_NOTIF);
+		if (n) {
+			n->agent = c.agent;
+			n->req = c.arg;
+			win_string(n->name, w, c.arg, off_req_notif, &n->flags);
+			event_submit(n);
 		}
 	}
 	struct nixl_event *e = event_reserve(EV_XFER_POST);
@@ -207,7 +255,7 @@ static __always_inline int xfer_posted(__s32 status)
 	e->req = c.arg;
 	e->status = status;
 	e->latency_ns = e->ts_ns - c.ts_ns;
-	read_req_fields(e, c.arg);
+	read_req_fields(e, c.arg, w);
 	event_submit(e);
 	return 0;
 }

@@ -410,13 +410,32 @@ pub fn for_build(build_id: &str) -> Option<NixlOffsets> {
         .map(|(_, o)| *o)
 }
 
+/// `REQ_WINDOW` of `ebpf/nixl/common.h`: a request's window is shorter.
+pub const REQ_WINDOW: u64 = 256;
+
 impl NixlOffsets {
+    /// The span of the request a post reads in one read: (start, length). A
+    /// `std::string` takes 32 bytes (pointer, length, and its inline characters).
+    pub fn req_window(&self) -> (u64, u64) {
+        let fields = [
+            (self.req_remote, 32),
+            (self.req_notif, 32),
+            (self.req_has_notif, 1),
+            (self.req_op, 4),
+            (self.req_bytes, 8),
+            (self.req_descs, 8),
+        ];
+        let start = fields.iter().map(|f| f.0).min().unwrap_or(0);
+        let end = fields.iter().map(|f| f.0 + f.1).max().unwrap_or(0);
+        (start, end - start)
+    }
+
     /// The BPF globals (`const volatile` in `ebpf/nixl/common.h`) and their values;
     /// the sites' only when `sites_attached` (their probes were resolved and checked).
     pub fn globals(
         offsets: Option<&NixlOffsets>,
         sites_attached: bool,
-    ) -> [(&'static str, u64); 24] {
+    ) -> [(&'static str, u64); 26] {
         let o = offsets.copied().unwrap_or(NixlOffsets {
             version: "",
             agent_data: 0,
@@ -433,6 +452,7 @@ impl NixlOffsets {
             req_status: 0,
             sites: None,
         });
+        let window = offsets.map_or((0, 0), NixlOffsets::req_window);
         let attached = o.sites.as_ref().filter(|_| sites_attached);
         let site = |f: fn(&TransferSites) -> SiteValue| attached.map_or(0, |s| f(s).encoded());
         let site_opt = |f: fn(&TransferSites) -> Option<SiteValue>| {
@@ -452,6 +472,8 @@ impl NixlOffsets {
             ("desc_stride", o.desc_stride),
             ("off_desc_len", o.desc_len),
             ("off_req_status", o.req_status),
+            ("off_req_window", window.0),
+            ("req_window_len", window.1),
             ("site_create_agent", site(|s| s.create_args.agent)),
             ("site_create_op", site(|s| s.create_args.op)),
             (
@@ -533,6 +555,24 @@ mod tests {
                 assert_eq!(a, b, "{name}");
             }
         }
+    }
+
+    /// A post reads its request in one window: every field it reads lies inside it, and
+    /// it is shorter than the BPF side's buffer bound.
+    #[test]
+    fn each_build_s_request_window_holds_the_fields_within_the_bpf_bound() {
+        let common = include_str!("../../../ebpf/nixl/common.h");
+        assert!(common.contains(&format!("#define REQ_WINDOW {REQ_WINDOW}")));
+        for (_, o) in KNOWN_BUILDS {
+            let (start, len) = o.req_window();
+            assert!(len > 0 && len < REQ_WINDOW, "{len}");
+            for (off, size) in [(o.req_remote, 32), (o.req_notif, 32), (o.req_op, 4)] {
+                assert!(off >= start && off + size <= start + len);
+            }
+        }
+        assert_eq!(KNOWN_BUILDS[0].1.req_window(), (0x60, 0x88));
+        let g = NixlOffsets::globals(None, false);
+        assert!(g.contains(&("req_window_len", 0)));
     }
 
     #[test]
