@@ -115,8 +115,20 @@ mod tests {
         hold(port).is_some()
     }
 
+    /// The tests below bind and release ports they chose a moment earlier; run side by
+    /// side, one can choose a port another is about to bind (the choice is free between
+    /// `pick_ports` and the bind), so they take turns.
+    static PORT_TESTS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+    fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+        PORT_TESTS
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
     #[test]
     fn ports_are_distinct_free_and_below_the_ephemeral_range() {
+        let _turn = one_at_a_time();
         let ports = pick_ports(5).unwrap();
         assert_eq!(ports.len(), 5);
         let mut sorted = ports.clone();
@@ -131,6 +143,7 @@ mod tests {
 
     #[test]
     fn a_reserved_port_is_busy_to_others_yet_its_listener_binds_it() {
+        let _turn = one_at_a_time();
         let reservation = reserve_ports(3).unwrap();
         let ports = reservation.ports();
         for &port in &ports {
@@ -154,6 +167,7 @@ mod tests {
 
     #[test]
     fn a_port_left_in_time_wait_is_not_free() {
+        let _turn = one_at_a_time();
         let port = pick_ports(1).unwrap()[0];
         let listener = TcpListener::bind(("127.0.0.1", port)).unwrap();
         let mut client = TcpStream::connect(("127.0.0.1", port)).unwrap();
@@ -167,10 +181,9 @@ mod tests {
             time_waits_on(port),
             "a connection on port {port} is in TIME_WAIT"
         );
-        assert!(
-            TcpListener::bind(("127.0.0.1", port)).is_ok(),
-            "std's check alone would call the port free"
-        );
+        if let Err(e) = TcpListener::bind(("127.0.0.1", port)) {
+            panic!("std's check alone would call port {port} free, yet its bind failed: {e}");
+        }
         assert!(!is_free(port), "port {port} has a TIME_WAIT remnant");
     }
 
