@@ -4,7 +4,7 @@
 //! It is a pure fold over records — no clocks, no I/O — so a live run and a replay of the
 //! same records give the same figures.
 
-use crate::fold::fleet_index::{FleetIndex, MirrorError};
+use crate::fold::fleet_index::{FastMap, FleetIndex, MirrorError};
 use crate::fold::verdict;
 use crate::fold::window::{ClosedWindow, OpenWindow};
 use kvscope_wire::api::summary::{AgentStatus, CollectorCounters};
@@ -188,7 +188,10 @@ pub struct FleetAnalyzer {
     /// Last batch sequence number applied per (agent, publisher).
     publisher_seqs: HashMap<(String, String), u64>,
     /// Per worker: the prompt blocks of decisions routed to it, with the decision time.
-    recent_prompts: HashMap<WorkerKey, HashMap<SequenceHash, u64>>,
+    /// Every decision writes its whole chain here, so the map hashes the block hashes
+    /// with one multiply, not SipHash. (Its cache misses stay: at 700 decisions/s it is
+    /// still a fifth of the collector's CPU.)
+    recent_prompts: HashMap<WorkerKey, FastMap<SequenceHash, u64>>,
     verdict_delay: MergedLatency,
     /// The workers discovery described, by instance id (retired ones included).
     fleet: BTreeMap<u64, WorkerRecord>,

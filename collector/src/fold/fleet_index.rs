@@ -80,7 +80,7 @@ pub struct ChainMatch {
 /// Hashes the side tables' keys (block hashes, worker keys, small integers): one folded
 /// multiply per word; SipHash's resistance to chosen keys buys nothing here.
 #[derive(Debug, Default, Clone, Copy)]
-struct FoldHasher(u64);
+pub(crate) struct FoldHasher(u64);
 
 impl Hasher for FoldHasher {
     fn finish(&self) -> u64 {
@@ -105,7 +105,8 @@ impl Hasher for FoldHasher {
     }
 }
 
-type FastMap<K, V> = HashMap<K, V, BuildHasherDefault<FoldHasher>>;
+/// A map keyed by hashes, or by small ids, hashed with [`FoldHasher`].
+pub(crate) type FastMap<K, V> = HashMap<K, V, BuildHasherDefault<FoldHasher>>;
 
 /// A worker's position in [`FleetIndex::workers`].
 type WorkerIdx = u32;
