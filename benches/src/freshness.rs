@@ -149,6 +149,9 @@ pub struct FreshnessReport {
     pub agent: Value,
     /// CPU time over the measured period per process, in cores.
     pub cpu_cores: BTreeMap<String, f64>,
+    /// Resident memory per process when the measured period starts and when it ends,
+    /// MiB (`VmRSS`): whether a process's memory grows with the load's duration.
+    pub rss_mib: BTreeMap<String, (f64, f64)>,
     pub load_average_start: String,
     pub load_average_end: String,
 }
@@ -446,6 +449,7 @@ async fn run(args: &FreshnessArgs) -> anyhow::Result<FreshnessReport> {
     let load_start = loadavg();
     let pids = pipeline.pids();
     let mut cpu_at_measure = None;
+    let mut rss_at_measure = None;
     let start = Instant::now();
     let start_ns = now_ns();
     let warm_ns = start_ns + (args.warmup_secs * 1e9) as u64;
@@ -460,10 +464,12 @@ async fn run(args: &FreshnessArgs) -> anyhow::Result<FreshnessReport> {
         if at_warm.is_none() && now_ns() >= warm_ns {
             at_warm = Some((gen.counts.clone(), now_ns()));
             cpu_at_measure = Some(cpu_ticks(&pids));
+            rss_at_measure = Some(rss_mib(&pids));
         }
     }
     let end_ns = now_ns();
     let cpu_end = cpu_ticks(&pids);
+    let rss_end = rss_mib(&pids);
     let load_end = loadavg();
     let (warm_counts, warm_at) = at_warm.unwrap_or_else(|| (Counts::default(), start_ns));
     let measured_secs = (end_ns - warm_at) as f64 / 1e9;
@@ -554,6 +560,14 @@ async fn run(args: &FreshnessArgs) -> anyhow::Result<FreshnessReport> {
             .collect(),
         None => BTreeMap::new(),
     };
+    let rss_mib = match rss_at_measure {
+        Some(before) => before
+            .into_iter()
+            .zip(rss_end)
+            .map(|((name, a), (_, b))| (name, (a, b)))
+            .collect(),
+        None => BTreeMap::new(),
+    };
     let agent = summary["agents"]["bench-node"]["heartbeat"]["counters"].clone();
     Ok(FreshnessReport {
         blocks_per_sec_target: args.blocks_per_sec,
@@ -584,6 +598,7 @@ async fn run(args: &FreshnessArgs) -> anyhow::Result<FreshnessReport> {
         collector: summary["counters"].clone(),
         agent,
         cpu_cores,
+        rss_mib,
         load_average_start: load_start,
         load_average_end: load_end,
     })
@@ -670,6 +685,15 @@ fn print_report(args: &FreshnessArgs, r: &FreshnessReport) {
         "CPU over the measured period, in cores: {}.",
         cpu.join(", ")
     );
+    let rss: Vec<String> = r
+        .rss_mib
+        .iter()
+        .map(|(k, (a, b))| format!("{k} {a:.0} → {b:.0}"))
+        .collect();
+    println!(
+        "Resident memory over the measured period, MiB: {}.",
+        rss.join(", ")
+    );
     println!(
         "Load average: {} at start, {} at end.",
         r.load_average_start, r.load_average_end
@@ -698,6 +722,21 @@ fn cpu_ticks(pids: &[(String, u32)]) -> Vec<(String, u64)> {
             let f: Vec<&str> = rest.split_whitespace().collect();
             let t = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
             (name.clone(), t(11) + t(12))
+        })
+        .collect()
+}
+
+/// `VmRSS` of each process, MiB (0 when unreadable).
+fn rss_mib(pids: &[(String, u32)]) -> Vec<(String, f64)> {
+    pids.iter()
+        .map(|(name, pid)| {
+            let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+            let kib = status
+                .lines()
+                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .and_then(|v| v.split_whitespace().next()?.parse::<f64>().ok())
+                .unwrap_or(0.0);
+            (name.clone(), kib / 1024.0)
         })
         .collect()
 }
