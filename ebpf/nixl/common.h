@@ -261,20 +261,15 @@ static __always_inline struct nixl_event *event_reserve(__u32 kind)
 }
 
 /*
- * Copy a libstdc++ std::string (pointer at +0, NUL-terminated) into `dst`. Returns the
- * bytes copied without the NUL, 0 when unreadable; sets FLAG_NAME_TRUNCATED in `flags`
- * when the string is longer than the buffer.
+ * Copy the characters of a libstdc++ std::string (its data pointer and length already
+ * read; NUL-terminated) into `dst`. Returns the bytes copied without the NUL, 0 when
+ * unreadable; sets FLAG_NAME_TRUNCATED in `flags` when the string is longer than the
+ * buffer.
  */
-static __always_inline __u32 read_std_string(char *dst, const void *str, __u32 *flags)
+static __always_inline __u32 std_string_chars(char *dst, const char *data, __u64 len,
+					      __u32 *flags)
 {
-	const char *data = 0;
-	__u64 len = 0;
-	if (!str || bpf_probe_read_user(&data, sizeof(data), str) != 0 || !data) {
-		dst[0] = 0;
-		return 0;
-	}
-	bpf_probe_read_user(&len, sizeof(len), (const char *)str + 8);
-	long n = bpf_probe_read_user_str(dst, NIXL_NAME_LEN, data);
+	long n = data ? bpf_probe_read_user_str(dst, NIXL_NAME_LEN, data) : 0;
 	if (n <= 0) {
 		dst[0] = 0;
 		return 0;
@@ -282,6 +277,19 @@ static __always_inline __u32 read_std_string(char *dst, const void *str, __u32 *
 	if (len >= NIXL_NAME_LEN)
 		*flags |= FLAG_NAME_TRUNCATED;
 	return (__u32)(n - 1);
+}
+
+/* A libstdc++ std::string (data pointer at +0, length at +8) into `dst`, as above. */
+static __always_inline __u32 read_std_string(char *dst, const void *str, __u32 *flags)
+{
+	const char *data = 0;
+	__u64 len = 0;
+	if (!str || bpf_probe_read_user(&data, sizeof(data), str) != 0) {
+		dst[0] = 0;
+		return 0;
+	}
+	bpf_probe_read_user(&len, sizeof(len), (const char *)str + 8);
+	return std_string_chars(dst, data, len, flags);
 }
 
 /* The per-thread entry of `call`, or 0. */

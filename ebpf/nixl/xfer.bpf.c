@@ -59,7 +59,7 @@ static __always_inline __u64 win_u64(const __u8 *w, __u64 at)
 /*
  * The libstdc++ std::string at `off` of the request, into `dst` (as read_std_string):
  * a short one's characters are inline, in the window already (its pointer points at
- * them); a longer one's are read.
+ * them, and it is shorter than the buffer); a longer one's are read.
  */
 static __always_inline void win_string(char *dst, const __u8 *w, __u64 req, __u64 off,
 				       __u32 *flags)
@@ -67,20 +67,14 @@ static __always_inline void win_string(char *dst, const __u8 *w, __u64 req, __u6
 	__u64 at = win_at(off);
 	__u64 data = win_u64(w, at);
 	__u64 len = win_u64(w, at + 8);
-	dst[0] = 0;
-	if (!data)
-		return;
-	if (len >= NIXL_NAME_LEN)
-		*flags |= FLAG_NAME_TRUNCATED;
-	if (data == req + off + 16 && len < 16) {
+	if (data && data == req + off + 16 && len < 16) {
 		/* The inline buffer holds the characters and the terminating NUL. */
 		const __u8 *chars = w + (at & (REQ_WINDOW - 1)) + 16;
 		for (int i = 0; i < 16; i++)
 			dst[i] = chars[i];
 		return;
 	}
-	if (bpf_probe_read_user_str(dst, NIXL_NAME_LEN, (const void *)data) <= 0)
-		dst[0] = 0;
+	std_string_chars(dst, (const char *)data, len, flags);
 }
 
 static __always_inline void read_req_fields(struct nixl_event *e, __u64 req, const __u8 *w)
