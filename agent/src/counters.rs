@@ -57,6 +57,7 @@ agent_stats!(
     decisions_traced: "Routing decisions read from Dynamo's request trace (DYN_REQUEST_TRACE).",
     migration_lines: "KVMIGRATE log lines read.",
     published: "Records published to NATS.",
+    messages_published: "NATS messages those records went in (records released together share one).",
     publish_dropped: "Records dropped because the local buffer was full (records or bytes) while NATS was away.",
     records_split: "Records larger than one NATS message, sent in parts.",
     records_set_aside: "Records JetStream refused (not the connection): set aside so the others go on.",
@@ -84,6 +85,6 @@ mod tests {
         let c = s.snapshot();
         assert_eq!(c.kv_batches, 2);
         assert_eq!(c.publish_dropped, 5);
-        assert_eq!(s.named().len(), 34);
+        assert_eq!(s.named().len(), 35);
     }
 }

@@ -178,12 +178,19 @@ async fn collect_until(
         );
         match tokio::time::timeout(left, messages.next()).await {
             Ok(Some(Ok(m))) => {
-                let env = Envelope::from_json(&m.payload).unwrap();
-                assert_eq!(
-                    m.subject.as_str(),
-                    subjects.for_record("test-node", &env.record)
-                );
-                got.push(env);
+                // A message is one record, or a bundle of records released together.
+                for entry in kvscope_wire::bundle::entries(m.subject.as_str(), &m.payload) {
+                    let entry = entry.unwrap();
+                    let env = Envelope::from_json(entry.json).unwrap();
+                    assert_eq!(entry.subject, subjects.for_record("test-node", &env.record));
+                    if entry.subject != m.subject.as_str() {
+                        assert_eq!(
+                            m.subject.as_str(),
+                            Subjects::bundle_subject(subjects.scope_of(entry.subject).unwrap())
+                        );
+                    }
+                    got.push(env);
+                }
             }
             Ok(other) => panic!("consumer ended: {other:?}"),
             Err(_) => panic!(
@@ -352,6 +359,7 @@ async fn records_from_zmq_and_the_router_log_arrive_on_jetstream() {
         decisions_traced: 0,
         migration_lines: 2,
         published: 0, // not compared
+        messages_published: 0,
         publish_dropped: 0,
         records_split: 0,
         records_set_aside: 0,
@@ -366,6 +374,7 @@ async fn records_from_zmq_and_the_router_log_arrive_on_jetstream() {
     let settled = |c: &AgentCounters| {
         AgentCounters {
             published: 0,
+            messages_published: 0,
             records_late: 0,
             ..c.clone()
         } == want_counters
@@ -613,8 +622,13 @@ async fn records_wait_for_nats_and_overflow_is_counted() {
         .get_stream(Subjects::new("late").stream_name())
         .await
         .unwrap();
-    let n = stream.info().await.unwrap().state.messages;
-    assert_eq!(n, 4, "3 records and the shutdown heartbeat");
+    let state = stream.info().await.unwrap().state.clone();
+    let mut records = 0;
+    for seq in state.first_sequence..=state.last_sequence {
+        let m = stream.get_raw_message(seq).await.unwrap();
+        records += kvscope_wire::bundle::entries(&m.subject, &m.payload).count();
+    }
+    assert_eq!(records, 4, "3 records and the shutdown heartbeat");
 }
 
 /// `copytruncate` rotation with the real agent and NATS: the log is cut and written

@@ -673,8 +673,15 @@ fn print_report(args: &FreshnessArgs, r: &FreshnessReport) {
         c["verdicts_judged_before_event"]
     );
     println!(
-        "Agent (last heartbeat): {} published, {} dropped, {} late, {} sequence gaps.",
-        a["published"], a["publish_dropped"], a["records_late"], a["kv_sequence_gaps"]
+        "Agent (last heartbeat): {} published in {} NATS messages, {} dropped, {} late, {} sequence gaps.",
+        a["published"],
+        // An agent older than bundles does not count its messages.
+        a["messages_published"]
+            .as_u64()
+            .map_or_else(|| "?".to_string(), |n| n.to_string()),
+        a["publish_dropped"],
+        a["records_late"],
+        a["kv_sequence_gaps"]
     );
     let cpu: Vec<String> = r
         .cpu_cores

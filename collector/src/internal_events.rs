@@ -54,7 +54,7 @@ impl InternalEvent<Shared> for RecordForeign<'_> {
                 subject = self.subject,
                 agent = self.agent,
                 suppressed,
-                "A record whose agent is not the one its subject names; not applied, counted."
+                "A record whose agent is not the one its subject names (or a bundled record outside its bundle's agent and model); not applied, counted."
             );
         }
     }

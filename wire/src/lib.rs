@@ -7,6 +7,7 @@
 //! disagree about a field.
 
 pub mod api;
+pub mod bundle;
 pub mod cost;
 pub mod directive;
 pub mod dynamo_events;

@@ -625,6 +625,10 @@ pub struct AgentCounters {
     pub decisions_traced: u64,
     pub migration_lines: u64,
     pub published: u64,
+    /// NATS messages those records went in (records stamped together share one:
+    /// `crate::bundle`).
+    #[serde(default)]
+    pub messages_published: u64,
     /// Records dropped because the local buffer was full (in records or bytes) while
     /// NATS was away.
     pub publish_dropped: u64,
@@ -804,16 +808,55 @@ mod tests {
         let a = Envelope::from_json(first).unwrap();
         assert_eq!(a, Envelope::from_json(later).unwrap());
         assert!(matches!(a.record, Record::Heartbeat(h) if h.counters.kv_batches == 2));
-        // Every kind the writer writes is read back (the list of kinds is the enum's).
-        for record in [
-            Record::Heartbeat(AgentHeartbeat::default()),
-            Record::Nixl(Default::default()),
-        ] {
-            let json = serde_json::to_value(&record).unwrap();
-            let kind = json["kind"].as_str().unwrap().to_string();
-            assert!(RECORD_KINDS.contains(&kind.as_str()), "{kind}");
-            assert_eq!(serde_json::from_value::<Record>(json).unwrap(), record);
+    }
+
+    #[test]
+    fn a_record_of_every_kind_is_read_back_as_written() {
+        let worker = r#""worker":{"worker_id":7,"dp_rank":0}"#;
+        let samples = [
+            format!(
+                r#"{{"kind":"kv_events",{worker},"publisher":"p","seq":1,"sequence":{{"status":"first"}},"engine_ts":1.5,"events":[{{"type":"AllBlocksCleared"}}]}}"#
+            ),
+            format!(
+                r#"{{"kind":"decision","request_id":"r",{worker},"isl_tokens":32,"block_size":16,"local_hashes":[1,2]}}"#
+            ),
+            r#"{"kind":"migration","migration_kind":"spill","request_id":"r"}"#.into(),
+            r#"{"kind":"heartbeat","counters":{"kv_batches":2},"buffered":1}"#.into(),
+            r#"{"kind":"nixl","libraries":[],"transfers":[],"calls":[],"events_lost":1,"events_malformed":0}"#.into(),
+            r#"{"kind":"worker","worker_id":7,"state":"up","model":"m"}"#.into(),
+            format!(
+                r#"{{"kind":"request_end","request_id":"r",{worker},"received_ns":5,"input_tokens":32,"output_tokens":4}}"#
+            ),
+        ];
+        let mut kinds = Vec::new();
+        for sample in &samples {
+            let record: Record =
+                serde_json::from_str(sample).unwrap_or_else(|e| panic!("{sample}: {e}"));
+            // A kind added to `Record` fails to compile here until it has a sample.
+            let name = match &record {
+                Record::KvEvents(_) => "kv_events",
+                Record::Decision(_) => "decision",
+                Record::Migration(_) => "migration",
+                Record::Heartbeat(_) => "heartbeat",
+                Record::Nixl(_) => "nixl",
+                Record::Worker(_) => "worker",
+                Record::RequestEnd(_) => "request_end",
+            };
+            let written = serde_json::to_string(&record).unwrap();
+            assert!(
+                written.starts_with(&format!(r#"{{"kind":"{name}""#)),
+                "{written}"
+            );
+            assert_eq!(serde_json::from_str::<Record>(&written).unwrap(), record);
+            kinds.push(name);
         }
+        kinds.sort_unstable();
+        let mut known = RECORD_KINDS.to_vec();
+        known.sort_unstable();
+        assert_eq!(
+            kinds, known,
+            "one sample of every kind, and every kind is known"
+        );
     }
 
     #[test]

@@ -109,6 +109,24 @@ impl Subjects {
         (!agent.is_empty() && !kind.is_empty()).then_some(agent)
     }
 
+    /// The scope of a record's subject: `kvscope.<cluster>.<agent>[.m.<model>]`, what a
+    /// bundle of records shares (`crate::bundle`); `None` for a subject that is not one
+    /// of this cluster's record subjects.
+    pub fn scope_of<'a>(&self, subject: &'a str) -> Option<&'a str> {
+        let agent = self.agent_of(subject)?;
+        let head = "kvscope.".len() + self.cluster.len() + 1 + agent.len();
+        let len = match self.model_of(subject) {
+            Some(model) => head + ".m.".len() + model.len(),
+            None => head,
+        };
+        Some(&subject[..len])
+    }
+
+    /// The subject of a bundle of records of `scope` (see [`Self::scope_of`]).
+    pub fn bundle_subject(scope: &str) -> String {
+        format!("{scope}.{}", crate::bundle::BUNDLE_KIND)
+    }
+
     /// Whether a record claiming to come from `agent` may travel on `subject`.
     pub fn subject_matches_agent(&self, subject: &str, agent: &str) -> bool {
         self.agent_of(subject) == Some(token(agent).as_str())
@@ -245,6 +263,24 @@ mod tests {
         let s = Subjects::new("lab.1 x");
         assert_eq!(s.all(), "kvscope.lab_1_x.>");
         assert_eq!(s.stream_name(), "KVSCOPE_LAB_1_X");
+    }
+
+    #[test]
+    fn a_bundle_s_scope_is_its_agent_and_model() {
+        use crate::record::{AgentHeartbeat, Record};
+        let s = Subjects::new("prod");
+        let hb = Record::Heartbeat(AgentHeartbeat::default());
+        let plain = s.for_record("node 1", &hb);
+        let model = s.for_record_in_model("node 1", &hb, "llama 3");
+        assert_eq!(s.scope_of(&plain), Some("kvscope.prod.node_1"));
+        assert_eq!(s.scope_of(&model), Some("kvscope.prod.node_1.m.llama_3"));
+        let bundle = Subjects::bundle_subject(s.scope_of(&model).unwrap());
+        assert_eq!(bundle, "kvscope.prod.node_1.m.llama_3.records");
+        assert_eq!(s.scope_of(&bundle), s.scope_of(&model));
+        assert!(s.subject_matches_agent(&bundle, "node 1"));
+        assert_eq!(s.model_of(&bundle), Some("llama_3"));
+        assert_eq!(s.scope_of("kvscope.other.node_1.heartbeat"), None);
+        assert_eq!(s.scope_of("kvscope.prod.node_1"), None);
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! Any bytes as what reaches the collector from the bus and from Dynamo's event plane:
-//! a record's JSON, a part of a record (with any part header), an event-plane envelope
-//! and its router events. Never a panic; the part joiner never holds more than its
+//! a record's JSON, a bundle of records, a part of a record (with any part header), an
+//! event-plane envelope and its router events. Never a panic; the part joiner never holds more than its
 //! limit.
 #![no_main]
 
@@ -11,6 +11,10 @@ use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
     let _ = Envelope::from_json(data);
+    for entry in kvscope_wire::bundle::entries("kvscope.c.a.records", data).flatten() {
+        assert!(!entry.subject.is_empty());
+        let _ = Envelope::from_json(entry.json);
+    }
     if let Ok(env) = decode_envelope(data) {
         let _ = decode_router_events(&env.payload, 16);
     }

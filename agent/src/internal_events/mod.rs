@@ -77,7 +77,7 @@ mod tests {
             kind: kvscope_wire::MigrationLogKind::Spill,
         }
         .emit(&s);
-        RecordPublished.emit(&s);
+        RecordPublished { records: 3 }.emit(&s);
         PublishDropped {
             capacity: 1,
             max_bytes: 10,
@@ -109,6 +109,7 @@ mod tests {
         RecordSetAside {
             error: "e",
             bytes: 1,
+            records: 2,
             subject: "s",
         }
         .emit(&s);
@@ -151,10 +152,11 @@ mod tests {
                 decisions_unjoined: 1,
                 decisions_traced: 0,
                 migration_lines: 1,
-                published: 1,
+                published: 3,
+                messages_published: 1,
                 publish_dropped: 1,
                 records_split: 1,
-                records_set_aside: 1,
+                records_set_aside: 2,
                 publish_errors: 1,
                 bus_refusals: 0,
                 records_late: 1,

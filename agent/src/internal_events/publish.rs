@@ -4,13 +4,16 @@ use super::{InternalEvent, LogLimiter};
 use crate::counters::{add, AgentStats};
 use tracing::{debug, error, info, trace, warn};
 
-/// A record acknowledged by JetStream.
-pub struct RecordPublished;
+/// A message of `records` records acknowledged by JetStream.
+pub struct RecordPublished {
+    pub records: usize,
+}
 
 impl InternalEvent<AgentStats> for RecordPublished {
     fn emit(self, stats: &AgentStats) {
-        trace!("Record published.");
-        add(&stats.published, 1);
+        trace!(records = self.records, "Message published.");
+        add(&stats.published, self.records as u64);
+        add(&stats.messages_published, 1);
     }
 }
 
@@ -49,11 +52,12 @@ impl InternalEvent<AgentStats> for RecordSplit<'_> {
     }
 }
 
-/// JetStream refused a record itself (not the connection): it is set aside, counted,
-/// and the records behind it go on. The agent's recording still has it.
+/// JetStream refused a message itself (not the connection): its records are set aside,
+/// counted, and the records behind them go on. The agent's recording still has them.
 pub struct RecordSetAside<'a> {
     pub error: &'a str,
     pub bytes: usize,
+    pub records: usize,
     pub subject: &'a str,
 }
 
@@ -62,9 +66,9 @@ static SET_ASIDE: LogLimiter = LogLimiter::new();
 impl InternalEvent<AgentStats> for RecordSetAside<'_> {
     fn emit(self, stats: &AgentStats) {
         if let Some(suppressed) = SET_ASIDE.check() {
-            error!(error = %self.error, bytes = self.bytes, subject = %self.subject, suppressed, "JetStream refused a record; set aside, the others go on.");
+            error!(error = %self.error, bytes = self.bytes, records = self.records, subject = %self.subject, suppressed, "JetStream refused a message; its records are set aside, the others go on.");
         }
-        add(&stats.records_set_aside, 1);
+        add(&stats.records_set_aside, self.records as u64);
     }
 }
 

@@ -61,6 +61,7 @@ use crate::internal_events::{
     InternalEvent, PublishDropped, RecordClockCorrected, RecordLate, RecordingWriteFailed,
 };
 use kvscope_kit::clock::now_ns;
+use kvscope_wire::bundle::{BundleWriter, MAX_BUNDLE_BYTES, MAX_BUNDLE_RECORDS};
 use kvscope_wire::recording::RecordingWriter;
 use kvscope_wire::{Envelope, Record, Subjects};
 use std::cmp::Reverse;
@@ -69,15 +70,81 @@ use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
 use tokio::sync::Notify;
 
-/// A record ready to publish: its envelope's JSON, serialized once when it was stamped.
+/// A message ready to publish: one record's envelope JSON, serialized once when it was
+/// stamped, or a bundle of consecutive records of one scope (`kvscope_wire::bundle`).
 #[derive(Debug, Clone)]
 pub struct Outgoing {
     /// Position in this agent run's output, for JetStream's de-duplication id.
     pub local_seq: u64,
     pub subject: String,
-    /// The envelope's stamp (its `observed_ns`).
+    /// The last envelope's stamp (its `observed_ns`).
     pub observed_ns: u64,
     pub payload: bytes::Bytes,
+    /// Records in it.
+    pub records: usize,
+    /// Their envelopes' JSON bytes (what the buffer's byte limit counts).
+    pub record_bytes: usize,
+}
+
+/// The message being filled: records stamped one after another join it while they share
+/// its scope, until the publisher takes it ([`RecordSink::peek`]) or it is full. What it
+/// holds never changes once taken, so a re-sent message keeps its de-duplication id's
+/// meaning.
+struct OpenMessage {
+    local_seq: u64,
+    /// `kvscope.<cluster>.<agent>[.m.<model>]` (`Subjects::scope_of`).
+    scope: String,
+    first_subject: String,
+    first: bytes::Bytes,
+    /// Written once a second record joins.
+    bundle: Option<BundleWriter>,
+    observed_ns: u64,
+    records: usize,
+    record_bytes: usize,
+}
+
+impl OpenMessage {
+    /// Whether a record of `subject` and `json` fits: a bundle never grows past
+    /// `kvscope_wire::bundle`'s limits, so a record too large for one goes alone (in
+    /// parts, if it must), as it always did.
+    fn takes(&self, subject: &str, json: &[u8]) -> bool {
+        let bytes = match &self.bundle {
+            Some(b) => b.bytes(),
+            None => BundleWriter::line_bytes(&self.first_subject, &self.first),
+        };
+        self.records < MAX_BUNDLE_RECORDS
+            && bytes + BundleWriter::line_bytes(subject, json) <= MAX_BUNDLE_BYTES
+    }
+
+    fn push(&mut self, subject: &str, payload: &bytes::Bytes, observed_ns: u64) {
+        let bundle = self.bundle.get_or_insert_with(|| {
+            let mut b = BundleWriter::default();
+            b.push(&self.first_subject, &self.first);
+            b
+        });
+        bundle.push(subject, payload);
+        self.observed_ns = observed_ns;
+        self.records += 1;
+        self.record_bytes += payload.len();
+    }
+
+    fn finish(self) -> Outgoing {
+        let (subject, payload) = match self.bundle {
+            Some(b) => (
+                Subjects::bundle_subject(&self.scope),
+                bytes::Bytes::from(b.finish()),
+            ),
+            None => (self.first_subject, self.first),
+        };
+        Outgoing {
+            local_seq: self.local_seq,
+            subject,
+            observed_ns: self.observed_ns,
+            payload,
+            records: self.records,
+            record_bytes: self.record_bytes,
+        }
+    }
 }
 
 /// A record waiting in the reorder window, ordered by event time, then arrival.
@@ -293,7 +360,11 @@ struct Inner {
     lag: DeliveryLag,
     arrivals: u64,
     buffer: VecDeque<Outgoing>,
-    /// Payload bytes in `buffer`.
+    /// The message after the last in `buffer`, still taking records.
+    open: Option<OpenMessage>,
+    /// Records in `buffer` and `open`.
+    buffered_records: usize,
+    /// Their envelopes' JSON bytes.
     buffered_bytes: usize,
     last_ns: u64,
     next_seq: u64,
@@ -339,6 +410,8 @@ impl RecordSink {
                 lag: DeliveryLag::default(),
                 arrivals: 0,
                 buffer: VecDeque::new(),
+                open: None,
+                buffered_records: 0,
                 buffered_bytes: 0,
                 last_ns: 0,
                 next_seq: 0,
@@ -648,7 +721,7 @@ impl RecordSink {
         let payload = bytes::Bytes::from(envelope.to_json());
         let mut queued = false;
         for subject in subjects {
-            if inner.buffer.len() >= self.capacity
+            if inner.buffered_records >= self.capacity
                 || inner.buffered_bytes + payload.len() > self.max_bytes
             {
                 PublishDropped {
@@ -660,36 +733,83 @@ impl RecordSink {
                 .emit(&self.stats);
                 continue;
             }
-            let local_seq = inner.next_seq;
-            inner.next_seq += 1;
+            inner.buffered_records += 1;
             inner.buffered_bytes += payload.len();
-            inner.buffer.push_back(Outgoing {
-                local_seq,
-                subject,
-                observed_ns: envelope.observed_ns,
-                payload: payload.clone(),
-            });
+            self.queue_locked(inner, subject, &payload, envelope.observed_ns);
             queued = true;
         }
         queued
     }
 
-    /// Up to `n` records from the front of the buffer (they stay until [`Self::ack`]).
-    pub fn peek(&self, n: usize) -> Vec<Outgoing> {
-        self.lock().buffer.iter().take(n).cloned().collect()
+    /// Add a record to the open message when it shares its scope and there is room, or
+    /// start the next message with it.
+    fn queue_locked(
+        &self,
+        inner: &mut Inner,
+        subject: String,
+        payload: &bytes::Bytes,
+        observed_ns: u64,
+    ) {
+        let scope = self.subjects.scope_of(&subject).map(str::to_string);
+        if let Some(open) = inner.open.as_mut() {
+            if scope.as_ref() == Some(&open.scope) && open.takes(&subject, payload) {
+                open.push(&subject, payload, observed_ns);
+                return;
+            }
+        }
+        Self::seal_locked(inner);
+        let local_seq = inner.next_seq;
+        inner.next_seq += 1;
+        let open = OpenMessage {
+            local_seq,
+            scope: scope.clone().unwrap_or_default(),
+            first_subject: subject,
+            first: payload.clone(),
+            bundle: None,
+            observed_ns,
+            records: 1,
+            record_bytes: payload.len(),
+        };
+        if scope.is_some() {
+            inner.open = Some(open);
+        } else {
+            // Not one of the cluster's record subjects (cannot happen for the agent's
+            // own): sent alone.
+            inner.buffer.push_back(open.finish());
+        }
     }
 
-    /// Remove the first `n` records: JetStream acknowledged them (or they were set
+    /// The open message takes no more records: it joins the buffer.
+    fn seal_locked(inner: &mut Inner) {
+        if let Some(open) = inner.open.take() {
+            inner.buffer.push_back(open.finish());
+        }
+    }
+
+    /// Up to `n` messages from the front of the buffer (they stay until [`Self::ack`]);
+    /// the open one is closed first, so what is taken never changes.
+    pub fn peek(&self, n: usize) -> Vec<Outgoing> {
+        let mut inner = self.lock();
+        Self::seal_locked(&mut inner);
+        inner.buffer.iter().take(n).cloned().collect()
+    }
+
+    /// Remove the first `n` messages: JetStream acknowledged them (or they were set
     /// aside).
     pub fn ack(&self, n: usize) {
         let mut inner = self.lock();
         let n = n.min(inner.buffer.len());
-        let bytes: usize = inner.buffer.drain(..n).map(|o| o.payload.len()).sum();
+        let (records, bytes) = inner
+            .buffer
+            .drain(..n)
+            .fold((0, 0), |(r, b), o| (r + o.records, b + o.record_bytes));
+        inner.buffered_records -= records;
         inner.buffered_bytes -= bytes;
     }
 
+    /// Records waiting to be published.
     pub fn buffered(&self) -> usize {
-        self.lock().buffer.len()
+        self.lock().buffered_records
     }
 
     /// Bytes of JSON waiting in the buffer.
@@ -726,6 +846,18 @@ mod tests {
         Record::Heartbeat(AgentHeartbeat::default())
     }
 
+    /// The stamps of every record waiting, in order, whatever messages they are in.
+    fn stamps_of(sink: &RecordSink) -> Vec<u64> {
+        sink.peek(usize::MAX)
+            .iter()
+            .flat_map(|o| {
+                kvscope_wire::bundle::entries(&o.subject, &o.payload)
+                    .map(|e| Envelope::from_json(e.unwrap().json).unwrap().observed_ns)
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    }
+
     #[test]
     fn stamps_never_go_back_and_a_full_buffer_drops_new_records() {
         let dir = tempfile::tempdir().unwrap();
@@ -744,25 +876,26 @@ mod tests {
         sink.submit_at(None, hb(), None, 5);
         sink.submit_at(None, hb(), None, 20);
         assert_eq!(stats.snapshot().publish_dropped, 1);
+        assert_eq!(stamps_of(&sink), vec![10, 10]);
+        // Stamped one after the other, the two share a message.
+        let out = sink.peek(10);
+        assert_eq!(out.len(), 1);
+        assert_eq!((out[0].local_seq, out[0].records), (0, 2));
+        assert_eq!(out[0].subject, "kvscope.c.node_1.records");
+        sink.ack(1);
+        assert_eq!(sink.buffered(), 0);
+        sink.submit_at(None, hb(), None, 30);
         let out = sink.peek(10);
         assert_eq!(
-            out.iter().map(|o| o.observed_ns).collect::<Vec<_>>(),
-            vec![10, 10]
-        );
-        assert_eq!(
-            out.iter().map(|o| o.local_seq).collect::<Vec<_>>(),
-            vec![0, 1]
-        );
-        assert_eq!(out[0].subject, "kvscope.c.node_1.heartbeat");
-        sink.ack(1);
-        assert_eq!(sink.buffered(), 1);
-        sink.submit_at(None, hb(), None, 30);
-        assert_eq!(
-            sink.peek(10)
-                .iter()
-                .map(|o| o.local_seq)
+            out.iter()
+                .map(|o| (o.local_seq, o.records, o.subject.as_str()))
                 .collect::<Vec<_>>(),
-            vec![1, 2]
+            vec![(1, 1, "kvscope.c.node_1.heartbeat")],
+            "a message of one record goes on its own subject, as it is"
+        );
+        assert_eq!(
+            Envelope::from_json(&out[0].payload).unwrap().observed_ns,
+            30
         );
         sink.flush_recording();
         // The recording has everything observed, the dropped record included.
@@ -777,12 +910,104 @@ mod tests {
     }
 
     #[test]
+    fn a_bundle_stays_within_its_limits_and_a_large_record_goes_alone() {
+        let stats = Arc::new(AgentStats::default());
+        let sink =
+            RecordSink::new("n", Subjects::new("c"), usize::MAX, usize::MAX, None, stats).unwrap();
+        let n = MAX_BUNDLE_RECORDS + 3;
+        for t in 0..n as u64 {
+            sink.submit_at(None, hb(), None, t);
+        }
+        let out = sink.peek(10);
+        assert_eq!(
+            out.iter().map(|o| o.records).collect::<Vec<_>>(),
+            vec![MAX_BUNDLE_RECORDS, 3]
+        );
+        assert!(out.iter().all(|o| o.payload.len() <= MAX_BUNDLE_BYTES));
+        assert_eq!(stamps_of(&sink), (0..n as u64).collect::<Vec<_>>());
+        sink.ack(2);
+        // Migration lines of a third of a bundle each: a fourth would take one past its
+        // limit, and one over the limit by itself goes alone.
+        let big = |bytes: usize| {
+            Record::Migration(kvscope_wire::MigrationLogLine {
+                kind: kvscope_wire::MigrationLogKind::HandshakeObtained,
+                request_id: Some("x".repeat(bytes)),
+                source: None,
+                target: None,
+                tokens: None,
+                migratable_tokens: None,
+                fields: Default::default(),
+                trace: None,
+            })
+        };
+        sink.submit_at(None, hb(), None, 1000);
+        for _ in 0..3 {
+            sink.submit_at(None, big(MAX_BUNDLE_BYTES / 3), None, 1001);
+        }
+        sink.submit_at(None, big(MAX_BUNDLE_BYTES), None, 1002);
+        sink.submit_at(None, hb(), None, 1003);
+        let out = sink.peek(10);
+        assert_eq!(
+            out.iter().map(|o| o.records).collect::<Vec<_>>(),
+            vec![3, 1, 1, 1]
+        );
+        assert!(out[..2].iter().all(|o| o.payload.len() <= MAX_BUNDLE_BYTES));
+        assert!(!kvscope_wire::bundle::is_bundle(&out[2].payload));
+        assert!(out[2].payload.len() > MAX_BUNDLE_BYTES);
+    }
+
+    #[test]
+    fn a_message_taken_by_the_publisher_never_changes_and_scopes_never_mix() {
+        let stats = Arc::new(AgentStats::default());
+        let sink = RecordSink::new("n", Subjects::new("c"), 100, usize::MAX, None, stats).unwrap();
+        let worker = |id: u64, model: &str| {
+            Record::Worker(kvscope_wire::WorkerRecord {
+                worker_id: id,
+                state: kvscope_wire::WorkerState::Up,
+                model: Some(model.into()),
+                block_size: None,
+                total_kv_blocks: None,
+                dp_ranks: vec![],
+                worker_type: None,
+            })
+        };
+        sink.submit_at(None, hb(), None, 1);
+        let taken = sink.peek(10);
+        assert_eq!(taken.len(), 1);
+        // A record stamped after the publisher took the message starts the next one.
+        sink.submit_at(None, hb(), None, 2);
+        sink.submit_at(None, hb(), None, 3);
+        let again = sink.peek(10);
+        assert_eq!(again[0].payload, taken[0].payload);
+        assert_eq!(
+            again.iter().map(|o| o.records).collect::<Vec<_>>(),
+            vec![1, 2]
+        );
+        sink.ack(2);
+        // A worker of model alpha: its record goes under alpha's subjects, and so does
+        // the heartbeat's copy for alpha, after the plain heartbeat.
+        sink.submit_at(None, worker(7, "alpha"), None, 4);
+        sink.submit_at(None, hb(), None, 5);
+        let out = sink.peek(10);
+        assert_eq!(
+            out.iter()
+                .map(|o| (o.subject.as_str(), o.records))
+                .collect::<Vec<_>>(),
+            vec![
+                ("kvscope.c.n.m.alpha.fleet", 1),
+                ("kvscope.c.n.heartbeat", 1),
+                ("kvscope.c.n.m.alpha.heartbeat", 1),
+            ]
+        );
+        assert_eq!(sink.buffered(), 3);
+        assert_eq!(stamps_of(&sink), vec![4, 5, 5]);
+    }
+
+    #[test]
     fn records_leave_in_event_time_order_once_every_source_has_passed_them() {
         let (sink, stats) = sink();
         let (kv, log) = (sink.add_source("kv", 50), sink.add_source("log", 50));
-        let times = |sink: &RecordSink| -> Vec<u64> {
-            sink.peek(10).iter().map(|o| o.observed_ns).collect()
-        };
+        let times = stamps_of;
         // The KV batch (event time 120) of a prefill reaches the agent before the
         // decision that caused it (event time 100): the log has said nothing yet.
         sink.submit_at(Some(kv), hb(), Some(120), 125);
@@ -866,7 +1091,7 @@ mod tests {
             written + 5 * MS,
         );
         sink.release_all();
-        let got: Vec<u64> = sink.peek(20).iter().map(|o| o.observed_ns).collect();
+        let got = stamps_of(&sink);
         // The first line is only clamped (one sample proves little). From the second on,
         // the offset is taken as the second largest amount a stamp was ahead, so each is
         // stamped the second smallest delay so far after it was written: never before
@@ -961,7 +1186,7 @@ mod tests {
         // A batch older than what already left: at once, stamped after it, counted.
         sink.submit_at(Some(kv), hb(), Some(300), 403);
         assert_eq!(sink.buffered(), 6);
-        assert_eq!(sink.peek(10).last().unwrap().observed_ns, 395);
+        assert_eq!(stamps_of(&sink).last(), Some(&395));
         assert_eq!(stats.snapshot().records_late, 1);
     }
 
@@ -1023,13 +1248,7 @@ mod tests {
         // its end: it goes before the batch.
         sink.submit_at(Some(log), hb(), Some(90), 600);
         sink.release_at(1100);
-        assert_eq!(
-            sink.peek(10)
-                .iter()
-                .map(|o| o.observed_ns)
-                .collect::<Vec<_>>(),
-            vec![90, 100]
-        );
+        assert_eq!(stamps_of(&sink), vec![90, 100]);
         assert_eq!(stats.snapshot().records_late, 0);
     }
 

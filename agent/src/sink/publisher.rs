@@ -3,8 +3,9 @@
 //! Creates (or updates) the cluster's stream — file storage, every subject of the
 //! cluster, the configured retention — then publishes each record as JSON to its
 //! subject and waits for JetStream's acknowledgement before removing it from the
-//! buffer. Records are sent in windows of up to [`WINDOW`] with the acks awaited in
-//! order; each carries a `Nats-Msg-Id` unique to this agent run, so re-sending a window
+//! buffer. Records stamped together (a burst released by the reorder window) go as one
+//! message when they share a scope (`kvscope_wire::bundle`): NATS costs per message.
+//! Messages are sent in windows of up to [`WINDOW`] with the acks awaited in order; each carries a `Nats-Msg-Id` unique to this agent run, so re-sending a window
 //! after a failure cannot store a record twice (within the stream's duplicate window).
 //! A record larger than the server's `max_payload` (one long prompt's batch or
 //! decision) goes in consecutive parts that the collector joins (`kvscope_wire::parts`);
@@ -34,7 +35,7 @@ use tokio::sync::watch;
 /// The readiness check the publisher keeps.
 pub const BUS_CHECK: &str = "bus";
 
-/// Records in flight at once.
+/// Messages in flight at once.
 pub const WINDOW: usize = 128;
 const ACK_TIMEOUT: Duration = Duration::from_secs(5);
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
@@ -239,6 +240,7 @@ async fn publish_window(
             Some(e) => RecordSetAside {
                 error: &e,
                 bytes: out.payload.len(),
+                records: out.records,
                 subject: &out.subject,
             }
             .emit(stats),
@@ -251,7 +253,10 @@ async fn publish_window(
                     }
                     .emit(stats);
                 }
-                RecordPublished.emit(stats);
+                RecordPublished {
+                    records: out.records,
+                }
+                .emit(stats);
             }
         }
         done += 1;

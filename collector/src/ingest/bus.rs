@@ -72,16 +72,11 @@ impl Shared {
     }
 
     /// Join one bus message with the parts before it (see `kvscope_wire::parts`) and
-    /// apply the record once it is whole.
+    /// apply its records once it is whole.
     fn apply_message(&self, subject: &str, headers: Option<&HeaderMap>, payload: &[u8], seq: u64) {
-        // The string check first: most messages are no copy, and need no lock here.
-        if self.subjects.is_model_copy(subject) {
-            let mut bus = lock(&self.bus);
-            if bus.filter.is_none() {
-                bus.model_copies_skipped += 1;
-                bus.applied_seq = seq;
-                return;
-            }
+        if self.skips_model_copy(subject) {
+            lock(&self.bus).applied_seq = seq;
+            return;
         }
         let header = |name: &str| headers.and_then(|h| h.get(name)).map(|v| v.as_str());
         let outcome = lock(&self.parts).accept(
@@ -113,10 +108,54 @@ impl Shared {
         }
     }
 
-    /// Decode and apply one record; undecodable ones, and ones whose agent is not the
-    /// one their subject names, are counted and skipped.
+    /// Whether `subject` is a model's copy of a heartbeat or NIXL report that this
+    /// collector of the whole fleet skips (counted).
+    fn skips_model_copy(&self, subject: &str) -> bool {
+        // The string check first: most records are no copy, and need no lock here.
+        if !self.subjects.is_model_copy(subject) {
+            return false;
+        }
+        let mut bus = lock(&self.bus);
+        if bus.filter.is_some() {
+            return false;
+        }
+        bus.model_copies_skipped += 1;
+        true
+    }
+
+    /// Apply the records of one whole message: itself, or each of a bundle's
+    /// (`kvscope_wire::bundle`), each as if it had come alone on its own subject.
     fn apply_payload(&self, subject: &str, payload: &[u8], seq: u64) {
-        match Envelope::from_json(payload) {
+        let bundle = kvscope_wire::bundle::is_bundle(payload);
+        for entry in kvscope_wire::bundle::entries(subject, payload) {
+            match entry {
+                Ok(e) if !bundle => self.apply_record(e.subject, e.json, seq, e.index),
+                // A bundle's subject is what the server's permissions bound to its agent:
+                // its records' subjects must lie in its scope.
+                Ok(e)
+                    if self.subjects.scope_of(e.subject).is_none()
+                        || self.subjects.scope_of(e.subject) != self.subjects.scope_of(subject) =>
+                {
+                    RecordForeign {
+                        seq,
+                        subject: e.subject,
+                        agent: self.subjects.agent_of(subject).unwrap_or_default(),
+                    }
+                    .emit(self);
+                }
+                Ok(e) if self.skips_model_copy(e.subject) => {}
+                Ok(e) => self.apply_record(e.subject, e.json, seq, e.index),
+                Err(e) => RecordUndecodable { seq, error: &e }.emit(self),
+            }
+        }
+        lock(&self.bus).applied_seq = seq;
+    }
+
+    /// Decode and apply one record (the `index`th of the message `seq`); undecodable
+    /// ones, and ones whose agent is not the one their subject names, are counted and
+    /// skipped.
+    fn apply_record(&self, subject: &str, json: &[u8], seq: u64, index: usize) {
+        match Envelope::from_json(json) {
             Ok(env) if !self.subjects.subject_matches_agent(subject, &env.agent) => {
                 // The server's permissions bind a subject to one agent's credentials; a
                 // record naming another agent is forged (or misrouted): never applied.
@@ -153,7 +192,7 @@ impl Shared {
                 };
                 if let Some(sink) = self.spans.get().filter(|s| s.enabled()) {
                     if !rebuilding {
-                        crate::serve::spans::record(sink, &env, verdict.as_ref(), seq);
+                        crate::serve::spans::record(sink, &env, verdict.as_ref(), seq, index);
                     }
                 }
                 let mut recorder = lock(&self.recorder);
@@ -166,7 +205,6 @@ impl Shared {
                 RecordUndecodable { seq, error: &e }.emit(self);
             }
         }
-        lock(&self.bus).applied_seq = seq;
     }
 
     pub fn flush_recording(&self) {
@@ -427,6 +465,57 @@ mod tests {
         assert!(subject_matches("a.*.c", "a.b.c"));
         assert!(!subject_matches("a.*.c", "a.b.c.d"));
         assert!(!subject_matches("a.*", "a"));
+    }
+
+    #[test]
+    fn a_bundle_s_records_are_applied_each_as_if_it_came_alone() {
+        use kvscope_wire::bundle::BundleWriter;
+        use kvscope_wire::{AgentHeartbeat, Envelope, Record};
+        let subjects = Subjects::new("lab");
+        let shared = Shared::new(
+            FleetAnalyzer::new(Default::default()),
+            None,
+            subjects.clone(),
+        );
+        let env = |agent: &str| Envelope {
+            agent: agent.into(),
+            observed_ns: 1,
+            record: Record::Heartbeat(AgentHeartbeat::default()),
+        };
+        let plain = subjects.for_record("node-1", &env("node-1").record);
+        let copy = subjects.for_record_in_model("node-1", &env("node-1").record, "alpha");
+        let other = subjects.for_record("node-2", &env("node-2").record);
+        let mut w = BundleWriter::default();
+        w.push(&plain, &env("node-1").to_json());
+        w.push(&plain, &env("node-1").to_json());
+        // Another agent's record smuggled into node-1's bundle, and one naming node-2 on
+        // node-1's subject: neither applied.
+        w.push(&other, &env("node-2").to_json());
+        w.push(&plain, &env("node-2").to_json());
+        w.push(&plain, b"{not json");
+        let mut payload = w.finish();
+        payload.extend_from_slice(b"no-subject-here\n");
+        let bundle = Subjects::bundle_subject(subjects.scope_of(&plain).unwrap());
+        shared.apply_message(&bundle, None, &payload, 5);
+        let counters = lock(&shared.analyzer).counters().clone();
+        assert_eq!(counters.records, 2);
+        assert_eq!(counters.foreign_records, 2);
+        assert_eq!(counters.undecodable_records, 2);
+        assert_eq!(lock(&shared.bus).applied_seq, 5);
+        // A model's bundle: the whole-fleet collector skips the heartbeat's copy in it.
+        let mut w = BundleWriter::default();
+        w.push(&copy, &env("node-1").to_json());
+        w.push(&copy, &env("node-1").to_json());
+        let model_bundle = Subjects::bundle_subject(subjects.scope_of(&copy).unwrap());
+        shared.apply_message(&model_bundle, None, &w.finish(), 6);
+        assert_eq!(lock(&shared.bus).model_copies_skipped, 2);
+        assert_eq!(lock(&shared.analyzer).counters().records, 2);
+        // A plain record in a model's bundle is outside its scope.
+        let mut w = BundleWriter::default();
+        w.push(&plain, &env("node-1").to_json());
+        w.push(&plain, &env("node-1").to_json());
+        shared.apply_message(&model_bundle, None, &w.finish(), 7);
+        assert_eq!(lock(&shared.analyzer).counters().foreign_records, 4);
     }
 
     #[test]

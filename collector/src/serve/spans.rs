@@ -82,13 +82,15 @@ fn outcome(kind: MigrationLogKind) -> &'static str {
 
 /// A `KVMIGRATE…` line as a span at the time the agent saw it, in its request's trace
 /// and linked to the request's spill verdict span.
-pub fn migration_span(m: &MigrationLogLine, agent: &str, observed_ns: u64, seq: u64) -> Span {
+/// `at` tells apart lines without a request id: the record's bus message and its place
+/// in it (`<seq>` or `<seq>.<index>`).
+pub fn migration_span(m: &MigrationLogLine, agent: &str, observed_ns: u64, at: &str) -> Span {
     let outcome = outcome(m.kind);
     // Lines without a request id still get a trace of their own.
     let trace_key = m
         .request_id
         .clone()
-        .unwrap_or_else(|| format!("migration/{agent}/{seq}"));
+        .unwrap_or_else(|| format!("migration/{agent}/{at}"));
     let mut attributes = vec![
         attr_str("kvscope.migration.outcome", outcome),
         attr_str("kvscope.agent.id", agent.to_string()),
@@ -144,7 +146,7 @@ pub fn migration_span(m: &MigrationLogLine, agent: &str, observed_ns: u64, seq: 
         trace_id,
         parent_span_id,
         flags,
-        span_id: span_id(&format!("migration/{agent}/{seq}/{trace_key}/{outcome}")),
+        span_id: span_id(&format!("migration/{agent}/{at}/{trace_key}/{outcome}")),
         name: MIGRATION_SPAN.into(),
         kind: span::SpanKind::Internal as i32,
         start_time_unix_nano: observed_ns,
@@ -159,11 +161,24 @@ pub fn migration_span(m: &MigrationLogLine, agent: &str, observed_ns: u64, seq: 
     }
 }
 
-/// The spans of one applied record: the spill verdict it produced, or its migration line.
-pub fn record(sink: &SpanSink, env: &Envelope, verdict: Option<&SpillVerdict>, seq: u64) {
+/// The spans of one applied record (the `index`th of bus message `seq`): the spill
+/// verdict it produced, or its migration line.
+pub fn record(
+    sink: &SpanSink,
+    env: &Envelope,
+    verdict: Option<&SpillVerdict>,
+    seq: u64,
+    index: usize,
+) {
     let span = match (&env.record, verdict) {
         (_, Some(v)) if v.spill => verdict_span(v, &env.agent),
-        (Record::Migration(m), _) => migration_span(m, &env.agent, env.observed_ns, seq),
+        (Record::Migration(m), _) => {
+            let at = match index {
+                0 => seq.to_string(),
+                i => format!("{seq}.{i}"),
+            };
+            migration_span(m, &env.agent, env.observed_ns, &at)
+        }
         _ => return,
     };
     // A few spans per second at most: built before the cap is asked.
@@ -187,7 +202,7 @@ mod tests {
             fields: BTreeMap::from([("directive_id".to_string(), "d-9".to_string())]),
             trace: None,
         };
-        let s = migration_span(&m, "node", 5, 7);
+        let s = migration_span(&m, "node", 5, "7");
         assert_eq!(s.trace_id, trace_id("r-1"));
         assert_eq!(s.links[0].span_id, verdict_span_id("r-1"));
         assert_eq!(s.status.as_ref().map(|s| s.code), Some(2));
@@ -206,7 +221,7 @@ mod tests {
             request_id: None,
             ..m
         };
-        assert!(migration_span(&anonymous, "node", 5, 8).links.is_empty());
+        assert!(migration_span(&anonymous, "node", 5, "8").links.is_empty());
     }
 
     /// With the router's trace context, both spans are children of the router's span in
@@ -230,7 +245,7 @@ mod tests {
             fields: BTreeMap::new(),
             trace: Some(t.clone()),
         };
-        let s = migration_span(&m, "node", 5, 7);
+        let s = migration_span(&m, "node", 5, "7");
         assert_eq!(
             (s.trace_id.clone(), s.parent_span_id.clone()),
             (trace_bytes.clone(), span_bytes.clone())
