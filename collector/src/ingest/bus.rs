@@ -519,6 +519,44 @@ mod tests {
     }
 
     #[test]
+    fn a_bundle_sent_in_parts_is_joined_then_read_line_by_line() {
+        use kvscope_wire::bundle::BundleWriter;
+        use kvscope_wire::{AgentHeartbeat, Envelope, Record};
+        let subjects = Subjects::new("lab");
+        let shared = Shared::new(
+            FleetAnalyzer::new(Default::default()),
+            None,
+            subjects.clone(),
+        );
+        let env = Envelope {
+            agent: "node-1".into(),
+            observed_ns: 1,
+            record: Record::Heartbeat(AgentHeartbeat::default()),
+        };
+        let plain = subjects.for_record("node-1", &env.record);
+        let mut w = BundleWriter::default();
+        for _ in 0..3 {
+            w.push(&plain, &env.to_json());
+        }
+        let payload = w.finish();
+        let bundle = Subjects::bundle_subject(subjects.scope_of(&plain).unwrap());
+        let pieces: Vec<&[u8]> = parts::split(&payload, payload.len() / 3 + 1).collect();
+        assert_eq!(pieces.len(), 3);
+        for (i, piece) in pieces.iter().enumerate() {
+            let mut headers = HeaderMap::new();
+            headers.insert(
+                async_nats::header::NATS_MESSAGE_ID,
+                parts::message_id("run", 0, Some(i as u32)).as_str(),
+            );
+            headers.insert(parts::PART_HEADER, format!("{i}/3").as_str());
+            shared.apply_message(&bundle, Some(&headers), piece, 10 + i as u64);
+            let applied = lock(&shared.analyzer).counters().records;
+            assert_eq!(applied, if i == 2 { 3 } else { 0 }, "after part {i}");
+        }
+        assert_eq!(lock(&shared.bus).applied_seq, 12);
+    }
+
+    #[test]
     fn a_whole_fleet_collector_skips_the_model_copies() {
         use kvscope_wire::{AgentHeartbeat, Envelope, Record};
         let subjects = Subjects::new("lab");
