@@ -35,9 +35,10 @@ pub struct AnalyzerConfig {
     pub keep_windows: usize,
     /// Recent verdicts kept for the API.
     pub keep_verdicts: usize,
-    /// How long the prompt blocks of a decision are remembered, in seconds: a block a
-    /// worker stores that is in no prompt routed to it within this time was generated
-    /// while decoding (an output block).
+    /// How long the prompt blocks of a decision are remembered until their worker
+    /// stores them, in seconds (then for a minute more: [`HELD_PROMPT_MEMORY_NS`]): a
+    /// block a worker stores that is in no prompt remembered for it was generated while
+    /// decoding (an output block).
     pub prompt_memory_secs: f64,
     /// Measure only these models (empty: every model). A large fleet can be split
     /// across collectors by model on the same stream: the others' workers are not
@@ -75,6 +76,14 @@ struct Judged {
     chain: Vec<SequenceHash>,
     flagged: bool,
 }
+
+/// How long a prompt block stays remembered once its worker holds it (stored since it
+/// was routed, or already cached then): long enough for a preempted request's blocks,
+/// evicted and computed again, to be told from decode output. A block routed and not
+/// yet stored is remembered for `prompt_memory_secs` (a request may wait that long for
+/// its prefill). Remembering every routed block for the whole `prompt_memory_secs` grew
+/// the collector by ~2 MB/s at 100k KV blocks/s.
+const HELD_PROMPT_MEMORY_NS: u64 = 60_000_000_000;
 
 /// Stores remembered per worker for [`CollectorCounters::verdicts_after_own_prefill`].
 const RECENT_STORE_ENDS: usize = 64;
@@ -187,10 +196,11 @@ pub struct FleetAnalyzer {
     verdicts: VecDeque<SpillVerdict>,
     /// Last batch sequence number applied per (agent, publisher).
     publisher_seqs: HashMap<(String, String), u64>,
-    /// Per worker: the prompt blocks of decisions routed to it, with the decision time.
-    /// Every decision writes its whole chain here, so the map hashes the block hashes
-    /// with one multiply, not SipHash. (Its cache misses stay: at 700 decisions/s it is
-    /// still a fifth of the collector's CPU.)
+    /// Per worker: the prompt blocks of decisions routed to it, with the time until which
+    /// each is remembered (see [`HELD_PROMPT_MEMORY_NS`]). Every decision writes its
+    /// whole chain here, so the map hashes the block hashes with one multiply, not
+    /// SipHash. (Its cache misses stay: at 700 decisions/s it is still a fifth of the
+    /// collector's CPU.)
     recent_prompts: HashMap<WorkerKey, FastMap<SequenceHash, u64>>,
     verdict_delay: MergedLatency,
     /// The workers discovery described, by instance id (retired ones included).
@@ -674,17 +684,24 @@ impl FleetAnalyzer {
     }
 
     fn push_closed(&mut self, w: OpenWindow) {
-        let horizon = w
-            .summary
-            .end_ns
-            .saturating_sub((self.cfg.prompt_memory_secs.max(0.0) * 1e9) as u64);
+        let end = w.summary.end_ns;
         for prompts in self.recent_prompts.values_mut() {
-            prompts.retain(|_, t| *t >= horizon);
+            prompts.retain(|_, until| *until >= end);
         }
         self.closed.push_back(w.close(&self.index));
         while self.closed.len() > self.cfg.keep_windows {
             self.closed.pop_front();
         }
+    }
+
+    /// How long a routed prompt block not yet stored is remembered.
+    fn prompt_memory_ns(&self) -> u64 {
+        (self.cfg.prompt_memory_secs.max(0.0) * 1e9) as u64
+    }
+
+    /// How long one its worker holds is (never longer than a routed one).
+    fn held_prompt_memory_ns(&self) -> u64 {
+        HELD_PROMPT_MEMORY_NS.min(self.prompt_memory_ns())
     }
 
     fn open_summary(&mut self) -> &mut WindowSummary {
@@ -792,11 +809,15 @@ impl FleetAnalyzer {
                                     ends.pop_front();
                                 }
                             }
-                            let prompts = self.recent_prompts.get(&worker);
+                            let held_until = t.saturating_add(self.held_prompt_memory_ns());
+                            let mut prompts = self.recent_prompts.get_mut(&worker);
                             for b in &seg.blocks {
-                                if !prompts.is_some_and(|p| p.contains_key(b)) {
-                                    self.index.mark_generated(worker, *b);
-                                    self.counters.generated_blocks += 1;
+                                match prompts.as_mut().and_then(|p| p.get_mut(b)) {
+                                    Some(until) => *until = (*until).min(held_until),
+                                    None => {
+                                        self.index.mark_generated(worker, *b);
+                                        self.counters.generated_blocks += 1;
+                                    }
                                 }
                             }
                             if seg.token_count_mismatch {
@@ -934,9 +955,15 @@ impl FleetAnalyzer {
             self.open_summary().data_faults += 1;
         }
         let last = chain.last().copied();
+        // The blocks the chosen worker holds already are remembered as stored ones.
+        let held = (v.chosen_overlap_blocks as usize).min(chain.len());
+        let held_until = t.saturating_add(self.held_prompt_memory_ns());
+        let routed_until = t.saturating_add(self.prompt_memory_ns());
         let prompts = self.recent_prompts.entry(d.worker).or_default();
-        for &b in &chain {
-            prompts.insert(b, t);
+        for (i, &b) in chain.iter().enumerate() {
+            let until = if i < held { held_until } else { routed_until };
+            let e = prompts.entry(b).or_insert(until);
+            *e = (*e).max(until);
         }
         // The best worker's first: the longest cached prefix ends where the previous
         // turn's reply does (the chosen worker may hold an older turn's).
@@ -1603,6 +1630,62 @@ mod tests {
         }
         assert_eq!(a.verdict_delay().count, 3);
         assert_eq!(a.verdict_delay().sum_ns, u64::MAX);
+    }
+
+    #[test]
+    fn a_prompt_block_is_remembered_until_stored_then_for_a_minute() {
+        let mut a = FleetAnalyzer::new(cfg());
+        let prompt: Vec<u32> = (0..4).collect();
+        let removed = |seq: u64| {
+            batch(
+                1,
+                seq,
+                SequenceStatus::InOrder,
+                vec![KvEvent::BlockRemoved {
+                    block_hashes: vec![1, 2],
+                    medium: None,
+                }],
+            )
+        };
+        let stored_again = |seq: u64| stored(1, seq, SequenceStatus::InOrder, &prompt, &[1, 2]);
+        a.apply(&env(S, decision("r1", 1, &prompt)));
+        // Prefilled 200 s later (windows closed meanwhile): still a prompt.
+        a.apply(&env(
+            200 * S,
+            stored(1, 0, SequenceStatus::First, &prompt, &[1, 2]),
+        ));
+        assert_eq!(a.counters().generated_blocks, 0);
+        // Evicted and computed again within a minute (a preempted request): a prompt.
+        a.apply(&env(210 * S, removed(1)));
+        a.apply(&env(230 * S, stored_again(2)));
+        assert_eq!(a.counters().generated_blocks, 0);
+        // More than a minute after that store, the blocks are forgotten.
+        a.apply(&env(240 * S, removed(3)));
+        a.apply(&env(300 * S, stored_again(4)));
+        assert_eq!(a.counters().generated_blocks, 2);
+        // Routed while the worker holds them: remembered a minute from the decision.
+        a.apply(&env(310 * S, decision("r2", 1, &prompt)));
+        a.apply(&env(320 * S, removed(5)));
+        a.apply(&env(360 * S, stored_again(6)));
+        assert_eq!(a.counters().generated_blocks, 2);
+        a.apply(&env(370 * S, removed(7)));
+        a.apply(&env(500 * S, stored_again(8)));
+        assert_eq!(a.counters().generated_blocks, 4);
+        // Routed and not stored: remembered for prompt_memory_secs (600 s).
+        let other: Vec<u32> = (10..14).collect();
+        a.apply(&env(510 * S, decision("r3", 1, &other)));
+        a.apply(&env(
+            1_000 * S,
+            stored(1, 9, SequenceStatus::InOrder, &other, &[11, 12]),
+        ));
+        assert_eq!(a.counters().generated_blocks, 4);
+        let late: Vec<u32> = (20..24).collect();
+        a.apply(&env(1_010 * S, decision("r4", 1, &late)));
+        a.apply(&env(
+            1_700 * S,
+            stored(1, 10, SequenceStatus::InOrder, &late, &[21, 22]),
+        ));
+        assert_eq!(a.counters().generated_blocks, 6);
     }
 
     #[test]
