@@ -151,9 +151,8 @@ impl OpportunityReport {
         let mut generated_sum = 0u64;
         for w in &measured {
             let s = &w.summary;
-            // Merging histograms with equal bounds cannot fail.
-            let _ = true_delta.add(&w.true_delta);
-            let _ = upper.add(&w.upper_bound);
+            w.true_delta.add_to(&mut true_delta);
+            w.upper_bound.add_to(&mut upper);
             requests += s.requests;
             spills += s.spills;
             // Token sums carry wire-supplied counts (each window saturates them): adding

@@ -132,8 +132,34 @@ impl OpenWindow {
         }
         ClosedWindow {
             summary: self.summary,
-            true_delta: self.true_delta,
-            upper_bound: self.upper_bound,
+            true_delta: RecordedTokens::of(&self.true_delta),
+            upper_bound: RecordedTokens::of(&self.upper_bound),
+        }
+    }
+}
+
+/// A closed window's histogram kept as the values it recorded (one entry per bucket
+/// used, the bucket's highest value and its count). A whole histogram's counts take
+/// 254 KB whatever was recorded, and a day of windows is kept (`keep_windows`, 5,760):
+/// 2.9 GB a day in two histograms per window, where most windows record a few spills.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RecordedTokens(Box<[(u64, u64)]>);
+
+impl RecordedTokens {
+    pub fn of(h: &Histogram<u64>) -> Self {
+        Self(
+            h.iter_recorded()
+                .map(|v| (v.value_iterated_to(), v.count_at_value()))
+                .collect(),
+        )
+    }
+
+    /// Add these values to `h`, a histogram of [`token_histogram`]'s bounds: each lands
+    /// in the bucket it came from.
+    pub fn add_to(&self, h: &mut Histogram<u64>) {
+        for &(value, count) in self.0.iter() {
+            // Within the bounds they were recorded in.
+            let _ = h.record_n(value, count);
         }
     }
 }
@@ -142,15 +168,50 @@ impl OpenWindow {
 #[derive(Debug, Clone)]
 pub struct ClosedWindow {
     pub summary: WindowSummary,
-    pub true_delta: Histogram<u64>,
-    pub upper_bound: Histogram<u64>,
+    pub true_delta: RecordedTokens,
+    pub upper_bound: RecordedTokens,
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
     use kvscope_wire::WorkerKey;
     use std::collections::BTreeMap;
+
+    #[test]
+    fn a_closed_window_s_values_merge_as_its_histogram_did() {
+        let mut h = token_histogram();
+        for v in [
+            1,
+            16,
+            17,
+            1_000,
+            1_001,
+            4_096,
+            65_537,
+            131_072,
+            1 << 30,
+            1 << 40,
+        ] {
+            h.record_n(v, v % 7 + 1).unwrap();
+        }
+        let kept = RecordedTokens::of(&h);
+        assert!(kept.0.len() <= 10);
+        let (mut direct, mut merged) = (token_histogram(), token_histogram());
+        direct.add(&h).unwrap();
+        direct.add(&h).unwrap();
+        kept.add_to(&mut merged);
+        kept.add_to(&mut merged);
+        assert_eq!(merged, direct);
+        for q in [0.0, 0.5, 0.9, 0.99, 1.0] {
+            assert_eq!(merged.value_at_quantile(q), direct.value_at_quantile(q));
+        }
+        assert_eq!(
+            RecordedTokens::of(&token_histogram()),
+            RecordedTokens::default()
+        );
+    }
 
     #[test]
     fn spills_are_kept_per_worker_pair_with_their_deltas_bucketed() {
