@@ -77,8 +77,6 @@ pub struct Outgoing {
     /// Position in this agent run's output, for JetStream's de-duplication id.
     pub local_seq: u64,
     pub subject: String,
-    /// The last envelope's stamp (its `observed_ns`).
-    pub observed_ns: u64,
     pub payload: bytes::Bytes,
     /// Records in it.
     pub records: usize,
@@ -98,7 +96,6 @@ struct OpenMessage {
     first: bytes::Bytes,
     /// Written once a second record joins.
     bundle: Option<BundleWriter>,
-    observed_ns: u64,
     records: usize,
     record_bytes: usize,
 }
@@ -116,14 +113,13 @@ impl OpenMessage {
             && bytes + BundleWriter::line_bytes(subject, json) <= MAX_BUNDLE_BYTES
     }
 
-    fn push(&mut self, subject: &str, payload: &bytes::Bytes, observed_ns: u64) {
+    fn push(&mut self, subject: &str, payload: &bytes::Bytes) {
         let bundle = self.bundle.get_or_insert_with(|| {
             let mut b = BundleWriter::default();
             b.push(&self.first_subject, &self.first);
             b
         });
         bundle.push(subject, payload);
-        self.observed_ns = observed_ns;
         self.records += 1;
         self.record_bytes += payload.len();
     }
@@ -139,7 +135,6 @@ impl OpenMessage {
         Outgoing {
             local_seq: self.local_seq,
             subject,
-            observed_ns: self.observed_ns,
             payload,
             records: self.records,
             record_bytes: self.record_bytes,
@@ -735,7 +730,7 @@ impl RecordSink {
             }
             inner.buffered_records += 1;
             inner.buffered_bytes += payload.len();
-            self.queue_locked(inner, subject, &payload, envelope.observed_ns);
+            self.queue_locked(inner, subject, &payload);
             queued = true;
         }
         queued
@@ -743,40 +738,29 @@ impl RecordSink {
 
     /// Add a record to the open message when it shares its scope and there is room, or
     /// start the next message with it.
-    fn queue_locked(
-        &self,
-        inner: &mut Inner,
-        subject: String,
-        payload: &bytes::Bytes,
-        observed_ns: u64,
-    ) {
-        let scope = self.subjects.scope_of(&subject).map(str::to_string);
+    fn queue_locked(&self, inner: &mut Inner, subject: String, payload: &bytes::Bytes) {
+        // The agent's own subjects always have a scope; one without would only bundle
+        // with others alike, under the subject itself.
+        let scope = self.subjects.scope_of(&subject).unwrap_or(&subject);
         if let Some(open) = inner.open.as_mut() {
-            if scope.as_ref() == Some(&open.scope) && open.takes(&subject, payload) {
-                open.push(&subject, payload, observed_ns);
+            if open.scope == scope && open.takes(&subject, payload) {
+                open.push(&subject, payload);
                 return;
             }
         }
+        let scope = scope.to_string();
         Self::seal_locked(inner);
         let local_seq = inner.next_seq;
         inner.next_seq += 1;
-        let open = OpenMessage {
+        inner.open = Some(OpenMessage {
             local_seq,
-            scope: scope.clone().unwrap_or_default(),
+            scope,
             first_subject: subject,
             first: payload.clone(),
             bundle: None,
-            observed_ns,
             records: 1,
             record_bytes: payload.len(),
-        };
-        if scope.is_some() {
-            inner.open = Some(open);
-        } else {
-            // Not one of the cluster's record subjects (cannot happen for the agent's
-            // own): sent alone.
-            inner.buffer.push_back(open.finish());
-        }
+        });
     }
 
     /// The open message takes no more records: it joins the buffer.

@@ -5,8 +5,9 @@
 //! subject and waits for JetStream's acknowledgement before removing it from the
 //! buffer. Records stamped together (a burst released by the reorder window) go as one
 //! message when they share a scope (`kvscope_wire::bundle`): NATS costs per message.
-//! Messages are sent in windows of up to [`WINDOW`] with the acks awaited in order; each carries a `Nats-Msg-Id` unique to this agent run, so re-sending a window
-//! after a failure cannot store a record twice (within the stream's duplicate window).
+//! Messages are sent in windows of up to [`WINDOW`] with the acks awaited in order;
+//! each carries a `Nats-Msg-Id` unique to this agent run, so re-sending a window after
+//! a failure cannot store a record twice (within the stream's duplicate window).
 //! A record larger than the server's `max_payload` (one long prompt's batch or
 //! decision) goes in consecutive parts that the collector joins (`kvscope_wire::parts`);
 //! one that JetStream itself refuses is set aside and counted, so it never holds back

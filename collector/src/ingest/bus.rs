@@ -127,15 +127,13 @@ impl Shared {
     /// (`kvscope_wire::bundle`), each as if it had come alone on its own subject.
     fn apply_payload(&self, subject: &str, payload: &[u8], seq: u64) {
         let bundle = kvscope_wire::bundle::is_bundle(payload);
+        let scope = self.subjects.scope_of(subject);
         for entry in kvscope_wire::bundle::entries(subject, payload) {
             match entry {
                 Ok(e) if !bundle => self.apply_record(e.subject, e.json, seq, e.index),
                 // A bundle's subject is what the server's permissions bound to its agent:
                 // its records' subjects must lie in its scope.
-                Ok(e)
-                    if self.subjects.scope_of(e.subject).is_none()
-                        || self.subjects.scope_of(e.subject) != self.subjects.scope_of(subject) =>
-                {
+                Ok(e) if scope.is_none() || self.subjects.scope_of(e.subject) != scope => {
                     RecordForeign {
                         seq,
                         subject: e.subject,
@@ -467,21 +465,30 @@ mod tests {
         assert!(!subject_matches("a.*", "a"));
     }
 
-    #[test]
-    fn a_bundle_s_records_are_applied_each_as_if_it_came_alone() {
-        use kvscope_wire::bundle::BundleWriter;
-        use kvscope_wire::{AgentHeartbeat, Envelope, Record};
+    /// A collector of the whole fleet of cluster `lab`.
+    fn lab_collector() -> (Subjects, Arc<Shared>) {
         let subjects = Subjects::new("lab");
         let shared = Shared::new(
             FleetAnalyzer::new(Default::default()),
             None,
             subjects.clone(),
         );
-        let env = |agent: &str| Envelope {
+        (subjects, shared)
+    }
+
+    fn heartbeat_of(agent: &str) -> kvscope_wire::Envelope {
+        kvscope_wire::Envelope {
             agent: agent.into(),
             observed_ns: 1,
-            record: Record::Heartbeat(AgentHeartbeat::default()),
-        };
+            record: kvscope_wire::Record::Heartbeat(kvscope_wire::AgentHeartbeat::default()),
+        }
+    }
+
+    #[test]
+    fn a_bundle_s_records_are_applied_each_as_if_it_came_alone() {
+        use kvscope_wire::bundle::BundleWriter;
+        let (subjects, shared) = lab_collector();
+        let env = heartbeat_of;
         let plain = subjects.for_record("node-1", &env("node-1").record);
         let copy = subjects.for_record_in_model("node-1", &env("node-1").record, "alpha");
         let other = subjects.for_record("node-2", &env("node-2").record);
@@ -521,18 +528,8 @@ mod tests {
     #[test]
     fn a_bundle_sent_in_parts_is_joined_then_read_line_by_line() {
         use kvscope_wire::bundle::BundleWriter;
-        use kvscope_wire::{AgentHeartbeat, Envelope, Record};
-        let subjects = Subjects::new("lab");
-        let shared = Shared::new(
-            FleetAnalyzer::new(Default::default()),
-            None,
-            subjects.clone(),
-        );
-        let env = Envelope {
-            agent: "node-1".into(),
-            observed_ns: 1,
-            record: Record::Heartbeat(AgentHeartbeat::default()),
-        };
+        let (subjects, shared) = lab_collector();
+        let env = heartbeat_of("node-1");
         let plain = subjects.for_record("node-1", &env.record);
         let mut w = BundleWriter::default();
         for _ in 0..3 {
@@ -558,18 +555,8 @@ mod tests {
 
     #[test]
     fn a_whole_fleet_collector_skips_the_model_copies() {
-        use kvscope_wire::{AgentHeartbeat, Envelope, Record};
-        let subjects = Subjects::new("lab");
-        let shared = Shared::new(
-            FleetAnalyzer::new(Default::default()),
-            None,
-            subjects.clone(),
-        );
-        let env = Envelope {
-            agent: "node-1".into(),
-            observed_ns: 1,
-            record: Record::Heartbeat(AgentHeartbeat::default()),
-        };
+        let (subjects, shared) = lab_collector();
+        let env = heartbeat_of("node-1");
         let json = env.to_json();
         let plain = subjects.for_record("node-1", &env.record);
         let copy = subjects.for_record_in_model("node-1", &env.record, "alpha");
