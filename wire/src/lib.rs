@@ -14,6 +14,7 @@ pub mod dynamo_events;
 pub mod hashing;
 pub mod nats_security;
 pub mod nixl;
+pub mod packed;
 pub mod parts;
 pub mod record;
 pub mod recording;

@@ -348,15 +348,21 @@ pub struct KvEventBatch {
 #[serde(tag = "type")]
 pub enum KvEvent {
     BlockStored {
+        #[serde(serialize_with = "crate::packed::write")]
         block_hashes: Vec<u64>,
         parent_block_hash: Option<u64>,
         /// The blocks' tokens (vLLM's events); empty when the source carries only their
         /// hashes (Dynamo's event plane), then in `local_hashes`.
+        #[serde(serialize_with = "crate::packed::write")]
         token_ids: Vec<u32>,
         block_size: u32,
         /// Dynamo's local hash of each block (xxh3 of its tokens, seeded), as Dynamo's
         /// event plane carries them instead of the tokens.
-        #[serde(default, skip_serializing_if = "Option::is_none")]
+        #[serde(
+            default,
+            skip_serializing_if = "Option::is_none",
+            serialize_with = "crate::packed::write_some"
+        )]
         local_hashes: Option<Vec<u64>>,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         lora_name: Option<String>,
@@ -364,6 +370,7 @@ pub enum KvEvent {
         medium: Option<String>,
     },
     BlockRemoved {
+        #[serde(serialize_with = "crate::packed::write")]
         block_hashes: Vec<u64>,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         medium: Option<String>,
@@ -389,11 +396,13 @@ impl TaggedMap for KvEvent {
         // variant and not here fails `every_kv_event_field_is_read_back`).
         #[derive(Deserialize)]
         struct Stored {
+            #[serde(deserialize_with = "crate::packed::read")]
             block_hashes: Vec<u64>,
             parent_block_hash: Option<u64>,
+            #[serde(deserialize_with = "crate::packed::read")]
             token_ids: Vec<u32>,
             block_size: u32,
-            #[serde(default)]
+            #[serde(default, deserialize_with = "crate::packed::read_some")]
             local_hashes: Option<Vec<u64>>,
             #[serde(default)]
             lora_name: Option<String>,
@@ -402,6 +411,7 @@ impl TaggedMap for KvEvent {
         }
         #[derive(Deserialize)]
         struct Removed {
+            #[serde(deserialize_with = "crate::packed::read")]
             block_hashes: Vec<u64>,
             #[serde(default)]
             medium: Option<String>,
@@ -496,11 +506,20 @@ pub struct RoutingDecision {
     pub block_size: u32,
     /// The router's local block hashes of the request's full blocks, in order (empty
     /// when the source gives `sequence_hashes` instead).
+    #[serde(
+        serialize_with = "crate::packed::write",
+        deserialize_with = "crate::packed::read"
+    )]
     pub local_hashes: Vec<u64>,
     /// The request's full blocks as Dynamo's sequence hashes, when that is what the
     /// source gives (the request trace, replica-sync events): what the chain is matched
     /// by then.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        serialize_with = "crate::packed::write_some",
+        deserialize_with = "crate::packed::read_some"
+    )]
     pub sequence_hashes: Option<Vec<u64>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub worker_type: Option<String>,
@@ -969,6 +988,80 @@ mod tests {
             let json = serde_json::to_string(&event).unwrap();
             assert!(json.starts_with(r#"{"type":"#), "{json}");
             assert_eq!(serde_json::from_str::<KvEvent>(&json).unwrap(), event);
+        }
+    }
+
+    #[test]
+    fn number_lists_are_written_packed_and_read_in_either_form() {
+        let stored = KvEvent::BlockStored {
+            block_hashes: vec![1, u64::MAX],
+            parent_block_hash: Some(3),
+            token_ids: vec![4, 5, u32::MAX],
+            block_size: 2,
+            local_hashes: Some(vec![8, 9]),
+            lora_name: None,
+            medium: None,
+        };
+        let mut decision = RoutingDecision {
+            request_id: "r".into(),
+            worker: WorkerKey {
+                worker_id: 1,
+                dp_rank: 0,
+            },
+            isl_tokens: 32,
+            block_size: 16,
+            local_hashes: vec![u64::MAX, 0],
+            sequence_hashes: Some(vec![7]),
+            worker_type: None,
+            router_mode: None,
+            clock_behind_ms: None,
+            selection: Selection::default(),
+            trace: None,
+        };
+        let lists = [
+            "block_hashes",
+            "token_ids",
+            "local_hashes",
+            "sequence_hashes",
+        ];
+        let check = |packed: serde_json::Value| -> serde_json::Value {
+            // The same record with each list as the decimal array written before.
+            let mut arrays = packed.clone();
+            for key in lists {
+                if let Some(v) = packed.get(key) {
+                    let text = v
+                        .as_str()
+                        .unwrap_or_else(|| panic!("{key} packed: {packed}"));
+                    let numbers: Vec<u64> = if key == "token_ids" {
+                        crate::packed::decode::<u32>(text)
+                            .unwrap()
+                            .into_iter()
+                            .map(u64::from)
+                            .collect()
+                    } else {
+                        crate::packed::decode::<u64>(text).unwrap()
+                    };
+                    arrays[key] = numbers.into();
+                }
+            }
+            arrays
+        };
+        let packed = serde_json::to_value(&stored).unwrap();
+        let arrays = check(packed.clone());
+        assert_eq!(serde_json::from_value::<KvEvent>(arrays).unwrap(), stored);
+        assert_eq!(serde_json::from_value::<KvEvent>(packed).unwrap(), stored);
+        for sequence_hashes in [Some(vec![7]), None] {
+            decision.sequence_hashes = sequence_hashes;
+            let packed = serde_json::to_value(&decision).unwrap();
+            let arrays = check(packed.clone());
+            assert_eq!(
+                serde_json::from_value::<RoutingDecision>(arrays).unwrap(),
+                decision
+            );
+            assert_eq!(
+                serde_json::from_value::<RoutingDecision>(packed).unwrap(),
+                decision
+            );
         }
     }
 
