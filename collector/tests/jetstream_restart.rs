@@ -198,6 +198,22 @@ async fn a_killed_collector_resumes_without_losing_or_repeating_records() {
     let recording = dir.path().join("rec.jsonl");
     let mut collector = spawn_collector(&url, &listen, &recording);
     wait_applied(&api, 600).await;
+    // The count is set when the rebuild ends, just after its last record is applied.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let rebuilt = loop {
+        let s = get_json(&format!("{api}/api/summary")).await;
+        match s {
+            Some(s) if s["bus"]["rebuilding"] == false => break s,
+            _ => assert!(Instant::now() < deadline, "the rebuild did not end"),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(
+        rebuilt["bus"]["rebuilt_records"].as_u64(),
+        Some(600),
+        "the records in the stream at start are rebuilt: {}",
+        rebuilt["bus"]
+    );
     // More records while it runs; kill it hard in the middle of them.
     let publisher = tokio::spawn(publish(&records[600..1000]));
     tokio::time::sleep(Duration::from_millis(300)).await;

@@ -72,11 +72,18 @@ impl Shared {
     }
 
     /// Join one bus message with the parts before it (see `kvscope_wire::parts`) and
-    /// apply its records once it is whole.
-    fn apply_message(&self, subject: &str, headers: Option<&HeaderMap>, payload: &[u8], seq: u64) {
+    /// apply its records once it is whole. Returns the records it completed (a bundle
+    /// holds several; a part before the last, none), applied or counted as refused.
+    fn apply_message(
+        &self,
+        subject: &str,
+        headers: Option<&HeaderMap>,
+        payload: &[u8],
+        seq: u64,
+    ) -> u64 {
         if self.skips_model_copy(subject) {
             lock(&self.bus).applied_seq = seq;
-            return;
+            return 0;
         }
         let header = |name: &str| headers.and_then(|h| h.get(name)).map(|v| v.as_str());
         let outcome = lock(&self.parts).accept(
@@ -84,14 +91,17 @@ impl Shared {
             header(parts::PART_HEADER),
             payload,
         );
-        self.apply_outcome(subject, outcome, payload, seq);
+        self.apply_outcome(subject, outcome, payload, seq)
     }
 
-    fn apply_outcome(&self, subject: &str, outcome: PartsOutcome, payload: &[u8], seq: u64) {
+    fn apply_outcome(&self, subject: &str, outcome: PartsOutcome, payload: &[u8], seq: u64) -> u64 {
         match outcome {
             PartsOutcome::Whole => self.apply_payload(subject, payload, seq),
             PartsOutcome::Complete(record) => self.apply_payload(subject, &record, seq),
-            PartsOutcome::Pending => lock(&self.bus).applied_seq = seq,
+            PartsOutcome::Pending => {
+                lock(&self.bus).applied_seq = seq;
+                0
+            }
             PartsOutcome::Incomplete {
                 reason,
                 lost_parts,
@@ -103,7 +113,7 @@ impl Shared {
                     lost_parts,
                 }
                 .emit(self);
-                self.apply_outcome(subject, *then, payload, seq);
+                self.apply_outcome(subject, *then, payload, seq)
             }
         }
     }
@@ -125,10 +135,12 @@ impl Shared {
 
     /// Apply the records of one whole message: itself, or each of a bundle's
     /// (`kvscope_wire::bundle`), each as if it had come alone on its own subject.
-    fn apply_payload(&self, subject: &str, payload: &[u8], seq: u64) {
+    fn apply_payload(&self, subject: &str, payload: &[u8], seq: u64) -> u64 {
         let bundle = kvscope_wire::bundle::is_bundle(payload);
         let scope = self.subjects.scope_of(subject);
+        let mut records = 0;
         for entry in kvscope_wire::bundle::entries(subject, payload) {
+            records += 1;
             match entry {
                 Ok(e) if !bundle => self.apply_record(e.subject, e.json, seq, e.index),
                 // A bundle's subject is what the server's permissions bound to its agent:
@@ -141,12 +153,13 @@ impl Shared {
                     }
                     .emit(self);
                 }
-                Ok(e) if self.skips_model_copy(e.subject) => {}
+                Ok(e) if self.skips_model_copy(e.subject) => records -= 1,
                 Ok(e) => self.apply_record(e.subject, e.json, seq, e.index),
                 Err(e) => RecordUndecodable { seq, error: &e }.emit(self),
             }
         }
         lock(&self.bus).applied_seq = seq;
+        records
     }
 
     /// Decode and apply one record (the `index`th of the message `seq`); undecodable
@@ -359,7 +372,9 @@ async fn fill_gap(
             Ok(m) if filter.is_some_and(|f| !subject_matches(f, &m.subject)) => {
                 lock(&shared.bus).applied_seq = s;
             }
-            Ok(m) => shared.apply_message(&m.subject, Some(&m.headers), &m.payload, s),
+            Ok(m) => {
+                shared.apply_message(&m.subject, Some(&m.headers), &m.payload, s);
+            }
             Err(e) => {
                 RecordMissing { seq: s, error: &e }.emit(shared);
                 lock(&shared.bus).applied_seq = s;
@@ -417,7 +432,7 @@ async fn rebuild(
         .messages()
         .await
         .context("cannot read the stream for the rebuild")?;
-    let mut n = 0u64;
+    let (mut n, mut records) = (0u64, 0u64);
     while let Some(msg) = messages.next().await {
         let msg = msg.context("reading the stream during the rebuild")?;
         let (seq, pending) = msg
@@ -427,7 +442,7 @@ async fn rebuild(
         if seq > last {
             break;
         }
-        shared.apply_message(&msg.subject, msg.headers.as_ref(), &msg.payload, seq);
+        records += shared.apply_message(&msg.subject, msg.headers.as_ref(), &msg.payload, seq);
         n += 1;
         if n.is_multiple_of(100_000) {
             info!(applied = n, of = last, "Rebuilding.");
@@ -440,8 +455,8 @@ async fn rebuild(
     }
     let mut bus = lock(&shared.bus);
     bus.rebuilding = false;
-    bus.rebuilt_records = n;
-    info!(records = n, "Rebuilt the fleet state.");
+    bus.rebuilt_records = records;
+    info!(messages = n, records, "Rebuilt the fleet state.");
     Ok(())
 }
 
@@ -503,7 +518,8 @@ mod tests {
         let mut payload = w.finish();
         payload.extend_from_slice(b"no-subject-here\n");
         let bundle = Subjects::bundle_subject(subjects.scope_of(&plain).unwrap());
-        shared.apply_message(&bundle, None, &payload, 5);
+        // Five records and a line without one, each counted once.
+        assert_eq!(shared.apply_message(&bundle, None, &payload, 5), 6);
         let counters = lock(&shared.analyzer).counters().clone();
         assert_eq!(counters.records, 2);
         assert_eq!(counters.foreign_records, 2);
@@ -514,7 +530,7 @@ mod tests {
         w.push(&copy, &env("node-1").to_json());
         w.push(&copy, &env("node-1").to_json());
         let model_bundle = Subjects::bundle_subject(subjects.scope_of(&copy).unwrap());
-        shared.apply_message(&model_bundle, None, &w.finish(), 6);
+        assert_eq!(shared.apply_message(&model_bundle, None, &w.finish(), 6), 0);
         assert_eq!(lock(&shared.bus).model_copies_skipped, 2);
         assert_eq!(lock(&shared.analyzer).counters().records, 2);
         // A plain record in a model's bundle is outside its scope.

@@ -41,9 +41,12 @@ pub struct BusStatus {
     /// The subjects consumed, when limited to one model's.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub filter: Option<String>,
-    /// Records still waiting in the stream for this collector.
+    /// Messages still waiting in the stream for this collector (a bundle of records,
+    /// or one part of a record too large for one message, is one).
     pub pending: u64,
-    /// Records applied while rebuilding state at start.
+    /// Records read while rebuilding state at start (each of a bundle's; a model's
+    /// copies that a collector of the whole fleet skips are not), applied or counted as
+    /// refused.
     pub rebuilt_records: u64,
     pub rebuilding: bool,
     /// Stream records that were gone (expired or deleted) when the collector came to
