@@ -146,17 +146,26 @@ async fn get_json(url: &str) -> Option<serde_json::Value> {
 }
 
 async fn wait_applied(api: &str, seq: u64) -> serde_json::Value {
+    wait_summary(api, &format!("applied up to stream sequence {seq}"), |s| {
+        s["bus"]["applied_seq"].as_u64() == Some(seq)
+    })
+    .await
+}
+
+/// The collector's summary once `done` holds of it (within 60 s, else fail naming `what`).
+async fn wait_summary(
+    api: &str,
+    what: &str,
+    done: impl Fn(&serde_json::Value) -> bool,
+) -> serde_json::Value {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         if let Some(s) = get_json(&format!("{api}/api/summary")).await {
-            if s["bus"]["applied_seq"].as_u64() == Some(seq) {
+            if done(&s) {
                 return s;
             }
         }
-        assert!(
-            Instant::now() < deadline,
-            "collector did not apply up to stream sequence {seq}"
-        );
+        assert!(Instant::now() < deadline, "the collector never {what}");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
@@ -197,17 +206,11 @@ async fn a_killed_collector_resumes_without_losing_or_repeating_records() {
     let api = format!("http://{listen}");
     let recording = dir.path().join("rec.jsonl");
     let mut collector = spawn_collector(&url, &listen, &recording);
-    wait_applied(&api, 600).await;
     // The count is set when the rebuild ends, just after its last record is applied.
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let rebuilt = loop {
-        let s = get_json(&format!("{api}/api/summary")).await;
-        match s {
-            Some(s) if s["bus"]["rebuilding"] == false => break s,
-            _ => assert!(Instant::now() < deadline, "the rebuild did not end"),
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let rebuilt = wait_summary(&api, "rebuilt up to stream sequence 600", |s| {
+        s["bus"]["applied_seq"].as_u64() == Some(600) && s["bus"]["rebuilding"] == false
+    })
+    .await;
     assert_eq!(
         rebuilt["bus"]["rebuilt_records"].as_u64(),
         Some(600),

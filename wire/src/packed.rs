@@ -14,7 +14,7 @@
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use base64::Engine as _;
 use serde::de::{SeqAccess, Visitor};
-use serde::{Deserializer, Serializer};
+use serde::{Deserialize, Deserializer, Serializer};
 use std::fmt;
 use std::marker::PhantomData;
 
@@ -56,9 +56,7 @@ pub fn encode<W: Word>(words: &[W]) -> String {
 
 /// The list a packed string holds; an error names what is wrong with it.
 pub fn decode<W: Word>(packed: &str) -> Result<Vec<W>, PackedError> {
-    let bytes = URL_SAFE_NO_PAD
-        .decode(packed)
-        .map_err(|e| PackedError::Base64(e.to_string()))?;
+    let bytes = URL_SAFE_NO_PAD.decode(packed)?;
     if bytes.len() % W::BYTES != 0 {
         return Err(PackedError::Length {
             bytes: bytes.len(),
@@ -68,10 +66,10 @@ pub fn decode<W: Word>(packed: &str) -> Result<Vec<W>, PackedError> {
     Ok(bytes.chunks_exact(W::BYTES).map(W::take).collect())
 }
 
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[derive(Debug, thiserror::Error)]
 pub enum PackedError {
     #[error("a packed number list is not URL-safe base64 without padding: {0}")]
-    Base64(String),
+    Base64(#[from] base64::DecodeError),
     #[error("a packed list of {word} holds {bytes} bytes, not a whole number of them")]
     Length { bytes: usize, word: &'static str },
 }
@@ -97,7 +95,16 @@ pub fn read<'de, W: Word, D: Deserializer<'de>>(d: D) -> Result<Vec<W>, D::Error
 
 /// `#[serde(default, deserialize_with = "packed::read_some")]`: as [`read`], or `null`.
 pub fn read_some<'de, W: Word, D: Deserializer<'de>>(d: D) -> Result<Option<Vec<W>>, D::Error> {
-    d.deserialize_option(Some_(PhantomData))
+    Ok(Option::<Packed<W>>::deserialize(d)?.map(|p| p.0))
+}
+
+/// A list read by [`read`], so that `Option`'s own reader takes care of `null`.
+struct Packed<W>(Vec<W>);
+
+impl<'de, W: Word> Deserialize<'de> for Packed<W> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        read(d).map(Packed)
+    }
 }
 
 struct Either<W>(PhantomData<W>);
@@ -123,32 +130,10 @@ impl<'de, W: Word> Visitor<'de> for Either<W> {
     }
 }
 
-struct Some_<W>(PhantomData<W>);
-
-impl<'de, W: Word> Visitor<'de> for Some_<W> {
-    type Value = Option<Vec<W>>;
-
-    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-        write!(f, "null, or a list of {}", W::NAME)
-    }
-
-    fn visit_none<E: serde::de::Error>(self) -> Result<Self::Value, E> {
-        Ok(None)
-    }
-
-    fn visit_unit<E: serde::de::Error>(self) -> Result<Self::Value, E> {
-        Ok(None)
-    }
-
-    fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-        read(d).map(Some)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde::{Deserialize, Serialize};
+    use serde::Serialize;
 
     #[derive(Debug, PartialEq, Serialize, Deserialize)]
     struct Lists {

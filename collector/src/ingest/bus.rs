@@ -140,7 +140,6 @@ impl Shared {
         let scope = self.subjects.scope_of(subject);
         let mut records = 0;
         for entry in kvscope_wire::bundle::entries(subject, payload) {
-            records += 1;
             match entry {
                 Ok(e) if !bundle => self.apply_record(e.subject, e.json, seq, e.index),
                 // A bundle's subject is what the server's permissions bound to its agent:
@@ -153,10 +152,11 @@ impl Shared {
                     }
                     .emit(self);
                 }
-                Ok(e) if self.skips_model_copy(e.subject) => records -= 1,
+                Ok(e) if self.skips_model_copy(e.subject) => continue,
                 Ok(e) => self.apply_record(e.subject, e.json, seq, e.index),
                 Err(e) => RecordUndecodable { seq, error: &e }.emit(self),
             }
+            records += 1;
         }
         lock(&self.bus).applied_seq = seq;
         records
