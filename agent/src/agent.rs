@@ -303,6 +303,7 @@ pub async fn start(cfg: AgentConfig) -> anyhow::Result<RunningAgent> {
             inbox_prefix: subjects.inbox_prefix(&cfg.agent_id),
             subjects: subjects.clone(),
             stream_max_age: Duration::from_secs(cfg.stream_max_age_secs),
+            stream_max_bytes: cfg.stream_max_bytes,
             run_id: format!("{}-{}", cfg.agent_id, now_ns()),
             health: health.clone(),
         },

@@ -86,6 +86,10 @@ pub struct Cli {
     /// Retention of the JetStream stream in seconds [default: 86400].
     #[arg(long)]
     pub stream_max_age_secs: Option<u64>,
+    /// The stream's size limit in bytes: past it the oldest records are discarded; it
+    /// must fit the NATS server's JetStream store (0: no limit) [default: 4294967296].
+    #[arg(long)]
+    pub stream_max_bytes: Option<u64>,
     /// How long half a routing decision waits for the other half, in log seconds
     /// [default: 30].
     #[arg(long)]
@@ -197,6 +201,9 @@ impl Cli {
         }
         if let Some(v) = self.stream_max_age_secs {
             cfg.stream_max_age_secs = v;
+        }
+        if let Some(v) = self.stream_max_bytes {
+            cfg.stream_max_bytes = v;
         }
         if let Some(v) = self.join_timeout_secs {
             cfg.join_timeout_secs = v;

@@ -16,6 +16,7 @@
 //! max_line_bytes = 16777216    # longer router log lines are skipped and counted
 //! heartbeat_interval_secs = 1.0
 //! stream_max_age_secs = 86400
+//! stream_max_bytes = 4294967296  # the stream's oldest records go first past this (0: no limit)
 //! join_timeout_secs = 30.0
 //! reorder_window_ms = 250      # how long records wait for a quiet router log
 //! kv_reorder_window_ms = 250   # at most this for a quiet KV event publisher (default: as above)
@@ -95,6 +96,12 @@ pub struct AgentConfig {
     /// The stream's retention in seconds, set when the agent creates or updates it
     /// (default 86400). Env: `KVSCOPE_AGENT_STREAM_MAX_AGE_SECS`.
     pub stream_max_age_secs: u64,
+    /// The stream's size limit in bytes, set when the agent creates or updates it: past
+    /// it the oldest records are discarded (default 4 GiB; 0: no limit, the age only).
+    /// It must fit the NATS server's JetStream store (`max_file_store`), or the server
+    /// refuses the stream; without one a busy fleet fills that store and every publish
+    /// is refused. Env: `KVSCOPE_AGENT_STREAM_MAX_BYTES`.
+    pub stream_max_bytes: u64,
     /// How long, in the log's own time, half a routing decision waits for its other
     /// half before it counts as unjoined (default 30).
     pub join_timeout_secs: f64,
@@ -232,6 +239,7 @@ impl Default for AgentConfig {
             max_line_bytes: 16 << 20,
             heartbeat_interval_secs: 1.0,
             stream_max_age_secs: 86_400,
+            stream_max_bytes: kvscope_wire::subject::DEFAULT_STREAM_MAX_BYTES,
             join_timeout_secs: 30.0,
             decisions: Default::default(),
             request_trace_window_ms: 10_000,
@@ -314,6 +322,9 @@ impl AgentConfig {
         }
         if let Some(v) = env.parse("KVSCOPE_AGENT_STREAM_MAX_AGE_SECS")? {
             self.stream_max_age_secs = v;
+        }
+        if let Some(v) = env.parse("KVSCOPE_AGENT_STREAM_MAX_BYTES")? {
+            self.stream_max_bytes = v;
         }
         if let Some(v) = env.get("KVSCOPE_AGENT_METRICS_LISTEN") {
             self.metrics_listen = Some(v);
@@ -493,10 +504,12 @@ mod tests {
             "KVSCOPE_AGENT_CLUSTER" => Some("env".into()),
             "KVSCOPE_AGENT_KV" => Some("tcp://127.0.0.1:1=5,tcp://127.0.0.1:2=6/1".into()),
             "KVSCOPE_AGENT_FROM_START" => Some("1".into()),
+            "KVSCOPE_AGENT_STREAM_MAX_BYTES" => Some("0".into()),
             _ => None,
         })
         .unwrap();
         assert_eq!(c.cluster, "env");
+        assert_eq!(c.stream_max_bytes, 0, "0: no byte limit");
         assert_eq!(c.buffer_capacity, 5);
         assert!(c.from_start);
         assert_eq!(

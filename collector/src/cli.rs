@@ -390,6 +390,7 @@ async fn serve(cfg: CollectorConfig) -> anyhow::Result<()> {
         subjects: Subjects::new(&cfg.cluster),
         durable_name,
         stream_max_age: Duration::from_secs(cfg.stream_max_age_secs),
+        stream_max_bytes: cfg.stream_max_bytes,
         filter: single_model.map(|m| Subjects::new(&cfg.cluster).of_model(m)),
     };
     let bus_task = tokio::spawn(bus::run(bus_cfg, shared.clone()));

@@ -11,6 +11,7 @@
 //! record = "/var/lib/kvscope/recording.jsonl"
 //! report_dir = "/var/lib/kvscope/reports"
 //! stream_max_age_secs = 86400
+//! stream_max_bytes = 4294967296
 //!
 //! [analyzer]
 //! window_secs = 15.0
@@ -20,8 +21,8 @@
 //! ```
 //!
 //! Environment: `KVSCOPE_COLLECTOR_NATS_URL`, `_CLUSTER`, `_DURABLE_NAME`, `_LISTEN`,
-//! `_RECORD`, `_REPORT_DIR`, `_STREAM_MAX_AGE_SECS`, `_WINDOW_SECS`, `_WARMUP_SECS`,
-//! `_MIN_SPILL_BLOCKS`, `_MIN_WINDOWS`, `_KEEP_WINDOWS`, `_KEEP_VERDICTS`,
+//! `_RECORD`, `_REPORT_DIR`, `_STREAM_MAX_AGE_SECS`, `_STREAM_MAX_BYTES`, `_WINDOW_SECS`,
+//! `_WARMUP_SECS`, `_MIN_SPILL_BLOCKS`, `_MIN_WINDOWS`, `_KEEP_WINDOWS`, `_KEEP_VERDICTS`,
 //! `_PROMPT_MEMORY_SECS`, `_MODELS` (comma-separated).
 
 use crate::fold::analyzer::AnalyzerConfig;
@@ -50,6 +51,10 @@ pub struct CollectorConfig {
     pub report_dir: Option<PathBuf>,
     /// Maximum age of records in the stream (when this collector creates it).
     pub stream_max_age_secs: u64,
+    /// The stream's size limit in bytes (when this collector creates it): past it the
+    /// oldest records are discarded (default 4 GiB; 0: no limit). The agents set the
+    /// same on the stream they create or update; keep the two equal.
+    pub stream_max_bytes: u64,
     pub analyzer: AnalyzerConfig,
     /// OTLP export of the collector's metrics and spans (default off: no endpoint). The
     /// standard `OTEL_EXPORTER_OTLP_*` variables override it (see `kvscope_otlp::config`).
@@ -69,6 +74,7 @@ impl Default for CollectorConfig {
             record: None,
             report_dir: None,
             stream_max_age_secs: 24 * 3600,
+            stream_max_bytes: kvscope_wire::subject::DEFAULT_STREAM_MAX_BYTES,
             analyzer: AnalyzerConfig::default(),
             otlp: kvscope_otlp::OtlpConfig::default(),
             nats: Default::default(),
@@ -101,6 +107,9 @@ impl CollectorConfig {
         }
         if let Some(v) = env.parse(&key("STREAM_MAX_AGE_SECS"))? {
             self.stream_max_age_secs = v;
+        }
+        if let Some(v) = env.parse(&key("STREAM_MAX_BYTES"))? {
+            self.stream_max_bytes = v;
         }
         let a = &mut self.analyzer;
         if let Some(v) = env.parse(&key("WINDOW_SECS"))? {
@@ -156,6 +165,7 @@ mod tests {
             ("KVSCOPE_COLLECTOR_RECORD", "/data/r.jsonl"),
             ("KVSCOPE_COLLECTOR_REPORT_DIR", "/data/reports"),
             ("KVSCOPE_COLLECTOR_STREAM_MAX_AGE_SECS", "60"),
+            ("KVSCOPE_COLLECTOR_STREAM_MAX_BYTES", "1048576"),
             ("KVSCOPE_COLLECTOR_WINDOW_SECS", "5"),
             ("KVSCOPE_COLLECTOR_WARMUP_SECS", "2.5"),
             ("KVSCOPE_COLLECTOR_MIN_SPILL_BLOCKS", "3"),
@@ -179,7 +189,7 @@ mod tests {
         assert_eq!(c.listen.to_string(), "0.0.0.0:9000");
         assert_eq!(c.record.as_deref(), Some(Path::new("/data/r.jsonl")));
         assert_eq!(c.report_dir.as_deref(), Some(Path::new("/data/reports")));
-        assert_eq!(c.stream_max_age_secs, 60);
+        assert_eq!((c.stream_max_age_secs, c.stream_max_bytes), (60, 1 << 20));
         let a = &c.analyzer;
         assert_eq!(
             (a.window_secs, a.warmup_secs, a.min_spill_blocks),

@@ -118,6 +118,26 @@ impl InternalEvent<Shared> for RecordMissing<'_> {
     }
 }
 
+/// Stream records `from..to` were discarded by the stream's limits (age, size) before
+/// this collector read them: counted as missing, all at once.
+pub struct RecordsDiscarded {
+    pub from: u64,
+    pub to: u64,
+}
+
+impl InternalEvent<Shared> for RecordsDiscarded {
+    fn emit(self, s: &Shared) {
+        lock(&s.bus).missing_records += self.to - self.from;
+        warn!(
+            from_seq = self.from,
+            to_seq = self.to - 1,
+            "Stream records were discarded by the stream's age or size limit before this \
+             collector applied them; counted as missing (it fell behind by more than the \
+             stream keeps: raise stream_max_bytes, or give the collector more CPU)."
+        );
+    }
+}
+
 /// A write to the recording failed: the recording stops (and readiness says so).
 pub struct RecordingFailed<'a> {
     pub error: &'a dyn Display,
@@ -261,6 +281,7 @@ mod tests {
         .emit(&s);
         RecordUndecodable { seq: 4, error: &e }.emit(&s);
         RecordMissing { seq: 5, error: &e }.emit(&s);
+        RecordsDiscarded { from: 10, to: 13 }.emit(&s);
         RecordingFailed { error: &e }.emit(&s);
         RecordingFlushFailed { error: &e }.emit(&s);
         NatsRefused { error: &e }.emit(&s);
@@ -295,7 +316,7 @@ mod tests {
                 b.messages_without_metadata,
                 b.ack_failures
             ),
-            (1, true, 1, 1, 1, 1, 1, 1)
+            (4, true, 1, 1, 1, 1, 1, 1)
         );
     }
 }

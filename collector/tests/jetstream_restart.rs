@@ -9,6 +9,7 @@ use kvscope_collector::report::OpportunityReport;
 use kvscope_lab::nats::NatsServer;
 use kvscope_lab::process::{signal_group, ManagedProcess, StopOnDrop};
 use kvscope_wire::hashing::{local_block_hashes, DYNAMO_HASH_SEED};
+use kvscope_wire::subject::stream_config;
 use kvscope_wire::{
     AgentHeartbeat, Envelope, KvEvent, KvEventBatch, Record, RoutingDecision, SequenceStatus,
     Subjects, WorkerKey,
@@ -178,9 +179,10 @@ async fn a_killed_collector_resumes_without_losing_or_repeating_records() {
     let url = nats.url();
     let subjects = Subjects::new("t");
     let js = jetstream::new(async_nats::connect(&url).await.unwrap());
-    js.get_or_create_stream(kvscope_wire::subject::stream_config(
+    js.get_or_create_stream(stream_config(
         &subjects,
         Duration::from_secs(3600),
+        kvscope_wire::subject::DEFAULT_STREAM_MAX_BYTES,
     ))
     .await
     .unwrap();
@@ -341,9 +343,10 @@ async fn a_record_dated_far_ahead_is_quarantined_not_applied() {
     let url = nats.url();
     let subjects = Subjects::new("t");
     let js = jetstream::new(async_nats::connect(&url).await.unwrap());
-    js.get_or_create_stream(kvscope_wire::subject::stream_config(
+    js.get_or_create_stream(stream_config(
         &subjects,
         Duration::from_secs(3600),
+        kvscope_wire::subject::DEFAULT_STREAM_MAX_BYTES,
     ))
     .await
     .unwrap();
@@ -374,4 +377,161 @@ async fn a_record_dated_far_ahead_is_quarantined_not_applied() {
     assert_eq!(s["counters"]["future_records"], 1, "{s}");
     assert_eq!(s["watermark_ns"].as_u64(), Some(now + 1_000_000_000));
     assert_eq!(s["counters"]["heartbeats"], 2);
+}
+
+/// Publish `records` on `subjects` as fast as the server acknowledges them (a hundred in
+/// flight); the acknowledgements that failed, as the server's reasons.
+async fn publish_all(
+    js: &jetstream::Context,
+    subjects: &Subjects,
+    records: &[Envelope],
+) -> Vec<String> {
+    let mut refused = Vec::new();
+    for chunk in records.chunks(100) {
+        let mut acks = Vec::new();
+        for e in chunk {
+            match js
+                .publish(subjects.for_record(&e.agent, &e.record), e.to_json().into())
+                .await
+            {
+                Ok(ack) => acks.push(ack),
+                Err(e) => refused.push(e.to_string()),
+            }
+        }
+        for ack in acks {
+            if let Err(e) = ack.await {
+                refused.push(e.to_string());
+            }
+        }
+    }
+    refused
+}
+
+/// A stream at its size limit discards its oldest records, so a NATS server whose
+/// JetStream store is small keeps taking the fleet's records (without the limit the same
+/// server refuses every publish once its store is full); a collector started then
+/// rebuilds from the first record kept and says where its figures begin; and one that
+/// falls behind by more than the stream keeps counts what it never saw, all at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_at_its_size_limit_discards_its_oldest_and_the_collector_counts_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let store_limit = 2u64 << 20;
+    let stream_limit = 512u64 << 10;
+    let nats = NatsServer::start_with_store_limit(&dir.path().join("js"), store_limit)
+        .expect("nats-server -js (scripts/setup)");
+    let url = nats.url();
+    let js = jetstream::new(async_nats::connect(&url).await.unwrap());
+    let records = trace(12_000);
+    let bytes: usize = records.iter().map(|e| e.to_json().len()).sum();
+    assert!(
+        bytes as u64 > 2 * store_limit,
+        "the trace must overfill the server's store ({bytes} bytes)"
+    );
+
+    // What the limit is for: with none, the server refuses records once its store is full.
+    let unlimited = Subjects::new("u");
+    let mut stream = js
+        .get_or_create_stream(stream_config(&unlimited, Duration::from_secs(3600), 0))
+        .await
+        .unwrap();
+    assert_eq!(stream.info().await.unwrap().config.max_bytes, -1);
+    let refused = publish_all(&js, &unlimited, &records).await;
+    assert!(
+        !refused.is_empty(),
+        "a stream without a size limit overfills the server's {store_limit}-byte store"
+    );
+    js.delete_stream(unlimited.stream_name()).await.unwrap();
+
+    // A limit the server's store cannot hold is refused (the agent's readiness says so).
+    let subjects = Subjects::new("t");
+    let too_large = js
+        .get_or_create_stream(stream_config(
+            &subjects,
+            Duration::from_secs(3600),
+            2 * store_limit,
+        ))
+        .await;
+    assert!(
+        too_large.is_err(),
+        "a stream larger than the server's store"
+    );
+    let mut stream = js
+        .get_or_create_stream(stream_config(
+            &subjects,
+            Duration::from_secs(3600),
+            stream_limit,
+        ))
+        .await
+        .unwrap();
+    let refused = publish_all(&js, &subjects, &records).await;
+    assert_eq!(
+        refused,
+        Vec::<String>::new(),
+        "the limited stream takes every record"
+    );
+    let state = stream.info().await.unwrap().state.clone();
+    assert!(state.bytes <= stream_limit, "{state:?}");
+    assert_eq!(state.last_sequence, records.len() as u64);
+    assert!(
+        state.first_sequence > 1,
+        "the oldest were discarded: {state:?}"
+    );
+
+    let listen = format!("127.0.0.1:{}", api_port());
+    let api = format!("http://{listen}");
+    let mut collector = spawn_collector(&url, &listen, &dir.path().join("rec.jsonl"));
+    let rebuilt = wait_summary(&api, "rebuilt the stream", |s| {
+        s["bus"]["applied_seq"].as_u64() == Some(state.last_sequence)
+            && s["bus"]["rebuilding"] == false
+    })
+    .await;
+    let bus = &rebuilt["bus"];
+    assert_eq!(
+        bus["stream_first_seq"].as_u64(),
+        Some(state.first_sequence),
+        "{bus}"
+    );
+    assert_eq!(
+        bus["rebuilt_records"].as_u64(),
+        Some(state.messages),
+        "every record kept is rebuilt: {bus}"
+    );
+    let metrics = reqwest::get(format!("{api}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains(&format!(
+            "kvscope_collector_bus_stream_first_sequence {}",
+            state.first_sequence
+        )),
+        "the first sequence is on /metrics"
+    );
+
+    // Stopped while the stream moves on by more than it keeps, the collector finds the
+    // records after its position gone.
+    signal_group(collector[0].pid(), "STOP");
+    let refused = publish_all(&js, &subjects, &records).await;
+    signal_group(collector[0].pid(), "CONT");
+    assert!(refused.is_empty(), "{refused:?}");
+    let last = 2 * records.len() as u64;
+    let s = wait_applied(&api, last).await;
+    let (applied, missing) = (
+        s["counters"]["records"].as_u64().unwrap(),
+        s["bus"]["missing_records"].as_u64().unwrap(),
+    );
+    assert!(missing > 0, "records were discarded unread: {}", s["bus"]);
+    assert_eq!(
+        applied + missing,
+        last - state.first_sequence + 1,
+        "every sequence from the first kept is applied or counted missing: {}",
+        s["bus"]
+    );
+    assert!(
+        s["bus"]["applied_seq"].as_u64() == Some(last)
+            && collector[0].child.try_wait().unwrap().is_none(),
+        "the collector goes on"
+    );
 }

@@ -26,6 +26,39 @@ impl NatsServer {
     /// [`crate::bus_security`]).
     pub fn start_with(dir: &Path, port: u16, security: Option<BusSecurity>) -> Result<Self> {
         let process = spawn(dir, port, security.as_ref())?;
+        Self::ready(dir, process, port, security)
+    }
+
+    /// [`Self::start_anywhere`] with the server's JetStream store limited to
+    /// `max_file_store` bytes, as a deployment's `jetstream { max_file_store }` does.
+    pub fn start_with_store_limit(dir: &Path, max_file_store: u64) -> Result<Self> {
+        let reservation = crate::ports::reserve_ports(1).context("picking a port for NATS")?;
+        let port = reservation.ports()[0];
+        let store = dir.join("nats");
+        std::fs::create_dir_all(&store).context("creating the NATS store folder")?;
+        let conf = dir.join("nats-server.conf");
+        std::fs::write(
+            &conf,
+            format!(
+                "listen: \"127.0.0.1:{port}\"\njetstream {{\n  store_dir: {:?}\n  \
+                 max_file_store: {max_file_store}\n}}\n",
+                store.display().to_string()
+            ),
+        )
+        .context("writing the NATS configuration")?;
+        let mut cmd = Command::new(crate::setup::nats_server_path()?);
+        cmd.arg("-c").arg(&conf);
+        let process = ManagedProcess::spawn("nats-server", cmd, &dir.join("nats.log"))?;
+        Self::ready(dir, process, port, None)
+    }
+
+    /// The server `process` started on `port`, once it accepts connections.
+    fn ready(
+        dir: &Path,
+        process: ManagedProcess,
+        port: u16,
+        security: Option<BusSecurity>,
+    ) -> Result<Self> {
         let server = Self {
             process: vec![process],
             port,

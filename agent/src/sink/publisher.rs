@@ -49,6 +49,8 @@ pub struct PublisherConfig {
     pub inbox_prefix: String,
     pub subjects: Subjects,
     pub stream_max_age: Duration,
+    /// The stream's byte limit (0: none); see `kvscope_wire::subject::stream_config`.
+    pub stream_max_bytes: u64,
     /// Prefix of the de-duplication ids: unique per agent run.
     pub run_id: String,
     /// Its `bus` readiness check: connected, stream set up, publishing.
@@ -89,7 +91,11 @@ pub async fn run(
         }
         if !stream_ready {
             match js
-                .create_or_update_stream(stream_config(&cfg.subjects, cfg.stream_max_age))
+                .create_or_update_stream(stream_config(
+                    &cfg.subjects,
+                    cfg.stream_max_age,
+                    cfg.stream_max_bytes,
+                ))
                 .await
             {
                 Ok(_) => {
@@ -105,7 +111,13 @@ pub async fn run(
                         &cfg.health,
                         &stats,
                         &sink,
-                        &e.to_string(),
+                        &format!(
+                            "cannot create or update the stream (stream_max_bytes = {}, \
+                             stream_max_age_secs = {}; the server's JetStream store must \
+                             hold that much): {e}",
+                            cfg.stream_max_bytes,
+                            cfg.stream_max_age.as_secs()
+                        ),
                         &mut backoff,
                         &mut give_up,
                     )

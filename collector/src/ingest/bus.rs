@@ -35,6 +35,8 @@ pub struct BusConfig {
     pub subjects: Subjects,
     pub durable_name: String,
     pub stream_max_age: Duration,
+    /// The stream's byte limit (0: none), when this collector creates it.
+    pub stream_max_bytes: u64,
     /// Consume only these subjects (a collector limited to one model:
     /// `Subjects::of_model`); `None`: the whole stream.
     pub filter: Option<String>,
@@ -281,20 +283,33 @@ pub async fn run(cfg: BusConfig, shared: Arc<Shared>) -> anyhow::Result<()> {
     };
     let js = jetstream::new(client);
     let mut stream = js
-        .get_or_create_stream(stream_config(&cfg.subjects, cfg.stream_max_age))
+        .get_or_create_stream(stream_config(
+            &cfg.subjects,
+            cfg.stream_max_age,
+            cfg.stream_max_bytes,
+        ))
         .await
         .context(
             "cannot create or open the JetStream stream (is JetStream enabled: nats-server -js?)",
         )?;
     lock(&shared.bus).connected = true;
-    let last = stream
+    let state = &stream
         .info()
         .await
         .context("cannot read the stream's state")?
-        .state
-        .last_sequence;
+        .state;
+    let (first, last) = (state.first_sequence, state.last_sequence);
+    lock(&shared.bus).stream_first_seq = first;
+    if first > 1 {
+        // Normal on a fleet that has run longer than the stream keeps records: the
+        // figures (and the mirror) begin at its first retained record.
+        info!(
+            first_seq = first,
+            "The stream's records before this one were discarded by its age and size limits."
+        );
+    }
     if last > 0 {
-        rebuild(&stream, last, cfg.filter.as_deref(), &shared).await?;
+        rebuild(&stream, first..=last, cfg.filter.as_deref(), &shared).await?;
     }
     let durable = stream
         .get_or_create_consumer(
@@ -367,7 +382,18 @@ async fn fill_gap(
     filter: Option<&str>,
     shared: &Shared,
 ) {
-    for s in from..to {
+    // Those before the stream's first record were discarded by its limits: counted at
+    // once, not asked for one by one (a collector that fell further behind than the
+    // stream holds would otherwise look up each of millions).
+    let first = match stream.get_info().await {
+        Ok(info) => info.state.first_sequence.clamp(from, to),
+        Err(_) => from,
+    };
+    if first > from {
+        RecordsDiscarded { from, to: first }.emit(shared);
+        lock(&shared.bus).applied_seq = first - 1;
+    }
+    for s in first..to {
         match stream.get_raw_message(s).await {
             Ok(m) if filter.is_some_and(|f| !subject_matches(f, &m.subject)) => {
                 lock(&shared.bus).applied_seq = s;
@@ -398,12 +424,14 @@ pub fn subject_matches(filter: &str, subject: &str) -> bool {
     s.next().is_none()
 }
 
+/// Apply the stream's records `seqs` (those `filter` takes, when given), in order.
 async fn rebuild(
     stream: &stream::Stream,
-    last: u64,
+    seqs: std::ops::RangeInclusive<u64>,
     filter: Option<&str>,
     shared: &Shared,
 ) -> anyhow::Result<()> {
+    let (mut next, last) = (*seqs.start(), *seqs.end());
     lock(&shared.bus).rebuilding = true;
     info!(
         last_seq = last,
@@ -442,6 +470,16 @@ async fn rebuild(
         if seq > last {
             break;
         }
+        if filter.is_none() && seq > next {
+            // The stream's sequence numbers are contiguous: the ones skipped were
+            // discarded by its limits while the rebuild read towards them.
+            RecordsDiscarded {
+                from: next,
+                to: seq,
+            }
+            .emit(shared);
+        }
+        next = seq + 1;
         records += shared.apply_message(&msg.subject, msg.headers.as_ref(), &msg.payload, seq);
         n += 1;
         if n.is_multiple_of(100_000) {

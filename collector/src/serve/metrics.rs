@@ -419,6 +419,12 @@ pub fn write(out: &mut Exposition, a: &FleetAnalyzer, bus: &BusStatus) {
         bus.applied_seq,
     );
     out.single_gauge(
+        "kvscope_collector_bus_stream_first_sequence",
+        "The stream's first record when this collector started: older ones were discarded by the stream's age and size limits, and the figures begin there.",
+        "",
+        bus.stream_first_seq,
+    );
+    out.single_gauge(
         "kvscope_collector_recording_failed",
         "1 when the recording stopped after a write error.",
         "",

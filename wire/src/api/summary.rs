@@ -52,6 +52,9 @@ pub struct BusStatus {
     /// Stream records that were gone (expired or deleted) when the collector came to
     /// apply them: a hole in what it has seen.
     pub missing_records: u64,
+    /// The stream's first record when the collector started: the ones before it were
+    /// discarded by the stream's age and size limits, and the figures begin there.
+    pub stream_first_seq: u64,
     /// The recording stopped after a write error.
     pub recording_failed: bool,
     /// Flushes of the recording that failed (it tries again at the next).
