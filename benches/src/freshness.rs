@@ -93,6 +93,12 @@ pub struct FreshnessArgs {
     /// How often the agent polls the router log (`log_poll_interval_ms`).
     #[arg(long, default_value_t = 20)]
     log_poll_ms: u64,
+    /// The stream's byte limit (`stream_max_bytes`, agent and collector). A fleet that
+    /// has run a while keeps its stream at the limit, discarding as much as it takes
+    /// in: a limit below what the run publishes (~8 MB/s at 100k blocks/s) measures
+    /// that state [default: the agent's, 4 GiB, which a short run never reaches].
+    #[arg(long)]
+    stream_max_bytes: Option<u64>,
     /// The `kvscope` binary [default: next to this one].
     #[arg(long)]
     kvscope: Option<PathBuf>,
@@ -146,6 +152,9 @@ pub struct FreshnessReport {
     pub slices: Vec<Slice>,
     /// What the collector and agent counted (totals over the run).
     pub collector: Value,
+    /// The collector's bus reader at the end (`BusStatus`: records missing, where the
+    /// stream began).
+    pub collector_bus: Value,
     pub agent: Value,
     /// CPU time over the measured period per process, in cores.
     pub cpu_cores: BTreeMap<String, f64>,
@@ -334,6 +343,9 @@ fn start_pipeline(
     collector_cfg.analyzer.keep_verdicts = 10_000_000;
     collector_cfg.analyzer.window_secs = 5.0;
     collector_cfg.analyzer.warmup_secs = args.warmup_secs;
+    if let Some(b) = args.stream_max_bytes {
+        collector_cfg.stream_max_bytes = b;
+    }
     let collector_toml = dir.join("collector.toml");
     std::fs::write(&collector_toml, toml::to_string(&collector_cfg)?)?;
     let mut cmd = Command::new(kvscope);
@@ -355,6 +367,9 @@ fn start_pipeline(
     );
     if let Some(ms) = args.kv_reorder_window_ms {
         agent_toml.push_str(&format!("kv_reorder_window_ms = {ms}\n"));
+    }
+    if let Some(b) = args.stream_max_bytes {
+        agent_toml.push_str(&format!("stream_max_bytes = {b}\n"));
     }
     for (i, port) in ports[..args.workers].iter().enumerate() {
         agent_toml.push_str(&format!(
@@ -596,6 +611,7 @@ async fn run(args: &FreshnessArgs) -> anyhow::Result<FreshnessReport> {
             })
             .collect(),
         collector: summary["counters"].clone(),
+        collector_bus: summary["bus"].clone(),
         agent,
         cpu_cores,
         rss_mib,
@@ -671,6 +687,11 @@ fn print_report(args: &FreshnessArgs, r: &FreshnessReport) {
         c["decisions_fully_cached"],
         c["late_records"],
         c["verdicts_judged_before_event"]
+    );
+    println!(
+        "Collector's bus: {} stream records missing (discarded or gone before it read them); \
+         the stream began at sequence {}.",
+        r.collector_bus["missing_records"], r.collector_bus["stream_first_seq"]
     );
     println!(
         "Agent (last heartbeat): {} published in {} NATS messages, {} dropped, {} late, {} sequence gaps.",
