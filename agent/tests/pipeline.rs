@@ -7,6 +7,7 @@ use futures::StreamExt;
 use kvscope_agent::config::{AgentConfig, KvEndpoint};
 use kvscope_lab::nats::NatsServer;
 use kvscope_lab::process::{ManagedProcess, StopOnDrop};
+use kvscope_wire::hashing::{local_block_hashes, DYNAMO_HASH_SEED};
 use kvscope_wire::{
     AgentCounters, Envelope, KvEvent, KvEventBatch, MigrationLogKind, MigrationLogLine, Record,
     RoutingDecision, SequenceStatus, Subjects, WorkerKey,
@@ -432,9 +433,10 @@ async fn records_from_zmq_and_the_router_log_arrive_on_jetstream() {
             events: vec![KvEvent::BlockStored {
                 block_hashes: real_hashes,
                 parent_block_hash: None,
-                token_ids: real_tokens,
+                // The tokens leave the node as their blocks' local hashes.
+                token_ids: Vec::new(),
                 block_size: 16,
-                local_hashes: None,
+                local_hashes: Some(local_block_hashes(&real_tokens, 16, DYNAMO_HASH_SEED)),
                 lora_name: None,
                 medium: None,
             }],
@@ -450,9 +452,9 @@ async fn records_from_zmq_and_the_router_log_arrive_on_jetstream() {
                 KvEvent::BlockStored {
                     block_hashes: vec![7, 8],
                     parent_block_hash: Some((-3i64) as u64),
-                    token_ids: vec![1, 2, 3, 4],
+                    token_ids: Vec::new(),
                     block_size: 2,
-                    local_hashes: None,
+                    local_hashes: Some(local_block_hashes(&[1, 2, 3, 4], 2, DYNAMO_HASH_SEED)),
                     lora_name: None,
                     medium: Some("GPU".into()),
                 },

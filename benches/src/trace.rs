@@ -206,13 +206,19 @@ impl Trace {
                                 token_ids,
                                 block_size,
                                 lora_name,
+                                local_hashes,
                                 ..
                             } => {
-                                let locals = local_block_hashes(
-                                    token_ids,
-                                    *block_size as usize,
-                                    seed_for_lora(lora_name.as_deref()),
-                                );
+                                // As the collector reads a store: the local hashes an
+                                // agent or Dynamo's event plane sent, else the tokens'.
+                                let locals = match local_hashes {
+                                    Some(l) if token_ids.is_empty() => l.clone(),
+                                    _ => local_block_hashes(
+                                        token_ids,
+                                        *block_size as usize,
+                                        seed_for_lora(lora_name.as_deref()),
+                                    ),
+                                };
                                 anyhow::ensure!(
                                     locals.len() == block_hashes.len(),
                                     "a store with partial blocks: not supported by the benchmark"

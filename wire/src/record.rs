@@ -378,6 +378,32 @@ pub enum KvEvent {
     AllBlocksCleared,
 }
 
+impl KvEvent {
+    /// Replace a store's token ids by its blocks' local hashes, as Dynamo's own publisher
+    /// hands them to its indexer: the mirror matches on nothing else, and a hash takes
+    /// 8 bytes where a block's tokens take 4 per token (64 at block size 16). A trailing
+    /// partial block has no hash, as Dynamo gives it none; a store whose tokens do not
+    /// fill one block per block hash still shows as such (fewer hashes than blocks).
+    /// Other events, and stores that carry local hashes already, stay as they are.
+    pub fn hash_tokens(&mut self) {
+        if let KvEvent::BlockStored {
+            token_ids,
+            block_size,
+            local_hashes: locals @ None,
+            lora_name,
+            ..
+        } = self
+        {
+            *locals = Some(crate::hashing::local_block_hashes(
+                token_ids,
+                *block_size as usize,
+                crate::hashing::seed_for_lora(lora_name.as_deref()),
+            ));
+            *token_ids = Vec::new();
+        }
+    }
+}
+
 /// Every KV event's `type`, as written.
 const KV_EVENT_TYPES: &[&str] = &["BlockStored", "BlockRemoved", "AllBlocksCleared"];
 
@@ -774,6 +800,70 @@ mod tests {
 
     fn spec(s: &str) -> Result<WorkerSpec, WorkerSpecError> {
         s.parse()
+    }
+
+    #[test]
+    fn a_store_s_tokens_become_its_blocks_local_hashes() {
+        // Dynamo's local hash, written out: xxh3-64 of the block's tokens as
+        // little-endian u32, seed 1337, or 1337 + xxh3 of the adapter's name.
+        let xxh = |tokens: &[u32], seed: u64| {
+            let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+            xxhash_rust::xxh3::xxh3_64_with_seed(&bytes, seed)
+        };
+        let store = |tokens: Vec<u32>, lora: Option<&str>| KvEvent::BlockStored {
+            block_hashes: vec![10, 11],
+            parent_block_hash: Some(9),
+            token_ids: tokens,
+            block_size: 2,
+            local_hashes: None,
+            lora_name: lora.map(str::to_string),
+            medium: Some("GPU".into()),
+        };
+        let hashed = |locals: Vec<u64>, lora: Option<&str>| KvEvent::BlockStored {
+            block_hashes: vec![10, 11],
+            parent_block_hash: Some(9),
+            token_ids: Vec::new(),
+            block_size: 2,
+            local_hashes: Some(locals),
+            lora_name: lora.map(str::to_string),
+            medium: Some("GPU".into()),
+        };
+        let mut e = store(vec![1, 2, 3, 4, 5], None);
+        e.hash_tokens();
+        assert_eq!(
+            e,
+            hashed(vec![xxh(&[1, 2], 1337), xxh(&[3, 4], 1337)], None),
+            "the partial block (5) has no hash"
+        );
+        let lora_seed = 1337u64.wrapping_add(xxhash_rust::xxh3::xxh3_64(b"adapter"));
+        let mut e = store(vec![1, 2, 3, 4], Some("adapter"));
+        e.hash_tokens();
+        assert_eq!(
+            e,
+            hashed(
+                vec![xxh(&[1, 2], lora_seed), xxh(&[3, 4], lora_seed)],
+                Some("adapter")
+            )
+        );
+        let mut short = store(vec![1, 2], None);
+        short.hash_tokens();
+        assert_eq!(
+            short,
+            hashed(vec![xxh(&[1, 2], 1337)], None),
+            "fewer hashes than blocks: still a token count mismatch at the collector"
+        );
+        for e in [
+            hashed(vec![7, 8], None),
+            KvEvent::BlockRemoved {
+                block_hashes: vec![1],
+                medium: None,
+            },
+            KvEvent::AllBlocksCleared,
+        ] {
+            let mut same = e.clone();
+            same.hash_tokens();
+            assert_eq!(same, e);
+        }
     }
 
     #[test]

@@ -218,12 +218,13 @@ impl Permissions {
     }
 }
 
-/// The stream's default byte limit: 4 GiB. At ~78 bytes per KV block stored (records
-/// packed, decisions included; measured at 100k blocks/s) that is ~55M blocks, the churn
-/// of a fleet caching 1,000 × 50k blocks, so a restarted collector still rebuilds a
-/// whole mirror; and it fits a NATS server whose JetStream store is 8 GB (the deploy's).
-/// Without a byte limit a busy fleet fills the server's store within the age limit
-/// (~670 GB a day at 100k blocks/s), and then the server refuses every publish.
+/// The stream's default byte limit: 4 GiB. At ~39 bytes per KV block stored or removed
+/// (decisions included; `kvscope-bench freshness` at 100k blocks/s) that is ~110M block
+/// events, ~55M stores and their removals: the churn of a fleet caching 1,000 × 50k
+/// blocks, so a restarted collector still rebuilds a whole mirror; and it fits a NATS
+/// server whose JetStream store is 8 GB (the deploy's). Without a byte limit a busy
+/// fleet fills the server's store within the age limit (~340 GB a day at 100k blocks/s),
+/// and then the server refuses every publish.
 pub const DEFAULT_STREAM_MAX_BYTES: u64 = 4 << 30;
 
 /// The stream both the agents and the collector ask for (either may start first):

@@ -41,6 +41,14 @@
 //! For each `Record::Decision` it calls `RadixTree::find_matches(local_hashes, false)`
 //! and keeps the workers with a non-zero score.
 //!
+//! An engine's tokens reach the records as their blocks' local hashes (the agent hashes
+//! them, `KvEvent::hash_tokens`). Step 1 then runs on placeholder tokens of the same
+//! count, one block's worth per local hash: Dynamo's conversion looks at how many tokens
+//! each block has (and at multimodal token ids, which kvscope records never carry), and
+//! hashes them; the blocks it converts then take the agent's local hashes in order. That
+//! those hashes are Dynamo's `compute_block_hash_for_seq` of the tokens is checked on its
+//! own against the crate (`collector/tests/hash_vectors.rs`).
+//!
 //! Assumptions the records cannot settle: the publisher's configured `kv_block_size`
 //! is taken to be the `block_size` of the first `BlockStored` seen from that worker key
 //! (Dynamo drops blocks whose size differs from it); there are no `cache_salt` /
@@ -353,6 +361,22 @@ impl DynamoOracle {
             self.counters.filtered += 1;
             return;
         };
+        if let (
+            KvCacheEventData::Stored(store),
+            KvEvent::BlockStored {
+                token_ids,
+                local_hashes: Some(locals),
+                ..
+            },
+        ) = (&mut router_event.event.data, ev)
+        {
+            if token_ids.is_empty() {
+                // The blocks converted from placeholder tokens take the agent's hashes.
+                for (block, &local) in store.blocks.iter_mut().zip(locals) {
+                    block.tokens_hash = LocalBlockHash(local);
+                }
+            }
+        }
         let is_gpu = router_event.storage_tier == StorageTier::Device;
 
         // EventDedupFilter (per dp rank and tier; only the device tier is kept here).
@@ -453,14 +477,18 @@ fn to_raw(ev: &KvEvent) -> RawKvEvent {
             block_size,
             lora_name,
             medium,
-            local_hashes: _,
+            local_hashes,
         } => RawKvEvent::BlockStored {
             block_hashes: block_hashes
                 .iter()
                 .map(|h| BlockHashValue::Unsigned(*h))
                 .collect(),
             parent_block_hash: parent_block_hash.map(BlockHashValue::Unsigned),
-            token_ids: token_ids.clone(),
+            token_ids: match local_hashes {
+                // Placeholders, as many as the hashed blocks had (see the module's docs).
+                Some(l) if token_ids.is_empty() => vec![0; l.len() * *block_size as usize],
+                _ => token_ids.clone(),
+            },
             block_size: *block_size as usize,
             medium: medium.clone(),
             lora_name: lora_name.clone(),
