@@ -633,6 +633,53 @@ async fn records_wait_for_nats_and_overflow_is_counted() {
     assert_eq!(records, 4, "3 records and the shutdown heartbeat");
 }
 
+/// On a server whose JetStream store cannot hold the agent's `stream_max_bytes` (4 GiB
+/// by default; this store holds 2 MiB), the agent publishes to the stream that is
+/// already there, created with a limit the store holds, and leaves its limits as they are.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_existing_stream_is_used_when_the_server_refuses_the_agent_s_limits() {
+    let dir = tempfile::tempdir().unwrap();
+    let nats = NatsServer::start_with_store_limit(&dir.path().join("js"), 2 << 20)
+        .expect("nats-server -js (scripts/setup)");
+    let js = async_nats::jetstream::new(async_nats::connect(nats.url()).await.unwrap());
+    let subjects = Subjects::new("small");
+    let limits =
+        || kvscope_wire::subject::stream_config(&subjects, Duration::from_secs(3600), 512 << 10);
+    js.get_or_create_stream(limits()).await.unwrap();
+    let log_path = dir.path().join("frontend.log");
+    let lines: String = (0..3)
+        .map(|i| format!("2026-11-29T07:50:0{i}.000000Z  INFO p: KVMIGRATE: producer handshake obtained request_id=\"m{i}\"\n"))
+        .collect();
+    std::fs::write(&log_path, lines).unwrap();
+    let agent = kvscope_agent::agent::start(AgentConfig {
+        agent_id: "test-node".into(),
+        cluster: "small".into(),
+        nats_url: nats.url(),
+        router_log: Some(log_path.display().to_string()),
+        from_start: true,
+        heartbeat_interval_secs: 60.0,
+        log_poll_interval_ms: 20,
+        ..AgentConfig::default()
+    })
+    .await
+    .unwrap();
+    let got = collect_until(&js, &subjects, |got| {
+        got.iter()
+            .filter(|e| matches!(e.record, Record::Migration(_)))
+            .count()
+            >= 3
+    })
+    .await;
+    assert!(got.len() >= 3);
+    agent.shutdown().await;
+    let mut stream = js.get_stream(subjects.stream_name()).await.unwrap();
+    assert_eq!(
+        stream.info().await.unwrap().config.max_bytes,
+        limits().max_bytes,
+        "the stream keeps the limits it was made with"
+    );
+}
+
 /// `copytruncate` rotation with the real agent and NATS: the log is cut and written
 /// again past the agent's position between two of its polls. Every line of the new
 /// file arrives, after every line of the old one, and the cut is counted.

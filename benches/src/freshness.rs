@@ -95,7 +95,7 @@ pub struct FreshnessArgs {
     log_poll_ms: u64,
     /// The stream's byte limit (`stream_max_bytes`, agent and collector). A fleet that
     /// has run a while keeps its stream at the limit, discarding as much as it takes
-    /// in: a limit below what the run publishes (~8 MB/s at 100k blocks/s) measures
+    /// in: a limit below what the run publishes (~4 MB/s at 100k blocks/s) measures
     /// that state [default: the agent's, 4 GiB, which a short run never reaches].
     #[arg(long)]
     stream_max_bytes: Option<u64>,

@@ -319,6 +319,26 @@ async fn the_bus_admits_the_collector_and_agent_as_their_manifests_run_them() {
         .as_str()
         .unwrap()
         .to_string();
+    // The stream's default size fits the bus's JetStream store (NATS counts a GB as
+    // 1024³ bytes), with room for the server's own files.
+    let store = conf
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("max_file_store:"))
+        .expect("the bus sets max_file_store")
+        .trim();
+    let (digits, unit) = store.split_at(store.find(|c: char| !c.is_ascii_digit()).unwrap());
+    let unit: u64 = match unit {
+        "KB" => 1 << 10,
+        "MB" => 1 << 20,
+        "GB" => 1 << 30,
+        "TB" => 1 << 40,
+        other => panic!("max_file_store unit {other:?}"),
+    };
+    let store = digits.parse::<u64>().unwrap() * unit;
+    assert!(
+        kvscope_wire::subject::DEFAULT_STREAM_MAX_BYTES <= store * 3 / 4,
+        "stream_max_bytes' default must fit max_file_store ({store} bytes)"
+    );
     // The permissions are the ones the wire crate gives, the agent's for any agent.
     let subjects = Subjects::new("fleet");
     let agent = subjects

@@ -236,7 +236,7 @@ async fn million_token_prefills_are_judged_exactly_and_hold_nothing_back() {
         })
         .expect("a heartbeat");
     // Every record over the server's 1 MiB `max_payload` went in parts: at least the
-    // 1M-token one-store batch (its token ids alone are ~5.6 MB packed).
+    // 1M-token one-store batch (its block and local hashes are ~1.4 MB packed).
     let over_a_message = rec
         .envelopes
         .iter()

@@ -321,3 +321,145 @@ fn engine_restart_reset_does_not_clear() {
         vec![("r".to_string(), m(&[(W1, 2)]))]
     );
 }
+
+/// Agents send an engine's tokens as their blocks' local hashes (`KvEvent::hash_tokens`);
+/// the oracle then runs Dynamo's conversion on placeholder tokens. For stores with a
+/// partial trailing block, a second block size, a LoRA adapter, a repeated hash, a CPU
+/// tier, removals and a clear, Dynamo's overlaps from the hashes equal those from the
+/// tokens, and the collector's from the hashes equal both.
+#[test]
+fn hashed_tokens_give_dynamo_s_overlaps() {
+    let a = toks(4, 10);
+    let c = toks(2, 11);
+    let store = |hashes: Vec<u64>, parent, tokens: &[u32], bs, lora: Option<&str>, medium| {
+        KvEvent::BlockStored {
+            block_hashes: hashes,
+            parent_block_hash: parent,
+            token_ids: tokens.to_vec(),
+            block_size: bs,
+            local_hashes: None,
+            lora_name: lora.map(str::to_string),
+            medium,
+        }
+    };
+    let lora_decision = |id: &str, tokens: &[u32]| {
+        let Record::Decision(mut d) = decision(id, W2, tokens) else {
+            unreachable!()
+        };
+        d.local_hashes = local_block_hashes(tokens, BS as usize, seed_for_lora(Some("ad")));
+        Record::Decision(d)
+    };
+    let half = (2 * BS + BS / 2) as usize;
+    let events = [
+        (W1, vec![stored(&a, 0, 10, None)]),
+        // 2.5 blocks of tokens for three hashes; then a store of another block size.
+        (
+            W2,
+            vec![store(
+                vec![11_000, 11_001, 11_002],
+                None,
+                &a[..half],
+                BS,
+                None,
+                None,
+            )],
+        ),
+        (
+            W2,
+            vec![store(
+                vec![11_003],
+                Some(11_001),
+                &a[2 * BS as usize..],
+                BS / 2,
+                None,
+                None,
+            )],
+        ),
+        // A LoRA adapter's blocks, a repeated hash (dropped whole), a CPU-tier copy.
+        (
+            W2,
+            vec![store(vec![12_000, 12_001], None, &c, BS, Some("ad"), None)],
+        ),
+        (
+            W1,
+            vec![store(vec![13_000, 13_000], None, &c, BS, None, None)],
+        ),
+        (
+            W2R1,
+            vec![store(
+                vec![14_000, 14_001],
+                None,
+                &c,
+                BS,
+                None,
+                Some("CPU".into()),
+            )],
+        ),
+        (
+            W1,
+            vec![KvEvent::BlockRemoved {
+                block_hashes: vec![10_003],
+                medium: None,
+            }],
+        ),
+    ];
+    let mut records: Vec<Envelope> = Vec::new();
+    for (i, (w, evs)) in events.into_iter().enumerate() {
+        let sequence = if i == 0 {
+            SequenceStatus::First
+        } else {
+            SequenceStatus::InOrder
+        };
+        records.push(env(i as u64 + 1, batch(w, i as u64, sequence, evs)));
+    }
+    for (i, r) in [
+        decision("a", W1, &a),
+        decision("c", W1, &c),
+        lora_decision("c-lora", &c),
+        decision("a-again", W2, &a),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        records.push(env(100 + i as u64, r));
+    }
+    records.push(env(
+        200,
+        batch(
+            W2,
+            9,
+            SequenceStatus::InOrder,
+            vec![KvEvent::AllBlocksCleared],
+        ),
+    ));
+    records.push(env(201, decision("after-clear", W1, &a)));
+
+    let hashed: Vec<Envelope> = records
+        .iter()
+        .cloned()
+        .map(|mut e| {
+            if let Record::KvEvents(b) = &mut e.record {
+                b.events.iter_mut().for_each(KvEvent::hash_tokens);
+            }
+            e
+        })
+        .collect();
+    assert_ne!(hashed, records, "the stores carry hashes now");
+    let from_tokens = dynamo_overlaps(&records);
+    assert_eq!(dynamo_overlaps(&hashed), from_tokens);
+    let found: Vec<_> = from_tokens.iter().map(|(_, o)| o.clone()).collect();
+    assert_eq!(
+        found,
+        vec![
+            m(&[(W1, 3), (W2, 2)]),
+            m(&[]),
+            m(&[(W2, 2)]),
+            m(&[(W1, 3), (W2, 2)]),
+            m(&[(W1, 3)]),
+        ],
+        "{from_tokens:?}"
+    );
+    let mut analyzer = kvscope_collector::fold::analyzer::FleetAnalyzer::new(Default::default());
+    let verdicts: Vec<_> = hashed.iter().filter_map(|e| analyzer.apply(e)).collect();
+    oracle::assert_overlaps_equal(&verdicts, &records);
+}

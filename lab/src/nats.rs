@@ -40,9 +40,10 @@ impl NatsServer {
         std::fs::write(
             &conf,
             format!(
-                "listen: \"127.0.0.1:{port}\"\njetstream {{\n  store_dir: {:?}\n  \
+                "listen: \"127.0.0.1:{port}\"\njetstream {{\n  store_dir: {}\n  \
                  max_file_store: {max_file_store}\n}}\n",
-                store.display().to_string()
+                // NATS reads a JSON string.
+                serde_json::to_string(&store.display().to_string())?
             ),
         )
         .context("writing the NATS configuration")?;

@@ -1,10 +1,10 @@
 //! Records larger than one bus message, sent in parts and joined again.
 //!
 //! NATS refuses a message over the server's `max_payload` (1 MiB by default), and one
-//! long prompt makes a record larger than that: a `BlockStored` of 131,072 tokens is
-//! 1.08 MB of JSON, a 1M-token prefill's batch ~8 MB, its decision's hashes 1.4 MB. An
-//! agent therefore sends such a record's JSON in consecutive parts, each a message of
-//! its own on the record's subject, with two headers: `Nats-Msg-Id` is
+//! long prompt makes a record larger than that: a 1M-token prefill's `BlockStored` is
+//! ~1.4 MB of JSON (its block and local hashes, packed), a decision ~0.7 MB per million
+//! tokens. An agent therefore sends such a record's JSON in consecutive parts, each a
+//! message of its own on the record's subject, with two headers: `Nats-Msg-Id` is
 //! `<run>-<local seq>:<index>` (unique, so a re-sent part is de-duplicated like a whole
 //! record) and [`PART_HEADER`] is `<index>/<count>`. The collector's [`Reassembler`]
 //! concatenates them and applies the record once its last part is in: the record is

@@ -170,6 +170,24 @@ impl InternalEvent<AgentStats> for StreamReady<'_> {
     }
 }
 
+/// The server refused to create or update the stream with this agent's limits, but the
+/// stream exists: the agent publishes to it as it is.
+pub struct StreamKeptAsIs<'a> {
+    pub stream: &'a str,
+    pub error: &'a str,
+}
+
+impl InternalEvent<AgentStats> for StreamKeptAsIs<'_> {
+    fn emit(self, _stats: &AgentStats) {
+        warn!(
+            stream = %self.stream,
+            error = %self.error,
+            "The server refused this agent's stream limits (stream_max_age_secs, \
+             stream_max_bytes); publishing to the stream as it is."
+        );
+    }
+}
+
 /// Writing the local recording failed. No wire counter; the record still goes to NATS.
 pub struct RecordingWriteFailed<'a> {
     pub error: &'a str,

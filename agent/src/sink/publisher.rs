@@ -20,7 +20,7 @@
 use crate::counters::AgentStats;
 use crate::internal_events::{
     BusRefused, InternalEvent, PublishFailed, RecordPublished, RecordSetAside, RecordSplit,
-    StreamReady,
+    StreamKeptAsIs, StreamReady,
 };
 use crate::sink::RecordSink;
 use async_nats::jetstream::{self, context::PublishErrorKind, message::PublishMessage};
@@ -101,6 +101,18 @@ pub async fn run(
                 Ok(_) => {
                     StreamReady {
                         stream: &cfg.subjects.stream_name(),
+                    }
+                    .emit(&stats);
+                    stream_ready = true;
+                    cfg.health.ok(BUS_CHECK);
+                }
+                // The server refused this agent's limits (a store too small for
+                // `stream_max_bytes`, say), but the stream is there: publish to it as it
+                // is rather than not at all.
+                Err(e) if js.get_stream(cfg.subjects.stream_name()).await.is_ok() => {
+                    StreamKeptAsIs {
+                        stream: &cfg.subjects.stream_name(),
+                        error: &e.to_string(),
                     }
                     .emit(&stats);
                     stream_ready = true;

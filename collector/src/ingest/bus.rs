@@ -290,7 +290,8 @@ pub async fn run(cfg: BusConfig, shared: Arc<Shared>) -> anyhow::Result<()> {
         ))
         .await
         .context(
-            "cannot create or open the JetStream stream (is JetStream enabled: nats-server -js?)",
+            "cannot create or open the JetStream stream (is JetStream enabled: nats-server \
+             -js? does its store hold stream_max_bytes?)",
         )?;
     lock(&shared.bus).connected = true;
     let state = &stream
@@ -308,7 +309,8 @@ pub async fn run(cfg: BusConfig, shared: Arc<Shared>) -> anyhow::Result<()> {
             "The stream's records before this one were discarded by its age and size limits."
         );
     }
-    if last > 0 {
+    // Every record gone (expired) leaves `first` past `last`: nothing to rebuild.
+    if last > 0 && first <= last {
         rebuild(&stream, first..=last, cfg.filter.as_deref(), &shared).await?;
     }
     let durable = stream
@@ -467,19 +469,28 @@ async fn rebuild(
             .info()
             .map(|i| (i.stream_sequence, i.pending))
             .unwrap_or((0, 0));
+        if filter.is_none() && seq > next {
+            if n == 0 {
+                // Discarded before the rebuild read anything: the figures begin later,
+                // with no hole in them.
+                lock(&shared.bus).stream_first_seq = seq;
+            } else {
+                // The stream's sequence numbers are contiguous: the ones skipped were
+                // discarded by its limits while the rebuild read towards them.
+                RecordsDiscarded {
+                    from: next,
+                    to: seq.min(last + 1),
+                }
+                .emit(shared);
+            }
+        }
         if seq > last {
+            // Past the stream's end at start (everything up to it discarded meanwhile):
+            // the durable consumer goes on from here.
+            lock(&shared.bus).applied_seq = last;
             break;
         }
-        if filter.is_none() && seq > next {
-            // The stream's sequence numbers are contiguous: the ones skipped were
-            // discarded by its limits while the rebuild read towards them.
-            RecordsDiscarded {
-                from: next,
-                to: seq,
-            }
-            .emit(shared);
-        }
-        next = seq + 1;
+        next = next.max(seq + 1);
         records += shared.apply_message(&msg.subject, msg.headers.as_ref(), &msg.payload, seq);
         n += 1;
         if n.is_multiple_of(100_000) {

@@ -235,9 +235,9 @@ impl KvTap {
         }
         .emit(&self.stats);
         let mut events = decoded.events;
-        // The tokens leave the node as their blocks' hashes: an eighth of the bytes on
-        // the bus at block size 16, and the collector's hashing done here, spread over
-        // the nodes.
+        // The tokens leave the node as their blocks' hashes (a block's hash in the bytes
+        // of two of its tokens: half the bytes on the bus in all), and the collector's
+        // hashing is done here, spread over the nodes.
         events.iter_mut().for_each(KvEvent::hash_tokens);
         Some(Record::KvEvents(KvEventBatch {
             worker: WorkerKey {
