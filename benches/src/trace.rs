@@ -6,7 +6,6 @@
 //! hash and no allocation per op.
 
 use anyhow::Context as _;
-use kvscope_wire::hashing::{local_block_hashes, seed_for_lora};
 use kvscope_wire::recording::read_recording;
 use kvscope_wire::{KvEvent, Record, WorkerKey};
 use std::collections::HashMap;
@@ -203,22 +202,9 @@ impl Trace {
                             KvEvent::BlockStored {
                                 block_hashes,
                                 parent_block_hash,
-                                token_ids,
-                                block_size,
-                                lora_name,
-                                local_hashes,
                                 ..
                             } => {
-                                // As the collector reads a store: the local hashes an
-                                // agent or Dynamo's event plane sent, else the tokens'.
-                                let locals = match local_hashes {
-                                    Some(l) if token_ids.is_empty() => l.clone(),
-                                    _ => local_block_hashes(
-                                        token_ids,
-                                        *block_size as usize,
-                                        seed_for_lora(lora_name.as_deref()),
-                                    ),
-                                };
+                                let locals = ev.stored_local_hashes().unwrap_or_default();
                                 anyhow::ensure!(
                                     locals.len() == block_hashes.len(),
                                     "a store with partial blocks: not supported by the benchmark"
@@ -237,7 +223,7 @@ impl Trace {
                                     w,
                                     *parent_block_hash,
                                     block_hashes.iter().copied(),
-                                    locals,
+                                    locals.iter().copied(),
                                 );
                             }
                             KvEvent::BlockRemoved { block_hashes, .. } => {

@@ -26,11 +26,17 @@ pub fn seed_for_lora(lora_name: Option<&str>) -> u64 {
 
 /// Local hash of one block of token ids.
 pub fn local_block_hash(tokens: &[u32], seed: u64) -> LocalBlockHash {
-    let mut bytes = Vec::with_capacity(tokens.len() * 4);
+    hash_in(&mut Vec::with_capacity(tokens.len() * 4), tokens, seed)
+}
+
+/// [`local_block_hash`] with the tokens' bytes laid out in `bytes` (cleared first), so
+/// that hashing a store's blocks takes one buffer, not one per block.
+fn hash_in(bytes: &mut Vec<u8>, tokens: &[u32], seed: u64) -> LocalBlockHash {
+    bytes.clear();
     for t in tokens {
         bytes.extend_from_slice(&t.to_le_bytes());
     }
-    xxh3_64_with_seed(&bytes, seed)
+    xxh3_64_with_seed(bytes, seed)
 }
 
 /// Sequence hash of a block whose parent has sequence hash `parent` (None for the first
@@ -65,9 +71,10 @@ pub fn local_block_hashes(tokens: &[u32], block_size: usize, seed: u64) -> Vec<L
     if block_size == 0 {
         return Vec::new();
     }
+    let mut bytes = Vec::with_capacity(block_size * 4);
     tokens
         .chunks_exact(block_size)
-        .map(|b| local_block_hash(b, seed))
+        .map(|b| hash_in(&mut bytes, b, seed))
         .collect()
 }
 

@@ -379,26 +379,48 @@ pub enum KvEvent {
 }
 
 impl KvEvent {
-    /// Replace a store's token ids by its blocks' local hashes, as Dynamo's own publisher
-    /// hands them to its indexer: the mirror matches on nothing else, and a hash takes
-    /// 8 bytes where a block's tokens take 4 per token (64 at block size 16). A trailing
-    /// partial block has no hash, as Dynamo gives it none; a store whose tokens do not
-    /// fill one block per block hash still shows as such (fewer hashes than blocks).
-    /// Other events, and stores that carry local hashes already, stay as they are.
-    pub fn hash_tokens(&mut self) {
-        if let KvEvent::BlockStored {
+    /// A store's blocks' local hashes, what the mirror matches on: the ones it carries
+    /// when it has no tokens (Dynamo's event plane, an agent's [`Self::hash_tokens`]),
+    /// else its tokens', one per full block (a trailing partial block has none, as
+    /// Dynamo gives it none). `None` for removals and clears.
+    pub fn stored_local_hashes(&self) -> Option<std::borrow::Cow<'_, [u64]>> {
+        let KvEvent::BlockStored {
             token_ids,
             block_size,
-            local_hashes: locals @ None,
+            local_hashes,
             lora_name,
             ..
         } = self
-        {
-            *locals = Some(crate::hashing::local_block_hashes(
+        else {
+            return None;
+        };
+        Some(match local_hashes {
+            Some(l) if token_ids.is_empty() => l.into(),
+            _ => crate::hashing::local_block_hashes(
                 token_ids,
                 *block_size as usize,
                 crate::hashing::seed_for_lora(lora_name.as_deref()),
-            ));
+            )
+            .into(),
+        })
+    }
+
+    /// Replace a store's token ids by its blocks' local hashes
+    /// ([`Self::stored_local_hashes`]), as Dynamo's own publisher hands them to its
+    /// indexer: a hash takes 8 bytes where a block's tokens take 4 per token. A store
+    /// whose tokens do not fill one block per block hash still shows as such (fewer
+    /// hashes than blocks). Other events stay as they are.
+    pub fn hash_tokens(&mut self) {
+        let Some(std::borrow::Cow::Owned(hashed)) = self.stored_local_hashes() else {
+            return;
+        };
+        if let KvEvent::BlockStored {
+            token_ids,
+            local_hashes,
+            ..
+        } = self
+        {
+            *local_hashes = Some(hashed);
             *token_ids = Vec::new();
         }
     }

@@ -772,30 +772,13 @@ impl FleetAnalyzer {
                 KvEvent::BlockStored {
                     block_hashes,
                     parent_block_hash,
-                    token_ids,
                     block_size,
-                    lora_name,
-                    local_hashes,
                     ..
                 } => {
-                    // Dynamo's event plane hands the local hashes over; an engine, the
-                    // tokens they are hashed from.
-                    let stored = match local_hashes {
-                        Some(locals) if token_ids.is_empty() => self.index.store_hashed(
-                            worker,
-                            *parent_block_hash,
-                            block_hashes,
-                            locals,
-                        ),
-                        _ => self.index.store(
-                            worker,
-                            *parent_block_hash,
-                            block_hashes,
-                            token_ids,
-                            *block_size,
-                            lora_name.as_deref(),
-                        ),
-                    };
+                    let locals = ev.stored_local_hashes().unwrap_or_default();
+                    let stored =
+                        self.index
+                            .store_hashed(worker, *parent_block_hash, block_hashes, &locals);
                     match stored {
                         Ok(seg) => {
                             self.counters.stored_blocks += seg.blocks.len() as u64;

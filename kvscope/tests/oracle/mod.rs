@@ -209,29 +209,20 @@ impl DynamoOracle {
     }
 
     fn learn_hashes(&mut self, worker: WorkerKey, ev: &KvEvent) {
-        let KvEvent::BlockStored {
-            block_hashes,
-            parent_block_hash,
-            token_ids,
-            block_size,
-            lora_name,
-            local_hashes,
-            ..
-        } = ev
+        let (
+            KvEvent::BlockStored {
+                block_hashes,
+                parent_block_hash,
+                ..
+            },
+            Some(locals),
+        ) = (ev, ev.stored_local_hashes())
         else {
             return;
         };
-        let locals = match local_hashes {
-            Some(l) => l.clone(),
-            None => kvscope_wire::hashing::local_block_hashes(
-                token_ids,
-                *block_size as usize,
-                kvscope_wire::hashing::seed_for_lora(lora_name.as_deref()),
-            ),
-        };
         let mut prev =
             parent_block_hash.and_then(|p| self.engine_to_seq.get(&(worker, p)).copied());
-        for (engine, local) in block_hashes.iter().zip(&locals) {
+        for (engine, local) in block_hashes.iter().zip(locals.iter()) {
             let seq = kvscope_wire::hashing::chain_hash(prev, *local);
             self.seq_to_local.insert(seq, *local);
             self.engine_to_seq.insert((worker, *engine), seq);
