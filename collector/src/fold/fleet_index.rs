@@ -806,6 +806,36 @@ mod tests {
     }
 
     #[test]
+    fn a_chain_stored_after_a_sweep_takes_consecutive_records() {
+        // Consecutive records are what lets a walk along the chain read the next one
+        // before its link (`Blocks::linked_child`).
+        let mut idx = FleetIndex::new();
+        // Two chains whose records interleave (one grew after the other was stored),
+        // evicted and swept: the sweep frees them in no useful order.
+        let a: Vec<u32> = (0..16).collect();
+        let b: Vec<u32> = (200..208).collect();
+        idx.store(w(1), None, &[1, 2, 3, 4], &a[..8], 2, None)
+            .unwrap();
+        idx.store(w(1), None, &[11, 12, 13, 14], &b, 2, None)
+            .unwrap();
+        idx.store(w(1), Some(4), &[5, 6, 7, 8], &a[8..], 2, None)
+            .unwrap();
+        idx.remove(w(1), &[1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 13, 14]);
+        assert_eq!(idx.blocks.live(), 0, "the evicted chains were swept");
+        let second: Vec<u32> = (100..112).collect();
+        idx.store(w(1), None, &[21, 22, 23, 24, 25, 26], &second, 2, None)
+            .unwrap();
+        let records = idx
+            .blocks
+            .chain_records(&local_block_hashes(&second, 2, DYNAMO_HASH_SEED));
+        assert_eq!(records.len(), 6);
+        assert!(
+            records.windows(2).all(|p| p[1] == p[0] + 1),
+            "records {records:?}"
+        );
+    }
+
+    #[test]
     fn clear_empties_one_worker_only() {
         let mut idx = FleetIndex::new();
         let toks: Vec<u32> = (0..4).collect();

@@ -161,7 +161,7 @@ impl HoldersMut<'_> {
 /// A record a query met ([`Blocks::find_child`]), read in place: a query changes nothing,
 /// so it keeps a reference where a store keeps a copy ([`Found`]).
 #[derive(Debug, Clone, Copy)]
-pub(super) struct Visited<'a>(&'a Block);
+pub(super) struct Visited<'a>(&'a Block, BlockIdx);
 
 impl Visited<'_> {
     pub(super) fn seq(self) -> SequenceHash {
@@ -251,11 +251,10 @@ impl Blocks {
     ) -> Result<Visited<'a>, SequenceHash> {
         let seq = match parent {
             None => chain_hash(None, local),
-            Some(Visited(r)) => {
-                if r.next != NO_BLOCK {
-                    let c = &self.records[r.next as usize];
-                    if c.local == local {
-                        return Ok(Visited(c));
+            Some(Visited(r, at)) => {
+                if let Some(c) = self.linked_child(r, at) {
+                    if c.0.local == local {
+                        return Ok(c);
                     }
                 }
                 let seq = chain_hash(Some(r.seq), local);
@@ -266,9 +265,22 @@ impl Blocks {
             }
         };
         match self.table.get(&seq) {
-            Some(&b) => Ok(Visited(&self.records[b as usize])),
+            Some(&b) => Ok(Visited(&self.records[b as usize], b)),
             None => Err(seq),
         }
+    }
+
+    /// `r`'s (record `at`'s) linked child, if any. A store's new blocks are made in
+    /// consecutive records, so the child is usually the next one: read from there
+    /// while the link is checked, the walk along a chain does not wait for each record
+    /// before it can load the next.
+    #[inline(always)]
+    fn linked_child<'a>(&'a self, r: &Block, at: BlockIdx) -> Option<Visited<'a>> {
+        let guess = at.wrapping_add(1);
+        if r.next == guess && (guess as usize) < self.records.len() {
+            return Some(Visited(&self.records[guess as usize], guess));
+        }
+        (r.next != NO_BLOCK).then(|| Visited(&self.records[r.next as usize], r.next))
     }
 
     /// The mirrored block with sequence hash `seq`, a child of `parent` (`None`: a
@@ -279,11 +291,10 @@ impl Blocks {
         parent: Option<Visited<'a>>,
         seq: SequenceHash,
     ) -> Option<Visited<'a>> {
-        if let Some(Visited(r)) = parent {
-            if r.next != NO_BLOCK {
-                let c = &self.records[r.next as usize];
-                if c.seq == seq {
-                    return Some(Visited(c));
+        if let Some(Visited(r, at)) = parent {
+            if let Some(c) = self.linked_child(r, at) {
+                if c.0.seq == seq {
+                    return Some(c);
                 }
             }
             if r.children_all_linked() {
@@ -292,7 +303,7 @@ impl Blocks {
         }
         self.table
             .get(&seq)
-            .map(|&b| Visited(&self.records[b as usize]))
+            .map(|&b| Visited(&self.records[b as usize], b))
     }
 
     /// The child `local` of `parent` (`None`: a chain's first block), made (unheld) if
@@ -302,14 +313,9 @@ impl Blocks {
         // A store following a chain the mirror holds finds the linked child: inline, one
         // record read.
         if let Some(p) = parent {
-            let next = p.record.next;
-            if next != NO_BLOCK {
-                let c = &self.records[next as usize];
+            if let Some(Visited(c, b)) = self.linked_child(&p.record, p.b) {
                 if c.local == local {
-                    return Found {
-                        b: next,
-                        record: *c,
-                    };
+                    return Found { b, record: *c };
                 }
             }
         }
@@ -426,11 +432,30 @@ impl Blocks {
             }
         }
         self.kept_by_sweep = self.unheld;
+        // Taken from the end: lowest first, so that a store's new blocks get
+        // consecutive records where the sweep freed a run (see `linked_child`).
+        self.free.sort_unstable_by(|a, b| b.cmp(a));
     }
 
     /// Records in use (held or kept), for tests.
     #[cfg(test)]
     pub(super) fn live(&self) -> usize {
         self.records.len() - self.free.len()
+    }
+
+    /// The records of the mirrored chain `locals` as far as the mirror holds it, for
+    /// tests.
+    #[cfg(test)]
+    pub(super) fn chain_records(&self, locals: &[LocalBlockHash]) -> Vec<BlockIdx> {
+        let mut at = None;
+        let mut out = Vec::new();
+        for local in locals {
+            let Ok(found) = self.find_child(at, *local) else {
+                break;
+            };
+            out.push(found.1);
+            at = Some(found);
+        }
+        out
     }
 }
