@@ -122,6 +122,33 @@ struct {
 	__type(value, struct call_entry);
 } calls SEC(".maps");
 
+/*
+ * postXferReq in progress on a thread, from its entry to its site (or return): one slot
+ * per thread, at its id modulo POST_SLOTS, tagged with the thread. An array slot is a
+ * plain store and load, where a per-thread hash entry costs a hash, a lock and a copy
+ * of a whole call_entry on both sides (BENCHMARKS.md: ~80 ns a post's entry instead of
+ * 150-230, its site ~215 instead of ~255). A post entered while its slot
+ * is taken (another thread in postXferReq whose id shares the slot, or an earlier post of
+ * this thread that never returned through its site) loses that one: counted as lost.
+ * Uncounted only: two such threads entering within the same few nanoseconds, both finding
+ * the slot free (an atomic exchange would close it, but needs BPF ISA v3 for every
+ * program), and a post already running when the probes were attached (as before).
+ */
+#define POST_SLOTS 16384
+struct post_entry {
+	__u64 pid_tgid; /* the thread in postXferReq; 0: free */
+	__u64 ts_ns;
+	__u64 agent;
+	__u64 req;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, POST_SLOTS);
+	__type(key, __u32);
+	__type(value, struct post_entry);
+} posts SEC(".maps");
+
 /* Posted requests awaiting their first terminal status: post entry time. */
 struct xfer_key {
 	__u32 pid;
@@ -157,6 +184,15 @@ struct {
 	__type(key, struct agent_key);
 	__type(value, __u8);
 } agents SEC(".maps");
+
+/* The agent each CPU found in `agents` (or put there) last: a loop of one agent's calls
+ * skips the hash lookup. Only a shortcut: `agents` stays the record of what was announced. */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct agent_key);
+} last_agent SEC(".maps");
 
 /* The request's window (`off_req_window`), read once per post; per CPU (a program runs
  * to its end on one CPU). Past REQ_WINDOW so that a field at a bounded offset fits. */
@@ -345,6 +381,12 @@ static __always_inline void note_agent(__u64 agent)
 	struct agent_key k = {};
 	k.pid = bpf_get_current_pid_tgid() >> 32;
 	k.agent = agent;
+	__u32 zero = 0;
+	struct agent_key *last = bpf_map_lookup_elem(&last_agent, &zero);
+	if (last && last->pid == k.pid && last->agent == agent)
+		return;
+	if (last)
+		*last = k;
 	if (bpf_map_lookup_elem(&agents, &k))
 		return;
 	__u8 one = 1;

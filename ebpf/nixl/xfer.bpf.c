@@ -210,35 +210,66 @@ SEC("uprobe")
 int BPF_KPROBE(post_xfer_enter, void *self, void *req)
 {
 	note_agent((__u64)self);
-	struct call_entry *c = new_call((__u64)self);
-	if (!c)
+	__u64 id = bpf_get_current_pid_tgid();
+	__u32 slot = (__u32)id & (POST_SLOTS - 1);
+	struct post_entry *p = bpf_map_lookup_elem(&posts, &slot);
+	if (!p)
 		return 0;
-	c->arg = (__u64)req;
-	store_call(CALL_POST_XFER_REQ, c);
+	volatile __u64 *tag = &p->pid_tgid;
+	if (*tag)
+		count_lost();
+	/* The tag first: a site that reads any field below also reads this tag again. */
+	*tag = id;
+	*(volatile __u64 *)&p->ts_ns = bpf_ktime_get_ns();
+	*(volatile __u64 *)&p->agent = (__u64)self;
+	*(volatile __u64 *)&p->req = (__u64)req;
+	return 0;
+}
+
+/* Take this thread's post entry (see `posts`) into `out`: -1 when another thread's
+ * entry replaced it (counted as lost at that entry) or none was stored. */
+static __always_inline int take_post(struct post_entry *out)
+{
+	__u64 id = bpf_get_current_pid_tgid();
+	__u32 slot = (__u32)id & (POST_SLOTS - 1);
+	struct post_entry *p = bpf_map_lookup_elem(&posts, &slot);
+	if (!p)
+		return -1;
+	volatile __u64 *tag = &p->pid_tgid;
+	if (*tag != id)
+		return -1;
+	out->ts_ns = *(volatile __u64 *)&p->ts_ns;
+	out->agent = *(volatile __u64 *)&p->agent;
+	out->req = *(volatile __u64 *)&p->req;
+	/* An entry that began replacing it while these were read has written its tag
+	 * first (x86 keeps stores, and loads, in order). */
+	if (*tag != id)
+		return -1;
+	*tag = 0;
 	return 0;
 }
 
 static __always_inline int xfer_posted(__s32 status)
 {
-	struct call_entry c;
-	if (take_call(CALL_POST_XFER_REQ, &c) != 0)
+	struct post_entry c;
+	if (take_post(&c) != 0)
 		return 0;
 	if (status == NIXL_IN_PROG) {
 		struct xfer_key k = {};
 		k.pid = bpf_get_current_pid_tgid() >> 32;
-		k.req = c.arg;
+		k.req = c.req;
 		bpf_map_update_elem(&inflight, &k, &c.ts_ns, BPF_ANY);
 	}
 	/* The notification rides in the handle from create (or from post's own arguments,
 	 * which post copies in before it returns). Sent first, so user space knows it when
 	 * the post's record ends the transfer. */
-	const __u8 *w = read_req_window(c.arg);
+	const __u8 *w = read_req_window(c.req);
 	if (w && w[win_at(off_req_has_notif)]) {
 		struct nixl_event *n = event_reserve(EV_XFER_NOTIF);
 		if (n) {
 			n->agent = c.agent;
-			n->req = c.arg;
-			win_string(n->name, w, c.arg, off_req_notif, &n->flags);
+			n->req = c.req;
+			win_string(n->name, w, c.req, off_req_notif, &n->flags);
 			event_submit(n);
 		}
 	}
@@ -246,10 +277,10 @@ static __always_inline int xfer_posted(__s32 status)
 	if (!e)
 		return 0;
 	e->agent = c.agent;
-	e->req = c.arg;
+	e->req = c.req;
 	e->status = status;
 	e->latency_ns = e->ts_ns - c.ts_ns;
-	read_req_fields(e, c.arg, w);
+	read_req_fields(e, c.req, w);
 	event_submit(e);
 	return 0;
 }
