@@ -168,7 +168,7 @@ pub fn write_nixl(out: &mut Exposition, agent: &str, r: &NixlReport) {
     let agent_labels = labels(&[("agent", agent)]);
     out.single_counter(
         "kvscope_agent_nixl_events_lost",
-        "Probe records lost to a full ring buffer.",
+        "Probe records lost: to a full ring buffer, or a post whose per-thread slot another thread's post took.",
         &agent_labels,
         r.events_lost,
     );

@@ -87,7 +87,8 @@ struct {
 	__uint(max_entries, 1 << 22);
 } events SEC(".maps");
 
-/* Ring buffer reservations that failed (index 0): user space reports them as lost. */
+/* Records lost (index 0): ring buffer reservations that failed, and posts whose slot
+ * another thread's post took (`posts`); user space reports them as lost. */
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
 	__uint(max_entries, 1);

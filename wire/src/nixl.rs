@@ -289,7 +289,8 @@ pub struct NixlReport {
     pub libraries: Vec<NixlLibraryStatus>,
     pub transfers: Vec<NixlTransferStats>,
     pub calls: Vec<NixlCallStats>,
-    /// Probe records lost because the ring buffer was full.
+    /// Probe records lost: the ring buffer was full, or a post's per-thread slot was
+    /// taken by another thread's post before it returned.
     pub events_lost: u64,
     /// Probe records the agent could not decode or attribute.
     pub events_malformed: u64,

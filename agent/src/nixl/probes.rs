@@ -235,7 +235,8 @@ impl LoadedProbes {
         RingBuf::try_from(self.ebpf.take_map("events")?).ok()
     }
 
-    /// Records the probes could not write because the ring buffer was full.
+    /// Records the probes could not write: the ring buffer was full, or a post's
+    /// per-thread slot was taken by another thread's post before it returned.
     pub fn lost(&self) -> u64 {
         self.ebpf
             .map("lost")

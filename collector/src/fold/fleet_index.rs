@@ -27,7 +27,7 @@ mod holder_sets;
 use blocks::{BlockIdx, Blocks, Visited};
 use engine_map::EngineMap;
 use holder_sets::{HolderSets, SetId, EMPTY};
-use kvscope_wire::hashing::{chain_hash, local_block_hashes, seed_for_lora, LocalBlockHash};
+use kvscope_wire::hashing::{chain_hash, LocalBlockHash};
 use kvscope_wire::{SequenceHash, WorkerKey};
 use std::collections::hash_map::Entry;
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -250,8 +250,9 @@ impl FleetIndex {
         }
     }
 
-    /// Apply a `BlockStored` event. Returns what was stored and the event-only delta.
-    #[allow(clippy::too_many_arguments)]
+    /// [`Self::store_hashed`] from a store's tokens, for tests (the analyzer reads a
+    /// store's local hashes through `KvEvent::stored_local_hashes`).
+    #[cfg(test)]
     pub fn store(
         &mut self,
         worker: WorkerKey,
@@ -261,12 +262,14 @@ impl FleetIndex {
         block_size: u32,
         lora_name: Option<&str>,
     ) -> Result<StoredSegment, MirrorError> {
+        use kvscope_wire::hashing::{local_block_hashes, seed_for_lora};
         let locals = local_block_hashes(token_ids, block_size as usize, seed_for_lora(lora_name));
         self.store_hashed(worker, parent_engine_hash, engine_hashes, &locals)
     }
 
-    /// [`Self::store`] with the blocks' local hashes already computed from their tokens
-    /// (one per full block, in order), as Dynamo's publisher hands them to its indexer.
+    /// Apply a `BlockStored` event, given its blocks' local hashes (one per full block, in
+    /// order), as Dynamo's publisher hands them to its indexer. Returns what was stored
+    /// and the event-only delta.
     pub fn store_hashed(
         &mut self,
         worker: WorkerKey,
