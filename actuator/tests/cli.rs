@@ -83,6 +83,7 @@ fn record_fleet(path: &Path) {
             "node-a",
             t + S / 10,
             Record::Decision(RoutingDecision {
+                model: None,
                 request_id: format!("req-{i}"),
                 worker: w(2),
                 isl_tokens: prompt.len() as u64,

@@ -245,7 +245,8 @@ async fn dry_to_live_with_directives_then_back_to_dry_all_audited() {
         .lines()
         .all(|l| serde_json::from_str::<serde_json::Value>(l).is_ok()));
 
-    let text = kvscope_actuator::daemon::metrics::render(&a, 0);
+    let text =
+        kvscope_actuator::daemon::metrics::render(&a, 0, &Default::default(), &Default::default());
     for line in [
         "kvscope_actuator_flips_total{from=\"dry\",to=\"live\",reason=\"thresholds_met\"} 1",
         "kvscope_actuator_flips_total{from=\"live\",to=\"dry\",reason=\"silent_failure\"} 1",
@@ -276,7 +277,8 @@ async fn dry_to_live_with_directives_then_back_to_dry_all_audited() {
         "{:#?}",
         ev.reasons
     );
-    let text = kvscope_actuator::daemon::metrics::render(&b, 0);
+    let text =
+        kvscope_actuator::daemon::metrics::render(&b, 0, &Default::default(), &Default::default());
     assert!(
         text.contains("kvscope_actuator_flips_held_back_total{reason=\"cooldown\"} 1"),
         "only the cooldown held LIVE back:\n{text}"
@@ -341,7 +343,8 @@ async fn a_live_that_a_backend_cannot_apply_is_rolled_back_and_sends_nothing() {
     let ev = a.tick(Ok(f.view()), f.now()).await;
     assert_eq!(ev.to, Mode::Dry);
     assert!(ev.reasons.iter().any(|r| r.starts_with("cooldown:")));
-    let text = kvscope_actuator::daemon::metrics::render(&a, 0);
+    let text =
+        kvscope_actuator::daemon::metrics::render(&a, 0, &Default::default(), &Default::default());
     for line in [
         "kvscope_actuator_flips_total{from=\"live\",to=\"dry\",reason=\"backend_failed\"} 1",
         "kvscope_actuator_mode_apply_failures_total 1",
@@ -375,6 +378,7 @@ async fn the_api_needs_the_token_for_writes_and_the_audit() {
         a.clone(),
         health.clone(),
         token.into(),
+        Default::default(),
     ))
     .await;
     let http = reqwest::Client::new();
@@ -422,6 +426,26 @@ async fn the_api_needs_the_token_for_writes_and_the_audit() {
         }
         assert_eq!(req.send().await.unwrap().status(), 401);
     }
+    // The token is checked before the body is read: a request announcing 2 MB that
+    // never sends a byte of it is refused all the same (the actuator does not wait for,
+    // nor hold, an unauthenticated body).
+    {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let addr = base.trim_start_matches("http://");
+        let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
+        c.write_all(
+            b"POST /api/override HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+              content-length: 2000000\r\n\r\n",
+        )
+        .await
+        .unwrap();
+        let mut head = [0u8; 12];
+        tokio::time::timeout(std::time::Duration::from_secs(10), c.read_exact(&mut head))
+            .await
+            .expect("answered without the body")
+            .unwrap();
+        assert_eq!(&head, b"HTTP/1.1 401");
+    }
     // Every refusal is counted (and was slowed down).
     let metrics = http
         .get(format!("{base}/metrics"))
@@ -432,7 +456,7 @@ async fn the_api_needs_the_token_for_writes_and_the_audit() {
         .await
         .unwrap();
     assert!(
-        metrics.contains("kvscope_actuator_api_refusals_total 6"),
+        metrics.contains("kvscope_actuator_api_refusals_total 7"),
         "{metrics}"
     );
     assert_eq!(

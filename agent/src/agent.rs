@@ -156,11 +156,16 @@ pub async fn start(cfg: AgentConfig) -> anyhow::Result<RunningAgent> {
         .discovery
         .backend()
         .map_err(|e| anyhow::anyhow!("discovery: {e}"))?;
-    // Readiness (`/readyz` beside `/metrics`): the bus, and the discovery store if any.
+    // Readiness (`/readyz` beside `/metrics`): the bus, the discovery store if any, and
+    // the watchdog's checks (sources readable, records leaving, discovery fresh).
     let health = Arc::new(kvscope_kit::Health::new());
+    let sources = crate::watchdog::SourceStates::new();
     let (view_tx, view) = watch::channel(Arc::new(kvscope_discovery::Fleet::default()));
     let fleet_view = discovery.is_some().then(|| view.clone());
-    if let Some(backend) = discovery {
+    let discovery_freshness = discovery
+        .is_some()
+        .then(|| crate::watchdog::DiscoveryFreshness::new(cfg.discovery.poll_interval()));
+    if let (Some(backend), Some(freshness)) = (discovery, &discovery_freshness) {
         let planes = cfg.taps_event_plane().then(|| {
             PlaneTaps::new(PlaneContext {
                 sink: sink.clone(),
@@ -178,6 +183,7 @@ pub async fn start(cfg: AgentConfig) -> anyhow::Result<RunningAgent> {
             crate::fleet::Store {
                 backend,
                 poll: cfg.discovery.poll_interval(),
+                freshness: freshness.clone(),
             },
             view_tx,
             sink.clone(),
@@ -211,6 +217,7 @@ pub async fn start(cfg: AgentConfig) -> anyhow::Result<RunningAgent> {
             reorder_window_ns: cfg.reorder_window_ms * 1_000_000,
             request_trace_window_ns: cfg.request_trace_window_ms * 1_000_000,
             rescan: Duration::from_secs(2),
+            states: sources.clone(),
         };
         if crate::taps::router::files::is_pattern(log) {
             info!(pattern = %log, "Following the router logs a pattern matches.");
@@ -292,6 +299,16 @@ pub async fn start(cfg: AgentConfig) -> anyhow::Result<RunningAgent> {
         (None, None)
     };
 
+    inputs.push(tokio::spawn(crate::watchdog::run(
+        crate::watchdog::Watched {
+            health: health.clone(),
+            sources: sources.clone(),
+            sink: sink.clone(),
+            stats: stats.clone(),
+            discovery: discovery_freshness.clone(),
+        },
+        stop_rx.clone(),
+    )));
     health.fail(
         publisher::BUS_CHECK,
         format!("not yet connected to {}", cfg.nats_url),
@@ -339,13 +356,16 @@ pub async fn start(cfg: AgentConfig) -> anyhow::Result<RunningAgent> {
     };
 
     let otlp_stats = Arc::new(kvscope_otlp::ExportStats::default());
-    let exposition = crate::metrics::exposition(
-        cfg.agent_id.clone(),
-        stats.clone(),
-        sink.clone(),
-        nixl.clone(),
-        otlp_stats.clone(),
-    );
+    let http_stats = Arc::new(kvscope_kit::http::ServerStats::default());
+    let exposition = crate::metrics::exposition(crate::metrics::Sources {
+        agent: cfg.agent_id.clone(),
+        stats: stats.clone(),
+        sink: sink.clone(),
+        nixl: nixl.clone(),
+        otlp: otlp_stats.clone(),
+        http: http_stats.clone(),
+        health: health.clone(),
+    });
     let otlp = kvscope_otlp::OtlpExport::start(
         &cfg.otlp,
         kvscope_otlp::ServiceIdentity {
@@ -381,7 +401,7 @@ pub async fn start(cfg: AgentConfig) -> anyhow::Result<RunningAgent> {
             (
                 Some(local),
                 Some(tokio::spawn(crate::metrics::serve(
-                    listener, exposition, health,
+                    listener, exposition, health, http_stats,
                 ))),
             )
         }

@@ -45,13 +45,18 @@ agent_stats!(
     kv_batches_replayed: "KV batches recovered through a publisher's replay socket.",
     kv_gaps_recovered: "Gaps and late starts whose every missed batch the replay socket sent again.",
     kv_replay_failures: "Replay requests that failed (the missed batches stay missing).",
+    kv_replay_cuts: "Replay answers cut at 16,384 batches or 64 MiB: the batches before the cut used, the rest left missing.",
+    kv_engine_times_ignored: "KV batches whose engine timestamp is no time (not finite, before 2001 or after 2286): ordered by their arrival instead.",
     discovery_changes: "Workers and KV publishers that appeared, changed or went away in Dynamo's discovery store.",
     discovery_errors: "Failed reads of Dynamo's discovery store (retried).",
+    discovery_entries_skipped: "Discovery store entries left unread (not a regular file, or over 4 MiB), counted at every read.",
+    model_names_shortened: "Discovered workers whose model name is longer than a subject token holds (64 characters): their subjects carry a shortened token.",
     log_lines: "Router log lines read.",
     log_malformed_lines: "Router decision lines that could not be parsed.",
     log_lines_too_long: "Router log lines longer than max_line_bytes, skipped.",
     log_lines_future: "Router log lines dated more than 60 s ahead of this host's clock: their time was not taken.",
     log_truncations: "Times the router log was cut under the follower (copytruncate) and read again from its start.",
+    request_ids_shortened: "Request ids longer than 256 bytes in the router log, kept as their first bytes and a hash.",
     decisions_joined: "Routing decisions joined (routing input with its selected worker).",
     decisions_unjoined: "Routing inputs or selections never joined within the join timeout.",
     decisions_traced: "Routing decisions read from Dynamo's request trace (DYN_REQUEST_TRACE).",
@@ -62,6 +67,7 @@ agent_stats!(
     records_split: "Records larger than one NATS message, sent in parts.",
     records_set_aside: "Records JetStream refused (not the connection): set aside so the others go on.",
     publish_errors: "Failed publish attempts to NATS (retried).",
+    recording_write_failures: "Failed writes or flushes of the local recording (--record): those records are missing from it (they still went to NATS).",
     bus_refusals: "Times NATS refused this agent: its credentials, or a subject its permissions do not allow.",
     records_late: "Records later than the reorder window (sent at once).",
     records_clock_corrected: "Records from a source whose clock reads ahead of this host's, stamped back by its estimated offset.",
@@ -85,6 +91,6 @@ mod tests {
         let c = s.snapshot();
         assert_eq!(c.kv_batches, 2);
         assert_eq!(c.publish_dropped, 5);
-        assert_eq!(s.named().len(), 35);
+        assert_eq!(s.named().len(), 41);
     }
 }

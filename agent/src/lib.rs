@@ -26,3 +26,4 @@ pub mod metrics;
 pub mod nixl;
 pub mod sink;
 pub mod taps;
+pub mod watchdog;

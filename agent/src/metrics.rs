@@ -8,7 +8,6 @@ use kvscope_kit::prom::{labels, Exposition, Format, Kind};
 use kvscope_wire::nixl::{write_latency_histogram, MergedLatency, NixlReport};
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
 /// The agent's own counters and its buffer.
@@ -201,14 +200,30 @@ pub fn write_nixl(out: &mut Exposition, agent: &str, r: &NixlReport) {
 /// source of both `/metrics` (text format) and the OTLP metrics export.
 pub type Render = Arc<dyn Fn(Format) -> String + Send + Sync>;
 
-/// The agent's [`Render`]: its counters, the NIXL probes' figures, the OTLP export health.
-pub fn exposition(
-    agent: String,
-    stats: Arc<AgentStats>,
-    sink: Arc<RecordSink>,
-    nixl: Option<Arc<NixlTracer>>,
-    otlp: Arc<kvscope_otlp::ExportStats>,
-) -> Render {
+/// What the agent's [`Render`] reads: its counters, the NIXL probes' figures, the OTLP
+/// export's and the metrics listener's health, and its readiness checks.
+pub struct Sources {
+    pub agent: String,
+    pub stats: Arc<AgentStats>,
+    pub sink: Arc<RecordSink>,
+    pub nixl: Option<Arc<NixlTracer>>,
+    pub otlp: Arc<kvscope_otlp::ExportStats>,
+    pub http: Arc<kvscope_kit::http::ServerStats>,
+    pub health: Arc<kvscope_kit::Health>,
+}
+
+/// The agent's [`Render`]: one text for `/metrics` and the OTLP export alike, so a series
+/// on one is on the other.
+pub fn exposition(sources: Sources) -> Render {
+    let Sources {
+        agent,
+        stats,
+        sink,
+        nixl,
+        otlp,
+        http,
+        health,
+    } = sources;
     Arc::new(move |format| {
         let mut out = Exposition::new(format);
         write(&mut out, &agent, &stats, sink.buffered());
@@ -226,6 +241,8 @@ pub fn exposition(
             write_nixl(&mut out, &agent, &t.report());
         }
         otlp.write_prometheus(&mut out, "kvscope_agent", &labels(&[("agent", &agent)]));
+        http.write_prometheus(&mut out, "kvscope_agent");
+        health.write_prometheus(&mut out, "kvscope_agent");
         out.finish()
     })
 }
@@ -260,52 +277,74 @@ fn write_source_clocks(out: &mut Exposition, agent: &str, clocks: &[SourceClockR
     }
 }
 
-/// `/metrics` (and `/`), `/healthz` and `/readyz`, on a bare HTTP/1.1 responder.
-pub async fn serve(listener: TcpListener, render: Render, health: Arc<kvscope_kit::Health>) {
-    loop {
-        let Ok((mut conn, _)) = listener.accept().await else {
-            continue;
-        };
-        let (render, health) = (render.clone(), health.clone());
-        tokio::spawn(async move {
-            let mut head = Vec::new();
-            let mut buf = [0u8; 1024];
-            while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 16 * 1024 {
-                match tokio::time::timeout(std::time::Duration::from_secs(5), conn.read(&mut buf))
-                    .await
-                {
-                    Ok(Ok(n)) if n > 0 => head.extend_from_slice(&buf[..n]),
-                    _ => return,
+/// `/metrics` (and `/`), `/healthz` and `/readyz`, through the daemons' one bounded
+/// listener (`kvscope_kit::http`: idle and slow connections closed, a connection cap);
+/// what it refuses is on `/metrics` too.
+pub async fn serve(
+    listener: TcpListener,
+    render: Render,
+    health: Arc<kvscope_kit::Health>,
+    stats: Arc<kvscope_kit::http::ServerStats>,
+) {
+    let service = Endpoints { render, health };
+    kvscope_kit::http::serve(
+        listener,
+        service,
+        kvscope_kit::http::ServerLimits::default(),
+        stats,
+        std::future::pending(),
+    )
+    .await;
+}
+
+/// The agent's three read-only endpoints as a service.
+#[derive(Clone)]
+struct Endpoints {
+    render: Render,
+    health: Arc<kvscope_kit::Health>,
+}
+
+impl tower_service::Service<hyper::Request<hyper::body::Incoming>> for Endpoints {
+    type Response = hyper::Response<http_body_util::Full<hyper::body::Bytes>>;
+    type Error = std::convert::Infallible;
+    type Future = std::future::Ready<Result<Self::Response, Self::Error>>;
+
+    fn poll_ready(
+        &mut self,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: hyper::Request<hyper::body::Incoming>) -> Self::Future {
+        let text = "text/plain; charset=utf-8";
+        let (status, body, content_type) = if req.method() != hyper::Method::GET {
+            (405, "GET only\n".to_string(), text)
+        } else {
+            match req.uri().path() {
+                "/metrics" | "/" => (
+                    200,
+                    (self.render)(Format::Text),
+                    Format::Text.content_type(),
+                ),
+                "/healthz" => {
+                    let (s, b) = self.health.liveness();
+                    (s, b, text)
                 }
+                "/readyz" => {
+                    let (s, b) = self.health.readiness();
+                    (s, b, text)
+                }
+                _ => (404, "not found\n".to_string(), text),
             }
-            let path = head
-                .strip_prefix(b"GET ")
-                .and_then(|rest| rest.split(|&b| b == b' ').next())
-                .unwrap_or_default();
-            let (status, body, content_type) = match path {
-                b"/metrics" | b"/" => (200, render(Format::Text), Format::Text.content_type()),
-                b"/healthz" => {
-                    let (s, b) = health.liveness();
-                    (s, b, "text/plain; charset=utf-8")
-                }
-                b"/readyz" => {
-                    let (s, b) = health.readiness();
-                    (s, b, "text/plain; charset=utf-8")
-                }
-                _ => (404, "not found\n".to_string(), "text/plain; charset=utf-8"),
-            };
-            let reason = match status {
-                200 => "OK",
-                503 => "Service Unavailable",
-                _ => "Not Found",
-            };
-            let resp = format!(
-                "HTTP/1.1 {status} {reason}\r\ncontent-type: {content_type}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-                body.len()
-            );
-            let _ = conn.write_all(resp.as_bytes()).await;
-            let _ = conn.shutdown().await;
-        });
+        };
+        let mut resp = hyper::Response::new(http_body_util::Full::new(body.into()));
+        *resp.status_mut() = hyper::StatusCode::from_u16(status).unwrap_or_default();
+        resp.headers_mut().insert(
+            hyper::header::CONTENT_TYPE,
+            hyper::header::HeaderValue::from_static(content_type),
+        );
+        std::future::ready(Ok(resp))
     }
 }
 

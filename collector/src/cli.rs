@@ -366,11 +366,20 @@ async fn serve(cfg: CollectorConfig) -> anyhow::Result<()> {
     if let Some(o) = &otlp {
         let _ = shared.spans.set(o.spans());
     }
-    let http = tokio::spawn(async move {
-        axum::serve(listener, app)
-            .await
-            .context("serving /metrics and /api")
-    });
+    let http = {
+        let stats = shared.http.clone();
+        tokio::spawn(async move {
+            kvscope_kit::http::serve(
+                listener,
+                app,
+                kvscope_kit::http::ServerLimits::default(),
+                stats,
+                std::future::pending(),
+            )
+            .await;
+            anyhow::Ok(())
+        })
+    };
     // Limited to one model: only that model's subjects, on a durable consumer of its own
     // (another collector of the same stream, for the whole fleet or another model, has
     // its own too).

@@ -84,6 +84,31 @@ impl InternalEvent<Shared> for RecordFromFuture<'_> {
     }
 }
 
+/// A record dated after the stream stored it: its agent's clock is ahead, and the
+/// record was moved back by the offset estimated (`ingest::clocks`).
+pub struct RecordClockCorrected<'a> {
+    pub agent: &'a str,
+    pub ahead_ns: u64,
+}
+
+static CLOCK_AHEAD: LogLimiter = LogLimiter::new();
+
+impl InternalEvent<Shared> for RecordClockCorrected<'_> {
+    fn emit(self, s: &Shared) {
+        lock(&s.analyzer).counters_mut().records_clock_corrected += 1;
+        if self.ahead_ns >= crate::ingest::clocks::REPORTED_AHEAD_NS {
+            if let Some(suppressed) = CLOCK_AHEAD.check() {
+                warn!(
+                    agent = self.agent,
+                    ahead_s = self.ahead_ns as f64 / 1e9,
+                    suppressed,
+                    "An agent's clock reads ahead of the stream's; its records' times are moved back by that much (kvscope_collector_agent_clock_ahead_seconds)."
+                );
+            }
+        }
+    }
+}
+
 /// Bus bytes that are not a record.
 pub struct RecordUndecodable<'a> {
     pub seq: u64,
@@ -134,6 +159,26 @@ impl InternalEvent<Shared> for RecordsDiscarded {
             "Stream records were discarded by the stream's age or size limit before this \
              collector applied them; counted as missing (it fell behind by more than the \
              stream keeps: raise stream_max_bytes, or give the collector more CPU)."
+        );
+    }
+}
+
+/// The stream was found made anew under its name (a server whose storage was wiped):
+/// the consumer is made anew and the new stream followed from its first record.
+pub struct StreamReset {
+    pub applied_seq: u64,
+    pub first_seq: u64,
+}
+
+impl InternalEvent<Shared> for StreamReset {
+    fn emit(self, s: &Shared) {
+        lock(&s.bus).stream_resets += 1;
+        warn!(
+            applied_seq = self.applied_seq,
+            new_first_seq = self.first_seq,
+            "The stream was made anew (its server's storage was wiped?): following the new \
+             one from its first record with a consumer made anew. Records the old stream \
+             held that this collector had not applied are gone."
         );
     }
 }

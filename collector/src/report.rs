@@ -474,7 +474,7 @@ impl OpportunityReport {
             ),
             (
                 "true delta in decode-generated (output) blocks",
-                pct(self.generated_share_of_true_delta),
+                self.generated_share_said(),
                 false,
             ),
             (
@@ -483,6 +483,26 @@ impl OpportunityReport {
                 false,
             ),
         ]
+    }
+
+    /// The share of the true delta in decode-generated blocks, and why it is 0 when it
+    /// is: a 0 alone reads as "no blindness" where the run may never have let a reply
+    /// come back.
+    fn generated_share_said(&self) -> String {
+        let share = pct(self.generated_share_of_true_delta);
+        if self.generated_share_of_true_delta != Some(0.0) {
+            return share;
+        }
+        match self.collector.prompts_reaching_generated_blocks {
+            0 => format!(
+                "{share} (no prompt found a reply still cached on the worker that decoded it: \
+                 replies were not sent back in the next turn, or were evicted before it)"
+            ),
+            n => format!(
+                "{share} ({n} prompts found their previous reply cached where it was decoded; \
+                 none of them spilled)"
+            ),
+        }
     }
 
     /// The data-quality counters, as (what, value) rows: the collector's, then each
@@ -495,6 +515,10 @@ impl OpportunityReport {
             (
                 "records dated far ahead of the collector's clock (not applied)",
                 c.future_records,
+            ),
+            (
+                "records moved back by their agent's clock offset",
+                c.records_clock_corrected,
             ),
             (
                 "records whose agent is not their subject's (not applied)",
@@ -558,6 +582,18 @@ impl OpportunityReport {
             (
                 "decisions for workers with no KV events",
                 c.decisions_for_unseen_workers,
+            ),
+            (
+                "verdicts judged among every worker (no model named for the chosen worker: neither discovery nor the router's line)",
+                c.verdicts_model_unknown,
+            ),
+            (
+                "verdicts where a worker of unknown model held more of the prompt (left out as a candidate)",
+                c.verdicts_left_out_unknown_model,
+            ),
+            (
+                "decisions naming another model than discovery's for their worker",
+                c.decisions_model_mismatch,
             ),
             (
                 "decisions whose whole prompt was cached on the chosen worker",

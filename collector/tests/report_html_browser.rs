@@ -83,6 +83,7 @@ fn fleet_records() -> Vec<Envelope> {
         out.push(env(
             t,
             Record::Decision(RoutingDecision {
+                model: None,
                 request_id: format!("req-{i}"),
                 worker: key(chosen),
                 isl_tokens: tokens.len() as u64,

@@ -73,16 +73,33 @@ impl std::fmt::Display for Backend {
     }
 }
 
+/// The largest entry of a file store read: Dynamo writes entries of a few KB (a model
+/// card with its chat template is the largest); a larger file is no entry Dynamo wrote,
+/// and reading it every poll would hold its whole size in memory.
+pub const MAX_ENTRY_BYTES: u64 = 4 << 20;
+
+/// An entry of the store left unread, and why (counted by the reader's owner).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SkippedEntry {
+    pub path: String,
+    pub reason: String,
+}
+
+/// One read of the store: its entries, as (key with its bucket, document), and what
+/// was skipped.
+#[derive(Debug, Clone, Default)]
+pub struct StoreRead {
+    pub entries: Vec<(String, Value)>,
+    pub skipped: Vec<SkippedEntry>,
+}
+
 impl Backend {
-    /// Every entry under `v1/`, as (key with its bucket, document).
-    pub async fn read(
-        &self,
-        http: &reqwest::Client,
-    ) -> Result<Vec<(String, Value)>, DiscoveryError> {
+    /// Every entry under `v1/`, as (key with its bucket, document), and what was skipped.
+    pub async fn read(&self, http: &reqwest::Client) -> Result<StoreRead, DiscoveryError> {
         match self {
             Backend::File { root } => {
                 let root = root.clone();
-                tokio::task::spawn_blocking(move || read_file_store(&root))
+                tokio::task::spawn_blocking(move || read_file_store_all(&root))
                     .await
                     .map_err(|e| DiscoveryError::Io {
                         path: "(the reading task)".into(),
@@ -99,24 +116,39 @@ impl Backend {
                 for ep in endpoints {
                     let etcd = Etcd::new(http, ep, tls.as_ref());
                     match read_etcd(etcd, username.as_deref(), password.as_deref()).await {
-                        Ok(entries) => return Ok(entries),
+                        Ok(entries) => {
+                            return Ok(StoreRead {
+                                entries,
+                                skipped: Vec::new(),
+                            })
+                        }
                         Err(e) => errors.push(e.to_string()),
                     }
                 }
                 Err(DiscoveryError::NoEtcd(errors.join("; ")))
             }
-            Backend::Kubernetes(k) => k.read().await,
+            Backend::Kubernetes(k) => Ok(StoreRead {
+                entries: k.read().await?,
+                skipped: Vec::new(),
+            }),
         }
     }
 }
 
-/// The file backend's store under `root` (the folder `DYN_FILE_KV` names).
+/// The file backend's store under `root` (the folder `DYN_FILE_KV` names): its entries.
 pub fn read_file_store(root: &Path) -> Result<Vec<(String, Value)>, DiscoveryError> {
+    read_file_store_all(root).map(|r| r.entries)
+}
+
+/// The file backend's store under `root`, and the files skipped: anything but a
+/// regular file (a FIFO would block the read for good, a device never end) and files
+/// over [`MAX_ENTRY_BYTES`].
+pub fn read_file_store_all(root: &Path) -> Result<StoreRead, DiscoveryError> {
     let v1 = root.join("v1");
     let buckets = match std::fs::read_dir(&v1) {
         Ok(b) => b,
         // No worker has registered yet.
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(StoreRead::default()),
         Err(source) => {
             return Err(DiscoveryError::Io {
                 path: v1.display().to_string(),
@@ -124,7 +156,7 @@ pub fn read_file_store(root: &Path) -> Result<Vec<(String, Value)>, DiscoveryErr
             })
         }
     };
-    let mut out = Vec::new();
+    let mut out = StoreRead::default();
     for bucket in buckets.flatten() {
         let Some(bucket_name) = bucket.file_name().to_str().map(str::to_string) else {
             continue;
@@ -136,17 +168,46 @@ pub fn read_file_store(root: &Path) -> Result<Vec<(String, Value)>, DiscoveryErr
             let Some(name) = f.file_name().to_str().map(percent_decode) else {
                 continue;
             };
+            let path = f.path();
+            let skip = |reason: String| SkippedEntry {
+                path: path.display().to_string(),
+                reason,
+            };
             // Files can be mid-write or just removed; such a file is read next time.
-            let Ok(text) = std::fs::read_to_string(f.path()) else {
+            let Ok(meta) = std::fs::metadata(&path) else {
+                continue;
+            };
+            if !meta.is_file() {
+                out.skipped.push(skip("not a regular file".into()));
+                continue;
+            }
+            if meta.len() > MAX_ENTRY_BYTES {
+                out.skipped.push(skip(format!(
+                    "{} bytes, over the {MAX_ENTRY_BYTES}-byte limit of an entry",
+                    meta.len()
+                )));
+                continue;
+            }
+            let Ok(text) = read_regular_at_most(&path, MAX_ENTRY_BYTES) else {
                 continue;
             };
             if let Ok(doc) = serde_json::from_str::<Value>(&text) {
-                out.push((format!("v1/{bucket_name}/{name}"), doc));
+                out.entries.push((format!("v1/{bucket_name}/{name}"), doc));
             }
         }
     }
-    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out.entries.sort_by(|a, b| a.0.cmp(&b.0));
     Ok(out)
+}
+
+/// A regular file's text, read to `limit` bytes at most (it may have been swapped for a
+/// FIFO since it was looked at: refused without blocking).
+fn read_regular_at_most(path: &Path, limit: u64) -> std::io::Result<String> {
+    use std::io::Read;
+    let (f, _) = kvscope_kit::files::open_regular(path)?;
+    let mut text = String::new();
+    f.take(limit).read_to_string(&mut text)?;
+    Ok(text)
 }
 
 /// `%2F` → `/` and the like; anything that is not a valid escape is kept as is.
@@ -333,5 +394,49 @@ mod tests {
         let entries = read_file_store(dir.path()).unwrap();
         assert_eq!(entries.len(), 1);
         assert_eq!(entries[0].0, "v1/instances/x/y");
+    }
+
+    #[test]
+    fn a_fifo_a_folder_or_a_huge_entry_is_skipped_never_waited_on() {
+        let dir = tempfile::tempdir().unwrap();
+        let b = dir.path().join("v1/instances");
+        std::fs::create_dir_all(b.join("a-folder")).unwrap();
+        std::fs::write(b.join("ok"), "{\"type\":\"Endpoint\"}").unwrap();
+        let huge = std::fs::File::create(b.join("huge")).unwrap();
+        huge.set_len(MAX_ENTRY_BYTES + 1).unwrap();
+        let fifo = std::process::Command::new("mkfifo")
+            .arg(b.join("fifo"))
+            .status()
+            .is_ok_and(|s| s.success());
+        // Read on another thread: a blocking read would hang this test, not fail it.
+        let root = dir.path().to_path_buf();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || tx.send(read_file_store_all(&root)));
+        let read = rx
+            .recv_timeout(Duration::from_secs(10))
+            .expect("the read returns")
+            .unwrap();
+        assert_eq!(read.entries.len(), 1);
+        let mut why: Vec<(String, String)> = read
+            .skipped
+            .iter()
+            .map(|s| {
+                let name = s.path.rsplit('/').next().unwrap().to_string();
+                (name, s.reason.clone())
+            })
+            .collect();
+        why.sort();
+        let mut want = vec![
+            ("a-folder".to_string(), "not a regular file".to_string()),
+            (
+                "huge".to_string(),
+                format!("4194305 bytes, over the {MAX_ENTRY_BYTES}-byte limit of an entry"),
+            ),
+        ];
+        if fifo {
+            want.push(("fifo".to_string(), "not a regular file".to_string()));
+        }
+        want.sort();
+        assert_eq!(why, want);
     }
 }

@@ -51,6 +51,112 @@ pub fn fmt_utc(ns: u64) -> String {
     )
 }
 
+/// A figure over the current period and the one before it: it forgets what is older
+/// than one or two periods, and a whole period without a sample forgets both.
+#[derive(Debug, Default, Clone)]
+pub struct TwoPeriods<T> {
+    start: u64,
+    current: T,
+    previous: T,
+}
+
+impl<T: Default> TwoPeriods<T> {
+    /// The current period's figure at `now`, periods of `period_ns`.
+    pub fn current_at(&mut self, now: u64, period_ns: u64) -> &mut T {
+        let age = now.saturating_sub(self.start);
+        if age >= period_ns {
+            let current = std::mem::take(&mut self.current);
+            self.previous = if age >= 2 * period_ns {
+                T::default()
+            } else {
+                current
+            };
+            self.start = now;
+        }
+        &mut self.current
+    }
+
+    pub fn current(&self) -> &T {
+        &self.current
+    }
+
+    pub fn previous(&self) -> &T {
+        &self.previous
+    }
+}
+
+/// Another clock against this host's, learned from its time stamps as they arrive: a
+/// stamp can never arrive before the moment it names, so one ahead of this clock proves
+/// the other clock ahead by at least that much. The offset is the second largest amount
+/// ahead over the last 2–4 s (one stray stamp does not move a whole source; stamps more
+/// than a minute ahead are not a clock but a bad stamp, and are not taken), and every
+/// stamp is moved back by it and never left later than its arrival. A clock *behind*
+/// cannot be told from slow delivery: only the smallest delay is kept (the lag floor).
+#[derive(Debug, Default, Clone)]
+pub struct ClockAhead(TwoPeriods<ClockPeriod>);
+
+#[derive(Debug, Default, Clone, Copy)]
+pub struct ClockPeriod {
+    samples: u64,
+    /// The two largest amounts a stamp was ahead of this clock (0: not ahead).
+    ahead: [u64; 2],
+    /// The smallest delay, arrival minus corrected stamp.
+    floor: Option<u64>,
+}
+
+impl ClockAhead {
+    pub const PERIOD_NS: u64 = 2 * NS_PER_SEC;
+    /// Stamps further ahead than this are not a clock offset but a bad stamp (counted
+    /// where they are refused).
+    pub const MAX_AHEAD_NS: u64 = 60 * NS_PER_SEC;
+
+    /// Take `stamp`, arrived at `now`; returns the stamp corrected by the offset as now
+    /// estimated, never later than `now`, and whether an offset was taken off.
+    pub fn observe(&mut self, stamp: u64, now: u64) -> (u64, bool) {
+        let c = self.0.current_at(now, Self::PERIOD_NS);
+        let ahead = stamp.saturating_sub(now);
+        c.samples += 1;
+        if ahead <= Self::MAX_AHEAD_NS {
+            if ahead > c.ahead[0] {
+                c.ahead = [ahead, c.ahead[0]];
+            } else if ahead > c.ahead[1] {
+                c.ahead[1] = ahead;
+            }
+        }
+        let offset = self.ahead_ns();
+        let corrected = stamp.saturating_sub(offset).min(now);
+        let lag = now - corrected;
+        let c = &mut self.0.current;
+        c.floor = Some(c.floor.map_or(lag, |f| f.min(lag)));
+        (corrected, offset > 0)
+    }
+
+    /// Stamps seen over both periods.
+    pub fn samples(&self) -> u64 {
+        self.0.current.samples + self.0.previous.samples
+    }
+
+    /// The estimated offset (ns ahead of this clock): the second largest amount ahead
+    /// over both periods, 0 before two samples.
+    pub fn ahead_ns(&self) -> u64 {
+        if self.samples() < 2 {
+            return 0;
+        }
+        let (c, p) = (&self.0.current, &self.0.previous);
+        let mut all = [c.ahead[0], c.ahead[1], p.ahead[0], p.ahead[1]];
+        all.sort_unstable();
+        all[2]
+    }
+
+    /// The smallest delay over both periods (`None` before any stamp).
+    pub fn floor_ns(&self) -> Option<u64> {
+        match (self.0.current.floor, self.0.previous.floor) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -58,6 +58,30 @@ impl Health {
         (503, body)
     }
 
+    /// Each registered check as a gauge `<prefix>_not_ready{check="…"}`: 1 while it
+    /// does not hold (why is in `/readyz`), 0 while it does. What an alert fires on, on
+    /// any scraper, with the check that failed as its label.
+    pub fn write_prometheus(&self, out: &mut crate::prom::Exposition, prefix: &str) {
+        let name = format!("{prefix}_not_ready");
+        let checks = self
+            .checks
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        out.family(
+            &name,
+            crate::prom::Kind::Gauge,
+            "1 while the readiness check named does not hold (its reason is /readyz's), 0 while it does.",
+        );
+        for (check, failing) in checks {
+            out.gauge(
+                &name,
+                &crate::prom::labels(&[("check", check)]),
+                u8::from(failing.is_some()),
+            );
+        }
+    }
+
     /// `/healthz`'s answer: live while it can answer at all.
     pub fn liveness(&self) -> (u16, String) {
         (200, "ok\n".into())

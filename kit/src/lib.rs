@@ -2,14 +2,18 @@
 //! `kvscope-wire`, which builds on this crate): the clock, how they read environment
 //! overrides and print their effective config, how they write `/metrics` (the
 //! Prometheus and OpenMetrics text formats), how they answer `/healthz` and `/readyz`,
-//! how writing endpoints check their bearer token;
+//! how writing endpoints check their bearer token, how files from outside are opened
+//! (regular files only, never blocking);
 //! and, with the `daemon` feature, how they log and how they speak HTTPS (Dynamo's
 //! stores, an OTLP receiver).
 
 pub mod auth;
 pub mod clock;
 pub mod config;
+pub mod files;
 pub mod health;
+#[cfg(feature = "daemon")]
+pub mod http;
 #[cfg(feature = "daemon")]
 pub mod https;
 pub mod internal_events;

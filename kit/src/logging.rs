@@ -28,8 +28,14 @@ pub struct LogArgs {
 
 /// Install the process's logger. Call once, first thing after parsing the flags.
 pub fn init(format: LogFormat) {
+    init_at(format, "info")
+}
+
+/// [`init`] with another filter than `info` where `RUST_LOG` sets none (the demo
+/// prints its own progress and logs warnings only).
+pub fn init_at(format: LogFormat, default_filter: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);

@@ -48,16 +48,82 @@ struct WhatifCli {
     args: kvscope_collector::cli::WhatifArgs,
 }
 
+/// The demo's workloads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum DemoWorkload {
+    /// Shaped like production traffic: 16 families of system prompts from 1k to 16k
+    /// tokens (log-uniform), shared by popularity over 64 conversations, two of them
+    /// 135k-token documents (past a 128k context); user turns log-normal around 128
+    /// tokens up to 8k; 16,384 blocks per worker, so a document fits.
+    Production,
+    /// Small and uniform: 3 families of 320-token system prompts over 48 conversations,
+    /// 40-token turns; 256 blocks per worker.
+    Chat,
+}
+
+/// One workload's defaults: what each flag left out takes.
+struct DemoDefaults {
+    gpu_blocks: u32,
+    sessions: usize,
+    families: usize,
+    concurrency: usize,
+    rate: f64,
+}
+
+impl DemoWorkload {
+    fn defaults(self) -> DemoDefaults {
+        match self {
+            DemoWorkload::Production => DemoDefaults {
+                gpu_blocks: 16_384,
+                sessions: 64,
+                families: 16,
+                concurrency: 32,
+                rate: 10.0,
+            },
+            DemoWorkload::Chat => DemoDefaults {
+                gpu_blocks: 256,
+                sessions: 48,
+                families: 3,
+                concurrency: 32,
+                rate: 20.0,
+            },
+        }
+    }
+
+    /// The workload's prompt shape on top of `wl`.
+    fn shape(self, wl: WorkloadConfig) -> WorkloadConfig {
+        match self {
+            DemoWorkload::Production => WorkloadConfig {
+                shape: workload::PromptShape::LongTailed,
+                system_words: 1024,
+                system_words_max: Some(16_384),
+                document_families: 2,
+                document_words: 135_000,
+                user_words: 128,
+                user_words_max: 8192,
+                ..wl
+            },
+            DemoWorkload::Chat => wl,
+        }
+    }
+}
+
 #[derive(Args)]
 struct DemoArgs {
     #[command(flatten)]
     log: kvscope_kit::LogArgs,
+    /// The workload: `production` (long-tailed prompts, as an operator's fleet sees
+    /// them) or `chat` (small uniform prompts). The flags below left out take its
+    /// defaults.
+    #[arg(long, value_enum, default_value_t = DemoWorkload::Production)]
+    workload: DemoWorkload,
     /// Mocker workers.
     #[arg(long, default_value_t = 3)]
     workers: usize,
-    /// KV capacity per worker in blocks (small, so the router spills).
-    #[arg(long, default_value_t = 256)]
-    gpu_blocks: u32,
+    /// KV capacity per worker in blocks (default: the workload's, 16,384 for
+    /// production, 256 for chat).
+    #[arg(long)]
+    gpu_blocks: Option<u32>,
     /// Softmax temperature of the router's worker choice (Dynamo's
     /// `--router-temperature`; 0 = deterministic). On this small lab, spills from load
     /// alone come and go with the machine's speed; 0.2 makes them certain.
@@ -68,21 +134,22 @@ struct DemoArgs {
     /// `--frontend-arg=--router-session-affinity-ttl-secs --frontend-arg=30`.
     #[arg(long = "frontend-arg", allow_hyphen_values = true)]
     frontend_args: Vec<String>,
-    /// Conversations in the workload.
-    #[arg(long, default_value_t = 48)]
-    sessions: usize,
-    /// Conversation families (distinct system prompts).
-    #[arg(long, default_value_t = 3)]
-    families: usize,
+    /// Conversations in the workload (default: the workload's, 64 or 48).
+    #[arg(long)]
+    sessions: Option<usize>,
+    /// Conversation families, distinct system prompts (default: the workload's, 16
+    /// or 3).
+    #[arg(long)]
+    families: Option<usize>,
     /// Turns per conversation at most (the run is normally bounded by --duration-secs).
     #[arg(long, default_value_t = 40)]
     turns: usize,
-    /// Requests in flight at most.
-    #[arg(long, default_value_t = 32)]
-    concurrency: usize,
-    /// Request rate cap (requests/s).
-    #[arg(long, default_value_t = 20.0)]
-    rate: f64,
+    /// Requests in flight at most (default: the workload's, 32).
+    #[arg(long)]
+    concurrency: Option<usize>,
+    /// Request rate cap, requests/s (default: the workload's, 10 or 20).
+    #[arg(long)]
+    rate: Option<f64>,
     /// Stop sending new requests after this many seconds.
     #[arg(long, default_value_t = 60.0)]
     duration_secs: f64,
@@ -113,13 +180,15 @@ struct DemoArgs {
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
-    kvscope_kit::logging::init(match &cli.command {
-        Command::Agent(c) => c.log.log_format,
-        Command::Collector(c) => c.log.log_format,
-        Command::Actuator(c) => c.log.log_format,
-        Command::Demo(d) => d.log.log_format,
-        Command::Whatif(w) => w.log.log_format,
-    });
+    match &cli.command {
+        Command::Agent(c) => kvscope_kit::logging::init(c.log.log_format),
+        Command::Collector(c) => kvscope_kit::logging::init(c.log.log_format),
+        Command::Actuator(c) => kvscope_kit::logging::init(c.log.log_format),
+        // The demo says each step in one line of its own; the lab's and the bus
+        // client's INFO lines would bury them (RUST_LOG=info shows them).
+        Command::Demo(d) => kvscope_kit::logging::init_at(d.log.log_format, "warn"),
+        Command::Whatif(w) => kvscope_kit::logging::init(w.log.log_format),
+    }
     let result = match cli.command {
         Command::Agent(cli) => kvscope_agent::cli::run(*cli).await,
         Command::Collector(cli) => kvscope_collector::cli::run(cli).await,
@@ -137,20 +206,23 @@ async fn main() -> std::process::ExitCode {
 }
 
 async fn demo(args: DemoArgs) -> anyhow::Result<()> {
-    let mut wl = WorkloadConfig {
-        sessions: args.sessions,
-        families: args.families,
+    let d = args.workload.defaults();
+    let sessions = args.sessions.unwrap_or(d.sessions);
+    let rate = args.rate.unwrap_or(d.rate);
+    let mut wl = args.workload.shape(WorkloadConfig {
+        sessions,
+        families: args.families.unwrap_or(d.families),
         max_turns: args.turns,
-        concurrency: args.concurrency,
-        rate: Some(args.rate),
+        concurrency: args.concurrency.unwrap_or(d.concurrency),
+        rate: Some(rate),
         duration_secs: args.duration_secs,
         fixed_answers: !args.random_answers,
         session_ids: args.session_ids,
         ..WorkloadConfig::default()
-    };
+    });
     let mut lab = LabConfig {
         workers: args.workers,
-        num_gpu_blocks: args.gpu_blocks,
+        num_gpu_blocks: args.gpu_blocks.unwrap_or(d.gpu_blocks),
         frontend_args: [
             "--router-temperature".to_string(),
             args.router_temperature.to_string(),
@@ -200,8 +272,8 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
     );
     wl.frontend = run.lab().frontend_url().to_string();
     eprintln!(
-        "kvscope demo: running the workload ({} sessions × {} turns, ≤ {} req/s, ≤ {} s) …",
-        args.sessions, args.turns, args.rate, args.duration_secs
+        "kvscope demo: running the {:?} workload ({} sessions × {} turns, ≤ {} req/s, ≤ {} s) …",
+        args.workload, sessions, args.turns, rate, args.duration_secs
     );
     let summary = workload::run(wl).await?;
     eprintln!(
@@ -221,7 +293,7 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
     // has flushed it: the report's last section.
     let recording = run.recording.clone();
     run.stop();
-    eprintln!("kvscope demo: the what-if on the recording …");
+    eprintln!("kvscope demo: the what-if on the recording (half a minute or so) …");
     let cfg = kvscope_collector::fold::analyzer::AnalyzerConfig {
         window_secs: args.window_secs,
         warmup_secs: args.warmup_secs,
@@ -253,6 +325,12 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
         // The replies the mockers were given, beside the workload that asked for them.
         std::fs::copy(trace.path(), out.join("answers.jsonl"))?;
     }
+    // The recording beside the report it was made from (`kvscope whatif --replay` and
+    // `kvscope collector report --replay` take it).
+    let kept = out.join("collector-recording.jsonl");
+    if kept != recording {
+        std::fs::copy(&recording, &kept)?;
+    }
     println!("{}", report.to_markdown());
     if let Some(router_view) = summary.router_spilled_cached_tokens {
         let kvscope_view: u64 = report.windows.iter().map(|w| w.true_delta_tokens).sum();
@@ -263,9 +341,14 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
         );
     }
     eprintln!(
-        "kvscope demo: report.md, report.json, report.html and workload.json (and answers.jsonl, the planned replies) in {}; recording in {}",
+        "kvscope demo: report.md, report.json, report.html, workload.json, {}\
+         collector-recording.jsonl in {}",
+        if answers.is_some() {
+            "answers.jsonl (the planned replies), "
+        } else {
+            ""
+        },
         out.display(),
-        recording.display()
     );
     Ok(())
 }

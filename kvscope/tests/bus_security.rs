@@ -46,6 +46,7 @@ fn forged(agent: &str, request_id: &str, observed_ns: u64) -> Envelope {
         agent: agent.into(),
         observed_ns,
         record: Record::Decision(RoutingDecision {
+            model: None,
             request_id: request_id.into(),
             worker: WorkerKey {
                 worker_id: FORGED_WORKER,

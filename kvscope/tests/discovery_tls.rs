@@ -182,7 +182,7 @@ fn backend(server: &str, token: &Path, ca: &Path) -> Backend {
 
 async fn fleet(b: &Backend) -> Result<Fleet, String> {
     let http = reqwest::Client::new();
-    let entries = b.read(&http).await.map_err(|e| e.to_string())?;
+    let entries = b.read(&http).await.map_err(|e| e.to_string())?.entries;
     Ok(Fleet::from_entries(
         entries.iter().map(|(k, v)| (k.as_str(), v)),
     ))

@@ -282,7 +282,17 @@ async fn lab_fleet_end_to_end_with_a_collector_crash() {
     let lags_ms = [0i64, -10, 10, 25, 50];
     let by_lag: Vec<Vec<u64>> = lags_ms
         .iter()
-        .map(|&ms| true_delta_with_router_lag(&rec.envelopes, ms * 1_000_000))
+        .map(|&ms| {
+            oracle::true_delta_with_router_lag(
+                &rec.envelopes,
+                ms * 1_000_000,
+                AnalyzerConfig {
+                    window_secs: WINDOW_SECS,
+                    warmup_secs: WINDOW_SECS,
+                    ..AnalyzerConfig::default()
+                },
+            )
+        })
         .collect();
     assert!(
         by_lag[0]
@@ -366,27 +376,4 @@ async fn lab_fleet_end_to_end_with_a_collector_crash() {
     );
     let md = live.to_markdown();
     assert!(md.contains("true delta") && md.contains("## Windows"));
-}
-
-/// Per decision, the true delta kvscope measures when every routing decision is applied
-/// `lag_ns` earlier than its log time, i.e. before the KV events of the last `lag_ns`:
-/// what a router whose index lags the engines by that much would have seen (a negative
-/// lag: a router that saw events stamped after its log line).
-fn true_delta_with_router_lag(envelopes: &[kvscope_wire::Envelope], lag_ns: i64) -> Vec<u64> {
-    let mut order: Vec<&kvscope_wire::Envelope> = envelopes.iter().collect();
-    // Stable: records with equal keys keep the agent's order.
-    order.sort_by_key(|e| match e.record {
-        Record::Decision(_) => e.observed_ns as i64 - lag_ns,
-        _ => e.observed_ns as i64,
-    });
-    let mut analyzer = FleetAnalyzer::new(AnalyzerConfig {
-        window_secs: WINDOW_SECS,
-        warmup_secs: WINDOW_SECS,
-        ..AnalyzerConfig::default()
-    });
-    order
-        .into_iter()
-        .filter_map(|e| analyzer.apply(e))
-        .map(|v| v.true_delta_tokens)
-        .collect()
 }

@@ -27,28 +27,6 @@ use std::time::Duration;
 
 const BLOCK: u64 = 16;
 
-/// The fixture model with a context long enough for a 1M-token prompt.
-fn long_context_model(dir: &Path) -> std::path::PathBuf {
-    let src = kvscope_lab::paths::model_fixture_dir();
-    let dst = dir.join("model");
-    std::fs::create_dir_all(&dst).unwrap();
-    for e in std::fs::read_dir(&src).unwrap() {
-        let e = e.unwrap();
-        std::fs::copy(e.path(), dst.join(e.file_name())).unwrap();
-    }
-    for (file, key) in [
-        ("config.json", "max_position_embeddings"),
-        ("tokenizer_config.json", "model_max_length"),
-    ] {
-        let path = dst.join(file);
-        let mut v: serde_json::Value =
-            serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
-        v[key] = serde_json::json!(4_000_000);
-        std::fs::write(&path, serde_json::to_vec_pretty(&v).unwrap()).unwrap();
-    }
-    dst
-}
-
 /// A prompt of exactly `tokens` tokens with the fixture tokenizer (one per word), its
 /// words chosen by `seed`.
 fn prompt(seed: u64, tokens: usize) -> String {
@@ -152,9 +130,9 @@ async fn complete(client: &reqwest::Client, frontend: &str, prompt: &str) -> u64
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn million_token_prefills_are_judged_exactly_and_hold_nothing_back() {
     let dir = tempfile::tempdir().unwrap();
+    // The fixture model's context (4M tokens) holds a 1M-token prompt.
     let lab = LabConfig {
         workers: 2,
-        model_path: long_context_model(dir.path()),
         // Room for two 1M-token prompts per worker, and a fast simulated prefill.
         num_gpu_blocks: 140_000,
         speedup_ratio: 1000.0,

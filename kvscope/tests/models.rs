@@ -182,6 +182,38 @@ async fn two_models_are_measured_apart_and_a_collector_can_take_one() {
         );
     }
     oracle::assert_overlaps_equal(&verdicts, &rec.envelopes);
+    // Without discovery (a fleet followed with `--kv ENDPOINT=ID` alone): each worker's
+    // model comes from the router's own lines (`[ROUTING_INPUT]` carries the request's
+    // model), and every verdict is still judged among its model's workers, equal to
+    // Dynamo's per-model indexes (the oracle told the models by the store).
+    let without_store: Vec<_> = rec
+        .envelopes
+        .iter()
+        .filter(|e| !matches!(e.record, Record::Worker(_)))
+        .cloned()
+        .collect();
+    let mut blind = analyzer(&[]);
+    let blind_verdicts: Vec<_> = without_store
+        .iter()
+        .filter_map(|e| blind.apply(e))
+        .collect();
+    assert_eq!(blind_verdicts.len(), a.ok + b.ok);
+    for v in &blind_verdicts {
+        let m = v
+            .model
+            .as_deref()
+            .expect("the router's line names the model");
+        assert_eq!(model_of(&v.chosen), m);
+        assert!(
+            v.overlaps.keys().all(|w| model_of(w) == m),
+            "{:?}",
+            v.overlaps
+        );
+    }
+    assert_eq!(blind.counters().verdicts_model_unknown, 0);
+    assert_eq!(blind.counters().verdicts_left_out_unknown_model, 0);
+    assert_eq!(blind.models_learned().count(), models.len());
+    oracle::assert_overlaps_equal(&blind_verdicts, &rec.envelopes);
     // Without the split, the other model's workers would have looked like candidates:
     // one radix tree fed every event finds them holding the same prefixes.
     let mut blended = oracle::DynamoOracle::new();

@@ -340,7 +340,7 @@ impl Manifest {
 const LIBFAKETIME: &str = "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1";
 
 /// Make `cmd`'s wall clock read `offset_ms` off the host's.
-fn skew_clock(cmd: &mut Command, offset_ms: i64) -> Result<(), LabError> {
+pub fn skew_clock(cmd: &mut Command, offset_ms: i64) -> Result<(), LabError> {
     if !Path::new(LIBFAKETIME).exists() {
         return Err(LabError::Other(anyhow::anyhow!(
             "a clock offset needs libfaketime ({LIBFAKETIME}): apt-get install faketime \

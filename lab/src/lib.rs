@@ -23,6 +23,6 @@ pub mod setup;
 pub mod workload;
 
 pub use lab::{
-    Lab, LabConfig, LabDiscovery, LabError, LabEventPlane, Manifest, ProcessInfo, WorkerInfo,
-    FRONTEND_SERVICE_NAME,
+    skew_clock, Lab, LabConfig, LabDiscovery, LabError, LabEventPlane, Manifest, ProcessInfo,
+    WorkerInfo, FRONTEND_SERVICE_NAME,
 };

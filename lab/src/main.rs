@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
-use kvscope_lab::workload::{self, Api, WorkloadConfig};
+use kvscope_lab::workload::{self, Api, PromptShape, WorkloadConfig};
 use kvscope_lab::{paths, setup, Lab, LabConfig, Manifest};
 
 #[derive(Parser)]
@@ -48,7 +48,7 @@ enum Cmd {
         #[arg(long)]
         frontend: String,
         #[command(flatten)]
-        workload: WorkloadArgs,
+        workload: Box<WorkloadArgs>,
         /// Write the full summary (every request) to this file.
         #[arg(long)]
         out: Option<PathBuf>,
@@ -57,7 +57,7 @@ enum Cmd {
     /// `--response-replay-trace-path` reads them (Mooncake JSONL).
     Answers {
         #[command(flatten)]
-        workload: WorkloadArgs,
+        workload: Box<WorkloadArgs>,
         #[arg(long)]
         out: PathBuf,
     },
@@ -66,7 +66,7 @@ enum Cmd {
         #[command(flatten)]
         lab: LabArgs,
         #[command(flatten)]
-        workload: WorkloadArgs,
+        workload: Box<WorkloadArgs>,
         /// Write the full summary (every request) here (default: <run dir>/workload.json).
         #[arg(long)]
         out: Option<PathBuf>,
@@ -290,6 +290,20 @@ struct WorkloadArgs {
     /// --router-session-affinity-ttl-secs reads it.
     #[arg(long)]
     session_ids: bool,
+    /// How prompts are shaped: uniform (every prompt alike) or long-tailed (shaped like
+    /// production: log-uniform system prompts up to --system-words-max shared by
+    /// popularity, --document-families documents, log-normal user turns).
+    #[arg(long, value_enum, default_value_t = PromptShape::Uniform)]
+    shape: PromptShape,
+    /// Families whose system prompt is a document of --document-words (the last ones).
+    #[arg(long, default_value_t = 0)]
+    document_families: usize,
+    /// Words (= tokens) in a document family's prompt.
+    #[arg(long, default_value_t = 135_000)]
+    document_words: usize,
+    /// The longest user turn a long-tailed shape draws (words).
+    #[arg(long, default_value_t = 8192)]
+    user_words_max: usize,
 }
 
 impl WorkloadArgs {
@@ -314,6 +328,10 @@ impl WorkloadArgs {
             stream: self.stream,
             system_words_max: self.system_words_max,
             session_ids: self.session_ids,
+            shape: self.shape,
+            document_families: self.document_families,
+            document_words: self.document_words,
+            user_words_max: self.user_words_max,
             ..WorkloadConfig::default()
         }
     }

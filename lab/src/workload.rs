@@ -2,7 +2,8 @@
 //!
 //! `families` conversation families each have a shared system prompt whose first 256+
 //! tokens differ between families; `sessions` conversations are spread round-robin over
-//! the families. Each turn appends a new user message to the conversation so far (system
+//! the families, or, for a long-tailed shape ([`PromptShape::LongTailed`]), by
+//! popularity, with prompts and turns of long-tailed lengths. Each turn appends a new user message to the conversation so far (system
 //! prompt, earlier user turns and the model's replies), so the prompt grows by appending,
 //! as in real chat. Content is deterministic given `seed`; the mocker's replies are not,
 //! unless `fixed_answers` is set (see [`answer_trace`]): then every reply is planned from
@@ -34,6 +35,26 @@ pub enum Api {
     Chat,
     /// `/v1/completions` with the same conversation rendered as a plain prompt.
     Completions,
+}
+
+/// How the workload's prompts are shaped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum PromptShape {
+    /// Small and uniform: every family's system prompt `system_words` long (or drawn
+    /// uniformly up to `system_words_max`), sessions dealt round-robin over the
+    /// families, every user turn `user_words` long.
+    #[default]
+    Uniform,
+    /// Shaped like production traffic, long-tailed: system prompts drawn log-uniformly
+    /// from `system_words` to `system_words_max`, the last `document_families`
+    /// families' prompts a document of `document_words`; sessions choose their family
+    /// by popularity (Zipf: the first family twice as popular as the second, …, each
+    /// family at least one session, the last of 16 a quarter as popular as the first),
+    /// so many sessions share the popular system prompts and a few each document;
+    /// user turns drawn log-normally around `user_words` (a few far longer: pasted text),
+    /// at most `user_words_max`.
+    LongTailed,
 }
 
 /// Workload parameters. Every field has a default.
@@ -89,6 +110,15 @@ pub struct WorkloadConfig {
     /// `--router-session-affinity-ttl-secs` keeps a conversation on one worker.
     /// Default false.
     pub session_ids: bool,
+    /// How prompts are shaped (see [`PromptShape`]). Default uniform.
+    pub shape: PromptShape,
+    /// Families whose system prompt is a long document (`document_words`), the last
+    /// ones. Default 0.
+    pub document_families: usize,
+    /// Words in a document family's prompt. Default 135,000 (past a 128k context).
+    pub document_words: usize,
+    /// The longest user turn a long-tailed shape draws, in words. Default 8,192.
+    pub user_words_max: usize,
 }
 
 impl Default for WorkloadConfig {
@@ -114,6 +144,10 @@ impl Default for WorkloadConfig {
             stream: false,
             system_words_max: None,
             session_ids: false,
+            shape: PromptShape::Uniform,
+            document_families: 0,
+            document_words: 135_000,
+            user_words_max: 8192,
         }
     }
 }
@@ -245,15 +279,73 @@ pub fn system_prompt(seed: u64, family: usize, words_n: usize) -> String {
     format!("{head} {}", words(&mut rng, words_n.saturating_sub(1)))
 }
 
-/// Words in family `family`'s system prompt: `system_words`, or with `system_words_max`
-/// a seeded draw from `system_words ..= system_words_max` (never below 256).
+/// Words in family `family`'s system prompt: a document family's `document_words`;
+/// else `system_words`, or with `system_words_max` a seeded draw from `system_words ..=
+/// system_words_max` (uniform, or log-uniform for a long-tailed shape; never below 256).
 pub fn system_words(cfg: &WorkloadConfig, family: usize) -> usize {
+    if family + cfg.document_families >= cfg.families.max(1) && cfg.document_families > 0 {
+        return cfg.document_words.max(256);
+    }
     let low = cfg.system_words.max(256);
     match cfg.system_words_max {
         Some(high) if high > low => {
-            low + stream_rng(cfg.seed, 4, family as u64, 0).below((high - low + 1) as u64) as usize
+            let mut rng = stream_rng(cfg.seed, 4, family as u64, 0);
+            match cfg.shape {
+                PromptShape::Uniform => low + rng.below((high - low + 1) as u64) as usize,
+                PromptShape::LongTailed => {
+                    let (l, h) = ((low as f64).ln(), (high as f64).ln());
+                    ((l + unit(&mut rng) * (h - l)).exp().round() as usize).clamp(low, high)
+                }
+            }
         }
         _ => low,
+    }
+}
+
+/// A uniform draw from [0, 1).
+fn unit(rng: &mut SplitMix64) -> f64 {
+    (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+}
+
+/// How fast a long-tailed shape's family popularity falls: family `r` (from 1) is
+/// chosen with weight `r^-POPULARITY_EXPONENT`. At 0.5 the last of 16 families draws a
+/// quarter of the first's sessions: a document shared by a few conversations.
+const POPULARITY_EXPONENT: f64 = 0.5;
+
+/// The family of conversation `session`: round-robin, or for a long-tailed shape the
+/// first `families` sessions one per family and the rest by popularity (Zipf, see
+/// [`POPULARITY_EXPONENT`]), seeded.
+pub fn family_of(cfg: &WorkloadConfig, session: usize) -> usize {
+    let families = cfg.families.max(1);
+    if cfg.shape == PromptShape::Uniform || session < families {
+        return session % families;
+    }
+    let weight = |rank: usize| 1.0 / (rank as f64).powf(POPULARITY_EXPONENT);
+    let total: f64 = (1..=families).map(weight).sum();
+    let mut x = unit(&mut stream_rng(cfg.seed, 5, session as u64, 0)) * total;
+    for f in 0..families {
+        x -= weight(f + 1);
+        if x < 0.0 {
+            return f;
+        }
+    }
+    families - 1
+}
+
+/// Words in `session`'s `turn`: `user_words`, or for a long-tailed shape a seeded
+/// log-normal draw around it (σ = 1.2: a tenth of the turns over 4.7× the median),
+/// from 4 to `user_words_max`.
+pub fn user_words(cfg: &WorkloadConfig, session: usize, turn: usize) -> usize {
+    match cfg.shape {
+        PromptShape::Uniform => cfg.user_words,
+        PromptShape::LongTailed => {
+            let mut rng = stream_rng(cfg.seed, 6, session as u64, turn as u64);
+            // Box–Muller: one standard normal from two uniforms.
+            let (u1, u2) = (1.0 - unit(&mut rng), unit(&mut rng));
+            let z = (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos();
+            let median = cfg.user_words.max(1) as f64;
+            ((median.ln() + 1.2 * z).exp().round() as usize).clamp(4, cfg.user_words_max.max(4))
+        }
     }
 }
 
@@ -296,7 +388,7 @@ pub fn answer_trace(cfg: &WorkloadConfig) -> String {
     let tag = request_tag(cfg);
     let mut out = String::new();
     for session in 0..cfg.sessions {
-        let family = session % cfg.families.max(1);
+        let family = family_of(cfg, session);
         for turn in 0..cfg.max_turns {
             let ids = planned_answer(cfg.seed, session, turn, cfg.max_tokens);
             let row = json!({
@@ -466,7 +558,7 @@ pub async fn run(cfg: WorkloadConfig) -> Result<WorkloadSummary> {
 
 async fn run_session(sh: Arc<Shared>, session: usize) -> Vec<RequestRecord> {
     let cfg = &sh.cfg;
-    let family = session % cfg.families;
+    let family = family_of(cfg, session);
     let mut messages: Vec<(String, String)> = vec![(
         "system".into(),
         system_prompt(cfg.seed, family, system_words(cfg, family)),
@@ -478,7 +570,7 @@ async fn run_session(sh: Arc<Shared>, session: usize) -> Vec<RequestRecord> {
         }
         messages.push((
             "user".into(),
-            user_message(cfg.seed, session, turn, cfg.user_words),
+            user_message(cfg.seed, session, turn, user_words(cfg, session, turn)),
         ));
         // Rate limit: claim the next send slot.
         if let Some(rate) = cfg.rate.filter(|r| *r > 0.0) {

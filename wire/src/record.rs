@@ -585,6 +585,12 @@ pub struct RoutingDecision {
     /// (Dynamo's JSON lines do).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub trace: Option<TraceContext>,
+    /// The model the request asked for, where the router's line names it (the
+    /// `model` field of the HTTP request's span on `[ROUTING_INPUT]`): a worker's model
+    /// where discovery gives none, so a fleet followed without discovery is still
+    /// judged model by model.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
 }
 
 /// What Dynamo's router logged of a choice besides the worker.
@@ -619,6 +625,36 @@ impl RoutingDecision {
             .as_ref()
             .map_or(self.local_hashes.len(), Vec::len)
     }
+}
+
+/// The longest request id kept as it is. Dynamo's are UUIDs (36 bytes) and a client's
+/// `x-request-id` rarely passes a hundred; a longer one is kept as its first bytes and a
+/// hash ([`bounded_request_id`]), so a forged megabyte id costs no megabyte anywhere
+/// it is kept (the agent's joiner, the bus, the collector's judged ids and verdicts).
+pub const MAX_REQUEST_ID_BYTES: usize = 256;
+
+/// `id` as kvscope keeps it: itself when at most [`MAX_REQUEST_ID_BYTES`] long, else its
+/// first bytes (at a character boundary), `…#` and 16 hex digits of its hash: still one
+/// id per id, the same wherever it is bounded, and never longer than the limit.
+pub fn bounded_request_id(id: &str) -> std::borrow::Cow<'_, str> {
+    if id.len() <= MAX_REQUEST_ID_BYTES {
+        return std::borrow::Cow::Borrowed(id);
+    }
+    let hash = format!("…#{:016x}", xxhash_rust::xxh3::xxh3_64(id.as_bytes()));
+    let mut keep = MAX_REQUEST_ID_BYTES - hash.len();
+    while !id.is_char_boundary(keep) {
+        keep -= 1;
+    }
+    std::borrow::Cow::Owned(format!("{}{hash}", &id[..keep]))
+}
+
+/// Whether `id` is an id [`bounded_request_id`] shortened (its `…#` and hash at the
+/// end): how the parts that keep ids count the ones they shortened.
+pub fn is_shortened_request_id(id: &str) -> bool {
+    id.len() > 18
+        && id.len() <= MAX_REQUEST_ID_BYTES
+        && id[..id.len() - 16].ends_with("…#")
+        && id[id.len() - 16..].bytes().all(|b| b.is_ascii_hexdigit())
 }
 
 /// A prompt whose length, block size and block count cannot belong together.
@@ -758,10 +794,25 @@ pub struct AgentCounters {
     pub kv_gaps_recovered: u64,
     /// Replay requests that failed.
     pub kv_replay_failures: u64,
+    /// Replay answers cut at the agent's batch count or byte budget: the batches before
+    /// the cut used, the rest left missing.
+    #[serde(default)]
+    pub kv_replay_cuts: u64,
+    /// KV batches whose engine timestamp is no time: ordered by their arrival.
+    #[serde(default)]
+    pub kv_engine_times_ignored: u64,
     /// Workers and KV publishers that appeared, changed or went away in discovery.
     pub discovery_changes: u64,
     /// Failed reads of Dynamo's discovery store.
     pub discovery_errors: u64,
+    /// Discovery store entries left unread (not a regular file, or too large), counted
+    /// at every read of the store.
+    #[serde(default)]
+    pub discovery_entries_skipped: u64,
+    /// Discovered workers whose model name was too long for a subject token (their
+    /// subjects carry a shortened one).
+    #[serde(default)]
+    pub model_names_shortened: u64,
     pub log_lines: u64,
     /// Lines that looked like router decision lines but could not be parsed.
     pub log_malformed_lines: u64,
@@ -769,6 +820,9 @@ pub struct AgentCounters {
     pub log_lines_too_long: u64,
     /// Times the router log was truncated under the follower and read from its start.
     pub log_truncations: u64,
+    /// Request ids longer than 256 bytes, kept as their first bytes and a hash.
+    #[serde(default)]
+    pub request_ids_shortened: u64,
     /// Router log lines dated far ahead of the agent's clock: their time not taken.
     pub log_lines_future: u64,
     pub decisions_joined: u64,
@@ -792,6 +846,10 @@ pub struct AgentCounters {
     /// them go on.
     pub records_set_aside: u64,
     pub publish_errors: u64,
+    /// Failed writes (or flushes) of the agent's local recording (`--record`); the
+    /// records still go to NATS.
+    #[serde(default)]
+    pub recording_write_failures: u64,
     /// Times NATS refused this agent: its credentials (an authorization violation), or
     /// a subject its permissions do not allow it to publish to.
     #[serde(default)]
@@ -819,6 +877,22 @@ pub struct AgentHeartbeat {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_long_request_id_is_kept_short_and_apart() {
+        let long = "r".repeat(1 << 20);
+        let b = bounded_request_id(&long);
+        assert_eq!(b.len(), MAX_REQUEST_ID_BYTES);
+        assert!(is_shortened_request_id(&b));
+        let other = format!("{}x", "r".repeat((1 << 20) - 1));
+        assert_ne!(b, bounded_request_id(&other), "two ids, two forms");
+        assert_eq!(bounded_request_id("abc"), "abc");
+        assert!(!is_shortened_request_id("abc"));
+        // Cut at a character boundary.
+        let wide = "é".repeat(300);
+        let w = bounded_request_id(&wide);
+        assert!(w.len() <= MAX_REQUEST_ID_BYTES && is_shortened_request_id(&w));
+    }
 
     fn spec(s: &str) -> Result<WorkerSpec, WorkerSpecError> {
         s.parse()
@@ -1115,6 +1189,7 @@ mod tests {
             medium: None,
         };
         let mut decision = RoutingDecision {
+            model: None,
             request_id: "r".into(),
             worker: WorkerKey {
                 worker_id: 1,

@@ -251,8 +251,14 @@ pub fn stream_config(
     }
 }
 
+/// The longest subject token: a NATS server refuses a control line over 4 KiB (and
+/// drops the connection), and a subject carries a cluster, an agent and a model.
+pub const MAX_TOKEN: usize = 64;
+
 /// `s` as one NATS subject token: every character but letters, digits, `-` and `_`
-/// replaced by `_` (empty: `default`).
+/// replaced by `_` (empty: `default`). A name longer than [`MAX_TOKEN`] becomes its
+/// first 47 characters, `-` and 16 hex digits of its hash: still one token per name,
+/// the same at every agent and collector.
 pub fn token(s: &str) -> String {
     let t: String = s
         .chars()
@@ -266,14 +272,38 @@ pub fn token(s: &str) -> String {
         .collect();
     if t.is_empty() {
         "default".into()
+    } else if t.len() > MAX_TOKEN {
+        format!(
+            "{}-{:016x}",
+            &t[..MAX_TOKEN - 17],
+            xxhash_rust::xxh3::xxh3_64(s.as_bytes())
+        )
     } else {
         t
     }
 }
 
+/// Whether `s` is longer than a subject token holds (its token is shortened).
+pub fn shortened(s: &str) -> bool {
+    s.chars().count() > MAX_TOKEN
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_long_name_is_one_short_token_of_its_own() {
+        let long = "m".repeat(8000);
+        let other = format!("{}x", "m".repeat(7999));
+        let (a, b) = (token(&long), token(&other));
+        assert_eq!(a.len(), MAX_TOKEN);
+        assert_ne!(a, b, "two long names, two tokens");
+        assert_eq!(a, token(&long), "the same everywhere");
+        assert!(shortened(&long) && !shortened("llama"));
+        let s = Subjects::new("c");
+        assert!(s.of_model(&long).len() < 100);
+    }
 
     #[test]
     fn subjects_are_single_tokens() {

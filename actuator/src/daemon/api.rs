@@ -32,6 +32,7 @@ struct ApiState {
     health: Arc<kvscope_kit::Health>,
     token: Arc<String>,
     refusals: Arc<Refusals>,
+    http: Arc<kvscope_kit::http::ServerStats>,
 }
 
 /// Wrong tokens, slowed down: each refusal is answered only after [`REFUSAL_DELAY`],
@@ -50,6 +51,7 @@ pub fn router(
     actuator: Arc<Mutex<Actuator>>,
     health: Arc<kvscope_kit::Health>,
     token: String,
+    http: Arc<kvscope_kit::http::ServerStats>,
 ) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
@@ -63,6 +65,7 @@ pub fn router(
             health,
             token: Arc::new(token),
             refusals: Arc::default(),
+            http,
         })
 }
 
@@ -87,7 +90,8 @@ async fn unauthorized(s: &ApiState) -> Response {
 
 async fn metrics_text(State(s): State<ApiState>) -> impl IntoResponse {
     let refused = s.refusals.count.load(std::sync::atomic::Ordering::Relaxed);
-    let body = crate::daemon::metrics::render(&*s.actuator.lock().await, refused);
+    let body =
+        crate::daemon::metrics::render(&*s.actuator.lock().await, refused, &s.http, &s.health);
     (
         [(
             header::CONTENT_TYPE,
@@ -129,14 +133,25 @@ struct OverrideRequest {
     note: String,
 }
 
-async fn override_mode(
-    State(s): State<ApiState>,
-    headers: HeaderMap,
-    body: axum::body::Bytes,
-) -> Response {
-    if !kvscope_kit::auth::authorized(&headers, &s.token) {
+/// The most an override's body may be (`{"state": …, "note": …}`).
+const MAX_OVERRIDE_BYTES: usize = 16 * 1024;
+
+/// The token is checked on the headers before a byte of the body is read: an
+/// unauthenticated client cannot make the actuator hold its body.
+async fn override_mode(State(s): State<ApiState>, req: axum::extract::Request) -> Response {
+    if !kvscope_kit::auth::authorized(req.headers(), &s.token) {
         return unauthorized(&s).await;
     }
+    let body = match axum::body::to_bytes(req.into_body(), MAX_OVERRIDE_BYTES).await {
+        Ok(b) => b,
+        Err(_) => {
+            return (
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!("an override is {MAX_OVERRIDE_BYTES} bytes at most\n"),
+            )
+                .into_response()
+        }
+    };
     let req: OverrideRequest = match serde_json::from_slice(&body) {
         Ok(r) => r,
         Err(e) => {

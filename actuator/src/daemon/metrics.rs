@@ -124,7 +124,12 @@ fn one_hot(out: &mut Exposition, name: &str, help: &str, current: Option<Mode>) 
 
 /// The exposition text (0.0.4) of `a` now.
 /// `api_refusals`: API requests refused for a missing or wrong token.
-pub fn render(a: &Actuator, api_refusals: u64) -> String {
+pub fn render(
+    a: &Actuator,
+    api_refusals: u64,
+    http: &kvscope_kit::http::ServerStats,
+    health: &kvscope_kit::Health,
+) -> String {
     let mut out = Exposition::new(Format::Text);
     out.single_counter(
         "kvscope_actuator_api_refusals",
@@ -132,6 +137,8 @@ pub fn render(a: &Actuator, api_refusals: u64) -> String {
         "",
         api_refusals,
     );
+    http.write_prometheus(&mut out, "kvscope_actuator");
+    health.write_prometheus(&mut out, "kvscope_actuator");
     let c = a.counters();
     let status = a.status();
     one_hot(

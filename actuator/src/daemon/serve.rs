@@ -39,11 +39,21 @@ pub async fn serve(cfg: ActuatorConfig, api_token: Option<String>) -> Result<(),
             warn!(listen = %api.listen, "The actuator API listens beyond loopback.");
         }
         let token = api_token.unwrap_or_default();
-        let app = crate::daemon::api::router(actuator.clone(), health.clone(), token);
+        let stats = Arc::new(kvscope_kit::http::ServerStats::default());
+        let app =
+            crate::daemon::api::router(actuator.clone(), health.clone(), token, stats.clone());
         info!(listen = %listener.local_addr().map_err(|source| RuntimeError::Listen { addr: api.listen, source })?, "Serving the actuator API.");
-        Some(tokio::spawn(
-            async move { axum::serve(listener, app).await },
-        ))
+        Some(tokio::spawn(async move {
+            kvscope_kit::http::serve(
+                listener,
+                app,
+                kvscope_kit::http::ServerLimits::default(),
+                stats,
+                std::future::pending(),
+            )
+            .await;
+            std::io::Result::Ok(())
+        }))
     } else {
         None
     };

@@ -8,11 +8,14 @@
 pub mod owners;
 
 use crate::counters::AgentStats;
-use crate::internal_events::{DiscoveryFailed, DiscoveryRead, InternalEvent};
+use crate::internal_events::{
+    DiscoveryEntrySkipped, DiscoveryFailed, DiscoveryRead, InternalEvent, ModelNameShortened,
+};
 use crate::sink::RecordSink;
 use crate::taps::plane::tap::PlaneTaps;
 use kvscope_discovery::procfs;
 use kvscope_discovery::{Backend, Fleet, FleetChange, Worker};
+use kvscope_wire::subject;
 use kvscope_wire::{Record, WorkerRecord, WorkerState};
 use std::path::Path;
 use std::sync::Arc;
@@ -37,11 +40,17 @@ pub fn worker_record(w: &Worker, state: WorkerState) -> WorkerRecord {
     }
 }
 
-/// The store to follow, and how often to read it.
+/// The store to follow, how often to read it, and where a whole read is told (the
+/// watchdog's discovery-freshness check).
 pub struct Store {
     pub backend: Backend,
     pub poll: Duration,
+    pub freshness: Arc<crate::watchdog::DiscoveryFreshness>,
 }
+
+/// The longest one read of the store may take before it is given up (and counted as a
+/// failed read): a read that never returns must not stop the follower.
+const READ_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// Follow the store until `stop`; `view` gets every read, the sink the worker records,
 /// `planes` (when tapping the event plane) every publisher change.
@@ -56,7 +65,11 @@ pub async fn run(
 ) {
     let http = reqwest::Client::new();
     let mut known = Fleet::default();
-    let Store { backend, poll } = store;
+    let Store {
+        backend,
+        poll,
+        freshness,
+    } = store;
     let mut tick = tokio::time::interval(poll);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let shown = backend.to_string();
@@ -65,8 +78,27 @@ pub async fn run(
             _ = tick.tick() => {}
             _ = stop.changed() => break,
         }
-        let fleet = match backend.read(&http).await {
-            Ok(entries) => Fleet::from_entries(entries.iter().map(|(k, v)| (k.as_str(), v))),
+        let read = match tokio::time::timeout(READ_TIMEOUT, backend.read(&http)).await {
+            Ok(read) => read,
+            Err(_) => Err(kvscope_discovery::DiscoveryError::Io {
+                path: shown.clone(),
+                source: std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("no answer within {} s", READ_TIMEOUT.as_secs()),
+                ),
+            }),
+        };
+        let fleet = match read {
+            Ok(read) => {
+                for skipped in &read.skipped {
+                    DiscoveryEntrySkipped {
+                        path: &skipped.path,
+                        reason: &skipped.reason,
+                    }
+                    .emit(&stats);
+                }
+                Fleet::from_entries(read.entries.iter().map(|(k, v)| (k.as_str(), v)))
+            }
             Err(e) => {
                 // The store is unreachable: keep what was known, never retire on it.
                 health.fail(DISCOVERY_CHECK, format!("{shown}: {e}"));
@@ -79,6 +111,7 @@ pub async fn run(
             }
         };
         health.ok(DISCOVERY_CHECK);
+        freshness.read_now();
         let changes = fleet.changes(&known);
         if changes.is_empty() {
             continue;
@@ -96,6 +129,13 @@ pub async fn run(
         for change in changes {
             match &change {
                 FleetChange::Worker(w) => {
+                    if let Some(model) = w.model.as_deref().filter(|m| subject::shortened(m)) {
+                        ModelNameShortened {
+                            worker_id: w.instance_id,
+                            chars: model.chars().count(),
+                        }
+                        .emit(&stats);
+                    }
                     sink.submit(Record::Worker(worker_record(w, WorkerState::Up)))
                 }
                 FleetChange::WorkerGone(id) => {

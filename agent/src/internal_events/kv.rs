@@ -130,16 +130,22 @@ impl InternalEvent<AgentStats> for KvTapConnected<'_> {
     }
 }
 
-/// A tap lost its publisher or could not reach it; it retries with backoff.
+/// A tap lost its publisher or could not reach it; it retries with backoff. One limit
+/// for every tap: thousands of publishers gone at once (a node lost) log a line a
+/// second with the count of the others, not one line per publisher per retry.
 pub struct KvTapDisconnected<'a> {
     pub publisher: &'a str,
     pub error: &'a str,
     pub retry_in_ms: u64,
 }
 
+static DISCONNECTED: LogLimiter = LogLimiter::new();
+
 impl InternalEvent<AgentStats> for KvTapDisconnected<'_> {
     fn emit(self, _stats: &AgentStats) {
-        warn!(publisher = %self.publisher, error = %self.error, retry_in_ms = self.retry_in_ms, "KV event tap disconnected; reconnecting.");
+        if let Some(suppressed) = DISCONNECTED.check() {
+            warn!(publisher = %self.publisher, error = %self.error, retry_in_ms = self.retry_in_ms, suppressed, "KV event tap disconnected; reconnecting (suppressed: other taps' disconnections in the last second).");
+        }
     }
 }
 
@@ -221,6 +227,48 @@ impl InternalEvent<AgentStats> for DiscoveryFailed<'_> {
     }
 }
 
+/// An entry of the discovery store left unread: not a regular file, or over the size
+/// an entry may have. The rest of the store is read.
+pub struct DiscoveryEntrySkipped<'a> {
+    pub path: &'a str,
+    pub reason: &'a str,
+}
+
+static ENTRY_SKIPPED: LogLimiter = LogLimiter::new();
+
+impl InternalEvent<AgentStats> for DiscoveryEntrySkipped<'_> {
+    fn emit(self, stats: &AgentStats) {
+        if let Some(suppressed) = ENTRY_SKIPPED.check() {
+            warn!(path = %self.path, reason = %self.reason, suppressed, "Discovery entry skipped.");
+        }
+        add(&stats.discovery_entries_skipped, 1);
+    }
+}
+
+/// A discovered model name longer than a subject token holds: its records travel under
+/// a shortened token (its first characters and its hash), the same at every agent and
+/// collector.
+pub struct ModelNameShortened {
+    pub worker_id: u64,
+    pub chars: usize,
+}
+
+static NAME_SHORTENED: LogLimiter = LogLimiter::new();
+
+impl InternalEvent<AgentStats> for ModelNameShortened {
+    fn emit(self, stats: &AgentStats) {
+        if let Some(suppressed) = NAME_SHORTENED.check() {
+            warn!(
+                worker_id = self.worker_id,
+                chars = self.chars,
+                suppressed,
+                "A model name too long for a subject token: its subjects carry a shortened token."
+            );
+        }
+        add(&stats.model_names_shortened, 1);
+    }
+}
+
 /// A batch recovered through its publisher's replay socket.
 pub struct KvBatchReplayed<'a> {
     pub publisher: &'a str,
@@ -252,6 +300,42 @@ impl InternalEvent<AgentStats> for KvReplayDone<'_> {
         } else {
             warn!(publisher = %self.publisher, from = self.from, next = self.next, batches = self.batches, "The replay socket no longer holds every missed KV batch; the worker's mirror stays incomplete.");
         }
+    }
+}
+
+/// A replay answer cut at its batch count or byte budget: the batches before the cut
+/// are used, those after it stay missing (counted as the gap they are).
+pub struct KvReplayCut<'a> {
+    pub publisher: &'a str,
+    pub kept: usize,
+}
+
+static REPLAY_CUT: LogLimiter = LogLimiter::new();
+
+impl InternalEvent<AgentStats> for KvReplayCut<'_> {
+    fn emit(self, stats: &AgentStats) {
+        if let Some(suppressed) = REPLAY_CUT.check() {
+            warn!(publisher = %self.publisher, kept = self.kept, suppressed, "A KV event replay answer was larger than the agent takes at once: cut after the batches kept; the rest stay missing.");
+        }
+        add(&stats.kv_replay_cuts, 1);
+    }
+}
+
+/// A KV batch whose engine timestamp is no time (not finite, before 2001 or after
+/// 2286): ordered by its arrival instead, counted.
+pub struct KvEngineTimeIgnored<'a> {
+    pub publisher: &'a str,
+    pub engine_ts: f64,
+}
+
+static ENGINE_TIME: LogLimiter = LogLimiter::new();
+
+impl InternalEvent<AgentStats> for KvEngineTimeIgnored<'_> {
+    fn emit(self, stats: &AgentStats) {
+        if let Some(suppressed) = ENGINE_TIME.check() {
+            warn!(publisher = %self.publisher, engine_ts = self.engine_ts, suppressed, "A KV batch's engine timestamp is no time; ordered by its arrival.");
+        }
+        add(&stats.kv_engine_times_ignored, 1);
     }
 }
 

@@ -122,6 +122,24 @@ impl InternalEvent<AgentStats> for LogFileUnavailable<'_> {
     }
 }
 
+/// A request id longer than kvscope keeps (256 bytes): kept as its first bytes and a
+/// hash (`kvscope_wire::bounded_request_id`).
+pub struct RequestIdShortened;
+
+static ID_SHORTENED: LogLimiter = LogLimiter::new();
+
+impl InternalEvent<AgentStats> for RequestIdShortened {
+    fn emit(self, stats: &AgentStats) {
+        if let Some(suppressed) = ID_SHORTENED.check() {
+            warn!(
+                suppressed,
+                "A request id longer than 256 bytes: kept as its first bytes and a hash."
+            );
+        }
+        add(&stats.request_ids_shortened, 1);
+    }
+}
+
 /// A router log line longer than the limit: skipped to its end, never held whole.
 pub struct LogLineTooLong<'a> {
     pub source: &'a str,

@@ -62,6 +62,28 @@ mod tests {
         }
         .emit(&s);
         LogLineRead.emit(&s);
+        RecordingWriteFailed { error: "disk full" }.emit(&s);
+        DiscoveryEntrySkipped {
+            path: "v1/instances/x",
+            reason: "not a regular file",
+        }
+        .emit(&s);
+        ModelNameShortened {
+            worker_id: 1,
+            chars: 8000,
+        }
+        .emit(&s);
+        KvReplayCut {
+            publisher: "p",
+            kept: 3,
+        }
+        .emit(&s);
+        RequestIdShortened.emit(&s);
+        KvEngineTimeIgnored {
+            publisher: "p",
+            engine_ts: 1e300,
+        }
+        .emit(&s);
         LogLineMalformed {
             kind: "selected_worker",
             reason: "no worker_id",
@@ -141,12 +163,17 @@ mod tests {
                 kv_batches_replayed: 0,
                 kv_gaps_recovered: 0,
                 kv_replay_failures: 0,
+                kv_replay_cuts: 1,
+                kv_engine_times_ignored: 1,
                 discovery_changes: 0,
                 discovery_errors: 0,
+                discovery_entries_skipped: 1,
+                model_names_shortened: 1,
                 log_lines: 1,
                 log_malformed_lines: 1,
                 log_lines_too_long: 1,
                 log_truncations: 0,
+                request_ids_shortened: 1,
                 log_lines_future: 0,
                 decisions_joined: 1,
                 decisions_unjoined: 1,
@@ -158,6 +185,7 @@ mod tests {
                 records_split: 1,
                 records_set_aside: 2,
                 publish_errors: 1,
+                recording_write_failures: 1,
                 bus_refusals: 0,
                 records_late: 1,
                 records_clock_corrected: 0,

@@ -188,7 +188,7 @@ impl InternalEvent<AgentStats> for StreamKeptAsIs<'_> {
     }
 }
 
-/// Writing the local recording failed. No wire counter; the record still goes to NATS.
+/// Writing the local recording failed: counted; the record still goes to NATS.
 pub struct RecordingWriteFailed<'a> {
     pub error: &'a str,
 }
@@ -196,7 +196,8 @@ pub struct RecordingWriteFailed<'a> {
 static RECORDING: LogLimiter = LogLimiter::new();
 
 impl InternalEvent<AgentStats> for RecordingWriteFailed<'_> {
-    fn emit(self, _stats: &AgentStats) {
+    fn emit(self, stats: &AgentStats) {
+        add(&stats.recording_write_failures, 1);
         if let Some(suppressed) = RECORDING.check() {
             warn!(error = %self.error, suppressed, "Cannot write the recording.");
         }

@@ -60,7 +60,7 @@ use crate::counters::AgentStats;
 use crate::internal_events::{
     InternalEvent, PublishDropped, RecordClockCorrected, RecordLate, RecordingWriteFailed,
 };
-use kvscope_kit::clock::now_ns;
+use kvscope_kit::clock::{now_ns, ClockAhead, TwoPeriods};
 use kvscope_wire::bundle::{BundleWriter, MAX_BUNDLE_BYTES, MAX_BUNDLE_RECORDS};
 use kvscope_wire::recording::RecordingWriter;
 use kvscope_wire::{Envelope, Record, Subjects};
@@ -178,7 +178,7 @@ struct Progress {
     name: String,
     /// Gone ([`RecordSink::retire_source`]): no longer shown.
     retired: bool,
-    clock: SourceClock,
+    clock: ClockAhead,
     /// The latest event time it has delivered (0: nothing yet).
     last_ns: u64,
     /// How late its records may reach the sink: records wait at most this long for it.
@@ -220,32 +220,6 @@ impl Progress {
     }
 }
 
-/// A figure over the current period and the one before it: it forgets what is older
-/// than one or two periods, and a whole period without a sample forgets both.
-#[derive(Debug, Default, Clone)]
-struct TwoPeriods<T> {
-    start: u64,
-    current: T,
-    previous: T,
-}
-
-impl<T: Default> TwoPeriods<T> {
-    /// The current period's figure at `now`, periods of `period_ns`.
-    fn current_at(&mut self, now: u64, period_ns: u64) -> &mut T {
-        let age = now.saturating_sub(self.start);
-        if age >= period_ns {
-            let current = std::mem::take(&mut self.current);
-            self.previous = if age >= 2 * period_ns {
-                T::default()
-            } else {
-                current
-            };
-            self.start = now;
-        }
-        &mut self.current
-    }
-}
-
 /// The largest delay, from a KV batch's engine time stamp to its arrival here, over the
 /// last one or two periods.
 #[derive(Debug, Default)]
@@ -263,7 +237,7 @@ impl DeliveryLag {
     /// How long a quiet publisher is waited for: twice the largest recent lag plus a
     /// margin; `None` before any batch was measured.
     fn bound_ns(&self) -> Option<u64> {
-        let max = match (self.0.current, self.0.previous) {
+        let max = match (*self.0.current(), *self.0.previous()) {
             (Some(a), Some(b)) => a.max(b),
             (a, b) => a.or(b)?,
         };
@@ -271,73 +245,8 @@ impl DeliveryLag {
     }
 }
 
-/// A source's clock against the agent's, over the last one or two periods: see the
-/// module docs.
-#[derive(Debug, Default, Clone)]
-struct SourceClock(TwoPeriods<ClockPeriod>);
-
-#[derive(Debug, Default, Clone, Copy)]
-struct ClockPeriod {
-    samples: u64,
-    /// The two largest amounts a stamp was ahead of the agent's clock (0: not ahead).
-    ahead: [u64; 2],
-    /// The smallest delay, arrival minus corrected stamp.
-    floor: Option<u64>,
-}
-
-impl SourceClock {
-    const PERIOD_NS: u64 = 2_000_000_000;
-    /// Stamps further ahead than this are not a clock offset but a bad line (the router
-    /// tap and the collector count those).
-    const MAX_AHEAD_NS: u64 = 60_000_000_000;
-    /// A router log whose floor is at least this may be behind (see the module docs).
-    const BEHIND_FLAG_NS: u64 = 50_000_000;
-
-    /// Take `stamp`, seen at `now`; returns the stamp corrected by the offset as now
-    /// estimated, never later than `now`.
-    fn observe(&mut self, stamp: u64, now: u64) -> (u64, bool) {
-        let c = self.0.current_at(now, Self::PERIOD_NS);
-        let ahead = stamp.saturating_sub(now);
-        c.samples += 1;
-        if ahead <= Self::MAX_AHEAD_NS {
-            if ahead > c.ahead[0] {
-                c.ahead = [ahead, c.ahead[0]];
-            } else if ahead > c.ahead[1] {
-                c.ahead[1] = ahead;
-            }
-        }
-        let offset = self.ahead_ns();
-        let corrected = stamp.saturating_sub(offset).min(now);
-        let lag = now - corrected;
-        let c = &mut self.0.current;
-        c.floor = Some(c.floor.map_or(lag, |f| f.min(lag)));
-        (corrected, offset > 0)
-    }
-
-    /// Records seen over both periods.
-    fn samples(&self) -> u64 {
-        self.0.current.samples + self.0.previous.samples
-    }
-
-    /// The estimated offset (ns ahead of the agent's clock): the second largest amount
-    /// ahead over both periods, 0 before two samples.
-    fn ahead_ns(&self) -> u64 {
-        if self.samples() < 2 {
-            return 0;
-        }
-        let (c, p) = (&self.0.current, &self.0.previous);
-        let mut all = [c.ahead[0], c.ahead[1], p.ahead[0], p.ahead[1]];
-        all.sort_unstable();
-        all[2]
-    }
-
-    fn floor_ns(&self) -> Option<u64> {
-        match (self.0.current.floor, self.0.previous.floor) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
-    }
-}
+/// A router log whose lag floor is at least this may be behind (see the module docs).
+const BEHIND_FLAG_NS: u64 = 50_000_000;
 
 /// One source's clock as `/metrics` shows it.
 #[derive(Debug, Clone, PartialEq)]
@@ -440,7 +349,7 @@ impl RecordSink {
         inner.sources.push(Progress {
             name: name.to_string(),
             retired: false,
-            clock: SourceClock::default(),
+            clock: ClockAhead::default(),
             last_ns: 0,
             window_ns,
             publisher,
@@ -514,7 +423,7 @@ impl RecordSink {
             return None;
         }
         c.floor_ns()
-            .filter(|f| (SourceClock::BEHIND_FLAG_NS..=p.window_ns).contains(f))
+            .filter(|f| (BEHIND_FLAG_NS..=p.window_ns).contains(f))
     }
 
     /// A record whose source gives no time of its own (heartbeats): it happened now.
@@ -891,6 +800,27 @@ mod tests {
                 .collect::<Vec<_>>(),
             vec![10, 10, 20, 30]
         );
+    }
+
+    #[test]
+    fn a_recording_that_cannot_be_written_is_counted_and_the_records_still_go_out() {
+        let stats = Arc::new(AgentStats::default());
+        let full = Path::new("/dev/full");
+        let sink = RecordSink::new(
+            "n",
+            Subjects::new("c"),
+            100,
+            usize::MAX,
+            Some(full),
+            stats.clone(),
+        )
+        .unwrap();
+        for t in 0..3 {
+            sink.submit_at(None, hb(), None, t);
+        }
+        sink.flush_recording();
+        assert!(stats.snapshot().recording_write_failures >= 1);
+        assert_eq!(stamps_of(&sink), vec![0, 1, 2]);
     }
 
     #[test]

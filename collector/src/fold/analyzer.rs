@@ -205,6 +205,11 @@ pub struct FleetAnalyzer {
     verdict_delay: MergedLatency,
     /// The workers discovery described, by instance id (retired ones included).
     fleet: BTreeMap<u64, WorkerRecord>,
+    /// Each worker's model as the router's own decisions named it (`RoutingDecision::
+    /// model`, the request's model on its chosen worker), for workers discovery gives
+    /// no model: a fleet followed without discovery (`--kv ENDPOINT=ID`) is still
+    /// judged model by model. At most [`MAX_LEARNED_MODELS`] workers.
+    learned_models: HashMap<u64, String>,
     /// Workers whose mirror lacks events lost for good, until their cache starts
     /// anew (cleared, or an engine restart seen from its first batch).
     incomplete: std::collections::BTreeSet<WorkerKey>,
@@ -234,6 +239,10 @@ pub struct FleetAnalyzer {
     /// requests it served stay in the what-if's history.
     told_owners: BTreeMap<(String, String), (NixlAgentOwner, u64)>,
 }
+
+/// Workers whose model is learned from decisions at most (a worker id is 64 bits
+/// from a log line: the map must not grow with a forged or churning one).
+const MAX_LEARNED_MODELS: usize = 65_536;
 
 /// The decisions seen of a request judged lately.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -351,6 +360,7 @@ impl FleetAnalyzer {
             recent_prompts: HashMap::new(),
             verdict_delay: MergedLatency::default(),
             fleet: BTreeMap::new(),
+            learned_models: HashMap::new(),
             incomplete: std::collections::BTreeSet::new(),
             judged_ids: Default::default(),
             recent_store_ends: HashMap::new(),
@@ -427,16 +437,59 @@ impl FleetAnalyzer {
     pub fn fleet(&self) -> &BTreeMap<u64, WorkerRecord> {
         &self.fleet
     }
-    /// The model a worker serves, as discovery said.
+    /// The model a worker serves: as discovery said, else as the router's decisions
+    /// routed to it named it.
     pub fn model_of(&self, worker_id: u64) -> Option<&str> {
+        self.discovered_model_of(worker_id)
+            .or_else(|| self.learned_models.get(&worker_id).map(String::as_str))
+    }
+    fn discovered_model_of(&self, worker_id: u64) -> Option<&str> {
         self.fleet.get(&worker_id).and_then(|w| w.model.as_deref())
     }
-    /// Whether this collector measures `worker_id`'s model (`analyzer.models`).
+    /// Whether this collector measures `worker_id`'s model (`analyzer.models`). By
+    /// discovery's word only: a model learned from a decision comes after the worker's
+    /// first KV events, which a collector limited to models would have skipped.
     fn measures(&self, worker_id: u64) -> bool {
         self.cfg.models.is_empty()
             || self
-                .model_of(worker_id)
+                .discovered_model_of(worker_id)
                 .is_some_and(|m| self.cfg.models.iter().any(|x| x == m))
+    }
+    /// Learn the chosen worker's model from a decision that names its request's model,
+    /// where discovery gives none; a decision that names another model than
+    /// discovery's is counted (discovery's stands).
+    fn learn_model(&mut self, d: &RoutingDecision) {
+        let Some(m) = d.model.as_deref() else {
+            return;
+        };
+        let w = d.worker.worker_id;
+        match self.discovered_model_of(w) {
+            Some(known) if known != m => self.counters.decisions_model_mismatch += 1,
+            Some(_) => {}
+            None => {
+                let room = self.learned_models.len() < MAX_LEARNED_MODELS;
+                match self.learned_models.get_mut(&w) {
+                    Some(had) if had != m => {
+                        // A worker id serves one model; the later word wins (a
+                        // restarted id reused), counted.
+                        self.counters.decisions_model_mismatch += 1;
+                        *had = m.to_string();
+                    }
+                    Some(_) => {}
+                    None if room => {
+                        self.learned_models.insert(w, m.to_string());
+                    }
+                    None => {}
+                }
+            }
+        }
+    }
+    /// Workers discovery gives no model that the router's decisions named one for.
+    pub fn models_learned(&self) -> impl Iterator<Item = (u64, &str)> {
+        self.learned_models
+            .iter()
+            .filter(|(w, _)| self.discovered_model_of(**w).is_none())
+            .map(|(w, m)| (*w, m.as_str()))
     }
     fn retired(&self, worker_id: u64) -> bool {
         self.fleet
@@ -522,6 +575,20 @@ impl FleetAnalyzer {
                 None
             }
             Record::Decision(d) => {
+                // A forged megabyte id (or one from an agent before ids were bounded) is
+                // no megabyte kept in the judged ids, the verdicts and the what-if.
+                let shortened;
+                let d = if d.request_id.len() > kvscope_wire::MAX_REQUEST_ID_BYTES {
+                    self.counters.request_ids_shortened += 1;
+                    shortened = RoutingDecision {
+                        request_id: kvscope_wire::bounded_request_id(&d.request_id).into_owned(),
+                        ..d.clone()
+                    };
+                    &shortened
+                } else {
+                    d
+                };
+                self.learn_model(d);
                 if !self.measures(d.worker.worker_id) {
                     self.counters.decisions_other_models += 1;
                     return None;
@@ -550,12 +617,16 @@ impl FleetAnalyzer {
             }
             Record::RequestEnd(e) => {
                 self.counters.request_ends += 1;
-                if let Some(&at) = self.routed_at.get(&e.request_id) {
+                let id = kvscope_wire::bounded_request_id(&e.request_id);
+                if let Some(&at) = self.routed_at.get(id.as_ref()) {
                     if let Some(r) = at
                         .checked_sub(self.routed_first)
                         .and_then(|i| self.routed.get_mut(i as usize))
                     {
-                        r.end = Some(e.clone());
+                        r.end = Some(kvscope_wire::RequestEnd {
+                            request_id: id.into_owned(),
+                            ..e.clone()
+                        });
                     }
                 }
                 None
@@ -906,8 +977,27 @@ impl FleetAnalyzer {
         // tokens is no candidate, whatever its overlap.
         let model = self.model_of(d.worker.worker_id).map(str::to_string);
         let mut overlaps = matched.overlaps;
-        if let Some(m) = &model {
-            overlaps.retain(|w, _| self.model_of(w.worker_id) == Some(m.as_str()));
+        match &model {
+            Some(m) => {
+                // A worker whose model nobody named (no discovery record, never chosen
+                // with a model on the line) is no candidate: counted when it held
+                // more of the prompt than the chosen worker.
+                let chosen = overlaps.get(&d.worker).copied().unwrap_or(0);
+                let mut unknown_held_more = false;
+                overlaps.retain(|w, o| match self.model_of(w.worker_id) {
+                    Some(x) => x == m.as_str(),
+                    None => {
+                        unknown_held_more |= *o > chosen;
+                        false
+                    }
+                });
+                if unknown_held_more {
+                    self.counters.verdicts_left_out_unknown_model += 1;
+                }
+            }
+            // Neither discovery nor the router's line names the model: judged among
+            // every worker, which mixes models on a fleet that serves several.
+            None => self.counters.verdicts_model_unknown += 1,
         }
         // Nor, on a disaggregated fleet, a worker of the other pool: a prefill decision
         // chooses among prefill workers.
@@ -957,6 +1047,9 @@ impl FleetAnalyzer {
                 self.index
                     .generated_tail(&v.chosen, &chain[..v.chosen_overlap_blocks as usize])
             });
+        if decoded_tail.is_some() {
+            self.counters.prompts_reaching_generated_blocks += 1;
+        }
         self.routed_hashes += chain.len() + ROUTED_REQUEST_WEIGHT;
         self.routed_at.insert(
             d.request_id.clone(),
@@ -1178,6 +1271,7 @@ mod tests {
 
     fn decision(id: &str, to: u64, tokens: &[u32]) -> Record {
         Record::Decision(RoutingDecision {
+            model: None,
             request_id: id.into(),
             worker: w(to),
             isl_tokens: tokens.len() as u64,
@@ -1214,6 +1308,61 @@ mod tests {
             dp_ranks: vec![0],
             worker_type: None,
         })
+    }
+
+    #[test]
+    fn without_discovery_a_worker_s_model_is_learned_from_the_router_s_decisions() {
+        // Workers 1 (model a) and 2 (model b) hold the same prompt; no discovery
+        // record. A request of model a routed to worker 3 (a, empty) is a spill from
+        // worker 1 only, never from worker 2, once each worker's model is known.
+        let toks: Vec<u32> = (0..8).collect();
+        let named = |id: &str, to: u64, model: Option<&str>| match decision(id, to, &toks) {
+            Record::Decision(mut d) => {
+                d.model = model.map(str::to_string);
+                Record::Decision(d)
+            }
+            _ => unreachable!(),
+        };
+        let run = |b_named: bool| {
+            let mut a = FleetAnalyzer::new(cfg());
+            a.apply(&env(
+                1,
+                stored(1, 0, SequenceStatus::First, &toks, &[1, 2, 3, 4]),
+            ));
+            a.apply(&env(
+                1,
+                stored(2, 0, SequenceStatus::First, &toks, &[5, 6, 7, 8]),
+            ));
+            a.apply(&env(2, named("a1", 1, Some("a"))));
+            a.apply(&env(3, named("b1", 2, b_named.then_some("b"))));
+            let v = a.apply(&env(4, named("a2", 3, Some("a")))).unwrap();
+            (a, v)
+        };
+        let (a, v) = run(true);
+        assert_eq!(a.model_of(2), Some("b"));
+        assert_eq!(v.model.as_deref(), Some("a"));
+        assert_eq!(v.best, w(1), "judged among model a's workers");
+        assert!(!v.overlaps.contains_key(&w(2)));
+        assert_eq!(a.models_learned().count(), 3);
+        assert_eq!(a.counters().verdicts_left_out_unknown_model, 0);
+        assert_eq!(a.counters().verdicts_model_unknown, 0);
+        // Worker 2's model never named: left out as a candidate, and said.
+        let (a, v) = run(false);
+        assert_eq!(a.model_of(2), None);
+        assert!(!v.overlaps.contains_key(&w(2)));
+        assert_eq!(a.counters().verdicts_left_out_unknown_model, 1);
+        assert_eq!(
+            a.counters().verdicts_model_unknown,
+            1,
+            "b1 judged model-blind"
+        );
+        // Discovery's word stands over a line's.
+        let mut a = FleetAnalyzer::new(cfg());
+        a.apply(&env(1, worker(1, WorkerState::Up)));
+        a.apply(&env(2, named("x", 1, Some("other"))));
+        assert_eq!(a.model_of(1), Some("m"));
+        assert_eq!(a.counters().decisions_model_mismatch, 1);
+        assert_eq!(a.models_learned().count(), 0);
     }
 
     #[test]

@@ -112,6 +112,7 @@ mod tests {
 
     fn decision(tokens: &[u32], to: u64) -> RoutingDecision {
         RoutingDecision {
+            model: None,
             request_id: "r".into(),
             worker: w(to),
             isl_tokens: tokens.len() as u64,

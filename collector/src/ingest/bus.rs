@@ -8,6 +8,7 @@
 //! and in stream order, and a restarted collector ends with the same figures as one that
 //! never stopped.
 
+use super::clocks::AgentClocks;
 use crate::fold::analyzer::FleetAnalyzer;
 use crate::internal_events::*;
 use anyhow::Context as _;
@@ -54,6 +55,11 @@ pub struct Shared {
     pub otlp: Arc<kvscope_otlp::ExportStats>,
     /// Where verdict and migration spans go, once OTLP export has started.
     pub spans: std::sync::OnceLock<kvscope_otlp::SpanSink>,
+    /// What the HTTP listener refused (connections over its cap, requests too slow),
+    /// shown on `/metrics`.
+    pub http: Arc<kvscope_kit::http::ServerStats>,
+    /// Each agent's clock against the stream's (`super::clocks`).
+    pub clocks: Mutex<AgentClocks>,
 }
 
 impl Shared {
@@ -70,6 +76,8 @@ impl Shared {
             recorder: Mutex::new(recorder),
             otlp: Arc::default(),
             spans: std::sync::OnceLock::new(),
+            http: Arc::default(),
+            clocks: Mutex::default(),
         })
     }
 
@@ -82,6 +90,7 @@ impl Shared {
         headers: Option<&HeaderMap>,
         payload: &[u8],
         seq: u64,
+        stored_ns: Option<u64>,
     ) -> u64 {
         if self.skips_model_copy(subject) {
             lock(&self.bus).applied_seq = seq;
@@ -93,13 +102,20 @@ impl Shared {
             header(parts::PART_HEADER),
             payload,
         );
-        self.apply_outcome(subject, outcome, payload, seq)
+        self.apply_outcome(subject, outcome, payload, seq, stored_ns)
     }
 
-    fn apply_outcome(&self, subject: &str, outcome: PartsOutcome, payload: &[u8], seq: u64) -> u64 {
+    fn apply_outcome(
+        &self,
+        subject: &str,
+        outcome: PartsOutcome,
+        payload: &[u8],
+        seq: u64,
+        stored_ns: Option<u64>,
+    ) -> u64 {
         match outcome {
-            PartsOutcome::Whole => self.apply_payload(subject, payload, seq),
-            PartsOutcome::Complete(record) => self.apply_payload(subject, &record, seq),
+            PartsOutcome::Whole => self.apply_payload(subject, payload, seq, stored_ns),
+            PartsOutcome::Complete(record) => self.apply_payload(subject, &record, seq, stored_ns),
             PartsOutcome::Pending => {
                 lock(&self.bus).applied_seq = seq;
                 0
@@ -115,7 +131,7 @@ impl Shared {
                     lost_parts,
                 }
                 .emit(self);
-                self.apply_outcome(subject, *then, payload, seq)
+                self.apply_outcome(subject, *then, payload, seq, stored_ns)
             }
         }
     }
@@ -137,13 +153,26 @@ impl Shared {
 
     /// Apply the records of one whole message: itself, or each of a bundle's
     /// (`kvscope_wire::bundle`), each as if it had come alone on its own subject.
-    fn apply_payload(&self, subject: &str, payload: &[u8], seq: u64) -> u64 {
+    fn apply_payload(
+        &self,
+        subject: &str,
+        payload: &[u8],
+        seq: u64,
+        stored_ns: Option<u64>,
+    ) -> u64 {
         let bundle = kvscope_wire::bundle::is_bundle(payload);
         let scope = self.subjects.scope_of(subject);
         let mut records = 0;
         for entry in kvscope_wire::bundle::entries(subject, payload) {
             match entry {
-                Ok(e) if !bundle => self.apply_record(e.subject, e.json, seq, e.index),
+                Ok(e) if !bundle => self.apply_record(e.subject, e.json, seq, e.index, stored_ns),
+                // Not an envelope at all (a payload that is no JSON reads as a bundle of
+                // garbage lines): undecodable, not a record of another agent.
+                Ok(e) if e.json.first() != Some(&b'{') => RecordUndecodable {
+                    seq,
+                    error: &"a bundle line whose record is not a JSON object",
+                }
+                .emit(self),
                 // A bundle's subject is what the server's permissions bound to its agent:
                 // its records' subjects must lie in its scope.
                 Ok(e) if scope.is_none() || self.subjects.scope_of(e.subject) != scope => {
@@ -155,7 +184,7 @@ impl Shared {
                     .emit(self);
                 }
                 Ok(e) if self.skips_model_copy(e.subject) => continue,
-                Ok(e) => self.apply_record(e.subject, e.json, seq, e.index),
+                Ok(e) => self.apply_record(e.subject, e.json, seq, e.index, stored_ns),
                 Err(e) => RecordUndecodable { seq, error: &e }.emit(self),
             }
             records += 1;
@@ -164,10 +193,18 @@ impl Shared {
         records
     }
 
-    /// Decode and apply one record (the `index`th of the message `seq`); undecodable
-    /// ones, and ones whose agent is not the one their subject names, are counted and
-    /// skipped.
-    fn apply_record(&self, subject: &str, json: &[u8], seq: u64, index: usize) {
+    /// Decode and apply one record (the `index`th of the message `seq`, stored by the
+    /// stream at `stored_ns`); undecodable ones, and ones whose agent is not the one
+    /// their subject names, are counted and skipped. A record dated after its storing is
+    /// moved back by its agent's clock offset (`super::clocks`).
+    fn apply_record(
+        &self,
+        subject: &str,
+        json: &[u8],
+        seq: u64,
+        index: usize,
+        stored_ns: Option<u64>,
+    ) {
         match Envelope::from_json(json) {
             Ok(env) if !self.subjects.subject_matches_agent(subject, &env.agent) => {
                 // The server's permissions bind a subject to one agent's credentials; a
@@ -192,7 +229,18 @@ impl Shared {
                 }
                 .emit(self);
             }
-            Ok(env) => {
+            Ok(mut env) => {
+                if let Some(stored) = stored_ns {
+                    let c = lock(&self.clocks).correct(&env.agent, env.observed_ns, stored);
+                    if c.ahead_ns > 0 {
+                        RecordClockCorrected {
+                            agent: &env.agent,
+                            ahead_ns: c.ahead_ns,
+                        }
+                        .emit(self);
+                    }
+                    env.observed_ns = c.observed_ns;
+                }
                 let rebuilding = lock(&self.bus).rebuilding;
                 let verdict = {
                     let mut analyzer = lock(&self.analyzer);
@@ -313,41 +361,107 @@ pub async fn run(cfg: BusConfig, shared: Arc<Shared>) -> anyhow::Result<()> {
     if last > 0 && first <= last {
         rebuild(&stream, first..=last, cfg.filter.as_deref(), &shared).await?;
     }
-    let durable = stream
-        .get_or_create_consumer(
-            &cfg.durable_name,
-            consumer::pull::Config {
-                durable_name: Some(cfg.durable_name.clone()),
-                ack_policy: consumer::AckPolicy::Explicit,
-                ack_wait: Duration::from_secs(30),
-                max_ack_pending: 100_000,
-                filter_subject: cfg.filter.clone().unwrap_or_else(|| cfg.subjects.all()),
-                ..Default::default()
-            },
-        )
+    let mut created = stream
+        .info()
         .await
-        .context("cannot create the durable consumer")?;
-    let mut messages = durable
-        .messages()
-        .await
-        .context("cannot pull from the durable consumer")?;
-    info!(stream = %cfg.subjects.stream_name(), durable = %cfg.durable_name, filter = ?cfg.filter, "Following the stream.");
+        .context("cannot read the stream's state")?
+        .created
+        .unix_timestamp_nanos();
+    lock(&shared.bus).applied_at_ns = kvscope_kit::clock::now_ns();
+    // One durable consumer per stream: a stream made anew under the name (a server
+    // whose storage was wiped) gets a consumer of its own, followed from its first
+    // record.
+    loop {
+        let durable = stream
+            .get_or_create_consumer(
+                &cfg.durable_name,
+                consumer::pull::Config {
+                    durable_name: Some(cfg.durable_name.clone()),
+                    ack_policy: consumer::AckPolicy::Explicit,
+                    ack_wait: Duration::from_secs(30),
+                    max_ack_pending: 100_000,
+                    filter_subject: cfg.filter.clone().unwrap_or_else(|| cfg.subjects.all()),
+                    ..Default::default()
+                },
+            )
+            .await
+            .context("cannot create the durable consumer")?;
+        let messages = durable
+            .messages()
+            .await
+            .context("cannot pull from the durable consumer")?;
+        info!(stream = %cfg.subjects.stream_name(), durable = %cfg.durable_name, filter = ?cfg.filter, "Following the stream.");
+        let anew = follow(&cfg, &js, &stream, durable, messages, created, &shared).await?;
+        let (new_stream, new_created) = anew;
+        let first = new_stream.cached_info().state.first_sequence.max(1);
+        // Read before the event locks the status itself.
+        let applied_seq = lock(&shared.bus).applied_seq;
+        StreamReset {
+            applied_seq,
+            first_seq: first,
+        }
+        .emit(&shared);
+        {
+            let mut bus = lock(&shared.bus);
+            bus.applied_seq = first - 1;
+            bus.stream_first_seq = first;
+            // The old consumer's trouble is not the new one's.
+            bus.consumer_error = None;
+            bus.consumer_pending = 0;
+        }
+        stream = new_stream;
+        created = new_created;
+    }
+}
+
+/// How long the reader waits for a message before it looks at the stream and its
+/// consumer (still the same stream? how many messages wait?).
+const LOOK_EVERY: Duration = Duration::from_secs(5);
+
+/// Follow `messages` until the stream turns out made anew (its creation time changed,
+/// or its last record is before the one last applied): the new stream and when it was
+/// made. Errors only when the stream cannot be opened at all.
+async fn follow(
+    cfg: &BusConfig,
+    js: &jetstream::Context,
+    stream: &stream::Stream,
+    mut durable: consumer::Consumer<consumer::pull::Config>,
+    mut messages: consumer::pull::Stream,
+    created: i128,
+    shared: &Shared,
+) -> anyhow::Result<(stream::Stream, i128)> {
     // Deliveries of a filtered consumer skip the other subjects' stream sequences: its
     // own consumer sequence tells a lost delivery there.
     let mut last_delivery = 0u64;
-    while let Some(msg) = messages.next().await {
-        let msg = match msg {
-            Ok(m) => m,
-            Err(e) => {
-                PullFailed { error: &e }.emit(&shared);
+    loop {
+        let msg = match tokio::time::timeout(LOOK_EVERY, messages.next()).await {
+            Ok(Some(Ok(m))) => m,
+            Ok(Some(Err(e))) => {
+                PullFailed { error: &e }.emit(shared);
+                if let Some(anew) = look(cfg, js, &mut durable, created, shared).await? {
+                    return Ok(anew);
+                }
                 tokio::time::sleep(Duration::from_millis(200)).await;
                 continue;
             }
+            Ok(None) => anyhow::bail!("the durable consumer's message stream ended"),
+            // Quiet: still the same stream?
+            Err(_) => {
+                if let Some(anew) = look(cfg, js, &mut durable, created, shared).await? {
+                    return Ok(anew);
+                }
+                continue;
+            }
         };
-        let (seq, pending, delivery) = match msg.info() {
-            Ok(i) => (i.stream_sequence, i.pending, i.consumer_sequence),
+        let (seq, pending, delivery, stored_ns) = match msg.info() {
+            Ok(i) => (
+                i.stream_sequence,
+                i.pending,
+                i.consumer_sequence,
+                unix_ns(i.published),
+            ),
             Err(e) => {
-                MessageWithoutMetadata { error: &e }.emit(&shared);
+                MessageWithoutMetadata { error: &e }.emit(shared);
                 continue;
             }
         };
@@ -362,17 +476,66 @@ pub async fn run(cfg: BusConfig, shared: Arc<Shared>) -> anyhow::Result<()> {
         last_delivery = last_delivery.max(delivery);
         if lost && seq > applied + 1 {
             // Fetch them now, so every record is applied once and in order.
-            fill_gap(&stream, applied + 1, seq, cfg.filter.as_deref(), &shared).await;
+            fill_gap(stream, applied + 1, seq, cfg.filter.as_deref(), shared).await;
         }
         if seq > lock(&shared.bus).applied_seq {
-            shared.apply_message(&msg.subject, msg.headers.as_ref(), &msg.payload, seq);
+            shared.apply_message(
+                &msg.subject,
+                msg.headers.as_ref(),
+                &msg.payload,
+                seq,
+                Some(stored_ns),
+            );
         }
-        lock(&shared.bus).pending = pending;
+        {
+            let mut bus = lock(&shared.bus);
+            bus.pending = pending;
+            bus.consumer_pending = pending;
+            bus.consumer_error = None;
+            bus.applied_at_ns = kvscope_kit::clock::now_ns();
+        }
         if let Err(e) = msg.ack().await {
-            AckFailed { seq, error: &e }.emit(&shared);
+            AckFailed { seq, error: &e }.emit(shared);
         }
     }
-    anyhow::bail!("the durable consumer's message stream ended")
+}
+
+/// Look at the stream and this collector's consumer: how many messages wait for it,
+/// and whether the stream was made anew since `created` (then the new stream, opened or
+/// made as the agents make it).
+async fn look(
+    cfg: &BusConfig,
+    js: &jetstream::Context,
+    durable: &mut consumer::Consumer<consumer::pull::Config>,
+    created: i128,
+    shared: &Shared,
+) -> anyhow::Result<Option<(stream::Stream, i128)>> {
+    match durable.info().await {
+        Ok(info) => {
+            let mut bus = lock(&shared.bus);
+            bus.consumer_pending = info.num_pending;
+            bus.consumer_error = None;
+        }
+        Err(e) => lock(&shared.bus).consumer_error = Some(e.to_string()),
+    }
+    let Ok(mut stream) = js
+        .get_or_create_stream(stream_config(
+            &cfg.subjects,
+            cfg.stream_max_age,
+            cfg.stream_max_bytes,
+        ))
+        .await
+    else {
+        // NATS away: the client reconnects; look again later.
+        return Ok(None);
+    };
+    let Ok(info) = stream.info().await else {
+        return Ok(None);
+    };
+    let applied = lock(&shared.bus).applied_seq;
+    let created_now = info.created.unix_timestamp_nanos();
+    let made_anew = created_now != created || info.state.last_sequence < applied;
+    Ok(made_anew.then_some((stream, created_now)))
 }
 
 /// Apply stream records `from..to` by direct lookup (those `filter` takes, when given);
@@ -401,7 +564,13 @@ async fn fill_gap(
                 lock(&shared.bus).applied_seq = s;
             }
             Ok(m) => {
-                shared.apply_message(&m.subject, Some(&m.headers), &m.payload, s);
+                shared.apply_message(
+                    &m.subject,
+                    Some(&m.headers),
+                    &m.payload,
+                    s,
+                    Some(unix_ns(m.time)),
+                );
             }
             Err(e) => {
                 RecordMissing { seq: s, error: &e }.emit(shared);
@@ -409,6 +578,11 @@ async fn fill_gap(
             }
         }
     }
+}
+
+/// A stream time stamp as UNIX nanoseconds (0 before 1970).
+fn unix_ns(t: async_nats::datetime::DateTime) -> u64 {
+    u64::try_from(t.unix_timestamp_nanos()).unwrap_or(0)
 }
 
 /// Whether the NATS subject pattern `filter` (`*` one token, `>` the rest) takes
@@ -465,10 +639,10 @@ async fn rebuild(
     let (mut n, mut records) = (0u64, 0u64);
     while let Some(msg) = messages.next().await {
         let msg = msg.context("reading the stream during the rebuild")?;
-        let (seq, pending) = msg
+        let (seq, pending, stored_ns) = msg
             .info()
-            .map(|i| (i.stream_sequence, i.pending))
-            .unwrap_or((0, 0));
+            .map(|i| (i.stream_sequence, i.pending, Some(unix_ns(i.published))))
+            .unwrap_or((0, 0, None));
         if filter.is_none() && seq > next {
             if n == 0 {
                 // Discarded before the rebuild read anything: the figures begin later,
@@ -491,7 +665,13 @@ async fn rebuild(
             break;
         }
         next = next.max(seq + 1);
-        records += shared.apply_message(&msg.subject, msg.headers.as_ref(), &msg.payload, seq);
+        records += shared.apply_message(
+            &msg.subject,
+            msg.headers.as_ref(),
+            &msg.payload,
+            seq,
+            stored_ns,
+        );
         n += 1;
         if n.is_multiple_of(100_000) {
             info!(applied = n, of = last, "Rebuilding.");
@@ -568,7 +748,7 @@ mod tests {
         payload.extend_from_slice(b"no-subject-here\n");
         let bundle = Subjects::bundle_subject(subjects.scope_of(&plain).unwrap());
         // Five records and a line without one, each counted once.
-        assert_eq!(shared.apply_message(&bundle, None, &payload, 5), 6);
+        assert_eq!(shared.apply_message(&bundle, None, &payload, 5, None), 6);
         let counters = lock(&shared.analyzer).counters().clone();
         assert_eq!(counters.records, 2);
         assert_eq!(counters.foreign_records, 2);
@@ -579,14 +759,17 @@ mod tests {
         w.push(&copy, &env("node-1").to_json());
         w.push(&copy, &env("node-1").to_json());
         let model_bundle = Subjects::bundle_subject(subjects.scope_of(&copy).unwrap());
-        assert_eq!(shared.apply_message(&model_bundle, None, &w.finish(), 6), 0);
+        assert_eq!(
+            shared.apply_message(&model_bundle, None, &w.finish(), 6, None),
+            0
+        );
         assert_eq!(lock(&shared.bus).model_copies_skipped, 2);
         assert_eq!(lock(&shared.analyzer).counters().records, 2);
         // A plain record in a model's bundle is outside its scope.
         let mut w = BundleWriter::default();
         w.push(&plain, &env("node-1").to_json());
         w.push(&plain, &env("node-1").to_json());
-        shared.apply_message(&model_bundle, None, &w.finish(), 7);
+        shared.apply_message(&model_bundle, None, &w.finish(), 7, None);
         assert_eq!(lock(&shared.analyzer).counters().foreign_records, 4);
     }
 
@@ -611,11 +794,22 @@ mod tests {
                 parts::message_id("run", 0, Some(i as u32)).as_str(),
             );
             headers.insert(parts::PART_HEADER, format!("{i}/3").as_str());
-            shared.apply_message(&bundle, Some(&headers), piece, 10 + i as u64);
+            shared.apply_message(&bundle, Some(&headers), piece, 10 + i as u64, None);
             let applied = lock(&shared.analyzer).counters().records;
             assert_eq!(applied, if i == 2 { 3 } else { 0 }, "after part {i}");
         }
         assert_eq!(lock(&shared.bus).applied_seq, 12);
+    }
+
+    #[test]
+    fn a_payload_that_is_no_json_is_undecodable_not_foreign() {
+        let (subjects, shared) = lab_collector();
+        let subject = subjects.for_record("node-1", &heartbeat_of("node-1").record);
+        let scope = subjects.scope_of(&subject);
+        let bundle = Subjects::bundle_subject(scope.unwrap());
+        shared.apply_message(&bundle, None, b"\x00\x01 garbage\nnot json at all", 1, None);
+        let c = lock(&shared.analyzer).counters().clone();
+        assert_eq!((c.undecodable_records, c.foreign_records), (2, 0));
     }
 
     #[test]
@@ -625,15 +819,15 @@ mod tests {
         let json = env.to_json();
         let plain = subjects.for_record("node-1", &env.record);
         let copy = subjects.for_record_in_model("node-1", &env.record, "alpha");
-        shared.apply_message(&plain, None, &json, 1);
-        shared.apply_message(&copy, None, &json, 2);
+        shared.apply_message(&plain, None, &json, 1, None);
+        shared.apply_message(&copy, None, &json, 2, None);
         let bus = lock(&shared.bus).clone();
         assert_eq!((bus.applied_seq, bus.model_copies_skipped), (2, 1));
         assert_eq!(lock(&shared.analyzer).counters().records, 1);
         // Limited to the model, the copy is what it has: applied.
         let limited = Shared::new(FleetAnalyzer::new(Default::default()), None, subjects);
         lock(&limited.bus).filter = Some("kvscope.lab.*.m.alpha.>".into());
-        limited.apply_message(&copy, None, &json, 2);
+        limited.apply_message(&copy, None, &json, 2, None);
         assert_eq!(lock(&limited.analyzer).counters().records, 1);
         assert_eq!(lock(&limited.bus).model_copies_skipped, 0);
     }

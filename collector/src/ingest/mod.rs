@@ -2,4 +2,5 @@
 //! and recordings, both applied in stream order to the same fold.
 
 pub mod bus;
+pub mod clocks;
 pub mod replay;

@@ -48,8 +48,7 @@ svg.plot{width:100%;height:auto;display:block;margin:6px 0}
 .tick{font-size:11px;fill:var(--muted)}
 .axis-title{font-size:12px;fill:#374151}
 .warmup-shade{fill:#f3f4f6}
-.empty-frame{fill:#fafafa;stroke:var(--line)}
-.empty-text{font-size:15px;fill:var(--muted)}
+.plot-empty{color:var(--muted);font-style:italic;border:1px dashed var(--line);border-radius:4px;padding:10px 12px;margin:6px 0;overflow-wrap:anywhere}
 .spread-band{fill:var(--sr);fill-opacity:.13}
 .spread-mean{stroke:var(--sr);stroke-width:1.5;stroke-dasharray:6 4}
 .spread-range{stroke:var(--sr);stroke-opacity:.55;stroke-dasharray:2 3}
@@ -366,6 +365,10 @@ mod tests {
 
     /// The `<svg>` element with `id`, whole.
     fn plot<'a>(html: &'a str, id: &str) -> &'a str {
+        if let Some(start) = html.find(&format!("<p id=\"{id}\" class=\"plot-empty\"")) {
+            let end = start + html[start..].find("</p>").expect("p closed") + "</p>".len();
+            return &html[start..end];
+        }
         let start = html
             .find(&format!("<svg id=\"{id}\""))
             .unwrap_or_else(|| panic!("no plot {id}"));

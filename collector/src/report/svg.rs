@@ -219,18 +219,15 @@ pub(super) fn open(out: &mut String, id: &str, label: &str, marks: usize, extra:
     );
 }
 
-/// A plot with nothing to draw yet: the frame and a sentence saying why.
+/// A plot with nothing to draw: no frame, only the sentence saying why, as a paragraph
+/// that wraps to the page (an empty frame reads as a broken chart, and a sentence set
+/// in SVG runs past its edge). It keeps the plot's id, `data-marks="0"` and
+/// `data-empty="true"`, so a reader of the page finds it where the plot would be.
 pub(super) fn empty(out: &mut String, id: &str, label: &str, message: &str) {
-    open(out, id, label, 0, r#" data-empty="true""#);
     let _ = write!(
         out,
-        r#"<rect class="empty-frame" x="{}" y="{}" width="{}" height="{}"/><text class="empty-text" x="{}" y="{}" text-anchor="middle">{}</text></svg>"#,
-        px(LEFT),
-        px(TOP),
-        px(WIDTH - LEFT - RIGHT),
-        px(HEIGHT - TOP - BOTTOM),
-        px(WIDTH / 2.0),
-        px(HEIGHT / 2.0),
+        r#"<p id="{id}" class="plot-empty" data-marks="0" data-empty="true" role="note" aria-label="{}">{}</p>"#,
+        escape(label),
         escape(message)
     );
 }

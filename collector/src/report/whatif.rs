@@ -26,22 +26,34 @@ pub(super) fn section(out: &mut String, w: &WhatIfAnswer) {
         out,
         "<h2 id=\"whatif\">What-if: a KV reserve, and migration net of its costs</h2>\
          <p class=\"caption\">The recorded requests replayed over simulated caches, routing \
-         held fixed: {} requests, {} blocks per worker ({}), recorded hit rate {}; the \
-         simulation reproduces it at {:.2} simulated blocks per block{}.</p>",
+         held fixed: {} requests, {} blocks per worker ({}), recorded hit rate {}",
         c.recorded.requests,
         c.blocks_per_worker
             .map_or("various".to_string(), |b| b.to_string()),
         escape(&c.capacity_from),
         pct(c.recorded_hit_rate),
-        c.calibration,
-        if c.calibrated {
-            ""
-        } else {
-            " (not calibrated: the requests start on warm caches, so a reserve's cost is understated)"
-        }
     );
-    reserve_plot(out, c);
-    capacity_table(out, c);
+    match c.calibration_failure.as_deref().filter(|_| !c.calibrated) {
+        None => {
+            let _ = write!(
+                out,
+                "; the simulation reproduces it at {:.2} simulated blocks per block ({} of {} \
+                 requests get exactly their recorded overlap).</p>",
+                c.calibration, c.requests_matched_exactly, c.recorded.requests
+            );
+            reserve_plot(out, c);
+            capacity_table(out, c);
+        }
+        Some(why) => {
+            let _ = write!(
+                out,
+                ".</p><p class=\"caption\" id=\"whatif-not-calibrated\"><b>Not predicted</b>: the \
+                 simulation could not be calibrated on this recording: {}. No reserve, \
+                 migration at a reserve or router setting is predicted from it.</p>",
+                escape(why)
+            );
+        }
+    }
     migration(out, &w.migration);
     if let Some(d) = &w.disagg {
         disagg(out, d);
@@ -132,6 +144,27 @@ fn router(out: &mut String, r: &RouterWhatIf) {
         );
     }
     out.push_str("</tbody></table>\n");
+    if let Some(m) = &r.model_misses {
+        let _ = write!(
+            out,
+            "<p class=\"caption\" id=\"whatif-router-not-predicted\">{}</p>",
+            bold(&r.not_predicted(m))
+        );
+    }
+}
+
+/// Markdown's `**…**` spans as HTML, the rest escaped.
+fn bold(md: &str) -> String {
+    md.split("**")
+        .enumerate()
+        .map(|(i, part)| {
+            if i % 2 == 1 {
+                format!("<b>{}</b>", escape(part))
+            } else {
+                escape(part)
+            }
+        })
+        .collect()
 }
 
 fn disagg(out: &mut String, d: &DisaggWhatIf) {
@@ -316,6 +349,11 @@ fn migration(out: &mut String, m: &MigrationWhatIf) {
             ),
         }
     );
+    if !m.calibrated {
+        // The capacity part above says why; the recorded spills' gates need no
+        // simulation, but the report's migration part is about reserves.
+        return;
+    }
     migration_plot(out, m);
     table_open(
         out,
@@ -393,8 +431,9 @@ fn migration_plot(out: &mut String, m: &MigrationWhatIf) {
             out,
             PLOT_WHATIF_MIGRATION,
             label,
-            "Migrations cannot be priced: no NIXL figures (run the agent's NIXL probes, or \
-             give --nixl-bandwidth-gbps and --handshake-ms).",
+            "Migrations cannot be priced: the recording has no NIXL figures (run the agent's \
+             NIXL probes, or give --nixl-bandwidth-gbps and --handshake-ms). The table below \
+             shows what each reserve alone would cost.",
         );
         return;
     }

@@ -44,27 +44,61 @@ async fn metrics_text(
     ([(header::CONTENT_TYPE, format.content_type())], body)
 }
 
-/// Ready when it consumes the stream and has rebuilt its state from it.
+/// How long messages may wait with none applied before the collector is not ready.
+const STALLED_AFTER_NS: u64 = 30_000_000_000;
+
+/// Ready when it consumes the stream, has rebuilt its state from it, and applies what
+/// waits for it.
 async fn readyz(State(s): State<Arc<Shared>>) -> impl IntoResponse {
-    let bus = lock(&s.bus).clone();
-    let health = kvscope_kit::Health::new();
-    if !bus.connected {
-        health.fail(
-            "bus",
-            "not consuming the stream (NATS unreachable or refusing)",
-        );
-    }
-    if bus.rebuilding {
-        health.fail("state", "rebuilding its state from the stream");
-    }
-    if bus.recording_failed {
-        health.fail("recording", "the recording stopped after a write error");
-    }
-    let (status, body) = health.readiness();
+    let (status, body) = readiness(&s).readiness();
     (
         axum::http::StatusCode::from_u16(status).unwrap_or(axum::http::StatusCode::OK),
         body,
     )
+}
+
+/// The collector's readiness checks now (`/readyz`, and `kvscope_collector_not_ready`
+/// on `/metrics`): every check registered, holding or failing.
+pub fn readiness(s: &Shared) -> kvscope_kit::Health {
+    let bus = lock(&s.bus).clone();
+    let health = kvscope_kit::Health::new();
+    let check = |name: &'static str, failing: Option<String>| match failing {
+        Some(why) => health.fail(name, why),
+        None => health.ok(name),
+    };
+    check(
+        "bus",
+        (!bus.connected)
+            .then(|| "not consuming the stream (NATS unreachable or refusing)".to_string()),
+    );
+    check(
+        "state",
+        bus.rebuilding
+            .then(|| "rebuilding its state from the stream".to_string()),
+    );
+    check(
+        "recording",
+        bus.recording_failed
+            .then(|| "the recording stopped after a write error".to_string()),
+    );
+    check(
+        "consumer",
+        bus.consumer_error
+            .as_ref()
+            .map(|e| format!("its durable consumer cannot be read: {e}")),
+    );
+    let idle_ns = kvscope_kit::clock::now_ns().saturating_sub(bus.applied_at_ns);
+    check(
+        "applying",
+        (!bus.rebuilding && bus.consumer_pending > 0 && idle_ns > STALLED_AFTER_NS).then(|| {
+            format!(
+                "{} messages wait for it and none was applied for {} s",
+                bus.consumer_pending,
+                idle_ns / 1_000_000_000
+            )
+        }),
+    );
+    health
 }
 
 async fn summary(State(s): State<Arc<Shared>>) -> impl IntoResponse {

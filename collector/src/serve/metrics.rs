@@ -19,13 +19,35 @@ pub fn exposition(shared: &crate::ingest::bus::Shared, format: Format) -> String
     shared
         .otlp
         .write_prometheus(&mut out, "kvscope_collector", "");
+    shared.http.write_prometheus(&mut out, "kvscope_collector");
+    write_agent_clocks(
+        &mut out,
+        &crate::ingest::bus::lock(&shared.clocks).offsets(),
+    );
+    crate::serve::api::readiness(shared).write_prometheus(&mut out, "kvscope_collector");
     out.finish()
+}
+
+/// Each agent's clock offset, so the host whose clock runs ahead is named.
+fn write_agent_clocks(out: &mut Exposition, offsets: &[(&str, u64)]) {
+    if offsets.is_empty() {
+        return;
+    }
+    let name = "kvscope_collector_agent_clock_ahead_seconds";
+    out.family(
+        name,
+        Kind::Gauge,
+        "How far an agent's clock reads ahead of the stream's, as estimated from when its records were stored: what its records' times are moved back by (0: not ahead).",
+    );
+    for (agent, ahead) in offsets {
+        out.gauge(name, &labels(&[("agent", agent)]), *ahead as f64 / 1e9);
+    }
 }
 
 /// The collector's figures for the current state.
 pub fn write(out: &mut Exposition, a: &FleetAnalyzer, bus: &BusStatus) {
     let c = a.counters();
-    let counters: [(&str, &str, u64); 42] = [
+    let counters: [(&str, &str, u64); 49] = [
         ("kvscope_collector_records", "Records applied.", c.records),
         (
             "kvscope_collector_undecodable_records",
@@ -63,9 +85,34 @@ pub fn write(out: &mut Exposition, a: &FleetAnalyzer, bus: &BusStatus) {
             c.decisions_other_models,
         ),
         (
+            "kvscope_collector_decisions_model_mismatch",
+            "Decisions whose line named another model than discovery gives their chosen worker (discovery's stands).",
+            c.decisions_model_mismatch,
+        ),
+        (
+            "kvscope_collector_request_ids_shortened",
+            "Request ids longer than 256 bytes, kept as their first bytes and a hash.",
+            c.request_ids_shortened,
+        ),
+        (
+            "kvscope_verdicts_model_unknown",
+            "Verdicts judged among every worker: neither discovery nor the router's line named the chosen worker's model.",
+            c.verdicts_model_unknown,
+        ),
+        (
+            "kvscope_verdicts_left_out_unknown_model",
+            "Verdicts where a worker of unknown model held more of the prompt than the chosen one (left out as a candidate).",
+            c.verdicts_left_out_unknown_model,
+        ),
+        (
             "kvscope_collector_future_records",
             "Records stamped far ahead of the collector's clock: not applied.",
             c.future_records,
+        ),
+        (
+            "kvscope_collector_records_clock_corrected",
+            "Records dated after the stream stored them: moved back by their agent's clock offset (kvscope_collector_agent_clock_ahead_seconds).",
+            c.records_clock_corrected,
         ),
         (
             "kvscope_collector_foreign_records",
@@ -132,6 +179,11 @@ pub fn write(out: &mut Exposition, a: &FleetAnalyzer, bus: &BusStatus) {
             "kvscope_kv_generated_blocks",
             "Stored blocks in no prompt recently routed to their worker (decode-generated).",
             c.generated_blocks,
+        ),
+        (
+            "kvscope_prompts_reaching_generated_blocks",
+            "Routed prompts whose best (or chosen) worker's cached prefix reached blocks it had generated while decoding (a reply sent back, still cached).",
+            c.prompts_reaching_generated_blocks,
         ),
         (
             "kvscope_kv_batch_order_faults",
@@ -212,6 +264,11 @@ pub fn write(out: &mut Exposition, a: &FleetAnalyzer, bus: &BusStatus) {
             "kvscope_collector_bus_pull_failures",
             "Pulls from the durable consumer that failed (retried).",
             bus.pull_failures,
+        ),
+        (
+            "kvscope_collector_bus_stream_resets",
+            "Times the stream was found made anew under its name (its server's storage wiped): the consumer made anew, the new stream followed from its first record.",
+            bus.stream_resets,
         ),
         (
             "kvscope_collector_bus_messages_without_metadata",

@@ -15,7 +15,9 @@ struct Resident {
 
 /// A cache of `capacity` blocks, each touched by the requests that use it. A block a
 /// running request holds is never evicted (an engine cannot evict what it is
-/// computing with); the others go least recently used first.
+/// computing with); the others go least recently used first. A cache of 0 blocks still
+/// holds what its running requests hold, as any size does: the hits only grow with the
+/// size, which the calibration's bisection relies on.
 #[derive(Debug, Clone)]
 pub struct SimulatedCache {
     capacity: usize,
@@ -60,9 +62,6 @@ impl SimulatedCache {
     /// prefix that was already here.
     pub fn acquire(&mut self, chain: &[SequenceHash]) -> usize {
         let hit = self.prefix_hit(chain);
-        if self.capacity == 0 {
-            return hit;
-        }
         for &b in chain {
             match self.resident.get_mut(&b) {
                 Some(r) => {
@@ -90,9 +89,6 @@ impl SimulatedCache {
     /// first, so the prefix ends up the most recent (an engine frees a finished
     /// request's blocks last-first, so a shared prefix outlives its tails).
     pub fn release(&mut self, chain: &[SequenceHash]) {
-        if self.capacity == 0 {
-            return;
-        }
         for &b in chain.iter().rev() {
             let Some(r) = self.resident.get_mut(&b) else {
                 continue;
@@ -112,9 +108,6 @@ impl SimulatedCache {
     /// Blocks a decode stored (a reply), free at once: each missing one stored, each
     /// free one made recent, tails first; held ones stay held.
     pub fn store(&mut self, blocks: &[SequenceHash]) {
-        if self.capacity == 0 {
-            return;
-        }
         for &b in blocks.iter().rev() {
             self.tick += 1;
             match self.resident.get_mut(&b) {

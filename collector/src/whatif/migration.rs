@@ -165,7 +165,11 @@ pub struct MigrationWhatIf {
     /// The recorded verdicts' spills migrated at each gate, nothing else changed.
     pub recorded_gates: Vec<GateOutcome>,
     pub calibration: f64,
+    /// False when the simulation could not be calibrated (`calibration_failure` says
+    /// why): no reserve is then predicted, `rows` is empty.
     pub calibrated: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub calibration_failure: Option<String>,
     pub rows: Vec<ReserveRow>,
     /// At each row's best gate.
     pub break_even: BreakEven,
@@ -342,6 +346,10 @@ impl WhatIf {
         reserves.dedup();
         let sizes = self.sizes(q.gpu_blocks)?;
         let (permille, calibrated) = self.calibrated_permille(&sizes);
+        // An uncalibrated simulation predicts no reserve (see the capacity question).
+        if calibrated.is_err() {
+            reserves.clear();
+        }
         let secs = self.duration_s();
         let mapping = kvscope_wire::cost::mapping(&[], &self.nixl_agents);
         let figures = NixlFigures::charging(&self.nixl_pairs, &mapping, HandshakeCharge::Mean);
@@ -427,7 +435,8 @@ impl WhatIf {
             recorded,
             recorded_gates,
             calibration: super::calibration(&sizes, permille),
-            calibrated,
+            calibrated: calibrated.is_ok(),
+            calibration_failure: calibrated.err().map(|e| e.to_string()),
             break_even: break_even(&rows),
             rows,
             recommendation,
@@ -457,6 +466,11 @@ fn recommend(row: &ReserveRow) -> Option<Recommendation> {
 }
 
 /// Where the best gate's net saving crosses zero over the swept reserves (ascending).
+/// What the Markdown says when no migration could be priced.
+const UNPRICED: &str = "**Migrations cannot be priced**: the recording has no NIXL bandwidth \
+    or handshake figures (run the agent with its NIXL probes, or give --nixl-bandwidth-gbps \
+    and --handshake-ms).\n";
+
 fn break_even(rows: &[ReserveRow]) -> BreakEven {
     let Some(first) = rows.first() else {
         return BreakEven::Never;
@@ -518,11 +532,15 @@ impl MigrationWhatIf {
                 self.undecodable_records
             ));
         }
-        if !self.calibrated {
-            s.push_str(
-                "**Not calibrated**: the requests start on warm caches, so the reserve rows \
-                 understate what a reserve costs.\n\n",
-            );
+        if let Some(why) = self
+            .calibration_failure
+            .as_deref()
+            .filter(|_| !self.calibrated)
+        {
+            s.push_str(&format!(
+                "**No reserve predicted**: the simulation could not be calibrated on this \
+                 recording: {why}.\n\n"
+            ));
         }
         s.push_str(
             "## The recorded spills migrated, nothing else changed\n\n\
@@ -543,6 +561,14 @@ impl MigrationWhatIf {
                 g.net_prefill_tokens_saved,
                 g.net_s_saved
             ));
+        }
+        let unpriced = self.recorded_gates.iter().any(|g| g.unpriced > 0)
+            && self.recorded_gates.iter().all(|g| g.migrations == 0);
+        if !self.calibrated {
+            if unpriced {
+                s.push_str(UNPRICED);
+            }
+            return s;
         }
         s.push_str(
             "\n## With the connector's reserve (simulated caches), at each reserve's best gate\n\n\
@@ -568,14 +594,8 @@ impl MigrationWhatIf {
             ));
         }
         s.push('\n');
-        let unpriced = self.recorded_gates.iter().any(|g| g.unpriced > 0)
-            && self.recorded_gates.iter().all(|g| g.migrations == 0);
         if unpriced {
-            s.push_str(
-                "**Migrations cannot be priced**: the recording has no NIXL bandwidth or \
-                 handshake figures (run the agent with its NIXL probes, or give \
-                 --nixl-bandwidth-gbps and --handshake-ms).\n",
-            );
+            s.push_str(UNPRICED);
             return s;
         }
         s.push_str(&match self.break_even {

@@ -168,11 +168,14 @@ pub struct CapacityWhatIf {
     /// Simulated blocks per real block: the size at which the simulation reproduces
     /// the recorded hit rate, over each worker's size.
     pub calibration: f64,
-    /// False when even caches that never evict reach fewer hits than recorded: the
-    /// recording starts on warm caches (the live collector keeps only its latest
-    /// requests, whose prefixes older ones may have stored). The calibration is then
-    /// its ceiling and the rows understate what a reserve costs.
+    /// False when no plausible size reproduces the recorded hit rate
+    /// ([`CalibrationFailure`], said in `calibration_failure`): the rows are then
+    /// left empty, since a simulation that cannot reproduce the recorded run predicts
+    /// nothing about a changed one.
     pub calibrated: bool,
+    /// Why the simulation could not be calibrated, when it could not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub calibration_failure: Option<String>,
     /// Requests whose simulated overlap at the calibrated size equals the recorded one.
     pub requests_matched_exactly: u64,
     /// Records that could not be read and were skipped (see the log).
@@ -218,8 +221,35 @@ struct FleetWorker {
 
 /// Every worker's size, sorted: what a calibration was found for.
 type Sizes = Vec<(WorkerKey, u64)>;
-/// The scale in thousandths, and whether it reproduces the recorded hits.
-type Calibration = (u64, bool);
+/// The scale in thousandths, and whether it reproduces the recorded hits at a
+/// plausible size.
+type Calibration = (u64, Result<(), CalibrationFailure>);
+
+/// The fewest and most simulated blocks per real block a calibration may land on. The
+/// simulated cache holds prompt blocks only, while an engine's also holds what it
+/// decodes and partial blocks, so the simulated size is somewhat below the real one
+/// (0.84–0.93 on the lab's runs, BENCHMARKS.md); far outside, the simulation's caches
+/// do not behave as the fleet's engines did (a simulation that held every queued
+/// request's prompt from its decision reproduced a loaded lab's hits at 0.004), and its
+/// predictions would be numbers without meaning.
+pub const PLAUSIBLE_CALIBRATION: std::ops::RangeInclusive<f64> = 0.25..=2.0;
+
+/// Why no simulated size reproduces the recorded run.
+#[derive(Debug, Clone, Copy, PartialEq, thiserror::Error)]
+pub enum CalibrationFailure {
+    #[error(
+        "even caches that never evict reach fewer hits than recorded: the requests start on \
+         warm caches (the live collector keeps only its latest requests, whose prefixes \
+         older ones may have stored)"
+    )]
+    WarmStart,
+    #[error(
+        "the simulation reproduces the recorded hit rate only at {0:.2} simulated blocks per \
+         block, outside the plausible {lo}–{hi}: its caches do not behave as this fleet's \
+         engines did", lo = PLAUSIBLE_CALIBRATION.start(), hi = PLAUSIBLE_CALIBRATION.end()
+    )]
+    Implausible(f64),
+}
 
 impl WhatIf {
     /// Replay the recording at `path` through the collector's fold and keep each judged
@@ -390,9 +420,9 @@ impl WhatIf {
     }
 
     /// The scale of every worker's size whose simulated hit rate is the recorded run's
-    /// (LRU's hit rate only grows with its size, so a bisection finds it), in
-    /// thousandths, and whether any scale reaches it.
-    fn calibrated_permille(&self, sizes: &HashMap<WorkerKey, u64>) -> (u64, bool) {
+    /// (the hits only grow with the size, so a bisection finds it), in thousandths, and
+    /// whether a plausible scale reaches it.
+    fn calibrated_permille(&self, sizes: &HashMap<WorkerKey, u64>) -> Calibration {
         let mut key: Sizes = sizes.iter().map(|(w, b)| (*w, *b)).collect();
         key.sort();
         let found = |c: &[(Sizes, Calibration)]| c.iter().find(|(k, _)| *k == key).map(|(_, v)| *v);
@@ -405,8 +435,13 @@ impl WhatIf {
         v
     }
 
-    fn calibrate(&self, sizes: &HashMap<WorkerKey, u64>) -> (u64, bool) {
+    fn calibrate(&self, sizes: &HashMap<WorkerKey, u64>) -> Calibration {
         let want = self.recorded().cached_tokens;
+        if want == 0 {
+            // Nothing was a hit: every size reproduces that, and the real one is as
+            // good a guess as any.
+            return (1000, Ok(()));
+        }
         let at = |permille: u64| {
             self.simulate(|w| scaled(sizes.get(w).copied().unwrap_or(0), permille))
                 .0
@@ -425,7 +460,7 @@ impl WhatIf {
             .max(1000)
             .saturating_add(1);
         if at(top) < want {
-            return (top, false);
+            return (top, Err(CalibrationFailure::WarmStart));
         }
         let (mut lo, mut hi) = (0u64, top);
         while lo < hi {
@@ -436,7 +471,12 @@ impl WhatIf {
                 lo = mid + 1;
             }
         }
-        (lo, true)
+        let c = calibration(sizes, lo);
+        if PLAUSIBLE_CALIBRATION.contains(&c) {
+            (lo, Ok(()))
+        } else {
+            (lo, Err(CalibrationFailure::Implausible(c)))
+        }
     }
 
     /// Reserves to predict, and requests to predict them on.
@@ -466,6 +506,7 @@ impl WhatIf {
         let sizes = self.sizes(given)?;
         let recorded = self.recorded();
         let (permille, calibrated) = self.calibrated_permille(&sizes);
+        let reserves: &[f64] = if calibrated.is_ok() { reserves } else { &[] };
         let scale = |m: &HashMap<WorkerKey, u64>| {
             m.iter()
                 .map(|(w, b)| (*w, scaled(*b, permille)))
@@ -507,7 +548,8 @@ impl WhatIf {
             recorded_hit_rate: recorded.hit_rate(),
             recorded,
             calibration: calibration(&sizes, permille),
-            calibrated,
+            calibrated: calibrated.is_ok(),
+            calibration_failure: calibrated.err().map(|e| e.to_string()),
             requests_matched_exactly,
             undecodable_records: self.undecodable_records,
             rows,
@@ -517,38 +559,42 @@ impl WhatIf {
 
 impl CapacityWhatIf {
     pub fn to_markdown(&self) -> String {
-        let mut s = String::new();
-        s.push_str(&format!(
+        let mut s = format!(
             "# What if each worker's KV cache were smaller\n\n\
-             Recorded: {} requests, {} blocks per worker ({}), hit rate {:.1}%, {} uncached prefill tokens.\n\
-             Calibration: the simulation reproduces that hit rate at {:.2} simulated blocks per block; \
-             at that size {} of {} requests get exactly their recorded overlap.\n\
-             {}Routing decisions held fixed (each request goes where it went).\n\n\
-             | reserve | blocks per worker | hit rate | uncached prefill tokens | vs recorded |\n\
-             |---:|---:|---:|---:|---:|\n",
+             Recorded: {} requests, {} blocks per worker ({}), hit rate {:.1}%, {} uncached prefill tokens.\n",
             self.recorded.requests,
             self.blocks_per_worker
                 .map_or("various".to_string(), |b| b.to_string()),
             self.capacity_from,
             100.0 * self.recorded_hit_rate,
             self.recorded.uncached_prefill_tokens,
+        );
+        if self.undecodable_records > 0 {
+            s.push_str(&format!(
+                "**{} records could not be read** and were skipped (see the log).\n",
+                self.undecodable_records
+            ));
+        }
+        if let Some(why) = self
+            .calibration_failure
+            .as_deref()
+            .filter(|_| !self.calibrated)
+        {
+            s.push_str(&format!(
+                "**Not predicted**: the simulation could not be calibrated on this recording: \
+                 {why}.\n"
+            ));
+            return s;
+        }
+        s.push_str(&format!(
+            "Calibration: the simulation reproduces that hit rate at {:.2} simulated blocks per block; \
+             at that size {} of {} requests get exactly their recorded overlap.\n\
+             Routing decisions held fixed (each request goes where it went).\n\n\
+             | reserve | blocks per worker | hit rate | uncached prefill tokens | vs recorded |\n\
+             |---:|---:|---:|---:|---:|\n",
             self.calibration,
             self.requests_matched_exactly,
             self.recorded.requests,
-            if self.undecodable_records > 0 {
-                format!(
-                    "**{} records could not be read** and were skipped (see the log).\n",
-                    self.undecodable_records
-                )
-            } else {
-                String::new()
-            } + if self.calibrated {
-                ""
-            } else {
-                "**Not calibrated**: even caches that never evict reach fewer hits than \
-                 recorded (the requests start on warm caches), so the rows understate what a \
-                 reserve costs.\n"
-            },
         ));
         for r in &self.rows {
             let vs = if self.recorded.uncached_prefill_tokens == 0 {
@@ -763,8 +809,83 @@ mod tests {
         };
         let c = w.capacity(None, &[0.0, 0.5]).unwrap();
         assert!(!c.calibrated);
+        assert!(
+            c.rows.is_empty(),
+            "an uncalibrated simulation predicts nothing"
+        );
         let md = c.to_markdown();
-        assert!(md.contains("Not calibrated"));
+        assert!(md.contains("**Not predicted**"), "{md}");
+        assert!(md.contains("warm caches"), "{md}");
+        assert!(!md.contains("| reserve |"), "no table: {md}");
         assert!(md.contains("**3 records could not be read**"), "{md}");
+    }
+
+    #[test]
+    fn a_calibration_far_below_the_real_size_is_a_stated_failure() {
+        // Worker 1 of 100 blocks recorded its repeated 2-block prompt as a hit every
+        // time: a simulated cache of 2 blocks reproduces that, 0.02 of the real size,
+        // which no engine's cache is: the simulation says so and predicts nothing.
+        let requests: Vec<_> = (0..4)
+            .map(|i| req(1, &[1, 2], if i == 0 { 0 } else { 2 }))
+            .collect();
+        let w = WhatIf {
+            requests,
+            discovered_blocks: HashMap::from([(1, 100)]),
+            ..WhatIf::empty()
+        };
+        let c = w.capacity(None, &[0.0, 0.1]).unwrap();
+        assert!(!c.calibrated);
+        assert!(c.rows.is_empty());
+        assert!((c.calibration - 0.02).abs() < 1e-9, "{}", c.calibration);
+        // The report says so once, and draws no plot and no table of predictions.
+        let answer = question::WhatIfInputs::default().answer(&w).unwrap();
+        assert!(answer.migration.rows.is_empty());
+        let report = crate::report::OpportunityReport::from_analyzer(&FleetAnalyzer::new(
+            AnalyzerConfig::default(),
+        ))
+        .with_whatif(Ok(answer));
+        let html = report.to_html();
+        assert!(html.contains("id=\"whatif-not-calibrated\""), "{html}");
+        for absent in [
+            "plot-whatif-reserve",
+            "whatif-capacity-table",
+            "plot-whatif-migration",
+            "whatif-migration-table",
+        ] {
+            assert!(
+                !html.contains(absent),
+                "{absent} drawn without a calibration"
+            );
+        }
+        let md = report.to_markdown();
+        assert!(md.contains("**Not predicted**"), "{md}");
+        assert!(md.contains("**No reserve predicted**"), "{md}");
+        assert!(!md.contains("| 10% |"), "{md}");
+        let why = c.calibration_failure.as_deref().unwrap();
+        assert!(why.contains("0.02 simulated blocks per block"), "{why}");
+        // At a plausible real size the same requests are predicted.
+        let ok = WhatIf {
+            discovered_blocks: HashMap::from([(1, 2)]),
+            ..w
+        };
+        let c = ok.capacity(None, &[0.0, 0.5]).unwrap();
+        assert!(c.calibrated && c.calibration_failure.is_none());
+        assert_eq!(c.rows.len(), 2);
+        assert_eq!(c.rows[0].totals.cached_tokens, 3 * 32);
+        assert_eq!(
+            c.rows[1].totals.cached_tokens,
+            3 * 16,
+            "one block holds the prompt's first block only"
+        );
+    }
+
+    #[test]
+    fn a_cache_of_no_blocks_still_holds_what_its_running_requests_hold() {
+        // The hits only grow with the size, from 0 blocks on: the bisection's premise.
+        let mut c = cache::SimulatedCache::new(0);
+        assert_eq!(c.acquire(&[1, 2]), 0);
+        assert_eq!(c.prefix_hit(&[1, 2]), 2, "held while it runs");
+        c.release(&[1, 2]);
+        assert_eq!(c.prefix_hit(&[1, 2]), 0, "gone once freed");
     }
 }

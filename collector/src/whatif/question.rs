@@ -242,8 +242,8 @@ impl WhatIfInputs {
         })?;
         let (router, router_unavailable) = match self.router_knobs(w) {
             Ok(r) => (Some(r), None),
-            Err(RouterWhatIfError::NoTiming) => {
-                (None, Some(RouterWhatIfError::NoTiming.to_string()))
+            Err(e @ (RouterWhatIfError::NoTiming | RouterWhatIfError::Uncalibrated(_))) => {
+                (None, Some(e.to_string()))
             }
             Err(e) => return Err(e.into()),
         };

@@ -1,12 +1,20 @@
 //! The recorded requests replayed in time over each worker's simulated cache: every
 //! question of the what-if runs its requests through [`WhatIf::replay_routed`].
 //!
-//! A request holds its prompt's blocks from its decision until it ends, as an engine
-//! does (a running request's blocks are never evicted), and its reply is stored on the
-//! worker it went to as it ends; a request's life comes from its request-trace end
-//! (Dynamo's request trace), and without one the median request's (or, with no
-//! request timed, none: its blocks are freed at once). A request goes where the
-//! recording sent it, or where a [`Router`] says.
+//! A request's prefix is matched when it is routed, against what each worker had
+//! stored by then (what the router and kvscope's mirror see), but its prompt's blocks
+//! are stored only at its prefill — its first token — and held from then until it ends,
+//! as an engine does: a request waiting in a loaded engine's queue has no blocks yet
+//! (its store events come at its prefill), and a running request's blocks are never
+//! evicted. Storing at the decision instead made every queued request's prompt a hit
+//! for the next one and held more blocks than the engine had: on a loaded lab (256
+//! blocks per worker, time to first token 1.4 s at the median) the simulated caches
+//! hit more than the recorded run at a size of one block, and the capacity question's
+//! calibration fell to nothing. Its reply is stored on the worker it went to as it
+//! ends. A request's life comes from its request-trace end (Dynamo's request trace),
+//! and without one the median request's (or, with no request timed, none: its blocks
+//! are stored and freed at its decision). A request goes where the recording sent it,
+//! or where a [`Router`] says.
 
 use super::cache::SimulatedCache;
 use super::{RoutedRequest, WhatIf};
@@ -55,6 +63,8 @@ const ROUTER_EXPIRY_NS: u64 = 300_000_000_000;
 /// What falls due after a decision, in this order at one moment.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Due {
+    /// Its prefill: its prompt's blocks are stored and held on its worker.
+    Prefill,
     FirstToken,
     OutputBlock,
     /// The previous turn's reply is stored on its worker.
@@ -241,6 +251,9 @@ impl WhatIf {
                 }
                 due.pop();
                 match what {
+                    Due::Prefill => {
+                        cache(&mut caches, went[p], &blocks).acquire(&self.requests[p].chain);
+                    }
                     Due::FirstToken => {
                         if let Some(router) = router.as_mut() {
                             router.first_token(p, at);
@@ -304,7 +317,7 @@ impl WhatIf {
             went.push(worker);
             match lives.map(|l| l.of[i]) {
                 Some(life) if life.end_ns > r.decided_ns => {
-                    cache(&mut caches, worker, &blocks).acquire(&r.chain);
+                    push(&mut due, life.first_token_ns, Due::Prefill, i);
                     if router.is_some() {
                         push(&mut due, life.first_token_ns, Due::FirstToken, i);
                         if router.as_ref().is_some_and(|r| r.tracks_output_blocks()) {

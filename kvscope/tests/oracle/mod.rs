@@ -511,3 +511,26 @@ fn to_raw(ev: &KvEvent) -> RawKvEvent {
         KvEvent::AllBlocksCleared => RawKvEvent::AllBlocksCleared { ownership: None },
     }
 }
+
+/// Per decision, the true delta kvscope measures when every routing decision is applied
+/// `lag_ns` earlier than its log time, i.e. before the KV events of the last `lag_ns`:
+/// what a router whose index lags the engines by that much would have seen (a negative
+/// lag: a router that saw events stamped after its log line).
+pub fn true_delta_with_router_lag(
+    envelopes: &[Envelope],
+    lag_ns: i64,
+    config: kvscope_collector::fold::analyzer::AnalyzerConfig,
+) -> Vec<u64> {
+    let mut order: Vec<&Envelope> = envelopes.iter().collect();
+    // Stable: records with equal keys keep the agent's order.
+    order.sort_by_key(|e| match e.record {
+        Record::Decision(_) => e.observed_ns as i64 - lag_ns,
+        _ => e.observed_ns as i64,
+    });
+    let mut analyzer = kvscope_collector::fold::analyzer::FleetAnalyzer::new(config);
+    order
+        .into_iter()
+        .filter_map(|e| analyzer.apply(e))
+        .map(|v| v.true_delta_tokens)
+        .collect()
+}

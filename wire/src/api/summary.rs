@@ -70,6 +70,21 @@ pub struct BusStatus {
     pub messages_without_metadata: u64,
     /// Acks that failed (the record may come again, and is skipped then).
     pub ack_failures: u64,
+    /// Times the stream was found made anew under its name (a server whose storage was
+    /// wiped: its sequence numbers start again): the collector made its consumer anew
+    /// and went on from the new stream's first record. Records the old stream held that
+    /// the collector had not applied are gone (gaps in the engines' batch sequences show
+    /// any KV events among them).
+    pub stream_resets: u64,
+    /// Messages waiting for this collector's consumer at the latest look at the
+    /// consumer (`pending` is as of the latest delivery).
+    pub consumer_pending: u64,
+    /// When a message was last applied (UNIX ns, the collector's clock): with messages
+    /// waiting and none applied for long, the collector is not ready.
+    pub applied_at_ns: u64,
+    /// Why the durable consumer could not be read at the latest look, when it could not.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub consumer_error: Option<String>,
 }
 
 /// Everything the collector counted since it started (or since the replay began).
@@ -95,6 +110,11 @@ pub struct CollectorCounters {
     pub missed_batches: u64,
     /// Stored blocks in no prompt recently routed to their worker: decode-generated.
     pub generated_blocks: u64,
+    /// Routed prompts whose best (or chosen) worker's cached prefix reached blocks that
+    /// worker had generated while decoding: a reply sent back in the next turn and
+    /// still cached where it was decoded. With none, the true delta can hold no
+    /// decode-generated block (replies not sent back, or evicted before the next turn).
+    pub prompts_reaching_generated_blocks: u64,
     /// Publisher sequence numbers that went backwards: the engine restarted, so the
     /// worker's mirror was cleared.
     pub sequence_resets: u64,
@@ -146,6 +166,10 @@ pub struct CollectorCounters {
     /// Records stamped more than 60 s ahead of the collector's clock (a wrong clock or a
     /// forged record): not applied, so they cannot move the windows or the watermark.
     pub future_records: u64,
+    /// Records dated after the stream stored them, moved back by their agent's
+    /// estimated clock offset (an agent host's clock ahead; the offsets are on
+    /// `/metrics` by agent).
+    pub records_clock_corrected: u64,
     /// Records whose `agent` is not the agent their subject names (a forged record, or
     /// an agent publishing another's records): not applied. A server's permissions let
     /// each agent publish under its own name only, so this is what makes the name hold.
@@ -170,6 +194,19 @@ pub struct CollectorCounters {
     /// (`analyzer.models`): skipped.
     pub batches_other_models: u64,
     pub decisions_other_models: u64,
+    /// Decisions whose line named another model than the one discovery (or an earlier
+    /// decision, without discovery) gives their chosen worker: discovery's stands.
+    pub decisions_model_mismatch: u64,
+    /// Request ids longer than 256 bytes, kept as their first bytes and a hash.
+    pub request_ids_shortened: u64,
+    /// Verdicts judged among every worker because neither discovery nor the router's
+    /// line named the chosen worker's model: on a fleet of several models, another
+    /// model's worker may have been taken for a candidate.
+    pub verdicts_model_unknown: u64,
+    /// Verdicts judged among their model's workers while a worker whose model nobody
+    /// named (no discovery record, never chosen on a line naming its model) held more of
+    /// the prompt than the chosen one: left out as a candidate, counted.
+    pub verdicts_left_out_unknown_model: u64,
     /// Verdicts judged before a KV event they depend on: a batch stamped by its engine
     /// before the decision, storing a block of the decision's chain, was applied after
     /// it (it reached the agent later than the wait for it). Flagged

@@ -9,13 +9,19 @@
 //! marker `seq = u64::MAX`, empty payload. A start older than the buffer gets the whole
 //! buffer, so the caller checks what it got; a start past the newest gets the marker
 //! alone. Everything goes through [`crate::taps::engine::zmtp`], within the tap's limits, and the
-//! whole answer within a deadline and a batch count.
+//! whole answer within a deadline, a batch count and a byte budget: an answer past
+//! either is cut there, and what came before it is used (the batches after it stay
+//! missing, counted as the gap they are), never thrown away whole.
 
 use crate::taps::engine::zmtp::{Connection, Limits, SocketType, ZmtpError};
 use std::time::Duration;
 
 /// Batches one answer may hold: vLLM's default buffer, and some.
 pub const MAX_REPLAYED: usize = 16_384;
+/// Payload bytes one answer may hold (the batches are decoded once the answer is in):
+/// vLLM's default buffer of 10,000 batches of a few KB each fits many times over, and
+/// an answer of huge batches cannot make the agent hold gigabytes.
+pub const MAX_REPLAY_BYTES: usize = 64 << 20;
 /// How long one replay may take, connection included.
 pub const REPLAY_TIMEOUT: Duration = Duration::from_secs(10);
 const END_MARKER: u64 = u64::MAX;
@@ -30,43 +36,45 @@ pub enum ReplayError {
     Shape(usize),
     #[error("a replayed sequence frame of {0} bytes (expected 8)")]
     SeqLength(usize),
-    #[error("more than {MAX_REPLAYED} batches in one answer")]
-    TooMany,
+}
+
+/// An answer: the batches it held, and whether it was cut at the batch count or the
+/// byte budget (the batches after the last one kept were not read).
+#[derive(Debug, Default)]
+pub struct Answer {
+    pub batches: Vec<Replayed>,
+    pub cut: bool,
 }
 
 /// One replayed batch: its number and payload.
 pub type Replayed = (u64, bytes::Bytes);
 
 /// Ask `endpoint` for every batch from `from_seq` on.
-pub async fn fetch(
-    endpoint: &str,
-    from_seq: u64,
-    limits: Limits,
-) -> Result<Vec<Replayed>, ReplayError> {
+pub async fn fetch(endpoint: &str, from_seq: u64, limits: Limits) -> Result<Answer, ReplayError> {
     tokio::time::timeout(REPLAY_TIMEOUT, fetch_inner(endpoint, from_seq, limits))
         .await
         .map_err(|_| ReplayError::Timeout(REPLAY_TIMEOUT))?
 }
 
-async fn fetch_inner(
-    endpoint: &str,
-    from_seq: u64,
-    limits: Limits,
-) -> Result<Vec<Replayed>, ReplayError> {
+async fn fetch_inner(endpoint: &str, from_seq: u64, limits: Limits) -> Result<Answer, ReplayError> {
     let mut conn =
         Connection::connect(endpoint, SocketType::Dealer, limits, REPLAY_TIMEOUT).await?;
     conn.send(&[b"", &from_seq.to_be_bytes()]).await?;
-    let mut out = Vec::new();
+    let mut out = Answer::default();
+    let mut bytes = 0usize;
     loop {
         let frames = conn.recv().await?;
         let (seq, payload) = split(&frames)?;
         if seq == END_MARKER {
             return Ok(out);
         }
-        if out.len() >= MAX_REPLAYED {
-            return Err(ReplayError::TooMany);
+        bytes = bytes.saturating_add(payload.len());
+        if out.batches.len() >= MAX_REPLAYED || bytes > MAX_REPLAY_BYTES {
+            // Cut here: the connection is dropped with the rest of the answer unread.
+            out.cut = true;
+            return Ok(out);
         }
-        out.push((seq, payload));
+        out.batches.push((seq, payload));
     }
 }
 

@@ -12,9 +12,10 @@ use crate::config::KvEndpoint;
 use crate::counters::AgentStats;
 use crate::fleet::FleetView;
 use crate::internal_events::{
-    InternalEvent, KvBadFrame, KvBatchReceived, KvBatchReplayed, KvDecodeError, KvMalformedEvent,
-    KvPeerViolation, KvReplayDone, KvReplayFailed, KvSequenceGap, KvSequenceReset, KvTapConnected,
-    KvTapDisconnected, KvTapPanicked, KvUnknownEvent,
+    InternalEvent, KvBadFrame, KvBatchReceived, KvBatchReplayed, KvDecodeError,
+    KvEngineTimeIgnored, KvMalformedEvent, KvPeerViolation, KvReplayCut, KvReplayDone,
+    KvReplayFailed, KvSequenceGap, KvSequenceReset, KvTapConnected, KvTapDisconnected,
+    KvTapPanicked, KvUnknownEvent,
 };
 use crate::kv_events::{decode_payload, split_frames, EventProblem};
 use crate::sink::{RecordSink, SourceId};
@@ -44,9 +45,35 @@ pub struct KvTap {
 pub(crate) struct PublisherSequence {
     tracker: SequenceTracker,
     last: Option<u64>,
+    /// Batches whose number was taken but whose events could not be read (an
+    /// undecodable payload): the next batch delivered carries them as a gap, so the
+    /// collector knows the worker's mirror is missing them.
+    undelivered: u64,
 }
 
 impl PublisherSequence {
+    /// The batch just observed could not be delivered (its payload undecodable).
+    pub(crate) fn undelivered(&mut self) {
+        self.undelivered = self.undelivered.saturating_add(1);
+    }
+
+    /// The status a delivered batch goes out with: `status`, or a gap over the batches
+    /// left undelivered since the last one delivered. (After a first batch or a
+    /// restart, the collector starts the worker's mirror anew anyway.)
+    pub(crate) fn delivered(&mut self, status: SequenceStatus) -> SequenceStatus {
+        let lost = std::mem::take(&mut self.undelivered);
+        match status {
+            _ if lost == 0 => status,
+            SequenceStatus::InOrder | SequenceStatus::Replayed => {
+                SequenceStatus::Gap { missed: lost }
+            }
+            SequenceStatus::Gap { missed } => SequenceStatus::Gap {
+                missed: missed.saturating_add(lost),
+            },
+            SequenceStatus::First | SequenceStatus::Reset => status,
+        }
+    }
+
     pub(crate) fn observe(
         &mut self,
         publisher: &str,
@@ -169,12 +196,16 @@ impl KvTap {
                 seq,
             }
             .emit(&self.stats);
-            if let Some(r) = self.batch(seq, status, &payload) {
+            if let Some(r) = self.deliver(seq, status, &payload) {
                 records.push(r);
             }
         }
+        // Complete: every missing batch came, and each was read (one that could not be
+        // is carried as a gap by the next, or still pending after the last).
         let complete = expected == Some(next)
-            && records.first().is_some_and(
+            && self.sequence.undelivered == 0
+            && !records.is_empty()
+            && records.iter().all(
                 |r| matches!(r, Record::KvEvents(b) if b.sequence == SequenceStatus::Replayed),
             );
         (records, complete)
@@ -197,7 +228,22 @@ impl KvTap {
         // The number is valid even when the payload is not: track it first, so one bad
         // payload does not look like a gap at the next batch.
         let sequence = self.sequence.observe(publisher, seq, &self.stats);
-        self.batch(seq, sequence, payload)
+        self.deliver(seq, sequence, payload)
+    }
+
+    /// [`Self::batch`], its status carrying the batches before it left undelivered.
+    fn deliver(&mut self, seq: u64, sequence: SequenceStatus, payload: &[u8]) -> Option<Record> {
+        match self.batch(seq, sequence, payload) {
+            Some(Record::KvEvents(mut b)) => {
+                b.sequence = self.sequence.delivered(b.sequence);
+                Some(Record::KvEvents(b))
+            }
+            Some(other) => Some(other),
+            None => {
+                self.sequence.undelivered();
+                None
+            }
+        }
     }
 
     /// A batch's record from its number, status and payload; every problem is emitted.
@@ -216,17 +262,11 @@ impl KvTap {
         };
         emit_problems(publisher, &decoded.problems, &self.stats);
         // NaN or infinity would not survive JSON (null), and would lose the batch at the
-        // collector: such a stamp is dropped (the batch then counts as happening when it
-        // arrived), and counted.
+        // collector: such a stamp is dropped, and counted with every stamp that is no
+        // time where the batch is ordered (`engine_time_ns`).
         let engine_ts = if decoded.engine_ts.is_finite() {
             decoded.engine_ts
         } else {
-            KvMalformedEvent {
-                publisher,
-                event_type: "batch",
-                reason: "timestamp is not a finite number",
-            }
-            .emit(&self.stats);
             0.0
         };
         KvBatchReceived {
@@ -379,7 +419,7 @@ async fn tap_until_stopped(
                         }
                     }
                     if let Some(record) = tap.message(&frames) {
-                        let at = engine_time_ns(&record);
+                        let at = engine_time_ns(&record, &stats);
                         sink.submit_event(source, record, at);
                     }
                 }
@@ -410,11 +450,18 @@ async fn recover(
 ) {
     let publisher = tap.endpoint.endpoint.clone();
     match crate::taps::engine::replay::fetch(replay, from, limits).await {
-        Ok(batches) => {
-            let (records, complete) = tap.replayed(from, next, batches);
+        Ok(answer) => {
+            if answer.cut {
+                KvReplayCut {
+                    publisher: &publisher,
+                    kept: answer.batches.len(),
+                }
+                .emit(stats);
+            }
+            let (records, complete) = tap.replayed(from, next, answer.batches);
             let n = records.len();
             for r in records {
-                let at = engine_time_ns(&r);
+                let at = engine_time_ns(&r, stats);
                 sink.submit_event(source, r, at);
             }
             KvReplayDone {
@@ -461,11 +508,24 @@ async fn sleep_or_stop(stop: &mut watch::Receiver<bool>, backoff: &mut Duration)
     }
 }
 
-/// The engine's own timestamp of a batch (UNIX seconds as f64), when it looks like one.
-fn engine_time_ns(record: &Record) -> Option<u64> {
+/// The range of engine timestamps taken as times (UNIX seconds): from 2001 to 2286. A
+/// publisher stamping 0, a negative number or 1e300 has no clock kvscope can order by.
+const ENGINE_TIME_SECS: std::ops::Range<f64> = 1e9..1e10;
+
+/// The engine's own timestamp of a batch (UNIX seconds as f64), when it is a time; a
+/// batch stamped with something else is counted, and ordered by its arrival instead.
+fn engine_time_ns(record: &Record, stats: &AgentStats) -> Option<u64> {
     match record {
-        Record::KvEvents(b) if b.engine_ts.is_finite() && b.engine_ts > 1e9 => {
+        Record::KvEvents(b) if ENGINE_TIME_SECS.contains(&b.engine_ts) => {
             Some((b.engine_ts * 1e9) as u64)
+        }
+        Record::KvEvents(b) => {
+            KvEngineTimeIgnored {
+                publisher: &b.publisher,
+                engine_ts: b.engine_ts,
+            }
+            .emit(stats);
+            None
         }
         _ => None,
     }
@@ -508,6 +568,60 @@ mod tests {
     }
 
     #[test]
+    fn a_stamp_that_is_no_time_is_counted_and_the_batch_ordered_by_arrival() {
+        let (mut t, stats) = tap(None);
+        let Some(Record::KvEvents(mut b)) =
+            t.message(&msg(0, encode(&batch(vec![cleared()], None))))
+        else {
+            panic!("a batch");
+        };
+        for (ts, want) in [
+            (1.5, None),
+            (f64::NAN, None),
+            (-1.7e9, None),
+            (1e300, None),
+            (1.7e9, Some(1_700_000_000_000_000_000)),
+        ] {
+            b.engine_ts = ts;
+            assert_eq!(
+                engine_time_ns(&Record::KvEvents(b.clone()), &stats),
+                want,
+                "{ts}"
+            );
+        }
+        assert_eq!(stats.snapshot().kv_engine_times_ignored, 4);
+    }
+
+    #[test]
+    fn an_undecodable_replayed_batch_is_a_gap_and_the_replay_incomplete() {
+        let (mut t, _) = tap(None);
+        let ok = || encode(&batch(vec![cleared()], None));
+        assert!(t.message(&msg(0, ok())).is_some());
+        let answer = vec![(1, ok()), (2, vec![0xc1]), (3, ok())];
+        let answer = answer.into_iter().map(|(s, p)| (s, p.into())).collect();
+        let (records, complete) = t.replayed(1, 4, answer);
+        let status: Vec<_> = records
+            .iter()
+            .map(|r| match r {
+                Record::KvEvents(b) => (b.seq, b.sequence),
+                _ => panic!(),
+            })
+            .collect();
+        assert_eq!(
+            status,
+            vec![
+                (1, SequenceStatus::Replayed),
+                (3, SequenceStatus::Gap { missed: 1 })
+            ]
+        );
+        assert!(!complete);
+        let Some(Record::KvEvents(b)) = t.message(&msg(4, ok())) else {
+            panic!()
+        };
+        assert_eq!(b.sequence, SequenceStatus::InOrder);
+    }
+
+    #[test]
     fn batches_carry_worker_sequence_and_counts() {
         let (mut t, stats) = tap(None);
         let r = t
@@ -525,7 +639,8 @@ mod tests {
             }
         );
         assert_eq!((b.seq, b.sequence), (3, SequenceStatus::First));
-        // A bad payload still advances the numbering.
+        // A bad payload still advances the numbering, and the batch after it tells the
+        // collector one batch's events were lost.
         assert!(t.message(&msg(4, vec![0xc1])).is_none());
         let Some(Record::KvEvents(b)) = t.message(&msg(
             5,
@@ -533,7 +648,7 @@ mod tests {
         )) else {
             panic!()
         };
-        assert_eq!(b.sequence, SequenceStatus::InOrder);
+        assert_eq!(b.sequence, SequenceStatus::Gap { missed: 1 });
         assert_eq!(b.events.len(), 1);
         let Some(Record::KvEvents(b)) = t.message(&msg(9, encode(&batch(vec![], None)))) else {
             panic!()

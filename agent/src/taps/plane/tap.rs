@@ -219,11 +219,8 @@ impl PlaneDecoder {
             .emit(&self.stats);
             return None;
         }
-        let sequence = self.sequences.entry(env.publisher_id).or_default().observe(
-            &publisher,
-            env.sequence,
-            &self.stats,
-        );
+        let numbering = self.sequences.entry(env.publisher_id).or_default();
+        let sequence = numbering.observe(&publisher, env.sequence, &self.stats);
         // The plane carries no block size: each event gets its worker's, below.
         let decoded = match decode_router_events(&env.payload, 0) {
             Ok(d) => d,
@@ -233,9 +230,13 @@ impl PlaneDecoder {
                     error: &error,
                 }
                 .emit(&self.stats);
+                // Its events are lost here: the next envelope tells it as a gap (and
+                // asks the worker's recovery for them).
+                numbering.undelivered();
                 return None;
             }
         };
+        let sequence = numbering.delivered(sequence);
         emit_problems(&publisher, &decoded.problems, &self.stats);
         if sequence == SequenceStatus::Reset {
             // A restarted publisher numbers its events anew.
@@ -744,10 +745,29 @@ mod tests {
         let Record::KvEvents(b) = &r[0] else { panic!() };
         assert_eq!(b.sequence, SequenceStatus::Gap { missed: 2 });
         assert!(d.envelope("tcp://x", b"\x93garbage", &fleet()).is_none());
+        // An envelope whose payload cannot be read: its number is taken, and the next
+        // envelope carries it as a gap (so the collector knows the mirror lacks it).
+        let unreadable = {
+            use rmpv::Value;
+            let env = Value::Map(vec![
+                ("publisher_id".into(), 77.into()),
+                ("sequence".into(), 4.into()),
+                ("published_at".into(), 1_796_000_000_200u64.into()),
+                ("topic".into(), "kv-events".into()),
+                ("payload".into(), Value::Binary(vec![0xc1])),
+            ]);
+            let mut out = Vec::new();
+            rmpv::encode::write_value(&mut out, &env).unwrap();
+            out
+        };
+        assert!(d.envelope("tcp://x", &unreadable, &fleet()).is_none());
+        let (_, _, r) = d.envelope("tcp://x", &msg(5), &fleet()).unwrap();
+        let Record::KvEvents(b) = &r[0] else { panic!() };
+        assert_eq!(b.sequence, SequenceStatus::Gap { missed: 1 });
         let c = stats.snapshot();
         assert_eq!(
             (c.kv_batches, c.kv_sequence_gaps, c.kv_decode_errors),
-            (2, 1, 1)
+            (3, 1, 2)
         );
     }
 }

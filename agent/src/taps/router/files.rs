@@ -43,6 +43,9 @@ pub struct FollowSettings {
     pub request_trace_window_ns: u64,
     /// How often the pattern is looked up again.
     pub rescan: Duration,
+    /// Where a followed file that cannot be read is told (readiness). A pattern that
+    /// matches nothing is not unreadable: most nodes run no frontend.
+    pub states: Arc<crate::watchdog::SourceStates>,
 }
 
 /// One followed file.
@@ -76,12 +79,22 @@ pub fn follow_one(
     stop: Arc<AtomicBool>,
 ) -> std::io::Result<(JoinHandle<()>, crate::sink::SourceId)> {
     let (tx, rx) = tokio::sync::mpsc::channel(10_000);
-    follower::spawn(source, s.max_line_bytes, tx, stats.clone(), stop)?;
+    let budget = follower::LineBudget::new(follower::LINE_BUDGET_BYTES);
+    follower::spawn(
+        source,
+        s.max_line_bytes,
+        tx,
+        budget.clone(),
+        stats.clone(),
+        s.states.clone(),
+        stop,
+    )?;
     let tap = RouterTap::new(s.join_timeout_ns, s.max_line_bytes, s.decisions);
     let id = sink.add_source(name, s.reorder_window_ns);
     let task = tokio::spawn(tap::run(
         tap,
         rx,
+        budget,
         sink.clone(),
         id,
         s.request_trace_window_ns,

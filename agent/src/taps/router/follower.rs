@@ -2,8 +2,13 @@
 //!
 //! The file is polled: new complete lines are sent as they appear; a file replaced at
 //! the same path (rotation: the inode changes) is drained and the new one read from its
-//! start; a file that shrinks (truncation) is read again from its start; a missing file
-//! is waited for. A line is only sent once its newline is written (a partial last line
+//! start, unless it is the very file it replaced (a link pointed away and back: it goes
+//! on where it was); a file that shrinks (truncation) is read again from its start; a
+//! missing file is waited for. Only a regular file is followed: a character device
+//! (`/dev/zero` never ends), a FIFO (its open and reads block) or a directory is refused
+//! as unavailable, and waited out like a missing file. One round reads at most
+//! [`MAX_ROUND_BYTES`] before it looks whether the path still names the same file.
+//! Whatever cannot be read is told to [`SourceStates`] (readiness). A line is only sent once its newline is written (a partial last line
 //! is held back), except at the end of a rotated file or of stdin. A line longer than
 //! the limit is dropped as soon as it passes it, skipped to its end and counted: a
 //! file without newlines cannot make the agent hold it whole.
@@ -13,6 +18,7 @@ use crate::counters::AgentStats;
 use crate::internal_events::{
     InternalEvent, LogFileReopened, LogFileTruncated, LogFileUnavailable, LogLineTooLong,
 };
+use crate::watchdog::SourceStates;
 use std::fs::File;
 use std::io::{BufRead, BufReader, Seek, SeekFrom};
 use std::os::unix::fs::MetadataExt;
@@ -40,16 +46,74 @@ pub enum LogItem {
     End,
 }
 
+/// The bytes of lines sent to the tap and not yet taken by it. The channel between the
+/// follower's thread and its tap counts lines (10,000), and 10,000 lines of a megabyte
+/// would be ten gigabytes: the follower waits while the tap has [`LINE_BUDGET_BYTES`]
+/// to take (a single line always goes, however long).
+#[derive(Debug)]
+pub struct LineBudget {
+    used: std::sync::Mutex<usize>,
+    freed: std::sync::Condvar,
+    max: usize,
+}
+
+/// The bytes of lines that may wait for the tap.
+pub const LINE_BUDGET_BYTES: usize = 8 << 20;
+
+impl LineBudget {
+    pub fn new(max: usize) -> Arc<Self> {
+        Arc::new(Self {
+            used: std::sync::Mutex::new(0),
+            freed: std::sync::Condvar::new(),
+            max,
+        })
+    }
+
+    /// Wait until `n` more bytes fit (or nothing waits), unless `gone` says the tap
+    /// is gone; whether they were taken.
+    fn take(&self, n: usize, gone: impl Fn() -> bool) -> bool {
+        let mut used = self.used.lock().unwrap_or_else(|e| e.into_inner());
+        while *used > 0 && used.saturating_add(n) > self.max {
+            if gone() {
+                return false;
+            }
+            used = self
+                .freed
+                .wait_timeout(used, Duration::from_millis(100))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        *used += n;
+        true
+    }
+
+    /// The tap took a line of `n` bytes.
+    pub fn give(&self, n: usize) {
+        let mut used = self.used.lock().unwrap_or_else(|e| e.into_inner());
+        *used = used.saturating_sub(n);
+        self.freed.notify_all();
+    }
+}
+
+/// The most one round reads before looking whether the path still names the file
+/// (a log written faster than it is read must not keep the follower from seeing it
+/// replaced).
+pub const MAX_ROUND_BYTES: u64 = 8 << 20;
+
 /// Start following on a new thread. It stops when `stop` is set (checked every poll)
 /// or the receiver is dropped. Lines longer than `max_line` bytes are skipped (never
-/// held whole) and counted.
+/// held whole) and counted; a file that cannot be read is told to `states`; the lines
+/// waiting for the tap are held to `budget` (the tap gives each back as it takes it).
 pub fn spawn(
     source: LogSource,
     max_line: usize,
     tx: mpsc::Sender<LogItem>,
+    budget: Arc<LineBudget>,
     stats: Arc<AgentStats>,
+    states: Arc<SourceStates>,
     stop: Arc<AtomicBool>,
 ) -> std::io::Result<std::thread::JoinHandle<()>> {
+    let tx = Lines2Tap { tx, budget };
     std::thread::Builder::new()
         .name("router-log".into())
         .spawn(move || match source {
@@ -58,14 +122,61 @@ pub fn spawn(
                 path,
                 from_start,
                 poll,
-            } => follow(&path, from_start, poll, max_line, &tx, &stats, &stop),
+            } => {
+                let shown = path.display().to_string();
+                follow(
+                    &path, from_start, poll, max_line, &tx, &stats, &states, &stop,
+                );
+                // No longer followed: nothing to wait for.
+                states.available(&shown);
+            }
         })
 }
 
-fn send_line(tx: &mpsc::Sender<LogItem>, bytes: &[u8]) -> bool {
-    let text = String::from_utf8_lossy(bytes);
+/// Where the lines go: the channel to the tap, and the bytes it may hold.
+struct Lines2Tap {
+    tx: mpsc::Sender<LogItem>,
+    budget: Arc<LineBudget>,
+}
+
+impl Lines2Tap {
+    fn is_closed(&self) -> bool {
+        self.tx.is_closed()
+    }
+
+    fn blocking_send(&self, item: LogItem) -> Result<(), ()> {
+        if let LogItem::Line(l) = &item {
+            if !self.budget.take(l.len(), || self.tx.is_closed()) {
+                return Err(());
+            }
+        }
+        self.tx.blocking_send(item).map_err(|_| ())
+    }
+}
+
+fn send_line(tx: &Lines2Tap, bytes: &[u8]) -> bool {
+    let text = decode_line(bytes);
     let line = text.trim_end_matches(['\n', '\r']);
     tx.blocking_send(LogItem::Line(line.to_string())).is_ok()
+}
+
+/// A line's text: as it is when it is UTF-8 (the router, in Rust, writes nothing else),
+/// else each byte that is not written as `\xNN`. Replacing them with U+FFFD, as a lossy
+/// decoding does, would make two request ids that differ only there one id, and join
+/// one request's routing input with another's selection.
+fn decode_line(bytes: &[u8]) -> std::borrow::Cow<'_, str> {
+    use std::fmt::Write as _;
+    if let Ok(text) = std::str::from_utf8(bytes) {
+        return text.into();
+    }
+    let mut out = String::with_capacity(bytes.len() + 16);
+    for chunk in bytes.utf8_chunks() {
+        out.push_str(chunk.valid());
+        for b in chunk.invalid() {
+            let _ = write!(out, "\\x{b:02x}");
+        }
+    }
+    out.into()
 }
 
 /// Lines cut from a byte stream, holding at most `max` bytes of one: a longer line is
@@ -145,7 +256,7 @@ impl Lines {
 }
 
 /// Send what `got` is; false when the receiver is gone.
-fn deliver(got: Got, tx: &mpsc::Sender<LogItem>, stats: &AgentStats, source: &str) -> bool {
+fn deliver(got: Got, tx: &Lines2Tap, stats: &AgentStats, source: &str) -> bool {
     match got {
         Got::Line(bytes) => send_line(tx, &bytes),
         Got::TooLong(bytes) => {
@@ -156,12 +267,7 @@ fn deliver(got: Got, tx: &mpsc::Sender<LogItem>, stats: &AgentStats, source: &st
     }
 }
 
-fn read_to_end(
-    mut r: impl BufRead,
-    max_line: usize,
-    tx: &mpsc::Sender<LogItem>,
-    stats: &AgentStats,
-) {
+fn read_to_end(mut r: impl BufRead, max_line: usize, tx: &Lines2Tap, stats: &AgentStats) {
     let mut lines = Lines::new(max_line);
     loop {
         match lines.next(&mut r) {
@@ -225,17 +331,22 @@ impl Open {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn follow(
     path: &std::path::Path,
     from_start: bool,
     poll: Duration,
     max_line: usize,
-    tx: &mpsc::Sender<LogItem>,
+    tx: &Lines2Tap,
     stats: &AgentStats,
+    states: &SourceStates,
     stop: &AtomicBool,
 ) {
     let shown = path.display().to_string();
     let mut open: Option<Open> = None;
+    // The file last followed before the path named another: if the path names it again
+    // (a link pointed away and back), it goes on where it was, not from its start.
+    let mut left: Option<Open> = None;
     let mut first_attempt = true;
     let mut lines = Lines::new(max_line);
     // After a poll's sleep the file is checked for a cut before anything new is read:
@@ -247,13 +358,23 @@ fn follow(
             let seek_end = first_attempt && !from_start;
             first_attempt = false;
             match open_at(path, seek_end) {
-                Ok(o) => open = Some(o),
+                Ok(o) => {
+                    states.available(&shown);
+                    open = Some(match left.take() {
+                        Some(l) if (l.dev, l.ino) == (o.dev, o.ino) => l,
+                        _ => o,
+                    });
+                    // The held file is checked for a cut before it is read on.
+                    woke = true;
+                }
                 Err(e) => {
+                    let error = e.to_string();
                     LogFileUnavailable {
                         path: &shown,
-                        error: &e.to_string(),
+                        error: &error,
                     }
                     .emit(stats);
+                    states.unavailable(&shown, &error);
                     std::thread::sleep(poll);
                 }
             }
@@ -267,18 +388,23 @@ fn follow(
                 }
             }
         }
-        // Read every complete line there is.
+        // Read every complete line there is, up to a round's worth.
         let mut progressed = false;
+        let mut round = 0u64;
         loop {
             match lines.next(&mut cur.reader) {
                 Ok((got, n)) => {
                     cur.pos += n;
+                    round += n;
                     progressed |= n > 0;
                     if matches!(got, Got::Nothing) {
                         break;
                     }
                     if !deliver(got, tx, stats, &shown) {
                         return;
+                    }
+                    if round >= MAX_ROUND_BYTES {
+                        break;
                     }
                 }
                 Err(e) => {
@@ -291,7 +417,8 @@ fn follow(
                 }
             }
         }
-        if progressed {
+        let full_round = round >= MAX_ROUND_BYTES;
+        if progressed && !full_round {
             continue;
         }
         // At the end: has the file been replaced or cut?
@@ -306,7 +433,7 @@ fn follow(
                     reason: "rotated",
                 }
                 .emit(stats);
-                open = None;
+                left = open.take();
                 continue;
             }
             Ok(m) if cur.cut(m.len()) => {
@@ -315,6 +442,8 @@ fn follow(
                 }
                 continue;
             }
+            // More to read after a full round: on at once.
+            _ if full_round => {}
             // Unchanged, or gone for now (removed before its replacement appears).
             _ => {
                 std::thread::sleep(poll);
@@ -349,8 +478,8 @@ fn restart(cur: &mut Open, lines: &mut Lines, stats: &AgentStats, shown: &str, l
 }
 
 fn open_at(path: &std::path::Path, seek_end: bool) -> std::io::Result<Open> {
-    let mut file = File::open(path)?;
-    let m = file.metadata()?;
+    // A regular file only (a device never ends, a FIFO blocks), opened without blocking.
+    let (mut file, m) = kvscope_kit::files::open_regular(path)?;
     let pos = if seek_end {
         file.seek(SeekFrom::End(0))?
     } else {
@@ -374,6 +503,16 @@ mod tests {
     use super::*;
     use std::io::Write;
 
+    #[test]
+    fn bytes_that_are_not_utf8_stay_apart() {
+        assert_eq!(decode_line(b"plain \xe2\x9c\x93"), "plain \u{2713}");
+        let a = decode_line(b"request_id=ab\xff");
+        let b = decode_line(b"request_id=ab\xfe");
+        assert_eq!(a, "request_id=ab\\xff");
+        assert_ne!(a, b);
+        assert_eq!(decode_line(b"\xe2\x9c"), "\\xe2\\x9c");
+    }
+
     fn start(
         path: PathBuf,
         from_start: bool,
@@ -392,7 +531,9 @@ mod tests {
             },
             64,
             tx,
+            LineBudget::new(usize::MAX),
             Arc::new(AgentStats::default()),
+            SourceStates::new(),
             stop.clone(),
         )
         .unwrap();
@@ -471,7 +612,9 @@ mod tests {
             },
             1 << 20,
             tx,
+            LineBudget::new(usize::MAX),
             stats.clone(),
+            SourceStates::new(),
             stop.clone(),
         )
         .unwrap();
@@ -501,6 +644,120 @@ mod tests {
     }
 
     #[test]
+    fn a_link_pointed_at_a_device_for_a_moment_is_waited_out_and_the_log_goes_on() {
+        let dir = tempfile::tempdir().unwrap();
+        let real = dir.path().join("frontend.log");
+        let link = dir.path().join("router.log");
+        append(&real, "before\n");
+        std::os::unix::fs::symlink(&real, &link).unwrap();
+        let (tx, mut rx) = mpsc::channel(1000);
+        let stop = Arc::new(AtomicBool::new(false));
+        let states = SourceStates::new();
+        let stats = Arc::new(AgentStats::default());
+        let h = spawn(
+            LogSource::File {
+                path: link.clone(),
+                from_start: true,
+                poll: Duration::from_millis(10),
+            },
+            1 << 20,
+            tx,
+            LineBudget::new(usize::MAX),
+            stats.clone(),
+            states.clone(),
+            stop.clone(),
+        )
+        .unwrap();
+        assert_eq!(next(&mut rx), "before");
+        // Re-pointed at /dev/zero (endless, no newline), then at a FIFO (its open would
+        // block), then back.
+        let repoint = |to: &std::path::Path| {
+            let tmp = dir.path().join("link.tmp");
+            std::os::unix::fs::symlink(to, &tmp).unwrap();
+            std::fs::rename(&tmp, &link).unwrap();
+        };
+        repoint(std::path::Path::new("/dev/zero"));
+        let shown = link.display().to_string();
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while states.stuck(u64::MAX, Duration::ZERO).is_empty() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "never said unavailable"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(
+            states.stuck(u64::MAX, Duration::ZERO),
+            vec![(
+                shown.clone(),
+                "not a regular file (a character device)".into()
+            )]
+        );
+        let fifo = dir.path().join("fifo");
+        if std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .is_ok_and(|s| s.success())
+        {
+            repoint(&fifo);
+            std::thread::sleep(Duration::from_millis(100));
+            assert_eq!(
+                states.stuck(u64::MAX, Duration::ZERO)[0].1,
+                "not a regular file (a FIFO)"
+            );
+        }
+        append(&real, "written meanwhile\n");
+        repoint(&real);
+        // The same file again: on from where it was, nothing read twice.
+        assert_eq!(next(&mut rx), "written meanwhile");
+        append(&real, "after\n");
+        assert_eq!(next(&mut rx), "after");
+        assert!(
+            states.stuck(u64::MAX, Duration::ZERO).is_empty(),
+            "read again"
+        );
+        assert_eq!(
+            stats.snapshot().log_lines_too_long,
+            0,
+            "no byte of the device read"
+        );
+        stop.store(true, Ordering::Relaxed);
+        h.join().unwrap();
+        assert!(rx.try_recv().is_err(), "nothing else delivered");
+    }
+
+    #[test]
+    fn one_round_reads_a_bounded_amount_before_looking_at_the_path() {
+        // A file larger than a round is read whole, in rounds.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("big.log");
+        let line = format!("{}\n", "x".repeat(1023));
+        let lines = (MAX_ROUND_BYTES as usize / line.len()) * 3 / 2;
+        std::fs::write(&path, line.repeat(lines)).unwrap();
+        let (tx, mut rx) = mpsc::channel(lines + 10);
+        let stop = Arc::new(AtomicBool::new(false));
+        let h = spawn(
+            LogSource::File {
+                path,
+                from_start: true,
+                poll: Duration::from_millis(10),
+            },
+            4096,
+            tx,
+            LineBudget::new(usize::MAX),
+            Arc::new(AgentStats::default()),
+            SourceStates::new(),
+            stop.clone(),
+        )
+        .unwrap();
+        for _ in 0..lines {
+            assert_eq!(next(&mut rx).len(), 1023);
+        }
+        stop.store(true, Ordering::Relaxed);
+        h.join().unwrap();
+    }
+
+    #[test]
     fn from_start_and_a_file_that_appears_later() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("a.log");
@@ -525,8 +782,27 @@ mod tests {
     }
 
     #[test]
+    fn lines_wait_while_the_tap_has_its_budget_to_take() {
+        let b = LineBudget::new(10);
+        assert!(b.take(8, || false));
+        assert!(!b.take(30, || true), "over the budget: waits (here: gone)");
+        b.give(8);
+        assert!(b.take(30, || false), "a line alone always goes");
+        let b2 = b.clone();
+        let waiter = std::thread::spawn(move || b2.take(5, || false));
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(!waiter.is_finished(), "waits for the tap");
+        b.give(30);
+        assert!(waiter.join().unwrap());
+    }
+
+    #[test]
     fn a_reader_ends_with_end() {
         let (tx, mut rx) = mpsc::channel(10);
+        let tx = Lines2Tap {
+            tx,
+            budget: LineBudget::new(usize::MAX),
+        };
         let stats = AgentStats::default();
         read_to_end(&b"x\ny"[..], 64, &tx, &stats);
         assert_eq!(rx.try_recv().unwrap(), LogItem::Line("x".into()));
@@ -537,6 +813,10 @@ mod tests {
     #[test]
     fn a_line_past_the_limit_is_skipped_and_counted_never_held() {
         let (tx, mut rx) = mpsc::channel(10);
+        let tx = Lines2Tap {
+            tx,
+            budget: LineBudget::new(usize::MAX),
+        };
         let stats = AgentStats::default();
         let long = "y".repeat(10_000);
         let input = format!("short\n{long}\nafter\n{long}");

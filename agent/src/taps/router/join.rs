@@ -204,6 +204,7 @@ fn remove_if_generation<T>(
 
 fn join(input: RoutingInput, sel: SelectedWorker) -> RoutingDecision {
     RoutingDecision {
+        model: input.model,
         request_id: input.request_id,
         worker: WorkerKey {
             worker_id: sel.worker_id,
@@ -434,6 +435,7 @@ impl RouterLogProcessor {
                     _ => LogOutput::TracedDecision {
                         at_ns: t.received_ns,
                         decision: RoutingDecision {
+                            model: None,
                             trace: self.spans.get(&t.request_id),
                             request_id: t.request_id,
                             worker: t.worker,
@@ -557,6 +559,7 @@ mod tests {
 
     fn decision(id: &str, worker: u64) -> LogOutput {
         LogOutput::Decision(RoutingDecision {
+            model: None,
             request_id: id.into(),
             worker: WorkerKey {
                 worker_id: worker,

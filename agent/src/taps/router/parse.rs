@@ -37,7 +37,14 @@ pub struct RoutingInput {
     pub local_hashes: Vec<u64>,
     /// The router's span for the choice (JSON lines).
     pub trace: Option<TraceContext>,
+    /// The model the request asked for: the HTTP request span's `model` field, which
+    /// tracing appends to the line (none when longer than [`MAX_MODEL_NAME`] bytes).
+    pub model: Option<String>,
 }
+
+/// The longest model name taken from a log line: Dynamo's model names are paths or hub
+/// names; a longer field is no name kvscope can key figures by.
+pub const MAX_MODEL_NAME: usize = 512;
 
 /// `Selected worker`: the router's pick.
 #[derive(Debug, Clone, PartialEq)]
@@ -152,6 +159,12 @@ const MIGRATION_MESSAGES: &[(&str, MigrationLogKind)] = &[
     ),
 ];
 
+/// A request id as kvscope keeps it (a forged megabyte id is no megabyte held; see
+/// [`kvscope_wire::bounded_request_id`]).
+fn bounded(id: &str) -> String {
+    kvscope_wire::bounded_request_id(id).into_owned()
+}
+
 /// Parse one log line (with or without its trailing newline): tracing's text format,
 /// or a JSON line (`DYN_LOGGING_JSONL=1`, see [`parse_json_line`]).
 pub fn parse_line(raw: &str) -> Result<ParsedLine, MalformedLine> {
@@ -224,7 +237,7 @@ pub fn parse_json_line(line: &str) -> Option<Result<ParsedLine, MalformedLine>> 
             ts_ns,
             content: match span {
                 Some((request_id, trace)) => LineContent::RequestSpan {
-                    request_id: request_id.to_string(),
+                    request_id: bounded(request_id),
                     trace,
                 },
                 None => LineContent::Other,
@@ -276,11 +289,11 @@ fn request_trace(t: &serde_json::Value) -> Result<ParsedLine, MalformedLine> {
     };
     let r = t.get("request").ok_or_else(|| malformed("no request"))?;
     let u64_at = |p: &str| r.pointer(p).and_then(|v| v.as_u64());
-    let request_id = r
-        .get("request_id")
-        .and_then(|v| v.as_str())
-        .ok_or_else(|| malformed("no request_id"))?
-        .to_string();
+    let request_id = bounded(
+        r.get("request_id")
+            .and_then(|v| v.as_str())
+            .ok_or_else(|| malformed("no request_id"))?,
+    );
     let worker_id = u64_at("/worker/decode_worker_id")
         .or_else(|| u64_at("/worker/prefill_worker_id"))
         .ok_or_else(|| malformed("no worker"))?;
@@ -428,11 +441,15 @@ fn routing_input(f: &Fields) -> Result<RoutingInput, String> {
         }
     }
     let input = RoutingInput {
-        request_id: f.require("request_id")?.to_string(),
+        request_id: bounded(f.require("request_id")?),
         isl_tokens: f.parse("isl_tokens")?,
         block_size: f.parse("block_size")?,
         local_hashes,
         trace: f.trace(),
+        model: f
+            .get("model")
+            .filter(|m| !m.is_empty() && m.len() <= MAX_MODEL_NAME)
+            .map(str::to_string),
     };
     kvscope_wire::check_prompt_blocks(input.isl_tokens, input.block_size, input.local_hashes.len())
         .map_err(|e| e.to_string())?;
@@ -441,7 +458,7 @@ fn routing_input(f: &Fields) -> Result<RoutingInput, String> {
 
 fn selected_worker(f: &Fields, pinned: bool) -> Result<SelectedWorker, String> {
     Ok(SelectedWorker {
-        request_id: f.require("request_id")?.to_string(),
+        request_id: bounded(f.require("request_id")?),
         worker_id: f.parse("worker_id")?,
         dp_rank: match f.get("dp_rank") {
             None => 0,
@@ -464,7 +481,7 @@ fn migration(kind: MigrationLogKind, f: Fields) -> Result<MigrationLogLine, Stri
     let opt_u64 = |k: &str| f.get(k).map(|_| f.parse::<u64>(k)).transpose();
     let mut line = MigrationLogLine {
         kind,
-        request_id: f.get("request_id").map(str::to_string),
+        request_id: f.get("request_id").map(bounded),
         source: f.get("source").map(str::to_string),
         target: f.get("target").map(str::to_string),
         tokens: opt_u64("tokens")?,
@@ -799,8 +816,15 @@ mod tests {
                 block_size: 16,
                 local_hashes: vec![11, u64::MAX],
                 trace: None,
+                model: Some("m".into()),
             })
         );
+        // A model field no name could be is left out; the decision stays.
+        let long = INPUT.replace("model=\"m\"", &format!("model=\"{}\"", "x".repeat(6000)));
+        match parse_line(&long).unwrap().content {
+            LineContent::RoutingInput(i) => assert_eq!(i.model, None),
+            other => panic!("{other:?}"),
+        }
     }
 
     /// A request under session affinity, as Dynamo 1.6.1's frontend logged it in the lab

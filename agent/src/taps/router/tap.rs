@@ -5,6 +5,7 @@ use crate::counters::AgentStats;
 use crate::internal_events::{
     DecisionClockBehind, DecisionJoined, DecisionTraced, DecisionUnjoined, InternalEvent,
     LogLineFuture, LogLineMalformed, LogLineRead, LogLineTooLong, MigrationLineParsed,
+    RequestIdShortened,
 };
 use crate::sink::{RecordSink, SourceId};
 use crate::taps::router::cri::{CriJoiner, CriOutput};
@@ -70,6 +71,15 @@ impl RouterTap {
         }
         let mut records = Vec::new();
         for o in outputs {
+            let id = match &o {
+                LogOutput::Decision(d) => Some(&d.request_id),
+                LogOutput::TracedDecision { decision, .. } => Some(&decision.request_id),
+                LogOutput::RequestEnd(e) => Some(&e.request_id),
+                _ => None,
+            };
+            if id.is_some_and(|id| kvscope_wire::is_shortened_request_id(id)) {
+                RequestIdShortened.emit(stats);
+            }
             match o {
                 LogOutput::Decision(d) => {
                     DecisionJoined {
@@ -120,6 +130,7 @@ impl RouterTap {
 pub async fn run(
     mut tap: RouterTap,
     mut rx: mpsc::Receiver<LogItem>,
+    budget: std::sync::Arc<crate::taps::router::follower::LineBudget>,
     sink: std::sync::Arc<RecordSink>,
     source: SourceId,
     trace_window_ns: u64,
@@ -128,6 +139,10 @@ pub async fn run(
     let mut held = false;
     while let Some(item) = rx.recv().await {
         let records = tap.item(&item, &stats);
+        if let LogItem::Line(l) = &item {
+            budget.give(l.len());
+        }
+        drop(item);
         let at = tap.log_time_ns();
         if records.is_empty() {
             // Any timestamped line tells how far the log has got.
