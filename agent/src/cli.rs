@@ -8,7 +8,7 @@ use std::path::PathBuf;
 /// Per-node kvscope agent: taps engines' ZMQ KV events and the router's log, and ships
 /// normalized records to NATS JetStream.
 #[derive(Debug, Clone, Parser)]
-#[command(name = "kvscope-agent", version, after_help = format!("{}\n\n{}", kvscope_otlp::HELP, kvscope_wire::nats_security::HELP))]
+#[command(name = "kvscope-agent", version, args_conflicts_with_subcommands = true, after_help = format!("{}\n\n{}", kvscope_otlp::HELP, kvscope_wire::nats_security::HELP))]
 pub struct Cli {
     /// TOML config file (every field optional; see the `config` module docs).
     #[arg(long)]
@@ -131,6 +131,66 @@ pub struct Cli {
     /// shown as <redacted>).
     #[arg(long)]
     pub print_config: bool,
+    #[command(subcommand)]
+    pub command: Option<AgentCommand>,
+}
+
+/// What the agent can do besides running.
+#[derive(Debug, Clone, clap::Subcommand)]
+pub enum AgentCommand {
+    /// Read a libnixl.so and print what the NIXL probes would read of it: each struct
+    /// offset and the instructions it was derived from, the fields that could not be
+    /// derived and why, and whether its completion sites are known. Attach the output
+    /// to a bug report about NIXL figures. Needs no privileges: it only reads the file.
+    NixlInspect {
+        /// The library file (e.g. a wheel's .nixl_cu12.mesonpy.libs/libnixl.so).
+        library: PathBuf,
+    },
+}
+
+/// `kvscope agent nixl-inspect LIB`'s text.
+pub fn nixl_inspect(library: &std::path::Path) -> anyhow::Result<String> {
+    let lib = crate::nixl::library::NixlLibrary::inspect(library, true)?;
+    let mut s = format!(
+        "library        {}\nbuild-id       {}\n",
+        lib.path.display(),
+        if lib.build_id.is_empty() {
+            "(none)"
+        } else {
+            &lib.build_id
+        }
+    );
+    s.push_str(&format!(
+        "offsets        {}\n",
+        match lib.derivation.offsets() {
+            Ok(o) if o.counts_read => {
+                "all derived: bytes, ops, remote agents and notifications are read".into()
+            }
+            Ok(_) => "all derived: ops, remote agents and notifications are read; bytes and \
+                      descriptor counts are not (see the end)"
+                .into(),
+            Err(why) => format!(
+                "unknown ({why}): calls, statuses and latencies are counted, nothing \
+                 is read of the requests"
+            ),
+        }
+    ));
+    s.push_str(&format!(
+        "sites          {}\n",
+        if lib.sites {
+            "completion sites known (one probe hit per transfer end)".to_string()
+        } else if let Some(why) = &lib.sites_refused {
+            format!("refused: {why}")
+        } else {
+            "not known for this build: status-call probes".to_string()
+        }
+    ));
+    if !lib.missing.is_empty() {
+        s.push_str(&format!("not exported   {}\n", lib.missing.join(", ")));
+    }
+    s.push('\n');
+    s.push_str(&lib.derivation.report());
+    Ok(s)
 }
 
 impl Cli {
@@ -239,6 +299,10 @@ impl Cli {
 
 /// Run the agent until SIGINT or SIGTERM. The caller installs the tracing subscriber.
 pub async fn run(cli: Cli) -> anyhow::Result<()> {
+    if let Some(AgentCommand::NixlInspect { library }) = &cli.command {
+        print!("{}", nixl_inspect(library)?);
+        return Ok(());
+    }
     let cfg = cli.config()?;
     if cli.print_config {
         print!("{}", kvscope_kit::config::to_redacted_toml(&cfg)?);

@@ -32,6 +32,7 @@ const volatile __u64 off_req_remote = 0;     /* nixlXferReqH → std::string rem
 const volatile __u64 off_req_op = 0;         /* nixlXferReqH → nixl_xfer_op_t */
 const volatile __u64 off_req_bytes = 0;      /* nixlXferReqH → telemetry totalBytes */
 const volatile __u64 off_req_descs = 0;      /* nixlXferReqH → telemetry descCount */
+const volatile __u64 req_counts_known = 0;   /* the two above hold the transfer's */
 const volatile __u64 off_req_notif = 0;      /* nixlXferReqH → std::string notifMsg */
 const volatile __u64 off_req_has_notif = 0;  /* nixlXferReqH → bool hasNotif */
 const volatile __u64 off_dlist_begin = 0;    /* nixlDescList → descriptors vector begin */

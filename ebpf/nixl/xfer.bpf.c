@@ -84,8 +84,10 @@ static __always_inline void read_req_fields(struct nixl_event *e, __u64 req, con
 	__s32 op;
 	__builtin_memcpy(&op, w + win_at(off_req_op), sizeof(op));
 	e->op = op;
-	e->bytes = win_u64(w, win_at(off_req_bytes));
-	e->descs = (__u32)win_u64(w, win_at(off_req_descs));
+	if (req_counts_known) {
+		e->bytes = win_u64(w, win_at(off_req_bytes));
+		e->descs = (__u32)win_u64(w, win_at(off_req_descs));
+	}
 	win_string(e->name, w, req, off_req_remote, &e->flags);
 }
 

@@ -69,9 +69,11 @@ impl Tally {
     }
 
     fn add(&mut self, bytes: u64, descs: u64, latency_ns: Option<u64>) {
+        // Bytes and descriptors are read from the traced process's memory: a wrong
+        // value must not stop the agent, so sums saturate.
         self.count += 1;
-        self.bytes += bytes;
-        self.descs += descs;
+        self.bytes = self.bytes.saturating_add(bytes);
+        self.descs = self.descs.saturating_add(descs);
         if let Some(ns) = latency_ns {
             self.latency.saturating_record(ns.max(1));
             self.sum_ns += ns;
@@ -82,8 +84,8 @@ impl Tally {
     /// Add `other`'s figures to these.
     fn merge(&mut self, other: &Tally) {
         self.count += other.count;
-        self.bytes += other.bytes;
-        self.descs += other.descs;
+        self.bytes = self.bytes.saturating_add(other.bytes);
+        self.descs = self.descs.saturating_add(other.descs);
         self.latency
             .add(&other.latency)
             .expect("every tally's histogram has the same bounds");
@@ -584,8 +586,8 @@ impl RequestTallies {
         match done {
             Some((bytes, ns)) => {
                 t.transfers += 1;
-                t.bytes += bytes;
-                t.nixl_ns += ns;
+                t.bytes = t.bytes.saturating_add(bytes);
+                t.nixl_ns = t.nixl_ns.saturating_add(ns);
             }
             None => t.failed += 1,
         }

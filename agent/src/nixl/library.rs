@@ -3,10 +3,12 @@
 //! addresses). C++ overloads are told apart by their mangled signatures.
 
 use object::{Object, ObjectSection, ObjectSymbol};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use super::derive::{self, Derivation, MethodCode};
 use super::event::NixlCall;
-use super::offsets::{self, CodeSite, TransferSites};
+use super::offsets::{self, CodeSite, NixlOffsets, TransferSites};
 
 /// Where a probe fires.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -405,6 +407,11 @@ pub struct NixlLibrary {
     /// Why a build with sites in the offsets table is traced with the status-call
     /// probes instead (a site's bytes are not what the table says).
     pub sites_refused: Option<String>,
+    /// The struct offsets the probes read, derived from the library's own
+    /// instructions (None: a field could not be; [`Self::derivation`] says why).
+    pub offsets: Option<NixlOffsets>,
+    /// What was derived, field by field, and from which instructions.
+    pub derivation: Derivation,
 }
 
 impl NixlLibrary {
@@ -423,7 +430,8 @@ impl NixlLibrary {
             Ok(Some(id)) => id.iter().map(|b| format!("{b:02x}")).collect(),
             _ => String::new(),
         };
-        let symbols: Vec<(String, u64)> = file
+        // (name, file offset, size, address)
+        let symbols: Vec<(String, u64, u64, u64)> = file
             .dynamic_symbols()
             .filter(|s| s.is_definition())
             .filter_map(|s| {
@@ -431,15 +439,15 @@ impl NixlLibrary {
                 let section = file.section_by_index(s.section_index()?).ok()?;
                 let (sec_offset, _) = section.file_range()?;
                 let addr = s.address().checked_sub(section.address())?;
-                Some((name.to_string(), addr + sec_offset))
+                Some((name.to_string(), addr + sec_offset, s.size(), s.address()))
             })
             .collect();
         // The method starting with `prefix`: Ok(None) when not exported.
         let method = |prefix: &'static str| -> Result<Option<u64>, LibraryError> {
             let mut offsets: Vec<u64> = symbols
                 .iter()
-                .filter(|(n, _)| n.starts_with(prefix))
-                .map(|(_, o)| *o)
+                .filter(|(n, ..)| n.starts_with(prefix))
+                .map(|(_, o, ..)| *o)
                 .collect();
             offsets.sort_unstable();
             offsets.dedup(); // C1/C2 constructor aliases share an address
@@ -453,10 +461,32 @@ impl NixlLibrary {
                 }),
             }
         };
-        let (site_probes, sites_refused) = match offsets::for_build(&build_id)
+        // A derived method's code: the one symbol of that prefix, its bytes in the file.
+        let code = |prefix: &'static str| -> Option<MethodCode<'_>> {
+            let mut found = symbols.iter().filter(|(n, ..)| n.starts_with(prefix));
+            let (_, at, size, address) = found.next()?;
+            if found.any(|other| other.1 != *at) {
+                return None;
+            }
+            let at = usize::try_from(*at).ok()?;
+            let bytes = data.get(at..at.checked_add(usize::try_from(*size).ok()?)?)?;
+            Some(MethodCode {
+                address: *address,
+                bytes,
+            })
+        };
+        let derivation = derived_once(&build_id, || derive::derive(&code));
+        let derived = derivation.offsets().ok();
+        // Completion sites are still read from the table, for the builds it holds; they
+        // need the offsets (their probes read the request).
+        let table_sites = offsets::for_build(&build_id)
             .and_then(|o| o.sites)
-            .filter(|_| completion_sites)
-        {
+            .filter(|_| derived.is_some());
+        let offsets = derived.map(|o| NixlOffsets {
+            sites: table_sites,
+            ..o
+        });
+        let (site_probes, sites_refused) = match table_sites.filter(|_| completion_sites) {
             Some(sites) => match resolve_sites(&sites, &data, &method) {
                 Ok(probes) => (Some(probes), None),
                 Err(why) => (None, Some(why)),
@@ -494,8 +524,31 @@ impl NixlLibrary {
             missing,
             sites,
             sites_refused,
+            offsets,
+            derivation,
         })
     }
+}
+
+/// A build's derivation, made once per build-id in this process (every process
+/// mapping the same library asks again); a library without a build-id is derived
+/// each time.
+const MAX_CACHED_BUILDS: usize = 64;
+
+fn derived_once(build_id: &str, derive: impl FnOnce() -> Derivation) -> Derivation {
+    static DERIVED: std::sync::Mutex<BTreeMap<String, Derivation>> =
+        std::sync::Mutex::new(BTreeMap::new());
+    if build_id.is_empty() {
+        return derive();
+    }
+    let mut cache = DERIVED.lock().unwrap_or_else(|p| p.into_inner());
+    if cache.len() >= MAX_CACHED_BUILDS {
+        cache.clear();
+    }
+    cache
+        .entry(build_id.to_string())
+        .or_insert_with(derive)
+        .clone()
 }
 
 /// The site probes of `sites` in this file, or why none is attached: a site's bytes

@@ -3,7 +3,8 @@
 //! byte, latency and handshake figures.
 //!
 //! - [`event`]: the ring buffer record, decoded without `unsafe`;
-//! - [`offsets`]: struct offsets per libnixl build-id (unknown build → counts only);
+//! - [`derive`]: struct offsets read from a build's own instructions;
+//! - [`offsets`]: what the probes read, and completion sites per libnixl build-id;
 //! - [`library`]: ELF build-id and symbol resolution, the probe table;
 //! - [`discovery`]: libraries mapped by running processes;
 //! - [`probes`]: loading and attaching for one library;
@@ -13,6 +14,7 @@
 //! - [`tracer`]: the running whole.
 
 pub mod aggregate;
+pub mod derive;
 pub mod discovery;
 pub mod event;
 pub mod library;

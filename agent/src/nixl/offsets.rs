@@ -1,14 +1,14 @@
-//! Struct offsets of known `libnixl.so` builds, keyed by GNU build-id.
+//! What the probes read of NIXL's C++ objects, and the builds whose completion sites
+//! are known, keyed by GNU build-id.
 //!
 //! The probes read a few fields of NIXL's C++ objects (the request handle's remote agent,
-//! op and byte count; an agent's name; a registration list's lengths). Their offsets
-//! change between NIXL versions, so they live here, one entry per build, and are handed
-//! to the BPF programs as read-only globals before loading. For a build not listed the
-//! probes dereference nothing: calls, statuses and latencies are still exact, but bytes,
-//! ops of posted requests and remote names of handshakes without a name argument are
-//! unknown — the agent says so once, with the build-id to add here.
+//! op and byte count; an agent's name; a registration list's lengths), handed to the BPF
+//! programs as read-only globals before loading. Their offsets change between NIXL
+//! versions: [`super::derive`] reads them from each library's instructions. The table
+//! below holds the 1.5.1 wheel's offsets as read by hand — the derivation's fixture
+//! (`agent/tests/nixl_derive.rs`) — and its completion sites.
 //!
-//! How an entry is found (1.5.1 wheel; ARCHITECTURE.md, "NIXL struct offsets"):
+//! How the 1.5.1 entry was read (ARCHITECTURE.md, "NIXL struct offsets"):
 //! `nixlAgent::getXferTelemetry`
 //! reads the request's status (0xb8) and telemetry block (0xc0..0xe8: totalBytes at
 //! 0xd8, descCount at 0xe0); `nixlAgentData::agentName()` is `lea 0x8(%rdi)`; every
@@ -52,6 +52,10 @@ pub struct NixlOffsets {
     /// `nixlXferReqH` → `nixl_status_t status` (what `getXferStatus` returns once the
     /// transfer is done).
     pub req_status: u64,
+    /// Whether the request's byte and descriptor counts hold the transfer's (builds
+    /// before 1.4 fill them only when the agent's telemetry is enabled): else they are
+    /// not read, and bytes and descriptors are unknown.
+    pub counts_read: bool,
     /// The build's completion sites, or None: then the status-call probes are used.
     pub sites: Option<TransferSites>,
 }
@@ -230,6 +234,7 @@ pub const KNOWN_BUILDS: &[(&str, NixlOffsets)] = &[(
         desc_stride: 0x38,
         desc_len: 0x8,
         req_status: 0xb8,
+        counts_read: true,
         sites: Some(TransferSites {
             // Each failure's first instruction, in the method's cold part (the hot
             // branch's target); no successful call runs any of them. Before the request
@@ -435,7 +440,7 @@ impl NixlOffsets {
     pub fn globals(
         offsets: Option<&NixlOffsets>,
         sites_attached: bool,
-    ) -> [(&'static str, u64); 26] {
+    ) -> [(&'static str, u64); 27] {
         let o = offsets.copied().unwrap_or(NixlOffsets {
             version: "",
             agent_data: 0,
@@ -450,6 +455,7 @@ impl NixlOffsets {
             desc_stride: 0,
             desc_len: 0,
             req_status: 0,
+            counts_read: false,
             sites: None,
         });
         let window = offsets.map_or((0, 0), NixlOffsets::req_window);
@@ -472,6 +478,7 @@ impl NixlOffsets {
             ("desc_stride", o.desc_stride),
             ("off_desc_len", o.desc_len),
             ("off_req_status", o.req_status),
+            ("req_counts_known", u64::from(o.counts_read)),
             ("off_req_window", window.0),
             ("req_window_len", window.1),
             ("site_create_agent", site(|s| s.create_args.agent)),

@@ -13,7 +13,7 @@ use std::num::NonZeroU32;
 use std::path::Path;
 
 use super::library::{NixlLibrary, ProbeSide};
-use super::offsets::{self, NixlOffsets};
+use super::offsets::NixlOffsets;
 
 /// The compiled BPF object (built by `build.rs` from `ebpf/nixl/`).
 static NIXL_BPF: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/nixl.bpf.o"));
@@ -172,7 +172,7 @@ pub fn check_can_load() -> Result<(), ProbeError> {
 impl LoadedProbes {
     /// Load the BPF object with `library`'s offsets and attach every probe it resolved.
     pub fn attach(library: NixlLibrary, scope: AttachScope) -> Result<Self, ProbeError> {
-        let offsets = offsets::for_build(&library.build_id);
+        let offsets = library.offsets;
         let mut ebpf = load_object(offsets.as_ref(), library.sites)?;
         let path = library.path.display().to_string();
         let aya_scope = match scope {

@@ -115,14 +115,20 @@ fn degraded_reason(lib: &NixlLibrary, offsets_known: bool) -> Option<String> {
     let mut reasons = Vec::new();
     if !offsets_known {
         reasons.push(format!(
-            "build-id {} is not in the offsets table (agent/src/nixl/offsets.rs): calls, \
+            "the struct offsets could not be derived from the library ({}): calls, \
              statuses and latencies are counted, but bytes, descriptor counts, the op of \
-             transfers made with makeXferReq and agents' names are not read",
-            if lib.build_id.is_empty() {
-                "(none)"
-            } else {
-                &lib.build_id
-            }
+             transfers made with makeXferReq and agents' names are not read (`kvscope \
+             agent nixl-inspect {}` shows what was found)",
+            lib.derivation
+                .offsets()
+                .err()
+                .unwrap_or_else(|| "unknown reason".into()),
+            lib.path.display()
+        ));
+    }
+    if let Some(why) = lib.offsets.and(lib.derivation.counts_unset.as_ref()) {
+        reasons.push(format!(
+            "bytes and descriptor counts are not read: {why}; every other figure is exact"
         ));
     }
     if let Some(why) = &lib.sites_refused {
@@ -267,7 +273,7 @@ fn attach_one(
     match (&status.degraded, &probes.offsets) {
         (Some(why), _) => warn!(library = %status.path, "NIXL tracing degraded: {why}"),
         (None, Some(o)) => info!(
-            library = %status.path, build_id = %status.build_id, version = o.version,
+            library = %status.path, build_id = %status.build_id, offsets = o.version,
             probes = status.probes_attached, completion_sites = status.completion_sites,
             "Tracing NIXL."
         ),

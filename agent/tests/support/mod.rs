@@ -28,12 +28,49 @@ pub fn nixl_libs() -> kvscope_nixl_lab::NixlLibs {
         .unwrap_or_else(|e| panic!("the NIXL wheel is not set up: {e}"))
 }
 
+/// An older wheel's NIXL library folder, as `scripts/setup` unpacks it under
+/// `.lab/nixl/versions/<version>` (this fails with the command to run when missing).
+#[allow(dead_code)]
+pub fn older_nixl_lib_dir(version: &str) -> PathBuf {
+    let dir = kvscope_lab::paths::default_lab_dir()
+        .join("nixl/versions")
+        .join(version)
+        .join(".nixl_cu12.mesonpy.libs");
+    assert!(
+        dir.join("libnixl.so").is_file(),
+        "the NIXL {version} wheel's libraries are not under {}: run scripts/setup",
+        dir.display()
+    );
+    dir
+}
+
 /// A copy of the wheel's NIXL library folder under `dest` whose `libnixl.so` carries
 /// another GNU build-id (a NIXL build the agent's offsets table does not know). The
 /// bundled UCX folder, found through `$ORIGIN/../nixl_cu12.libs`, is linked, not copied.
 /// Returns the copied library folder.
 #[allow(dead_code)]
 pub fn copy_libs_with_new_build_id(lib_dir: &std::path::Path, dest: &std::path::Path) -> PathBuf {
+    copy_libs_patched(lib_dir, dest, &[])
+}
+
+/// `registerMem`'s (and `deregisterMem`'s) sum of the descriptors' lengths for NIXL's
+/// telemetry, `add 0x8(%rax),%rsi; add $0x38,%rax`, and the same with the sum replaced
+/// by `xor %esi,%esi; xchg %ax,%ax`: the loop still ends, the telemetry counts 0 bytes
+/// registered, and no instruction names a descriptor's length any more.
+#[allow(dead_code)]
+pub const DESCRIPTOR_SUM: (&[u8], &[u8]) = (
+    &[0x48, 0x03, 0x70, 0x08, 0x48, 0x83, 0xc0, 0x38],
+    &[0x31, 0xf6, 0x66, 0x90, 0x48, 0x83, 0xc0, 0x38],
+);
+
+/// [`copy_libs_with_new_build_id`], with every occurrence of each `(from, to)` pair's
+/// bytes in `libnixl.so` replaced (each must occur).
+#[allow(dead_code)]
+pub fn copy_libs_patched(
+    lib_dir: &std::path::Path,
+    dest: &std::path::Path,
+    patches: &[(&[u8], &[u8])],
+) -> PathBuf {
     fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
         std::fs::create_dir_all(to).unwrap();
         for e in std::fs::read_dir(from).unwrap() {
@@ -63,8 +100,21 @@ pub fn copy_libs_with_new_build_id(lib_dir: &std::path::Path, dest: &std::path::
         .windows(raw.len())
         .position(|w| w == raw.as_slice())
         .expect("the build-id bytes in the file");
+    // A build-id of its own per patch set (a build-id names the bytes: the agent
+    // derives a build once).
     for b in &mut bytes[at..at + 4] {
-        *b ^= 0xff;
+        *b ^= 0xff - patches.len() as u8;
+    }
+    for (from, to) in patches {
+        assert_eq!(from.len(), to.len());
+        let mut found = 0;
+        let mut i = 0;
+        while let Some(at) = bytes[i..].windows(from.len()).position(|w| w == *from) {
+            bytes[i + at..i + at + to.len()].copy_from_slice(to);
+            i += at + to.len();
+            found += 1;
+        }
+        assert!(found > 0, "{from:02x?} is not in {}", lib.display());
     }
     std::fs::write(&lib, &bytes).unwrap();
     let new_id = kvscope_nixl_lab::libs::elf_build_id(&bytes).unwrap();
