@@ -12,6 +12,11 @@
  *               nixlXferReqH *&req, const nixl_opt_args_t *)
  *     op esi, local rdx, local_idx rcx:r8, remote r9, remote_idx on the stack
  *     (sp+8, sp+16), req at sp+24. The std::vector overload forwards to this one.
+ *   Before 1.5 only that one is exported, and it is the implementation:
+ *   makeXferReq(const nixl_xfer_op_t &op, const nixlDlistH *local,
+ *               const std::vector<int> &local_idx, const nixlDlistH *remote,
+ *               const std::vector<int> &remote_idx, nixlXferReqH *&req,
+ *               const nixl_opt_args_t *)       rsi rdx rcx r8 r9, req at sp+8
  *   postXferReq(nixlXferReqH *req, const nixl_opt_args_t *)                rsi
  *   getXferStatus(nixlXferReqH *req)                                       rsi
  *   releaseXferReq(nixlXferReqH *req)                                      rsi
@@ -122,6 +127,24 @@ int BPF_KPROBE(make_xfer_enter, void *self, __s32 op)
 	void *req_out = 0;
 	bpf_probe_read_user(&req_out, sizeof(req_out), (const char *)PT_REGS_SP(ctx) + 24);
 	c->op = op;
+	c->arg = (__u64)req_out;
+	store_call(CALL_MAKE_XFER_REQ, c);
+	return 0;
+}
+
+/* makeXferReq of builds before 1.5: the op by reference, req the seventh argument. */
+SEC("uprobe")
+int BPF_KPROBE(make_xfer_ref_enter, void *self, const __s32 *op)
+{
+	note_agent((__u64)self);
+	struct call_entry *c = new_call((__u64)self);
+	if (!c)
+		return 0;
+	__s32 o = -1;
+	bpf_probe_read_user(&o, sizeof(o), op);
+	void *req_out = 0;
+	bpf_probe_read_user(&req_out, sizeof(req_out), (const char *)PT_REGS_SP(ctx) + 8);
+	c->op = o;
 	c->arg = (__u64)req_out;
 	store_call(CALL_MAKE_XFER_REQ, c);
 	return 0;

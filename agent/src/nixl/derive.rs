@@ -383,7 +383,7 @@ fn data_name(run: &Run) -> Result<Finding, String> {
                     at: Loc::Field { arg: 0, off },
                     size: 8,
                     value: Value::Sym(Sym::Addr { arg: 0, off: to }),
-                } if *to == off + 16 => Some((s, *off)),
+                } if *to == off.wrapping_add(16) => Some((s, *off)),
                 _ => None,
             })
         })
@@ -395,7 +395,7 @@ fn data_name(run: &Run) -> Result<Finding, String> {
             at: Loc::Field { arg: 0, off },
             size: 8,
             value: Value::Sym(Sym::Read { arg: 1, off: 8 }),
-        } if *off == x + 8)
+        } if *off == x.wrapping_add(8))
     }));
     Ok(Finding {
         value: offset(x).ok_or("a negative offset")?,
@@ -440,10 +440,10 @@ fn telemetry(run: &Run) -> Result<Telemetry, String> {
     let field = |at: i64| -> Result<Finding, String> {
         let c = copies
             .iter()
-            .find(|c| c.0 <= at && at + 8 <= c.0 + c.2)
+            .find(|c| c.0 <= at && at.saturating_add(8) <= c.0.saturating_add(c.2))
             .ok_or_else(|| format!("getXferTelemetry copies nothing to telemetry+{at:#x}"))?;
         Ok(Finding {
-            value: offset(c.1 + at - c.0).ok_or("a negative offset")?,
+            value: offset(c.1.wrapping_add(at - c.0)).ok_or("a negative offset")?,
             evidence: c.3.clone(),
         })
     };
@@ -701,7 +701,7 @@ fn descriptor_sum(run: &Run) -> Result<(Finding, Finding, Finding), String> {
             // Confirmed by the loop's end: the vector's end pointer, read 8 bytes on.
             list_ev.extend(run.steps_where(|seen| {
                 matches!(seen, Seen::Read { at: Loc::Field { arg: 1, off }, size: 8 }
-                    if *off == list_at + 8)
+                    if *off == list_at.wrapping_add(8))
             }));
             let (Some(b), Some(st), Some(l)) = (offset(*list_at), offset(stride), offset(*len_at))
             else {
@@ -848,7 +848,7 @@ impl Run {
             }
             let mut text = String::new();
             formatter.format(&ins, &mut text);
-            let evidence = format!("{name}+{:#x}: {text}", ins.ip() - code.address);
+            let evidence = format!("{name}+{:#x}: {text}", ins.ip().wrapping_sub(code.address));
             let index = steps.len();
             let (seen, arg_origins) = step(&mut state, &ins, index, &mut info);
             let store = (ins.mnemonic() == Mnemonic::Mov
@@ -958,7 +958,7 @@ fn location(state: &State, ins: &Instruction) -> (Loc, Option<(Register, i64)>) 
     let loc = match held {
         Some(Sym::Addr { arg, off }) => Loc::Field {
             arg,
-            off: off + disp,
+            off: off.wrapping_add(disp),
         },
         Some(Sym::Read { arg, off }) => Loc::Deref { arg, off, disp },
         None => Loc::Other,
@@ -1117,11 +1117,18 @@ fn step(
         (Mnemonic::Add | Mnemonic::Sub, None) if reg0.is_some() && is_immediate(ins.op1_kind()) => {
             let r = ins.op0_register();
             let by = ins.immediate(1) as i64;
-            let by = if m == Mnemonic::Sub { -by } else { by };
+            let by = if m == Mnemonic::Sub {
+                by.wrapping_neg()
+            } else {
+                by
+            };
             if let Some(g) = gpr(r).filter(|_| r.size() == 8) {
                 seen.push(Seen::Advance { reg: g, by });
                 let held = state.gpr[g].and_then(|(s, _)| match s {
-                    Sym::Addr { arg, off } => Some(Sym::Addr { arg, off: off + by }),
+                    Sym::Addr { arg, off } => Some(Sym::Addr {
+                        arg,
+                        off: off.wrapping_add(by),
+                    }),
                     Sym::Read { .. } => None,
                 });
                 set = Some((r, held));
@@ -1184,6 +1191,36 @@ fn forget(state: &mut State, r: Register) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn any_bytes_give_a_derivation_never_a_panic() {
+        // A library on a node can hold anything: random code in every method.
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        for round in 0..200usize {
+            let bytes: Vec<u8> = (0..(round * 37) % 4096)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    x as u8
+                })
+                .collect();
+            let d = derive(&|_| {
+                Some(MethodCode {
+                    address: 0x1000,
+                    bytes: &bytes,
+                })
+            });
+            assert_eq!(d.fields.len(), 12);
+            let _ = d.offsets();
+            assert!(!d.report().is_empty());
+        }
+        // No method at all: every field unknown, each with its reason.
+        let d = derive(&|_| None);
+        let why = d.offsets().unwrap_err();
+        assert!(why.contains("not exported"), "{why}");
+        assert!(d.fields.iter().all(|f| f.unknown_because.is_some()));
+    }
 
     #[test]
     fn method_names_are_shortened_for_evidence() {

@@ -74,6 +74,9 @@ pub struct ProbeSpec {
     /// One of the status-call probes: attached only where the build's completion sites
     /// are not (they see the same ends without firing on every poll and release).
     pub replaced_by_sites: bool,
+    /// Attached only where the build does not export this method (the one an older
+    /// build's method was replaced by, and which then forwards to it).
+    pub unless_exported: Option<&'static str>,
 }
 
 const fn probe(
@@ -90,7 +93,14 @@ const fn probe(
         call,
         required,
         replaced_by_sites: false,
+        unless_exported: None,
     }
+}
+
+/// A probe attached only where `newer` is not exported.
+const fn unless_exported(mut spec: ProbeSpec, newer: &'static str) -> ProbeSpec {
+    spec.unless_exported = Some(newer);
+    spec
 }
 
 /// A probe not attached where the build's sites are (see
@@ -106,6 +116,11 @@ const fn site(program: &'static str, name: SiteName, call: Option<NixlCall>) -> 
 }
 
 use ProbeSide::{Entry, Return};
+
+/// `makeXferReq`'s overloads: the span one (1.5 on), the std::vector one taking its op
+/// by reference (every build; before 1.5 the only one).
+const MAKE_SPAN: &str = "_ZNK9nixlAgent11makeXferReqE14nixl_xfer_op_t";
+const MAKE_BY_REFERENCE: &str = "_ZNK9nixlAgent11makeXferReqERK14nixl_xfer_op_t";
 
 /// The completion-site probes, attached instead of the status-call ones where the
 /// build's sites are known (their methods are those of the sites).
@@ -159,17 +174,39 @@ pub const PROBES: &[ProbeSpec] = &[
     without_sites(probe(
         "make_xfer_enter",
         Entry,
-        "_ZNK9nixlAgent11makeXferReqE14nixl_xfer_op_t",
+        MAKE_SPAN,
         Some(NixlCall::MakeXferReq),
         false,
     )),
     without_sites(probe(
         "make_xfer_exit",
         Return,
-        "_ZNK9nixlAgent11makeXferReqE14nixl_xfer_op_t",
+        MAKE_SPAN,
         Some(NixlCall::MakeXferReq),
         false,
     )),
+    // Before 1.5: the std::vector overload, op by reference, is the implementation (in
+    // 1.5 it forwards to the span one, probed above).
+    unless_exported(
+        without_sites(probe(
+            "make_xfer_ref_enter",
+            Entry,
+            MAKE_BY_REFERENCE,
+            Some(NixlCall::MakeXferReq),
+            false,
+        )),
+        MAKE_SPAN,
+    ),
+    unless_exported(
+        without_sites(probe(
+            "make_xfer_exit",
+            Return,
+            MAKE_BY_REFERENCE,
+            Some(NixlCall::MakeXferReq),
+            false,
+        )),
+        MAKE_SPAN,
+    ),
     probe(
         "post_xfer_enter",
         Entry,
@@ -497,6 +534,11 @@ impl NixlLibrary {
         let mut probes = Vec::new();
         let mut missing = Vec::new();
         for spec in PROBES.iter().filter(|p| !(sites && p.replaced_by_sites)) {
+            if let Some(newer) = spec.unless_exported {
+                if method(newer)?.is_some() {
+                    continue;
+                }
+            }
             match method(spec.symbol_prefix)? {
                 Some(offset) => probes.push(ResolvedProbe {
                     spec: *spec,
@@ -516,6 +558,8 @@ impl NixlLibrary {
                 }
             }
         }
+        // A method replaced by its older form, probed instead, is not missing.
+        missing.retain(|m| !probes.iter().any(|p| p.spec.unless_exported == Some(*m)));
         probes.extend(site_probes.unwrap_or_default());
         Ok(Self {
             path: path.to_owned(),
