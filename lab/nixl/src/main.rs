@@ -211,8 +211,8 @@ struct BenchArgs {
     /// alive and busy for tools attached later (the lab's worker sidecars).
     #[arg(long, default_value_t = 0)]
     pace_ms: u64,
-    /// After a post left in progress, wait this many ms before polling it: a transfer
-    /// held in flight (not a measurement either).
+    /// After the first post left in progress, wait this many ms before polling it: a
+    /// transfer held in flight (not a measurement either).
     #[arg(long, default_value_t = 0)]
     hold_ms: u64,
     /// Write the report here instead of stdout.
