@@ -287,14 +287,7 @@ pub async fn serve(
     stats: Arc<kvscope_kit::http::ServerStats>,
 ) {
     let service = Endpoints { render, health };
-    kvscope_kit::http::serve(
-        listener,
-        service,
-        kvscope_kit::http::ServerLimits::default(),
-        stats,
-        std::future::pending(),
-    )
-    .await;
+    kvscope_kit::http::serve(listener, service, stats).await;
 }
 
 /// The agent's three read-only endpoints as a service.

@@ -369,14 +369,7 @@ async fn serve(cfg: CollectorConfig) -> anyhow::Result<()> {
     let http = {
         let stats = shared.http.clone();
         tokio::spawn(async move {
-            kvscope_kit::http::serve(
-                listener,
-                app,
-                kvscope_kit::http::ServerLimits::default(),
-                stats,
-                std::future::pending(),
-            )
-            .await;
+            kvscope_kit::http::serve(listener, app, stats).await;
             anyhow::Ok(())
         })
     };

@@ -117,37 +117,36 @@ int BPF_KPROBE(create_xfer_enter, void *self, const __s32 *op, void *local, void
 	return 0;
 }
 
-SEC("uprobe")
-int BPF_KPROBE(make_xfer_enter, void *self, __s32 op)
+/* A makeXferReq entered: its op, and the address of its `req` out-argument on the
+ * stack (`req_at` bytes above the return address). */
+static __always_inline int make_entered(struct pt_regs *ctx, void *self, __s32 op,
+					__u64 req_at)
 {
 	note_agent((__u64)self);
 	struct call_entry *c = new_call((__u64)self);
 	if (!c)
 		return 0;
 	void *req_out = 0;
-	bpf_probe_read_user(&req_out, sizeof(req_out), (const char *)PT_REGS_SP(ctx) + 24);
+	bpf_probe_read_user(&req_out, sizeof(req_out), (const char *)PT_REGS_SP(ctx) + req_at);
 	c->op = op;
 	c->arg = (__u64)req_out;
 	store_call(CALL_MAKE_XFER_REQ, c);
 	return 0;
 }
 
+SEC("uprobe")
+int BPF_KPROBE(make_xfer_enter, void *self, __s32 op)
+{
+	return make_entered(ctx, self, op, 24);
+}
+
 /* makeXferReq of builds before 1.5: the op by reference, req the seventh argument. */
 SEC("uprobe")
 int BPF_KPROBE(make_xfer_ref_enter, void *self, const __s32 *op)
 {
-	note_agent((__u64)self);
-	struct call_entry *c = new_call((__u64)self);
-	if (!c)
-		return 0;
 	__s32 o = -1;
 	bpf_probe_read_user(&o, sizeof(o), op);
-	void *req_out = 0;
-	bpf_probe_read_user(&req_out, sizeof(req_out), (const char *)PT_REGS_SP(ctx) + 8);
-	c->op = o;
-	c->arg = (__u64)req_out;
-	store_call(CALL_MAKE_XFER_REQ, c);
-	return 0;
+	return make_entered(ctx, self, o, 8);
 }
 
 static __always_inline int xfer_created(__u32 call, __s32 status)

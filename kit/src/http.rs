@@ -17,7 +17,6 @@ use hyper::body::{Body, Bytes, Incoming};
 use hyper::server::conn::http1;
 use hyper::{Request, Response, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
-use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -80,38 +79,30 @@ impl ServerStats {
 }
 
 /// Serve `service` (an axum `Router`, or any tower service of `Request<Incoming>`) on
-/// `listener` within `limits` until `shutdown` completes.
-pub async fn serve<S, B>(
-    listener: TcpListener,
-    service: S,
-    limits: ServerLimits,
-    stats: Arc<ServerStats>,
-    shutdown: impl Future<Output = ()>,
-) where
+/// `listener` within the [`ServerLimits`], until the task is dropped.
+pub async fn serve<S, B>(listener: TcpListener, service: S, stats: Arc<ServerStats>)
+where
     S: tower_service::Service<Request<Incoming>, Response = Response<B>> + Clone + Send + 'static,
     S::Future: Send + 'static,
     S::Error: Into<BoxError>,
     B: Body<Data = Bytes> + Send + 'static,
     B::Error: Into<BoxError>,
 {
+    let limits = ServerLimits::default();
     let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
     let mut http = http1::Builder::new();
     http.timer(TokioTimer::new())
         .header_read_timeout(limits.header_timeout)
         .max_buf_size(limits.max_header_bytes.max(8192))
         .keep_alive(true);
-    tokio::pin!(shutdown);
     loop {
-        let (stream, _) = tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok(a) => a,
-                // Out of descriptors or the like: wait a moment rather than spin.
-                Err(_) => {
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-            _ = &mut shutdown => return,
+        let (stream, _) = match listener.accept().await {
+            Ok(a) => a,
+            // Out of descriptors or the like: wait a moment rather than spin.
+            Err(_) => {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
         };
         let Ok(slot) = slots.clone().try_acquire_owned() else {
             stats.connections_refused.fetch_add(1, Ordering::Relaxed);

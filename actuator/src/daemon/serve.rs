@@ -44,14 +44,7 @@ pub async fn serve(cfg: ActuatorConfig, api_token: Option<String>) -> Result<(),
             crate::daemon::api::router(actuator.clone(), health.clone(), token, stats.clone());
         info!(listen = %listener.local_addr().map_err(|source| RuntimeError::Listen { addr: api.listen, source })?, "Serving the actuator API.");
         Some(tokio::spawn(async move {
-            kvscope_kit::http::serve(
-                listener,
-                app,
-                kvscope_kit::http::ServerLimits::default(),
-                stats,
-                std::future::pending(),
-            )
-            .await;
+            kvscope_kit::http::serve(listener, app, stats).await;
             std::io::Result::Ok(())
         }))
     } else {

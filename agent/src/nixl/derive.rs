@@ -204,44 +204,22 @@ pub fn derive<'a>(code: &dyn Fn(&'static str) -> Option<MethodCode<'a>>) -> Deri
     let telemetry = run(TELEMETRY).and_then(telemetry);
     let post = run(POST).and_then(post);
     let status_stores = run(STATUS).map(|r| r.status_stores());
-    put(
-        "req_remote",
-        post.as_ref()
-            .map_err(Clone::clone)
-            .and_then(|p| p.remote.clone()),
-    );
-    put(
-        "req_op",
-        post.as_ref()
-            .map_err(Clone::clone)
-            .and_then(|p| p.op.clone()),
-    );
-    put(
-        "req_bytes",
-        telemetry
+    // A field of a method's findings, or why the method gave none.
+    fn of<T>(
+        found: &Result<T, String>,
+        field: impl Fn(&T) -> &Result<Finding, String>,
+    ) -> Result<Finding, String> {
+        found
             .as_ref()
             .map_err(Clone::clone)
-            .and_then(|t| t.bytes.clone()),
-    );
-    put(
-        "req_descs",
-        telemetry
-            .as_ref()
-            .map_err(Clone::clone)
-            .and_then(|t| t.descs.clone()),
-    );
-    put(
-        "req_notif",
-        post.as_ref()
-            .map_err(Clone::clone)
-            .and_then(|p| p.notif.clone()),
-    );
-    put(
-        "req_has_notif",
-        post.as_ref()
-            .map_err(Clone::clone)
-            .and_then(|p| p.has_notif.clone()),
-    );
+            .and_then(|t| field(t).clone())
+    }
+    put("req_remote", of(&post, |p| &p.remote));
+    put("req_op", of(&post, |p| &p.op));
+    put("req_bytes", of(&telemetry, |t| &t.bytes));
+    put("req_descs", of(&telemetry, |t| &t.descs));
+    put("req_notif", of(&post, |p| &p.notif));
+    put("req_has_notif", of(&post, |p| &p.has_notif));
     let (list, stride, len) = match run(REGISTER).and_then(descriptor_sum) {
         Ok((b, s, l)) => (Ok(b), Ok(s), Ok(l)),
         Err(e) => (Err(e.clone()), Err(e.clone()), Err(e)),
@@ -249,16 +227,12 @@ pub fn derive<'a>(code: &dyn Fn(&'static str) -> Option<MethodCode<'a>>) -> Deri
     put("dlist_begin", list);
     put("desc_stride", stride);
     put("desc_len", len);
-    let mut status = Vec::new();
-    for found in [
-        telemetry.as_ref().ok().and_then(|t| t.status.clone().ok()),
-        post.as_ref().ok().and_then(|p| p.status.clone().ok()),
-    ]
-    .into_iter()
-    .flatten()
-    {
-        status.push((found.value, found.evidence));
-    }
+    let mut status: Vec<(u64, Vec<String>)> =
+        [of(&telemetry, |t| &t.status), of(&post, |p| &p.status)]
+            .into_iter()
+            .flatten()
+            .map(|f| (f.value, f.evidence))
+            .collect();
     if let Ok(stores) = &status_stores {
         status.extend(stores.iter().map(|(v, e)| (*v, vec![e.clone()])));
     }

@@ -500,12 +500,9 @@ impl NixlLibrary {
         };
         // A derived method's code: the one symbol of that prefix, its bytes in the file.
         let code = |prefix: &'static str| -> Option<MethodCode<'_>> {
-            let mut found = symbols.iter().filter(|(n, ..)| n.starts_with(prefix));
-            let (_, at, size, address) = found.next()?;
-            if found.any(|other| other.1 != *at) {
-                return None;
-            }
-            let at = usize::try_from(*at).ok()?;
+            let at = method(prefix).ok()??;
+            let (_, _, size, address) = symbols.iter().find(|s| s.1 == at)?;
+            let at = usize::try_from(at).ok()?;
             let bytes = data.get(at..at.checked_add(usize::try_from(*size).ok()?)?)?;
             Some(MethodCode {
                 address: *address,
