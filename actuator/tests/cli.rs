@@ -117,6 +117,7 @@ fn record_fleet(path: &Path) {
             status: "SUCCESS".into(),
             transfers: 10,
             bytes: 10_000_000,
+            bytes_unknown: 0,
             descriptors: 10,
             latency: LatencySummary::exact(&[1_000_000; 10]),
         }],

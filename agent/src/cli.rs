@@ -150,6 +150,7 @@ pub enum AgentCommand {
 
 /// `kvscope agent nixl-inspect LIB`'s text.
 pub fn nixl_inspect(library: &std::path::Path) -> anyhow::Result<String> {
+    use crate::nixl::offsets::Counts;
     let lib = crate::nixl::library::NixlLibrary::inspect(library, true)?;
     let mut s = format!(
         "library        {}\nbuild-id       {}\n",
@@ -163,12 +164,18 @@ pub fn nixl_inspect(library: &std::path::Path) -> anyhow::Result<String> {
     s.push_str(&format!(
         "offsets        {}\n",
         match lib.derivation.offsets() {
-            Ok(o) if o.counts_read => {
-                "all derived: bytes, ops, remote agents and notifications are read".into()
-            }
-            Ok(_) => "all derived: ops, remote agents and notifications are read; bytes and \
-                      descriptor counts are not (see the end)"
-                .into(),
+            Ok(o) => match o.counts {
+                Counts::Always => {
+                    "all derived: bytes, ops, remote agents and notifications are read".into()
+                }
+                Counts::WithTelemetry { .. } => "all derived: ops, remote agents and \
+                    notifications are read; bytes and descriptor counts when the agent's \
+                    telemetry is enabled (see the end)"
+                    .to_string(),
+                Counts::Never => "all derived: ops, remote agents and notifications are \
+                    read; bytes and descriptor counts are not (see the end)"
+                    .to_string(),
+            },
             Err(why) => format!(
                 "unknown ({why}): calls, statuses and latencies are counted, nothing \
                  is read of the requests"

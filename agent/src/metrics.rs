@@ -33,6 +33,7 @@ fn histogram(out: &mut Exposition, name: &str, labels: &str, l: &MergedLatency) 
 struct Summed {
     n: u64,
     bytes: u64,
+    bytes_unknown: u64,
     latency: MergedLatency,
 }
 
@@ -54,6 +55,7 @@ pub fn write_nixl(out: &mut Exposition, agent: &str, r: &NixlReport) {
         let e = transfers.entry(key).or_default();
         e.n += t.transfers;
         e.bytes += t.bytes;
+        e.bytes_unknown += t.bytes_unknown;
         e.latency.add(&t.latency);
     }
     let xfer_labels = |(local, remote, op, stage, status): &(&str, &str, &str, &str, &str)| {
@@ -79,6 +81,15 @@ pub fn write_nixl(out: &mut Exposition, agent: &str, r: &NixlReport) {
     out.family(name, Kind::Counter, "Bytes of NIXL transfers.");
     for (k, t) in &transfers {
         out.counter(name, &xfer_labels(k), t.bytes);
+    }
+    let name = "kvscope_agent_nixl_transfers_bytes_unknown";
+    out.family(
+        name,
+        Kind::Counter,
+        "NIXL transfers whose bytes were not read (not in the bytes): the build's requests hold no byte count for them (NIXL before 1.4 with the agent's telemetry off) or its offsets are unknown.",
+    );
+    for (k, t) in transfers.iter().filter(|(_, t)| t.bytes_unknown > 0) {
+        out.counter(name, &xfer_labels(k), t.bytes_unknown);
     }
     let name = "kvscope_agent_nixl_transfer_latency_seconds";
     out.family(
@@ -364,6 +375,7 @@ mod tests {
             status: "SUCCESS".into(),
             transfers: n,
             bytes: 10 * n,
+            bytes_unknown: 0,
             descriptors: n,
             latency: lat(n),
         };

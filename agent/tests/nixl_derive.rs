@@ -50,6 +50,59 @@ fn the_derived_offsets_are_the_hand_read_table_for_the_lab_build() {
         .filter(|f| f.evidence.len() >= 2)
         .count();
     assert!(confirmed >= 10, "{}", lib.derivation.report());
+    assert_eq!(derived.counts, offsets::Counts::Always);
+    assert!(
+        lib.derivation.telemetry_refused.is_ok(),
+        "{}",
+        lib.derivation.report()
+    );
+}
+
+/// The older wheels' builds (scripts/setup): when their requests hold byte counts, and
+/// getXferTelemetry's refusal path, read from each; the telemetry flag named by two
+/// methods where the build gates counts on it.
+#[test]
+fn older_builds_say_when_their_counts_are_held_and_where_telemetry_is_refused() {
+    use offsets::Counts;
+    for (version, counts) in [
+        ("1.0.1", Counts::WithTelemetry { data_flag: 0xd0 }),
+        ("1.3.2", Counts::WithTelemetry { data_flag: 0xd8 }),
+        ("1.4.1", Counts::Always),
+    ] {
+        let lib = NixlLibrary::inspect(
+            &support::older_nixl_lib_dir(version).join("libnixl.so"),
+            true,
+        )
+        .unwrap();
+        let report = lib.derivation.report();
+        assert_eq!(
+            lib.offsets.map(|o| o.counts),
+            Some(counts),
+            "{version}: {report}"
+        );
+        if counts != Counts::Always {
+            assert!(
+                report.contains("the same flag gates `getXferTelemetry+"),
+                "{report}"
+            );
+        }
+        let site = lib
+            .derivation
+            .telemetry_refused
+            .as_ref()
+            .unwrap_or_else(|e| panic!("{version}: {e}"));
+        assert!(
+            site.evidence
+                .last()
+                .unwrap()
+                .ends_with("mov $0xfffffff4,%eax"),
+            "{version}: {site:?}"
+        );
+        assert!(lib
+            .probes
+            .iter()
+            .any(|p| p.spec.program == "xfer_telemetry_refused"));
+    }
 }
 
 #[test]

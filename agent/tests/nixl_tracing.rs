@@ -28,8 +28,8 @@ type LabClock = BTreeMap<(u32, String, String, String), (u64, u64, u64)>;
 /// (pid, call, local, remote, status name) → calls
 type CallTally = BTreeMap<(u32, String, String, String, String), u64>;
 
-fn native_name(code: i32) -> &'static str {
-    kvscope_agent::nixl::event::status_name(code)
+fn native_name(code: i32) -> String {
+    kvscope_agent::nixl::event::status_name(code).into_owned()
 }
 
 /// What the agent reads of a build: its requests' byte and descriptor counts, and the
@@ -80,14 +80,7 @@ fn expected_transfers(truth: &Truth, reads: Reads) -> TransferTally {
             x.remote.clone()
         };
         let e = t
-            .entry((
-                x.pid,
-                x.local.clone(),
-                remote,
-                op,
-                stage,
-                native_name(code).into(),
-            ))
+            .entry((x.pid, x.local.clone(), remote, op, stage, native_name(code)))
             .or_default();
         e.0 += 1;
         if counted {
@@ -279,6 +272,23 @@ fn assert_exact_on(report: &NixlReport, truth: &Truth, reads: Reads) {
         "transfers differ from the lab's truth:\n{}",
         d.join("\n")
     );
+    // Every posted transfer whose bytes were not read is counted as such.
+    let posted = truth
+        .transfers
+        .iter()
+        .filter(|x| x.outcome != TransferOutcome::FailedAtCreate)
+        .count() as u64;
+    let unknown: u64 = report
+        .transfers
+        .iter()
+        .filter(|x| pids.contains(&x.pid))
+        .map(|x| x.bytes_unknown)
+        .sum();
+    assert_eq!(
+        unknown,
+        if with_bytes { 0 } else { posted },
+        "transfers whose bytes are unknown"
+    );
     if reads.handshakes {
         let d = diff(
             &expected_handshakes(truth),
@@ -303,6 +313,38 @@ fn assert_exact_on(report: &NixlReport, truth: &Truth, reads: Reads) {
             "background metadata loads"
         );
     }
+    // getXferTelemetry's refusals (the lab asks after each done transfer, as vLLM
+    // does), per agent and peer: seen at the path the agent derives.
+    let mut refused: BTreeMap<(u32, String, String), u64> = BTreeMap::new();
+    for x in truth
+        .transfers
+        .iter()
+        .filter(|x| x.telemetry_refused == Some(true))
+    {
+        let remote = if reads.requests {
+            x.remote.clone()
+        } else {
+            String::new()
+        };
+        *refused.entry((x.pid, x.local.clone(), remote)).or_default() += 1;
+    }
+    let mut traced_refused: BTreeMap<(u32, String, String), u64> = BTreeMap::new();
+    for c in report
+        .calls
+        .iter()
+        .filter(|c| pids.contains(&c.pid) && c.call == "getXferTelemetry")
+    {
+        assert_eq!(c.status, "ERR_NO_TELEMETRY", "{c:?}");
+        *traced_refused
+            .entry((c.pid, c.local_agent.clone(), c.remote_agent.clone()))
+            .or_default() += c.calls;
+    }
+    let d = diff(&refused, &traced_refused);
+    assert!(
+        d.is_empty(),
+        "getXferTelemetry refusals differ from the lab's truth:\n{}",
+        d.join("\n")
+    );
     let calls = &truth.summary.nixl_calls;
     for method in ["genNotif", "getNotifs", "registerMem", "deregisterMem"] {
         assert_eq!(
@@ -414,6 +456,11 @@ struct LabRun {
 
 impl LabRun {
     fn spawn(args: &[&str]) -> Self {
+        Self::spawn_with_env(args, &[])
+    }
+
+    /// With these variables set for the lab and its NIXL agents.
+    fn spawn_with_env(args: &[&str], env: &[(&str, &str)]) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let truth_path = dir.path().join("truth.json");
         let mut cmd = std::process::Command::new(kvscope_nixl_lab::lab_binary());
@@ -422,7 +469,8 @@ impl LabRun {
             .arg("--truth-out")
             .arg(&truth_path)
             .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::piped());
+            .stderr(std::process::Stdio::piped())
+            .envs(env.iter().copied());
         let lab = kvscope_lab::process::ManagedProcess::spawn_with_stdio("nixl-lab", cmd)
             .expect("the NIXL lab starts");
         Self {
@@ -632,12 +680,18 @@ async fn a_build_whose_offsets_cannot_be_derived_is_counted_without_bytes_and_sa
 async fn older_builds_are_traced_exactly_on_their_derived_offsets() {
     // The libraries of the 1.0.1, 1.3.2 and 1.4.1 wheels (scripts/setup), in no table:
     // each traced while the NIXL lab runs on it, every figure against its truth. 1.4.1
-    // fills its requests' byte counts always: read. The older two only when NIXL's
-    // telemetry is on (it is not here): not read, and said. Before 1.5, makeXferReq
-    // takes its op by reference (its std::vector overload, probed there). Handshakes are not
-    // compared: the lab (nixl-sys 1.5.1) cannot name some statuses older C APIs
-    // return, and nixlAgentData::loadRemoteMD is not exported before 1.5.
-    for (version, counts) in [("1.4.1", true), ("1.3.2", false), ("1.0.1", false)] {
+    // fills its requests' byte counts always: read. The older two only when the agent's
+    // NIXL telemetry is on: read then (the flag is read at each post), else each
+    // transfer's bytes counted as unknown. Before 1.5, makeXferReq takes its op by
+    // reference (its std::vector overload, probed there). Handshakes are not compared:
+    // the lab (nixl-sys 1.5.1) cannot name some statuses older C APIs return, and
+    // nixlAgentData::loadRemoteMD is not exported before 1.5.
+    for (version, telemetry, counts) in [
+        ("1.4.1", false, true),
+        ("1.3.2", true, true),
+        ("1.3.2", false, false),
+        ("1.0.1", true, true),
+    ] {
         let dir = support::older_nixl_lib_dir(version);
         let lib = dir.join("libnixl.so");
         let tracer = start_tracer(&tracer_config(vec![lib.clone()], false, None)).await;
@@ -648,15 +702,39 @@ async fn older_builds_are_traced_exactly_on_their_derived_offsets() {
         );
         let degraded = st.degraded.clone().unwrap_or_default();
         assert_eq!(
-            degraded.contains("bytes and descriptor counts are not read"),
-            !counts,
+            degraded.contains("only from agents whose NIXL telemetry is enabled"),
+            version != "1.4.1",
             "{version}: {degraded}"
         );
-        let truth = run_lab(&["--scenario", "mixed", "--lib-dir", dir.to_str().unwrap()]);
+        let env: &[(&str, &str)] = if telemetry {
+            &[("NIXL_TELEMETRY_ENABLE", "y")]
+        } else {
+            &[]
+        };
+        let truth = LabRun::spawn_with_env(
+            &["--scenario", "mixed", "--lib-dir", dir.to_str().unwrap()],
+            env,
+        )
+        .finish();
         assert_eq!(truth.nixl.libnixl, lib.display().to_string(), "{version}");
         let pids = truth_pids(&truth);
         let report = settle(&tracer, &pids, &truth).await;
-        eprintln!("{version}: {} transfers traced", truth.transfers.len());
+        eprintln!(
+            "{version} (telemetry {telemetry}): {} transfers traced",
+            truth.transfers.len()
+        );
+        // The lab asks each done transfer's telemetry: refused exactly where it is off
+        // (1.4.1 here too; the comparison below checks the probes saw each refusal).
+        let done: Vec<_> = truth
+            .transfers
+            .iter()
+            .filter(|x| x.outcome == TransferOutcome::Done)
+            .collect();
+        assert!(!done.is_empty(), "{version}");
+        assert!(
+            done.iter().all(|x| x.telemetry_refused == Some(!telemetry)),
+            "{version}: telemetry {telemetry}"
+        );
         assert_exact_on(
             &report,
             &truth,

@@ -109,3 +109,28 @@ int BPF_KRETPROBE(call_exit)
 	event_submit(e);
 	return 0;
 }
+
+/*
+ * getXferTelemetry's refusal of an agent whose telemetry is off (a site the agent
+ * derives from the library: the first instruction of the path that returns
+ * NIXL_ERR_NO_TELEMETRY, with `this` still in rdi and the request in rsi). vLLM asks for
+ * every transfer's telemetry and fails the transfer on this refusal, so a build or an
+ * agent without telemetry fails them all while NIXL's own statuses say SUCCESS. No entry
+ * is seen: no latency.
+ */
+SEC("uprobe")
+int BPF_KPROBE(xfer_telemetry_refused, void *self, void *req)
+{
+	note_agent((__u64)self);
+	struct nixl_event *e = event_reserve(EV_CALL);
+	if (!e)
+		return 0;
+	e->call = CALL_GET_XFER_TELEMETRY;
+	e->agent = (__u64)self;
+	e->req = (__u64)req;
+	e->status = NIXL_ERR_NO_TELEMETRY;
+	if (offsets_known && req)
+		read_std_string(e->name, (const char *)req + off_req_remote, &e->flags);
+	event_submit(e);
+	return 0;
+}

@@ -17,6 +17,7 @@
 #include "nixl_event.h"
 
 #define NIXL_IN_PROG 1
+#define NIXL_ERR_NO_TELEMETRY (-12)
 #define MAX_SUMMED_DESCS 256
 
 /*
@@ -32,7 +33,12 @@ const volatile __u64 off_req_remote = 0;     /* nixlXferReqH → std::string rem
 const volatile __u64 off_req_op = 0;         /* nixlXferReqH → nixl_xfer_op_t */
 const volatile __u64 off_req_bytes = 0;      /* nixlXferReqH → telemetry totalBytes */
 const volatile __u64 off_req_descs = 0;      /* nixlXferReqH → telemetry descCount */
-const volatile __u64 req_counts_known = 0;   /* the two above hold the transfer's */
+/* When the two above hold the transfer's: COUNTS_* (agent/src/nixl/offsets.rs, `Counts`) */
+const volatile __u64 req_counts_known = 0;
+#define COUNTS_NEVER 0
+#define COUNTS_ALWAYS 1
+#define COUNTS_WITH_TELEMETRY 2 /* when the byte at nixlAgentData + off_data_telemetry is set */
+const volatile __u64 off_data_telemetry = 0;
 const volatile __u64 off_req_notif = 0;      /* nixlXferReqH → std::string notifMsg */
 const volatile __u64 off_req_has_notif = 0;  /* nixlXferReqH → bool hasNotif */
 const volatile __u64 off_dlist_begin = 0;    /* nixlDescList → descriptors vector begin */

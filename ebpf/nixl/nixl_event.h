@@ -57,6 +57,7 @@ enum nixl_call {
 	CALL_MAKE_XFER_REQ = 13,
 	CALL_AGENT_CTOR = 14,
 	CALL_POST_XFER_REQ = 15,
+	CALL_GET_XFER_TELEMETRY = 16, /* only its refusals: NIXL_ERR_NO_TELEMETRY, no latency */
 };
 
 /* `flags` */
@@ -64,6 +65,7 @@ enum nixl_call {
 #define FLAG_NAME_TRUNCATED (1u << 1)
 #define FLAG_IN_FLIGHT (1u << 2)     /* released before a terminal status was seen */
 #define FLAG_BYTES_PARTIAL (1u << 3) /* more descriptors than the probe sums */
+#define FLAG_BYTES_UNKNOWN (1u << 4) /* a post whose request holds no byte count to read */
 
 struct nixl_event {
 	__u32 kind;

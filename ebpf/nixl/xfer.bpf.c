@@ -82,16 +82,39 @@ static __always_inline void win_string(char *dst, const __u8 *w, __u64 req, __u6
 	std_string_chars(dst, (const char *)data, len, flags);
 }
 
-static __always_inline void read_req_fields(struct nixl_event *e, __u64 req, const __u8 *w)
+/* Whether the request of a post by `agent` holds its byte and descriptor counts: on
+ * builds before 1.4, only when the agent's telemetry is enabled (a flag of its data). */
+static __always_inline int counts_held(__u64 agent)
 {
-	if (!w)
+	if (req_counts_known == COUNTS_ALWAYS)
+		return 1;
+	if (req_counts_known != COUNTS_WITH_TELEMETRY || !agent)
+		return 0;
+	__u64 data = 0;
+	__u8 enabled = 0;
+	if (bpf_probe_read_user(&data, sizeof(data), (const char *)agent + off_agent_data) != 0 ||
+	    !data)
+		return 0;
+	if (bpf_probe_read_user(&enabled, sizeof(enabled), (const char *)data + off_data_telemetry) != 0)
+		return 0;
+	return enabled != 0;
+}
+
+static __always_inline void read_req_fields(struct nixl_event *e, __u64 req, const __u8 *w,
+					    __u64 agent)
+{
+	if (!w) {
+		e->flags |= FLAG_BYTES_UNKNOWN;
 		return;
+	}
 	__s32 op;
 	__builtin_memcpy(&op, w + win_at(off_req_op), sizeof(op));
 	e->op = op;
-	if (req_counts_known) {
+	if (counts_held(agent)) {
 		e->bytes = win_u64(w, win_at(off_req_bytes));
 		e->descs = (__u32)win_u64(w, win_at(off_req_descs));
+	} else {
+		e->flags |= FLAG_BYTES_UNKNOWN;
 	}
 	win_string(e->name, w, req, off_req_remote, &e->flags);
 }
@@ -304,7 +327,7 @@ static __always_inline int xfer_posted(__s32 status)
 	e->req = c.req;
 	e->status = status;
 	e->latency_ns = e->ts_ns - c.ts_ns;
-	read_req_fields(e, c.req, w);
+	read_req_fields(e, c.req, w, c.agent);
 	event_submit(e);
 	return 0;
 }

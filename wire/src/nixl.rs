@@ -240,8 +240,13 @@ pub struct NixlTransferStats {
     /// `nixl_status_t` name (`SUCCESS`, `ERR_NOT_FOUND`, ...).
     pub status: String,
     pub transfers: u64,
-    /// Bytes of these transfers (0 when the build's offsets are unknown).
+    /// Bytes of these transfers whose bytes were read.
     pub bytes: u64,
+    /// Of `transfers`, those whose bytes were not read (not in `bytes`): the build's
+    /// offsets are unknown, or its requests hold no byte count for them (NIXL before
+    /// 1.4 with the agent's telemetry off).
+    #[serde(default)]
+    pub bytes_unknown: u64,
     pub descriptors: u64,
     /// Post → terminal status, for `complete`.
     pub latency: LatencySummary,
@@ -390,10 +395,15 @@ pub struct NixlPair {
     pub transfers_ok: BTreeMap<String, u64>,
     /// Transfers that failed (at create, post or completion) or were released in flight.
     pub transfers_failed: u64,
+    /// Bytes of successful transfers, where they were read.
     pub bytes_ok: u64,
+    /// Successful transfers whose bytes were not read (`NixlTransferStats::bytes_unknown`).
+    #[serde(default)]
+    pub ok_bytes_unknown: u64,
     /// Post → done of successful transfers.
     pub latency: MergedLatency,
-    /// Bytes of successful transfers over the sum of their post → done times.
+    /// Bytes of successful transfers over the sum of their post → done times, over
+    /// the transfers whose bytes were read (None when none were).
     pub bandwidth_bytes_per_second: Option<f64>,
     pub handshakes_ok: u64,
     pub handshakes_failed: u64,

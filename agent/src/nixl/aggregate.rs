@@ -49,6 +49,8 @@ struct Tally {
     count: u64,
     bytes: u64,
     descs: u64,
+    /// Of `count`, transfers whose bytes were not read (counted as 0 in `bytes`).
+    bytes_unknown: u64,
     latency: Histogram<u64>,
     sum_ns: u64,
     max_ns: u64,
@@ -60,6 +62,7 @@ impl Tally {
             count: 0,
             bytes: 0,
             descs: 0,
+            bytes_unknown: 0,
             // 1 ns .. 1 hour at 3 significant digits; values above saturate.
             latency: Histogram::new_with_bounds(1, 3_600_000_000_000, 3)
                 .expect("static histogram bounds are valid"),
@@ -68,12 +71,20 @@ impl Tally {
         }
     }
 
-    fn add(&mut self, bytes: u64, descs: u64, latency_ns: Option<u64>) {
+    fn add(&mut self, bytes: Option<u64>, descs: u64, latency_ns: Option<u64>) {
         // Bytes and descriptors are read from the traced process's memory: a wrong
         // value must not stop the agent, so sums saturate.
         self.count += 1;
+        let Some(bytes) = bytes else {
+            self.bytes_unknown += 1;
+            return self.add_latency(latency_ns);
+        };
         self.bytes = self.bytes.saturating_add(bytes);
         self.descs = self.descs.saturating_add(descs);
+        self.add_latency(latency_ns);
+    }
+
+    fn add_latency(&mut self, latency_ns: Option<u64>) {
         if let Some(ns) = latency_ns {
             self.latency.saturating_record(ns.max(1));
             self.sum_ns += ns;
@@ -86,6 +97,7 @@ impl Tally {
         self.count += other.count;
         self.bytes = self.bytes.saturating_add(other.bytes);
         self.descs = self.descs.saturating_add(other.descs);
+        self.bytes_unknown += other.bytes_unknown;
         self.latency
             .add(&other.latency)
             .expect("every tally's histogram has the same bounds");
@@ -143,6 +155,8 @@ struct RequestInfo {
     op: Option<i32>,
     bytes: u64,
     descs: u64,
+    /// Its post could not read its byte count (`flags::BYTES_UNKNOWN`).
+    bytes_unknown: bool,
     /// Posted and in progress: a terminal status is due.
     awaiting: bool,
     /// When it was posted (the probes' clock, CLOCK_MONOTONIC ns).
@@ -169,7 +183,8 @@ pub struct Observed<'a> {
     pub remote: &'a str,
     pub what: ObservedKind,
     pub status: i32,
-    pub bytes: u64,
+    /// None: not read (`NixlTransferStats::bytes_unknown`).
+    pub bytes: Option<u64>,
     /// Post → terminal status for a transfer, entry → return for a call.
     pub latency_ns: Option<u64>,
     /// The probe's clock (`bpf_ktime_get_ns`) when it saw the end.
@@ -243,11 +258,13 @@ impl NixlAggregator {
             status: e.status,
         };
         let latency = (stage == XferStage::Complete).then_some(e.latency_ns);
+        // A failed creation moved nothing; a posted transfer moved what its request
+        // says, when it could be read.
         let (bytes, descs) = match stage {
             XferStage::Complete | XferStage::Post | XferStage::ReleasedInFlight => {
-                (info.bytes, info.descs)
+                (Some(info.bytes).filter(|_| !info.bytes_unknown), info.descs)
             }
-            XferStage::Create => (0, 0),
+            XferStage::Create => (Some(0), 0),
         };
         self.transfers
             .entry(key)
@@ -266,7 +283,7 @@ impl NixlAggregator {
                     rid,
                     &info.local,
                     &info.remote,
-                    ok.then_some((bytes, e.latency_ns)),
+                    ok.then_some((bytes.unwrap_or(0), e.latency_ns)),
                     e.ts_ns,
                 );
             }
@@ -384,6 +401,7 @@ impl NixlAggregator {
                         info.remote = e.name.clone();
                     }
                 }
+                info.bytes_unknown = e.flags & flags::BYTES_UNKNOWN != 0;
                 info.awaiting = e.status == 1;
                 info.posted_ns = e.ts_ns;
                 let info = info.clone();
@@ -437,10 +455,12 @@ impl NixlAggregator {
                     call,
                     status: e.status,
                 };
+                // A call seen only at a site (no entry) has no latency.
+                let latency = (e.latency_ns > 0).then_some(e.latency_ns);
                 self.calls.entry(key).or_insert_with(Tally::new).add(
-                    e.bytes,
+                    Some(e.bytes),
                     u64::from(e.descs),
-                    Some(e.latency_ns),
+                    latency,
                 );
                 observe(Observed {
                     pid,
@@ -448,8 +468,8 @@ impl NixlAggregator {
                     remote: &e.name,
                     what: ObservedKind::Call(call),
                     status: e.status,
-                    bytes: e.bytes,
-                    latency_ns: Some(e.latency_ns),
+                    bytes: Some(e.bytes),
+                    latency_ns: latency,
                     ts_ns: e.ts_ns,
                     notif: None,
                     request_id: None,
@@ -498,6 +518,7 @@ impl NixlAggregator {
                     status: status_name(k.status).to_string(),
                     transfers: t.count,
                     bytes: t.bytes,
+                    bytes_unknown: t.bytes_unknown,
                     descriptors: t.descs,
                     latency: t.summary(),
                 })
@@ -669,7 +690,7 @@ mod tests {
                 1 => x % 20_000_000_000,
                 _ => x % 100_000,
             };
-            t.add(0, 0, Some(v));
+            t.add(Some(0), 0, Some(v));
         }
         let h = &t.latency;
         let slow: Vec<u64> = LATENCY_BOUNDS_NS

@@ -36,7 +36,7 @@ use iced_x86::{
     Mnemonic, OpAccess, OpKind, Register,
 };
 
-use super::offsets::{NixlOffsets, REQ_WINDOW};
+use super::offsets::{Counts, NixlOffsets, REQ_WINDOW};
 
 /// The methods read, by the prefix of their mangled names.
 pub const TELEMETRY: &str = "_ZNK9nixlAgent16getXferTelemetryE";
@@ -71,11 +71,30 @@ pub struct Field {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Derivation {
     pub fields: Vec<Field>,
-    /// Why the request's byte and descriptor counts are not read although their
-    /// offsets are known: older builds fill them in `createXferReq` only when the
-    /// agent's telemetry is enabled (else they hold whatever the allocator left).
-    pub counts_unset: Option<String>,
+    /// When the request's byte and descriptor counts hold the transfer's: builds
+    /// before 1.4 fill them in `createXferReq` only while the agent's telemetry is
+    /// enabled (else they hold whatever the allocator left).
+    pub counts: Counts,
+    /// The instructions that say so, or why they are never read.
+    pub counts_because: String,
+    /// Where `getXferTelemetry` refuses an agent whose telemetry is off, or why it
+    /// was not found.
+    pub telemetry_refused: Result<RefusedSite, String>,
 }
+
+/// The first instruction of the path on which `getXferTelemetry` returns
+/// `NIXL_ERR_NO_TELEMETRY`: entered only when the agent's telemetry is off (vLLM asks for
+/// every transfer's telemetry; a build or agent without it fails them all). `rdi` holds
+/// the agent and `rsi` the request there.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RefusedSite {
+    /// Its virtual address (often in the method's cold part, outside its symbol).
+    pub address: u64,
+    pub evidence: Vec<String>,
+}
+
+/// `NIXL_ERR_NO_TELEMETRY`.
+const ERR_NO_TELEMETRY: i32 = -12;
 
 impl Derivation {
     /// The offsets, when every field was derived and the request's fields fit the
@@ -117,7 +136,7 @@ impl Derivation {
             desc_stride: v("desc_stride"),
             desc_len: v("desc_len"),
             req_status: v("req_status"),
-            counts_read: self.counts_unset.is_none(),
+            counts: self.counts,
             sites: None,
         };
         let (_, len) = o.req_window();
@@ -151,16 +170,42 @@ impl Derivation {
                 s.push_str(&format!("{:<14}   {e}\n", ""));
             }
         }
-        if let Some(why) = &self.counts_unset {
-            s.push_str(&format!("\nreq_bytes and req_descs are not read: {why}\n"));
+        match &self.telemetry_refused {
+            Ok(site) => {
+                s.push_str(&format!(
+                    "\ngetXferTelemetry refuses agents without telemetry at {:#x}:\n",
+                    site.address
+                ));
+                for e in &site.evidence {
+                    s.push_str(&format!("{:<14}   {e}\n", ""));
+                }
+            }
+            Err(why) => s.push_str(&format!(
+                "\ngetXferTelemetry's refusals are not counted: {why}\n"
+            )),
         }
+        s.push_str(&format!(
+            "\nreq_bytes and req_descs are read {}: {}\n",
+            match self.counts {
+                Counts::Always => "on every post".to_string(),
+                Counts::WithTelemetry { data_flag } => format!(
+                    "when the agent's telemetry is enabled (the byte at nixlAgentData+\
+                     {data_flag:#x}); else the transfer's bytes are counted as unknown"
+                ),
+                Counts::Never => "never; every transfer's bytes are counted as unknown".into(),
+            },
+            self.counts_because
+        ));
         s
     }
 }
 
 /// Derive every field from the methods `code` finds (None: the build does not export
-/// it).
-pub fn derive<'a>(code: &dyn Fn(&'static str) -> Option<MethodCode<'a>>) -> Derivation {
+/// it); `code_at` gives the bytes at a virtual address (a jump's target outside them).
+pub fn derive<'a>(
+    code: &dyn Fn(&'static str) -> Option<MethodCode<'a>>,
+    code_at: &dyn Fn(u64) -> Option<MethodCode<'a>>,
+) -> Derivation {
     let runs: HashMap<&str, Option<Run>> = METHODS
         .iter()
         .map(|m| (*m, code(m).map(|c| Run::of(short_name(m), c))))
@@ -243,56 +288,207 @@ pub fn derive<'a>(code: &dyn Fn(&'static str) -> Option<MethodCode<'a>>) -> Deri
             "neither getXferTelemetry, postXferReq nor getXferStatus names it",
         ),
     );
-    let counts_unset = match (&telemetry, run(CREATE)) {
-        (Ok(Telemetry { bytes: Ok(b), .. }), Ok(create)) => counts_gate(create, b.value),
-        (_, Err(why)) => Some(why),
-        _ => None,
+    let agent_data = fields
+        .iter()
+        .find(|f| f.name == "agent_data")
+        .and_then(|f| f.value);
+    let (counts, counts_because) = match (&telemetry, run(CREATE)) {
+        (Ok(Telemetry { bytes: Ok(b), .. }), Ok(create)) => {
+            counts_filled(create, b.value, agent_data)
+        }
+        (_, Err(why)) => (Counts::Never, why),
+        (Err(why), _) => (Counts::Never, why.clone()),
+        (
+            Ok(Telemetry {
+                bytes: Err(why), ..
+            }),
+            _,
+        ) => (Counts::Never, why.clone()),
+    };
+    let telemetry_refused = run(TELEMETRY).and_then(|r| refused_site(r, agent_data, code_at));
+    // The same flag gates getXferTelemetry: a second instruction naming it.
+    let counts_because = match (&counts, &telemetry_refused) {
+        (Counts::WithTelemetry { data_flag }, Ok(site)) if site.flag == Some(*data_flag) => {
+            format!(
+                "{counts_because}; the same flag gates `{}`",
+                site.site.evidence[0]
+            )
+        }
+        _ => counts_because,
     };
     Derivation {
         fields,
-        counts_unset,
+        counts,
+        counts_because,
+        telemetry_refused: telemetry_refused.map(|s| s.site),
     }
 }
 
-/// Whether `createXferReq` fills the byte count at `bytes` only on some paths: a
-/// conditional jump at most 8 instructions before a store there that skips it (the
-/// telemetry switch of builds before 1.4), or no store there at all. None when every
-/// store is on the straight path.
-fn counts_gate(run: &Run, bytes: u64) -> Option<String> {
+struct Refused {
+    site: RefusedSite,
+    /// The byte of the agent's data the jump tested, when it was one byte.
+    flag: Option<u64>,
+}
+
+/// `getXferTelemetry`'s first conditional jump on a field of the agent's data, taken
+/// with `this` and the request still in `rdi` and `rsi`, to a block that returns
+/// `NIXL_ERR_NO_TELEMETRY` (after a log call, before any other return or jump).
+fn refused_site<'a>(
+    run: &Run,
+    agent_data: Option<u64>,
+    code_at: &dyn Fn(u64) -> Option<MethodCode<'a>>,
+) -> Result<Refused, String> {
+    let (test, jump, flag) = run
+        .steps
+        .iter()
+        .enumerate()
+        .find_map(|(j, s)| {
+            s.cond_target?;
+            let test = &run.steps[j.checked_sub(1)?];
+            test.seen.iter().find_map(|seen| match seen {
+                Seen::Read {
+                    at: Loc::Deref { arg: 0, off, disp },
+                    size,
+                } if offset(*off) == agent_data => {
+                    Some((test, s, (*size == 1).then(|| offset(*disp)).flatten()))
+                }
+                _ => None,
+            })
+        })
+        .ok_or("getXferTelemetry tests no field of the agent's data")?;
+    let target = jump.cond_target.unwrap_or_default();
+    if !jump.first_args_held {
+        return Err(format!(
+            "`{}`: the agent and request are no longer in rdi and rsi there",
+            jump.evidence
+        ));
+    }
+    let code = code_at(target)
+        .ok_or_else(|| format!("`{}` jumps outside the library's code", jump.evidence))?;
+    let mut decoder = Decoder::with_ip(64, code.bytes, code.address, DecoderOptions::NONE);
+    let mut formatter = GasFormatter::new();
+    formatter.options_mut().set_uppercase_hex(false);
+    let mut ins = Instruction::default();
+    for _ in 0..64 {
+        if !decoder.can_decode() {
+            break;
+        }
+        decoder.decode_out(&mut ins);
+        let m = ins.mnemonic();
+        if ins.is_invalid() || matches!(m, Mnemonic::Ret | Mnemonic::Jmp) {
+            break;
+        }
+        if m == Mnemonic::Mov
+            && ins.op_count() == 2
+            && ins.op0_kind() == OpKind::Register
+            && ins.op0_register() == Register::EAX
+            && is_immediate(ins.op1_kind())
+            && ins.immediate(1) as u32 as i32 == ERR_NO_TELEMETRY
+        {
+            let mut text = String::new();
+            formatter.format(&ins, &mut text);
+            return Ok(Refused {
+                site: RefusedSite {
+                    address: target,
+                    evidence: vec![
+                        test.evidence.clone(),
+                        jump.evidence.clone(),
+                        format!("{target:#x}+{:#x}: {text}", ins.ip() - target),
+                    ],
+                },
+                flag,
+            });
+        }
+    }
+    Err(format!(
+        "the path `{}` takes returns no NIXL_ERR_NO_TELEMETRY",
+        jump.evidence
+    ))
+}
+
+/// When `createXferReq` fills the byte count at `bytes`: on its straight path (always),
+/// or on a path a conditional jump on a byte of the agent's data takes or skips — the
+/// telemetry switch of builds before 1.4 (`mov (this),data; cmpb $0,F(data); je` over
+/// the store, or `jne` to a block holding it) — or nowhere.
+fn counts_filled(run: &Run, bytes: u64, agent_data: Option<u64>) -> (Counts, String) {
+    // 8-byte stores, or 16-byte ones of the bytes and descriptors together (1.0).
     let stores: Vec<usize> = run
         .steps
         .iter()
         .enumerate()
         .filter(|(_, s)| {
             s.store.is_some_and(|(base, disp, size)| {
-                size == 8
+                size >= 8
                     && !matches!(base, Register::RSP | Register::RBP | Register::RIP)
-                    && offset(disp) == Some(bytes)
+                    && offset(disp).is_some_and(|d| d <= bytes && bytes < d + size as u64)
             })
         })
         .map(|(i, _)| i)
         .collect();
     if stores.is_empty() {
-        return Some(format!(
-            "createXferReq stores no byte count at the request's {bytes:#x}"
-        ));
+        return (
+            Counts::Never,
+            format!("createXferReq stores no byte count at the request's {bytes:#x}"),
+        );
     }
-    for i in stores {
-        let ip = run.steps[i].ip;
-        let skip = run.steps[i.saturating_sub(8)..i]
+    // The byte of the agent's data a jump's condition was read from, and its evidence.
+    let flag_of = |jump: usize| -> Option<(u64, String)> {
+        run.steps[jump.saturating_sub(2)..jump]
             .iter()
             .rev()
-            .find(|s| s.cond_target.is_some_and(|t| t > ip));
-        if let Some(jump) = skip {
-            return Some(format!(
-                "createXferReq fills the byte and descriptor counts only on some paths \
-                 (`{}` skips `{}`): a build that fills them only when the agent's \
-                 telemetry is enabled",
-                jump.evidence, run.steps[i].evidence
-            ));
-        }
+            .find_map(|s| {
+                s.seen.iter().find_map(|seen| match seen {
+                    Seen::Read {
+                        at: Loc::Deref { arg: 0, off, disp },
+                        size: 1,
+                    } if offset(*off) == agent_data => Some((offset(*disp)?, s.evidence.clone())),
+                    _ => None,
+                })
+            })
+    };
+    for &i in &stores {
+        let ip = run.steps[i].ip;
+        let block = run.steps[i.saturating_sub(8)].ip;
+        let skips = (i.saturating_sub(8)..i)
+            .rev()
+            .find(|&j| run.steps[j].cond_target.is_some_and(|t| t > ip));
+        // A jump from before to the few instructions that end in the store.
+        let leads_to = || {
+            run.steps[..i.saturating_sub(8)]
+                .iter()
+                .position(|s| s.cond_target.is_some_and(|t| block <= t && t <= ip))
+                .filter(|&j| flag_of(j).is_some())
+        };
+        let Some(jump) = skips.or_else(leads_to) else {
+            continue;
+        };
+        let gate = format!(
+            "`{}` {} `{}`",
+            run.steps[jump].evidence,
+            if skips.is_some() { "skips" } else { "leads to" },
+            run.steps[i].evidence
+        );
+        return match flag_of(jump) {
+            Some((flag, read)) => (
+                Counts::WithTelemetry { data_flag: flag },
+                format!("createXferReq fills them only when `{read}` finds the flag set ({gate})"),
+            ),
+            None => (
+                Counts::Never,
+                format!(
+                    "createXferReq fills them only on some paths ({gate}), on a condition \
+                     that is not a flag of the agent's data"
+                ),
+            ),
+        };
     }
-    None
+    (
+        Counts::Always,
+        format!(
+            "createXferReq fills them on its straight path (`{}`)",
+            run.steps[stores[0]].evidence
+        ),
+    )
 }
 
 /// The method's name as the evidence shows it.
@@ -776,6 +972,8 @@ struct Step {
     seen: Vec<Seen>,
     /// For a call: the steps that set each argument register.
     arg_origins: [Option<usize>; 6],
+    /// `rdi` and `rsi` still hold the first two arguments before this instruction.
+    first_args_held: bool,
 }
 
 /// One method run symbolically.
@@ -824,9 +1022,19 @@ impl Run {
             formatter.format(&ins, &mut text);
             let evidence = format!("{name}+{:#x}: {text}", ins.ip().wrapping_sub(code.address));
             let index = steps.len();
+            let held = |r: Register, arg: u8| {
+                gpr(r).and_then(|g| state.gpr[g]).map(|(s, _)| s) == Some(Sym::Addr { arg, off: 0 })
+            };
+            let first_args_held = held(Register::RDI, 0) && held(Register::RSI, 1);
             let (seen, arg_origins) = step(&mut state, &ins, index, &mut info);
-            let store = (ins.mnemonic() == Mnemonic::Mov
-                && ins.op_count() == 2
+            let store = (matches!(
+                ins.mnemonic(),
+                Mnemonic::Mov
+                    | Mnemonic::Movups
+                    | Mnemonic::Movdqu
+                    | Mnemonic::Movaps
+                    | Mnemonic::Movdqa
+            ) && ins.op_count() == 2
                 && ins.op0_kind() == OpKind::Memory
                 && ins.memory_index() == Register::None)
                 .then(|| {
@@ -844,6 +1052,7 @@ impl Run {
                 evidence,
                 seen,
                 arg_origins,
+                first_args_held,
             });
             // A method ends at its last ret or jump out; what follows is padding or the
             // next function, which the symbol's size already excludes.
@@ -1179,18 +1388,17 @@ mod tests {
                     x as u8
                 })
                 .collect();
-            let d = derive(&|_| {
-                Some(MethodCode {
-                    address: 0x1000,
-                    bytes: &bytes,
-                })
-            });
+            let code = MethodCode {
+                address: 0x1000,
+                bytes: &bytes,
+            };
+            let d = derive(&|_| Some(code), &|_| Some(code));
             assert_eq!(d.fields.len(), 12);
             let _ = d.offsets();
             assert!(!d.report().is_empty());
         }
         // No method at all: every field unknown, each with its reason.
-        let d = derive(&|_| None);
+        let d = derive(&|_| None, &|_| None);
         let why = d.offsets().unwrap_err();
         assert!(why.contains("not exported"), "{why}");
         assert!(d.fields.iter().all(|f| f.unknown_because.is_some()));

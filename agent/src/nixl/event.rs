@@ -57,10 +57,12 @@ pub enum NixlCall {
     MakeXferReq = 13,
     AgentCtor = 14,
     PostXferReq = 15,
+    /// Only its refusals of an agent without telemetry (a derived site: no latency).
+    GetXferTelemetry = 16,
 }
 
 impl NixlCall {
-    pub const ALL: [NixlCall; 15] = [
+    pub const ALL: [NixlCall; 16] = [
         Self::LoadRemoteMd,
         Self::LoadRemoteMdAsync,
         Self::FetchRemoteMd,
@@ -76,6 +78,7 @@ impl NixlCall {
         Self::MakeXferReq,
         Self::AgentCtor,
         Self::PostXferReq,
+        Self::GetXferTelemetry,
     ];
 
     pub fn from_raw(v: u32) -> Option<Self> {
@@ -100,13 +103,15 @@ impl NixlCall {
             Self::MakeXferReq => "makeXferReq",
             Self::AgentCtor => "nixlAgent",
             Self::PostXferReq => "postXferReq",
+            Self::GetXferTelemetry => "getXferTelemetry",
         }
     }
 }
 
-/// `nixl_status_t` as a label.
-pub fn status_name(status: i32) -> &'static str {
-    match status {
+/// `nixl_status_t` as a label. A code this list does not name (one a newer NIXL added)
+/// keeps its number (`ERR_CODE_13` for -13), so no two statuses share a series.
+pub fn status_name(status: i32) -> std::borrow::Cow<'static, str> {
+    std::borrow::Cow::Borrowed(match status {
         1 => "IN_PROG",
         0 => "SUCCESS",
         -1 => "ERR_NOT_POSTED",
@@ -121,8 +126,9 @@ pub fn status_name(status: i32) -> &'static str {
         -10 => "ERR_REMOTE_DISCONNECT",
         -11 => "ERR_CANCELED",
         -12 => "ERR_NO_TELEMETRY",
-        _ => "ERR_OTHER",
-    }
+        s if s < 0 => return format!("ERR_CODE_{}", s.unsigned_abs()).into(),
+        s => return format!("STATUS_{s}").into(),
+    })
 }
 
 /// `flags` bits.
@@ -131,6 +137,8 @@ pub mod flags {
     pub const NAME_TRUNCATED: u32 = 1 << 1;
     pub const IN_FLIGHT: u32 = 1 << 2;
     pub const BYTES_PARTIAL: u32 = 1 << 3;
+    /// A post whose request holds no byte count the probes could read.
+    pub const BYTES_UNKNOWN: u32 = 1 << 4;
 }
 
 /// One decoded `struct nixl_event`.
@@ -381,6 +389,7 @@ mod tests {
             (NixlCall::MakeXferReq, "CALL_MAKE_XFER_REQ"),
             (NixlCall::AgentCtor, "CALL_AGENT_CTOR"),
             (NixlCall::PostXferReq, "CALL_POST_XFER_REQ"),
+            (NixlCall::GetXferTelemetry, "CALL_GET_XFER_TELEMETRY"),
         ] {
             assert_eq!(c as u32, enum_value(name), "{name}");
         }
@@ -396,6 +405,29 @@ mod tests {
         ] {
             assert_eq!(EventKind::from_raw(enum_value(name)), Some(k), "{name}");
         }
+        for (bit, name) in [
+            (flags::OFFSETS_KNOWN, "FLAG_OFFSETS_KNOWN"),
+            (flags::NAME_TRUNCATED, "FLAG_NAME_TRUNCATED"),
+            (flags::IN_FLIGHT, "FLAG_IN_FLIGHT"),
+            (flags::BYTES_PARTIAL, "FLAG_BYTES_PARTIAL"),
+            (flags::BYTES_UNKNOWN, "FLAG_BYTES_UNKNOWN"),
+        ] {
+            let shift = bit.trailing_zeros();
+            assert!(
+                HEADER.contains(&format!("#define {name} (1u << {shift})")),
+                "{name}"
+            );
+        }
+    }
+
+    #[test]
+    fn statuses_a_newer_nixl_added_keep_their_code() {
+        assert_eq!(status_name(-4), "ERR_NOT_FOUND");
+        assert_eq!(status_name(-12), "ERR_NO_TELEMETRY");
+        assert_eq!(status_name(-13), "ERR_CODE_13");
+        assert_eq!(status_name(-14), "ERR_CODE_14");
+        assert_eq!(status_name(2), "STATUS_2");
+        assert_eq!(status_name(i32::MIN), "ERR_CODE_2147483648");
     }
 
     #[test]

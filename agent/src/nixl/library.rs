@@ -17,6 +17,8 @@ pub enum ProbeSide {
     Return,
     /// At one instruction inside the method, from the build's [`TransferSites`].
     Site(SiteName),
+    /// At one instruction the derivation found ([`Derivation`]).
+    Derived,
 }
 
 /// The completion sites, by name.
@@ -138,6 +140,17 @@ pub const SITE_PROBES: &[ProbeSpec] = &[
     site("xfer_status_stale", SiteName::StatusStale, None),
     site("xfer_released_in_flight", SiteName::ReleasedInFlight, None),
 ];
+
+/// At the first instruction of `getXferTelemetry`'s refusal of an agent without
+/// telemetry, where the derivation found it (`derive::RefusedSite`); runs only on
+/// that path.
+pub const TELEMETRY_REFUSED: ProbeSpec = probe(
+    "xfer_telemetry_refused",
+    ProbeSide::Derived,
+    derive::TELEMETRY,
+    Some(NixlCall::GetXferTelemetry),
+    false,
+);
 
 /// Every probe, entry and return.
 pub const PROBES: &[ProbeSpec] = &[
@@ -509,7 +522,27 @@ impl NixlLibrary {
                 bytes,
             })
         };
-        let derivation = derived_once(&build_id, || derive::derive(&code));
+        // The file offset of a virtual address, and the section's bytes from there.
+        let in_file = |address: u64| -> Option<(u64, &[u8])> {
+            file.sections().find_map(|section| {
+                let into = address.checked_sub(section.address())?;
+                let (offset, size) = section.file_range()?;
+                (into < size).then_some(())?;
+                let at = offset.checked_add(into)?;
+                let end = offset.checked_add(size)?;
+                let bytes = data.get(usize::try_from(at).ok()?..usize::try_from(end).ok()?)?;
+                Some((at, bytes))
+            })
+        };
+        // A jump target's code (at most 4 KiB of it).
+        let code_at = |address: u64| -> Option<MethodCode<'_>> {
+            let (_, bytes) = in_file(address)?;
+            Some(MethodCode {
+                address,
+                bytes: &bytes[..bytes.len().min(4096)],
+            })
+        };
+        let derivation = derived_once(&build_id, || derive::derive(&code, &code_at));
         let derived = derivation.offsets().ok();
         // Completion sites are still read from the table, for the builds it holds; they
         // need the offsets (their probes read the request).
@@ -558,6 +591,20 @@ impl NixlLibrary {
         // A method replaced by its older form, probed instead, is not missing.
         missing.retain(|m| !probes.iter().any(|p| p.spec.unless_exported == Some(*m)));
         probes.extend(site_probes.unwrap_or_default());
+        // getXferTelemetry's refusals, where the derivation found their path.
+        if let Some(file_offset) = derivation
+            .telemetry_refused
+            .as_ref()
+            .ok()
+            .and_then(|site| in_file(site.address))
+            .map(|(at, _)| at)
+        {
+            probes.push(ResolvedProbe {
+                spec: TELEMETRY_REFUSED,
+                file_offset,
+                cookie: None,
+            });
+        }
         Ok(Self {
             path: path.to_owned(),
             build_id,
@@ -645,9 +692,9 @@ mod tests {
             include_str!("../../../ebpf/nixl/calls.bpf.c"),
         ]
         .concat();
-        for p in PROBES.iter().chain(SITE_PROBES) {
+        for p in PROBES.iter().chain(SITE_PROBES).chain([&TELEMETRY_REFUSED]) {
             let decl = match p.side {
-                ProbeSide::Entry => format!("BPF_KPROBE({},", p.program),
+                ProbeSide::Entry | ProbeSide::Derived => format!("BPF_KPROBE({},", p.program),
                 ProbeSide::Site(_) => format!("BPF_KPROBE({})", p.program),
                 ProbeSide::Return => format!("BPF_KRETPROBE({})", p.program),
             };

@@ -52,12 +52,36 @@ pub struct NixlOffsets {
     /// `nixlXferReqH` → `nixl_status_t status` (what `getXferStatus` returns once the
     /// transfer is done).
     pub req_status: u64,
-    /// Whether the request's byte and descriptor counts hold the transfer's (builds
-    /// before 1.4 fill them only when the agent's telemetry is enabled): else they are
-    /// not read, and bytes and descriptors are unknown.
-    pub counts_read: bool,
+    /// When the request's byte and descriptor counts hold the transfer's.
+    pub counts: Counts,
     /// The build's completion sites, or None: then the status-call probes are used.
     pub sites: Option<TransferSites>,
+}
+
+/// When a request's byte and descriptor counts hold its transfer's: where they do not,
+/// a post says its bytes are unknown (counted, `FLAG_BYTES_UNKNOWN`) instead of reading
+/// whatever the allocator left there.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Counts {
+    /// Every request's (1.4 and later fill them on every creation).
+    Always,
+    /// Those made while the agent's telemetry is enabled (builds before 1.4 fill them
+    /// only then; vLLM enables it): the flag is the byte at `data_flag` of the agent's
+    /// `nixlAgentData`, read at each post.
+    WithTelemetry { data_flag: u64 },
+    /// None: bytes and descriptors are unknown.
+    Never,
+}
+
+impl Counts {
+    /// `req_counts_known` and `off_data_telemetry` of `ebpf/nixl/common.h`.
+    fn globals(self) -> (u64, u64) {
+        match self {
+            Counts::Never => (0, 0),
+            Counts::Always => (1, 0),
+            Counts::WithTelemetry { data_flag } => (2, data_flag),
+        }
+    }
 }
 
 /// Where a completion site finds a value: a register, or a slot of the method's frame
@@ -234,7 +258,7 @@ pub const KNOWN_BUILDS: &[(&str, NixlOffsets)] = &[(
         desc_stride: 0x38,
         desc_len: 0x8,
         req_status: 0xb8,
-        counts_read: true,
+        counts: Counts::Always,
         sites: Some(TransferSites {
             // Each failure's first instruction, in the method's cold part (the hot
             // branch's target); no successful call runs any of them. Before the request
@@ -440,7 +464,7 @@ impl NixlOffsets {
     pub fn globals(
         offsets: Option<&NixlOffsets>,
         sites_attached: bool,
-    ) -> [(&'static str, u64); 27] {
+    ) -> [(&'static str, u64); 28] {
         let o = offsets.copied().unwrap_or(NixlOffsets {
             version: "",
             agent_data: 0,
@@ -455,7 +479,7 @@ impl NixlOffsets {
             desc_stride: 0,
             desc_len: 0,
             req_status: 0,
-            counts_read: false,
+            counts: Counts::Never,
             sites: None,
         });
         let window = offsets.map_or((0, 0), NixlOffsets::req_window);
@@ -478,7 +502,8 @@ impl NixlOffsets {
             ("desc_stride", o.desc_stride),
             ("off_desc_len", o.desc_len),
             ("off_req_status", o.req_status),
-            ("req_counts_known", u64::from(o.counts_read)),
+            ("req_counts_known", o.counts.globals().0),
+            ("off_data_telemetry", o.counts.globals().1),
             ("off_req_window", window.0),
             ("req_window_len", window.1),
             ("site_create_agent", site(|s| s.create_args.agent)),

@@ -49,8 +49,10 @@ impl NixlSpans {
             attr_str("nixl.remote_agent", o.remote),
             attr_str("nixl.status", super::event::status_name(o.status)),
             attr_int("nixl.status_code", o.status),
-            attr_int("nixl.bytes", o.bytes),
         ];
+        if let Some(bytes) = o.bytes {
+            attributes.push(attr_int("nixl.bytes", bytes));
+        }
         let failed = match o.what {
             ObservedKind::Transfer { op, stage } => {
                 attributes.push(attr_str("nixl.op", op));
@@ -69,7 +71,7 @@ impl NixlSpans {
                 ObservedKind::Transfer {
                     stage: XferStage::ReleasedInFlight,
                     ..
-                } => "released_in_flight",
+                } => "released_in_flight".into(),
                 _ => super::event::status_name(o.status),
             };
             attributes.push(attr_str("error.type", kind));

@@ -6,6 +6,7 @@ use super::aggregate::NixlAggregator;
 use super::discovery::{self, FileId};
 use super::event::NixlEvent;
 use super::library::NixlLibrary;
+use super::offsets::Counts;
 use super::probes::{self, AttachScope, LoadedProbes};
 use super::spans::NixlSpans;
 use aya::maps::{MapData, RingBuf};
@@ -126,10 +127,19 @@ fn degraded_reason(lib: &NixlLibrary, offsets_known: bool) -> Option<String> {
             lib.path.display()
         ));
     }
-    if let Some(why) = lib.offsets.and(lib.derivation.counts_unset.as_ref()) {
-        reasons.push(format!(
-            "bytes and descriptor counts are not read: {why}; every other figure is exact"
-        ));
+    match lib.offsets.map(|o| o.counts) {
+        Some(Counts::Never) => reasons.push(format!(
+            "bytes and descriptor counts are not read ({}): each transfer's bytes are \
+             counted as unknown; every other figure is exact",
+            lib.derivation.counts_because
+        )),
+        Some(Counts::WithTelemetry { .. }) => reasons.push(format!(
+            "bytes and descriptor counts are read only from agents whose NIXL telemetry is \
+             enabled (NIXL_TELEMETRY_ENABLE=y, or the agent's config; {}): other \
+             transfers' bytes are counted as unknown; every other figure is exact",
+            lib.derivation.counts_because
+        )),
+        _ => {}
     }
     if let Some(why) = &lib.sites_refused {
         reasons.push(format!(

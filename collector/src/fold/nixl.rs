@@ -26,6 +26,9 @@ pub fn owners(agents: &BTreeMap<String, AgentStatus>) -> Vec<NixlAgentRow> {
 /// The pairs of every agent's latest NIXL report.
 pub fn pairs(agents: &BTreeMap<String, AgentStatus>) -> Vec<NixlPair> {
     let mut by_pair: BTreeMap<(String, String), NixlPair> = BTreeMap::new();
+    // The bandwidth's bytes and time: of the series whose every transfer's bytes were
+    // read (a transfer of unknown bytes would count its time and none of its bytes).
+    let mut measured: BTreeMap<(String, String), (u64, u64)> = BTreeMap::new();
     let pair = |l: &str, r: &str| -> (String, String) { (l.to_string(), r.to_string()) };
     for report in agents.values().filter_map(|a| a.nixl.as_ref()) {
         for t in &report.transfers {
@@ -36,7 +39,15 @@ pub fn pairs(agents: &BTreeMap<String, AgentStatus>) -> Vec<NixlPair> {
                 let ok = p.transfers_ok.entry(t.op.clone()).or_default();
                 *ok = ok.saturating_add(t.transfers);
                 p.bytes_ok = p.bytes_ok.saturating_add(t.bytes);
+                p.ok_bytes_unknown = p.ok_bytes_unknown.saturating_add(t.bytes_unknown);
                 p.latency.add(&t.latency);
+                if t.bytes_unknown == 0 {
+                    let m = measured
+                        .entry(pair(&t.local_agent, &t.remote_agent))
+                        .or_default();
+                    m.0 = m.0.saturating_add(t.bytes);
+                    m.1 = m.1.saturating_add(t.latency.sum_ns);
+                }
             } else {
                 p.transfers_failed = p.transfers_failed.saturating_add(t.transfers);
             }
@@ -75,10 +86,14 @@ pub fn pairs(agents: &BTreeMap<String, AgentStatus>) -> Vec<NixlPair> {
     by_pair
         .into_iter()
         .map(|((local, remote), mut p)| {
+            let (bytes, ns) = measured
+                .get(&(local.clone(), remote.clone()))
+                .copied()
+                .unwrap_or_default();
             p.local_agent = local;
             p.remote_agent = remote;
-            p.bandwidth_bytes_per_second = (p.latency.sum_ns > 0 && p.bytes_ok > 0)
-                .then(|| p.bytes_ok as f64 / (p.latency.sum_ns as f64 / 1e9));
+            p.bandwidth_bytes_per_second =
+                (ns > 0 && bytes > 0).then(|| bytes as f64 / (ns as f64 / 1e9));
             p
         })
         .collect()
@@ -158,6 +173,15 @@ pub fn render(out: &mut Exposition, pairs: &[NixlPair]) {
     );
     for p in pairs {
         out.counter(name, &pair_labels(p, &[]), p.bytes_ok);
+    }
+    let name = "kvscope_nixl_pair_transfers_bytes_unknown";
+    out.family(
+        name,
+        Kind::Counter,
+        "Successful NIXL transfers whose bytes the probes could not read (NIXL before 1.4 with the agent's telemetry off, or a build whose offsets are unknown): not in the bytes, nor the bandwidth.",
+    );
+    for p in pairs {
+        out.counter(name, &pair_labels(p, &[]), p.ok_bytes_unknown);
     }
     let name = "kvscope_nixl_pair_transfer_latency_seconds";
     out.family(
@@ -248,6 +272,7 @@ mod tests {
             status: status.into(),
             transfers: n,
             bytes,
+            bytes_unknown: 0,
             descriptors: 0,
             latency: LatencySummary::exact(l),
         }

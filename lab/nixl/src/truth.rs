@@ -276,6 +276,11 @@ pub struct TransferRecord {
     pub released: bool,
     /// When `createXferReq` was called (Unix epoch, ns).
     pub started_unix_ns: u64,
+    /// For done transfers: whether `getXferTelemetry`, asked as vLLM asks for every
+    /// finished transfer, refused with NIXL_ERR_NO_TELEMETRY (the agent's telemetry is
+    /// off). None when not asked.
+    #[serde(default)]
+    pub telemetry_refused: Option<bool>,
 }
 
 /// How a notification was sent.
@@ -698,6 +703,7 @@ mod tests {
             data_verified: (outcome == TransferOutcome::Done).then_some(true),
             released: created,
             started_unix_ns: 0,
+            telemetry_refused: None,
         }
     }
 

@@ -619,6 +619,7 @@ impl Worker {
             data_verified: None,
             released: false,
             started_unix_ns,
+            telemetry_refused: None,
         };
 
         // Prepared lists outlive their request (declared first, dropped after it).
@@ -734,6 +735,15 @@ impl Worker {
                 record.status = StatusSeen::from_error(&e, native("postXferReq"));
                 record.post_to_failure_ns = Some(elapsed_ns(t0));
             }
+        }
+        // As vLLM's NixlConnector does for every finished transfer: its telemetry, which
+        // an agent whose telemetry is off refuses (NIXL_ERR_NO_TELEMETRY).
+        if record.outcome == TransferOutcome::Done {
+            self.count("getXferTelemetry");
+            record.telemetry_refused = Some(matches!(
+                req.get_telemetry(),
+                Err(nixl_sys::NixlError::NoTelemetry)
+            ));
         }
         // Dropping the request calls releaseXferReq (and frees the C API wrapper).
         self.count("releaseXferReq");
