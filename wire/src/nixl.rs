@@ -50,16 +50,43 @@ pub const HANDSHAKE_CALLS: [&str; 7] = [
 ];
 
 /// The request a transfer's notification names, when it is in vLLM's NixlConnector
-/// format: `<request id>:<consumers>` (the decode side tells the prefill side, with each
-/// KV READ, which request it read and how many readers to wait for), which the NIXL
-/// lab's data plane sends too. `None` for anything else: nothing is guessed.
+/// format, `<request id>:<n>`, which every release since 0.9.1 sends with its KV
+/// transfers (and the NIXL lab's data plane too); `None` for anything else: nothing is
+/// guessed. Whose id, and what `n` is, changed over the releases:
+///
+/// | vLLM | path | id | n |
+/// |---|---|---|---|
+/// | 0.9.1 – 0.12 | decode READs | the decode side's own | tp ratio |
+/// | 0.13 | decode READs | the prefill side's (`remote_request_id`) | tp ratio |
+/// | 0.14 – 0.28 | decode READs | the prefill side's | decode world size |
+/// | 0.29 on | decode READs | the prefill side's | expected consumers |
+/// | 0.24 on | prefill WRITEs (push) | the decode side's | prefill world size |
+///
+/// 0.9.0 sent the bare id (not read: any text could be one). Heartbeats (`HB:<ids>`)
+/// and push registrations (`PUSH_REG:<msgpack>`) are sent with `genNotif`, not with a
+/// transfer, and are refused here too. vLLM appends `-<8 hex digits>` to the id a
+/// request came with ([`vllm_base_request_id`] takes it off).
 pub fn notif_request_id(notif: &str) -> Option<&str> {
+    if notif.starts_with("HB:") || notif.starts_with("PUSH_REG:") {
+        return None;
+    }
     let (id, consumers) = notif.rsplit_once(':')?;
     let valid_id = !id.is_empty() && id.chars().all(|c| c.is_ascii_graphic());
     let valid_count = !consumers.is_empty()
         && consumers.len() <= 6
         && consumers.bytes().all(|b| b.is_ascii_digit());
     (valid_id && valid_count).then_some(id)
+}
+
+/// The id a request came to vLLM with, from vLLM's own id for it: without the
+/// `-<8 hex digits>` vLLM appends (its `get_base_request_id`); None when it ends in
+/// none. The router knows the request by this one.
+pub fn vllm_base_request_id(id: &str) -> Option<&str> {
+    let (base, suffix) = id.rsplit_once('-')?;
+    (!base.is_empty()
+        && suffix.len() == 8
+        && suffix.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)))
+    .then_some(base)
 }
 
 /// Append one series of a latency histogram in seconds (cumulative `buckets` at
@@ -444,8 +471,46 @@ mod tests {
             "id:x",
             "id:1234567",
             "a b:1",
+            "HB:cmpl-1,cmpl-2",
+            "HB:1",
+            "PUSH_REG:\u{85}\u{a7}request",
         ] {
             assert_eq!(notif_request_id(other), None, "{other}");
+        }
+        // Each release's completion message, as its NixlConnector builds it: the id
+        // before the last colon, whatever the number after it means.
+        for (release, notif, id) in [
+            ("0.9.1 (tp ratio)", "cmpl-7f3a2c1e-0:2", "cmpl-7f3a2c1e-0"),
+            (
+                "0.13 (remote id, tp ratio)",
+                "chatcmpl-5d1e-4c2b8a9f:1",
+                "chatcmpl-5d1e-4c2b8a9f",
+            ),
+            ("0.14 (world size)", "cmpl-abc-0-1a2b3c4d:8", "cmpl-abc-0-1a2b3c4d"),
+            ("0.29 (expected consumers)", "req:7:1a2b3c4d:4", "req:7:1a2b3c4d"),
+            ("0.24 push (world size)", "d-req-9-00ff00ff:2", "d-req-9-00ff00ff"),
+        ] {
+            assert_eq!(notif_request_id(notif), Some(id), "{release}");
+        }
+    }
+
+    #[test]
+    fn vllm_suffixes_come_off_base_ids_stay() {
+        assert_eq!(vllm_base_request_id("cmpl-abc-0-1a2b3c4d"), Some("cmpl-abc-0"));
+        assert_eq!(
+            vllm_base_request_id("80c653b7-1670-4557-aefb-c40854626c70-deadbeef"),
+            Some("80c653b7-1670-4557-aefb-c40854626c70")
+        );
+        for none in [
+            "cmpl-abc-0",
+            // A UUID's last group is 12 digits.
+            "80c653b7-1670-4557-aefb-c40854626c70",
+            "-1a2b3c4d",
+            "x-1A2B3C4D",
+            "x-1a2b3c4",
+            "x-1a2b3c4g",
+        ] {
+            assert_eq!(vllm_base_request_id(none), None, "{none}");
         }
     }
 

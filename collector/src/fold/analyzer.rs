@@ -307,9 +307,10 @@ pub struct RoutedRequest {
 /// What node agents reported moving per request (see [`FleetAnalyzer::request_nixl`]).
 #[derive(Debug, Default)]
 struct RequestNixlRows {
+    /// Request id → (node agent, local agent, remote agent, vLLM's id) → what moved.
     rows: HashMap<
         String,
-        BTreeMap<(String, String, String), kvscope_wire::nixl::NixlRequestTransfers>,
+        BTreeMap<(String, String, String, String), kvscope_wire::nixl::NixlRequestTransfers>,
     >,
     order: VecDeque<String>,
 }
@@ -321,22 +322,29 @@ impl RequestNixlRows {
 
     fn apply(&mut self, agent: &str, rows: &[kvscope_wire::nixl::NixlRequestTransfers]) {
         for r in rows {
-            if !self.rows.contains_key(&r.request_id) {
-                self.order.push_back(r.request_id.clone());
-                if self.order.len() > Self::CAP {
-                    if let Some(old) = self.order.pop_front() {
-                        self.rows.remove(&old);
+            // Under vLLM's id for the request, and under the id the request came with
+            // (the router's), where vLLM appended its suffix.
+            let ids = std::iter::once(r.request_id.as_str())
+                .chain(kvscope_wire::nixl::vllm_base_request_id(&r.request_id));
+            for id in ids {
+                if !self.rows.contains_key(id) {
+                    self.order.push_back(id.to_string());
+                    if self.order.len() > Self::CAP {
+                        if let Some(old) = self.order.pop_front() {
+                            self.rows.remove(&old);
+                        }
                     }
                 }
+                self.rows.entry(id.to_string()).or_default().insert(
+                    (
+                        agent.to_string(),
+                        r.local_agent.clone(),
+                        r.remote_agent.clone(),
+                        r.request_id.clone(),
+                    ),
+                    r.clone(),
+                );
             }
-            self.rows.entry(r.request_id.clone()).or_default().insert(
-                (
-                    agent.to_string(),
-                    r.local_agent.clone(),
-                    r.remote_agent.clone(),
-                ),
-                r.clone(),
-            );
         }
     }
 }
@@ -1175,6 +1183,38 @@ fn is_device_tier(medium: Option<&str>) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn nixl_rows_join_the_router_id_vllm_suffixed() {
+        let mut a = FleetAnalyzer::new(AnalyzerConfig::default());
+        let row = |id: &str, remote: &str, bytes| kvscope_wire::nixl::NixlRequestTransfers {
+            request_id: id.into(),
+            local_agent: "d0".into(),
+            remote_agent: remote.into(),
+            transfers: 1,
+            bytes,
+            nixl_ns: 1_000,
+            failed: 0,
+        };
+        // vLLM's ids for the router's `cmpl-7`: on two prefill ranks; and `req-2`, a
+        // router id that itself ends like a suffix, known to vLLM as it came.
+        a.request_nixl.apply(
+            "node-a",
+            &[
+                row("cmpl-7-1a2b3c4d", "p0", 100),
+                row("cmpl-7-00ff00ff", "p1", 20),
+                row("req-2-deadbeef", "p0", 5),
+            ],
+        );
+        let n = a.request_nixl("cmpl-7").unwrap();
+        assert_eq!((n.transfers, n.bytes), (2, 120));
+        assert_eq!(a.request_nixl("cmpl-7-1a2b3c4d").unwrap().bytes, 100);
+        assert_eq!(a.request_nixl("req-2-deadbeef").unwrap().bytes, 5);
+        assert!(a.request_nixl("cmpl-8").is_none());
+        // A report repeats its rows cumulatively: replaced, not added.
+        a.request_nixl.apply("node-a", &[row("cmpl-7-1a2b3c4d", "p0", 150)]);
+        assert_eq!(a.request_nixl("cmpl-7").unwrap().bytes, 170);
+    }
     use kvscope_wire::hashing::{local_block_hashes, DYNAMO_HASH_SEED};
     use kvscope_wire::AgentHeartbeat;
 
