@@ -85,7 +85,9 @@ pub fn vllm_base_request_id(id: &str) -> Option<&str> {
     let (base, suffix) = id.rsplit_once('-')?;
     (!base.is_empty()
         && suffix.len() == 8
-        && suffix.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)))
+        && suffix
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)))
     .then_some(base)
 }
 
@@ -486,9 +488,21 @@ mod tests {
                 "chatcmpl-5d1e-4c2b8a9f:1",
                 "chatcmpl-5d1e-4c2b8a9f",
             ),
-            ("0.14 (world size)", "cmpl-abc-0-1a2b3c4d:8", "cmpl-abc-0-1a2b3c4d"),
-            ("0.29 (expected consumers)", "req:7:1a2b3c4d:4", "req:7:1a2b3c4d"),
-            ("0.24 push (world size)", "d-req-9-00ff00ff:2", "d-req-9-00ff00ff"),
+            (
+                "0.14 (world size)",
+                "cmpl-abc-0-1a2b3c4d:8",
+                "cmpl-abc-0-1a2b3c4d",
+            ),
+            (
+                "0.29 (expected consumers)",
+                "req:7:1a2b3c4d:4",
+                "req:7:1a2b3c4d",
+            ),
+            (
+                "0.24 push (world size)",
+                "d-req-9-00ff00ff:2",
+                "d-req-9-00ff00ff",
+            ),
         ] {
             assert_eq!(notif_request_id(notif), Some(id), "{release}");
         }
@@ -496,7 +510,10 @@ mod tests {
 
     #[test]
     fn vllm_suffixes_come_off_base_ids_stay() {
-        assert_eq!(vllm_base_request_id("cmpl-abc-0-1a2b3c4d"), Some("cmpl-abc-0"));
+        assert_eq!(
+            vllm_base_request_id("cmpl-abc-0-1a2b3c4d"),
+            Some("cmpl-abc-0")
+        );
         assert_eq!(
             vllm_base_request_id("80c653b7-1670-4557-aefb-c40854626c70-deadbeef"),
             Some("80c653b7-1670-4557-aefb-c40854626c70")

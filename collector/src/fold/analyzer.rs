@@ -304,14 +304,14 @@ pub struct RoutedRequest {
     pub end: Option<RequestEnd>,
 }
 
+/// (node agent, local NIXL agent, remote NIXL agent, vLLM's id for the request).
+type RequestNixlKey = (String, String, String, String);
+
 /// What node agents reported moving per request (see [`FleetAnalyzer::request_nixl`]).
 #[derive(Debug, Default)]
 struct RequestNixlRows {
-    /// Request id → (node agent, local agent, remote agent, vLLM's id) → what moved.
-    rows: HashMap<
-        String,
-        BTreeMap<(String, String, String, String), kvscope_wire::nixl::NixlRequestTransfers>,
-    >,
+    /// Request id → what moved, per [`RequestNixlKey`].
+    rows: HashMap<String, BTreeMap<RequestNixlKey, kvscope_wire::nixl::NixlRequestTransfers>>,
     order: VecDeque<String>,
 }
 
@@ -1183,38 +1183,6 @@ fn is_device_tier(medium: Option<&str>) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn nixl_rows_join_the_router_id_vllm_suffixed() {
-        let mut a = FleetAnalyzer::new(AnalyzerConfig::default());
-        let row = |id: &str, remote: &str, bytes| kvscope_wire::nixl::NixlRequestTransfers {
-            request_id: id.into(),
-            local_agent: "d0".into(),
-            remote_agent: remote.into(),
-            transfers: 1,
-            bytes,
-            nixl_ns: 1_000,
-            failed: 0,
-        };
-        // vLLM's ids for the router's `cmpl-7`: on two prefill ranks; and `req-2`, a
-        // router id that itself ends like a suffix, known to vLLM as it came.
-        a.request_nixl.apply(
-            "node-a",
-            &[
-                row("cmpl-7-1a2b3c4d", "p0", 100),
-                row("cmpl-7-00ff00ff", "p1", 20),
-                row("req-2-deadbeef", "p0", 5),
-            ],
-        );
-        let n = a.request_nixl("cmpl-7").unwrap();
-        assert_eq!((n.transfers, n.bytes), (2, 120));
-        assert_eq!(a.request_nixl("cmpl-7-1a2b3c4d").unwrap().bytes, 100);
-        assert_eq!(a.request_nixl("req-2-deadbeef").unwrap().bytes, 5);
-        assert!(a.request_nixl("cmpl-8").is_none());
-        // A report repeats its rows cumulatively: replaced, not added.
-        a.request_nixl.apply("node-a", &[row("cmpl-7-1a2b3c4d", "p0", 150)]);
-        assert_eq!(a.request_nixl("cmpl-7").unwrap().bytes, 170);
-    }
     use kvscope_wire::hashing::{local_block_hashes, DYNAMO_HASH_SEED};
     use kvscope_wire::AgentHeartbeat;
 
@@ -2023,5 +1991,38 @@ mod tests {
         };
         assert_eq!(run(&records), run(&records));
         assert!(run(&records).iter().map(|w| w.requests).sum::<u64>() > 0);
+    }
+
+    #[test]
+    fn nixl_rows_join_the_router_id_vllm_suffixed() {
+        let mut a = FleetAnalyzer::new(AnalyzerConfig::default());
+        let row = |id: &str, remote: &str, bytes| kvscope_wire::nixl::NixlRequestTransfers {
+            request_id: id.into(),
+            local_agent: "d0".into(),
+            remote_agent: remote.into(),
+            transfers: 1,
+            bytes,
+            nixl_ns: 1_000,
+            failed: 0,
+        };
+        // vLLM's ids for the router's `cmpl-7`: on two prefill ranks; and `req-2`, a
+        // router id that itself ends like a suffix, known to vLLM as it came.
+        a.request_nixl.apply(
+            "node-a",
+            &[
+                row("cmpl-7-1a2b3c4d", "p0", 100),
+                row("cmpl-7-00ff00ff", "p1", 20),
+                row("req-2-deadbeef", "p0", 5),
+            ],
+        );
+        let n = a.request_nixl("cmpl-7").unwrap();
+        assert_eq!((n.transfers, n.bytes), (2, 120));
+        assert_eq!(a.request_nixl("cmpl-7-1a2b3c4d").unwrap().bytes, 100);
+        assert_eq!(a.request_nixl("req-2-deadbeef").unwrap().bytes, 5);
+        assert!(a.request_nixl("cmpl-8").is_none());
+        // A report repeats its rows cumulatively: replaced, not added.
+        a.request_nixl
+            .apply("node-a", &[row("cmpl-7-1a2b3c4d", "p0", 150)]);
+        assert_eq!(a.request_nixl("cmpl-7").unwrap().bytes, 170);
     }
 }
