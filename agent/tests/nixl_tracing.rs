@@ -485,18 +485,36 @@ impl LabRun {
         self.proc[0].pid()
     }
 
-    fn finish(mut self) -> Truth {
+    fn finish(self) -> Truth {
+        self.try_finish().unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// The truth, or why the lab failed (its last error line first).
+    fn try_finish(mut self) -> Result<Truth, String> {
         // Out of the guard: reaped here, so its group is never signalled afterwards.
         let lab = self.proc.pop().expect("spawned with one process");
         let out = lab.child.wait_with_output().expect("the NIXL lab runs");
-        assert!(
-            out.status.success(),
-            "the NIXL lab failed ({}): {}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr)
-        );
-        serde_json::from_slice(&std::fs::read(&self.truth_path).unwrap())
-            .expect("the lab's truth JSON")
+        if !out.status.success() {
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            // The error's first cause (anyhow's report), else its first line.
+            let cause = stderr
+                .lines()
+                .map(str::trim)
+                .skip_while(|l| *l != "Caused by:")
+                .nth(1)
+                .or_else(|| stderr.lines().find(|l| l.starts_with("Error:")))
+                .unwrap_or("")
+                .trim_start_matches("0: ")
+                .to_string();
+            return Err(format!(
+                "the NIXL lab failed ({}): {cause}\n{stderr}",
+                out.status
+            ));
+        }
+        Ok(
+            serde_json::from_slice(&std::fs::read(&self.truth_path).unwrap())
+                .expect("the lab's truth JSON"),
+        )
     }
 }
 
@@ -676,74 +694,155 @@ async fn a_build_whose_offsets_cannot_be_derived_is_counted_without_bytes_and_sa
     assert_eq!(bytes, 0, "no bytes without offsets");
 }
 
+/// The NIXL versions whose wheels' libraries the matrix traces: `KVSCOPE_NIXL_MATRIX`
+/// (`scripts/nixl-matrix` sets every published one), else the ones `scripts/setup`
+/// fetches — the oldest, one in the middle, 1.4.1 — with the lab's own 1.5.1 wheel
+/// traced by every other test here.
+fn matrix_versions() -> Vec<String> {
+    std::env::var("KVSCOPE_NIXL_MATRIX")
+        .unwrap_or_else(|_| "1.0.1 1.3.2 1.4.1".into())
+        .split_whitespace()
+        .map(str::to_string)
+        .collect()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn older_builds_are_traced_exactly_on_their_derived_offsets() {
-    // The libraries of the 1.0.1, 1.3.2 and 1.4.1 wheels (scripts/setup), in no table:
-    // each traced while the NIXL lab runs on it, every figure against its truth. 1.4.1
-    // fills its requests' byte counts always: read. The older two only when the agent's
-    // NIXL telemetry is on: read then (the flag is read at each post), else each
-    // transfer's bytes counted as unknown. Before 1.5, makeXferReq takes its op by
-    // reference (its std::vector overload, probed there). Handshakes are not compared:
-    // the lab (nixl-sys 1.5.1) cannot name some statuses older C APIs return, and
-    // nixlAgentData::loadRemoteMD is not exported before 1.5.
-    for (version, telemetry, counts) in [
-        ("1.4.1", false, true),
-        ("1.3.2", true, true),
-        ("1.3.2", false, false),
-        ("1.0.1", true, true),
-    ] {
-        let dir = support::older_nixl_lib_dir(version);
-        let lib = dir.join("libnixl.so");
-        let tracer = start_tracer(&tracer_config(vec![lib.clone()], false, None)).await;
-        let st = tracer.report().libraries[0].clone();
-        assert!(
-            st.offsets_known && !st.completion_sites,
-            "{version}: {st:?}"
-        );
-        let degraded = st.degraded.clone().unwrap_or_default();
-        assert_eq!(
-            degraded.contains("only from agents whose NIXL telemetry is enabled"),
-            version != "1.4.1",
-            "{version}: {degraded}"
-        );
-        let env: &[(&str, &str)] = if telemetry {
-            &[("NIXL_TELEMETRY_ENABLE", "y")]
-        } else {
-            &[]
-        };
-        let truth = LabRun::spawn_with_env(
-            &["--scenario", "mixed", "--lib-dir", dir.to_str().unwrap()],
-            env,
-        )
-        .finish();
-        assert_eq!(truth.nixl.libnixl, lib.display().to_string(), "{version}");
-        let pids = truth_pids(&truth);
-        let report = settle(&tracer, &pids, &truth).await;
-        eprintln!(
-            "{version} (telemetry {telemetry}): {} transfers traced",
-            truth.transfers.len()
-        );
-        // The lab asks each done transfer's telemetry: refused exactly where it is off
-        // (1.4.1 here too; the comparison below checks the probes saw each refusal).
-        let done: Vec<_> = truth
-            .transfers
-            .iter()
-            .filter(|x| x.outcome == TransferOutcome::Done)
-            .collect();
-        assert!(!done.is_empty(), "{version}");
-        assert!(
-            done.iter().all(|x| x.telemetry_refused == Some(!telemetry)),
-            "{version}: telemetry {telemetry}"
-        );
-        assert_exact_on(
-            &report,
-            &truth,
-            Reads {
-                counts,
-                requests: true,
-                handshakes: false,
-            },
-        );
-        drop(tracer);
+    // Each wheel's library, in no table, traced while the NIXL lab runs on it with the
+    // agents' telemetry on (as vLLM runs it) and off, every figure against its truth.
+    // Builds from 1.4 fill their requests' byte counts always; older ones only when
+    // the agent's telemetry is on (the flag is read at each post), else each transfer's
+    // bytes are counted as unknown. Before 1.5, makeXferReq takes its op by reference
+    // (its std::vector overload, probed there). Handshakes are not compared: the lab
+    // (nixl-sys 1.5.1) cannot name some statuses older C APIs return, and
+    // nixlAgentData::loadRemoteMD is not exported before 1.5. One row per run; every row
+    // is printed (the docs' table), then any failure fails the test.
+    use kvscope_agent::nixl::offsets::Counts;
+    let mut rows = vec![
+        "| NIXL | build-id | byte counts | completion sites | telemetry | transfers | bytes traced of moved | refusals seen | every figure |".to_string(),
+        "|---|---|---|---|---|---|---|---|---|".to_string(),
+    ];
+    let mut failed = Vec::new();
+    for version in matrix_versions() {
+        for telemetry in [true, false] {
+            let dir = support::older_nixl_lib_dir(&version);
+            let lib = dir.join("libnixl.so");
+            let tracer = start_tracer(&tracer_config(vec![lib.clone()], false, None)).await;
+            let st = tracer.report().libraries[0].clone();
+            let inspected = kvscope_agent::nixl::library::NixlLibrary::inspect(&lib, true)
+                .expect("the wheel's library is read");
+            let counts = inspected.offsets.map(|o| o.counts);
+            let counts_text = match counts {
+                Some(Counts::Always) => "always".to_string(),
+                Some(Counts::WithTelemetry { data_flag }) => {
+                    format!("with telemetry (data+{data_flag:#x})")
+                }
+                Some(Counts::Never) => "never".into(),
+                None => "offsets unknown".into(),
+            };
+            let env: &[(&str, &str)] = if telemetry {
+                &[("NIXL_TELEMETRY_ENABLE", "y")]
+            } else {
+                &[]
+            };
+            let truth = match LabRun::spawn_with_env(
+                &["--scenario", "mixed", "--lib-dir", dir.to_str().unwrap()],
+                env,
+            )
+            .try_finish()
+            {
+                Ok(truth) => truth,
+                Err(e) => {
+                    // Counted as a failure: a build the lab cannot drive is not checked.
+                    let why = e.lines().next().unwrap_or_default().to_string();
+                    eprintln!("{version}: {e}");
+                    rows.push(format!(
+                        "| {version} | {}… | {counts_text} | | {} | | | | not driven: {why} |",
+                        &inspected.build_id[..inspected.build_id.len().min(8)],
+                        if telemetry { "on" } else { "off" },
+                    ));
+                    failed.push(format!("{version} (telemetry {telemetry}): not driven"));
+                    continue;
+                }
+            };
+            let pids = truth_pids(&truth);
+            let report = settle(&tracer, &pids, &truth).await;
+            drop(tracer);
+            let with_bytes = match counts {
+                Some(Counts::Always) => true,
+                Some(Counts::WithTelemetry { .. }) => telemetry,
+                _ => false,
+            };
+            let checked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                // Completion sites only for the build in the offsets table (1.5).
+                assert!(
+                    st.offsets_known
+                        && st.completion_sites
+                            == kvscope_agent::nixl::offsets::for_build(&inspected.build_id)
+                                .is_some(),
+                    "{version}: {st:?}"
+                );
+                assert_eq!(truth.nixl.libnixl, lib.display().to_string(), "{version}");
+                // The lab asks each done transfer's telemetry: refused exactly where it
+                // is off (the comparison checks the probes saw each refusal).
+                let done: Vec<_> = truth
+                    .transfers
+                    .iter()
+                    .filter(|x| x.outcome == TransferOutcome::Done)
+                    .collect();
+                assert!(!done.is_empty(), "{version}");
+                assert!(
+                    done.iter().all(|x| x.telemetry_refused == Some(!telemetry)),
+                    "{version}: telemetry {telemetry}"
+                );
+                assert_exact_on(
+                    &report,
+                    &truth,
+                    Reads {
+                        counts: with_bytes,
+                        requests: true,
+                        handshakes: false,
+                    },
+                );
+            }));
+            let moved: u64 = truth
+                .transfers
+                .iter()
+                .filter(|x| x.outcome == TransferOutcome::Done)
+                .map(|x| x.bytes)
+                .sum();
+            let traced: u64 = report
+                .transfers
+                .iter()
+                .filter(|x| {
+                    pids.contains(&x.pid) && x.stage == XferStage::Complete && x.status == "SUCCESS"
+                })
+                .map(|x| x.bytes)
+                .sum();
+            let refused: u64 = report
+                .calls
+                .iter()
+                .filter(|c| pids.contains(&c.pid) && c.call == "getXferTelemetry")
+                .map(|c| c.calls)
+                .sum();
+            rows.push(format!(
+                "| {version} | {}… | {} | {} | {} | {} | {traced} of {moved} | {refused} | {} |",
+                &inspected.build_id[..inspected.build_id.len().min(8)],
+                counts_text,
+                if st.completion_sites {
+                    "yes"
+                } else {
+                    "no: status-call probes"
+                },
+                if telemetry { "on" } else { "off" },
+                truth.transfers.len(),
+                if checked.is_ok() { "exact" } else { "DIFFERS" },
+            ));
+            if checked.is_err() {
+                failed.push(format!("{version} (telemetry {telemetry})"));
+            }
+        }
     }
+    eprintln!("{}", rows.join("\n"));
+    assert!(failed.is_empty(), "not exact: {failed:?}");
 }
