@@ -129,6 +129,7 @@ fn record_fleet(path: &Path) {
             status: "SUCCESS".into(),
             calls: 5,
             bytes: 0,
+            bytes_partial: 0,
             latency: LatencySummary::exact(&[800_000; 5]),
         }],
         ..NixlReport::default()

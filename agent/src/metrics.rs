@@ -34,6 +34,7 @@ struct Summed {
     n: u64,
     bytes: u64,
     bytes_unknown: u64,
+    bytes_partial: u64,
     latency: MergedLatency,
 }
 
@@ -111,6 +112,7 @@ pub fn write_nixl(out: &mut Exposition, agent: &str, r: &NixlReport) {
         let e = calls.entry(key).or_default();
         e.n += c.calls;
         e.bytes += c.bytes;
+        e.bytes_partial += c.bytes_partial;
         e.latency.add(&c.latency);
     }
     let call_labels = |(local, remote, call, status): &(&str, &str, &str, &str)| {
@@ -135,6 +137,15 @@ pub fn write_nixl(out: &mut Exposition, agent: &str, r: &NixlReport) {
     out.family(name, Kind::Counter, "Bytes registered or deregistered.");
     for (k, c) in calls.iter().filter(|(_, c)| c.bytes > 0) {
         out.counter(name, &call_labels(k), c.bytes);
+    }
+    let name = "kvscope_agent_nixl_call_bytes_partial";
+    out.family(
+        name,
+        Kind::Counter,
+        "Registrations of more descriptors than the probes sum (65,536): their bytes are of the first ones.",
+    );
+    for (k, c) in calls.iter().filter(|(_, c)| c.bytes_partial > 0) {
+        out.counter(name, &call_labels(k), c.bytes_partial);
     }
     let name = "kvscope_agent_nixl_call_latency_seconds";
     out.family(name, Kind::Histogram, "NIXL call latency.");

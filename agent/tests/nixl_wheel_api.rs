@@ -1,7 +1,8 @@
 //! Each NIXL wheel driven through its own Python API (`nixl_cu12._api`, as vLLM drives
 //! it), not the project's lab: the agent, attached to that wheel's `libnixl.so` with
 //! offsets derived from it, counts every transfer (op, peer, bytes), the creation toward
-//! an agent never loaded, every metadata load and its failure, the genNotif, each
+//! an agent never loaded, every metadata load and its failure, the genNotif, the bytes
+//! registered (one registration of 300 descriptors among them), each
 //! transfer's notification as a request, and getXferTelemetry's refusals, all equal to
 //! what the driver (`lab/nixl/py/wheel_driver.py`) did. The oldest wheel scripts/setup
 //! unpacks, one in the middle, and the newest (the lab's); with the agents' telemetry on
@@ -43,6 +44,7 @@ struct DriverTruth {
     creations_toward_unknown: u64,
     telemetry_refused: u64,
     gen_notif: u64,
+    registered_bytes: u64,
 }
 
 /// A wheel unpacked: the folder holding its `nixl_cu12` package, and its libraries.
@@ -237,6 +239,19 @@ async fn each_wheel_driven_by_its_own_python_api_is_traced_exactly() {
                 "{what}: loadRemoteMD"
             );
             assert_eq!(calls(&r, t.pid, "genNotif", true), t.gen_notif, "{what}");
+            let registered: Vec<_> = r
+                .calls
+                .iter()
+                .filter(|c| c.pid == t.pid && c.call == "registerMem")
+                .collect();
+            assert_eq!(
+                (
+                    registered.iter().map(|c| c.bytes).sum::<u64>(),
+                    registered.iter().map(|c| c.bytes_partial).sum::<u64>()
+                ),
+                (t.registered_bytes, 0),
+                "{what}: registered bytes, every descriptor summed"
+            );
             assert_eq!(
                 calls(&r, t.pid, "getXferTelemetry", false),
                 t.telemetry_refused,

@@ -20,7 +20,23 @@
  */
 #include "common.h"
 
-/* Sum the lengths of a registration descriptor list (needs the build's offsets). */
+struct desc_sum {
+	const char *begin;
+	__u64 total;
+};
+
+static long add_desc_len(__u32 i, void *data)
+{
+	struct desc_sum *s = data;
+	__u64 len = 0;
+	bpf_probe_read_user(&len, sizeof(len), s->begin + (__u64)i * desc_stride + off_desc_len);
+	s->total += len;
+	return 0;
+}
+
+/* Sum the lengths of a registration descriptor list (needs the build's offsets): with
+ * bpf_loop, up to MAX_SUMMED_DESCS descriptors (~100 ns each, once per registration);
+ * a longer list's sum is of its first ones, flagged FLAG_BYTES_PARTIAL and counted. */
 static __always_inline void sum_descs(struct call_entry *c, const void *dlist)
 {
 	if (!offsets_known || !dlist || !desc_stride)
@@ -36,15 +52,9 @@ static __always_inline void sum_descs(struct call_entry *c, const void *dlist)
 		c->flags |= FLAG_BYTES_PARTIAL;
 		count = MAX_SUMMED_DESCS;
 	}
-	__u64 total = 0;
-	for (__u32 i = 0; i < MAX_SUMMED_DESCS; i++) {
-		if (i >= count)
-			break;
-		__u64 len = 0;
-		bpf_probe_read_user(&len, sizeof(len), begin + i * desc_stride + off_desc_len);
-		total += len;
-	}
-	c->bytes = total;
+	struct desc_sum s = { .begin = begin, .total = 0 };
+	bpf_loop((__u32)count, add_desc_len, &s, 0);
+	c->bytes = s.total;
 }
 
 SEC("uprobe")

@@ -18,7 +18,7 @@
 
 #define NIXL_IN_PROG 1
 #define NIXL_ERR_NO_TELEMETRY (-12)
-#define MAX_SUMMED_DESCS 256
+#define MAX_SUMMED_DESCS 65536
 
 /*
  * Struct offsets of the traced libnixl build, set by the agent before loading from its

@@ -296,6 +296,10 @@ pub struct NixlCallStats {
     pub calls: u64,
     /// Bytes (registerMem / deregisterMem).
     pub bytes: u64,
+    /// Of `calls`, registrations of more descriptors than the probes sum (65,536):
+    /// their bytes are those of the first ones.
+    #[serde(default)]
+    pub bytes_partial: u64,
     pub latency: LatencySummary,
 }
 

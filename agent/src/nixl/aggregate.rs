@@ -51,6 +51,8 @@ struct Tally {
     descs: u64,
     /// Of `count`, transfers whose bytes were not read (counted as 0 in `bytes`).
     bytes_unknown: u64,
+    /// Of `count`, registrations whose bytes are of their first descriptors only.
+    bytes_partial: u64,
     latency: Histogram<u64>,
     sum_ns: u64,
     max_ns: u64,
@@ -63,6 +65,7 @@ impl Tally {
             bytes: 0,
             descs: 0,
             bytes_unknown: 0,
+            bytes_partial: 0,
             // 1 ns .. 1 hour at 3 significant digits; values above saturate.
             latency: Histogram::new_with_bounds(1, 3_600_000_000_000, 3)
                 .expect("static histogram bounds are valid"),
@@ -98,6 +101,7 @@ impl Tally {
         self.bytes = self.bytes.saturating_add(other.bytes);
         self.descs = self.descs.saturating_add(other.descs);
         self.bytes_unknown += other.bytes_unknown;
+        self.bytes_partial += other.bytes_partial;
         self.latency
             .add(&other.latency)
             .expect("every tally's histogram has the same bounds");
@@ -457,11 +461,11 @@ impl NixlAggregator {
                 };
                 // A call seen only at a site (no entry) has no latency.
                 let latency = (e.latency_ns > 0).then_some(e.latency_ns);
-                self.calls.entry(key).or_insert_with(Tally::new).add(
-                    Some(e.bytes),
-                    u64::from(e.descs),
-                    latency,
-                );
+                let tally = self.calls.entry(key).or_insert_with(Tally::new);
+                tally.add(Some(e.bytes), u64::from(e.descs), latency);
+                if e.flags & flags::BYTES_PARTIAL != 0 {
+                    tally.bytes_partial += 1;
+                }
                 observe(Observed {
                     pid,
                     local: &self.local_name(pid, e.agent),
@@ -534,6 +538,7 @@ impl NixlAggregator {
                     status: status_name(k.status).to_string(),
                     calls: t.count,
                     bytes: t.bytes,
+                    bytes_partial: t.bytes_partial,
                     latency: t.summary(),
                 })
                 .collect(),

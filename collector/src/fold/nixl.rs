@@ -301,6 +301,7 @@ mod tests {
                             status: "ERR_MISMATCH".into(),
                             calls: 2,
                             bytes: 0,
+                            bytes_partial: 0,
                             latency: LatencySummary::exact(&[10_000, 20_000]),
                         }],
                         ..NixlReport::default()
@@ -355,6 +356,7 @@ mod tests {
                             status: "SUCCESS".into(),
                             calls: u64::MAX,
                             bytes: 0,
+                            bytes_partial: 0,
                             latency: LatencySummary::exact(&[]),
                         }],
                         ..NixlReport::default()
@@ -398,6 +400,7 @@ mod tests {
                             status: "SUCCESS".into(),
                             calls: 1,
                             bytes: 0,
+                            bytes_partial: 0,
                             latency: LatencySummary::exact(&[]),
                         }],
                         ..NixlReport::default()

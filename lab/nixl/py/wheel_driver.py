@@ -2,7 +2,8 @@
 engine does, and writes what it did as JSON: the truth the agent's probes are checked
 against (agent/tests/nixl_wheel_api.rs).
 
-Two agents in this process, each with 8 blocks of DRAM registered: metadata exchanged
+Two agents in this process, each with 8 blocks of DRAM registered (and 300 pages in one
+registration of 300 descriptors on one of them): metadata exchanged
 both ways (two loadRemoteMD that succeed) and one corrupt blob (one that fails); a READ
 and a WRITE of 1..8 blocks from py-b to py-a, each with a notification in vLLM's format,
 polled to done, its telemetry asked for as vLLM asks (refused where telemetry is off),
@@ -23,6 +24,8 @@ import types
 
 BLOCK = 64 * 1024
 BLOCKS = 8
+PAGE = 4096
+PAGES = 300
 
 if "torch" not in sys.modules:
     torch = types.ModuleType("torch")
@@ -47,6 +50,11 @@ def agent(name):
 def main(out):
     a, _abuf, a_addr = agent("py-a")
     b, _bbuf, b_addr = agent("py-b")
+    # One registration of many small descriptors (more than a probe could unroll).
+    pages = ctypes.create_string_buffer(PAGE * PAGES)
+    base = ctypes.addressof(pages)
+    b.register_memory([(base + i * PAGE, PAGE, 0, "") for i in range(PAGES)], "DRAM")
+    registered = 2 * BLOCK * BLOCKS + PAGE * PAGES
     handshakes = {"ok": 0, "failed": 0}
     for x, y in ((a, b), (b, a)):
         x.add_remote_agent(y.get_agent_metadata())
@@ -99,6 +107,7 @@ def main(out):
         "creations_toward_unknown": unknown_created,
         "telemetry_refused": refused,
         "gen_notif": 1,
+        "registered_bytes": registered,
         "notifications_received": got,
     }
     with open(out, "w") as f:
