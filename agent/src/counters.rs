@@ -37,6 +37,7 @@ agent_stats!(
     kv_decode_errors: "KV payloads that were not valid msgpack or not the vLLM batch shape.",
     kv_unknown_events: "KV events of a type the agent does not know (skipped).",
     kv_malformed_events: "KV events of a known type with fields missing or of the wrong type.",
+    kv_events_medium_left_out: "KV events in the layout of Dynamo's mocker before 1.5 (medium left out, its group_idx in medium's slot): read with medium absent.",
     kv_sequence_gaps: "Gaps in a publisher's batch sequence numbers (batches lost before the agent).",
     kv_missed_batches: "KV batches lost in sequence gaps.",
     kv_sequence_resets: "Publisher sequence restarts (engine restarts).",
@@ -91,6 +92,6 @@ mod tests {
         let c = s.snapshot();
         assert_eq!(c.kv_batches, 2);
         assert_eq!(c.publish_dropped, 5);
-        assert_eq!(s.named().len(), 41);
+        assert_eq!(s.named().len(), 42);
     }
 }

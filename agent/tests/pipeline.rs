@@ -340,6 +340,7 @@ async fn records_from_zmq_and_the_router_log_arrive_on_jetstream() {
         kv_decode_errors: 1,
         kv_unknown_events: 1,
         kv_malformed_events: 1,
+        kv_events_medium_left_out: 0,
         kv_sequence_gaps: 1,
         kv_missed_batches: 2,
         kv_sequence_resets: 1,

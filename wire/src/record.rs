@@ -780,6 +780,9 @@ pub struct AgentCounters {
     pub kv_unknown_events: u64,
     /// Events of a known type with fields missing or of the wrong type.
     pub kv_malformed_events: u64,
+    /// Events in the layout of Dynamo's mocker before 1.5 (medium left out, its
+    /// group_idx in medium's slot): read with medium absent, counted here.
+    pub kv_events_medium_left_out: u64,
     pub kv_sequence_gaps: u64,
     pub kv_missed_batches: u64,
     pub kv_sequence_resets: u64,

@@ -12,6 +12,14 @@
 //! - maps with a `type` key (newer vLLM and Dynamo's mocker):
 //!   `{type: "BlockStored", block_hashes, parent_block_hash, token_ids, block_size, …}`.
 //!
+//! Dynamo's mocker before 1.5 writes positional events whose `medium` it leaves out when
+//! it has none (serde's `skip_serializing_if` on a positional struct), so its `group_idx`
+//! (an integer) sits where `medium` belongs: `["BlockRemoved", block_hashes, 0]`, and a
+//! host-tier block's `["BlockStored", …, block_size, "CPU_PINNED", 0]`. An integer in a
+//! positional medium slot is read that way (no medium, or the string one slot earlier),
+//! and counted ([`DecodedPayload::medium_left_out`]): vLLM's own positional events always
+//! carry medium there, a string or nil.
+//!
 //! Trailing and unknown fields are ignored, optional ones may be missing. Block hashes
 //! are msgpack uint64, signed int64 (SGLang; the bits are kept) or bytes (the low 64
 //! bits read big-endian, i.e. the last 8 bytes; shorter strings are left-padded).
@@ -65,6 +73,9 @@ pub struct DecodedPayload {
     pub dp_rank: Option<u32>,
     pub events: Vec<KvEvent>,
     pub problems: Vec<EventProblem>,
+    /// Events read in the layout of Dynamo's mocker before 1.5 (medium left out, its
+    /// `group_idx` in medium's slot): decoded, and counted here.
+    pub medium_left_out: u32,
 }
 
 /// Split a multipart message into its sequence number and payload.
@@ -88,7 +99,11 @@ pub fn split_frames<B: AsRef<[u8]>>(frames: &[B]) -> Result<(u64, &[u8]), FrameE
 /// accounting), so a payload that is not msgpack anywhere is refused whole, as before,
 /// and every field is read as before (the tests check both against `rmpv`).
 pub fn decode_payload(bytes: &[u8]) -> Result<DecodedPayload, PayloadError> {
-    let mut rd = Reader { bytes, pos: 0 };
+    let mut rd = Reader {
+        bytes,
+        pos: 0,
+        medium_left_out: 0,
+    };
     let batch = rd
         .batch()
         .map_err(|e| PayloadError::NotMsgpack(e.to_string()))?;
@@ -132,6 +147,7 @@ pub fn decode_payload(bytes: &[u8]) -> Result<DecodedPayload, PayloadError> {
         dp_rank,
         events: Vec::with_capacity(raw_events.len()),
         problems: Vec::new(),
+        medium_left_out: rd.medium_left_out,
     };
     for (index, event) in raw_events.into_iter().enumerate() {
         match event {
@@ -247,6 +263,9 @@ struct Slots<'a> {
     block_size: Option<Head<'a>>,
     medium: Option<Head<'a>>,
     lora_name: Option<Head<'a>>,
+    /// A positional BlockStored's slot 5 (vLLM's old `lora_id`; the mocker's medium when
+    /// it left medium out).
+    before_medium: Option<Head<'a>>,
 }
 
 /// The depth left inside a value that had `depth` left: `rmpv` takes one level for a
@@ -258,6 +277,8 @@ fn deeper(depth: u16) -> Result<u16, WalkError> {
 struct Reader<'a> {
     bytes: &'a [u8],
     pos: usize,
+    /// Events decoded in the mocker's left-out-medium layout so far.
+    medium_left_out: u32,
 }
 
 impl<'a> Reader<'a> {
@@ -545,6 +566,7 @@ impl<'a> Reader<'a> {
                         (Some("BlockStored"), 2) => slots.parent = Some(self.value(items)?),
                         (Some("BlockStored"), 3) => slots.tokens = Some(self.tokens(items)?),
                         (Some("BlockStored"), 4) => slots.block_size = Some(self.value(items)?),
+                        (Some("BlockStored"), 5) => slots.before_medium = Some(self.value(items)?),
                         (Some("BlockStored"), 6) | (Some("BlockRemoved"), 2) => {
                             slots.medium = Some(self.value(items)?)
                         }
@@ -554,11 +576,23 @@ impl<'a> Reader<'a> {
                         }
                     }
                 }
-                Ok(match tag.str() {
+                // The mocker's left-out medium: its group_idx where medium belongs.
+                let left_out = matches!(slots.medium, Some(Head::Uint(_)));
+                if left_out {
+                    slots.medium = slots
+                        .before_medium
+                        .take()
+                        .filter(|h| kind == Some("BlockStored") && matches!(h, Head::Str(_)));
+                }
+                let event = match tag.str() {
                     None => Err(malformed("?", "array without a string tag")),
                     Some(None) => Err(malformed("?", "type is not UTF-8")),
                     Some(Some(kind)) => event_of(kind, slots),
-                })
+                };
+                if left_out && event.is_ok() {
+                    self.medium_left_out += 1;
+                }
+                Ok(event)
             }
             Head::Map(n) => {
                 let items = deeper(depth)?;
@@ -808,10 +842,14 @@ mod tests {
                 dp_rank,
                 events: Vec::with_capacity(raw_events.len()),
                 problems: Vec::new(),
+                medium_left_out: 0,
             };
             for (index, raw) in raw_events.iter().enumerate() {
                 match decode_event(raw) {
-                    Ok(ev) => out.events.push(ev),
+                    Ok((ev, left_out)) => {
+                        out.medium_left_out += u32::from(left_out);
+                        out.events.push(ev)
+                    }
                     Err(EventError::Unknown(event_type)) => out
                         .problems
                         .push(EventProblem::Unknown { index, event_type }),
@@ -850,7 +888,7 @@ mod tests {
             }
         }
 
-        fn decode_event(raw: &Value) -> Result<KvEvent, EventError> {
+        fn decode_event(raw: &Value) -> Result<(KvEvent, bool), EventError> {
             let (event_type, fields) = match raw {
                 Value::Array(a) => match a.first() {
                     Some(Value::String(s)) => (s.as_str(), Fields::Positional(a)),
@@ -866,7 +904,16 @@ mod tests {
                 return Err(malformed("?", "type is not UTF-8"));
             };
             let bad = |reason: String| malformed(event_type, &reason);
-            match event_type {
+            // The mocker's left-out medium: an integer in a positional medium slot.
+            let medium_at = if event_type == "BlockStored" { 6 } else { 2 };
+            let left_out = matches!(&fields, Fields::Positional(_))
+                && fields.get(medium_at, "medium").is_some_and(Value::is_u64);
+            let medium = match (left_out, event_type) {
+                (true, "BlockStored") => fields.get(5, "").filter(|v| v.is_str()),
+                (true, _) => None,
+                (false, _) => fields.get(medium_at, "medium"),
+            };
+            let event = match event_type {
                 "BlockStored" => Ok(KvEvent::BlockStored {
                     block_hashes: hashes(fields.get(1, "block_hashes")).map_err(bad)?,
                     parent_block_hash: match fields.get(2, "parent_block_hash") {
@@ -882,16 +929,17 @@ mod tests {
                         .and_then(Value::as_u64)
                         .and_then(|b| u32::try_from(b).ok())
                         .ok_or_else(|| bad("block_size missing or not a u32".into()))?,
-                    medium: opt_string(fields.get(6, "medium"), "medium").map_err(bad)?,
+                    medium: opt_string(medium, "medium").map_err(bad)?,
                     lora_name: opt_string(fields.get(7, "lora_name"), "lora_name").map_err(bad)?,
                 }),
                 "BlockRemoved" => Ok(KvEvent::BlockRemoved {
                     block_hashes: hashes(fields.get(1, "block_hashes")).map_err(bad)?,
-                    medium: opt_string(fields.get(2, "medium"), "medium").map_err(bad)?,
+                    medium: opt_string(medium, "medium").map_err(bad)?,
                 }),
                 "AllBlocksCleared" => Ok(KvEvent::AllBlocksCleared),
                 other => Err(EventError::Unknown(other.to_string())),
-            }
+            };
+            event.map(|e| (e, left_out && event_type != "AllBlocksCleared"))
         }
 
         fn malformed(event_type: &str, reason: &str) -> EventError {
@@ -1093,6 +1141,85 @@ mod tests {
         );
     }
 
+    /// What Dynamo's mocker before 1.5 publishes (its `ZmqRawKvEvent`, `rmp_serde::to_vec`:
+    /// positional, medium skipped when None, then `group_idx: 0`), every shape of it.
+    #[test]
+    fn the_1_4_mockers_left_out_medium_is_read_and_counted() {
+        let events = vec![
+            // Device tier: no medium, group_idx where medium belongs.
+            Value::Array(vec![s("BlockRemoved"), ints(&[7, 8]), Value::from(0u64)]),
+            Value::Array(vec![
+                s("BlockStored"),
+                ints(&[5]),
+                Value::Nil,
+                ints(&[9, 9]),
+                Value::from(2u64),
+                Value::from(0u64),
+            ]),
+            // Host tier: medium present, group_idx after it.
+            Value::Array(vec![
+                s("BlockRemoved"),
+                ints(&[6]),
+                s("CPU_PINNED"),
+                Value::from(0u64),
+            ]),
+            Value::Array(vec![
+                s("BlockStored"),
+                ints(&[6]),
+                Value::from(5u64),
+                ints(&[1, 2]),
+                Value::from(2u64),
+                s("CPU_PINNED"),
+                Value::from(0u64),
+            ]),
+        ];
+        let input = encode(&batch(events, Some(Value::from(0u64))));
+        let p = decode_payload(&input).unwrap();
+        same_as_reference(&input, &Ok(p.clone()));
+        assert!(p.problems.is_empty(), "{:?}", p.problems);
+        let removed = |h: Vec<u64>, medium: Option<&str>| KvEvent::BlockRemoved {
+            block_hashes: h,
+            medium: medium.map(String::from),
+        };
+        let mut pinned = stored(vec![6], Some(5), vec![1, 2], 2);
+        if let KvEvent::BlockStored { medium, .. } = &mut pinned {
+            *medium = Some("CPU_PINNED".into());
+        }
+        assert_eq!(
+            p.events,
+            vec![
+                removed(vec![7, 8], None),
+                stored(vec![5], None, vec![9, 9], 2),
+                removed(vec![6], Some("CPU_PINNED")),
+                pinned,
+            ]
+        );
+        // The device removal and the host store were in the left-out layout.
+        assert_eq!(p.medium_left_out, 2);
+
+        // vLLM's positional events carry medium, nil or a string: never counted; a
+        // negative integer or a map's integer medium is still malformed.
+        let vllm = Value::Array(vec![
+            s("BlockRemoved"),
+            ints(&[1]),
+            Value::Nil,
+            Value::from(0u64),
+        ]);
+        let negative = Value::Array(vec![s("BlockRemoved"), ints(&[2]), Value::from(-1)]);
+        let in_map = map(vec![
+            ("type", s("BlockRemoved")),
+            ("block_hashes", ints(&[3])),
+            ("medium", Value::from(0u64)),
+        ]);
+        let input = encode(&batch(vec![vllm, negative, in_map], None));
+        let p = decode_payload(&input).unwrap();
+        same_as_reference(&input, &Ok(p.clone()));
+        assert_eq!(
+            (p.events.len(), p.problems.len(), p.medium_left_out),
+            (1, 2, 0)
+        );
+    }
+
     #[test]
     fn map_events_with_unknown_and_missing_fields() {
         let ev = map(vec![
@@ -1207,8 +1334,8 @@ mod tests {
                 ints(&[1]),
                 Value::from(1),
                 Value::Nil,
-                Value::from(5),
-            ]), // medium an int
+                Value::F64(5.0),
+            ]), // medium a float (an integer there is the 1.4 mocker's group_idx)
             Value::Array(vec![s("BlockRemoved"), Value::Array(vec![Value::F64(1.0)])]), // float hash
             map(vec![("type", s("BlockRemoved"))]),                                     // no hashes
         ];
@@ -1392,8 +1519,8 @@ mod tests {
             (Ok(g), Ok(w)) => {
                 assert_eq!(g.engine_ts.to_bits(), w.engine_ts.to_bits(), "{input:?}");
                 assert_eq!(
-                    (&g.dp_rank, &g.events, &g.problems),
-                    (&w.dp_rank, &w.events, &w.problems),
+                    (&g.dp_rank, &g.events, &g.problems, g.medium_left_out),
+                    (&w.dp_rank, &w.events, &w.problems, w.medium_left_out),
                     "{input:?}"
                 );
             }

@@ -71,6 +71,27 @@ impl InternalEvent<AgentStats> for KvUnknownEvent<'_> {
     }
 }
 
+/// Events a publisher wrote in the layout of Dynamo's mocker before 1.5 (medium left
+/// out, its group_idx in medium's slot), read that way.
+pub struct KvMediumLeftOut<'a> {
+    pub publisher: &'a str,
+    pub events: u32,
+}
+
+static MEDIUM_LEFT_OUT: LogLimiter = LogLimiter::new();
+
+impl InternalEvent<AgentStats> for KvMediumLeftOut<'_> {
+    fn emit(self, stats: &AgentStats) {
+        if self.events == 0 {
+            return;
+        }
+        if let Some(suppressed) = MEDIUM_LEFT_OUT.check() {
+            info!(publisher = %self.publisher, events = self.events, suppressed, "KV events with their medium left out and group_idx in its slot (Dynamo's mocker before 1.5): read with no medium.");
+        }
+        add(&stats.kv_events_medium_left_out, u64::from(self.events));
+    }
+}
+
 /// An event with missing or wrongly typed fields.
 pub struct KvMalformedEvent<'a> {
     pub publisher: &'a str,

@@ -145,6 +145,16 @@ mod tests {
             subject: "s",
         }
         .emit(&s);
+        KvMediumLeftOut {
+            publisher: "p",
+            events: 2,
+        }
+        .emit(&s);
+        KvMediumLeftOut {
+            publisher: "p",
+            events: 0,
+        }
+        .emit(&s);
         let c = s.snapshot();
         assert_eq!(
             c,
@@ -155,6 +165,7 @@ mod tests {
                 kv_decode_errors: 1,
                 kv_unknown_events: 1,
                 kv_malformed_events: 1,
+                kv_events_medium_left_out: 2,
                 kv_sequence_gaps: 1,
                 kv_missed_batches: 3,
                 kv_sequence_resets: 1,

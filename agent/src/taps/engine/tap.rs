@@ -13,9 +13,9 @@ use crate::counters::AgentStats;
 use crate::fleet::FleetView;
 use crate::internal_events::{
     InternalEvent, KvBadFrame, KvBatchReceived, KvBatchReplayed, KvDecodeError,
-    KvEngineTimeIgnored, KvMalformedEvent, KvPeerViolation, KvReplayCut, KvReplayDone,
-    KvReplayFailed, KvSequenceGap, KvSequenceReset, KvTapConnected, KvTapDisconnected,
-    KvTapPanicked, KvUnknownEvent,
+    KvEngineTimeIgnored, KvMalformedEvent, KvMediumLeftOut, KvPeerViolation, KvReplayCut,
+    KvReplayDone, KvReplayFailed, KvSequenceGap, KvSequenceReset, KvTapConnected,
+    KvTapDisconnected, KvTapPanicked, KvUnknownEvent,
 };
 use crate::kv_events::{decode_payload, split_frames, EventProblem};
 use crate::sink::{RecordSink, SourceId};
@@ -261,6 +261,11 @@ impl KvTap {
             }
         };
         emit_problems(publisher, &decoded.problems, &self.stats);
+        KvMediumLeftOut {
+            publisher,
+            events: decoded.medium_left_out,
+        }
+        .emit(&self.stats);
         // NaN or infinity would not survive JSON (null), and would lose the batch at the
         // collector: such a stamp is dropped, and counted with every stamp that is no
         // time where the batch is ordered (`engine_time_ns`).
@@ -682,6 +687,31 @@ mod tests {
             ),
             (1, 3, 1, 1)
         );
+    }
+
+    #[test]
+    fn the_1_4_mockers_removals_are_kept_and_counted() {
+        // Dynamo's mocker before 1.5: medium left out, group_idx 0 in its slot.
+        let (mut t, stats) = tap(None);
+        let removed = Value::Array(vec![
+            Value::from("BlockRemoved"),
+            Value::Array(vec![Value::from(7u64)]),
+            Value::from(0u64),
+        ]);
+        let Some(Record::KvEvents(b)) =
+            t.message(&msg(0, encode(&batch(vec![removed], Some(Value::from(0))))))
+        else {
+            panic!()
+        };
+        assert_eq!(
+            b.events,
+            vec![KvEvent::BlockRemoved {
+                block_hashes: vec![7],
+                medium: None
+            }]
+        );
+        let c = stats.snapshot();
+        assert_eq!((c.kv_events_medium_left_out, c.kv_malformed_events), (1, 0));
     }
 
     #[test]
