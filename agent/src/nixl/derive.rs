@@ -342,18 +342,10 @@ fn refused_site<'a>(
         .steps
         .iter()
         .enumerate()
+        .filter(|(_, s)| s.cond_target.is_some())
         .find_map(|(j, s)| {
-            s.cond_target?;
-            let test = &run.steps[j.checked_sub(1)?];
-            test.seen.iter().find_map(|seen| match seen {
-                Seen::Read {
-                    at: Loc::Deref { arg: 0, off, disp },
-                    size,
-                } if offset(*off) == agent_data => {
-                    Some((test, s, (*size == 1).then(|| offset(*disp)).flatten()))
-                }
-                _ => None,
-            })
+            let (disp, size, test) = run.agent_data_test(j, agent_data)?;
+            Some((test, s, (size == 1).then(|| offset(disp)).flatten()))
         })
         .ok_or("getXferTelemetry tests no field of the agent's data")?;
     let target = jump.cond_target.unwrap_or_default();
@@ -433,18 +425,9 @@ fn counts_filled(run: &Run, bytes: u64, agent_data: Option<u64>) -> (Counts, Str
     }
     // The byte of the agent's data a jump's condition was read from, and its evidence.
     let flag_of = |jump: usize| -> Option<(u64, String)> {
-        run.steps[jump.saturating_sub(2)..jump]
-            .iter()
-            .rev()
-            .find_map(|s| {
-                s.seen.iter().find_map(|seen| match seen {
-                    Seen::Read {
-                        at: Loc::Deref { arg: 0, off, disp },
-                        size: 1,
-                    } if offset(*off) == agent_data => Some((offset(*disp)?, s.evidence.clone())),
-                    _ => None,
-                })
-            })
+        let (disp, size, test) = run.agent_data_test(jump, agent_data)?;
+        (size == 1).then_some(())?;
+        Some((offset(disp)?, test.evidence.clone()))
     };
     for &i in &stores {
         let ip = run.steps[i].ip;
@@ -1068,6 +1051,23 @@ impl Run {
                 _ => None,
             })
         })
+    }
+
+    /// The field of the agent's data (`*(this + agent_data) + disp`) that one of the two
+    /// instructions before the conditional jump at `jump` reads: (disp, size, that step).
+    fn agent_data_test(&self, jump: usize, agent_data: Option<u64>) -> Option<(i64, usize, &Step)> {
+        self.steps[jump.saturating_sub(2)..jump]
+            .iter()
+            .rev()
+            .find_map(|s| {
+                s.seen.iter().find_map(|seen| match seen {
+                    Seen::Read {
+                        at: Loc::Deref { arg: 0, off, disp },
+                        size,
+                    } if offset(*off) == agent_data => Some((*disp, *size, s)),
+                    _ => None,
+                })
+            })
     }
 
     /// The step that read argument 1's field `off`, before `s` (its evidence).
