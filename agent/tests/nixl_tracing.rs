@@ -14,12 +14,13 @@
 
 mod support;
 
-use kvscope_agent::nixl::{NixlTraceConfig, NixlTracer};
+use kvscope_agent::nixl::NixlTracer;
 use kvscope_nixl_lab::truth::{HandshakeCall, TransferOutcome, Truth};
 use kvscope_wire::nixl::{NixlReport, XferStage};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
+use support::{start_tracer, tracer_config};
 
 /// (pid, local, remote, op, stage, status name) → (transfers, bytes, descriptors)
 type TransferTally = BTreeMap<(u32, String, String, String, XferStage, String), (u64, u64, u64)>;
@@ -195,28 +196,6 @@ fn diff<K: Ord + std::fmt::Debug, V: PartialEq + std::fmt::Debug>(
         }
     }
     out
-}
-
-fn tracer_config(libraries: Vec<PathBuf>, discover: bool, pid: Option<u32>) -> NixlTraceConfig {
-    NixlTraceConfig {
-        enabled: true,
-        libraries,
-        discover,
-        pid,
-        completion_sites: true,
-        scan_interval_secs: 0.1,
-        report_interval_secs: 1.0,
-    }
-}
-
-async fn start_tracer(cfg: &NixlTraceConfig) -> NixlTracer {
-    match NixlTracer::start(cfg).await {
-        Ok(t) => t,
-        Err(e) => panic!(
-            "NIXL tracing is not available here, so this test cannot run (it must run as \
-             root with uprobes, as CI does): {e:#}"
-        ),
-    }
 }
 
 /// Wait until the tracer has seen as many transfers and calls from `pids` as the lab

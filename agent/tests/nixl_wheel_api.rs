@@ -13,7 +13,7 @@
 
 mod support;
 
-use kvscope_agent::nixl::{NixlTraceConfig, NixlTracer};
+use kvscope_agent::nixl::NixlTracer;
 use kvscope_wire::nixl::{NixlReport, XferStage};
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
@@ -147,21 +147,9 @@ async fn each_wheel_driven_by_its_own_python_api_is_traced_exactly() {
         let (pkg, libs) = wheel(version);
         let lib = libs.join("libnixl.so");
         for telemetry in [true, false] {
-            let cfg = NixlTraceConfig {
-                enabled: true,
-                libraries: vec![lib.clone()],
-                discover: false,
-                pid: None,
-                completion_sites: true,
-                scan_interval_secs: 0.1,
-                report_interval_secs: 1.0,
-            };
-            let tracer = NixlTracer::start(&cfg).await.unwrap_or_else(|e| {
-                panic!(
-                    "NIXL tracing is not available here, so this test cannot run (it must \
-                     run as root with uprobes, as CI does): {e:#}"
-                )
-            });
+            let tracer =
+                support::start_tracer(&support::tracer_config(vec![lib.clone()], false, None))
+                    .await;
             let counts = kvscope_agent::nixl::library::NixlLibrary::inspect(&lib, true)
                 .unwrap()
                 .offsets

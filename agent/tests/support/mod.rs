@@ -121,3 +121,36 @@ pub fn copy_libs_patched(
     assert_ne!(new_id, id, "the copy has another build-id");
     copy
 }
+
+/// The tracer's configuration for the NIXL tests: these libraries, completion sites where
+/// the build has them, quick scans and reports.
+#[allow(dead_code)]
+pub fn tracer_config(
+    libraries: Vec<PathBuf>,
+    discover: bool,
+    pid: Option<u32>,
+) -> kvscope_agent::nixl::NixlTraceConfig {
+    kvscope_agent::nixl::NixlTraceConfig {
+        enabled: true,
+        libraries,
+        discover,
+        pid,
+        completion_sites: true,
+        scan_interval_secs: 0.1,
+        report_interval_secs: 1.0,
+    }
+}
+
+/// The tracer started, or the test fails saying why it cannot run here.
+#[allow(dead_code)]
+pub async fn start_tracer(
+    cfg: &kvscope_agent::nixl::NixlTraceConfig,
+) -> kvscope_agent::nixl::NixlTracer {
+    match kvscope_agent::nixl::NixlTracer::start(cfg).await {
+        Ok(t) => t,
+        Err(e) => panic!(
+            "NIXL tracing is not available here, so this test cannot run (it must run as \
+             root with uprobes, as CI does): {e:#}"
+        ),
+    }
+}
