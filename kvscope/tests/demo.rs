@@ -15,7 +15,9 @@
 //! - the capacity what-if calibrated at a plausible size, its hit rate falling
 //!   smoothly with the reserve (no cliff);
 //! - the router what-if's model at the demo's own settings within twice the tolerance
-//!   the model was validated to (`REPRODUCTION_TOLERANCE`; one real run is one draw),
+//!   the model was validated to in hit and spill rate (`REPRODUCTION_TOLERANCE`; one real
+//!   run is one draw), and within a factor of 2 in uncached prefill (the demo's runs
+//!   spread that far),
 //!   its other settings predicted when within the tolerance and none when not (the
 //!   report then says why), and its load view the router's own.
 
@@ -188,9 +190,12 @@ fn the_demo_a_newcomer_runs() {
 
     // The router what-if: the model at the demo's settings reproduces the demo's run, or
     // says it does not and predicts nothing. Either way it is in the demo's regime: the
-    // bug this guards against missed by 5x, while two real runs of one setting differ by
-    // up to 9% in uncached prefill (BENCHMARKS.md), so a miss just past the 10% tolerance
-    // is one run's draw, and the product must then say so rather than print rows.
+    // bug this guards against missed by 5x. Hit and spill rate hold to twice the
+    // tolerance; uncached prefill to a factor of 2, since the demo's own runs spread that
+    // far: a handful of 100k-token documents decide it, and six runs of this very test
+    // measured the model from -39.7% to +32.1% of its run (BENCHMARKS.md, "The demo run
+    // to run"), where a miss past the tolerance is one run's draw and the product must
+    // then say so rather than print rows.
     let router = &report["whatif"]["router"];
     let model = &router["model_at_recorded"];
     let measured = &router["recorded"];
@@ -226,8 +231,8 @@ fn the_demo_a_newcomer_runs() {
         "hit rate {hit_err:+.3}"
     );
     assert!(
-        uncached_err.abs() <= 2.0 * t.uncached_rel,
-        "uncached prefill {uncached_err:+.3}"
+        (-0.5..=1.0).contains(&uncached_err),
+        "uncached prefill {uncached_err:+.3}: more than a factor of 2 from the run"
     );
     assert!(
         spill_err.abs() <= 2.0 * t.spill_rate_points
