@@ -38,6 +38,16 @@ agent_stats!(
     kv_unknown_events: "KV events of a type the agent does not know (skipped).",
     kv_malformed_events: "KV events of a known type with fields missing or of the wrong type.",
     kv_events_medium_left_out: "KV events in the layout of Dynamo's mocker before 1.5 (medium left out, its group_idx in medium's slot): read with medium absent.",
+    kv_fields_left_out_lora_id: "KV events with vLLM's lora_id set (deprecated for lora_name, which the agent carries): read, not carried.",
+    kv_fields_left_out_extra_keys: "KV events with vLLM's extra_keys set (multimodal identifiers, LoRA name, cache salt in the block hash): read, not carried; the mirror matches blocks by their tokens alone.",
+    kv_fields_left_out_group_idx: "KV events of a KV cache group other than the first (a hybrid model's sliding-window or Mamba group): read, not carried; the mirror holds one group.",
+    kv_fields_left_out_kv_cache_spec_kind: "KV events with vLLM's kv_cache_spec_kind set: read, not carried.",
+    kv_fields_left_out_kv_cache_spec_sliding_window: "KV events with vLLM's kv_cache_spec_sliding_window set: read, not carried.",
+    kv_fields_left_out_locality: "KV events with vLLM's locality set (0.33 on): read, not carried.",
+    kv_fields_left_out_ownership: "KV events with vLLM's ownership set (0.33 on): read, not carried.",
+    kv_fields_left_out_session_id: "KV events with vLLM's session_id set (0.33 on): read, not carried.",
+    kv_fields_left_out_lookahead_token_ids: "KV events with vLLM's lookahead_token_ids set (0.33 on): read, not carried.",
+    kv_fields_left_out_other: "KV events with a field the agent does not know set (a newer engine's): read past, not carried.",
     kv_sequence_gaps: "Gaps in a publisher's batch sequence numbers (batches lost before the agent).",
     kv_missed_batches: "KV batches lost in sequence gaps.",
     kv_sequence_resets: "Publisher sequence restarts (engine restarts).",
@@ -46,7 +56,7 @@ agent_stats!(
     kv_batches_replayed: "KV batches recovered through a publisher's replay socket.",
     kv_gaps_recovered: "Gaps and late starts whose every missed batch the replay socket sent again.",
     kv_replay_failures: "Replay requests that failed (the missed batches stay missing).",
-    kv_replay_cuts: "Replay answers cut at 16,384 batches or 64 MiB: the batches before the cut used, the rest left missing.",
+    kv_replay_cuts: "Replay answers cut at 16,384 batches or 64 MiB, or ended without their end marker (a ROUTER past its high-water mark): the batches before the cut used, the rest asked for again.",
     kv_engine_times_ignored: "KV batches whose engine timestamp is no time (not finite, before 2001 or after 2286): ordered by their arrival instead.",
     discovery_changes: "Workers and KV publishers that appeared, changed or went away in Dynamo's discovery store.",
     discovery_errors: "Failed reads of Dynamo's discovery store (retried).",
@@ -92,6 +102,6 @@ mod tests {
         let c = s.snapshot();
         assert_eq!(c.kv_batches, 2);
         assert_eq!(c.publish_dropped, 5);
-        assert_eq!(s.named().len(), 42);
+        assert_eq!(s.named().len(), 52);
     }
 }

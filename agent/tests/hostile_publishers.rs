@@ -23,7 +23,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 mod support;
-use support::python;
+use support::{metric, python, spawn_agent};
 
 /// A ZMTP 3 PUB handshake from the server side, then the subscription the SUB sends.
 fn handshake(s: &mut TcpStream) -> std::io::Result<()> {
@@ -133,17 +133,6 @@ fn rss_bytes(pid: u32) -> u64 {
         * 1024
 }
 
-fn metric(addr: &str, name: &str) -> Option<u64> {
-    let mut conn = TcpStream::connect(addr).ok()?;
-    conn.write_all(b"GET /metrics HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
-        .ok()?;
-    let mut text = String::new();
-    conn.read_to_string(&mut text).ok()?;
-    text.lines()
-        .filter(|l| l.starts_with(name))
-        .find_map(|l| l.rsplit(' ').next()?.parse().ok())
-}
-
 /// One `AllBlocksCleared` batch from a vLLM publisher, with an empty topic.
 fn batch(seq: u64) -> Vec<Vec<u8>> {
     let payload = encode_payload(
@@ -196,24 +185,18 @@ fn hostile_frame_claims_neither_kill_nor_bloat_the_agent() {
     let metrics_port = kvscope_lab::ports::pick_ports(1).unwrap()[0];
     let metrics = format!("127.0.0.1:{metrics_port}");
     let recording = dir.path().join("agent.jsonl");
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvscope-agent"));
-    cmd.args(["--nats-url", &nats.url(), "--cluster", "hostile"])
-        .args(["--agent-id", "hostile-test", "--heartbeat-secs", "0.2"])
-        .args(["--metrics-listen", &metrics])
-        .arg("--kv")
-        .arg(format!("tcp://127.0.0.1:{}=1", tib.port))
-        .arg("--kv")
-        .arg(format!("tcp://127.0.0.1:{}=2", gib8.port))
-        .arg("--kv")
-        .arg(format!("{good_endpoint}=3"))
-        .arg("--record")
-        .arg(&recording);
-    let mut agent = StopOnDrop(vec![ManagedProcess::spawn(
-        "agent",
-        cmd,
-        &dir.path().join("agent.log"),
-    )
-    .unwrap()]);
+    let mut agent = spawn_agent(
+        dir.path(),
+        &nats.url(),
+        "hostile",
+        &metrics,
+        &[
+            format!("tcp://127.0.0.1:{}=1", tib.port),
+            format!("tcp://127.0.0.1:{}=2", gib8.port),
+            format!("{good_endpoint}=3"),
+        ],
+        &recording,
+    );
     let pid = agent[0].pid();
 
     // Wait for /metrics, then take the baseline.

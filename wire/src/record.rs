@@ -783,6 +783,29 @@ pub struct AgentCounters {
     /// Events in the layout of Dynamo's mocker before 1.5 (medium left out, its
     /// group_idx in medium's slot): read with medium absent, counted here.
     pub kv_events_medium_left_out: u64,
+    /// Events that set a field of vLLM's the agent reads past without carrying, per
+    /// field (`kvscope_wire::vllm_events::FieldsLeftOut`); left out of a heartbeat
+    /// while 0, as most engines never set most of them.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub kv_fields_left_out_lora_id: u64,
+    #[serde(skip_serializing_if = "is_zero")]
+    pub kv_fields_left_out_extra_keys: u64,
+    #[serde(skip_serializing_if = "is_zero")]
+    pub kv_fields_left_out_group_idx: u64,
+    #[serde(skip_serializing_if = "is_zero")]
+    pub kv_fields_left_out_kv_cache_spec_kind: u64,
+    #[serde(skip_serializing_if = "is_zero")]
+    pub kv_fields_left_out_kv_cache_spec_sliding_window: u64,
+    #[serde(skip_serializing_if = "is_zero")]
+    pub kv_fields_left_out_locality: u64,
+    #[serde(skip_serializing_if = "is_zero")]
+    pub kv_fields_left_out_ownership: u64,
+    #[serde(skip_serializing_if = "is_zero")]
+    pub kv_fields_left_out_session_id: u64,
+    #[serde(skip_serializing_if = "is_zero")]
+    pub kv_fields_left_out_lookahead_token_ids: u64,
+    #[serde(skip_serializing_if = "is_zero")]
+    pub kv_fields_left_out_other: u64,
     pub kv_sequence_gaps: u64,
     pub kv_missed_batches: u64,
     pub kv_sequence_resets: u64,
@@ -797,8 +820,8 @@ pub struct AgentCounters {
     pub kv_gaps_recovered: u64,
     /// Replay requests that failed.
     pub kv_replay_failures: u64,
-    /// Replay answers cut at the agent's batch count or byte budget: the batches before
-    /// the cut used, the rest left missing.
+    /// Replay answers cut at the agent's batch count or byte budget, or ended without
+    /// their end marker: the batches before the cut used, the rest asked for again.
     #[serde(default)]
     pub kv_replay_cuts: u64,
     /// KV batches whose engine timestamp is no time: ordered by their arrival.
@@ -1406,4 +1429,8 @@ pub mod worker_map {
             .map(|(k, v)| Ok((k.parse().map_err(D::Error::custom)?, v)))
             .collect()
     }
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }

@@ -20,7 +20,10 @@
 //! and counted ([`DecodedPayload::medium_left_out`]): vLLM's own positional events always
 //! carry medium there, a string or nil.
 //!
-//! Trailing and unknown fields are ignored, optional ones may be missing. Block hashes
+//! Fields the agent does not carry (vLLM's `lora_id`, `extra_keys`, `group_idx`, the KV
+//! cache spec, and since 0.33 `locality`, `ownership`, `session_id`,
+//! `lookahead_token_ids`; any other a newer version adds) are read past and counted per
+//! event that sets them ([`FieldsLeftOut`]); optional ones may be missing. Block hashes
 //! are msgpack uint64, signed int64 (SGLang; the bits are kept) or bytes (the low 64
 //! bits read big-endian, i.e. the last 8 bytes; shorter strings are left-padded).
 //! An event of an unknown type or with bad fields is reported as an [`EventProblem`]
@@ -66,6 +69,126 @@ pub enum EventProblem {
     },
 }
 
+/// Fields of vLLM's events the decoder reads past without carrying, each counted per
+/// event (decoded) that sets it: to nil is unset, and a `group_idx` of 0 — the first KV
+/// cache group, the only one of a model that is not hybrid — is what the mirror holds
+/// anyway. `other` counts names this decoder does not know (a newer vLLM's).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FieldsLeftOut {
+    pub lora_id: u32,
+    pub extra_keys: u32,
+    pub group_idx: u32,
+    pub kv_cache_spec_kind: u32,
+    pub kv_cache_spec_sliding_window: u32,
+    pub locality: u32,
+    pub ownership: u32,
+    pub session_id: u32,
+    pub lookahead_token_ids: u32,
+    pub other: u32,
+}
+
+impl FieldsLeftOut {
+    fn slot(&mut self, name: &str) -> &mut u32 {
+        match name {
+            "lora_id" => &mut self.lora_id,
+            "extra_keys" => &mut self.extra_keys,
+            "group_idx" => &mut self.group_idx,
+            "kv_cache_spec_kind" => &mut self.kv_cache_spec_kind,
+            "kv_cache_spec_sliding_window" => &mut self.kv_cache_spec_sliding_window,
+            "locality" => &mut self.locality,
+            "ownership" => &mut self.ownership,
+            "session_id" => &mut self.session_id,
+            "lookahead_token_ids" => &mut self.lookahead_token_ids,
+            _ => &mut self.other,
+        }
+    }
+
+    /// Field `name` of one event was set (`nil` says whether it was nil, `zero` whether
+    /// it was the integer 0).
+    fn saw(&mut self, name: &str, nil: bool, zero: bool) {
+        let neutral = nil || (zero && name == "group_idx");
+        if !neutral {
+            *self.slot(name) = 1;
+        }
+    }
+
+    fn add(&mut self, other: &FieldsLeftOut) {
+        for (a, (_, b)) in self.counts_mut().into_iter().zip(other.counts()) {
+            *a += b;
+        }
+    }
+
+    /// `(name, count)` of every field.
+    pub fn counts(&self) -> [(&'static str, u32); 10] {
+        [
+            ("lora_id", self.lora_id),
+            ("extra_keys", self.extra_keys),
+            ("group_idx", self.group_idx),
+            ("kv_cache_spec_kind", self.kv_cache_spec_kind),
+            (
+                "kv_cache_spec_sliding_window",
+                self.kv_cache_spec_sliding_window,
+            ),
+            ("locality", self.locality),
+            ("ownership", self.ownership),
+            ("session_id", self.session_id),
+            ("lookahead_token_ids", self.lookahead_token_ids),
+            ("other", self.other),
+        ]
+    }
+
+    fn counts_mut(&mut self) -> [&mut u32; 10] {
+        [
+            &mut self.lora_id,
+            &mut self.extra_keys,
+            &mut self.group_idx,
+            &mut self.kv_cache_spec_kind,
+            &mut self.kv_cache_spec_sliding_window,
+            &mut self.locality,
+            &mut self.ownership,
+            &mut self.session_id,
+            &mut self.lookahead_token_ids,
+            &mut self.other,
+        ]
+    }
+}
+
+/// The name of a positional event's field past the ones carried (vLLM's order; the tag
+/// is position 0).
+fn positional_field(kind: &str, pos: u32) -> &'static str {
+    const STORED: [&str; 11] = [
+        "lora_id",
+        "medium",
+        "lora_name",
+        "extra_keys",
+        "group_idx",
+        "kv_cache_spec_kind",
+        "kv_cache_spec_sliding_window",
+        "locality",
+        "ownership",
+        "session_id",
+        "lookahead_token_ids",
+    ];
+    const REMOVED: [&str; 3] = ["group_idx", "locality", "ownership"];
+    let named = match kind {
+        "BlockStored" => pos.checked_sub(5).and_then(|i| STORED.get(i as usize)),
+        "BlockRemoved" => pos.checked_sub(3).and_then(|i| REMOVED.get(i as usize)),
+        _ => None,
+    };
+    named.copied().unwrap_or("other")
+}
+
+/// The fields a map event's decoder carries (a second of one is counted as `other`).
+const CARRIED: [&str; 7] = [
+    "type",
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "medium",
+    "lora_name",
+];
+
 /// A decoded payload.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DecodedPayload {
@@ -76,6 +199,8 @@ pub struct DecodedPayload {
     /// Events read in the layout of Dynamo's mocker before 1.5 (medium left out, its
     /// `group_idx` in medium's slot): decoded, and counted here.
     pub medium_left_out: u32,
+    /// Fields set on the decoded events that the agent does not carry.
+    pub fields_left_out: FieldsLeftOut,
 }
 
 /// Split a multipart message into its sequence number and payload.
@@ -103,6 +228,7 @@ pub fn decode_payload(bytes: &[u8]) -> Result<DecodedPayload, PayloadError> {
         bytes,
         pos: 0,
         medium_left_out: 0,
+        fields_left_out: FieldsLeftOut::default(),
     };
     let batch = rd
         .batch()
@@ -148,6 +274,7 @@ pub fn decode_payload(bytes: &[u8]) -> Result<DecodedPayload, PayloadError> {
         events: Vec::with_capacity(raw_events.len()),
         problems: Vec::new(),
         medium_left_out: rd.medium_left_out,
+        fields_left_out: rd.fields_left_out,
     };
     for (index, event) in raw_events.into_iter().enumerate() {
         match event {
@@ -279,6 +406,8 @@ struct Reader<'a> {
     pos: usize,
     /// Events decoded in the mocker's left-out-medium layout so far.
     medium_left_out: u32,
+    /// Fields left out of the events decoded so far.
+    fields_left_out: FieldsLeftOut,
 }
 
 impl<'a> Reader<'a> {
@@ -558,6 +687,7 @@ impl<'a> Reader<'a> {
                 }
                 let tag = self.value(items)?;
                 let kind = tag.key();
+                let mut left = FieldsLeftOut::default();
                 for pos in 1..n {
                     match (kind, pos) {
                         (Some("BlockStored" | "BlockRemoved"), 1) => {
@@ -571,6 +701,14 @@ impl<'a> Reader<'a> {
                             slots.medium = Some(self.value(items)?)
                         }
                         (Some("BlockStored"), 7) => slots.lora_name = Some(self.value(items)?),
+                        (Some(kind @ ("BlockStored" | "BlockRemoved")), _) => {
+                            let h = self.value(items)?;
+                            left.saw(
+                                positional_field(kind, pos),
+                                matches!(h, Head::Nil),
+                                matches!(h, Head::Uint(0)),
+                            );
+                        }
                         _ => {
                             self.value(items)?;
                         }
@@ -579,23 +717,34 @@ impl<'a> Reader<'a> {
                 // The mocker's left-out medium: its group_idx where medium belongs.
                 let left_out = matches!(slots.medium, Some(Head::Uint(_)));
                 if left_out {
+                    left.saw(
+                        "group_idx",
+                        false,
+                        matches!(slots.medium, Some(Head::Uint(0))),
+                    );
                     slots.medium = slots
                         .before_medium
                         .take()
                         .filter(|h| kind == Some("BlockStored") && matches!(h, Head::Str(_)));
+                }
+                // vLLM's slot 5 is lora_id (an integer); the mocker's medium is a string.
+                if let Some(h @ (Head::Uint(_) | Head::Int(_))) = slots.before_medium {
+                    left.saw("lora_id", false, matches!(h, Head::Uint(0)));
                 }
                 let event = match tag.str() {
                     None => Err(malformed("?", "array without a string tag")),
                     Some(None) => Err(malformed("?", "type is not UTF-8")),
                     Some(Some(kind)) => event_of(kind, slots),
                 };
-                if left_out && event.is_ok() {
-                    self.medium_left_out += 1;
+                if event.is_ok() {
+                    self.medium_left_out += u32::from(left_out);
+                    self.fields_left_out.add(&left);
                 }
                 Ok(event)
             }
             Head::Map(n) => {
                 let items = deeper(depth)?;
+                let mut left = FieldsLeftOut::default();
                 for _ in 0..n {
                     let key = self.value(items)?;
                     match key.key() {
@@ -618,16 +767,22 @@ impl<'a> Reader<'a> {
                         Some("lora_name") if slots.lora_name.is_none() => {
                             slots.lora_name = Some(self.value(items)?)
                         }
-                        _ => {
-                            self.value(items)?;
+                        name => {
+                            let h = self.value(items)?;
+                            let name = name.filter(|n| !CARRIED.contains(n)).unwrap_or("other");
+                            left.saw(name, matches!(h, Head::Nil), matches!(h, Head::Uint(0)));
                         }
                     }
                 }
-                Ok(match slots.tag.as_ref().and_then(Head::str) {
+                let event = match slots.tag.as_ref().and_then(Head::str) {
                     None => Err(malformed("?", "map without a string `type`")),
                     Some(None) => Err(malformed("?", "type is not UTF-8")),
                     Some(Some(kind)) => event_of(kind, slots),
-                })
+                };
+                if event.is_ok() {
+                    self.fields_left_out.add(&left);
+                }
+                Ok(event)
             }
             other => {
                 self.finish(&other, depth)?;
@@ -843,11 +998,13 @@ mod tests {
                 events: Vec::with_capacity(raw_events.len()),
                 problems: Vec::new(),
                 medium_left_out: 0,
+                fields_left_out: FieldsLeftOut::default(),
             };
             for (index, raw) in raw_events.iter().enumerate() {
                 match decode_event(raw) {
                     Ok((ev, left_out)) => {
                         out.medium_left_out += u32::from(left_out);
+                        out.fields_left_out.add(&left_out_of(raw, left_out));
                         out.events.push(ev)
                     }
                     Err(EventError::Unknown(event_type)) => out
@@ -940,6 +1097,49 @@ mod tests {
                 other => Err(EventError::Unknown(other.to_string())),
             };
             event.map(|e| (e, left_out && event_type != "AllBlocksCleared"))
+        }
+
+        /// The fields one decoded event sets and the decoder does not carry.
+        fn left_out_of(raw: &Value, medium_left_out: bool) -> FieldsLeftOut {
+            let mut left = FieldsLeftOut::default();
+            let zero = |v: &Value| v.as_u64() == Some(0);
+            match raw {
+                Value::Array(a) => {
+                    let kind = a[0].as_str().unwrap_or("");
+                    let (from, medium) = match kind {
+                        "BlockStored" => (8, 6),
+                        "BlockRemoved" => (3, 2),
+                        _ => return left,
+                    };
+                    for (pos, v) in a.iter().enumerate().skip(from) {
+                        left.saw(positional_field(kind, pos as u32), v.is_nil(), zero(v));
+                    }
+                    if medium_left_out {
+                        left.saw("group_idx", false, zero(&a[medium]));
+                    }
+                    if kind == "BlockStored" {
+                        if let Some(v) = a.get(5).filter(|v| v.is_u64() || v.is_i64()) {
+                            left.saw("lora_id", false, zero(v));
+                        }
+                    }
+                }
+                Value::Map(m) => {
+                    let mut carried = Vec::new();
+                    for (k, v) in m {
+                        let name = match k.as_str() {
+                            Some(n) if CARRIED.contains(&n) && !carried.contains(&n) => {
+                                carried.push(n);
+                                continue;
+                            }
+                            Some(n) if !CARRIED.contains(&n) => n,
+                            _ => "other",
+                        };
+                        left.saw(name, v.is_nil(), zero(v));
+                    }
+                }
+                _ => {}
+            }
+            left
         }
 
         fn malformed(event_type: &str, reason: &str) -> EventError {
@@ -1114,6 +1314,63 @@ mod tests {
                 },
                 KvEvent::AllBlocksCleared,
             ]
+        );
+    }
+
+    #[test]
+    fn fields_not_carried_are_counted_per_event_that_sets_them() {
+        let positional = Value::Array(vec![
+            s("BlockStored"),
+            ints(&[1]),
+            Value::Nil,
+            ints(&[1, 2]),
+            Value::from(2u64),
+            Value::from(4u64), // lora_id
+            s("GPU"),
+            Value::Nil,
+            Value::Nil,        // extra_keys unset
+            Value::from(2u64), // group_idx
+        ]);
+        let first_group = Value::Array(vec![
+            s("BlockRemoved"),
+            ints(&[1]),
+            Value::Nil,
+            Value::from(0u64), // group_idx 0: the mirror's own group
+        ]);
+        let mapped = map(vec![
+            ("type", s("BlockStored")),
+            ("block_hashes", ints(&[2])),
+            ("token_ids", ints(&[1, 2])),
+            ("block_size", Value::from(2u64)),
+            ("lora_id", Value::from(3u64)),
+            ("group_idx", Value::from(1u64)),
+            ("locality", s("local")),
+            ("session_id", Value::Nil),
+            ("brand_new", Value::from(true)),
+            ("medium", s("GPU")),
+            ("medium", s("CPU")),
+        ]);
+        // A refused event's fields are not counted.
+        let malformed = map(vec![
+            ("type", s("BlockRemoved")),
+            ("group_idx", Value::from(5u64)),
+        ]);
+        let input = encode(&batch(
+            vec![positional, first_group, mapped, malformed],
+            None,
+        ));
+        let p = decode_payload(&input).unwrap();
+        same_as_reference(&input, &Ok(p.clone()));
+        assert_eq!(p.events.len(), 3);
+        assert_eq!(
+            p.fields_left_out,
+            FieldsLeftOut {
+                lora_id: 2,
+                group_idx: 2,
+                locality: 1,
+                other: 1, // brand_new and the second medium: one event
+                ..FieldsLeftOut::default()
+            }
         );
     }
 
@@ -1519,8 +1776,20 @@ mod tests {
             (Ok(g), Ok(w)) => {
                 assert_eq!(g.engine_ts.to_bits(), w.engine_ts.to_bits(), "{input:?}");
                 assert_eq!(
-                    (&g.dp_rank, &g.events, &g.problems, g.medium_left_out),
-                    (&w.dp_rank, &w.events, &w.problems, w.medium_left_out),
+                    (
+                        &g.dp_rank,
+                        &g.events,
+                        &g.problems,
+                        g.medium_left_out,
+                        g.fields_left_out
+                    ),
+                    (
+                        &w.dp_rank,
+                        &w.events,
+                        &w.problems,
+                        w.medium_left_out,
+                        w.fields_left_out
+                    ),
                     "{input:?}"
                 );
             }

@@ -92,6 +92,57 @@ impl InternalEvent<AgentStats> for KvMediumLeftOut<'_> {
     }
 }
 
+/// Fields of vLLM's events a batch set that the agent read past without carrying.
+pub struct KvFieldsLeftOut<'a> {
+    pub publisher: &'a str,
+    pub fields: &'a kvscope_wire::vllm_events::FieldsLeftOut,
+}
+
+static FIELDS_LEFT_OUT: LogLimiter = LogLimiter::new();
+
+impl InternalEvent<AgentStats> for KvFieldsLeftOut<'_> {
+    fn emit(self, stats: &AgentStats) {
+        let f = self.fields;
+        if *f == Default::default() {
+            return;
+        }
+        if let Some(suppressed) = FIELDS_LEFT_OUT.check() {
+            let set: Vec<&str> = f
+                .counts()
+                .iter()
+                .filter(|(_, n)| *n > 0)
+                .map(|(name, _)| *name)
+                .collect();
+            debug!(publisher = %self.publisher, fields = ?set, suppressed, "KV events set fields the agent does not carry (counted per field).");
+        }
+        add(&stats.kv_fields_left_out_lora_id, u64::from(f.lora_id));
+        add(
+            &stats.kv_fields_left_out_extra_keys,
+            u64::from(f.extra_keys),
+        );
+        add(&stats.kv_fields_left_out_group_idx, u64::from(f.group_idx));
+        add(
+            &stats.kv_fields_left_out_kv_cache_spec_kind,
+            u64::from(f.kv_cache_spec_kind),
+        );
+        add(
+            &stats.kv_fields_left_out_kv_cache_spec_sliding_window,
+            u64::from(f.kv_cache_spec_sliding_window),
+        );
+        add(&stats.kv_fields_left_out_locality, u64::from(f.locality));
+        add(&stats.kv_fields_left_out_ownership, u64::from(f.ownership));
+        add(
+            &stats.kv_fields_left_out_session_id,
+            u64::from(f.session_id),
+        );
+        add(
+            &stats.kv_fields_left_out_lookahead_token_ids,
+            u64::from(f.lookahead_token_ids),
+        );
+        add(&stats.kv_fields_left_out_other, u64::from(f.other));
+    }
+}
+
 /// An event with missing or wrongly typed fields.
 pub struct KvMalformedEvent<'a> {
     pub publisher: &'a str,
@@ -324,8 +375,8 @@ impl InternalEvent<AgentStats> for KvReplayDone<'_> {
     }
 }
 
-/// A replay answer cut at its batch count or byte budget: the batches before the cut
-/// are used, those after it stay missing (counted as the gap they are).
+/// A replay answer cut at its batch count or byte budget, or ended without its end
+/// marker: the batches before the cut are used, those after it asked for again.
 pub struct KvReplayCut<'a> {
     pub publisher: &'a str,
     pub kept: usize,
@@ -336,7 +387,7 @@ static REPLAY_CUT: LogLimiter = LogLimiter::new();
 impl InternalEvent<AgentStats> for KvReplayCut<'_> {
     fn emit(self, stats: &AgentStats) {
         if let Some(suppressed) = REPLAY_CUT.check() {
-            warn!(publisher = %self.publisher, kept = self.kept, suppressed, "A KV event replay answer was larger than the agent takes at once: cut after the batches kept; the rest stay missing.");
+            warn!(publisher = %self.publisher, kept = self.kept, suppressed, "A KV event replay answer was larger than the agent takes at once, or stopped short: cut after the batches kept; the rest are asked for again.");
         }
         add(&stats.kv_replay_cuts, 1);
     }

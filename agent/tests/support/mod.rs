@@ -154,3 +154,51 @@ pub async fn start_tracer(
         ),
     }
 }
+
+/// The value of the first line of `name`'s series on the `/metrics` page at `addr`
+/// (`name` may carry its labels); `None` while the page or the series is not there.
+#[allow(dead_code)]
+pub fn metric(addr: &str, name: &str) -> Option<u64> {
+    use std::io::{Read, Write};
+    let mut conn = std::net::TcpStream::connect(addr).ok()?;
+    conn.write_all(b"GET /metrics HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        .ok()?;
+    let mut text = String::new();
+    conn.read_to_string(&mut text).ok()?;
+    text.lines()
+        .filter(|l| l.starts_with(name))
+        .find_map(|l| l.rsplit(' ').next()?.parse().ok())
+}
+
+/// The real `kvscope-agent` binary on `nats_url`, tapping each of `kv` (`--kv` values),
+/// serving `/metrics` on `metrics` and recording into `recording`; it logs into
+/// `dir/agent.log` and is stopped when the guard drops.
+#[allow(dead_code)]
+pub fn spawn_agent(
+    dir: &std::path::Path,
+    nats_url: &str,
+    name: &str,
+    metrics: &str,
+    kv: &[String],
+    recording: &std::path::Path,
+) -> kvscope_lab::process::StopOnDrop {
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_kvscope-agent"));
+    cmd.args(["--nats-url", nats_url, "--cluster", name])
+        .args([
+            "--agent-id",
+            &format!("{name}-test"),
+            "--heartbeat-secs",
+            "0.2",
+        ])
+        .args(["--metrics-listen", metrics]);
+    for k in kv {
+        cmd.arg("--kv").arg(k);
+    }
+    cmd.arg("--record").arg(recording);
+    kvscope_lab::process::StopOnDrop(vec![kvscope_lab::process::ManagedProcess::spawn(
+        "agent",
+        cmd,
+        &dir.join("agent.log"),
+    )
+    .expect("the agent starts")])
+}

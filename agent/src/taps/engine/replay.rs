@@ -10,8 +10,9 @@
 //! buffer, so the caller checks what it got; a start past the newest gets the marker
 //! alone. Everything goes through [`crate::taps::engine::zmtp`], within the tap's limits, and the
 //! whole answer within a deadline, a batch count and a byte budget: an answer past
-//! either is cut there, and what came before it is used (the batches after it stay
-//! missing, counted as the gap they are), never thrown away whole.
+//! either — or one that stops without its end marker, which a ROUTER past its
+//! high-water mark drops — is cut there, and what came before it is used (the tap asks
+//! again for the rest), never thrown away whole.
 
 use crate::taps::engine::zmtp::{Connection, Limits, SocketType, ZmtpError};
 use std::time::Duration;
@@ -24,6 +25,8 @@ pub const MAX_REPLAYED: usize = 16_384;
 pub const MAX_REPLAY_BYTES: usize = 64 << 20;
 /// How long one replay may take, connection included.
 pub const REPLAY_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long an answer may pause before it is taken as ended (its end marker lost).
+pub const REPLAY_IDLE: Duration = Duration::from_secs(1);
 const END_MARKER: u64 = u64::MAX;
 
 #[derive(Debug, thiserror::Error)]
@@ -51,19 +54,31 @@ pub type Replayed = (u64, bytes::Bytes);
 
 /// Ask `endpoint` for every batch from `from_seq` on.
 pub async fn fetch(endpoint: &str, from_seq: u64, limits: Limits) -> Result<Answer, ReplayError> {
-    tokio::time::timeout(REPLAY_TIMEOUT, fetch_inner(endpoint, from_seq, limits))
+    let deadline = tokio::time::Instant::now() + REPLAY_TIMEOUT;
+    let mut conn = tokio::time::timeout_at(
+        deadline,
+        Connection::connect(endpoint, SocketType::Dealer, limits, REPLAY_TIMEOUT),
+    )
+    .await
+    .map_err(|_| ReplayError::Timeout(REPLAY_TIMEOUT))??;
+    tokio::time::timeout_at(deadline, conn.send(&[b"", &from_seq.to_be_bytes()]))
         .await
-        .map_err(|_| ReplayError::Timeout(REPLAY_TIMEOUT))?
-}
-
-async fn fetch_inner(endpoint: &str, from_seq: u64, limits: Limits) -> Result<Answer, ReplayError> {
-    let mut conn =
-        Connection::connect(endpoint, SocketType::Dealer, limits, REPLAY_TIMEOUT).await?;
-    conn.send(&[b"", &from_seq.to_be_bytes()]).await?;
+        .map_err(|_| ReplayError::Timeout(REPLAY_TIMEOUT))??;
     let mut out = Answer::default();
     let mut bytes = 0usize;
     loop {
-        let frames = conn.recv().await?;
+        // A ROUTER past its high-water mark drops what it cannot queue, the end marker
+        // included (vLLM before 0.33 keeps libzmq's 1,000): an answer that stops is
+        // taken as far as it came, and the rest asked for again.
+        let wait = deadline.min(tokio::time::Instant::now() + REPLAY_IDLE);
+        let frames = match tokio::time::timeout_at(wait, conn.recv()).await {
+            Ok(frames) => frames?,
+            Err(_) if !out.batches.is_empty() => {
+                out.cut = true;
+                return Ok(out);
+            }
+            Err(_) => return Err(ReplayError::Timeout(REPLAY_TIMEOUT)),
+        };
         let (seq, payload) = split(&frames)?;
         if seq == END_MARKER {
             return Ok(out);

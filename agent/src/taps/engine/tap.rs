@@ -13,8 +13,8 @@ use crate::counters::AgentStats;
 use crate::fleet::FleetView;
 use crate::internal_events::{
     InternalEvent, KvBadFrame, KvBatchReceived, KvBatchReplayed, KvDecodeError,
-    KvEngineTimeIgnored, KvMalformedEvent, KvMediumLeftOut, KvPeerViolation, KvReplayCut,
-    KvReplayDone, KvReplayFailed, KvSequenceGap, KvSequenceReset, KvTapConnected,
+    KvEngineTimeIgnored, KvFieldsLeftOut, KvMalformedEvent, KvMediumLeftOut, KvPeerViolation,
+    KvReplayCut, KvReplayDone, KvReplayFailed, KvSequenceGap, KvSequenceReset, KvTapConnected,
     KvTapDisconnected, KvTapPanicked, KvUnknownEvent,
 };
 use crate::kv_events::{decode_payload, split_frames, EventProblem};
@@ -49,6 +49,14 @@ pub(crate) struct PublisherSequence {
     /// undecodable payload): the next batch delivered carries them as a gap, so the
     /// collector knows the worker's mirror is missing them.
     undelivered: u64,
+    /// The last batch taken: its number and a digest of its payload. Asked again of the
+    /// replay socket, the same payload says the numbering went on in the same engine;
+    /// another says an engine restarted and numbered past the old one's last batch.
+    last_payload: Option<(u64, u64)>,
+    /// The connection was made anew since the last batch: the next one is checked
+    /// against `last_payload` even when its number follows on (an engine that
+    /// restarted may have numbered just that far before the tap was back).
+    check_continuity: bool,
 }
 
 impl PublisherSequence {
@@ -106,16 +114,42 @@ impl PublisherSequence {
         self.tracker.peek(publisher, seq)
     }
 
-    /// The number expected next (`None` before the first).
-    pub(crate) fn expected(&self) -> Option<u64> {
-        self.last.and_then(|l| l.checked_add(1))
-    }
-
     /// `seq` arrived through the replay socket: the numbering continues from it.
     pub(crate) fn replayed(&mut self, publisher: &str, seq: u64) {
         self.tracker.set(publisher, seq);
         self.last = Some(seq);
     }
+
+    /// Batch `seq`'s payload was taken (delivered or not).
+    fn taken(&mut self, seq: u64, payload: &[u8]) {
+        self.last_payload = Some((seq, xxhash_rust::xxh3::xxh3_64(payload)));
+        self.check_continuity = false;
+    }
+}
+
+/// What a replay must fetch before the batch the tap is about to take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReplayNeed {
+    /// The first number asked for.
+    pub from: u64,
+    /// How the first batch recovered is marked: `None` where it continues one engine's
+    /// numbering (`Replayed`, or `Gap` where the buffer no longer reaches back); the
+    /// start of a publisher (`First`) or of an engine that restarted (`Reset`).
+    anew: Option<SequenceStatus>,
+    /// The last batch taken, asked again to tell the same engine from a restarted one:
+    /// its number and payload digest.
+    check: Option<(u64, u64)>,
+}
+
+/// What one replay answer gave.
+#[derive(Debug, Default)]
+pub struct ReplayRound {
+    pub records: Vec<Record>,
+    /// Everything missing before the next batch is now delivered.
+    pub complete: bool,
+    /// What to ask for next: the rest after a cut answer or a hole in it (the replay
+    /// made progress), or everything from 0 when the engine turned out to have restarted.
+    pub again: Option<ReplayNeed>,
 }
 
 /// Emit each event a decoder skipped.
@@ -149,45 +183,92 @@ impl KvTap {
         }
     }
 
-    /// What the next message's number `seq` would be, and where a replay would have to
-    /// start to fill what is missing before it (a gap, or a publisher seen past its
-    /// start); `None` when nothing is missing.
-    pub fn missing_before(&self, seq: u64) -> Option<u64> {
-        match self.sequence.peek(&self.endpoint.endpoint, seq) {
-            SequenceStatus::Gap { .. } => self.sequence.expected(),
-            SequenceStatus::First | SequenceStatus::Reset if seq > 0 => Some(0),
+    /// What a replay must fetch before the message numbered `seq` is taken: a gap, a
+    /// publisher seen past its start, an engine restart seen past its new start, or —
+    /// after a gap or a reconnection — whether the engine is still the one whose
+    /// batches the tap took (the last of them asked again); `None` when nothing is.
+    pub fn missing_before(&self, seq: u64) -> Option<ReplayNeed> {
+        let status = self.sequence.peek(&self.endpoint.endpoint, seq);
+        let check_last = || {
+            self.sequence.last_payload.map(|(last, digest)| ReplayNeed {
+                from: last,
+                anew: None,
+                check: Some((last, digest)),
+            })
+        };
+        match status {
+            SequenceStatus::Gap { .. } => check_last(),
+            SequenceStatus::InOrder if self.sequence.check_continuity => check_last(),
+            SequenceStatus::First | SequenceStatus::Reset if seq > 0 => Some(ReplayNeed {
+                from: 0,
+                anew: Some(status),
+                check: None,
+            }),
             _ => None,
         }
     }
 
-    /// Batches the replay socket sent for what is missing before `next` (from `from`
-    /// on): the run of them that follows on without a hole becomes records, the first
-    /// marked with what is still missing before it (nothing: `Replayed`). Returns the
-    /// records and whether everything missing was recovered.
+    /// The connection to the publisher was made anew: the next batch is checked for
+    /// an engine that restarted meanwhile.
+    pub fn reconnected(&mut self) {
+        self.sequence.check_continuity = self.sequence.last_payload.is_some();
+    }
+
+    /// Batches the replay socket sent for what `need` asked before batch `next`: the
+    /// run of them that follows on without a hole becomes records, the first marked as
+    /// `need` says (or with what is still missing before it). The answer's copy of the
+    /// last batch taken, where `need` asked for it, decides whether the engine is the
+    /// same: if not, nothing is delivered and everything from 0 is asked for instead.
     pub fn replayed(
         &mut self,
-        from: u64,
+        need: ReplayNeed,
         next: u64,
         mut batches: Vec<crate::taps::engine::replay::Replayed>,
-    ) -> (Vec<Record>, bool) {
+    ) -> ReplayRound {
+        let publisher = self.endpoint.endpoint.clone();
+        let mut from = need.from;
+        if let Some((last, digest)) = need.check {
+            match batches.iter().find(|(s, _)| *s == last) {
+                Some((_, p)) if xxhash_rust::xxh3::xxh3_64(p) != digest => {
+                    return ReplayRound {
+                        again: Some(ReplayNeed {
+                            from: 0,
+                            anew: Some(SequenceStatus::Reset),
+                            check: None,
+                        }),
+                        ..ReplayRound::default()
+                    };
+                }
+                // The same engine (or a buffer that no longer reaches back to tell):
+                // what follows the batch already taken is what is missing.
+                _ => from = last + 1,
+            }
+        }
         batches.retain(|(s, _)| (from..next).contains(s));
         batches.sort_by_key(|(s, _)| *s);
         batches.dedup_by_key(|(s, _)| *s);
-        let publisher = self.endpoint.endpoint.clone();
+        if need.anew == Some(SequenceStatus::Reset) {
+            if let Some(&(first, _)) = batches.first() {
+                KvSequenceReset {
+                    publisher: &publisher,
+                    previous: self.sequence.last.unwrap_or_default(),
+                    got: first,
+                }
+                .emit(&self.stats);
+            }
+        }
         let mut records = Vec::new();
         let mut expected = None;
         for (seq, payload) in batches {
             if expected.is_some_and(|e| e != seq) {
                 break;
             }
-            let status = match expected {
-                Some(_) => SequenceStatus::Replayed,
-                None if seq == from => SequenceStatus::Replayed,
+            let status = match (expected, need.anew) {
+                (Some(_), _) => SequenceStatus::Replayed,
+                (None, Some(anew)) => anew,
+                (None, None) if seq == from => SequenceStatus::Replayed,
                 // The buffer did not reach back far enough: the part before is lost.
-                None => match self.sequence.peek(&publisher, seq) {
-                    SequenceStatus::Gap { .. } => SequenceStatus::Gap { missed: seq - from },
-                    other => other,
-                },
+                (None, None) => SequenceStatus::Gap { missed: seq - from },
             };
             self.sequence.replayed(&publisher, seq);
             expected = Some(seq + 1);
@@ -202,13 +283,28 @@ impl KvTap {
         }
         // Complete: every missing batch came, and each was read (one that could not be
         // is carried as a gap by the next, or still pending after the last).
-        let complete = expected == Some(next)
-            && self.sequence.undelivered == 0
-            && !records.is_empty()
-            && records.iter().all(
-                |r| matches!(r, Record::KvEvents(b) if b.sequence == SequenceStatus::Replayed),
-            );
-        (records, complete)
+        let complete = from == next
+            || (expected == Some(next)
+                && self.sequence.undelivered == 0
+                && !records.is_empty()
+                && records.iter().all(|r| {
+                    matches!(r, Record::KvEvents(b) if !matches!(b.sequence, SequenceStatus::Gap { .. }))
+                }));
+        // A cut answer, or one with a hole (a ROUTER past its high-water mark drops
+        // messages): what came was taken, the rest is asked for again.
+        let again = match expected {
+            Some(e) if e < next => Some(ReplayNeed {
+                from: e,
+                anew: None,
+                check: None,
+            }),
+            _ => None,
+        };
+        ReplayRound {
+            records,
+            complete,
+            again,
+        }
     }
 
     /// One ZMQ message → at most one batch record; every problem is emitted.
@@ -233,6 +329,7 @@ impl KvTap {
 
     /// [`Self::batch`], its status carrying the batches before it left undelivered.
     fn deliver(&mut self, seq: u64, sequence: SequenceStatus, payload: &[u8]) -> Option<Record> {
+        self.sequence.taken(seq, payload);
         match self.batch(seq, sequence, payload) {
             Some(Record::KvEvents(mut b)) => {
                 b.sequence = self.sequence.delivered(b.sequence);
@@ -264,6 +361,11 @@ impl KvTap {
         KvMediumLeftOut {
             publisher,
             events: decoded.medium_left_out,
+        }
+        .emit(&self.stats);
+        KvFieldsLeftOut {
+            publisher,
+            fields: &decoded.fields_left_out,
         }
         .emit(&self.stats);
         // NaN or infinity would not survive JSON (null), and would lose the batch at the
@@ -408,6 +510,7 @@ async fn tap_until_stopped(
             }
         };
         KvTapConnected { publisher }.emit(&stats);
+        tap.reconnected();
         backoff = MIN_BACKOFF;
         loop {
             let msg = tokio::select! {
@@ -419,8 +522,8 @@ async fn tap_until_stopped(
                     if let (Some(replay), Ok((seq, _))) =
                         (&endpoint.replay_endpoint, split_frames(&frames))
                     {
-                        if let Some(from) = tap.missing_before(seq) {
-                            recover(tap, replay, from, seq, limits, &sink, source, &stats).await;
+                        if let Some(need) = tap.missing_before(seq) {
+                            recover(tap, replay, need, seq, limits, &sink, source, &stats).await;
                         }
                     }
                     if let Some(record) = tap.message(&frames) {
@@ -441,12 +544,14 @@ async fn tap_until_stopped(
 }
 
 /// Fill what is missing before batch `next` from the publisher's replay socket; what
-/// cannot be recovered stays a gap (or a late start) in the numbering, counted.
+/// cannot be recovered stays a gap (or a late start) in the numbering, counted. An
+/// answer cut at the agent's limits, or with a hole, is followed by another for the
+/// rest, as long as each brings something.
 #[allow(clippy::too_many_arguments)]
 async fn recover(
     tap: &mut KvTap,
     replay: &str,
-    from: u64,
+    mut need: ReplayNeed,
     next: u64,
     limits: Limits,
     sink: &RecordSink,
@@ -454,38 +559,54 @@ async fn recover(
     stats: &AgentStats,
 ) {
     let publisher = tap.endpoint.endpoint.clone();
-    match crate::taps::engine::replay::fetch(replay, from, limits).await {
-        Ok(answer) => {
-            if answer.cut {
-                KvReplayCut {
+    let from = need.from;
+    let mut delivered = 0;
+    let mut complete = false;
+    for _ in 0..MAX_REPLAY_ROUNDS {
+        let answer = match crate::taps::engine::replay::fetch(replay, need.from, limits).await {
+            Ok(answer) => answer,
+            Err(e) => {
+                KvReplayFailed {
                     publisher: &publisher,
-                    kept: answer.batches.len(),
+                    replay,
+                    error: &e.to_string(),
                 }
                 .emit(stats);
+                break;
             }
-            let (records, complete) = tap.replayed(from, next, answer.batches);
-            let n = records.len();
-            for r in records {
-                let at = engine_time_ns(&r, stats);
-                sink.submit_event(source, r, at);
-            }
-            KvReplayDone {
+        };
+        if answer.cut {
+            KvReplayCut {
                 publisher: &publisher,
-                from,
-                next,
-                batches: n,
-                complete,
+                kept: answer.batches.len(),
             }
             .emit(stats);
         }
-        Err(e) => KvReplayFailed {
-            publisher: &publisher,
-            replay,
-            error: &e.to_string(),
+        let round = tap.replayed(need, next, answer.batches);
+        delivered += round.records.len();
+        for r in round.records {
+            let at = engine_time_ns(&r, stats);
+            sink.submit_event(source, r, at);
         }
-        .emit(stats),
+        complete = round.complete;
+        match round.again {
+            Some(again) if !complete => need = again,
+            _ => break,
+        }
     }
+    KvReplayDone {
+        publisher: &publisher,
+        from,
+        next,
+        batches: delivered,
+        complete,
+    }
+    .emit(stats);
 }
+
+/// Replay answers one recovery may take: with the agent's limit per answer, over a
+/// million batches, far past any publisher's buffer.
+const MAX_REPLAY_ROUNDS: usize = 64;
 
 fn disconnected(stats: &AgentStats, publisher: &str, error: &ZmtpError, backoff: Duration) {
     if error.is_peer_violation() {
@@ -597,33 +718,147 @@ mod tests {
         assert_eq!(stats.snapshot().kv_engine_times_ignored, 4);
     }
 
-    #[test]
-    fn an_undecodable_replayed_batch_is_a_gap_and_the_replay_incomplete() {
-        let (mut t, _) = tap(None);
-        let ok = || encode(&batch(vec![cleared()], None));
-        assert!(t.message(&msg(0, ok())).is_some());
-        let answer = vec![(1, ok()), (2, vec![0xc1]), (3, ok())];
-        let answer = answer.into_iter().map(|(s, p)| (s, p.into())).collect();
-        let (records, complete) = t.replayed(1, 4, answer);
-        let status: Vec<_> = records
+    fn statuses(records: &[Record]) -> Vec<(u64, SequenceStatus)> {
+        records
             .iter()
             .map(|r| match r {
                 Record::KvEvents(b) => (b.seq, b.sequence),
                 _ => panic!(),
             })
-            .collect();
+            .collect()
+    }
+
+    fn answer(batches: Vec<(u64, Vec<u8>)>) -> Vec<crate::taps::engine::replay::Replayed> {
+        batches.into_iter().map(|(s, p)| (s, p.into())).collect()
+    }
+
+    /// A batch with a payload of its own (one event naming `n`).
+    fn nth(n: u64) -> Vec<u8> {
+        let removed = Value::Array(vec![
+            Value::from("BlockRemoved"),
+            Value::Array(vec![Value::from(n)]),
+            Value::Nil,
+        ]);
+        encode(&batch(vec![removed], None))
+    }
+
+    #[test]
+    fn an_undecodable_replayed_batch_is_a_gap_and_the_replay_incomplete() {
+        let (mut t, _) = tap(None);
+        let ok = || encode(&batch(vec![cleared()], None));
+        assert!(t.message(&msg(0, ok())).is_some());
+        let need = t.missing_before(4).unwrap();
+        assert_eq!(need.from, 0, "the last batch taken, asked again");
+        let round = t.replayed(
+            need,
+            4,
+            answer(vec![(0, ok()), (1, ok()), (2, vec![0xc1]), (3, ok())]),
+        );
         assert_eq!(
-            status,
+            statuses(&round.records),
             vec![
                 (1, SequenceStatus::Replayed),
                 (3, SequenceStatus::Gap { missed: 1 })
             ]
         );
-        assert!(!complete);
+        assert!(!round.complete);
+        assert!(round.again.is_none());
         let Some(Record::KvEvents(b)) = t.message(&msg(4, ok())) else {
             panic!()
         };
         assert_eq!(b.sequence, SequenceStatus::InOrder);
+    }
+
+    #[test]
+    fn a_restart_seen_through_the_replay_socket_is_a_reset() {
+        let (mut t, stats) = tap(None);
+        for s in 0..6 {
+            assert!(t.message(&msg(s, nth(s))).is_some());
+        }
+        // The new engine's first batches were missed: its number 2 went backwards.
+        let need = t.missing_before(2).unwrap();
+        let round = t.replayed(need, 2, answer(vec![(0, nth(100)), (1, nth(101))]));
+        assert_eq!(
+            statuses(&round.records),
+            vec![(0, SequenceStatus::Reset), (1, SequenceStatus::Replayed)]
+        );
+        assert!(round.complete);
+        let Some(Record::KvEvents(b)) = t.message(&msg(2, nth(102))) else {
+            panic!()
+        };
+        assert_eq!(b.sequence, SequenceStatus::InOrder);
+        assert_eq!(stats.snapshot().kv_sequence_resets, 1);
+    }
+
+    #[test]
+    fn a_restart_numbered_past_the_old_engine_is_told_by_its_payload() {
+        let (mut t, stats) = tap(None);
+        for s in 0..3 {
+            assert!(t.message(&msg(s, nth(s))).is_some());
+        }
+        // The new engine's 0..=5 were missed; 6 looks like a gap after 2.
+        let new_engine: Vec<(u64, Vec<u8>)> = (0..6).map(|s| (s, nth(100 + s))).collect();
+        let need = t.missing_before(6).unwrap();
+        assert_eq!(need.from, 2);
+        let round = t.replayed(need, 6, answer(new_engine[2..].to_vec()));
+        assert!(round.records.is_empty() && !round.complete);
+        let again = round.again.expect("everything from 0 asked for");
+        assert_eq!(again.from, 0);
+        let round = t.replayed(again, 6, answer(new_engine.clone()));
+        let mut want = vec![(0, SequenceStatus::Reset)];
+        want.extend((1..6).map(|s| (s, SequenceStatus::Replayed)));
+        assert_eq!(statuses(&round.records), want);
+        assert!(round.complete);
+        assert_eq!(stats.snapshot().kv_sequence_resets, 1);
+        assert_eq!(stats.snapshot().kv_sequence_gaps, 0);
+        // The same engine's gap: its copy of the last batch is the one taken.
+        for s in 6..8 {
+            assert!(t.message(&msg(s, nth(100 + s))).is_some());
+        }
+        let need = t.missing_before(10).unwrap();
+        let same: Vec<(u64, Vec<u8>)> = (7..10).map(|s| (s, nth(100 + s))).collect();
+        let round = t.replayed(need, 10, answer(same));
+        assert_eq!(
+            statuses(&round.records),
+            vec![(8, SequenceStatus::Replayed), (9, SequenceStatus::Replayed)]
+        );
+        assert!(round.complete);
+    }
+
+    #[test]
+    fn a_reconnection_checks_the_engine_even_when_the_numbers_follow_on() {
+        let (mut t, _) = tap(None);
+        for s in 0..3 {
+            assert!(t.message(&msg(s, nth(s))).is_some());
+        }
+        assert!(t.missing_before(3).is_none());
+        t.reconnected();
+        let need = t.missing_before(3).expect("the engine checked");
+        // The same engine: nothing to deliver, nothing missing.
+        let round = t.replayed(need, 3, answer(vec![(2, nth(2))]));
+        assert!(round.records.is_empty() && round.complete && round.again.is_none());
+        // A restarted one that numbered just as far: everything from 0, anew.
+        let round = t.replayed(need, 3, answer(vec![(2, nth(202))]));
+        assert_eq!(round.again.map(|a| a.from), Some(0));
+    }
+
+    #[test]
+    fn a_cut_or_holed_answer_asks_again_for_the_rest() {
+        let (mut t, _) = tap(None);
+        assert!(t.message(&msg(0, nth(0))).is_some());
+        let need = t.missing_before(10).unwrap();
+        // The answer stops after 4 (cut, or a hole where a ROUTER dropped 5).
+        let round = t.replayed(need, 10, answer((0..5).map(|s| (s, nth(s))).collect()));
+        assert_eq!(round.records.len(), 4);
+        assert!(!round.complete);
+        let again = round.again.unwrap();
+        assert_eq!(again.from, 5);
+        let round = t.replayed(again, 10, answer((5..10).map(|s| (s, nth(s))).collect()));
+        assert_eq!(round.records.len(), 5);
+        assert!(round.complete && round.again.is_none());
+        assert!(statuses(&round.records)
+            .iter()
+            .all(|(_, st)| *st == SequenceStatus::Replayed));
     }
 
     #[test]

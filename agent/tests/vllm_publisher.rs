@@ -1,0 +1,415 @@
+//! vLLM's own KV event publisher — `ZmqEventPublisher` and its event classes from the
+//! vLLM 0.23.0 (positional events), 0.33.0 and 0.34.0 (map events) wheels, run
+//! unmodified (`support/vllm_publisher.py`; scripts/setup extracts the module) — against
+//! the real `kvscope-agent` binary with a real `nats-server -js` as its bus. A relay
+//! between them drops the batches a test says (the publisher's ROUTER, the agent's
+//! replay source, is the publisher's own).
+//!
+//! Asserts, on every version:
+//! - every event and field the publisher writes decoded exactly (int and bytes hashes,
+//!   parents, media, LoRA names, data-parallel ranks), and each field the agent does not
+//!   carry counted by name (`kvscope_agent_kv_fields_left_out_<field>_total`);
+//! - a gap replayed; a replay past the agent's 16,384 batches per answer (vLLM's
+//!   `buffer_steps` set higher) taken in more than one answer; an engine restart first
+//!   seen through the replay socket marked a reset; an engine restart whose numbers ran
+//!   past the old engine's last batch told by the replayed payload and replayed from 0:
+//!   every batch of every engine delivered exactly once, in order, each engine's first
+//!   marked as the start it is, none counted lost and none counted recovered wrongly.
+
+use kvscope_lab::nats::NatsServer;
+use kvscope_lab::process::{ManagedProcess, StopOnDrop};
+use kvscope_wire::recording::read_recording;
+use kvscope_wire::vllm_events::FieldsLeftOut;
+use kvscope_wire::{KvEvent, Record, SequenceStatus};
+use serde_json::{json, Value};
+use std::io::{BufRead, BufReader, Write};
+use std::process::{ChildStdin, ChildStdout, Command, Stdio};
+use std::time::{Duration, Instant};
+
+mod support;
+use support::{metric, python, spawn_agent};
+
+const WORKER: u64 = 7;
+/// Batches the large replay misses: more than one answer of the agent's holds.
+const LARGE_GAP: u64 = 17_000;
+
+/// The publisher driver: one command in, one JSON answer out.
+struct Driver {
+    /// Held to stop the driver when the test ends, passing or not.
+    _child: StopOnDrop,
+    stdin: ChildStdin,
+    out: BufReader<ChildStdout>,
+}
+
+impl Driver {
+    fn ask(&mut self, cmd: Value) -> Value {
+        writeln!(self.stdin, "{cmd}").unwrap();
+        self.stdin.flush().unwrap();
+        let mut line = String::new();
+        self.out.read_line(&mut line).unwrap();
+        let answer: Value = serde_json::from_str(&line)
+            .unwrap_or_else(|e| panic!("the driver answered {line:?} to {cmd}: {e}"));
+        assert!(answer.get("error").is_none(), "{cmd}: {answer}");
+        answer
+    }
+
+    /// Start a publisher (an engine): returns how many probe batches it numbered.
+    fn start(&mut self) -> u64 {
+        self.ask(json!({"cmd": "start", "buffer_steps": 20_000}))["probes"]
+            .as_u64()
+            .unwrap()
+    }
+
+    fn publish(&mut self, batches: Value) -> Vec<u64> {
+        let a = self.ask(json!({"cmd": "publish", "batches": batches}));
+        a["seqs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s.as_u64().unwrap())
+            .collect()
+    }
+
+    /// `n` one-block batches; returns the last number.
+    fn publish_many(&mut self, n: u64, first_hash: u64) -> u64 {
+        let a = self.ask(json!({"cmd": "publish_many", "n": n, "first_hash": first_hash}));
+        a["last"].as_u64().unwrap()
+    }
+}
+
+/// Wait until the agent has taken `n` batches in all.
+fn wait_batches(metrics: &str, n: u64) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let got = metric(metrics, "kvscope_agent_kv_batches_total").unwrap_or(0);
+        if got >= n {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the agent took {got} of {n} batches"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn hash_hex(b: &[u8]) -> Value {
+    json!({"bytes": b.iter().map(|x| format!("{x:02x}")).collect::<String>()})
+}
+
+/// The batches that exercise every field this version's classes have, and the events
+/// the agent must make of them (tokens become their blocks' local hashes on the agent,
+/// as every batch's do).
+fn every_field(fields: &Value) -> (Value, Vec<Vec<KvEvent>>) {
+    let has = |class: &str, f: &str| {
+        fields[class]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|x| x.as_str() == Some(f))
+    };
+    let mut stored = json!({
+        "type": "BlockStored",
+        "block_hashes": [11u64, u64::MAX - 3],
+        "parent_block_hash": 10,
+        "token_ids": [1, 2, 3, 4, 5, 6, 7, 8],
+        "block_size": 4,
+        "lora_id": 3,
+        "medium": "GPU",
+        "lora_name": "adapter-a",
+        "extra_keys": [["salt-1"], null],
+        "group_idx": 1,
+        "kv_cache_spec_kind": "sliding_window",
+        "kv_cache_spec_sliding_window": 128,
+    });
+    for (f, v) in [
+        ("locality", json!("local")),
+        ("ownership", json!("owned")),
+        ("session_id", json!("session-9")),
+        ("lookahead_token_ids", json!([[9, 10]])),
+    ] {
+        if has("BlockStored", f) {
+            stored[f] = v;
+        }
+    }
+    // A 32-byte hash (vLLM's sha256 block hashes) and a parent of bytes.
+    let long: Vec<u8> = (0..32u8).collect();
+    let short = [0xabu8, 0xcd];
+    let stored_bytes = json!({
+        "type": "BlockStored",
+        "block_hashes": [hash_hex(&long)],
+        "parent_block_hash": hash_hex(&short),
+        "token_ids": [5, 6, 7, 8],
+        "block_size": 4,
+        "medium": "CPU",
+    });
+    let mut removed =
+        json!({"type": "BlockRemoved", "block_hashes": [11u64], "medium": "GPU", "group_idx": 1});
+    if has("BlockRemoved", "locality") {
+        removed["locality"] = json!("local");
+    }
+    let batches = json!([
+        {"events": [stored, stored_bytes]},
+        {"events": [removed, {"type": "BlockRemoved", "block_hashes": [12u64], "medium": null}], "data_parallel_rank": 1},
+        {"events": [{"type": "AllBlocksCleared"}]},
+    ]);
+    let mut s1 = KvEvent::BlockStored {
+        block_hashes: vec![11, u64::MAX - 3],
+        parent_block_hash: Some(10),
+        token_ids: (1..=8).collect(),
+        block_size: 4,
+        local_hashes: None,
+        lora_name: Some("adapter-a".into()),
+        medium: Some("GPU".into()),
+    };
+    let mut s2 = KvEvent::BlockStored {
+        block_hashes: vec![u64::from_be_bytes(long[24..].try_into().unwrap())],
+        parent_block_hash: Some(0xabcd),
+        token_ids: vec![5, 6, 7, 8],
+        block_size: 4,
+        local_hashes: None,
+        lora_name: None,
+        medium: Some("CPU".into()),
+    };
+    s1.hash_tokens();
+    s2.hash_tokens();
+    let want = vec![
+        vec![s1, s2],
+        vec![
+            KvEvent::BlockRemoved {
+                block_hashes: vec![11],
+                medium: Some("GPU".into()),
+            },
+            KvEvent::BlockRemoved {
+                block_hashes: vec![12],
+                medium: None,
+            },
+        ],
+        vec![KvEvent::AllBlocksCleared],
+    ];
+    (batches, want)
+}
+
+fn run_version(version: &str) {
+    let version_dir = kvscope_lab::paths::default_lab_dir()
+        .join("vllm")
+        .join(version);
+    assert!(
+        version_dir.join("vllm/distributed/kv_events.py").is_file(),
+        "vLLM {version}'s publisher is not under {}: run scripts/setup",
+        version_dir.display()
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let nats = NatsServer::start_anywhere(dir.path()).expect("nats-server -js (scripts/setup)");
+    let [relay_port, replay_port, metrics_port] = kvscope_lab::ports::pick_ports(3)
+        .unwrap()
+        .try_into()
+        .unwrap();
+    let relay = format!("tcp://127.0.0.1:{relay_port}");
+    let replay = format!("tcp://127.0.0.1:{replay_port}");
+    let mut cmd = Command::new(python());
+    cmd.arg(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/support/vllm_publisher.py"
+    ))
+    .arg(&version_dir)
+    .arg(&relay)
+    .arg(&replay)
+    .arg(dir.path().join("publisher.sock"))
+    .stdin(Stdio::piped())
+    .stdout(Stdio::piped());
+    let mut child = ManagedProcess::spawn_with_stdio("vllm-publisher", cmd)
+        .expect("the lab venv's python (pyzmq, msgspec)");
+    let stdin = child.child.stdin.take().unwrap();
+    let out = BufReader::new(child.child.stdout.take().unwrap());
+    let mut driver = Driver {
+        _child: StopOnDrop(vec![child]),
+        stdin,
+        out,
+    };
+    let fields = driver.ask(json!({"cmd": "fields"}));
+    assert_eq!(
+        fields["positional"].as_bool().unwrap(),
+        version == "0.23.0",
+        "vLLM {version}'s events: {fields}"
+    );
+
+    let metrics = format!("127.0.0.1:{metrics_port}");
+    let recording = dir.path().join("agent.jsonl");
+    let mut agent = spawn_agent(
+        dir.path(),
+        &nats.url(),
+        "vllm",
+        &metrics,
+        &[format!("{relay}@{replay}={WORKER}")],
+        &recording,
+    );
+
+    // Engine 1: its probes (taken late, through the replay socket), every field, a gap
+    // of two batches, and a gap of more than one answer can hold.
+    let mut engines: Vec<u64> = Vec::new(); // batches each engine numbered
+    let mut taken = 0;
+    let mut n = driver.start();
+    // Until the agent's subscription is in place, the relay's PUB drops what it sends.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while metric(&metrics, "kvscope_agent_kv_batches_total").unwrap_or(0) == 0 {
+        assert!(Instant::now() < deadline, "the agent took no batch");
+        n += driver.publish(json!([{"events": []}])).len() as u64;
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let (batches, want_events) = every_field(&fields);
+    let field_seqs = driver.publish(batches);
+    n += field_seqs.len() as u64;
+    taken += n;
+    wait_batches(&metrics, taken);
+    driver.ask(json!({"cmd": "drop", "range": [n + 1, n + 3]}));
+    n = *driver
+        .publish(json!([{"events": []}, {"events": []}, {"events": []}, {"events": []}]))
+        .last()
+        .unwrap()
+        + 1;
+    driver.ask(json!({"cmd": "drop", "range": [n, n + LARGE_GAP]}));
+    n = driver.publish_many(LARGE_GAP + 1, 1_000) + 1;
+    taken += 4 + LARGE_GAP + 1;
+    wait_batches(&metrics, taken);
+    engines.push(n);
+
+    // Engine 2, first seen past its start (its probes dropped): its number goes back.
+    let mut n = driver.start();
+    n += driver
+        .publish(json!([{"events": []}, {"events": []}]))
+        .len() as u64;
+    taken += n;
+    wait_batches(&metrics, taken);
+    engines.push(n);
+
+    // Engine 3, whose first batch the agent sees is numbered past engine 2's last.
+    let mut n = driver.start();
+    let past = engines[1] + 3;
+    driver.ask(json!({"cmd": "drop", "range": [n, n + past]}));
+    n = driver.publish_many(past + 2, 50_000) + 1;
+    taken += n;
+    wait_batches(&metrics, taken);
+    engines.push(n);
+
+    let counter = |name: &str| metric(&metrics, name).unwrap_or(0);
+    let resets = counter("kvscope_agent_kv_sequence_resets_total");
+    let gaps = counter("kvscope_agent_kv_sequence_gaps_total");
+    let cuts = counter("kvscope_agent_kv_replay_cuts_total");
+    let left_out: Vec<(&str, u64)> = FieldsLeftOut::default()
+        .counts()
+        .into_iter()
+        .map(|(f, _)| {
+            (
+                f,
+                counter(&format!("kvscope_agent_kv_fields_left_out_{f}_total")),
+            )
+        })
+        .collect();
+    agent.stop(Duration::from_secs(5));
+    driver.ask(json!({"cmd": "stop"}));
+    drop(driver);
+    drop(nats);
+
+    let rec = read_recording(&recording).unwrap();
+    let batches: Vec<&kvscope_wire::KvEventBatch> = rec
+        .envelopes
+        .iter()
+        .filter_map(|e| match &e.record {
+            Record::KvEvents(b) => Some(b),
+            _ => None,
+        })
+        .collect();
+    // Every engine's batches exactly once, in order, the first marked as its start.
+    let mut at = 0;
+    for (i, &numbered) in engines.iter().enumerate() {
+        let of_engine = &batches[at..(at + numbered as usize).min(batches.len())];
+        let seqs: Vec<u64> = of_engine.iter().map(|b| b.seq).collect();
+        assert!(
+            seqs.iter().copied().eq(0..numbered),
+            "vLLM {version}, engine {}: batches {:?}… of {numbered}",
+            i + 1,
+            &seqs[..seqs.len().min(20)]
+        );
+        let start = if i == 0 {
+            SequenceStatus::First
+        } else {
+            SequenceStatus::Reset
+        };
+        assert_eq!(
+            of_engine[0].sequence,
+            start,
+            "vLLM {version}, engine {}",
+            i + 1
+        );
+        let odd: Vec<(u64, SequenceStatus)> = of_engine[1..]
+            .iter()
+            .filter(|b| {
+                !matches!(
+                    b.sequence,
+                    SequenceStatus::InOrder | SequenceStatus::Replayed
+                )
+            })
+            .map(|b| (b.seq, b.sequence))
+            .collect();
+        assert!(odd.is_empty(), "vLLM {version}, engine {}: {odd:?}", i + 1);
+        at += numbered as usize;
+    }
+    assert_eq!(
+        at,
+        batches.len(),
+        "vLLM {version}: batches beyond the engines'"
+    );
+    assert_eq!((resets, gaps), (2, 0), "vLLM {version}: resets, gaps");
+    assert!(
+        cuts >= 1,
+        "vLLM {version}: the large replay took one answer"
+    );
+
+    // Every field decoded.
+    for (seq, want) in field_seqs.iter().zip(&want_events) {
+        let b = batches[*seq as usize];
+        assert_eq!(&b.events, want, "vLLM {version}, batch {seq}");
+    }
+    assert_eq!(batches[field_seqs[1] as usize].worker.dp_rank, 1);
+    assert_eq!(batches[field_seqs[0] as usize].worker.dp_rank, 0);
+    // Each field not carried, counted once per event that had it.
+    let has_0_33 = fields["BlockStored"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|f| f == "locality");
+    let since_0_33 = u32::from(has_0_33);
+    let want: Vec<(&str, u64)> = FieldsLeftOut {
+        lora_id: 1,
+        extra_keys: 1,
+        group_idx: 2,
+        kv_cache_spec_kind: 1,
+        kv_cache_spec_sliding_window: 1,
+        locality: 2 * since_0_33,
+        ownership: since_0_33,
+        session_id: since_0_33,
+        lookahead_token_ids: since_0_33,
+        other: 0,
+    }
+    .counts()
+    .into_iter()
+    .map(|(f, n)| (f, u64::from(n)))
+    .collect();
+    assert_eq!(left_out, want, "vLLM {version}: fields left out");
+}
+
+#[test]
+fn vllm_0_23_positional_events() {
+    run_version("0.23.0");
+}
+
+#[test]
+fn vllm_0_33_map_events() {
+    run_version("0.33.0");
+}
+
+#[test]
+fn vllm_0_34_map_events() {
+    run_version("0.34.0");
+}
