@@ -59,6 +59,29 @@ impl InternalEvent<AgentStats> for DecisionUnjoined<'_> {
     }
 }
 
+/// The router logs its choices, but neither the `[ROUTING_INPUT]` lines nor the request
+/// trace decisions are made of: what to set on it. No counter (the unjoined choices are
+/// counted); said once per log.
+pub struct RoutingInputMissing;
+
+/// The `DYN_LOG` directives under which the routers of Dynamo 1.4 on write their
+/// `[ROUTING_INPUT]` lines: 1.4 and 1.5 log them from `dynamo_llm::kv_router`, 1.6 from
+/// its selection service (read from each release's own binary). Both together are
+/// right on every one of them; the README gives the narrower one per release.
+pub const ROUTING_INPUT_DYN_LOG: &str =
+    "info,dynamo_llm::kv_router=debug,dynamo_kv_router::services::selection::core::run=debug";
+
+impl InternalEvent<AgentStats> for RoutingInputMissing {
+    fn emit(self, _stats: &AgentStats) {
+        warn!(
+            "The router log has `Selected worker` lines but no [ROUTING_INPUT] line and no request \
+             trace, so no decision can be made of them: run the frontend with \
+             DYN_REQUEST_TRACE=1 DYN_REQUEST_TRACE_SINKS=stderr (read at any log level), or with \
+             DYN_LOG={ROUTING_INPUT_DYN_LOG}."
+        );
+    }
+}
+
 pub struct MigrationLineParsed {
     pub kind: MigrationLogKind,
 }

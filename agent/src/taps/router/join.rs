@@ -341,6 +341,10 @@ pub enum LogOutput {
         request_id: String,
         half: Half,
     },
+    /// The router logs its choices but nothing decisions are made of: no
+    /// `[ROUTING_INPUT]` line and no request-trace record so far, while a `Selected
+    /// worker` line went unjoined. Said once per log.
+    RoutingInputMissing,
 }
 
 /// Parser and joiner together: log lines in, records and problems out.
@@ -351,6 +355,11 @@ pub struct RouterLogProcessor {
     source: DecisionSource,
     routed: RecentIds,
     spans: RequestSpans,
+    /// What the log has shown that decisions are made of, for
+    /// [`LogOutput::RoutingInputMissing`].
+    routing_inputs: u64,
+    traces: u64,
+    advised: bool,
 }
 
 impl RouterLogProcessor {
@@ -365,6 +374,9 @@ impl RouterLogProcessor {
             source,
             routed: RecentIds::default(),
             spans: RequestSpans::default(),
+            routing_inputs: 0,
+            traces: 0,
+            advised: false,
         }
     }
 
@@ -401,9 +413,33 @@ impl RouterLogProcessor {
             self.last_ts_ns = Some(self.last_ts_ns.map_or(ts, |l| l.max(ts)));
         }
         let now = self.last_ts_ns.unwrap_or(fallback_ns);
+        match &parsed.content {
+            LineContent::RoutingInput(_) => self.routing_inputs += 1,
+            LineContent::RequestTrace(_) => self.traces += 1,
+            _ => {}
+        }
         let mut out: Vec<LogOutput> = future.into_iter().collect();
         out.extend(self.decide(parsed, now));
+        self.advise(&mut out);
         out
+    }
+
+    /// Say once what the router needs, when a choice went unjoined in a log that has
+    /// shown nothing decisions are made of.
+    fn advise(&mut self, out: &mut Vec<LogOutput>) {
+        let unjoined_choice = out.iter().any(|o| {
+            matches!(
+                o,
+                LogOutput::Unjoined {
+                    half: Half::SelectionOnly,
+                    ..
+                }
+            )
+        });
+        if unjoined_choice && !self.advised && self.routing_inputs == 0 && self.traces == 0 {
+            self.advised = true;
+            out.push(LogOutput::RoutingInputMissing);
+        }
     }
 
     fn decide(
@@ -477,11 +513,14 @@ impl RouterLogProcessor {
 
     /// End of input: every waiting half is unjoined.
     pub fn finish(&mut self) -> Vec<LogOutput> {
-        self.joiner
+        let mut out: Vec<LogOutput> = self
+            .joiner
             .flush()
             .into_iter()
             .map(|j| self.output(j))
-            .collect()
+            .collect();
+        self.advise(&mut out);
+        out
     }
 
     fn output(&mut self, mut j: JoinOutput) -> LogOutput {
@@ -528,6 +567,34 @@ mod tests {
         format!(
             r#"2026-11-29T07:50:{t}Z  INFO dynamo_kv_router::scheduling::selector: Selected worker router_mode="kv" request_id="{id}" worker_id={worker} worker_type=decode dp_rank=0 logit=1.5"#
         )
+    }
+
+    #[test]
+    fn a_router_logging_only_its_choices_is_told_once_what_to_set() {
+        let count = |out: &[LogOutput]| {
+            out.iter()
+                .filter(|o| matches!(o, LogOutput::RoutingInputMissing))
+                .count()
+        };
+        // Choices alone (INFO, no request trace): said once, however many go unjoined.
+        let mut p = RouterLogProcessor::new(5 * SEC, 1000);
+        let mut out = Vec::new();
+        for (t, id) in [("01", "a"), ("02", "b"), ("09", "c"), ("20", "d")] {
+            out.extend(p.line(&selected_line(t, id, 7), 0));
+        }
+        out.extend(p.finish());
+        assert_eq!(count(&out), 1, "{out:?}");
+        // A log with routing inputs, even one that lost a few, needs nothing.
+        let mut p = RouterLogProcessor::new(5 * SEC, 1000);
+        let mut out = p.line(&input_line("01", "a"), 0);
+        out.extend(p.line(&selected_line("01", "a", 7), 0));
+        out.extend(p.line(&selected_line("02", "b", 7), 0));
+        out.extend(p.finish());
+        assert_eq!(count(&out), 0, "{out:?}");
+        assert!(out.contains(&LogOutput::Unjoined {
+            request_id: "b".into(),
+            half: Half::SelectionOnly
+        }));
     }
 
     #[test]

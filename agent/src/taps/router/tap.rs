@@ -5,7 +5,7 @@ use crate::counters::AgentStats;
 use crate::internal_events::{
     DecisionClockBehind, DecisionJoined, DecisionTraced, DecisionUnjoined, InternalEvent,
     LogLineFuture, LogLineMalformed, LogLineRead, LogLineTooLong, MigrationLineParsed,
-    RequestIdShortened,
+    RequestIdShortened, RoutingInputMissing,
 };
 use crate::sink::{RecordSink, SourceId};
 use crate::taps::router::cri::{CriJoiner, CriOutput};
@@ -115,6 +115,7 @@ impl RouterTap {
                     half: half.as_str(),
                 }
                 .emit(stats),
+                LogOutput::RoutingInputMissing => RoutingInputMissing.emit(stats),
             }
         }
         records
