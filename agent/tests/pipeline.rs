@@ -351,6 +351,7 @@ async fn records_from_zmq_and_the_router_log_arrive_on_jetstream() {
         kv_fields_left_out_ownership: 0,
         kv_fields_left_out_session_id: 0,
         kv_fields_left_out_lookahead_token_ids: 0,
+        kv_fields_left_out_cache_salt: 0,
         kv_fields_left_out_other: 0,
         kv_sequence_gaps: 1,
         kv_missed_batches: 2,

@@ -805,6 +805,8 @@ pub struct AgentCounters {
     #[serde(skip_serializing_if = "is_zero")]
     pub kv_fields_left_out_lookahead_token_ids: u64,
     #[serde(skip_serializing_if = "is_zero")]
+    pub kv_fields_left_out_cache_salt: u64,
+    #[serde(skip_serializing_if = "is_zero")]
     pub kv_fields_left_out_other: u64,
     pub kv_sequence_gaps: u64,
     pub kv_missed_batches: u64,

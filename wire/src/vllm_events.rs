@@ -22,7 +22,8 @@
 //!
 //! Fields the agent does not carry (vLLM's `lora_id`, `extra_keys`, `group_idx`, the KV
 //! cache spec, and since 0.33 `locality`, `ownership`, `session_id`,
-//! `lookahead_token_ids`; any other a newer version adds) are read past and counted per
+//! `lookahead_token_ids`; SGLang's `cache_salt`; any other a newer version adds) are
+//! read past and counted per
 //! event that sets them ([`FieldsLeftOut`]); optional ones may be missing. Block hashes
 //! are msgpack uint64, signed int64 (SGLang; the bits are kept) or bytes (the low 64
 //! bits read big-endian, i.e. the last 8 bytes; shorter strings are left-padded).
@@ -84,6 +85,8 @@ pub struct FieldsLeftOut {
     pub ownership: u32,
     pub session_id: u32,
     pub lookahead_token_ids: u32,
+    /// SGLang's: its block hashes are already namespaced by it.
+    pub cache_salt: u32,
     pub other: u32,
 }
 
@@ -99,6 +102,7 @@ impl FieldsLeftOut {
             "ownership" => &mut self.ownership,
             "session_id" => &mut self.session_id,
             "lookahead_token_ids" => &mut self.lookahead_token_ids,
+            "cache_salt" => &mut self.cache_salt,
             _ => &mut self.other,
         }
     }
@@ -119,7 +123,7 @@ impl FieldsLeftOut {
     }
 
     /// `(name, count)` of every field.
-    pub fn counts(&self) -> [(&'static str, u32); 10] {
+    pub fn counts(&self) -> [(&'static str, u32); 11] {
         [
             ("lora_id", self.lora_id),
             ("extra_keys", self.extra_keys),
@@ -133,11 +137,12 @@ impl FieldsLeftOut {
             ("ownership", self.ownership),
             ("session_id", self.session_id),
             ("lookahead_token_ids", self.lookahead_token_ids),
+            ("cache_salt", self.cache_salt),
             ("other", self.other),
         ]
     }
 
-    fn counts_mut(&mut self) -> [&mut u32; 10] {
+    fn counts_mut(&mut self) -> [&mut u32; 11] {
         [
             &mut self.lora_id,
             &mut self.extra_keys,
@@ -148,6 +153,7 @@ impl FieldsLeftOut {
             &mut self.ownership,
             &mut self.session_id,
             &mut self.lookahead_token_ids,
+            &mut self.cache_salt,
             &mut self.other,
         ]
     }

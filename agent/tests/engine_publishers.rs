@@ -1,16 +1,17 @@
-//! vLLM's own KV event publisher — `ZmqEventPublisher` and its event classes from the
-//! vLLM 0.23.0 (positional events), 0.33.0 and 0.34.0 (map events) wheels, run
-//! unmodified (`support/vllm_publisher.py`; scripts/setup extracts the module) — against
-//! the real `kvscope-agent` binary with a real `nats-server -js` as its bus. A relay
-//! between them drops the batches a test says (the publisher's ROUTER, the agent's
-//! replay source, is the publisher's own).
+//! The engines' own KV event publishers — `ZmqEventPublisher` and its event classes from
+//! the vLLM 0.23.0 (positional events), 0.33.0 and 0.34.0 (map events) wheels and from
+//! the SGLang 0.5.23 wheel, run unmodified (`support/engine_publisher.py`; scripts/setup
+//! extracts the modules) — against the real `kvscope-agent` binary with a real
+//! `nats-server -js` as its bus. A relay between them drops the batches a test says (the
+//! publisher's ROUTER, the agent's replay source, is the publisher's own).
 //!
 //! Asserts, on every version:
-//! - every event and field the publisher writes decoded exactly (int and bytes hashes,
-//!   parents, media, LoRA names, data-parallel ranks), and each field the agent does not
-//!   carry counted by name (`kvscope_agent_kv_fields_left_out_<field>_total`);
-//! - a gap replayed; a replay past the agent's 16,384 batches per answer (vLLM's
-//!   `buffer_steps` set higher) taken in more than one answer; an engine restart first
+//! - every event and field the publisher writes decoded exactly (unsigned, signed and
+//!   bytes hashes, parents, media, LoRA names, data-parallel ranks), and each field the
+//!   agent does not carry counted by name
+//!   (`kvscope_agent_kv_fields_left_out_<field>_total`);
+//! - a gap replayed; a replay past the agent's 16,384 batches per answer (the
+//!   publisher's `buffer_steps` set higher) taken in more than one answer; an engine restart first
 //!   seen through the replay socket marked a reset; an engine restart whose numbers ran
 //!   past the old engine's last batch told by the replayed payload and replayed from 0:
 //!   every batch of every engine delivered exactly once, in order, each engine's first
@@ -97,10 +98,26 @@ fn hash_hex(b: &[u8]) -> Value {
     json!({"bytes": b.iter().map(|x| format!("{x:02x}")).collect::<String>()})
 }
 
-/// The batches that exercise every field this version's classes have, and the events
-/// the agent must make of them (tokens become their blocks' local hashes on the agent,
-/// as every batch's do).
-fn every_field(fields: &Value) -> (Value, Vec<Vec<KvEvent>>) {
+/// Values for the fields an engine's events may carry beyond those the agent reads.
+fn extras() -> Vec<(&'static str, Value)> {
+    vec![
+        ("lora_id", json!(3)),
+        ("extra_keys", json!([["salt-1"], null, null])),
+        ("group_idx", json!(1)),
+        ("kv_cache_spec_kind", json!("sliding_window")),
+        ("kv_cache_spec_sliding_window", json!(128)),
+        ("locality", json!("local")),
+        ("ownership", json!("owned")),
+        ("session_id", json!("session-9")),
+        ("lookahead_token_ids", json!([[9, 10]])),
+        ("cache_salt", json!("salt-a")),
+    ]
+}
+
+/// The batches that exercise every field this engine's classes have, the events the
+/// agent must make of them (tokens become their blocks' local hashes on the agent, as
+/// every batch's do), and how many events set each field the agent does not carry.
+fn every_field(fields: &Value) -> (Value, Vec<Vec<KvEvent>>, FieldsLeftOut) {
     let has = |class: &str, f: &str| {
         fields[class]
             .as_array()
@@ -108,73 +125,86 @@ fn every_field(fields: &Value) -> (Value, Vec<Vec<KvEvent>>) {
             .iter()
             .any(|x| x.as_str() == Some(f))
     };
+    let mut left_out = FieldsLeftOut::default();
+    let mut count = |f: &str| {
+        let c = &mut left_out;
+        *match f {
+            "lora_id" => &mut c.lora_id,
+            "extra_keys" => &mut c.extra_keys,
+            "group_idx" => &mut c.group_idx,
+            "kv_cache_spec_kind" => &mut c.kv_cache_spec_kind,
+            "kv_cache_spec_sliding_window" => &mut c.kv_cache_spec_sliding_window,
+            "locality" => &mut c.locality,
+            "ownership" => &mut c.ownership,
+            "session_id" => &mut c.session_id,
+            "lookahead_token_ids" => &mut c.lookahead_token_ids,
+            "cache_salt" => &mut c.cache_salt,
+            _ => &mut c.other,
+        } += 1;
+    };
     let mut stored = json!({
         "type": "BlockStored",
-        "block_hashes": [11u64, u64::MAX - 3],
+        // Unsigned past 2^63, and signed (SGLang's namespaced hashes are int64).
+        "block_hashes": [11u64, u64::MAX - 3, -5],
         "parent_block_hash": 10,
-        "token_ids": [1, 2, 3, 4, 5, 6, 7, 8],
+        "token_ids": (1..=12).collect::<Vec<u32>>(),
         "block_size": 4,
-        "lora_id": 3,
         "medium": "GPU",
         "lora_name": "adapter-a",
-        "extra_keys": [["salt-1"], null],
-        "group_idx": 1,
-        "kv_cache_spec_kind": "sliding_window",
-        "kv_cache_spec_sliding_window": 128,
     });
-    for (f, v) in [
-        ("locality", json!("local")),
-        ("ownership", json!("owned")),
-        ("session_id", json!("session-9")),
-        ("lookahead_token_ids", json!([[9, 10]])),
-    ] {
+    let mut removed = json!({"type": "BlockRemoved", "block_hashes": [11u64], "medium": "GPU"});
+    for (f, v) in extras() {
         if has("BlockStored", f) {
-            stored[f] = v;
+            stored[f] = v.clone();
+            count(f);
+        }
+        if has("BlockRemoved", f) && f != "lora_id" {
+            removed[f] = v;
+            count(f);
         }
     }
-    // A 32-byte hash (vLLM's sha256 block hashes) and a parent of bytes.
-    let long: Vec<u8> = (0..32u8).collect();
-    let short = [0xabu8, 0xcd];
-    let stored_bytes = json!({
-        "type": "BlockStored",
-        "block_hashes": [hash_hex(&long)],
-        "parent_block_hash": hash_hex(&short),
-        "token_ids": [5, 6, 7, 8],
-        "block_size": 4,
-        "medium": "CPU",
-    });
-    let mut removed =
-        json!({"type": "BlockRemoved", "block_hashes": [11u64], "medium": "GPU", "group_idx": 1});
-    if has("BlockRemoved", "locality") {
-        removed["locality"] = json!("local");
-    }
-    let batches = json!([
-        {"events": [stored, stored_bytes]},
-        {"events": [removed, {"type": "BlockRemoved", "block_hashes": [12u64], "medium": null}], "data_parallel_rank": 1},
-        {"events": [{"type": "AllBlocksCleared"}]},
-    ]);
     let mut s1 = KvEvent::BlockStored {
-        block_hashes: vec![11, u64::MAX - 3],
+        block_hashes: vec![11, u64::MAX - 3, -5i64 as u64],
         parent_block_hash: Some(10),
-        token_ids: (1..=8).collect(),
+        token_ids: (1..=12).collect(),
         block_size: 4,
         local_hashes: None,
         lora_name: Some("adapter-a".into()),
         medium: Some("GPU".into()),
     };
-    let mut s2 = KvEvent::BlockStored {
-        block_hashes: vec![u64::from_be_bytes(long[24..].try_into().unwrap())],
-        parent_block_hash: Some(0xabcd),
-        token_ids: vec![5, 6, 7, 8],
-        block_size: 4,
-        local_hashes: None,
-        lora_name: None,
-        medium: Some("CPU".into()),
-    };
     s1.hash_tokens();
-    s2.hash_tokens();
+    let mut first = vec![stored];
+    let mut first_want = vec![s1];
+    if fields["engine"] == "vllm" {
+        // A 32-byte hash (vLLM's sha256 block hashes) and a parent of bytes.
+        let long: Vec<u8> = (0..32u8).collect();
+        first.push(json!({
+            "type": "BlockStored",
+            "block_hashes": [hash_hex(&long)],
+            "parent_block_hash": hash_hex(&[0xab, 0xcd]),
+            "token_ids": [5, 6, 7, 8],
+            "block_size": 4,
+            "medium": "CPU",
+        }));
+        let mut s2 = KvEvent::BlockStored {
+            block_hashes: vec![u64::from_be_bytes(long[24..].try_into().unwrap())],
+            parent_block_hash: Some(0xabcd),
+            token_ids: vec![5, 6, 7, 8],
+            block_size: 4,
+            local_hashes: None,
+            lora_name: None,
+            medium: Some("CPU".into()),
+        };
+        s2.hash_tokens();
+        first_want.push(s2);
+    }
+    let batches = json!([
+        {"events": first},
+        {"events": [removed, {"type": "BlockRemoved", "block_hashes": [12u64], "medium": null}], "data_parallel_rank": 1},
+        {"events": [{"type": "AllBlocksCleared"}]},
+    ]);
     let want = vec![
-        vec![s1, s2],
+        first_want,
         vec![
             KvEvent::BlockRemoved {
                 block_hashes: vec![11],
@@ -187,16 +217,20 @@ fn every_field(fields: &Value) -> (Value, Vec<Vec<KvEvent>>) {
         ],
         vec![KvEvent::AllBlocksCleared],
     ];
-    (batches, want)
+    (batches, want, left_out)
 }
 
-fn run_version(version: &str) {
+fn run_version(engine: &str, version: &str) {
     let version_dir = kvscope_lab::paths::default_lab_dir()
-        .join("vllm")
+        .join(engine)
         .join(version);
+    let module = match engine {
+        "vllm" => "vllm/distributed/kv_events.py",
+        _ => "sglang/srt/disaggregation/kv_events.py",
+    };
     assert!(
-        version_dir.join("vllm/distributed/kv_events.py").is_file(),
-        "vLLM {version}'s publisher is not under {}: run scripts/setup",
+        version_dir.join(module).is_file(),
+        "{engine} {version}'s publisher is not under {}: run scripts/setup",
         version_dir.display()
     );
     let dir = tempfile::tempdir().unwrap();
@@ -210,7 +244,7 @@ fn run_version(version: &str) {
     let mut cmd = Command::new(python());
     cmd.arg(concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/tests/support/vllm_publisher.py"
+        "/tests/support/engine_publisher.py"
     ))
     .arg(&version_dir)
     .arg(&relay)
@@ -228,10 +262,11 @@ fn run_version(version: &str) {
         out,
     };
     let fields = driver.ask(json!({"cmd": "fields"}));
+    assert_eq!(fields["engine"], engine);
     assert_eq!(
         fields["positional"].as_bool().unwrap(),
-        version == "0.23.0",
-        "vLLM {version}'s events: {fields}"
+        (engine, version) == ("vllm", "0.23.0"),
+        "{engine} {version}'s events: {fields}"
     );
 
     let metrics = format!("127.0.0.1:{metrics_port}");
@@ -257,7 +292,7 @@ fn run_version(version: &str) {
         n += driver.publish(json!([{"events": []}])).len() as u64;
         std::thread::sleep(Duration::from_millis(100));
     }
-    let (batches, want_events) = every_field(&fields);
+    let (batches, want_events, want_left_out) = every_field(&fields);
     let field_seqs = driver.publish(batches);
     n += field_seqs.len() as u64;
     taken += n;
@@ -327,7 +362,7 @@ fn run_version(version: &str) {
         let seqs: Vec<u64> = of_engine.iter().map(|b| b.seq).collect();
         assert!(
             seqs.iter().copied().eq(0..numbered),
-            "vLLM {version}, engine {}: batches {:?}… of {numbered}",
+            "{engine} {version}, engine {}: batches {:?}… of {numbered}",
             i + 1,
             &seqs[..seqs.len().min(20)]
         );
@@ -339,7 +374,7 @@ fn run_version(version: &str) {
         assert_eq!(
             of_engine[0].sequence,
             start,
-            "vLLM {version}, engine {}",
+            "{engine} {version}, engine {}",
             i + 1
         );
         let odd: Vec<(u64, SequenceStatus)> = of_engine[1..]
@@ -352,64 +387,56 @@ fn run_version(version: &str) {
             })
             .map(|b| (b.seq, b.sequence))
             .collect();
-        assert!(odd.is_empty(), "vLLM {version}, engine {}: {odd:?}", i + 1);
+        assert!(
+            odd.is_empty(),
+            "{engine} {version}, engine {}: {odd:?}",
+            i + 1
+        );
         at += numbered as usize;
     }
     assert_eq!(
         at,
         batches.len(),
-        "vLLM {version}: batches beyond the engines'"
+        "{engine} {version}: batches beyond the engines'"
     );
-    assert_eq!((resets, gaps), (2, 0), "vLLM {version}: resets, gaps");
+    assert_eq!((resets, gaps), (2, 0), "{engine} {version}: resets, gaps");
     assert!(
         cuts >= 1,
-        "vLLM {version}: the large replay took one answer"
+        "{engine} {version}: the large replay took one answer"
     );
 
     // Every field decoded.
     for (seq, want) in field_seqs.iter().zip(&want_events) {
         let b = batches[*seq as usize];
-        assert_eq!(&b.events, want, "vLLM {version}, batch {seq}");
+        assert_eq!(&b.events, want, "{engine} {version}, batch {seq}");
     }
     assert_eq!(batches[field_seqs[1] as usize].worker.dp_rank, 1);
     assert_eq!(batches[field_seqs[0] as usize].worker.dp_rank, 0);
     // Each field not carried, counted once per event that had it.
-    let has_0_33 = fields["BlockStored"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .any(|f| f == "locality");
-    let since_0_33 = u32::from(has_0_33);
-    let want: Vec<(&str, u64)> = FieldsLeftOut {
-        lora_id: 1,
-        extra_keys: 1,
-        group_idx: 2,
-        kv_cache_spec_kind: 1,
-        kv_cache_spec_sliding_window: 1,
-        locality: 2 * since_0_33,
-        ownership: since_0_33,
-        session_id: since_0_33,
-        lookahead_token_ids: since_0_33,
-        other: 0,
-    }
-    .counts()
-    .into_iter()
-    .map(|(f, n)| (f, u64::from(n)))
-    .collect();
-    assert_eq!(left_out, want, "vLLM {version}: fields left out");
+    let want: Vec<(&str, u64)> = want_left_out
+        .counts()
+        .into_iter()
+        .map(|(f, n)| (f, u64::from(n)))
+        .collect();
+    assert_eq!(left_out, want, "{engine} {version}: fields left out");
 }
 
 #[test]
 fn vllm_0_23_positional_events() {
-    run_version("0.23.0");
+    run_version("vllm", "0.23.0");
 }
 
 #[test]
 fn vllm_0_33_map_events() {
-    run_version("0.33.0");
+    run_version("vllm", "0.33.0");
 }
 
 #[test]
 fn vllm_0_34_map_events() {
-    run_version("0.34.0");
+    run_version("vllm", "0.34.0");
+}
+
+#[test]
+fn sglang_0_5_23() {
+    run_version("sglang", "0.5.23");
 }

@@ -1,13 +1,16 @@
-"""vLLM's own KV event publisher, run unmodified from a vLLM wheel, for the agent's tests.
+"""An engine's own KV event publisher — vLLM's or SGLang's, run unmodified from its
+wheel — for the agent's tests.
 
-Usage: vllm_publisher.py VERSION_DIR RELAY_ENDPOINT REPLAY_ENDPOINT IPC_PATH
+Usage: engine_publisher.py VERSION_DIR RELAY_ENDPOINT REPLAY_ENDPOINT IPC_PATH
 
-VERSION_DIR holds a wheel's `vllm/distributed/kv_events.py` (scripts/setup extracts it
-under .lab/vllm/<version>). Its `ZmqEventPublisher` is the publisher a vLLM engine runs:
-its classes encode the events, its thread numbers and sends the batches, its ROUTER
-answers replays from its buffer. What the module imports from the rest of vLLM (a logger,
-a config record, a type alias, endpoint helpers the ipc:// endpoint never calls) is
-stood in for here; nothing of the publisher itself is.
+VERSION_DIR holds a wheel's publisher module: vLLM's `vllm/distributed/kv_events.py`
+(scripts/setup extracts it under .lab/vllm/<version>) or SGLang's
+`sglang/srt/disaggregation/kv_events.py` (.lab/sglang/<version>). Its
+`ZmqEventPublisher` is the publisher the engine runs: its classes encode the events, its
+thread numbers and sends the batches, its ROUTER answers replays from its buffer. What
+the module imports from the rest of its engine (a logger, a config record, a type alias,
+endpoint and topology helpers the ipc:// endpoint at data-parallel rank 0 never calls)
+is stood in for here; nothing of the publisher itself is.
 
 The publisher binds IPC_PATH (ipc://: vLLM binds rather than connects there, and nothing
 leaves the machine); a relay in this process forwards its batches to a PUB bound on
@@ -16,8 +19,8 @@ losses a real network or a slow subscriber causes). The replay socket is the
 publisher's own, on REPLAY_ENDPOINT.
 
 Commands, one JSON object per line on stdin, each answered by one JSON line on stdout:
-  {"cmd": "fields"}                      the event classes' fields, and whether events
-                                         are positional (array_like) or maps
+  {"cmd": "fields"}                      the engine, its event classes' fields, and
+                                         whether events are positional (array_like) or maps
   {"cmd": "start", "buffer_steps": N}    a new publisher (an engine start or restart:
                                          numbering from 0, an empty replay buffer; the
                                          one before it shut down first); its
@@ -49,7 +52,7 @@ import zmq
 
 
 def load_publisher_module(version_dir):
-    """The wheel's kv_events module, its imports from the rest of vLLM stood in for."""
+    """The wheel's publisher module, its imports from the rest of the engine stood in for."""
 
     def module(name, **attrs):
         m = types.ModuleType(name)
@@ -62,25 +65,35 @@ def load_publisher_module(version_dir):
         def __init__(self, **kwargs):
             self.__dict__.update(kwargs)
 
-    def not_for_ipc(*_args, **_kwargs):
-        raise RuntimeError("an endpoint helper the ipc:// endpoint does not need was called")
+    def not_called(*_args, **_kwargs):
+        raise RuntimeError("a helper the ipc:// endpoint at rank 0 does not need was called")
 
-    for name in ["vllm", "vllm.config", "vllm.utils", "vllm.v1", "vllm.v1.core", "vllm.distributed"]:
-        module(name)
-    module("vllm.config.kv_events", KVEventsConfig=KVEventsConfig)
-    module("vllm.logger", init_logger=logging.getLogger)
-    module("vllm.v1.core.kv_cache_utils", ExternalBlockHash=bytes | int)
-    module(
-        "vllm.utils.network_utils",
-        get_ip=not_for_ipc,
-        get_tcp_uri=not_for_ipc,
-        is_valid_ipv6_address=not_for_ipc,
-        split_zmq_path=not_for_ipc,
-    )
-    path = pathlib.Path(version_dir) / "vllm" / "distributed" / "kv_events.py"
-    spec = importlib.util.spec_from_file_location("vllm.distributed.kv_events", path)
+    root = pathlib.Path(version_dir)
+    vllm = root / "vllm" / "distributed" / "kv_events.py"
+    sglang = root / "sglang" / "srt" / "disaggregation" / "kv_events.py"
+    if vllm.is_file():
+        for name in ["vllm", "vllm.config", "vllm.utils", "vllm.v1", "vllm.v1.core", "vllm.distributed"]:
+            module(name)
+        module("vllm.config.kv_events", KVEventsConfig=KVEventsConfig)
+        module("vllm.logger", init_logger=logging.getLogger)
+        module("vllm.v1.core.kv_cache_utils", ExternalBlockHash=bytes | int)
+        module(
+            "vllm.utils.network_utils",
+            get_ip=not_called,
+            get_tcp_uri=not_called,
+            is_valid_ipv6_address=not_called,
+            split_zmq_path=not_called,
+        )
+        path, name = vllm, "vllm.distributed.kv_events"
+    else:
+        for name in ["sglang", "sglang.srt", "sglang.srt.utils", "sglang.srt.disaggregation"]:
+            module(name)
+        module("sglang.srt.runtime_context", get_parallel=not_called)
+        module("sglang.srt.utils.network", NetworkAddress=not_called)
+        path, name = sglang, "sglang.srt.disaggregation.kv_events"
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
-    sys.modules["vllm.distributed.kv_events"] = mod
+    sys.modules[name] = mod
     spec.loader.exec_module(mod)
     return mod
 
@@ -166,10 +179,11 @@ def main():
         nonlocal published
         first = published
         for b in batches:
+            # vLLM names the rank data_parallel_rank, SGLang attn_dp_rank: by position.
             batch = kv.KVEventBatch(
-                ts=b.get("ts", time.time()),
-                events=[event(e) for e in b["events"]],
-                data_parallel_rank=b.get("data_parallel_rank"),
+                b.get("ts", time.time()),
+                [event(e) for e in b["events"]],
+                b.get("data_parallel_rank"),
             )
             publisher.publish(batch)
             published += 1
@@ -185,6 +199,7 @@ def main():
         try:
             if cmd == "fields":
                 out = {
+                    "engine": kv.__name__.split(".")[0],
                     "positional": positional,
                     **{name: list(c.__struct_fields__) for name, c in classes.items()},
                 }
@@ -198,7 +213,7 @@ def main():
                 while True:
                     try:
                         publisher = kv.ZmqEventPublisher(
-                            data_parallel_rank=0,
+                            0,  # the data-parallel rank
                             endpoint=source,
                             replay_endpoint=replay_endpoint,
                             buffer_steps=req.get("buffer_steps", 10_000),
@@ -216,7 +231,7 @@ def main():
                 published = 0
                 deadline = time.monotonic() + 20
                 while True:
-                    publisher.publish(kv.KVEventBatch(ts=time.time(), events=[]))
+                    publisher.publish(kv.KVEventBatch(time.time(), []))
                     published += 1
                     if relay.wait_seen(1, timeout=0.2):
                         break
