@@ -184,8 +184,9 @@ fn positional_field(kind: &str, pos: u32) -> &'static str {
     named.copied().unwrap_or("other")
 }
 
-/// The fields a map event's decoder carries (a second of one is counted as `other`).
-const CARRIED: [&str; 7] = [
+/// The fields the decoder carries (the rest are counted, [`FieldsLeftOut`]); in a map
+/// event, a second of one is counted as `other`.
+pub const CARRIED: [&str; 7] = [
     "type",
     "block_hashes",
     "parent_block_hash",

@@ -39,6 +39,7 @@ Commands, one JSON object per line on stdin, each answered by one JSON line on s
 """
 
 import importlib.util
+import inspect
 import json
 import logging
 import pathlib
@@ -72,8 +73,10 @@ def load_publisher_module(version_dir):
     vllm = root / "vllm" / "distributed" / "kv_events.py"
     sglang = root / "sglang" / "srt" / "disaggregation" / "kv_events.py"
     if vllm.is_file():
-        for name in ["vllm", "vllm.config", "vllm.utils", "vllm.v1", "vllm.v1.core", "vllm.distributed"]:
+        for name in ["vllm", "vllm.utils", "vllm.v1", "vllm.v1.core", "vllm.distributed"]:
             module(name)
+        # Before 0.11 the config record came from vllm.config itself.
+        module("vllm.config", KVEventsConfig=KVEventsConfig)
         module("vllm.config.kv_events", KVEventsConfig=KVEventsConfig)
         module("vllm.logger", init_logger=logging.getLogger)
         module("vllm.v1.core.kv_cache_utils", ExternalBlockHash=bytes | int)
@@ -155,6 +158,10 @@ def main():
     published = 0
     classes = {c.__name__: c for c in (kv.BlockStored, kv.BlockRemoved, kv.AllBlocksCleared)}
     positional = bool(getattr(kv.KVCacheEvent, "__struct_config__").array_like)
+    # The data-parallel rank comes first (vLLM's data_parallel_rank since 0.10, SGLang's
+    # attn_dp_rank); vLLM 0.9's publisher takes none.
+    params = list(inspect.signature(kv.ZmqEventPublisher.__init__).parameters)
+    rank = () if params[1] == "endpoint" else (0,)
 
     def event(spec):
         spec = dict(spec)
@@ -179,12 +186,12 @@ def main():
         nonlocal published
         first = published
         for b in batches:
-            # vLLM names the rank data_parallel_rank, SGLang attn_dp_rank: by position.
-            batch = kv.KVEventBatch(
-                b.get("ts", time.time()),
-                [event(e) for e in b["events"]],
-                b.get("data_parallel_rank"),
-            )
+            # vLLM names the rank data_parallel_rank, SGLang attn_dp_rank: by position;
+            # vLLM 0.9's batches have none.
+            fields = [b.get("ts", time.time()), [event(e) for e in b["events"]]]
+            if len(kv.KVEventBatch.__struct_fields__) > 2:
+                fields.append(b.get("data_parallel_rank"))
+            batch = kv.KVEventBatch(*fields)
             publisher.publish(batch)
             published += 1
         if not relay.wait_seen(published):
@@ -202,6 +209,7 @@ def main():
                     "engine": kv.__name__.split(".")[0],
                     "positional": positional,
                     **{name: list(c.__struct_fields__) for name, c in classes.items()},
+                    "KVEventBatch": list(kv.KVEventBatch.__struct_fields__),
                 }
             elif cmd == "start":
                 if publisher is not None:
@@ -213,7 +221,7 @@ def main():
                 while True:
                     try:
                         publisher = kv.ZmqEventPublisher(
-                            0,  # the data-parallel rank
+                            *rank,
                             endpoint=source,
                             replay_endpoint=replay_endpoint,
                             buffer_steps=req.get("buffer_steps", 10_000),
