@@ -28,6 +28,8 @@ Commands, one JSON object per line on stdin, each answered by one JSON line on s
                                          until one reaches it: answers {"probes": n}
   {"cmd": "stop"}                        shut the publisher down
   {"cmd": "drop", "range": [a, b]}       the relay drops numbers a..b-1 (until the next start)
+  {"cmd": "relay_restart"}               the relay's subscribers lose their connection
+                                         (a new PUB on the same port)
   {"cmd": "publish", "batches": [..]}    each batch {"ts", "events": [{"type", fields…}],
                                          "data_parallel_rank"?}; hashes given as
                                          {"bytes": hex} are sent as bytes; answers with
@@ -105,18 +107,39 @@ class Relay:
     """SUB → PUB, dropping the sequence numbers in `drop`; counts what it saw."""
 
     def __init__(self, ctx, source, relay_endpoint):
+        self.ctx = ctx
+        self.endpoint = relay_endpoint
         self.sub = ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
         self.sub.setsockopt(zmq.RCVHWM, 0)
         self.sub.connect(source)
-        self.pub = ctx.socket(zmq.PUB)
-        self.pub.setsockopt(zmq.SNDHWM, 0)
-        self.pub.bind(relay_endpoint)
+        self.pub = self.bind()
         self.drop = set()
         self.drop_all = False
         self.seen = []
         self.lock = threading.Lock()
         threading.Thread(target=self.run, daemon=True).start()
+
+    def bind(self):
+        # libzmq closes a socket in its I/O thread: the port is free a moment later.
+        deadline = time.monotonic() + 10
+        while True:
+            pub = self.ctx.socket(zmq.PUB)
+            pub.setsockopt(zmq.SNDHWM, 0)
+            try:
+                pub.bind(self.endpoint)
+                return pub
+            except zmq.ZMQError as e:
+                pub.close(linger=0)
+                if e.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def restart(self):
+        """Drop the subscribers' connections (a network blip): a new PUB on the port."""
+        with self.lock:
+            self.pub.close(linger=0)
+            self.pub = self.bind()
 
     def run(self):
         while True:
@@ -126,7 +149,7 @@ class Relay:
                 self.seen.append(seq)
                 if self.drop_all or seq in self.drop:
                     continue
-            self.pub.send_multipart(frames)
+                self.pub.send_multipart(frames)
 
     def reset(self, drop_all=False):
         with self.lock:
@@ -254,6 +277,9 @@ def main():
                 publisher.shutdown()
                 publisher = None
                 out = {"stopped": True}
+            elif cmd == "relay_restart":
+                relay.restart()
+                out = {"restarted": True}
             elif cmd == "drop":
                 with relay.lock:
                     relay.drop = set(range(*req["range"]))
