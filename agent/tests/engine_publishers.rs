@@ -129,22 +129,7 @@ fn every_field(fields: &Value) -> (Value, Vec<Vec<KvEvent>>, FieldsLeftOut) {
             .any(|x| x.as_str() == Some(f))
     };
     let mut left_out = FieldsLeftOut::default();
-    let mut count = |f: &str| {
-        let c = &mut left_out;
-        *match f {
-            "lora_id" => &mut c.lora_id,
-            "extra_keys" => &mut c.extra_keys,
-            "group_idx" => &mut c.group_idx,
-            "kv_cache_spec_kind" => &mut c.kv_cache_spec_kind,
-            "kv_cache_spec_sliding_window" => &mut c.kv_cache_spec_sliding_window,
-            "locality" => &mut c.locality,
-            "ownership" => &mut c.ownership,
-            "session_id" => &mut c.session_id,
-            "lookahead_token_ids" => &mut c.lookahead_token_ids,
-            "cache_salt" => &mut c.cache_salt,
-            _ => &mut c.other,
-        } += 1;
-    };
+    let mut count = |f: &str| *left_out.field_mut(f) += 1;
     // Media and LoRA names where the engine has them (vLLM from 0.11 and 0.14).
     let medium = |m: &str| has("BlockStored", "medium").then(|| m.to_string());
     let lora_name = has("BlockStored", "lora_name").then(|| "adapter-a".to_string());

@@ -91,7 +91,8 @@ pub struct FieldsLeftOut {
 }
 
 impl FieldsLeftOut {
-    fn slot(&mut self, name: &str) -> &mut u32 {
+    /// The count of field `name` (`other` for a name this decoder does not know).
+    pub fn field_mut(&mut self, name: &str) -> &mut u32 {
         match name {
             "lora_id" => &mut self.lora_id,
             "extra_keys" => &mut self.extra_keys,
@@ -112,13 +113,13 @@ impl FieldsLeftOut {
     fn saw(&mut self, name: &str, nil: bool, zero: bool) {
         let neutral = nil || (zero && name == "group_idx");
         if !neutral {
-            *self.slot(name) = 1;
+            *self.field_mut(name) = 1;
         }
     }
 
     fn add(&mut self, other: &FieldsLeftOut) {
-        for (a, (_, b)) in self.counts_mut().into_iter().zip(other.counts()) {
-            *a += b;
+        for (name, n) in other.counts() {
+            *self.field_mut(name) += n;
         }
     }
 
@@ -139,22 +140,6 @@ impl FieldsLeftOut {
             ("lookahead_token_ids", self.lookahead_token_ids),
             ("cache_salt", self.cache_salt),
             ("other", self.other),
-        ]
-    }
-
-    fn counts_mut(&mut self) -> [&mut u32; 11] {
-        [
-            &mut self.lora_id,
-            &mut self.extra_keys,
-            &mut self.group_idx,
-            &mut self.kv_cache_spec_kind,
-            &mut self.kv_cache_spec_sliding_window,
-            &mut self.locality,
-            &mut self.ownership,
-            &mut self.session_id,
-            &mut self.lookahead_token_ids,
-            &mut self.cache_salt,
-            &mut self.other,
         ]
     }
 }

@@ -49,12 +49,12 @@ pub(crate) struct PublisherSequence {
     /// undecodable payload): the next batch delivered carries them as a gap, so the
     /// collector knows the worker's mirror is missing them.
     undelivered: u64,
-    /// The last batch taken: its number and a digest of its payload. Asked again of the
-    /// replay socket, the same payload says the numbering went on in the same engine;
-    /// another says an engine restarted and numbered past the old one's last batch.
-    last_payload: Option<(u64, u64)>,
+    /// A digest of the last batch's payload (the batch numbered `last`). Asked again of
+    /// the replay socket, the same payload says the numbering went on in the same
+    /// engine; another says an engine restarted and numbered past the old one's last.
+    last_digest: Option<u64>,
     /// The connection was made anew since the last batch: the next one is checked
-    /// against `last_payload` even when its number follows on (an engine that
+    /// against `last_digest` even when its number follows on (an engine that
     /// restarted may have numbered just that far before the tap was back).
     check_continuity: bool,
 }
@@ -120,9 +120,9 @@ impl PublisherSequence {
         self.last = Some(seq);
     }
 
-    /// Batch `seq`'s payload was taken (delivered or not).
-    fn taken(&mut self, seq: u64, payload: &[u8]) {
-        self.last_payload = Some((seq, xxhash_rust::xxh3::xxh3_64(payload)));
+    /// The last batch's payload was taken (delivered or not).
+    fn taken(&mut self, payload: &[u8]) {
+        self.last_digest = Some(xxhash_rust::xxh3::xxh3_64(payload));
         self.check_continuity = false;
     }
 }
@@ -190,7 +190,8 @@ impl KvTap {
     pub fn missing_before(&self, seq: u64) -> Option<ReplayNeed> {
         let status = self.sequence.peek(&self.endpoint.endpoint, seq);
         let check_last = || {
-            self.sequence.last_payload.map(|(last, digest)| ReplayNeed {
+            let last = self.sequence.last.zip(self.sequence.last_digest);
+            last.map(|(last, digest)| ReplayNeed {
                 from: last,
                 anew: None,
                 check: Some((last, digest)),
@@ -211,7 +212,7 @@ impl KvTap {
     /// The connection to the publisher was made anew: the next batch is checked for
     /// an engine that restarted meanwhile.
     pub fn reconnected(&mut self) {
-        self.sequence.check_continuity = self.sequence.last_payload.is_some();
+        self.sequence.check_continuity = self.sequence.last_digest.is_some();
     }
 
     /// Batches the replay socket sent for what `need` asked before batch `next`: the
@@ -329,7 +330,7 @@ impl KvTap {
 
     /// [`Self::batch`], its status carrying the batches before it left undelivered.
     fn deliver(&mut self, seq: u64, sequence: SequenceStatus, payload: &[u8]) -> Option<Record> {
-        self.sequence.taken(seq, payload);
+        self.sequence.taken(payload);
         match self.batch(seq, sequence, payload) {
             Some(Record::KvEvents(mut b)) => {
                 b.sequence = self.sequence.delivered(b.sequence);
