@@ -77,6 +77,24 @@ pub fn replay(recording: &Path, window_secs: f64, models: &[&str]) -> anyhow::Re
     })
 }
 
+impl Replayed {
+    /// The requests of `ids` that no decision in the recording names.
+    pub fn undecided<'a>(&self, ids: &'a [String]) -> Vec<&'a str> {
+        let decided: std::collections::HashSet<&str> = self
+            .envelopes
+            .iter()
+            .filter_map(|e| match &e.record {
+                kvscope_wire::Record::Decision(d) => Some(d.request_id.as_str()),
+                _ => None,
+            })
+            .collect();
+        ids.iter()
+            .map(String::as_str)
+            .filter(|id| !decided.contains(id))
+            .collect()
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct FleetRunConfig {
     pub lab: LabConfig,

@@ -24,6 +24,10 @@ pub struct LabConfig {
     /// Lab directory holding the venv (`venv/`) and, by default, the runs (`runs/`).
     /// Default: `$KVSCOPE_LAB_DIR` or `<workspace>/.lab`.
     pub lab_dir: PathBuf,
+    /// The Dynamo release to run, from its venv under `lab_dir`
+    /// ([`crate::release::venv_dir`]; `kvscope-lab setup --dynamo` makes it). Default
+    /// [`crate::release::DEFAULT_DYNAMO`].
+    pub dynamo: String,
     /// Run directory for logs, the discovery store, NATS storage and `lab.json`.
     /// Default: a fresh `<lab_dir>/runs/<unix time>-<pid>-<n>`.
     pub run_dir: Option<PathBuf>,
@@ -130,6 +134,7 @@ impl Default for LabConfig {
     fn default() -> Self {
         Self {
             lab_dir: paths::default_lab_dir(),
+            dynamo: crate::release::DEFAULT_DYNAMO.into(),
             run_dir: None,
             model_path: paths::model_fixture_dir(),
             model_name: "kvscope-tiny".into(),
@@ -249,6 +254,9 @@ pub struct WorkerInfo {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Manifest {
     pub run_dir: PathBuf,
+    /// The Dynamo release the lab runs (`ai-dynamo`'s version in its venv).
+    #[serde(default)]
+    pub dynamo_version: String,
     /// Base URL of the OpenAI-compatible frontend, e.g. `http://127.0.0.1:40123`.
     pub frontend_url: String,
     pub model_name: String,
@@ -335,6 +343,32 @@ impl Manifest {
     }
 }
 
+/// A Hugging Face hub cache under `run_dir` in which every served model name is a
+/// snapshot of `model_path`'s files (links), as `huggingface_hub` lays one out.
+fn hub_cache(run_dir: &Path, model_path: &Path, models: &[&str]) -> anyhow::Result<PathBuf> {
+    const REVISION: &str = "0000000000000000000000000000000000000000";
+    let cache = run_dir.join("hub-cache");
+    for model in models {
+        let repo = cache.join(format!("models--{}", model.replace('/', "--")));
+        let snapshot = repo.join("snapshots").join(REVISION);
+        std::fs::create_dir_all(&snapshot)
+            .with_context(|| format!("creating {}", snapshot.display()))?;
+        std::fs::create_dir_all(repo.join("refs"))?;
+        std::fs::write(repo.join("refs").join("main"), REVISION)?;
+        for entry in std::fs::read_dir(model_path)
+            .with_context(|| format!("listing {}", model_path.display()))?
+        {
+            let entry = entry?;
+            let link = snapshot.join(entry.file_name());
+            if !link.exists() {
+                std::os::unix::fs::symlink(entry.path(), &link)
+                    .with_context(|| format!("linking {}", link.display()))?;
+            }
+        }
+    }
+    Ok(cache)
+}
+
 /// libfaketime's thread-safe preload (Debian's `faketime` package; `scripts/setup`
 /// installs it).
 const LIBFAKETIME: &str = "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1";
@@ -358,8 +392,8 @@ pub fn skew_clock(cmd: &mut Command, offset_ms: i64) -> Result<(), LabError> {
 /// Why a lab did not start.
 #[derive(Debug, thiserror::Error)]
 pub enum LabError {
-    #[error("lab venv missing or broken at {0}: run `kvscope-lab setup`")]
-    VenvMissing(PathBuf),
+    #[error("lab venv missing or broken at {0}: run `kvscope-lab setup --dynamo {1}`")]
+    VenvMissing(PathBuf, String),
     #[error(
         "{what} exited during startup ({status}); see {log}\n--- last lines of {log} ---\n{tail}"
     )]
@@ -419,9 +453,19 @@ impl Lab {
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_millis() as u64)
             .unwrap_or(0);
-        let python = paths::venv_python(&config.lab_dir);
+        let venv = crate::release::venv_dir(&config.lab_dir, &config.dynamo);
+        let python = venv.join("bin").join("python");
         if !python.exists() {
-            return Err(LabError::VenvMissing(config.lab_dir.join("venv")));
+            return Err(LabError::VenvMissing(venv, config.dynamo.clone()));
+        }
+        let build = crate::release::DynamoBuild::read(&venv)?;
+        if config.event_plane == LabEventPlane::Zmq && !build.event_plane_host {
+            return Err(LabError::Other(anyhow::anyhow!(
+                "Dynamo {} has no DYN_EVENT_PLANE_HOST: its ZMQ event plane would advertise \
+                 this machine's other address; run it with the NATS event plane \
+                 (--event-plane nats)",
+                build.version
+            )));
         }
         let run_dir = match &config.run_dir {
             Some(d) => d.clone(),
@@ -452,6 +496,7 @@ impl Lab {
         let mut lab = Lab {
             manifest: Manifest {
                 run_dir: run_dir.clone(),
+                dynamo_version: build.version.clone(),
                 frontend_url: format!("http://127.0.0.1:{http_port}"),
                 model_name: config.model_name.clone(),
                 model_path: model_path.clone(),
@@ -580,6 +625,7 @@ impl Lab {
         ]
         .map(str::to_string)
         .to_vec();
+        let hub_cache = hub_cache(&run_dir, &model_path, &config.served_models())?;
         let etcd_url = lab.manifest.etcd_url.clone();
         let nats_url = lab.manifest.dynamo_nats_url.clone();
         let nats_auth: Vec<(String, String)> = lab
@@ -599,12 +645,16 @@ impl Lab {
             cmd.env("DYN_LOG", filter)
                 .env("DYN_EVENT_PLANE_HOST", "127.0.0.1")
                 .env("DYN_TCP_RPC_HOST", "127.0.0.1")
-                .env("DYN_TCP_RESPONSE_STREAM_HOST", "127.0.0.1")
+                .env("DYN_TCP_RESPONSE_STREAM_HOST", build.response_stream_host())
                 .env("DYN_SYSTEM_HOST", "127.0.0.1")
                 // A prefill worker's bootstrap address (else the machine's host name).
                 .env("DYN_HTTP_RPC_HOST", "127.0.0.1")
                 .env("DYN_FILE_KV", &discovery_dir)
                 .env("DYN_SELF_HOST_METADATA", "0")
+                // A frontend before 1.6 looks a served model up on the hub by its name:
+                // it finds it here, and no process ever asks the network.
+                .env("HF_HUB_CACHE", &hub_cache)
+                .env("HF_HUB_OFFLINE", "1")
                 .env("PYTHONUNBUFFERED", "1")
                 .env_remove("DYN_SYSTEM_PORT")
                 .env_remove("DYN_LOGGING_JSONL");
@@ -718,6 +768,7 @@ impl Lab {
         let deadline = Instant::now() + timeout;
         let mut nats_ready = !config.nats;
         let mut model_served = false;
+        let mut served_at: Option<Instant> = None;
         let mut router_workers: BTreeSet<u64> = BTreeSet::new();
         let mut last_models_probe = Instant::now() - Duration::from_secs(1);
         loop {
@@ -742,12 +793,23 @@ impl Lab {
                 w.worker_id = worker_id_from_log(&lab.procs[w.proc_idx].log);
             }
             router_workers.extend(added_workers(&lab.procs[frontend_idx].log));
-            if !model_served && last_models_probe.elapsed() >= Duration::from_millis(500) {
+            if last_models_probe.elapsed() >= Duration::from_millis(500) {
                 last_models_probe = Instant::now();
-                model_served = config
-                    .served_models()
-                    .iter()
-                    .all(|m| models_lists(http_port, m));
+                if !model_served {
+                    model_served = config
+                        .served_models()
+                        .iter()
+                        .all(|m| models_lists(http_port, m));
+                    served_at = model_served.then(Instant::now);
+                }
+                // A Dynamo 1.4 router logs `Adding worker` only for workers that come
+                // after it starts; those it finds at its start (all of them, or some,
+                // when they register together) it takes silently (it logs `Removing
+                // worker` for them at the end). Once the model has been served a while,
+                // the frontend's own list of instances stands in for the lines.
+                if served_at.is_some_and(|t| t.elapsed() >= SILENT_ADD_GRACE) {
+                    router_workers.extend(generate_instances(http_port));
+                }
             }
             let all_ids = pending.iter().all(|w| w.worker_id.is_some());
             let all_routed = all_ids
@@ -1067,22 +1129,54 @@ fn added_workers(log: &Path) -> Vec<u64> {
 }
 
 /// GET /v1/models with a tiny blocking HTTP/1.0 client (readiness only).
-fn models_lists(port: u16, model: &str) -> bool {
-    use std::io::{Read, Write};
-    let Ok(mut s) =
-        TcpStream::connect_timeout(&([127, 0, 0, 1], port).into(), Duration::from_millis(300))
-    else {
-        return false;
-    };
-    let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
-    if s.write_all(b"GET /v1/models HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
-        .is_err()
-    {
-        return false;
+/// How long after the model is first served the frontend's instance list counts as the
+/// router's ([`generate_instances`]).
+const SILENT_ADD_GRACE: Duration = Duration::from_secs(2);
+
+/// The instance ids the frontend's `/health` lists for a `generate` endpoint: the
+/// workers it has found in discovery.
+fn generate_instances(port: u16) -> Vec<u64> {
+    #[derive(Deserialize)]
+    struct Health {
+        #[serde(default)]
+        instances: Vec<Instance>,
     }
+    #[derive(Deserialize)]
+    struct Instance {
+        endpoint: String,
+        instance_id: u64,
+    }
+    let Some(body) = http_get(port, "/health") else {
+        return Vec::new();
+    };
+    let json = body.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+    serde_json::from_str::<Health>(json)
+        .map(|h| {
+            h.instances
+                .into_iter()
+                .filter(|i| i.endpoint == "generate")
+                .map(|i| i.instance_id)
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// A plain HTTP/1.0 GET of `path` on loopback `port`: the whole response, head included.
+fn http_get(port: u16, path: &str) -> Option<String> {
+    use std::io::{Read, Write};
+    let mut s =
+        TcpStream::connect_timeout(&([127, 0, 0, 1], port).into(), Duration::from_millis(300))
+            .ok()?;
+    let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").as_bytes())
+        .ok()?;
     let mut body = String::new();
     let _ = s.read_to_string(&mut body);
-    body.starts_with("HTTP/1.") && body.contains(&format!("\"id\":\"{model}\""))
+    body.starts_with("HTTP/1.").then_some(body)
+}
+
+fn models_lists(port: u16, model: &str) -> bool {
+    http_get(port, "/v1/models").is_some_and(|body| body.contains(&format!("\"id\":\"{model}\"")))
 }
 
 fn tail(path: &Path, lines: usize) -> String {

@@ -1,4 +1,4 @@
-//! `kvscope-lab`: a real Dynamo 1.6.1 KV router with mocker workers and NATS on
+//! `kvscope-lab`: a real Dynamo KV router (1.6.1, or another release) with mocker workers and NATS on
 //! 127.0.0.1, and a multi-turn chat workload that makes the router spill.
 
 use std::path::PathBuf;
@@ -13,8 +13,8 @@ use kvscope_lab::{paths, setup, Lab, LabConfig, Manifest};
 #[command(
     name = "kvscope-lab",
     version,
-    about = "Run a real Dynamo 1.6.1 KV router + mocker workers + NATS on 127.0.0.1, and a chat workload against it.",
-    long_about = "Run a real Dynamo 1.6.1 KV router (dynamo.frontend --router-mode kv) with N dynamo.mocker \
+    about = "Run a real Dynamo KV router (1.6.1 unless --dynamo says) + mocker workers + NATS on 127.0.0.1, and a chat workload against it.",
+    long_about = "Run a real Dynamo KV router (1.6.1, or the release --dynamo names) (dynamo.frontend --router-mode kv) with N dynamo.mocker \
 workers and a nats-server -js, all on 127.0.0.1 with free ports, plus a bounded multi-turn chat \
 workload that makes the router spill.\n\n\
 Typical use:\n  kvscope-lab setup            # once: create the Python venv with Dynamo\n  \
@@ -31,11 +31,16 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Create the lab venv (python3 -m venv + pip install Dynamo 1.6.1) if needed. Idempotent.
+    /// Create the lab venv of a Dynamo release (python3 -m venv + pip install ai-dynamo and
+    /// what its wheel requires) if needed. Idempotent.
     Setup {
         /// Lab directory (holds venv/ and runs/).
         #[arg(long, env = "KVSCOPE_LAB_DIR")]
         lab_dir: Option<PathBuf>,
+        /// The Dynamo release (repeatable): its venv is venv/ for the default release and
+        /// dynamo-VERSION/venv/ for any other.
+        #[arg(long = "dynamo", value_name = "VERSION", default_value = kvscope_lab::release::DEFAULT_DYNAMO)]
+        dynamo: Vec<String>,
     },
     /// Start the lab and stay up until Ctrl-C; prints the manifest (JSON) on stdout.
     Up {
@@ -83,6 +88,11 @@ struct LabArgs {
     /// Lab directory (holds venv/ and runs/).
     #[arg(long, env = "KVSCOPE_LAB_DIR")]
     lab_dir: Option<PathBuf>,
+    /// The Dynamo release to run (its venv made by `setup --dynamo VERSION`; `run` and
+    /// `up` make it when missing). A release before 1.6 has no DYN_EVENT_PLANE_HOST and
+    /// needs --event-plane nats.
+    #[arg(long = "dynamo", value_name = "VERSION", default_value = kvscope_lab::release::DEFAULT_DYNAMO)]
+    dynamo: String,
     /// Run directory for logs, discovery store and lab.json (default: a fresh <lab dir>/runs/<id>).
     #[arg(long)]
     run_dir: Option<PathBuf>,
@@ -192,6 +202,7 @@ impl LabArgs {
         let d = LabConfig::default();
         LabConfig {
             lab_dir: self.lab_dir.clone().unwrap_or(d.lab_dir),
+            dynamo: self.dynamo.clone(),
             run_dir: self.run_dir.clone(),
             model_path: self.model_path.clone().unwrap_or(d.model_path),
             model_name: self.model_name.clone(),
@@ -349,14 +360,16 @@ async fn main() -> Result<()> {
         .init();
     let cli = Cli::parse();
     match cli.command {
-        Cmd::Setup { lab_dir } => {
+        Cmd::Setup { lab_dir, dynamo } => {
             let lab_dir = lab_dir.unwrap_or_else(paths::default_lab_dir);
-            setup::ensure_venv(&lab_dir)?;
+            for version in &dynamo {
+                setup::ensure_release(&lab_dir, version)?;
+            }
             setup::nats_server_path()?;
         }
         Cmd::Up { lab } => {
             let cfg = lab.config();
-            setup::ensure_venv(&cfg.lab_dir)?;
+            setup::ensure_release(&cfg.lab_dir, &cfg.dynamo)?;
             let lab = Lab::start(cfg).await?;
             println!("{}", serde_json::to_string_pretty(lab.manifest())?);
             eprintln!(
@@ -391,7 +404,7 @@ async fn main() -> Result<()> {
             out,
         } => {
             let mut cfg = lab.config();
-            setup::ensure_venv(&cfg.lab_dir)?;
+            setup::ensure_release(&cfg.lab_dir, &cfg.dynamo)?;
             // Removed when this arm ends, however it ends.
             let _answers = if w.fixed_answers {
                 let trace = workload::write_answer_trace(&w.config(""), &cfg.lab_dir)?;

@@ -19,9 +19,11 @@ pub fn default_lab_dir() -> PathBuf {
     }
 }
 
-/// The Python interpreter of the lab venv.
+/// The Python interpreter of the lab venv (the default Dynamo release's).
 pub fn venv_python(lab_dir: &std::path::Path) -> PathBuf {
-    lab_dir.join("venv").join("bin").join("python")
+    crate::release::venv_dir(lab_dir, crate::release::DEFAULT_DYNAMO)
+        .join("bin")
+        .join("python")
 }
 
 /// The committed tiny model fixture (`tokenizer.json`, `config.json`, ...).

@@ -1,42 +1,55 @@
-//! Creates the lab's Python venv with Dynamo 1.6.1. Idempotent: does nothing when the
-//! venv already imports `dynamo.frontend` and `dynamo.mocker`.
+//! Creates the lab's Python venv of a Dynamo release. Idempotent: does nothing when the
+//! venv already has that release and imports `dynamo.frontend` and `dynamo.mocker`.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use anyhow::{bail, Context, Result};
 use tracing::info;
 
-use crate::paths::venv_python;
+use crate::release::{venv_dir, DEFAULT_DYNAMO};
 
-/// Dynamo wheels, installed with `--no-deps`: `ai-dynamo` depends on `aisimulate`, a stub
-/// that downloads from outside.
-pub const DYNAMO_PACKAGES: &[&str] = &["ai-dynamo==1.6.1", "ai-dynamo-runtime==1.6.1"];
+/// The wheel's dependencies that are never installed: `aisimulate` is a stub that
+/// downloads from outside at install time (and the mocker does not need it).
+const SKIPPED_REQUIREMENTS: &[&str] = &["aisimulate"];
 
-/// Dynamo's runtime dependencies (installed normally), plus `tokenizers` for the model
-/// fixture generator.
-pub const RUNTIME_PACKAGES: &[&str] = &[
-    "aiohttp",
-    "certifi",
-    "msgspec",
-    "prometheus-client",
-    "pyzmq",
-    "tqdm",
-    "typing-extensions",
-    "zstandard",
-    "pydantic<=2.13.5",
-    "uvloop",
-    "pyyaml",
-    "packaging",
-    "tokenizers",
-];
+/// What the lab itself needs beside Dynamo's own requirements: `tokenizers` for the
+/// model fixture's generator.
+pub const LAB_PACKAGES: &[&str] = &["tokenizers", "pyyaml", "packaging"];
 
-/// True when `<lab_dir>/venv/bin/python` can import the Dynamo frontend and mocker.
+/// Prints the requirements `ai-dynamo` and `ai-dynamo-runtime` declare, without extras
+/// and with their markers evaluated here, one per line, leaving out the runtime itself
+/// (installed already, pinned) and the skipped ones (argv). pip's own `packaging` reads
+/// them, so nothing needs installing first.
+const REQUIREMENTS_PY: &str = r#"
+import importlib.metadata as m, sys
+from pip._vendor.packaging.requirements import Requirement
+skip = {"ai-dynamo-runtime", *sys.argv[1:]}
+for dist in ("ai-dynamo", "ai-dynamo-runtime"):
+    for line in m.requires(dist) or []:
+        req = Requirement(line)
+        if req.name in skip or (req.marker and not req.marker.evaluate({"extra": ""})):
+            continue
+        req.marker = None
+        print(req)
+"#;
+
+/// True when the lab venv of the default release imports the Dynamo frontend and mocker.
 pub fn venv_ready(lab_dir: &Path) -> bool {
-    let python = venv_python(lab_dir);
+    release_ready(lab_dir, DEFAULT_DYNAMO)
+}
+
+/// True when the venv of Dynamo `version` under `lab_dir` has that release and imports
+/// its frontend and mocker.
+pub fn release_ready(lab_dir: &Path, version: &str) -> bool {
+    let python = venv_dir(lab_dir, version).join("bin").join("python");
+    let check = format!(
+        "import importlib.metadata as m, dynamo.frontend, dynamo.mocker, zmq, msgspec\n\
+         assert m.version('ai-dynamo') == {version:?}"
+    );
     python.exists()
         && Command::new(&python)
-            .args(["-c", "import dynamo.frontend, dynamo.mocker, zmq, msgspec"])
+            .args(["-c", &check])
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .status()
@@ -44,17 +57,23 @@ pub fn venv_ready(lab_dir: &Path) -> bool {
             .unwrap_or(false)
 }
 
-/// Ensures the venv exists under `lab_dir` (creating and installing it if needed).
+/// Ensures the venv of the default release exists under `lab_dir`.
 pub fn ensure_venv(lab_dir: &Path) -> Result<()> {
-    if venv_ready(lab_dir) {
-        info!(venv = %lab_dir.join("venv").display(), "Lab venv ready (Dynamo 1.6.1 importable).");
-        return Ok(());
+    ensure_release(lab_dir, DEFAULT_DYNAMO).map(drop)
+}
+
+/// Ensures the venv of Dynamo `version` exists under `lab_dir` (creating and installing
+/// it if needed) and returns its folder.
+pub fn ensure_release(lab_dir: &Path, version: &str) -> Result<PathBuf> {
+    let venv = venv_dir(lab_dir, version);
+    if release_ready(lab_dir, version) {
+        info!(venv = %venv.display(), "Lab venv ready (Dynamo {version} importable).");
+        return Ok(venv);
     }
     std::fs::create_dir_all(lab_dir)
         .with_context(|| format!("creating lab dir {}", lab_dir.display()))?;
-    let venv = lab_dir.join("venv");
-    let python = venv_python(lab_dir);
-    let pip = lab_dir.join("venv").join("bin").join("pip");
+    let python = venv.join("bin").join("python");
+    let pip = venv.join("bin").join("pip");
     if python.exists() && !pip.exists() {
         // A venv made without ensurepip (Debian's python3 minus python3-venv) has no
         // pip and would fail here for ever: make it again.
@@ -69,28 +88,50 @@ pub fn ensure_venv(lab_dir: &Path) -> Result<()> {
             "python3 -m venv",
         )?;
     }
-    info!(packages = ?DYNAMO_PACKAGES, "Installing Dynamo (--no-deps); this downloads ~300 MB.");
+    let wheels = [
+        format!("ai-dynamo=={version}"),
+        format!("ai-dynamo-runtime=={version}"),
+    ];
+    info!(packages = ?wheels, "Installing Dynamo (--no-deps); this downloads ~300 MB.");
     run(
         Command::new(&pip)
             .args(["install", "--disable-pip-version-check", "--no-deps"])
-            .args(DYNAMO_PACKAGES),
+            .args(&wheels),
         "pip install ai-dynamo",
     )?;
-    info!(packages = ?RUNTIME_PACKAGES, "Installing Dynamo's runtime dependencies.");
+    let out = Command::new(&python)
+        .args(["-c", REQUIREMENTS_PY])
+        .args(SKIPPED_REQUIREMENTS)
+        .output()
+        .context("reading the wheel's requirements")?;
+    if !out.status.success() {
+        bail!(
+            "reading ai-dynamo {version}'s requirements failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let requirements: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .map(String::from)
+        .collect();
+    info!(?requirements, lab = ?LAB_PACKAGES, "Installing what Dynamo {version} requires.");
     run(
         Command::new(&pip)
             .args(["install", "--disable-pip-version-check"])
-            .args(RUNTIME_PACKAGES),
-        "pip install runtime dependencies",
+            .args(&requirements)
+            .args(LAB_PACKAGES),
+        "pip install Dynamo's requirements",
     )?;
-    if !venv_ready(lab_dir) {
+    if !release_ready(lab_dir, version) {
         bail!(
-            "venv at {} still cannot import dynamo.frontend/dynamo.mocker after install",
+            "venv at {} still cannot import Dynamo {version}'s frontend and mocker after install",
             venv.display()
         );
     }
     info!(venv = %venv.display(), "Lab venv ready.");
-    Ok(())
+    Ok(venv)
 }
 
 /// Checks that `nats-server` is on PATH (or in /usr/sbin, where Debian puts it).

@@ -359,8 +359,16 @@ pub struct RouterLogProcessor {
     /// [`LogOutput::RoutingInputMissing`].
     routing_inputs: u64,
     traces: u64,
+    selections: u64,
     advised: bool,
 }
+
+/// Choices seen, with no routing input and no request trace beside them, after which the
+/// router is told what to set without waiting for one to time out (in log time, which
+/// stands still while the router is idle). A router that logs its inputs writes each
+/// one before the choice it leads to, so one choice would do; a few allow for lines
+/// reordered on the way.
+const ADVISE_AFTER_SELECTIONS: u64 = 8;
 
 impl RouterLogProcessor {
     pub fn new(timeout_ns: u64, max_pending: usize) -> Self {
@@ -376,6 +384,7 @@ impl RouterLogProcessor {
             spans: RequestSpans::default(),
             routing_inputs: 0,
             traces: 0,
+            selections: 0,
             advised: false,
         }
     }
@@ -416,6 +425,7 @@ impl RouterLogProcessor {
         match &parsed.content {
             LineContent::RoutingInput(_) => self.routing_inputs += 1,
             LineContent::RequestTrace(_) => self.traces += 1,
+            LineContent::SelectedWorker(_) => self.selections += 1,
             _ => {}
         }
         let mut out: Vec<LogOutput> = future.into_iter().collect();
@@ -424,8 +434,8 @@ impl RouterLogProcessor {
         out
     }
 
-    /// Say once what the router needs, when a choice went unjoined in a log that has
-    /// shown nothing decisions are made of.
+    /// Say once what the router needs, when a choice went unjoined, or enough choices
+    /// came, in a log that has shown nothing decisions are made of.
     fn advise(&mut self, out: &mut Vec<LogOutput>) {
         let unjoined_choice = out.iter().any(|o| {
             matches!(
@@ -436,7 +446,8 @@ impl RouterLogProcessor {
                 }
             )
         });
-        if unjoined_choice && !self.advised && self.routing_inputs == 0 && self.traces == 0 {
+        let choices_alone = unjoined_choice || self.selections >= ADVISE_AFTER_SELECTIONS;
+        if choices_alone && !self.advised && self.routing_inputs == 0 && self.traces == 0 {
             self.advised = true;
             out.push(LogOutput::RoutingInputMissing);
         }
@@ -583,6 +594,14 @@ mod tests {
             out.extend(p.line(&selected_line(t, id, 7), 0));
         }
         out.extend(p.finish());
+        assert_eq!(count(&out), 1, "{out:?}");
+        // Told while the router is busy, before any choice has timed out in log time.
+        let mut p = RouterLogProcessor::new(5 * SEC, 1000);
+        let mut out = Vec::new();
+        for i in 0..ADVISE_AFTER_SELECTIONS {
+            assert_eq!(count(&out), 0, "{out:?}");
+            out.extend(p.line(&selected_line("01", &format!("r{i}"), 7), 0));
+        }
         assert_eq!(count(&out), 1, "{out:?}");
         // A log with routing inputs, even one that lost a few, needs nothing.
         let mut p = RouterLogProcessor::new(5 * SEC, 1000);
