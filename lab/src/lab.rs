@@ -383,7 +383,14 @@ pub fn skew_clock(cmd: &mut Command, offset_ms: i64) -> Result<(), LabError> {
     }
     let sign = if offset_ms < 0 { '-' } else { '+' };
     let ms = offset_ms.unsigned_abs();
-    cmd.env("LD_PRELOAD", LIBFAKETIME)
+    // Beside whatever the command preloads already (the loopback shim).
+    let preload = cmd
+        .get_envs()
+        .find(|(k, _)| *k == crate::loopback::LD_PRELOAD_ENV)
+        .and_then(|(_, v)| v)
+        .map(|v| format!("{LIBFAKETIME}:{}", v.to_string_lossy()))
+        .unwrap_or_else(|| LIBFAKETIME.to_string());
+    cmd.env(crate::loopback::LD_PRELOAD_ENV, preload)
         .env("FAKETIME", format!("{sign}{}.{:03}", ms / 1000, ms % 1000))
         .env("FAKETIME_DONT_FAKE_MONOTONIC", "1");
     Ok(())
@@ -626,6 +633,11 @@ impl Lab {
         .map(str::to_string)
         .to_vec();
         let hub_cache = hub_cache(&run_dir, &model_path, &config.served_models())?;
+        // Every mocker binds its KV event and replay sockets to 0.0.0.0, whatever it is
+        // told (1.4 to 1.6): the shim keeps them, and anything else, on loopback.
+        let shim = run_dir.join(crate::loopback::LOOPBACK_SHIM_FILE);
+        crate::loopback::write_shim(&shim)
+            .with_context(|| format!("writing the loopback shim {}", shim.display()))?;
         let etcd_url = lab.manifest.etcd_url.clone();
         let nats_url = lab.manifest.dynamo_nats_url.clone();
         let nats_auth: Vec<(String, String)> = lab
@@ -655,6 +667,7 @@ impl Lab {
                 // it finds it here, and no process ever asks the network.
                 .env("HF_HUB_CACHE", &hub_cache)
                 .env("HF_HUB_OFFLINE", "1")
+                .env(crate::loopback::LD_PRELOAD_ENV, &shim)
                 .env("PYTHONUNBUFFERED", "1")
                 .env_remove("DYN_SYSTEM_PORT")
                 .env_remove("DYN_LOGGING_JSONL");
@@ -897,6 +910,14 @@ impl Lab {
                     log: p.log.clone(),
                 },
             });
+        }
+        let open = crate::loopback::wildcard_listeners(&lab.manifest.process_groups());
+        if !open.is_empty() {
+            return Err(LabError::Other(anyhow::anyhow!(
+                "the lab's processes listen on every address, where every lab socket must stay \
+                 on loopback: {}",
+                open.join(", ")
+            )));
         }
         lab.manifest.startup_secs = t0.elapsed().as_secs_f64();
         let manifest_path = run_dir.join("lab.json");

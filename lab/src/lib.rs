@@ -14,6 +14,7 @@ pub mod bus_security;
 pub mod daemons;
 pub mod etcd;
 mod lab;
+pub mod loopback;
 pub mod nats;
 pub mod paths;
 pub mod ports;

@@ -17,8 +17,8 @@
 //! - `UCX_NET_DEVICES=lo`: left alone, UCX picks the machine's other interface (seen
 //!   listening on a 192.0.2.x address); shared memory transports are not network
 //!   devices and stay available;
-//! - `LD_PRELOAD` of the loopback shim (`shim/loopback_bind.c`, built by `build.rs`,
-//!   written next to the wheel as `loopback_bind.so`): NIXL's metadata listener binds
+//! - `LD_PRELOAD` of the loopback shim ([`kvscope_lab::loopback`], written next to the
+//!   wheel as `loopback_bind.so`): NIXL's metadata listener binds
 //!   `INADDR_ANY` and has no setting for it, so every bind to "any address" in the
 //!   process becomes a bind to 127.0.0.1.
 //!
@@ -46,14 +46,10 @@ pub const NIXL_SYS_VERSION: &str = "1.5.1";
 pub const PLUGIN_DIR_ENV: &str = "NIXL_PLUGIN_DIR";
 /// The dynamic loader's search path (read once, when a process starts).
 pub const LD_LIBRARY_PATH_ENV: &str = "LD_LIBRARY_PATH";
-/// Libraries the dynamic loader loads first (the loopback shim).
-pub const LD_PRELOAD_ENV: &str = "LD_PRELOAD";
+pub use kvscope_lab::loopback::LD_PRELOAD_ENV;
 /// The network devices UCX may use.
 pub const UCX_NET_DEVICES_ENV: &str = "UCX_NET_DEVICES";
-/// The loopback shim, built from `shim/loopback_bind.c`.
-const LOOPBACK_SHIM: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/loopback_bind.so"));
-/// Its file name next to the wheel.
-const LOOPBACK_SHIM_FILE: &str = "loopback_bind.so";
+use kvscope_lab::loopback::LOOPBACK_SHIM_FILE;
 
 /// The folder under `<lab dir>` that holds everything NIXL.
 pub(crate) const NIXL_SUBDIR: &str = "nixl";
@@ -272,19 +268,12 @@ impl NixlLibs {
     }
 }
 
-/// Write the embedded loopback shim to `path` unless it is already there, through a
-/// temporary file, so a process never preloads a half-written one.
+/// Write the loopback shim next to the wheel ([`kvscope_lab::loopback::write_shim`]).
 fn write_shim(path: &Path) -> Result<(), LibsError> {
-    if std::fs::read(path).is_ok_and(|b| b == LOOPBACK_SHIM) {
-        return Ok(());
-    }
-    let tmp = path.with_extension(format!("so.{}", std::process::id()));
-    let err = |source| LibsError::Write {
+    kvscope_lab::loopback::write_shim(path).map_err(|source| LibsError::Write {
         path: path.to_path_buf(),
         source,
-    };
-    std::fs::write(&tmp, LOOPBACK_SHIM).map_err(err)?;
-    std::fs::rename(&tmp, path).map_err(err)
+    })
 }
 
 fn same_dir(a: &Path, b: &Path) -> bool {

@@ -1,11 +1,12 @@
 /*
- * Preloaded (LD_PRELOAD) into the NIXL lab's processes so that every socket they bind
- * to "any address" binds to loopback instead.
+ * Preloaded (LD_PRELOAD) into the labs' processes so that every socket they bind to
+ * "any address" binds to loopback instead.
  *
- * NIXL 1.5.1's metadata listener (the socket behind sendLocalMD / fetchRemoteMD)
- * binds INADDR_ANY and has no setting to change it; the lab machines must keep every
- * socket on 127.0.0.1. UCX is pinned with UCX_NET_DEVICES=lo; this covers the rest.
- * A bind to a specific address is left alone.
+ * NIXL 1.5.1's metadata listener (the socket behind sendLocalMD / fetchRemoteMD) and
+ * the KV event publisher and replay socket of every Dynamo mocker (`tcp://0.0.0.0:P`,
+ * 1.4 to 1.6) bind INADDR_ANY and have no setting to change it; the lab machines must
+ * keep every socket on 127.0.0.1. UCX is pinned with UCX_NET_DEVICES=lo; this covers
+ * the rest. A bind to a specific address is left alone.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>

@@ -1,6 +1,6 @@
-//! Builds the loopback shim (`shim/loopback_bind.c`) that the NIXL lab preloads into its
-//! processes; the library is embedded in the crate and written next to the wheel at run
-//! time (see `libs.rs`).
+//! Builds the loopback shim (`shim/loopback_bind.c`) that the labs preload into the
+//! processes they start; the library is embedded in the crate and written out at run
+//! time (see `loopback.rs`).
 
 use std::path::PathBuf;
 use std::process::Command;
