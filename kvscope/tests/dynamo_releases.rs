@@ -10,12 +10,14 @@
 //! Releases before 1.6 have no `DYN_EVENT_PLANE_HOST`, so every release runs Dynamo's
 //! event plane on the lab's NATS (the one setting all of them keep on loopback).
 //!
-//! Asserts, per release and per source (the engines' taps; Dynamo's event plane):
+//! Asserts, per release and per shape — the engines' taps with file discovery and the
+//! router's DEBUG routing lines; Dynamo's event plane with etcd discovery; the engines'
+//! taps with the router at INFO and its request trace on, decisions from the trace —
 //! every request the workload sent is a joined decision, 0 events were malformed, and
 //! every decision's overlaps equal the oracle's. Then, on the oldest release, the router
 //! run with the newest release's `DYN_LOG` (`dynamo_kv_router=debug`, which on 1.4 and
-//! 1.5 logs no `[ROUTING_INPUT]`): no decision is made, and the agent's log says which
-//! `DYN_LOG` to set.
+//! 1.5 logs no `[ROUTING_INPUT]`) and no request trace: no decision is made, and the
+//! agent's log says which `DYN_LOG` to set.
 
 mod oracle;
 
@@ -23,7 +25,7 @@ use kvscope::fleet_run::{replay, FleetRun, FleetRunConfig, KvSource};
 use kvscope_agent::internal_events::ROUTING_INPUT_DYN_LOG;
 use kvscope_lab::release::DEFAULT_DYNAMO;
 use kvscope_lab::workload;
-use kvscope_lab::{LabConfig, LabEventPlane};
+use kvscope_lab::{LabConfig, LabDiscovery, LabEventPlane};
 use kvscope_wire::recording::read_recording;
 use kvscope_wire::{KvOrigin, Record};
 use std::path::Path;
@@ -104,14 +106,57 @@ fn routing_input_target(log: &Path) -> String {
         .unwrap_or_else(|| "none".into())
 }
 
-/// One release, one source: the workload, then every check of the module's header.
-async fn exact_on(release: &str, kv_source: KvSource) -> Outcome {
+/// How a run reads the fleet.
+#[derive(Debug, Clone, Copy)]
+struct Shape {
+    /// For the table.
+    name: &'static str,
+    kv_source: KvSource,
+    discovery: LabDiscovery,
+    /// Decisions from Dynamo's request trace, the router at INFO (no `[ROUTING_INPUT]`).
+    request_trace: bool,
+}
+
+const SHAPES: [Shape; 3] = [
+    Shape {
+        name: "the engines (vLLM format), file discovery, DEBUG routing lines",
+        kv_source: KvSource::EngineTaps,
+        discovery: LabDiscovery::File,
+        request_trace: false,
+    },
+    Shape {
+        name: "Dynamo's event plane, etcd discovery, DEBUG routing lines",
+        kv_source: KvSource::EventPlane,
+        discovery: LabDiscovery::Etcd,
+        request_trace: false,
+    },
+    Shape {
+        name: "the engines (vLLM format), file discovery, request trace at INFO",
+        kv_source: KvSource::EngineTaps,
+        discovery: LabDiscovery::File,
+        request_trace: true,
+    },
+];
+
+/// One release, one shape: the workload, then every check of the module's header.
+async fn exact_on(release: &str, shape: Shape) -> Outcome {
+    let kv_source = shape.kv_source;
+    let mut lab = lab(
+        release,
+        if shape.request_trace {
+            "info"
+        } else {
+            ROUTING_INPUT_DYN_LOG
+        },
+    );
+    lab.discovery = shape.discovery;
+    lab.request_trace = shape.request_trace;
     let exe = Path::new(env!("CARGO_BIN_EXE_kvscope"));
     let run = FleetRun::start(
         exe,
         FleetRunConfig {
             kv_source,
-            ..FleetRunConfig::new(lab(release, ROUTING_INPUT_DYN_LOG), WINDOW_SECS)
+            ..FleetRunConfig::new(lab, WINDOW_SECS)
         },
     )
     .await
@@ -253,22 +298,24 @@ async fn every_release_in_the_matrix_read_exactly() {
     let releases = releases();
     // The table `scripts/dynamo-matrix` prints (a release that fails stops the test, so
     // every row printed is exact).
-    println!("| Dynamo | KV events from | [ROUTING_INPUT] logged by | decisions | counted, not carried | result |");
+    println!("| Dynamo | read from | [ROUTING_INPUT] logged by | decisions | counted, not carried | result |");
     println!("|---|---|---|---|---|---|");
     for release in &releases {
-        for (source, name) in [
-            (KvSource::EngineTaps, "the engines (vLLM format)"),
-            (KvSource::EventPlane, "Dynamo's event plane"),
-        ] {
-            let o = exact_on(release, source).await;
+        for shape in SHAPES {
+            let o = exact_on(release, shape).await;
             eprintln!(
-                "Dynamo {release}, {source:?}: {} decisions, {} spills, {} KV batches, 0 \
-                 malformed, every overlap equal to Dynamo's indexer",
-                o.decisions, o.spills, o.batches
+                "Dynamo {release}, {}: {} decisions, {} spills, {} KV batches, 0 malformed, \
+                 every overlap equal to Dynamo's indexer",
+                shape.name, o.decisions, o.spills, o.batches
             );
             println!(
-                "| {release} | {name} | `{}` | {} of {} requests | {} | exact |",
-                o.routing_input_target,
+                "| {release} | {} | {} | {} of {} requests | {} | exact |",
+                shape.name,
+                if shape.request_trace {
+                    "(at INFO: none)".to_string()
+                } else {
+                    format!("`{}`", o.routing_input_target)
+                },
                 o.requests,
                 o.requests,
                 if o.counted.is_empty() {

@@ -7,7 +7,7 @@
 //! whenever and however fast it is read.
 
 use crate::taps::router::parse::{
-    parse_line, LineContent, MalformedLine, RoutingInput, SelectedWorker,
+    parse_line, LineContent, LineKind, MalformedLine, RoutingInput, SelectedWorker,
 };
 use kvscope_wire::{MigrationLogLine, RoutingDecision, TraceContext, WorkerKey};
 use std::collections::{HashMap, VecDeque};
@@ -152,6 +152,13 @@ impl DecisionJoiner {
         out
     }
 
+    /// Drop the choice waiting for `request_id`'s routing input: the request was decided
+    /// otherwise (from its request-trace record). Its place in the expiry order finds it
+    /// gone and reports nothing.
+    pub fn forget_selection(&mut self, request_id: &str) {
+        self.selections.remove(request_id);
+    }
+
     /// Give up every waiting half (end of input).
     pub fn flush(&mut self) -> Vec<JoinOutput> {
         let mut out = Vec::new();
@@ -283,26 +290,37 @@ impl RecentIds {
     }
 }
 
-/// Where recent requests sit in the router's traces, from the lines that name a request
-/// and carry a span (the first such line of a request wins: the frontend's
-/// `http-request` span, the root of the request's trace).
-#[derive(Debug, Default)]
-struct RequestSpans {
-    map: HashMap<String, TraceContext>,
+/// A value per recent request, the first one noted winning: where a request sits in the
+/// router's traces (the first line of a request that carries a span: the frontend's
+/// `http-request` span, the root of the request's trace), the worker its `Selected
+/// worker` line named.
+#[derive(Debug)]
+struct RecentByRequest<V> {
+    map: HashMap<String, V>,
     order: VecDeque<String>,
 }
 
-impl RequestSpans {
+impl<V> Default for RecentByRequest<V> {
+    fn default() -> Self {
+        Self {
+            map: HashMap::new(),
+            order: VecDeque::new(),
+        }
+    }
+}
+
+impl<V: Clone> RecentByRequest<V> {
     /// Requests remembered at once; the oldest are forgotten beyond it (a request's
-    /// decision and migration lines come within seconds of its first line).
+    /// decision, migration and request-trace lines come within seconds of its first
+    /// line).
     const CAP: usize = 50_000;
 
-    fn note(&mut self, request_id: String, trace: TraceContext) {
-        if self.map.contains_key(&request_id) {
+    fn note(&mut self, request_id: &str, value: V) {
+        if self.map.contains_key(request_id) {
             return;
         }
-        self.order.push_back(request_id.clone());
-        self.map.insert(request_id, trace);
+        self.order.push_back(request_id.to_string());
+        self.map.insert(request_id.to_string(), value);
         if self.order.len() > Self::CAP {
             if let Some(old) = self.order.pop_front() {
                 self.map.remove(&old);
@@ -310,7 +328,7 @@ impl RequestSpans {
         }
     }
 
-    fn get(&self, request_id: &str) -> Option<TraceContext> {
+    fn get(&self, request_id: &str) -> Option<V> {
         self.map.get(request_id).cloned()
     }
 }
@@ -354,7 +372,10 @@ pub struct RouterLogProcessor {
     last_ts_ns: Option<u64>,
     source: DecisionSource,
     routed: RecentIds,
-    spans: RequestSpans,
+    spans: RecentByRequest<TraceContext>,
+    /// The worker each recent `Selected worker` line named: the worker of a request-trace
+    /// record that names none (Dynamo before 1.5 writes none).
+    chosen: RecentByRequest<WorkerKey>,
     /// What the log has shown that decisions are made of, for
     /// [`LogOutput::RoutingInputMissing`].
     routing_inputs: u64,
@@ -381,7 +402,8 @@ impl RouterLogProcessor {
             last_ts_ns: None,
             source,
             routed: RecentIds::default(),
-            spans: RequestSpans::default(),
+            spans: RecentByRequest::default(),
+            chosen: RecentByRequest::default(),
             routing_inputs: 0,
             traces: 0,
             selections: 0,
@@ -459,19 +481,38 @@ impl RouterLogProcessor {
         now: u64,
     ) -> Vec<LogOutput> {
         let routing_lines = self.source != DecisionSource::RequestTrace;
+        if let LineContent::SelectedWorker(sel) = &parsed.content {
+            let key = WorkerKey {
+                worker_id: sel.worker_id,
+                dp_rank: sel.dp_rank,
+            };
+            self.chosen.note(&sel.request_id, key);
+        }
         let joined = match parsed.content {
             LineContent::RoutingInput(i) if routing_lines => self.joiner.input(now, i),
             LineContent::SelectedWorker(s) if routing_lines => self.joiner.selected(now, s),
             LineContent::RoutingInput(_) | LineContent::SelectedWorker(_) => {
                 self.joiner.advance(now)
             }
-            LineContent::RequestTrace(t) => {
+            LineContent::RequestTrace(mut t) => {
                 let mut out: Vec<LogOutput> = self
                     .joiner
                     .advance(now)
                     .into_iter()
                     .map(|j| self.output(j))
                     .collect();
+                let Some(worker) = t.worker.or_else(|| self.chosen.get(&t.request_id)) else {
+                    out.push(LogOutput::Malformed(MalformedLine {
+                        kind: LineKind::RequestTrace,
+                        ts_ns: parsed.ts_ns,
+                        reason: "no worker, and no `Selected worker` line named the request".into(),
+                    }));
+                    return out;
+                };
+                if t.worker.is_none() {
+                    t.end.worker = worker;
+                    t.end.prefill_worker = t.end.prefill_worker.filter(|p| *p != worker);
+                }
                 let end = LogOutput::RequestEnd(t.end);
                 out.push(match self.source {
                     DecisionSource::RoutingInput => {
@@ -484,8 +525,12 @@ impl RouterLogProcessor {
                         decision: RoutingDecision {
                             model: None,
                             trace: self.spans.get(&t.request_id),
-                            request_id: t.request_id,
-                            worker: t.worker,
+                            // The choice is decided here: its line waits for no input.
+                            request_id: {
+                                self.joiner.forget_selection(&t.request_id);
+                                t.request_id
+                            },
+                            worker,
                             isl_tokens: t.isl_tokens,
                             block_size: t.block_size,
                             local_hashes: Vec::new(),
@@ -514,7 +559,7 @@ impl RouterLogProcessor {
                 return out;
             }
             LineContent::RequestSpan { request_id, trace } => {
-                self.spans.note(request_id, trace);
+                self.spans.note(&request_id, trace);
                 self.joiner.advance(now)
             }
             LineContent::Other => self.joiner.advance(now),
@@ -578,6 +623,53 @@ mod tests {
         format!(
             r#"2026-11-29T07:50:{t}Z  INFO dynamo_kv_router::scheduling::selector: Selected worker router_mode="kv" request_id="{id}" worker_id={worker} worker_type=decode dp_rank=0 logit=1.5"#
         )
+    }
+
+    /// Dynamo 1.4.1's lines for one request at INFO with its request trace on (from a
+    /// lab run): the choice, the push router's second line naming it, and a trace record
+    /// that names no worker.
+    const SELECTED_1_4: &str = r#"2026-12-06T00:34:43.359134Z  INFO dynamo_kv_router::scheduling::selector: Selected worker router_mode="kv" request_id="21436302-dc60-4063-ad53-3a9acbef8ebc" worker_id=9459974957482215462 worker_type=decode dp_rank=0 logit=44.6875 host_pinned_blocks=0 disk_blocks=0"#;
+    const DIRECT_1_4: &str = r#"2026-12-06T00:34:43.359279Z  INFO http-request:kv_router.route_request: dynamo_runtime::pipeline::network::egress::push_router: Selected worker router_mode="direct" worker_id=9459974957482215462 method=POST uri=/v1/chat/completions version=HTTP/1.1 x_request_id="kvs1-f0-s0-t0" request_id=4bb53919-bbf8-41e9-a808-bfbb9654a214 model="kvscope-tiny" request_id=21436302-dc60-4063-ad53-3a9acbef8ebc worker_id=9459974957482215462 dp_rank=0 overlap_blocks=0 phase=Aggregated"#;
+    const TRACE_1_4: &str = r#"{"schema":"dynamo.request.trace.v1","event_type":"request_end","event_time_unix_ms":1796517283656,"request":{"request_id":"21436302-dc60-4063-ad53-3a9acbef8ebc","output_tokens":48,"request_received_ms":1796517283358,"replay":{"trace_block_size":16,"input_length":363,"input_sequence_hashes":[10727121658098691967,15275267342297074326,7375352336032406556,17560640216513767913,15073706878928611288,8252991589065432562,14953605036702321363,12164931848139966153,12071722925418535950,17772797552201021476,1436747025742223031,17503885107798822372,12240456092014238377,4793530057045324508,7108234055237421221,4042922544960204802,6762894876225801776,11619616664344318741,9556359332630750635,13305982363416624172,12372964440359219063,7738972847060308784,9279606034765418375]}}}"#;
+
+    #[test]
+    fn a_trace_record_naming_no_worker_takes_the_one_its_choice_named() {
+        for source in [DecisionSource::Auto, DecisionSource::RequestTrace] {
+            let mut p = RouterLogProcessor::with_source(30 * SEC, 1000, source);
+            let mut out = p.line(SELECTED_1_4, 0);
+            out.extend(p.line(DIRECT_1_4, 0));
+            out.extend(p.line(TRACE_1_4, 0));
+            out.extend(p.finish());
+            let decisions: Vec<&RoutingDecision> = out
+                .iter()
+                .filter_map(|o| match o {
+                    LogOutput::TracedDecision { decision, .. } => Some(decision),
+                    _ => None,
+                })
+                .collect();
+            assert_eq!(decisions.len(), 1, "{source:?}: {out:?}");
+            let d = decisions[0];
+            assert_eq!(d.request_id, "21436302-dc60-4063-ad53-3a9acbef8ebc");
+            assert_eq!(d.worker.worker_id, 9459974957482215462);
+            assert_eq!(d.sequence_hashes.as_ref().map(Vec::len), Some(363 / 16));
+            let end = out.iter().find_map(|o| match o {
+                LogOutput::RequestEnd(e) => Some(e),
+                _ => None,
+            });
+            assert_eq!(end.map(|e| e.worker.worker_id), Some(9459974957482215462));
+            // Decided: the choice is not left waiting for a routing input.
+            assert!(
+                !out.iter().any(|o| matches!(o, LogOutput::Unjoined { .. })),
+                "{source:?}: {out:?}"
+            );
+        }
+        // A record no choice named is malformed, said so, and nothing is made of it.
+        let mut p = RouterLogProcessor::new(30 * SEC, 1000);
+        let out = p.line(TRACE_1_4, 0);
+        assert!(
+            matches!(&out[..], [LogOutput::Malformed(m)] if m.reason.contains("no worker")),
+            "{out:?}"
+        );
     }
 
     #[test]

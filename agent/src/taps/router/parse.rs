@@ -63,7 +63,9 @@ pub struct SelectedWorker {
 #[derive(Debug, Clone, PartialEq)]
 pub struct TracedRequest {
     pub request_id: String,
-    pub worker: kvscope_wire::WorkerKey,
+    /// The worker, where the record names one (Dynamo before 1.5 names none: the
+    /// request's `Selected worker` line does).
+    pub worker: Option<kvscope_wire::WorkerKey>,
     pub isl_tokens: u64,
     pub block_size: u32,
     /// The sequence hashes of the prompt's full blocks (the trace's trailing partial
@@ -294,9 +296,8 @@ fn request_trace(t: &serde_json::Value) -> Result<ParsedLine, MalformedLine> {
             .and_then(|v| v.as_str())
             .ok_or_else(|| malformed("no request_id"))?,
     );
-    let worker_id = u64_at("/worker/decode_worker_id")
-        .or_else(|| u64_at("/worker/prefill_worker_id"))
-        .ok_or_else(|| malformed("no worker"))?;
+    let worker_id =
+        u64_at("/worker/decode_worker_id").or_else(|| u64_at("/worker/prefill_worker_id"));
     let dp_rank = u64_at("/worker/decode_dp_rank")
         .or_else(|| u64_at("/worker/prefill_dp_rank"))
         .and_then(|d| u32::try_from(d).ok())
@@ -331,7 +332,7 @@ fn request_trace(t: &serde_json::Value) -> Result<ParsedLine, MalformedLine> {
             .and_then(|v| v.as_f64())
             .filter(|ms| ms.is_finite() && *ms >= 0.0)
     };
-    let worker = kvscope_wire::WorkerKey { worker_id, dp_rank };
+    let worker = worker_id.map(|worker_id| kvscope_wire::WorkerKey { worker_id, dp_rank });
     let prefill_worker = u64_at("/worker/prefill_worker_id")
         .map(|worker_id| kvscope_wire::WorkerKey {
             worker_id,
@@ -339,10 +340,15 @@ fn request_trace(t: &serde_json::Value) -> Result<ParsedLine, MalformedLine> {
                 .and_then(|d| u32::try_from(d).ok())
                 .unwrap_or(0),
         })
-        .filter(|p| *p != worker);
+        .filter(|p| Some(*p) != worker);
     let end = kvscope_wire::RequestEnd {
         request_id: request_id.clone(),
-        worker,
+        // Where the record names none, the joiner sets it from the request's `Selected
+        // worker` line, or drops the record whole.
+        worker: worker.unwrap_or(kvscope_wire::WorkerKey {
+            worker_id: 0,
+            dp_rank: 0,
+        }),
         prefill_worker,
         received_ns,
         ttft_ms: ms_at("/ttft_ms"),
@@ -420,7 +426,13 @@ fn content(kind: Marker, fields: Result<Fields, String>) -> Result<LineContent, 
     let fields = fields?;
     Ok(match kind {
         Marker::RoutingInput => LineContent::RoutingInput(routing_input(&fields)?),
-        Marker::SelectedWorker => LineContent::SelectedWorker(selected_worker(&fields, false)?),
+        Marker::SelectedWorker => match selected_worker(&fields, false)? {
+            // The request plane sending the request to a worker chosen before it (by the
+            // KV router, whose own line names the choice, or by the client): Dynamo 1.4's
+            // push router logs it under the HTTP request's id. Not a choice.
+            s if s.router_mode.as_deref() == Some("direct") => LineContent::Other,
+            s => LineContent::SelectedWorker(s),
+        },
         Marker::SelectedPinnedWorker => {
             LineContent::SelectedWorker(selected_worker(&fields, true)?)
         }
