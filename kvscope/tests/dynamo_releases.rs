@@ -204,8 +204,8 @@ async fn exact_on(release: &str, shape: Shape) -> Outcome {
         "Dynamo {release} {kv_source:?}: malformed KV events"
     );
     let replayed = replay(&recording, WINDOW_SECS, &[]).expect("the recording reads back");
-    let (rec, verdicts) = (&replayed, &replayed.verdicts);
-    let batches = rec
+    let verdicts = &replayed.verdicts;
+    let batches = replayed
         .envelopes
         .iter()
         .filter(|e| match &e.record {
@@ -226,9 +226,9 @@ async fn exact_on(release: &str, shape: Shape) -> Outcome {
         Vec::<&str>::new(),
         "Dynamo {release}: requests without a decision"
     );
-    oracle::assert_overlaps_equal(verdicts, &rec.envelopes);
+    oracle::assert_overlaps_equal(verdicts, &replayed.envelopes);
     assert!(verdicts.iter().any(|v| !v.overlaps.is_empty()));
-    let last_heartbeat = rec
+    let last_heartbeat = replayed
         .envelopes
         .iter()
         .rev()

@@ -780,7 +780,7 @@ impl Lab {
         let timeout = Duration::from_secs_f64(config.startup_timeout_secs);
         let deadline = Instant::now() + timeout;
         let mut nats_ready = !config.nats;
-        let mut model_served = false;
+        // When /v1/models first listed every served model.
         let mut served_at: Option<Instant> = None;
         let mut router_workers: BTreeSet<u64> = BTreeSet::new();
         let mut last_models_probe = Instant::now() - Duration::from_secs(1);
@@ -808,12 +808,13 @@ impl Lab {
             router_workers.extend(added_workers(&lab.procs[frontend_idx].log));
             if last_models_probe.elapsed() >= Duration::from_millis(500) {
                 last_models_probe = Instant::now();
-                if !model_served {
-                    model_served = config
+                if served_at.is_none()
+                    && config
                         .served_models()
                         .iter()
-                        .all(|m| models_lists(http_port, m));
-                    served_at = model_served.then(Instant::now);
+                        .all(|m| models_lists(http_port, m))
+                {
+                    served_at = Some(Instant::now());
                 }
                 // A Dynamo 1.4 router logs `Adding worker` only for workers that come
                 // after it starts; those it finds at its start (all of them, or some,
@@ -829,7 +830,7 @@ impl Lab {
                 && pending
                     .iter()
                     .all(|w| w.worker_id.is_some_and(|id| router_workers.contains(&id)));
-            if nats_ready && model_served && all_routed {
+            if nats_ready && served_at.is_some() && all_routed {
                 break;
             }
             if Instant::now() >= deadline {
@@ -844,7 +845,7 @@ impl Lab {
                         _ => {}
                     }
                 }
-                if !model_served {
+                if served_at.is_none() {
                     waiting.push(format!("/v1/models to list {:?}", config.served_models()));
                 }
                 let logs: Vec<String> = lab

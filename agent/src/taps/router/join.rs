@@ -481,6 +481,8 @@ impl RouterLogProcessor {
         now: u64,
     ) -> Vec<LogOutput> {
         let routing_lines = self.source != DecisionSource::RequestTrace;
+        // Whatever the decisions come from: a request-trace record that names no worker
+        // takes this one for its decision and its end.
         if let LineContent::SelectedWorker(sel) = &parsed.content {
             let key = WorkerKey {
                 worker_id: sel.worker_id,
@@ -509,10 +511,7 @@ impl RouterLogProcessor {
                     }));
                     return out;
                 };
-                if t.worker.is_none() {
-                    t.end.worker = worker;
-                    t.end.prefill_worker = t.end.prefill_worker.filter(|p| *p != worker);
-                }
+                t.set_worker(worker);
                 let end = LogOutput::RequestEnd(t.end);
                 out.push(match self.source {
                     DecisionSource::RoutingInput => {
@@ -520,27 +519,27 @@ impl RouterLogProcessor {
                         return out;
                     }
                     _ if self.routed.contains(&t.request_id) => LogOutput::TraceDuplicate,
-                    _ => LogOutput::TracedDecision {
-                        at_ns: t.received_ns,
-                        decision: RoutingDecision {
-                            model: None,
-                            trace: self.spans.get(&t.request_id),
-                            // The choice is decided here: its line waits for no input.
-                            request_id: {
-                                self.joiner.forget_selection(&t.request_id);
-                                t.request_id
+                    _ => {
+                        // Decided here: the choice's line waits for no routing input.
+                        self.joiner.forget_selection(&t.request_id);
+                        LogOutput::TracedDecision {
+                            at_ns: t.received_ns,
+                            decision: RoutingDecision {
+                                model: None,
+                                trace: self.spans.get(&t.request_id),
+                                request_id: t.request_id,
+                                worker,
+                                isl_tokens: t.isl_tokens,
+                                block_size: t.block_size,
+                                local_hashes: Vec::new(),
+                                sequence_hashes: Some(t.sequence_hashes),
+                                worker_type: None,
+                                router_mode: None,
+                                clock_behind_ms: None,
+                                selection: Default::default(),
                             },
-                            worker,
-                            isl_tokens: t.isl_tokens,
-                            block_size: t.block_size,
-                            local_hashes: Vec::new(),
-                            sequence_hashes: Some(t.sequence_hashes),
-                            worker_type: None,
-                            router_mode: None,
-                            clock_behind_ms: None,
-                            selection: Default::default(),
-                        },
-                    },
+                        }
+                    }
                 });
                 out.push(end);
                 return out;

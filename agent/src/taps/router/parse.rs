@@ -73,8 +73,20 @@ pub struct TracedRequest {
     pub sequence_hashes: Vec<u64>,
     /// When the frontend received the request (UNIX ns): the decision was made then.
     pub received_ns: u64,
-    /// The request's life: its first token, its end, its sizes.
+    /// The request's life: its first token, its end, its sizes (its worker set by
+    /// [`Self::set_worker`]).
     pub end: kvscope_wire::RequestEnd,
+}
+
+impl TracedRequest {
+    /// Name the request's worker (the record's own, or where it names none the one the
+    /// request's `Selected worker` line named), in its end too, where a prefill worker
+    /// that is the same one is none.
+    pub fn set_worker(&mut self, worker: kvscope_wire::WorkerKey) {
+        self.worker = Some(worker);
+        self.end.worker = worker;
+        self.end.prefill_worker = self.end.prefill_worker.filter(|p| *p != worker);
+    }
 }
 
 /// The request trace's schema name.
@@ -333,22 +345,20 @@ fn request_trace(t: &serde_json::Value) -> Result<ParsedLine, MalformedLine> {
             .filter(|ms| ms.is_finite() && *ms >= 0.0)
     };
     let worker = worker_id.map(|worker_id| kvscope_wire::WorkerKey { worker_id, dp_rank });
-    let prefill_worker = u64_at("/worker/prefill_worker_id")
-        .map(|worker_id| kvscope_wire::WorkerKey {
+    let prefill_worker =
+        u64_at("/worker/prefill_worker_id").map(|worker_id| kvscope_wire::WorkerKey {
             worker_id,
             dp_rank: u64_at("/worker/prefill_dp_rank")
                 .and_then(|d| u32::try_from(d).ok())
                 .unwrap_or(0),
-        })
-        .filter(|p| Some(*p) != worker);
+        });
     let end = kvscope_wire::RequestEnd {
         request_id: request_id.clone(),
-        // Where the record names none, the joiner sets it from the request's `Selected
-        // worker` line, or drops the record whole.
-        worker: worker.unwrap_or(kvscope_wire::WorkerKey {
+        // Set by the joiner ([`TracedRequest::set_worker`]).
+        worker: kvscope_wire::WorkerKey {
             worker_id: 0,
             dp_rank: 0,
-        }),
+        },
         prefill_worker,
         received_ns,
         ttft_ms: ms_at("/ttft_ms"),
