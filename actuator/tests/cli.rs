@@ -3,7 +3,7 @@
 //! the refusal to write without a token.
 
 use kvscope_collector::fold::analyzer::AnalyzerConfig;
-use kvscope_collector::ingest::bus::Shared;
+use kvscope_collector::state::Shared;
 use kvscope_kit::clock::now_ns;
 use kvscope_wire::hashing::{local_block_hashes, DYNAMO_HASH_SEED};
 use kvscope_wire::nixl::{LatencySummary, NixlCallStats, NixlReport, NixlTransferStats, XferStage};
@@ -155,7 +155,7 @@ nixl_agent = "nixl-2"
 "#;
 
 async fn serve_collector(recording: &Path) -> String {
-    let analyzer = kvscope_collector::ingest::replay::replay(
+    let analyzer = kvscope_collector::whatif::recording::replay(
         recording,
         AnalyzerConfig {
             window_secs: 5.0,

@@ -104,6 +104,7 @@ fn spill(id: &str, decided_ns: u64, delta_blocks: u32) -> SpillVerdict {
         delta_block_hashes: Vec::new(),
         delta_parent_hash: None,
         nixl: None,
+        router_overlap_blocks: None,
     }
 }
 

@@ -2,8 +2,8 @@
 //! refuses something, so the error says what to grant.
 //!
 //! [`NODE_AGENT`] is the one list: the node agent's DaemonSet adds exactly these
-//! (`deploy/kubernetes/base/agent.yaml`, checked by `kvscope/tests/deploy_manifests.rs`), and
-//! `kvscope/tests/least_privilege.rs` runs the real agent as a non-root user holding
+//! (`deploy/kubernetes/base/agent.yaml`, checked by `e2e/tests/e2e/deploy_manifests.rs`), and
+//! `e2e/tests/e2e/least_privilege.rs` runs the real agent as a non-root user holding
 //! exactly these, then without each in turn.
 
 /// What the NIXL probes need, in Kubernetes' spelling (`CAP_` left off): `SYS_ADMIN` to

@@ -18,7 +18,7 @@ use std::process::Stdio;
 #[derive(clap::Args)]
 pub struct CompareArgs {
     /// A lab recording (JSONL of `Envelope`): the collector's `--record` file, e.g.
-    /// `.lab/runs/<run>/collector-recording.jsonl` after `kvscope demo`. Without it only
+    /// `.lab/runs/<run>/collector-recording.jsonl` after `kvscope-demo`. Without it only
     /// the synthetic input runs.
     #[arg(long)]
     recording: Option<PathBuf>,

@@ -2,9 +2,10 @@
 
 use crate::config::CollectorConfig;
 use crate::fold::analyzer::FleetAnalyzer;
-use crate::ingest::bus::{self, BusConfig, Shared};
+use crate::ingest::bus::{self, BusConfig};
 use crate::report::OpportunityReport;
 use crate::serve::api;
+use crate::state::Shared;
 use crate::supervise::{self, Essential};
 use anyhow::Context as _;
 use clap::{Parser, Subcommand, ValueEnum};
@@ -21,7 +22,7 @@ use tracing::{error, info, warn};
 #[derive(Parser, Debug)]
 #[command(name = "kvscope-collector", version, after_help = format!("{}\n\n{}", kvscope_otlp::HELP, kvscope_wire::nats_security::HELP))]
 pub struct Cli {
-    /// TOML config file (see README, "Collector configuration"). KVSCOPE_COLLECTOR_*
+    /// TOML config file (see docs/configure.md). KVSCOPE_COLLECTOR_*
     /// variables (one per field: `print-config` shows the result) and flags override it.
     #[arg(long, global = true, env = "KVSCOPE_COLLECTOR_CONFIG")]
     config: Option<PathBuf>,
@@ -364,7 +365,9 @@ async fn serve(cfg: CollectorConfig) -> anyhow::Result<()> {
         .context("cannot start OTLP export")?
     };
     if let Some(o) = &otlp {
-        let _ = shared.spans.set(o.spans());
+        let _ = shared
+            .applied
+            .set(Box::new(crate::serve::spans::VerdictSpans(o.spans())));
     }
     let http = {
         let stats = shared.http.clone();
@@ -427,7 +430,7 @@ async fn serve(cfg: CollectorConfig) -> anyhow::Result<()> {
         o.shutdown(Duration::from_secs(5)).await;
     }
     if let Some(dir) = &cfg.report_dir {
-        let report = OpportunityReport::from_analyzer(&bus::lock(&shared.analyzer));
+        let report = OpportunityReport::from_analyzer(&crate::state::lock(&shared.analyzer));
         if let Err(e) = write_report(dir, &report) {
             error!(error = %e, "Cannot write the report.");
         }

@@ -6,7 +6,7 @@
 //! so a counter never drifts from its log line. Warnings that can repeat fast are
 //! rate-limited; the counters never are.
 
-use crate::ingest::bus::{lock, Shared};
+use crate::state::{lock, Shared};
 pub use kvscope_kit::internal_events::{InternalEvent, LogLimiter};
 use std::fmt::Display;
 use std::time::Duration;
@@ -242,6 +242,21 @@ impl InternalEvent<Shared> for NatsUnreachable<'_> {
     }
 }
 
+/// The stream could not be created or opened yet; it is tried again.
+pub struct StreamUnavailable<'a> {
+    pub stream: &'a str,
+    pub error: &'a dyn Display,
+    pub retry_in: Duration,
+}
+
+impl InternalEvent<Shared> for StreamUnavailable<'_> {
+    fn emit(self, s: &Shared) {
+        // Counted with the failed connects: either way the bus is not reached yet.
+        lock(&s.bus).connect_failures += 1;
+        warn!(stream = self.stream, error = %self.error, retry_in_ms = self.retry_in.as_millis() as u64, "Cannot create or open the JetStream stream yet; trying again (is JetStream enabled, nats-server -js, and does its store hold stream_max_bytes?).");
+    }
+}
+
 /// A pull from the durable consumer failed; it is retried.
 pub struct PullFailed<'a> {
     pub error: &'a dyn Display,
@@ -336,6 +351,12 @@ mod tests {
             retry_in: Duration::from_millis(200),
         }
         .emit(&s);
+        StreamUnavailable {
+            stream: "KVSCOPE_x",
+            error: &e,
+            retry_in: Duration::from_millis(200),
+        }
+        .emit(&s);
         PullFailed { error: &e }.emit(&s);
         MessageWithoutMetadata { error: &e }.emit(&s);
         AckFailed { seq: 6, error: &e }.emit(&s);
@@ -361,7 +382,7 @@ mod tests {
                 b.messages_without_metadata,
                 b.ack_failures
             ),
-            (4, true, 1, 1, 1, 1, 1, 1)
+            (4, true, 1, 1, 2, 1, 1, 1)
         );
     }
 }

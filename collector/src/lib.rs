@@ -10,10 +10,11 @@
 
 pub mod cli;
 pub mod config;
-pub mod fold;
+pub use kvscope_fold as fold;
 pub mod ingest;
 pub mod internal_events;
 pub mod report;
 pub mod serve;
+pub mod state;
 pub mod supervise;
-pub mod whatif;
+pub use kvscope_whatif as whatif;

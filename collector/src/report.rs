@@ -9,10 +9,11 @@ mod tables;
 mod whatif;
 
 use crate::fold::analyzer::FleetAnalyzer;
+pub use crate::fold::window::Spread;
 use crate::fold::window::{token_distribution, token_histogram};
 use crate::whatif::question::WhatIfAnswer;
 use hdrhistogram::Histogram;
-use kvscope_wire::api::summary::{AgentStatus, CollectorCounters};
+use kvscope_wire::api::summary::{AgentStatus, CollectorCounters, RouterViewAudit};
 use kvscope_wire::api::window::{
     MigrationLogWindow, ModelFigures, TokenDistribution, WindowSummary, WorkerWindow,
 };
@@ -20,36 +21,6 @@ use kvscope_wire::WorkerKey;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
-
-/// Mean and spread of one figure across the measured windows.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct Spread {
-    pub mean: f64,
-    pub min: f64,
-    pub max: f64,
-    pub stddev: f64,
-    /// Windows the figure was defined in.
-    pub windows: usize,
-}
-
-impl Spread {
-    pub fn of(values: impl IntoIterator<Item = f64>) -> Self {
-        let v: Vec<f64> = values.into_iter().collect();
-        if v.is_empty() {
-            return Self::default();
-        }
-        let n = v.len() as f64;
-        let mean = v.iter().sum::<f64>() / n;
-        let var = v.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / n;
-        Self {
-            mean,
-            min: v.iter().copied().fold(f64::INFINITY, f64::min),
-            max: v.iter().copied().fold(f64::NEG_INFINITY, f64::max),
-            stddev: var.sqrt(),
-            windows: v.len(),
-        }
-    }
-}
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "state", rename_all = "snake_case")]
@@ -84,6 +55,10 @@ pub struct SpillTokenBin {
     pub true_delta_spills: u64,
     pub upper_bound_spills: u64,
 }
+
+/// What the router's-view table shows, under its heading.
+const ROUTER_VIEW_CAPTION: &str = "The overlap the router credited each chosen worker with \
+     (its log), against what the worker's engine held at the decision.";
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct OpportunityReport {
@@ -124,11 +99,15 @@ pub struct OpportunityReport {
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub models: BTreeMap<String, ModelFigures>,
     pub collector: CollectorCounters,
+    /// The router's view of its choices beside the engines' truth, over every decision
+    /// judged (warm-up included: the router's view is no load figure).
+    #[serde(default)]
+    pub router_view: RouterViewAudit,
     pub agents: BTreeMap<String, AgentStatus>,
     /// Every closed window, warm-up included (flagged).
     pub windows: Vec<WindowSummary>,
     /// The what-if of the same requests (`kvscope whatif`'s answer), where the report
-    /// was made from a whole recording (`kvscope collector report`, `kvscope demo`).
+    /// was made from a whole recording (`kvscope collector report`, `kvscope-demo`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub whatif: Option<WhatIfAnswer>,
     /// Why the what-if could not be answered on these requests (no cache size known, no
@@ -248,6 +227,7 @@ impl OpportunityReport {
             workers,
             models,
             collector: a.counters().clone(),
+            router_view: a.router_view().clone(),
             agents: a.agents().clone(),
             windows: a.closed_windows().map(|w| w.summary.clone()).collect(),
             whatif: None,
@@ -262,6 +242,31 @@ impl OpportunityReport {
             Err(why) => self.whatif_unavailable = Some(why),
         }
         self
+    }
+
+    /// The router's view as one table row, head and cells, when any decision was compared.
+    pub(crate) fn router_view_row(&self) -> Option<([&'static str; 6], [String; 6])> {
+        let v = &self.router_view;
+        (v.compared > 0).then(|| {
+            (
+                [
+                    "decisions compared",
+                    "exact",
+                    "over (blocks)",
+                    "under (blocks)",
+                    "spills",
+                    "spills the router could not see",
+                ],
+                [
+                    v.compared.to_string(),
+                    v.exact.to_string(),
+                    format!("{} ({})", v.over, v.over_blocks),
+                    format!("{} ({})", v.under, v.under_blocks),
+                    v.spills.to_string(),
+                    v.spills_unseen.to_string(),
+                ],
+            )
+        })
     }
 
     /// The report as one self-contained HTML page with its plots (see [`html`]).
@@ -340,6 +345,15 @@ impl OpportunityReport {
                 m.dispatch_failures,
                 m.decoding_on_target
             );
+        }
+        if let Some((head, cells)) = self.router_view_row() {
+            let _ = writeln!(
+                md,
+                "\n## The router's view\n\n{ROUTER_VIEW_CAPTION}\n\n| {} |\n|{}",
+                head.join(" | "),
+                "---|".repeat(head.len())
+            );
+            let _ = writeln!(md, "| {} |", cells.join(" | "));
         }
         if !self.models.is_empty() {
             let _ = writeln!(md, "\n## Models\n\nEach request judged among the workers serving its model.\n\n| model | requests | spills | spill rate | true delta tokens | upper bound tokens | uncached prefill tokens |\n|---|---|---|---|---|---|---|");
@@ -709,6 +723,29 @@ mod tests {
     }
 
     #[test]
+    fn the_routers_view_shows_once_a_decision_was_compared() {
+        let mut r = OpportunityReport::from_analyzer(&FleetAnalyzer::new(Default::default()));
+        assert!(!r.to_markdown().contains("The router's view"));
+        assert!(!r.to_html().contains("router-view-table"));
+        r.router_view = RouterViewAudit {
+            compared: 9,
+            exact: 6,
+            over: 2,
+            over_blocks: 30,
+            under: 1,
+            under_blocks: 4,
+            spills: 3,
+            spills_unseen: 2,
+        };
+        assert!(r
+            .to_markdown()
+            .contains("| 9 | 6 | 2 (30) | 1 (4) | 3 | 2 |"));
+        let html = r.to_html();
+        assert!(html.contains("router-view-table"));
+        assert!(html.contains("<td>2 (30)</td>"), "{html}");
+    }
+
+    #[test]
     fn spill_tokens_are_binned_by_powers_of_two() {
         let mut td = token_histogram();
         let mut ub = token_histogram();
@@ -762,5 +799,32 @@ mod tests {
             assert!(html.contains(&html_row), "HTML lacks {html_row:?}");
         }
         assert!(md.contains("| measured windows with data faults | 2 |"));
+    }
+
+    #[test]
+    fn a_what_if_that_could_not_calibrate_is_said_once_and_drawn_nowhere() {
+        let w = crate::whatif::fixtures::calibration_far_below_the_real_size();
+        let answer = crate::whatif::question::WhatIfInputs::default()
+            .answer(&w)
+            .unwrap();
+        let report = OpportunityReport::from_analyzer(&FleetAnalyzer::new(Default::default()))
+            .with_whatif(Ok(answer));
+        let html = report.to_html();
+        assert!(html.contains("id=\"whatif-not-calibrated\""), "{html}");
+        for absent in [
+            "plot-whatif-reserve",
+            "whatif-capacity-table",
+            "plot-whatif-migration",
+            "whatif-migration-table",
+        ] {
+            assert!(
+                !html.contains(absent),
+                "{absent} drawn without a calibration"
+            );
+        }
+        let md = report.to_markdown();
+        assert!(md.contains("**Not predicted**"), "{md}");
+        assert!(md.contains("**No reserve predicted**"), "{md}");
+        assert!(!md.contains("| 10% |"), "{md}");
     }
 }

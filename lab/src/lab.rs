@@ -11,6 +11,7 @@ use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
 
 use crate::paths;
+use crate::process::log_tail;
 use crate::process::{group_alive, stop_all, ManagedProcess};
 use crate::router_log::{parse_added_worker, strip_ansi};
 
@@ -791,7 +792,7 @@ impl Lab {
                         what: p.name.clone(),
                         status: status.to_string(),
                         log: p.log.display().to_string(),
-                        tail: tail(&p.log, 30),
+                        tail: log_tail(&p.log, 30),
                     });
                 }
             }
@@ -860,7 +861,7 @@ impl Lab {
                         format!(
                             "--- last lines of {} ---\n{}\n",
                             p.log.display(),
-                            tail(&p.log, 12)
+                            log_tail(&p.log, 12)
                         )
                     })
                     .collect();
@@ -1199,17 +1200,4 @@ fn http_get(port: u16, path: &str) -> Option<String> {
 
 fn models_lists(port: u16, model: &str) -> bool {
     http_get(port, "/v1/models").is_some_and(|body| body.contains(&format!("\"id\":\"{model}\"")))
-}
-
-fn tail(path: &Path, lines: usize) -> String {
-    let Ok(bytes) = std::fs::read(path) else {
-        return String::from("(no log)");
-    };
-    let text = String::from_utf8_lossy(&bytes);
-    let all: Vec<&str> = text.lines().collect();
-    all[all.len().saturating_sub(lines)..]
-        .iter()
-        .map(|l| strip_ansi(l))
-        .collect::<Vec<_>>()
-        .join("\n")
 }

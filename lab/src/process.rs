@@ -150,6 +150,20 @@ pub fn stop_all(procs: &mut [ManagedProcess], grace: Duration) {
     }
 }
 
+/// The last `lines` lines of a process's log, colours stripped, for an error message.
+pub fn log_tail(path: &Path, lines: usize) -> String {
+    let Ok(bytes) = std::fs::read(path) else {
+        return String::from("(no log)");
+    };
+    let text = String::from_utf8_lossy(&bytes);
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..]
+        .iter()
+        .map(|l| crate::router_log::strip_ansi(l))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -226,6 +226,15 @@ impl WorkloadSummary {
         }
         v
     }
+
+    /// The router's ids of the requests whose reply named one: what its decisions are
+    /// keyed by.
+    pub fn router_request_ids(&self) -> Vec<String> {
+        self.requests
+            .iter()
+            .filter_map(|r| r.router_request_id.clone())
+            .collect()
+    }
 }
 
 /// splitmix64: tiny, deterministic, good enough for synthetic text.

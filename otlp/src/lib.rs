@@ -42,7 +42,7 @@ http://127.0.0.1:4318 with OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf). Also read
 OTEL_EXPORTER_OTLP_{,METRICS_,TRACES_}{ENDPOINT,HEADERS,PROTOCOL,TIMEOUT}, \
 OTEL_METRIC_EXPORT_INTERVAL (ms), OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES, \
 OTEL_{METRICS,TRACES}_EXPORTER=none, OTEL_SDK_DISABLED. Metrics carry the figures of \
-/metrics; spans: see README, \"OTLP export\".";
+/metrics; spans: see docs/observability.md, \"OTLP export\".";
 
 /// Spans sent per export request.
 const SPAN_BATCH: usize = 512;
@@ -82,29 +82,6 @@ pub fn attr_bool(k: &str, v: bool) -> KeyValue {
         }),
         ..Default::default()
     }
-}
-
-/// Seed of the id hashes ("kvscope").
-const ID_SEED: u64 = 0x006b_7673_636f_7065;
-
-/// A deterministic trace id for `key` (e.g. a request id): every span about the same
-/// request, from any kvscope process, lands in the same trace.
-pub fn trace_id(key: &str) -> Vec<u8> {
-    let id = xxhash_rust::xxh3::xxh3_128_with_seed(key.as_bytes(), ID_SEED);
-    // An all-zero trace id is invalid in OTLP.
-    id.max(1).to_be_bytes().to_vec()
-}
-
-/// [`trace_id`] as lowercase hex: how Prometheus exemplars and Grafana name a trace.
-pub fn trace_id_hex(key: &str) -> String {
-    trace_id(key).iter().map(|b| format!("{b:02x}")).collect()
-}
-
-/// A deterministic span id for `key` (e.g. `verdict/<request id>`), so a span about
-/// the same request can link to it without shared state.
-pub fn span_id(key: &str) -> Vec<u8> {
-    let id = xxhash_rust::xxh3::xxh3_64_with_seed(key.as_bytes(), ID_SEED);
-    id.max(1).to_be_bytes().to_vec()
 }
 
 /// What identifies the exporting process (OTel semantic conventions).
@@ -520,15 +497,6 @@ async fn spans_loop(
 mod tests {
     use super::*;
     use kvscope_kit::prom::{Exposition, Format};
-
-    #[test]
-    fn ids_are_deterministic_and_valid() {
-        assert_eq!(trace_id("req-1"), trace_id("req-1"));
-        assert_ne!(trace_id("req-1"), trace_id("req-2"));
-        assert_eq!(trace_id("x").len(), 16);
-        assert_eq!(span_id("x").len(), 8);
-        assert_ne!(span_id("verdict/a"), span_id("migration/a"));
-    }
 
     #[test]
     fn resource_follows_the_semantic_conventions() {

@@ -19,6 +19,7 @@ pub mod parts;
 pub mod record;
 pub mod recording;
 pub mod subject;
+pub mod trace_ids;
 pub mod vllm_events;
 
 pub use hashing::{local_block_hash, sequence_hashes, LocalBlockHash, SequenceHash};

@@ -140,6 +140,8 @@ pub enum Record {
     Worker(WorkerRecord),
     /// A request's life as Dynamo's request trace tells it when the request ends.
     RequestEnd(RequestEnd),
+    /// What the router believed the worker it chose held of the request's prompt.
+    RouterView(RouterView),
 }
 
 /// Every record's `kind`, as written.
@@ -151,6 +153,7 @@ const RECORD_KINDS: &[&str] = &[
     "nixl",
     "worker",
     "request_end",
+    "router_view",
 ];
 
 /// An internally tagged enum read tag first ([`TagFirst`]): its tag's key, and how the
@@ -235,6 +238,7 @@ fn record_of_kind<'de, D: serde::Deserializer<'de>>(
         "nixl" => Record::Nixl(crate::nixl::NixlReport::deserialize(rest)?),
         "worker" => Record::Worker(WorkerRecord::deserialize(rest)?),
         "request_end" => Record::RequestEnd(RequestEnd::deserialize(rest)?),
+        "router_view" => Record::RouterView(RouterView::deserialize(rest)?),
         other => {
             return Err(serde::de::Error::unknown_variant(other, RECORD_KINDS));
         }
@@ -741,6 +745,23 @@ pub struct RequestEnd {
     pub cached_tokens: Option<u64>,
 }
 
+/// What the router believed of a choice: how many of the prompt's blocks it credited the
+/// chosen worker with holding. Dynamo 1.6 logs it at INFO when the request's route ends
+/// (`route request completed`, the `kv_router.route_request` span's `overlap_blocks`:
+/// the effective cached blocks it scored the worker with, rounded), so it comes after
+/// the decision, as a record of its own; the collector sets it beside what the engines
+/// held then.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RouterView {
+    pub request_id: String,
+    /// The worker the route went to.
+    pub worker: WorkerKey,
+    pub overlap_blocks: u32,
+    /// The route's phase as the router names it (`Aggregated`, `Prefill`, `Decode`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<String>,
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct MigrationLogLine {
     /// Serialized as `migration_kind`: `kind` is already [`Record`]'s tag, and a second
@@ -1147,6 +1168,9 @@ mod tests {
             format!(
                 r#"{{"kind":"request_end","request_id":"r",{worker},"received_ns":5,"input_tokens":32,"output_tokens":4}}"#
             ),
+            format!(
+                r#"{{"kind":"router_view","request_id":"r",{worker},"overlap_blocks":3,"phase":"Aggregated"}}"#
+            ),
         ];
         let mut kinds = Vec::new();
         for sample in &samples {
@@ -1161,6 +1185,7 @@ mod tests {
                 Record::Nixl(_) => "nixl",
                 Record::Worker(_) => "worker",
                 Record::RequestEnd(_) => "request_end",
+                Record::RouterView(_) => "router_view",
             };
             let written = serde_json::to_string(&record).unwrap();
             assert!(

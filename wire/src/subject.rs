@@ -95,6 +95,7 @@ impl Subjects {
             Record::Nixl(_) => format!("kvscope.{c}.{agent}.{m}nixl"),
             Record::Worker(_) => format!("kvscope.{c}.{agent}.{m}fleet"),
             Record::RequestEnd(_) => format!("kvscope.{c}.{agent}.{m}request"),
+            Record::RouterView(_) => format!("kvscope.{c}.{agent}.{m}view"),
         }
     }
 
@@ -410,11 +411,11 @@ mod tests {
             .starts_with("permissions: { publish: { allow: [\"kvscope.prod.node-1.>\""));
     }
 
-    /// The README shows operators these lists for cluster `prod`: they must stay the
+    /// docs/bus-security.md shows operators these lists for cluster `prod`: they must stay the
     /// ones the product needs.
     #[test]
     fn the_readme_lists_these_permissions() {
-        let readme = include_str!("../../README.md");
+        let readme = include_str!("../../docs/bus-security.md");
         let s = Subjects::new("prod");
         let a = s.agent_permissions("node-1");
         let c = s.collector_permissions("kvscope-collector");
@@ -422,7 +423,10 @@ mod tests {
             .iter()
             .flat_map(|p| p.publish.iter().chain(&p.subscribe))
         {
-            assert!(readme.contains(&format!("\"{p}\"")), "README lacks {p}");
+            assert!(
+                readme.contains(&format!("\"{p}\"")),
+                "docs/bus-security.md lacks {p}"
+            );
         }
     }
 }

@@ -346,6 +346,7 @@ mod tests {
             delta_block_hashes: Vec::new(),
             delta_parent_hash: None,
             nixl: None,
+            router_overlap_blocks: None,
         }
     }
 

@@ -67,7 +67,7 @@ pub struct RoutingInputMissing;
 /// The `DYN_LOG` directives under which the routers of Dynamo 1.4 on write their
 /// `[ROUTING_INPUT]` lines: 1.4 and 1.5 log them from `dynamo_llm::kv_router`, 1.6 from
 /// its selection service (read from each release's own binary). Both together are
-/// right on every one of them; the README gives the narrower one per release.
+/// right on every one of them; docs/deploy.md gives the narrower one per release.
 pub const ROUTING_INPUT_DYN_LOG: &str =
     "info,dynamo_llm::kv_router=debug,dynamo_kv_router::services::selection::core::run=debug";
 

@@ -6,7 +6,7 @@
 //! programs as read-only globals before loading. Their offsets change between NIXL
 //! versions: [`super::derive`] reads them from each library's instructions. The table
 //! below holds the 1.5.1 wheel's offsets as read by hand — the derivation's fixture
-//! (`agent/tests/nixl_derive.rs`) — and its completion sites.
+//! (`e2e/tests/e2e/agent/nixl_derive.rs`) — and its completion sites.
 //!
 //! How the 1.5.1 entry was read (ARCHITECTURE.md, "NIXL struct offsets"):
 //! `nixlAgent::getXferTelemetry`

@@ -8,8 +8,9 @@
 
 use super::aggregate::{Observed, ObservedKind};
 use kvscope_otlp::proto::trace::v1::{span, Span, Status};
-use kvscope_otlp::{attr_int, attr_str, span_id, trace_id, SpanSink};
+use kvscope_otlp::{attr_int, attr_str, SpanSink};
 use kvscope_wire::nixl::{XferStage, HANDSHAKE_CALLS};
+use kvscope_wire::trace_ids::{span_id, trace_id};
 
 /// Span name of a transfer.
 pub const TRANSFER_SPAN: &str = "nixl.transfer";

@@ -578,6 +578,7 @@ impl RecordSink {
             Record::KvEvents(b) => inner.worker_models.get(&b.worker.worker_id),
             Record::Decision(d) => inner.worker_models.get(&d.worker.worker_id),
             Record::RequestEnd(e) => inner.worker_models.get(&e.worker.worker_id),
+            Record::RouterView(v) => inner.worker_models.get(&v.worker.worker_id),
             Record::Worker(w) => w.model.as_ref(),
             _ => None,
         };

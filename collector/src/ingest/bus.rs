@@ -8,19 +8,16 @@
 //! and in stream order, and a restarted collector ends with the same figures as one that
 //! never stopped.
 
-use super::clocks::AgentClocks;
-use crate::fold::analyzer::FleetAnalyzer;
 use crate::internal_events::*;
+use crate::state::{lock, Shared};
 use anyhow::Context as _;
 use async_nats::jetstream::{self, consumer, stream};
 use async_nats::HeaderMap;
 use futures::StreamExt as _;
-use kvscope_wire::api::summary::BusStatus;
-use kvscope_wire::parts::{self, PartsLimits, PartsOutcome, Reassembler};
-use kvscope_wire::recording::RecordingWriter;
+use kvscope_wire::parts::{self, PartsOutcome};
 use kvscope_wire::subject::stream_config;
 use kvscope_wire::{Envelope, Subjects};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 use tracing::info;
 
@@ -43,44 +40,7 @@ pub struct BusConfig {
     pub filter: Option<String>,
 }
 
-pub struct Shared {
-    /// The cluster's subjects: which agent each record's subject names.
-    subjects: Subjects,
-    pub analyzer: Mutex<FleetAnalyzer>,
-    /// Records arriving in parts, joined before they are applied.
-    parts: Mutex<Reassembler>,
-    pub bus: Mutex<BusStatus>,
-    pub recorder: Mutex<Option<RecordingWriter>>,
-    /// OTLP export health, shown on `/metrics`.
-    pub otlp: Arc<kvscope_otlp::ExportStats>,
-    /// Where verdict and migration spans go, once OTLP export has started.
-    pub spans: std::sync::OnceLock<kvscope_otlp::SpanSink>,
-    /// What the HTTP listener refused (connections over its cap, requests too slow),
-    /// shown on `/metrics`.
-    pub http: Arc<kvscope_kit::http::ServerStats>,
-    /// Each agent's clock against the stream's (`super::clocks`).
-    pub clocks: Mutex<AgentClocks>,
-}
-
 impl Shared {
-    pub fn new(
-        analyzer: FleetAnalyzer,
-        recorder: Option<RecordingWriter>,
-        subjects: Subjects,
-    ) -> Arc<Self> {
-        Arc::new(Self {
-            subjects,
-            analyzer: Mutex::new(analyzer),
-            parts: Mutex::new(Reassembler::new(PartsLimits::default())),
-            bus: Mutex::new(BusStatus::default()),
-            recorder: Mutex::new(recorder),
-            otlp: Arc::default(),
-            spans: std::sync::OnceLock::new(),
-            http: Arc::default(),
-            clocks: Mutex::default(),
-        })
-    }
-
     /// Join one bus message with the parts before it (see `kvscope_wire::parts`) and
     /// apply its records once it is whole. Returns the records it completed (a bundle
     /// holds several; a part before the last, none), applied or counted as refused.
@@ -251,9 +211,9 @@ impl Shared {
                     }
                     verdict
                 };
-                if let Some(sink) = self.spans.get().filter(|s| s.enabled()) {
+                if let Some(sink) = self.applied.get() {
                     if !rebuilding {
-                        crate::serve::spans::record(sink, &env, verdict.as_ref(), seq, index);
+                        sink.applied(&env, verdict.as_ref(), seq, index);
                     }
                 }
                 let mut recorder = lock(&self.recorder);
@@ -275,12 +235,6 @@ impl Shared {
             }
         }
     }
-}
-
-/// Lock a mutex, recovering the data if a panicking thread poisoned it: the analyzer's
-/// state stays usable, and a panic elsewhere must not stop the collector.
-pub fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Connect once, as the `[nats]` settings say; replies come to this collector's own
@@ -308,39 +262,67 @@ async fn connect(cfg: &BusConfig, shared: Arc<Shared>) -> anyhow::Result<async_n
     Ok(options.connect(cfg.nats_url.as_str()).await?)
 }
 
-/// Rebuild from the stream, then follow it for ever (until the task is dropped).
-pub async fn run(cfg: BusConfig, shared: Arc<Shared>) -> anyhow::Result<()> {
-    lock(&shared.bus).filter = cfg.filter.clone();
-    // NATS may come up after the collector (a pod started first): wait for it, with
-    // backoff, rather than exit.
+/// `attempt` until it succeeds, waiting 200 ms between tries at first and twice as long
+/// after each failure, up to 5 s; each failure goes to `failed` with the wait after it.
+async fn until_ok<T, E, Fut>(
+    mut attempt: impl FnMut() -> Fut,
+    mut failed: impl FnMut(&E, Duration),
+) -> T
+where
+    Fut: std::future::Future<Output = Result<T, E>>,
+{
     let mut backoff = Duration::from_millis(200);
-    let client = loop {
-        match connect(&cfg, shared.clone()).await {
-            Ok(c) => break c,
+    loop {
+        match attempt().await {
+            Ok(t) => return t,
             Err(e) => {
-                NatsUnreachable {
-                    url: &cfg.nats_url,
-                    error: &e,
-                    retry_in: backoff,
-                }
-                .emit(&shared);
+                failed(&e, backoff);
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(Duration::from_secs(5));
             }
         }
-    };
+    }
+}
+
+/// Rebuild from the stream, then follow it for ever (until the task is dropped).
+pub async fn run(cfg: BusConfig, shared: Arc<Shared>) -> anyhow::Result<()> {
+    lock(&shared.bus).filter = cfg.filter.clone();
+    // NATS may come up after the collector (a pod started first): wait for it rather
+    // than exit. The agents create the same stream (either may start first): one racing
+    // this collector's create, or a server still recovering its store, fails it for a
+    // moment; a collector that exited there would need a restart nothing gives it.
+    let client = until_ok(
+        || connect(&cfg, shared.clone()),
+        |error, retry_in| {
+            NatsUnreachable {
+                url: &cfg.nats_url,
+                error,
+                retry_in,
+            }
+            .emit(&shared)
+        },
+    )
+    .await;
     let js = jetstream::new(client);
-    let mut stream = js
-        .get_or_create_stream(stream_config(
-            &cfg.subjects,
-            cfg.stream_max_age,
-            cfg.stream_max_bytes,
-        ))
-        .await
-        .context(
-            "cannot create or open the JetStream stream (is JetStream enabled: nats-server \
-             -js? does its store hold stream_max_bytes?)",
-        )?;
+    let stream_name = cfg.subjects.stream_name();
+    let mut stream = until_ok(
+        || {
+            js.get_or_create_stream(stream_config(
+                &cfg.subjects,
+                cfg.stream_max_age,
+                cfg.stream_max_bytes,
+            ))
+        },
+        |error, retry_in| {
+            StreamUnavailable {
+                stream: &stream_name,
+                error,
+                retry_in,
+            }
+            .emit(&shared)
+        },
+    )
+    .await;
     lock(&shared.bus).connected = true;
     let state = &stream
         .info()
@@ -692,6 +674,7 @@ async fn rebuild(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fold::analyzer::FleetAnalyzer;
 
     #[test]
     fn subject_patterns_match_as_nats_does() {

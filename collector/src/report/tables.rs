@@ -1,5 +1,6 @@
 //! The report's tables: per-worker figures, the figure list, decision-joined vs
-//! event-only, the migration log, every window, and data quality. Text is escaped.
+//! event-only, the router's view, the migration log, every window, and data quality.
+//! Text is escaped.
 
 use super::pct;
 use super::plots::Timeline;
@@ -120,6 +121,16 @@ pub(super) fn agreement(out: &mut String, r: &OpportunityReport) {
         ],
     );
     out.push_str("</tbody></table>\n");
+    if let Some((head, cells)) = r.router_view_row() {
+        let _ = write!(
+            out,
+            "<h2 id=\"router-view\">The router's view</h2><p class=\"caption\">{}</p>",
+            escape(super::ROUTER_VIEW_CAPTION)
+        );
+        table_open(out, "router-view-table", 1, &head);
+        row(out, &cells);
+        out.push_str("</tbody></table>\n");
+    }
     let m = &r.migration_log;
     if m.spill_lines + m.handshakes_obtained + m.dispatch_failures + m.decoding_on_target > 0 {
         out.push_str("<h2 id=\"migration-log\">Migration log (KVMIGRATE lines)</h2>");

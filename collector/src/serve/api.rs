@@ -2,9 +2,9 @@
 //! types are the contract in `kvscope_wire::api` (`/api/whatif` answers the collector's
 //! own what-if, `crate::whatif::CapacityWhatIf`).
 
-use crate::ingest::bus::{lock, Shared};
 use crate::report::OpportunityReport;
 use crate::serve::metrics;
+use crate::state::{lock, Shared};
 use axum::extract::rejection::QueryRejection;
 use axum::extract::{Query, State};
 use axum::http::{header, StatusCode};
@@ -112,6 +112,7 @@ async fn summary(State(s): State<Arc<Shared>>) -> impl IntoResponse {
         windows_closed: a.closed_windows().len(),
         open_window: a.open_window().cloned(),
         counters: a.counters().clone(),
+        router_view: a.router_view().clone(),
         agents: a.agents().clone(),
         fleet: a.fleet().clone(),
     };
@@ -145,6 +146,9 @@ async fn verdicts(State(s): State<Arc<Shared>>, Query(q): Query<Limit>) -> impl 
         .map(|v| {
             let mut v = v.clone();
             v.nixl = a.request_nixl(&v.request_id);
+            v.router_overlap_blocks = a
+                .routed_request(&v.request_id)
+                .and_then(|r| r.router_overlap_blocks);
             v
         })
         .collect();

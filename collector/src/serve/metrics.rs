@@ -12,20 +12,53 @@ use kvscope_wire::api::summary::BusStatus;
 
 /// Everything `/metrics` shows, in `format`: the figures and the OTLP export health.
 /// The one source of both `/metrics` and the OTLP metrics export.
-pub fn exposition(shared: &crate::ingest::bus::Shared, format: Format) -> String {
-    let bus = crate::ingest::bus::lock(&shared.bus).clone();
+pub fn exposition(shared: &crate::state::Shared, format: Format) -> String {
+    let bus = crate::state::lock(&shared.bus).clone();
     let mut out = Exposition::new(format);
-    write(&mut out, &crate::ingest::bus::lock(&shared.analyzer), &bus);
+    write(&mut out, &crate::state::lock(&shared.analyzer), &bus);
     shared
         .otlp
         .write_prometheus(&mut out, "kvscope_collector", "");
     shared.http.write_prometheus(&mut out, "kvscope_collector");
-    write_agent_clocks(
-        &mut out,
-        &crate::ingest::bus::lock(&shared.clocks).offsets(),
-    );
+    write_agent_clocks(&mut out, &crate::state::lock(&shared.clocks).offsets());
     crate::serve::api::readiness(shared).write_prometheus(&mut out, "kvscope_collector");
     out.finish()
+}
+
+/// The router's view of its choices against the engines' truth: decisions by how the
+/// router's credited overlap compared, the blocks it was off by, and the spills it could
+/// not see.
+fn write_router_view(out: &mut Exposition, v: &kvscope_wire::api::summary::RouterViewAudit) {
+    let name = "kvscope_router_view_decisions";
+    out.family(
+        name,
+        Kind::Counter,
+        "Judged decisions by how the overlap the router credited the chosen worker with compared with what its engine held then (exact, over, under).",
+    );
+    for (outcome, n) in [("exact", v.exact), ("over", v.over), ("under", v.under)] {
+        out.counter(name, &labels(&[("outcome", outcome)]), n);
+    }
+    let name = "kvscope_router_view_error_blocks";
+    out.family(
+        name,
+        Kind::Counter,
+        "Blocks the router credited the chosen worker with over (over) or under (under) what its engine held at the decision, summed.",
+    );
+    for (direction, n) in [("over", v.over_blocks), ("under", v.under_blocks)] {
+        out.counter(name, &labels(&[("direction", direction)]), n);
+    }
+    out.single_counter(
+        "kvscope_router_view_spills",
+        "Spills whose router view came (set beside the engines' truth).",
+        "",
+        v.spills,
+    );
+    out.single_counter(
+        "kvscope_router_view_spills_unseen",
+        "Spills the router could not see: it credited the chosen worker with at least what the best worker held.",
+        "",
+        v.spills_unseen,
+    );
 }
 
 /// Each agent's clock offset, so the host whose clock runs ahead is named.
@@ -47,7 +80,7 @@ fn write_agent_clocks(out: &mut Exposition, offsets: &[(&str, u64)]) {
 /// The collector's figures for the current state.
 pub fn write(out: &mut Exposition, a: &FleetAnalyzer, bus: &BusStatus) {
     let c = a.counters();
-    let counters: [(&str, &str, u64); 49] = [
+    let counters: [(&str, &str, u64); 51] = [
         ("kvscope_collector_records", "Records applied.", c.records),
         (
             "kvscope_collector_undecodable_records",
@@ -226,6 +259,16 @@ pub fn write(out: &mut Exposition, a: &FleetAnalyzer, bus: &BusStatus) {
             c.request_ends,
         ),
         (
+            "kvscope_router_views",
+            "The router's logged views of its choices (route request completed: overlap_blocks), read.",
+            c.router_views,
+        ),
+        (
+            "kvscope_router_views_unjoined",
+            "Router views not compared: for another worker than the judged decision's, a second view of one, or one that waited a minute for a decision that never came.",
+            c.router_views_unjoined,
+        ),
+        (
             "kvscope_duplicate_decisions",
             "Decisions for a request id already judged: counted, not judged again.",
             c.duplicate_decisions,
@@ -252,7 +295,7 @@ pub fn write(out: &mut Exposition, a: &FleetAnalyzer, bus: &BusStatus) {
         ),
         (
             "kvscope_collector_bus_connect_failures",
-            "Attempts to connect to NATS that failed (the collector waits and tries again).",
+            "Attempts to connect to NATS, or to open its JetStream stream, that failed (the collector waits and tries again).",
             bus.connect_failures,
         ),
         (
@@ -321,6 +364,7 @@ pub fn write(out: &mut Exposition, a: &FleetAnalyzer, bus: &BusStatus) {
         "",
         t.generated_delta_tokens,
     );
+    write_router_view(out, a.router_view());
     let m = &t.migration_log;
     let name = "kvscope_migration_log_lines";
     out.family(
@@ -616,8 +660,8 @@ pub fn write(out: &mut Exposition, a: &FleetAnalyzer, bus: &BusStatus) {
             out.counter(name, &labels(&[("model", model)]), get(m));
         }
     }
-    crate::fold::nixl::render(out, &crate::fold::nixl::pairs(a.agents()));
-    crate::fold::nixl::render_owners(out, &crate::fold::nixl::owners(a.agents()));
+    super::nixl_metrics::render(out, &crate::fold::nixl::pairs(a.agents()));
+    super::nixl_metrics::render_owners(out, &crate::fold::nixl::owners(a.agents()));
 }
 
 /// A token histogram, each bucket with its latest spill's trace as an exemplar (in
@@ -653,4 +697,66 @@ fn worker_labels(w: &kvscope_wire::WorkerKey) -> String {
         ("worker_id", &w.worker_id.to_string()),
         ("dp_rank", &w.dp_rank.to_string()),
     ])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fold::analyzer::AnalyzerConfig;
+    use crate::fold::fixtures::{decision, env, stored, stored_under};
+    use kvscope_wire::SequenceStatus;
+
+    #[test]
+    fn a_spill_is_in_the_histograms_with_its_trace_as_exemplar() {
+        let mut a = FleetAnalyzer::new(AnalyzerConfig {
+            window_secs: 1.0,
+            warmup_secs: 1.0,
+            ..Default::default()
+        });
+        // Turn 1 on worker 1: the prompt's 2 blocks and 1 output block; turn 2 (prompt +
+        // output + new text) on worker 2, a 3-block spill.
+        let prompt: Vec<u32> = (0..4).collect();
+        a.apply(&env(1, decision("t1", 1, &prompt)));
+        a.apply(&env(
+            2,
+            stored(1, 0, SequenceStatus::First, &prompt, &[1, 2]),
+        ));
+        let output: Vec<u32> = vec![100, 101];
+        a.apply(&env(
+            3,
+            stored_under(1, 1, SequenceStatus::InOrder, Some(2), &output, &[3]),
+        ));
+        let turn2: Vec<u32> = prompt
+            .iter()
+            .chain(&output)
+            .copied()
+            .chain([7, 8])
+            .collect();
+        let v = a.apply(&env(4, decision("t2", 2, &turn2))).unwrap();
+        assert_eq!((v.spill, v.true_delta_tokens), (true, 6));
+
+        let mut out = Exposition::new(Format::OpenMetrics);
+        write(&mut out, &a, &BusStatus::default());
+        let text = out.finish();
+        // The spill's bucket carries it as an exemplar: the trace of its verdict span.
+        let trace = kvscope_wire::trace_ids::trace_id_hex("t2");
+        let bucket = format!(
+            "kvscope_spill_true_delta_tokens_bucket{{le=\"16\"}} 1 # {{trace_id=\"{trace}\"}} 6 "
+        );
+        assert!(text.contains(&bucket), "{bucket} in\n{text}");
+        assert_eq!(
+            text.matches(" # {trace_id=").count(),
+            2,
+            "one per histogram"
+        );
+        for line in [
+            "kvscope_spill_true_delta_tokens_bucket{le=\"32\"} 1\n",
+            "kvscope_spill_true_delta_tokens_sum 6\n",
+            "kvscope_worker_spills_in_total{worker_id=\"2\",dp_rank=\"0\"} 1\n",
+            "kvscope_prompt_tokens_total 12\n",
+        ] {
+            assert!(text.contains(line), "{line} in\n{text}");
+        }
+        assert!(text.ends_with("# EOF\n"));
+    }
 }

@@ -3,4 +3,5 @@
 
 pub mod api;
 pub mod metrics;
+pub mod nixl_metrics;
 pub mod spans;

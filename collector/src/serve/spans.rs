@@ -9,8 +9,9 @@
 //! state at start: those were exported by the run that first applied them.
 
 use kvscope_otlp::proto::trace::v1::{span, Span, Status};
-use kvscope_otlp::{attr_bool, attr_int, attr_str, span_id, trace_id, SpanSink};
+use kvscope_otlp::{attr_bool, attr_int, attr_str, SpanSink};
 use kvscope_wire::api::verdict::SpillVerdict;
+use kvscope_wire::trace_ids::{span_id, trace_id};
 use kvscope_wire::{Envelope, MigrationLogKind, MigrationLogLine, Record, TraceContext};
 
 /// The span name of a spill verdict.
@@ -130,7 +131,7 @@ pub fn migration_span(m: &MigrationLogLine, agent: &str, observed_ns: u64, at: &
             // The verdict's trace is the line's when both are the router's.
             trace_id: match &m.trace {
                 Some(t) => t.trace_id_bytes(),
-                None => kvscope_otlp::trace_id(rid),
+                None => kvscope_wire::trace_ids::trace_id(rid),
             },
             span_id: verdict_span_id(rid),
             attributes: vec![attr_str("kvscope.link", "spill_verdict")],
@@ -162,6 +163,17 @@ pub fn migration_span(m: &MigrationLogLine, agent: &str, observed_ns: u64, at: &
 }
 
 /// The spans of one applied record (the `index`th of bus message `seq`): the spill
+/// The span export, as the collector's state is told of each record applied.
+pub struct VerdictSpans(pub SpanSink);
+
+impl crate::state::AppliedSink for VerdictSpans {
+    fn applied(&self, env: &Envelope, verdict: Option<&SpillVerdict>, seq: u64, index: usize) {
+        if self.0.enabled() {
+            record(&self.0, env, verdict, seq, index);
+        }
+    }
+}
+
 /// verdict it produced, or its migration line.
 pub fn record(
     sink: &SpanSink,

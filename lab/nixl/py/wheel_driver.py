@@ -1,6 +1,6 @@
 """Drives a nixl-cu12 wheel through its own Python API (`nixl_cu12._api`), the way an
 engine does, and writes what it did as JSON: the truth the agent's probes are checked
-against (agent/tests/nixl_wheel_api.rs).
+against (e2e/tests/e2e/agent/nixl_wheel_api.rs).
 
 Two agents in this process, each with 8 blocks of DRAM registered (and 300 pages in one
 registration of 300 descriptors on one of them): metadata exchanged

@@ -37,69 +37,13 @@ pub use truth::Truth;
 /// not try again.
 pub const REEXEC_MARKER_ENV: &str = "KVSCOPE_NIXL_LAB_REEXEC";
 
-/// The `kvscope-nixl-lab` binary, for other crates' tests: `target/<profile>/` next to
-/// the running test binary, brought up to date with `cargo build -p kvscope-nixl-lab`
-/// first (a no-op after `cargo test --workspace`, which builds every binary; a lone
-/// `cargo test -p kvscope-agent` would otherwise run a stale lab).
+/// The `kvscope-nixl-lab` binary, for other crates' tests, brought up to date first
+/// ([`kvscope_lab::paths::built_binary`]).
 ///
 /// # Panics
 /// When the binary cannot be found or built (this is test support).
 pub fn lab_binary() -> std::path::PathBuf {
-    let exe = std::env::current_exe().expect("the running executable's path");
-    // target/<profile>/deps/<test binary> → target/<profile>
-    let dir = exe
-        .parent()
-        .and_then(|d| {
-            if d.ends_with("deps") {
-                d.parent()
-            } else {
-                Some(d)
-            }
-        })
-        .expect("the executable's folder")
-        .to_path_buf();
-    let bin = dir.join("kvscope-nixl-lab");
-    {
-        let mut cargo = std::process::Command::new(env!("CARGO"));
-        cargo
-            .args(["build", "-q", "-p", "kvscope-nixl-lab"])
-            .current_dir(kvscope_lab::paths::workspace_dir());
-        // Not the variables cargo set for this test: build scripts that watch one (ring
-        // watches CARGO_MANIFEST_DIR) would rebuild half the tree here, and again on
-        // the next build from a shell.
-        for (k, _) in std::env::vars_os() {
-            let k = k.to_string_lossy();
-            if [
-                "CARGO_MANIFEST_",
-                "CARGO_PKG_",
-                "CARGO_CRATE_",
-                "CARGO_BIN_",
-                "CARGO_PRIMARY_",
-            ]
-            .iter()
-            .any(|p| k.starts_with(p))
-                || k == "CARGO_TARGET_TMPDIR"
-            {
-                cargo.env_remove(k.as_ref());
-            }
-        }
-        if let Some(target_dir) = dir.parent() {
-            cargo.arg("--target-dir").arg(target_dir);
-        }
-        if dir.ends_with("release") {
-            cargo.arg("--release");
-        }
-        let status = cargo
-            .status()
-            .expect("running cargo build -p kvscope-nixl-lab");
-        assert!(status.success(), "cargo build -p kvscope-nixl-lab failed");
-    }
-    assert!(
-        bin.is_file(),
-        "{} is missing after building it",
-        bin.display()
-    );
-    bin
+    kvscope_lab::paths::built_binary("kvscope-nixl-lab")
 }
 
 /// Run the scenario `name` (`mixed`, `clean`) in a process of its own (the lab binary,

@@ -22,6 +22,8 @@ pub struct CollectorSummary {
     pub windows_closed: usize,
     pub open_window: Option<WindowSummary>,
     pub counters: CollectorCounters,
+    /// The router's own view of its choices set beside the engines' truth.
+    pub router_view: RouterViewAudit,
     /// Every agent the collector has heard from, with when it last did.
     pub agents: BTreeMap<String, AgentStatus>,
     /// The workers discovery described, by instance id (retired ones included).
@@ -85,6 +87,35 @@ pub struct BusStatus {
     /// Why the durable consumer could not be read at the latest look, when it could not.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub consumer_error: Option<String>,
+}
+
+/// How the router's view of its choices compares with what the engines held when it
+/// chose: for each judged decision whose router view came, the blocks of the prompt the
+/// router credited the chosen worker with (its logged `overlap_blocks`) against the
+/// blocks the chosen worker's engine had stored and not removed at the decision (the
+/// verdict's `chosen_overlap_blocks`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct RouterViewAudit {
+    /// Decisions compared.
+    pub compared: u64,
+    /// The router's view equalled the engines' truth.
+    pub exact: u64,
+    /// The router credited the worker with more than it held (blocks removed that the
+    /// router had not yet applied, or a tier the engines do not report as the device's).
+    pub over: u64,
+    /// Blocks credited over the truth, summed.
+    pub over_blocks: u64,
+    /// The router credited the worker with less than it held (stores it had not applied
+    /// yet, lost events, output blocks it does not track).
+    pub under: u64,
+    /// Blocks held that the router did not credit, summed.
+    pub under_blocks: u64,
+    /// Spills (verdicts whose best worker held more than the chosen one) compared.
+    pub spills: u64,
+    /// Of those, spills the router could not see: it credited the chosen worker with at
+    /// least what the best worker truly held, so by its view it chose no worse.
+    pub spills_unseen: u64,
 }
 
 /// Everything the collector counted since it started (or since the replay began).
@@ -156,6 +187,13 @@ pub struct CollectorCounters {
     /// Requests' ends from Dynamo's request trace (the what-if's router model times
     /// each worker's load by them).
     pub request_ends: u64,
+    /// The router's views of its choices (`router_view` records).
+    pub router_views: u64,
+    /// Router views not compared: for another worker than the judged decision's (a
+    /// disaggregated request's decode leg), a second view of one, or a view that waited
+    /// a minute of record time (or behind 10,000 others) for a decision that never came.
+    /// Views still waiting are neither compared nor counted here.
+    pub router_views_unjoined: u64,
     pub heartbeats: u64,
     /// NIXL reports from agents' eBPF probes.
     pub nixl_reports: u64,

@@ -77,4 +77,9 @@ pub struct SpillVerdict {
     /// served (`/api/verdicts`); the fold leaves it out.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub nixl: Option<crate::nixl::RequestNixl>,
+    /// The overlap the router credited the chosen worker with (its logged view of the
+    /// choice, beside `chosen_overlap_blocks`, the engines' truth), joined when the
+    /// verdict is served (`/api/verdicts`) once the view came; the fold leaves it out.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub router_overlap_blocks: Option<u32>,
 }

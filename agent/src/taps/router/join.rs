@@ -274,15 +274,18 @@ struct RecentIds {
 impl RecentIds {
     const CAP: usize = 100_000;
 
-    fn insert(&mut self, id: &str) {
-        if self.set.insert(id.to_string()) {
-            self.order.push_back(id.to_string());
-            if self.order.len() > Self::CAP {
-                if let Some(old) = self.order.pop_front() {
-                    self.set.remove(&old);
-                }
+    /// Remember `id`; whether it was new.
+    fn insert(&mut self, id: &str) -> bool {
+        if !self.set.insert(id.to_string()) {
+            return false;
+        }
+        self.order.push_back(id.to_string());
+        if self.order.len() > Self::CAP {
+            if let Some(old) = self.order.pop_front() {
+                self.set.remove(&old);
             }
         }
+        true
     }
 
     fn contains(&self, id: &str) -> bool {
@@ -354,6 +357,8 @@ pub enum LogOutput {
         ahead_ns: u64,
     },
     Migration(MigrationLogLine),
+    /// The router's view of a choice (its line comes when the request's route ends).
+    RouterView(kvscope_wire::RouterView),
     Malformed(MalformedLine),
     Unjoined {
         request_id: String,
@@ -372,6 +377,9 @@ pub struct RouterLogProcessor {
     last_ts_ns: Option<u64>,
     source: DecisionSource,
     routed: RecentIds,
+    /// Requests whose router view was sent: Dynamo 1.5 logs it twice (as it chooses, at
+    /// DEBUG, and when the route ends), the same figure.
+    viewed: RecentIds,
     spans: RecentByRequest<TraceContext>,
     /// The worker each recent `Selected worker` line named: the worker of a request-trace
     /// record that names none (Dynamo before 1.5 writes none).
@@ -402,6 +410,7 @@ impl RouterLogProcessor {
             last_ts_ns: None,
             source,
             routed: RecentIds::default(),
+            viewed: RecentIds::default(),
             spans: RecentByRequest::default(),
             chosen: RecentByRequest::default(),
             routing_inputs: 0,
@@ -497,12 +506,7 @@ impl RouterLogProcessor {
                 self.joiner.advance(now)
             }
             LineContent::RequestTrace(mut t) => {
-                let mut out: Vec<LogOutput> = self
-                    .joiner
-                    .advance(now)
-                    .into_iter()
-                    .map(|j| self.output(j))
-                    .collect();
+                let mut out = self.advanced(now);
                 let Some(worker) = t.worker.or_else(|| self.chosen.get(&t.request_id)) else {
                     out.push(LogOutput::Malformed(MalformedLine {
                         kind: LineKind::RequestTrace,
@@ -548,13 +552,15 @@ impl RouterLogProcessor {
                 if m.trace.is_none() {
                     m.trace = m.request_id.as_deref().and_then(|id| self.spans.get(id));
                 }
-                let mut out: Vec<LogOutput> = self
-                    .joiner
-                    .advance(now)
-                    .into_iter()
-                    .map(|j| self.output(j))
-                    .collect();
+                let mut out = self.advanced(now);
                 out.push(LogOutput::Migration(m));
+                return out;
+            }
+            LineContent::RouterView(v) => {
+                let mut out = self.advanced(now);
+                if self.viewed.insert(&v.request_id) {
+                    out.push(LogOutput::RouterView(v));
+                }
                 return out;
             }
             LineContent::RequestSpan { request_id, trace } => {
@@ -564,6 +570,15 @@ impl RouterLogProcessor {
             LineContent::Other => self.joiner.advance(now),
         };
         joined.into_iter().map(|j| self.output(j)).collect()
+    }
+
+    /// The joiner moved to `now`: what that times out or completes.
+    fn advanced(&mut self, now: u64) -> Vec<LogOutput> {
+        self.joiner
+            .advance(now)
+            .into_iter()
+            .map(|j| self.output(j))
+            .collect()
     }
 
     /// End of input: every waiting half is unjoined.
@@ -580,7 +595,7 @@ impl RouterLogProcessor {
 
     fn output(&mut self, mut j: JoinOutput) -> LogOutput {
         if let JoinOutput::Joined(d) = &mut j {
-            self.routed.insert(&d.request_id);
+            let _ = self.routed.insert(&d.request_id);
             if d.trace.is_none() {
                 d.trace = self.spans.get(&d.request_id);
             }
@@ -896,6 +911,28 @@ mod tests {
         ));
     }
 
+    /// Dynamo 1.5 logs its view of a choice twice, as it chooses (DEBUG) and when the
+    /// route ends: one view is sent.
+    #[test]
+    fn a_view_logged_twice_is_sent_once() {
+        let best = r#"2026-12-06T05:59:12.247404Z DEBUG http-request:kv_router.select_worker: dynamo_llm::kv_router::push_router::selection: [ROUTING] Best: worker_7 dp_rank=0 with 2/3 blocks overlap request_id=r-1 worker_id=7 dp_rank=0 overlap_blocks=2 total_blocks=3"#;
+        let done = r#"2026-12-06T05:59:12.300000Z  INFO http-request:kv_router.route_request: request_span: route request completed request.outcome="success" request_id=h-1 otel.kind="client" request_id=r-1 dp_rank=0 overlap_blocks=2 phase=Aggregated worker_id=7"#;
+        let mut p = RouterLogProcessor::new(30 * SEC, 100);
+        let views: Vec<_> = [best, done]
+            .iter()
+            .flat_map(|l| p.line(l, 0))
+            .filter_map(|o| match o {
+                LogOutput::RouterView(v) => Some(v),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(views.len(), 1, "{views:?}");
+        assert_eq!(
+            (views[0].request_id.as_str(), views[0].overlap_blocks),
+            ("r-1", 2)
+        );
+    }
+
     /// Every decision in the captured lab logs joins; plain and coloured agree.
     #[test]
     fn captured_router_logs_join_completely() {
@@ -907,11 +944,12 @@ mod tests {
             ))
             .unwrap();
             let mut p = RouterLogProcessor::new(30 * SEC, 10_000);
-            let mut decisions = Vec::new();
+            let (mut decisions, mut views) = (Vec::new(), 0);
             for line in text.lines() {
                 for o in p.line(line, 0) {
                     match o {
                         LogOutput::Decision(d) => decisions.push(d),
+                        LogOutput::RouterView(_) => views += 1,
                         // The capture is an excerpt: a decision cut at its start or end
                         // can only be at the edges.
                         LogOutput::Unjoined { .. } => {}
@@ -922,6 +960,7 @@ mod tests {
             let leftover = p.finish();
             assert!(leftover.len() <= 2, "{name}: {leftover:?}");
             assert!(!decisions.is_empty());
+            assert!(views > 0, "{name}: the routes' closing lines are views");
             for d in &decisions {
                 assert_eq!(
                     d.local_hashes.len() as u64,
@@ -951,11 +990,12 @@ mod captured_jsonl {
         )
         .unwrap();
         let mut p = RouterLogProcessor::new(30 * 1_000_000_000, 1000);
-        let mut decisions = Vec::new();
+        let (mut decisions, mut views) = (Vec::new(), Vec::new());
         for line in log.lines() {
             for out in p.line(line, 0) {
                 match out {
                     LogOutput::Decision(d) => decisions.push(d),
+                    LogOutput::RouterView(v) => views.push(v),
                     LogOutput::Malformed(e) => panic!("{e}: {line}"),
                     _ => {}
                 }
@@ -963,6 +1003,16 @@ mod captured_jsonl {
         }
         let adds = events["add_requests"].as_array().unwrap();
         assert_eq!(decisions.len(), 9);
+        // Each route's closing line is the view of its decision: same id, same worker.
+        assert_eq!(views.len(), 9);
+        for v in &views {
+            assert!(
+                decisions
+                    .iter()
+                    .any(|d| d.request_id == v.request_id && d.worker == v.worker),
+                "{v:?}"
+            );
+        }
         assert_eq!(adds.len(), 9);
         for a in adds {
             let id = a["request_id"].as_str().unwrap();

@@ -7,6 +7,12 @@
 //!   num_blocks=2 local_hashes=[…]`
 //! - `Selected worker router_mode="kv" request_id="…" worker_id=… worker_type=decode
 //!   dp_rank=0 logit=… …`
+//! - at INFO when the request's route ends, in its `kv_router.route_request` span:
+//!   `route request completed request.outcome="success" … request_id=… dp_rank=0
+//!   overlap_blocks=20 phase=Aggregated worker_id=…` (the router's view of its choice;
+//!   Dynamo 1.4 and 1.5 log the same at DEBUG as it chooses: `[ROUTING] Best: worker_…
+//!   dp_rank=0 with 3/23 blocks overlap request_id=… worker_id=… dp_rank=0
+//!   overlap_blocks=3 total_blocks=23`)
 //!
 //! and the migration fork (deepinfra/dynamo) adds `KVMIGRATE_SPILL: request routed off
 //! the worker holding its KV` (request_id, source, target, tokens, migratable_tokens),
@@ -98,6 +104,8 @@ pub enum LineContent {
     SelectedWorker(SelectedWorker),
     RequestTrace(TracedRequest),
     Migration(MigrationLogLine),
+    /// The router's view of a choice, when the request's route ended.
+    RouterView(kvscope_wire::RouterView),
     /// Any other line naming a request and the span it was written in (a JSON line):
     /// where the request sits in the router's traces, e.g. the frontend's `request
     /// received` at INFO.
@@ -123,6 +131,7 @@ pub enum LineKind {
     SelectedWorker,
     Migration,
     RequestTrace,
+    RouterView,
 }
 
 impl LineKind {
@@ -132,6 +141,7 @@ impl LineKind {
             LineKind::SelectedWorker => "selected_worker",
             LineKind::Migration => "migration",
             LineKind::RequestTrace => "request_trace",
+            LineKind::RouterView => "router_view",
         }
     }
 }
@@ -152,6 +162,11 @@ const SELECTED_WORKER: &str = "Selected worker";
 /// fields written into the message.
 const SELECTED_PINNED_WORKER: &str = "Selected pinned worker:";
 const KVMIGRATE: &str = "KVMIGRATE";
+/// The route's span closing (Dynamo 1.6, INFO): its fields are the router's view of the
+/// choice.
+const ROUTE_COMPLETED: &str = "route request completed";
+/// Dynamo 1.4 and 1.5's DEBUG line naming the chosen worker and its overlap.
+const ROUTING_BEST: &str = "[ROUTING] Best:";
 
 /// The fork's migration messages, by the text after which their fields start.
 const MIGRATION_MESSAGES: &[(&str, MigrationLogKind)] = &[
@@ -388,6 +403,8 @@ enum Marker {
     RoutingInput,
     SelectedWorker,
     SelectedPinnedWorker,
+    RouteCompleted,
+    RoutingBest,
     Migration(Option<MigrationLogKind>),
 }
 
@@ -396,6 +413,7 @@ impl Marker {
         match self {
             Marker::RoutingInput => LineKind::RoutingInput,
             Marker::SelectedWorker | Marker::SelectedPinnedWorker => LineKind::SelectedWorker,
+            Marker::RouteCompleted | Marker::RoutingBest => LineKind::RouterView,
             Marker::Migration(_) => LineKind::Migration,
         }
     }
@@ -417,6 +435,13 @@ fn marker(text: &str) -> Option<(Marker, Option<&str>)> {
             Marker::SelectedWorker,
             Some(&text[pos + SELECTED_WORKER.len()..]),
         ))
+    } else if let Some(pos) = text.find(ROUTE_COMPLETED) {
+        Some((
+            Marker::RouteCompleted,
+            Some(&text[pos + ROUTE_COMPLETED.len()..]),
+        ))
+    } else if let Some(pos) = text.find(ROUTING_BEST) {
+        Some((Marker::RoutingBest, Some(&text[pos + ROUTING_BEST.len()..])))
     } else if text.contains(KVMIGRATE) {
         Some(
             MIGRATION_MESSAGES
@@ -446,6 +471,14 @@ fn content(kind: Marker, fields: Result<Fields, String>) -> Result<LineContent, 
         Marker::SelectedPinnedWorker => {
             LineContent::SelectedWorker(selected_worker(&fields, true)?)
         }
+        Marker::RouteCompleted => match router_view(&fields, IdAt::Last)? {
+            Some(v) => LineContent::RouterView(v),
+            None => LineContent::Other,
+        },
+        Marker::RoutingBest => match router_view(&fields, IdAt::First)? {
+            Some(v) => LineContent::RouterView(v),
+            None => return Err("no worker_id or overlap_blocks".into()),
+        },
         Marker::Migration(Some(k)) => LineContent::Migration(migration(k, fields)?),
         Marker::Migration(None) => return Err("unknown KVMIGRATE message".into()),
     })
@@ -482,10 +515,7 @@ fn selected_worker(f: &Fields, pinned: bool) -> Result<SelectedWorker, String> {
     Ok(SelectedWorker {
         request_id: bounded(f.require("request_id")?),
         worker_id: f.parse("worker_id")?,
-        dp_rank: match f.get("dp_rank") {
-            None => 0,
-            Some(_) => f.parse("dp_rank")?,
-        },
+        dp_rank: f.parse_or("dp_rank", 0)?,
         worker_type: f.get("worker_type").map(str::to_string),
         router_mode: f.get("router_mode").map(str::to_string),
         selection: kvscope_wire::Selection {
@@ -497,6 +527,38 @@ fn selected_worker(f: &Fields, pinned: bool) -> Result<SelectedWorker, String> {
             pinned,
         },
     })
+}
+
+/// Which of a line's `request_id`s names the decision.
+#[derive(Clone, Copy)]
+enum IdAt {
+    /// The event's own (it comes before the spans' fields).
+    First,
+    /// The innermost span's: on a route's closing line, tracing writes the enclosing
+    /// spans' fields before the route span's own, and the HTTP request's span carries a
+    /// `request_id` of its own.
+    Last,
+}
+
+/// The router's view from a route's closing line or a `[ROUTING] Best` line; `None` for
+/// a route that went to no worker (it failed before one was chosen: no `worker_id`, no
+/// `overlap_blocks`).
+fn router_view(f: &Fields, id_at: IdAt) -> Result<Option<kvscope_wire::RouterView>, String> {
+    if f.get("worker_id").is_none() || f.get("overlap_blocks").is_none() {
+        return Ok(None);
+    }
+    Ok(Some(kvscope_wire::RouterView {
+        request_id: bounded(match id_at {
+            IdAt::First => f.require("request_id")?,
+            IdAt::Last => f.require_last("request_id")?,
+        }),
+        worker: kvscope_wire::WorkerKey {
+            worker_id: f.parse("worker_id")?,
+            dp_rank: f.parse_or("dp_rank", 0)?,
+        },
+        overlap_blocks: f.parse("overlap_blocks")?,
+        phase: f.get("phase").map(str::to_string),
+    }))
 }
 
 fn migration(kind: MigrationLogKind, f: Fields) -> Result<MigrationLogLine, String> {
@@ -597,8 +659,26 @@ impl Fields {
             .map(|(_, v)| v.as_str())
     }
 
+    /// The last `key`'s value: the innermost span's, where spans repeat a key.
+    fn require_last(&self, key: &str) -> Result<&str, String> {
+        self.pairs
+            .iter()
+            .rev()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.as_str())
+            .ok_or_else(|| format!("no {key}"))
+    }
+
     fn require(&self, key: &str) -> Result<&str, String> {
         self.get(key).ok_or_else(|| format!("no {key}"))
+    }
+
+    /// [`Self::parse`], or `default` when the line has no `key`.
+    fn parse_or<T: std::str::FromStr>(&self, key: &str, default: T) -> Result<T, String> {
+        match self.get(key) {
+            None => Ok(default),
+            Some(_) => self.parse(key),
+        }
     }
 
     fn parse<T: std::str::FromStr>(&self, key: &str) -> Result<T, String> {
@@ -1082,6 +1162,47 @@ mod tests {
         }
     }
 
+    /// The route's closing line names the request twice in text (the HTTP request's span,
+    /// then the route's): the route's id is the one its decision has, and the view is
+    /// read under it. In JSON the key is written once.
+    #[test]
+    fn route_completed_lines_are_the_routers_view() {
+        let text = r#"2026-12-06T05:57:00.206020Z  INFO http-request:kv_router.route_request: request_span: route request completed request.outcome="success" method=POST uri=/v1/chat/completions version=HTTP/1.1 x_request_id="kvs1-f0-s0-t0" request_id=247660f3-d7fe-4f78-9042-e4fe70e6b26e model="kvscope-tiny" otel.kind="client" request_id=2b3170e8-a945-4ada-a214-4c47af885a52 dp_rank=0 overlap_blocks=7 phase=Aggregated worker_id=7847800910559599967 request.attempt=0 migration.is_retry=false migration.tokens_completed=0 request.outcome="success""#;
+        let want = kvscope_wire::RouterView {
+            request_id: "2b3170e8-a945-4ada-a214-4c47af885a52".into(),
+            worker: kvscope_wire::WorkerKey {
+                worker_id: 7847800910559599967,
+                dp_rank: 0,
+            },
+            overlap_blocks: 7,
+            phase: Some("Aggregated".into()),
+        };
+        assert_eq!(
+            parse_line(text).unwrap().content,
+            LineContent::RouterView(want.clone())
+        );
+        let json = r#"{"time":"2026-12-01T09:46:14.110401Z","level":"INFO","target":"request_span","message":"route request completed","dp_rank":"0","otel.kind":"client","overlap_blocks":"7","phase":"Aggregated","request.outcome":"success","request_id":"2b3170e8-a945-4ada-a214-4c47af885a52","span_name":"kv_router.route_request","worker_id":"7847800910559599967"}"#;
+        assert_eq!(
+            parse_line(json).unwrap().content,
+            LineContent::RouterView(want.clone())
+        );
+        // Dynamo 1.4 and 1.5 at DEBUG, as the router chooses.
+        let best = r#"2026-12-06T05:59:12.247404Z DEBUG http-request:kv_router.select_worker: dynamo_llm::kv_router::push_router::selection: [ROUTING] Best: worker_7847800910559599967 dp_rank=0 with 7/23 blocks overlap request_id=2b3170e8-a945-4ada-a214-4c47af885a52 worker_id=7847800910559599967 dp_rank=0 overlap_blocks=7 total_blocks=23 method=POST uri=/v1/chat/completions version=HTTP/1.1 x_request_id="kvs1-f0-s0-t0""#;
+        assert_eq!(
+            parse_line(best).unwrap().content,
+            LineContent::RouterView(kvscope_wire::RouterView {
+                phase: None,
+                ..want.clone()
+            })
+        );
+        // A route that failed before a worker was chosen is no view.
+        let failed = r#"2026-12-06T05:57:00.206020Z  INFO http-request:kv_router.route_request: request_span: route request completed request.outcome="error" request_id=2b3170e8"#;
+        assert_eq!(parse_line(failed).unwrap().content, LineContent::Other);
+        // A view whose figures are no numbers is malformed, and said so.
+        let bad = text.replace("overlap_blocks=7", "overlap_blocks=many");
+        assert_eq!(parse_line(&bad).unwrap_err().kind, LineKind::RouterView);
+    }
+
     fn sample(name: &str) -> String {
         std::fs::read_to_string(format!(
             "{}/../lab/fixtures/samples/{name}",
@@ -1097,7 +1218,7 @@ mod tests {
         let mut counts = Vec::new();
         for name in ["router_log_plain.log", "router_log_ansi.log"] {
             let text = sample(name);
-            let (mut inputs, mut selected, mut other) = (0, 0, 0);
+            let (mut inputs, mut selected, mut other, mut views) = (0, 0, 0, 0);
             for line in text.lines() {
                 match parse_line(line)
                     .unwrap_or_else(|e| panic!("{name}: {e}: {line}"))
@@ -1114,14 +1235,21 @@ mod tests {
                         assert_eq!(s.router_mode.as_deref(), Some("kv"));
                         selected += 1;
                     }
+                    LineContent::RouterView(v) => {
+                        assert_eq!(v.phase.as_deref(), Some("Aggregated"));
+                        views += 1;
+                    }
                     LineContent::Migration(_) | LineContent::RequestTrace(_) => {
                         panic!("no migration or trace lines in this capture")
                     }
                     LineContent::Other | LineContent::RequestSpan { .. } => other += 1,
                 }
             }
-            assert!(inputs > 0 && selected > 0 && other > 0, "{name}");
-            counts.push((name, inputs, selected));
+            assert!(
+                inputs > 0 && selected > 0 && other > 0 && views > 0,
+                "{name}"
+            );
+            counts.push((name, inputs, selected, views));
         }
         eprintln!("{counts:?}");
     }

@@ -98,6 +98,8 @@ impl RouterTap {
                 LogOutput::TraceDuplicate => {}
                 // Stamped when it ended, as its line was written.
                 LogOutput::RequestEnd(e) => records.push((Record::RequestEnd(e), None)),
+                // Stamped when the route ended, as its line was written.
+                LogOutput::RouterView(v) => records.push((Record::RouterView(v), None)),
                 LogOutput::FutureLine { ts_ns, ahead_ns } => {
                     LogLineFuture { ts_ns, ahead_ns }.emit(stats)
                 }

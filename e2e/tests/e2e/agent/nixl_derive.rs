@@ -1,0 +1,179 @@
+//! The probes' struct offsets derived from a `libnixl.so`'s own instructions: equal to
+//! the hand-read table for the lab's build, and bad libraries refused or derived in
+//! part with the reason, never a panic. Reads files only (no root, no probes).
+
+use super::support;
+
+use kvscope_agent::nixl::library::NixlLibrary;
+use kvscope_agent::nixl::offsets::{self, NixlOffsets};
+use std::process::Command;
+
+fn fields(o: &NixlOffsets) -> [(&'static str, u64); 12] {
+    [
+        ("agent_data", o.agent_data),
+        ("data_name", o.data_name),
+        ("req_remote", o.req_remote),
+        ("req_op", o.req_op),
+        ("req_bytes", o.req_bytes),
+        ("req_descs", o.req_descs),
+        ("req_notif", o.req_notif),
+        ("req_has_notif", o.req_has_notif),
+        ("dlist_begin", o.dlist_begin),
+        ("desc_stride", o.desc_stride),
+        ("desc_len", o.desc_len),
+        ("req_status", o.req_status),
+    ]
+}
+
+#[test]
+fn the_derived_offsets_are_the_hand_read_table_for_the_lab_build() {
+    let libs = support::nixl_libs();
+    let lib = NixlLibrary::inspect(&libs.libnixl, true).unwrap();
+    let table = offsets::for_build(&lib.build_id).expect("the lab's build is the table's");
+    let derived = lib
+        .offsets
+        .unwrap_or_else(|| panic!("not derived:\n{}", lib.derivation.report()));
+    assert_eq!(fields(&derived), fields(&table));
+    assert_eq!(
+        derived.sites, table.sites,
+        "the table's completion sites kept"
+    );
+    assert!(lib.sites);
+    // Every field named by an instruction, most by more than one.
+    for f in &lib.derivation.fields {
+        assert!(!f.evidence.is_empty(), "{f:?}");
+    }
+    let confirmed = lib
+        .derivation
+        .fields
+        .iter()
+        .filter(|f| f.evidence.len() >= 2)
+        .count();
+    assert!(confirmed >= 10, "{}", lib.derivation.report());
+    assert_eq!(derived.counts, offsets::Counts::Always);
+    assert!(
+        lib.derivation.telemetry_refused.is_ok(),
+        "{}",
+        lib.derivation.report()
+    );
+}
+
+/// The older wheels' builds (scripts/setup): when their requests hold byte counts, and
+/// getXferTelemetry's refusal path, read from each; the telemetry flag named by two
+/// methods where the build gates counts on it.
+#[test]
+fn older_builds_say_when_their_counts_are_held_and_where_telemetry_is_refused() {
+    use offsets::Counts;
+    for (version, counts) in [
+        ("1.0.1", Counts::WithTelemetry { data_flag: 0xd0 }),
+        ("1.3.2", Counts::WithTelemetry { data_flag: 0xd8 }),
+        ("1.4.1", Counts::Always),
+    ] {
+        let lib = NixlLibrary::inspect(
+            &support::older_nixl_lib_dir(version).join("libnixl.so"),
+            true,
+        )
+        .unwrap();
+        let report = lib.derivation.report();
+        assert_eq!(
+            lib.offsets.map(|o| o.counts),
+            Some(counts),
+            "{version}: {report}"
+        );
+        if counts != Counts::Always {
+            assert!(
+                report.contains("the same flag gates `getXferTelemetry+"),
+                "{report}"
+            );
+        }
+        let site = lib
+            .derivation
+            .telemetry_refused
+            .as_ref()
+            .unwrap_or_else(|e| panic!("{version}: {e}"));
+        assert!(
+            site.evidence
+                .last()
+                .unwrap()
+                .ends_with("mov $0xfffffff4,%eax"),
+            "{version}: {site:?}"
+        );
+        assert!(lib
+            .probes
+            .iter()
+            .any(|p| p.spec.program == "xfer_telemetry_refused"));
+    }
+}
+
+#[test]
+fn nixl_inspect_says_what_was_derived_and_from_which_instructions() {
+    let libs = support::nixl_libs();
+    let out = Command::new(kvscope_e2e::agent())
+        .arg("nixl-inspect")
+        .arg(&libs.libnixl)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("offsets        all derived"), "{text}");
+    assert!(text.contains("completion sites known"), "{text}");
+    assert!(text.contains("req_bytes      0xd8"), "{text}");
+    assert!(
+        text.contains("getXferTelemetry+0x") && text.contains("postXferReq+0x"),
+        "{text}"
+    );
+
+    // A file that is not a library: a clear error, no panic.
+    let dir = tempfile::tempdir().unwrap();
+    let not_elf = dir.path().join("libnixl.so");
+    std::fs::write(&not_elf, b"#!/bin/sh\n").unwrap();
+    let out = Command::new(kvscope_e2e::agent())
+        .arg("nixl-inspect")
+        .arg(&not_elf)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("not an ELF"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+#[test]
+fn bad_libraries_are_refused_or_derived_in_part_with_the_reason() {
+    let libs = support::nixl_libs();
+    let whole = std::fs::read(&libs.libnixl).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+
+    // Truncated anywhere: refused, or what is left derived in part; never a panic.
+    for cut in [16, 4096, whole.len() / 3, whole.len() / 2, whole.len() - 1] {
+        let path = dir.path().join(format!("cut-{cut}.so"));
+        std::fs::write(&path, &whole[..cut]).unwrap();
+        match NixlLibrary::inspect(&path, true) {
+            Err(e) => assert!(!e.to_string().is_empty()),
+            Ok(lib) => {
+                if lib.offsets.is_none() {
+                    assert!(lib.derivation.offsets().is_err());
+                }
+            }
+        }
+    }
+
+    // No instruction names a descriptor's length: those fields are unknown and say
+    // why; the rest are still derived; the offsets as a whole are not used.
+    let copy = support::copy_libs_patched(&libs.lib_dir, dir.path(), &[support::DESCRIPTOR_SUM]);
+    let lib = NixlLibrary::inspect(&copy.join("libnixl.so"), true).unwrap();
+    assert!(lib.offsets.is_none() && !lib.sites);
+    let why = lib.derivation.offsets().unwrap_err();
+    assert!(why.contains("registerMem"), "{why}");
+    let unknown: Vec<&str> = lib
+        .derivation
+        .fields
+        .iter()
+        .filter(|f| f.value.is_none())
+        .map(|f| f.name)
+        .collect();
+    assert_eq!(unknown, ["dlist_begin", "desc_stride", "desc_len"]);
+}
