@@ -256,27 +256,24 @@ impl BusSecurity {
         Ok(security)
     }
 
-    /// kvscope's bus: listen on loopback, TLS only, JetStream under `store`, kvscope's
-    /// users with their permissions.
-    pub fn server_config(&self, port: u16, store: &Path) -> String {
+    /// kvscope's bus: listen on loopback, TLS only, `jetstream` (see
+    /// [`crate::nats::jetstream_config`]), kvscope's users with their permissions.
+    pub fn server_config(&self, port: u16, jetstream: &str) -> String {
         let users = self.users.iter().filter(|u| u.role != BusRole::Dynamo);
         format!(
-            "listen: \"127.0.0.1:{port}\"\n\
-             jetstream {{ store_dir: {} }}\n\
+            "listen: \"127.0.0.1:{port}\"\n{jetstream}\
              tls {{ cert_file: {}, key_file: {}, timeout: 5 }}\n{}",
-            quote(&store.display().to_string()),
             quote(&self.server_cert.display().to_string()),
             quote(&self.server_key.display().to_string()),
             authorization(users),
         )
     }
 
-    /// Dynamo's NATS: loopback, JetStream under `store`, Dynamo's user only.
-    pub fn dynamo_server_config(&self, port: u16, store: &Path) -> String {
+    /// Dynamo's NATS: loopback, `jetstream`, Dynamo's user only.
+    pub fn dynamo_server_config(&self, port: u16, jetstream: &str) -> String {
         let users = self.users.iter().filter(|u| u.role == BusRole::Dynamo);
         format!(
-            "listen: \"127.0.0.1:{port}\"\njetstream {{ store_dir: {} }}\n{}",
-            quote(&store.display().to_string()),
+            "listen: \"127.0.0.1:{port}\"\n{jetstream}{}",
             authorization(users),
         )
     }
@@ -453,8 +450,10 @@ mod tests {
             &[BusAgent::new("a", "lab"), BusAgent::new("b", "lab")],
         )
         .unwrap();
-        let conf = s.server_config(4222, Path::new("/store"));
+        let jetstream = crate::nats::jetstream_config(Path::new("/store"), 1 << 30);
+        let conf = s.server_config(4222, &jetstream);
         for needle in [
+            "max_file_store: 1073741824",
             "tls {",
             "\"kvscope-agent-a\"",
             "\"kvscope-agent-b\"",
@@ -464,7 +463,7 @@ mod tests {
             assert!(conf.contains(needle), "{needle} missing from\n{conf}");
         }
         assert!(!conf.contains("\"dynamo\""), "{conf}");
-        let dynamo = s.dynamo_server_config(4223, Path::new("/store2"));
+        let dynamo = s.dynamo_server_config(4223, &jetstream);
         assert!(
             dynamo.contains("\"dynamo\"") && !dynamo.contains("kvscope-agent"),
             "{dynamo}"

@@ -34,22 +34,7 @@ impl NatsServer {
     pub fn start_with_store_limit(dir: &Path, max_file_store: u64) -> Result<Self> {
         let reservation = crate::ports::reserve_ports(1).context("picking a port for NATS")?;
         let port = reservation.ports()[0];
-        let store = dir.join("nats");
-        std::fs::create_dir_all(&store).context("creating the NATS store folder")?;
-        let conf = dir.join("nats-server.conf");
-        std::fs::write(
-            &conf,
-            format!(
-                "listen: \"127.0.0.1:{port}\"\njetstream {{\n  store_dir: {}\n  \
-                 max_file_store: {max_file_store}\n}}\n",
-                // NATS reads a JSON string.
-                serde_json::to_string(&store.display().to_string())?
-            ),
-        )
-        .context("writing the NATS configuration")?;
-        let mut cmd = Command::new(crate::setup::nats_server_path()?);
-        cmd.arg("-c").arg(&conf);
-        let process = ManagedProcess::spawn("nats-server", cmd, &dir.join("nats.log"))?;
+        let process = spawn_limited(dir, port, None, max_file_store)?;
         Self::ready(dir, process, port, None)
     }
 
@@ -99,27 +84,48 @@ impl NatsServer {
     }
 }
 
-/// Spawn `nats-server -js` on 127.0.0.1:`port`, store under `dir/nats`, log in
-/// `dir/nats.log`, without waiting for it (the lab waits for its whole fleet at once).
-/// With `security`, its configuration file (mode 0600, it holds the passwords) sets TLS,
-/// the accounts and the users.
+/// The JetStream store every lab server gets. nats-server's own default is 75% of the
+/// disk free when it starts, so on a machine with under 5.4 GiB free it refuses
+/// kvscope's default stream (4 GiB) and every daemon stays unready; a deployment sets
+/// the limit (the manifests: 8GB), and so does the lab. nats-server reserves it without
+/// checking the disk: the tests write megabytes.
+pub const LAB_MAX_FILE_STORE: u64 = 16 << 30;
+
+/// `jetstream { … }` of a server configuration: its store under `store`, at most
+/// `max_file_store` bytes.
+pub fn jetstream_config(store: &Path, max_file_store: u64) -> String {
+    format!(
+        "jetstream {{\n  store_dir: {}\n  max_file_store: {max_file_store}\n}}\n",
+        // NATS reads a JSON string.
+        serde_json::to_string(&store.display().to_string()).unwrap_or_default()
+    )
+}
+
+/// Spawn `nats-server` with JetStream on 127.0.0.1:`port`, store under `dir/nats`
+/// ([`LAB_MAX_FILE_STORE`]), log in `dir/nats.log`, without waiting for it (the lab
+/// waits for its whole fleet at once). With `security`, its configuration file (mode
+/// 0600, it holds the passwords) sets TLS, the accounts and the users.
 pub fn spawn(dir: &Path, port: u16, security: Option<&BusSecurity>) -> Result<ManagedProcess> {
+    spawn_limited(dir, port, security, LAB_MAX_FILE_STORE)
+}
+
+fn spawn_limited(
+    dir: &Path,
+    port: u16,
+    security: Option<&BusSecurity>,
+    max_file_store: u64,
+) -> Result<ManagedProcess> {
     let store = dir.join("nats");
     std::fs::create_dir_all(&store).context("creating the NATS store folder")?;
-    let mut cmd = Command::new(crate::setup::nats_server_path()?);
+    let jetstream = jetstream_config(&store, max_file_store);
+    let conf = dir.join("nats-server.conf");
     match security {
-        None => {
-            cmd.args(["-js", "-a", "127.0.0.1", "-p"])
-                .arg(port.to_string())
-                .arg("-sd")
-                .arg(&store);
-        }
-        Some(s) => {
-            let conf = dir.join("nats-server.conf");
-            crate::bus_security::write_private(&conf, &s.server_config(port, &store))?;
-            cmd.arg("-c").arg(&conf);
-        }
+        None => std::fs::write(&conf, format!("listen: \"127.0.0.1:{port}\"\n{jetstream}"))
+            .context("writing the NATS configuration")?,
+        Some(s) => crate::bus_security::write_private(&conf, &s.server_config(port, &jetstream))?,
     }
+    let mut cmd = Command::new(crate::setup::nats_server_path()?);
+    cmd.arg("-c").arg(&conf);
     ManagedProcess::spawn("nats-server", cmd, &dir.join("nats.log"))
 }
 
@@ -130,7 +136,8 @@ pub fn spawn_dynamo(dir: &Path, port: u16, security: &BusSecurity) -> Result<Man
     let store = dir.join("dynamo-nats");
     std::fs::create_dir_all(&store).context("creating Dynamo's NATS store folder")?;
     let conf = dir.join("dynamo-nats-server.conf");
-    crate::bus_security::write_private(&conf, &security.dynamo_server_config(port, &store))?;
+    let jetstream = jetstream_config(&store, LAB_MAX_FILE_STORE);
+    crate::bus_security::write_private(&conf, &security.dynamo_server_config(port, &jetstream))?;
     let mut cmd = Command::new(crate::setup::nats_server_path()?);
     cmd.arg("-c").arg(&conf);
     ManagedProcess::spawn("dynamo-nats-server", cmd, &dir.join("dynamo-nats.log"))
