@@ -12,11 +12,20 @@
 //! (chosen overlap .. best overlap), those holding a reply's tokens that the best worker
 //! decoded (it answered that turn, by the response's `nvext.worker_id`). A turn of P
 //! prompt tokens and N reply tokens leaves blocks ⌊P/16⌋ .. ⌊(P+N−1)/16⌋ stored by
-//! decode (the last token's KV is never computed). Needs the lab (`scripts/setup`).
+//! decode (the last token's KV is never computed).
+//!
+//! The frontend runs with `--router-track-output-blocks` (lab_e2e runs without), and the
+//! router's view of each choice is audited as lab_e2e audits it: the collector's figures
+//! equal a count from the router's log and the radix tree's overlaps. Needs the lab
+//! (`scripts/setup`).
 
+use kvscope_collector::fold::analyzer::{AnalyzerConfig, FleetAnalyzer};
+use kvscope_e2e::oracle;
 use kvscope_fleet::fleet_run::FleetRunConfig;
 use kvscope_lab::workload::{self, RequestRecord, WorkloadConfig};
 use kvscope_lab::LabConfig;
+use kvscope_wire::api::summary::RouterViewAudit;
+use kvscope_wire::recording::read_recording;
 use serde_json::Value;
 use std::collections::BTreeMap;
 
@@ -41,7 +50,11 @@ async fn decode_generated_blocks_show_in_the_true_delta_as_the_workload_counts_t
     std::fs::write(&trace, workload::answer_trace(&wl)).unwrap();
     let lab = LabConfig {
         workers: 3,
-        frontend_args: vec!["--router-temperature".into(), "0.5".into()],
+        frontend_args: vec![
+            "--router-temperature".into(),
+            "0.5".into(),
+            "--router-track-output-blocks".into(),
+        ],
         // Room for every conversation: no block is evicted and prefilled again, so a
         // decode-generated block stays one.
         num_gpu_blocks: 4096,
@@ -78,7 +91,35 @@ async fn decode_generated_blocks_show_in_the_true_delta_as_the_workload_counts_t
     .expect("the collector catches up");
     let verdicts: Vec<Value> =
         kvscope_e2e::get_json(&format!("{}/api/verdicts?limit=100000", run.api())).await;
-    run.finish().await.expect("the run ends cleanly");
+    let live: Value = kvscope_e2e::get_json(&format!("{}/api/summary", run.api())).await;
+    let router_log = run.lab().router_log().to_path_buf();
+    let recording = run.finish().await.expect("the run ends cleanly");
+
+    // The router's view with output blocks tracked, counted from its log.
+    let rec = read_recording(&recording).unwrap();
+    let mut analyzer = FleetAnalyzer::new(AnalyzerConfig {
+        window_secs: WINDOW_SECS,
+        warmup_secs: WINDOW_SECS,
+        ..AnalyzerConfig::default()
+    });
+    let judged: Vec<_> = rec
+        .envelopes
+        .iter()
+        .filter_map(|e| analyzer.apply(e))
+        .collect();
+    let (want, _) = kvscope_e2e::router_view::count(
+        &std::fs::read_to_string(&router_log).unwrap(),
+        &judged,
+        &oracle::dynamo_overlaps(&rec.envelopes),
+    );
+    let audit: RouterViewAudit = serde_json::from_value(live["router_view"].clone()).unwrap();
+    eprintln!("router view, output blocks tracked: {audit:?}");
+    assert_eq!(audit, want);
+    assert_eq!(
+        want.compared as usize,
+        judged.len(),
+        "every decision has its view"
+    );
 
     let by_router_id: BTreeMap<&str, &RequestRecord> = summary
         .requests
