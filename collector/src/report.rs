@@ -58,7 +58,9 @@ pub struct SpillTokenBin {
 
 /// What the router's-view table shows, under its heading.
 const ROUTER_VIEW_CAPTION: &str = "The overlap the router credited each chosen worker with \
-     (its log), against what the worker's engine held at the decision.";
+     (its log), against what the worker's engine held at the decision; why, from the first \
+     block it got wrong: removed or stored on that worker within 5 s before the decision (a \
+     change the router had not applied), or stored only after it (the router saw it first).";
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct OpportunityReport {
@@ -245,7 +247,7 @@ impl OpportunityReport {
     }
 
     /// The router's view as one table row, head and cells, when any decision was compared.
-    pub(crate) fn router_view_row(&self) -> Option<([&'static str; 6], [String; 6])> {
+    pub(crate) fn router_view_row(&self) -> Option<([&'static str; 9], [String; 9])> {
         let v = &self.router_view;
         (v.compared > 0).then(|| {
             (
@@ -253,7 +255,10 @@ impl OpportunityReport {
                     "decisions compared",
                     "exact",
                     "over (blocks)",
+                    "over: removal not yet applied / store seen first",
                     "under (blocks)",
+                    "under: store not yet applied",
+                    "not yet applied: the change came (mean / max ms before)",
                     "spills",
                     "spills the router could not see",
                 ],
@@ -261,7 +266,21 @@ impl OpportunityReport {
                     v.compared.to_string(),
                     v.exact.to_string(),
                     format!("{} ({})", v.over, v.over_blocks),
+                    format!("{} / {}", v.over_removed_lately, v.over_stored_after),
                     format!("{} ({})", v.under, v.under_blocks),
+                    v.under_stored_lately.to_string(),
+                    {
+                        let n = v.over_removed_lately + v.under_stored_lately;
+                        let ms = |us: u64| us as f64 / 1e3;
+                        match n {
+                            0 => "–".into(),
+                            _ => format!(
+                                "{} / {}",
+                                ms(v.lately_lag_us_sum / n),
+                                ms(v.lately_lag_us_max)
+                            ),
+                        }
+                    },
                     v.spills.to_string(),
                     v.spills_unseen.to_string(),
                 ],
@@ -732,14 +751,19 @@ mod tests {
             exact: 6,
             over: 2,
             over_blocks: 30,
+            over_removed_lately: 1,
+            over_stored_after: 0,
             under: 1,
             under_blocks: 4,
+            under_stored_lately: 1,
             spills: 3,
             spills_unseen: 2,
+            lately_lag_us_sum: 3_000,
+            lately_lag_us_max: 2_500,
         };
         assert!(r
             .to_markdown()
-            .contains("| 9 | 6 | 2 (30) | 1 (4) | 3 | 2 |"));
+            .contains("| 9 | 6 | 2 (30) | 1 / 0 | 1 (4) | 1 | 1.5 / 2.5 | 3 | 2 |"));
         let html = r.to_html();
         assert!(html.contains("router-view-table"));
         assert!(html.contains("<td>2 (30)</td>"), "{html}");

@@ -1,23 +1,30 @@
 //! The router-view audit counted the way a person would check it: from the router's own
 //! log, with a plain scan, and the radix tree's overlaps (the oracle), never through the
-//! agent's parser or the collector's fold.
+//! agent's parser or the collector's fold; the causes from a plain scan of the records.
 
 use kvscope_wire::api::summary::RouterViewAudit;
 use kvscope_wire::api::verdict::SpillVerdict;
-use kvscope_wire::WorkerKey;
+use kvscope_wire::hashing::{chain_hash, sequence_hashes};
+use kvscope_wire::{Envelope, KvEvent, Record, WorkerKey};
 use std::collections::{BTreeMap, HashMap, HashSet};
+
+/// A change this close before a decision is one the router may not have applied yet.
+const STALE_HORIZON_NS: u64 = 5_000_000_000;
 
 /// The audit of `verdicts` from the router's log text: per request, the first line that
 /// states the router's view (Dynamo 1.6's `route request completed`, whose last
 /// `request_id` is the route's; 1.4/1.5's DEBUG `[ROUTING] Best:`, whose first is the
 /// event's), its `worker_id` and `overlap_blocks` set beside `truth` (the oracle's
 /// per-worker overlaps of each decision) where the request was judged on that worker.
-/// Also how many lines stated a view.
+/// The causes of each miss from `records` (see [`Changes`]). Also how many lines stated
+/// a view.
 pub fn count(
     log: &str,
     verdicts: &[SpillVerdict],
     truth: &[(String, BTreeMap<WorkerKey, u32>)],
+    records: &[Envelope],
 ) -> (RouterViewAudit, usize) {
+    let changes = Changes::scan(records);
     let chosen: HashMap<&str, WorkerKey> = verdicts
         .iter()
         .map(|v| (v.request_id.as_str(), v.chosen))
@@ -78,9 +85,21 @@ pub fn count(
         } else if believed > held {
             n.over += 1;
             n.over_blocks += u64::from(believed - held);
+            match changes.why(&id, worker, held, false) {
+                Some(Why::RemovedLately(lag_ns)) => {
+                    n.over_removed_lately += 1;
+                    n.note_lag(lag_ns);
+                }
+                Some(Why::StoredAfter) => n.over_stored_after += 1,
+                _ => {}
+            }
         } else {
             n.under += 1;
             n.under_blocks += u64::from(held - believed);
+            if let Some(Why::StoredLately(lag_ns)) = changes.why(&id, worker, believed, true) {
+                n.under_stored_lately += 1;
+                n.note_lag(lag_ns);
+            }
         }
         if best > held {
             n.spills += 1;
@@ -88,4 +107,130 @@ pub fn count(
         }
     }
     (n, lines)
+}
+
+#[derive(Debug, PartialEq, Eq)]
+enum Why {
+    /// How long before the decision.
+    StoredLately(u64),
+    RemovedLately(u64),
+    StoredAfter,
+}
+
+/// A block's changes on one worker: (record index, record time, stored or removed).
+type BlockChanges = HashMap<(WorkerKey, u64), Vec<(usize, u64, bool)>>;
+
+/// Every block change of the run, in record order, by worker and sequence hash (a
+/// store's hashes chained from its parent's, as the engine named it), with each
+/// request's first decision and first view: a miss is explained by the changes
+/// recorded before the later of the two, as the collector compares them then.
+struct Changes {
+    /// Per (worker, sequence hash).
+    of_block: BlockChanges,
+    /// Per request: its chain, its decision's record time, and the index of the later
+    /// of its decision and its view.
+    requests: HashMap<String, (Vec<u64>, u64, usize)>,
+}
+
+impl Changes {
+    fn scan(records: &[Envelope]) -> Self {
+        let mut of_block = BlockChanges::new();
+        let mut seq_of: HashMap<(WorkerKey, u64), u64> = HashMap::new();
+        let mut requests: HashMap<String, (Vec<u64>, u64, usize)> = HashMap::new();
+        let mut viewed: HashMap<&str, usize> = HashMap::new();
+        for (i, e) in records.iter().enumerate() {
+            match &e.record {
+                Record::KvEvents(b) => {
+                    for ev in &b.events {
+                        match ev {
+                            KvEvent::BlockStored {
+                                block_hashes,
+                                parent_block_hash,
+                                ..
+                            } => {
+                                let locals = ev.stored_local_hashes().unwrap_or_default();
+                                let mut parent = parent_block_hash
+                                    .and_then(|p| seq_of.get(&(b.worker, p)).copied());
+                                for (engine, local) in block_hashes.iter().zip(locals.iter()) {
+                                    let seq = chain_hash(parent, *local);
+                                    seq_of.insert((b.worker, *engine), seq);
+                                    of_block.entry((b.worker, seq)).or_default().push((
+                                        i,
+                                        e.observed_ns,
+                                        true,
+                                    ));
+                                    parent = Some(seq);
+                                }
+                            }
+                            KvEvent::BlockRemoved { block_hashes, .. } => {
+                                for engine in block_hashes {
+                                    if let Some(seq) = seq_of.get(&(b.worker, *engine)) {
+                                        of_block.entry((b.worker, *seq)).or_default().push((
+                                            i,
+                                            e.observed_ns,
+                                            false,
+                                        ));
+                                    }
+                                }
+                            }
+                            KvEvent::AllBlocksCleared => {}
+                        }
+                    }
+                }
+                Record::Decision(d) if !requests.contains_key(&d.request_id) => {
+                    let chain = d
+                        .sequence_hashes
+                        .clone()
+                        .unwrap_or_else(|| sequence_hashes(&d.local_hashes));
+                    requests.insert(d.request_id.clone(), (chain, e.observed_ns, i));
+                }
+                Record::RouterView(v) => {
+                    viewed.entry(v.request_id.as_str()).or_insert(i);
+                }
+                _ => {}
+            }
+        }
+        for (id, (_, _, at)) in requests.iter_mut() {
+            *at = (*at).max(viewed.get(id.as_str()).copied().unwrap_or(0));
+        }
+        Self { of_block, requests }
+    }
+
+    /// Why request `id`'s view of `worker` went wrong at chain position `pos` (the first
+    /// block it got wrong): under or over.
+    fn why(&self, id: &str, worker: WorkerKey, pos: u32, under: bool) -> Option<Why> {
+        let (chain, decided_ns, compared_at) = self.requests.get(id)?;
+        let block = chain.get(pos as usize)?;
+        let seen: Vec<&(usize, u64, bool)> = self
+            .of_block
+            .get(&(worker, *block))?
+            .iter()
+            .filter(|(i, _, _)| i < compared_at)
+            .collect();
+        let lately = |t: u64| t <= *decided_ns && decided_ns - t <= STALE_HORIZON_NS;
+        let last_store = seen
+            .iter()
+            .filter(|(_, t, stored)| *stored && t <= decided_ns)
+            .map(|(_, t, _)| *t)
+            .max();
+        if under {
+            return last_store
+                .filter(|t| lately(*t))
+                .map(|t| Why::StoredLately(decided_ns - t));
+        }
+        if let Some(s) = last_store {
+            // The latest removal since that store.
+            let removed = seen
+                .iter()
+                .filter(|(_, t, stored)| !*stored && *t >= s && lately(*t))
+                .map(|(_, t, _)| *t)
+                .max();
+            if let Some(t) = removed {
+                return Some(Why::RemovedLately(decided_ns - t));
+            }
+        }
+        seen.iter()
+            .any(|(_, t, stored)| *stored && t > decided_ns)
+            .then_some(Why::StoredAfter)
+    }
 }

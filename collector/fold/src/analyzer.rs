@@ -5,6 +5,7 @@
 //! same records give the same figures.
 
 use crate::fleet_index::{FastMap, FleetIndex, MirrorError};
+use crate::recent_changes::{RecentChanges, StaleCause};
 use crate::verdict;
 use crate::window::{ClosedWindow, OpenWindow};
 use kvscope_wire::api::summary::{AgentStatus, CollectorCounters, RouterViewAudit};
@@ -188,6 +189,8 @@ pub struct FleetAnalyzer {
     index: FleetIndex,
     counters: CollectorCounters,
     router_view: RouterViewAudit,
+    /// The latest block changes, to tell why a router view was wrong.
+    recent_changes: RecentChanges,
     /// Router views that came before their decision, waiting for it (see
     /// [`Self::apply_router_view`]).
     views_waiting: (
@@ -383,6 +386,7 @@ impl FleetAnalyzer {
             index: FleetIndex::new(),
             counters: CollectorCounters::default(),
             router_view: RouterViewAudit::default(),
+            recent_changes: RecentChanges::default(),
             views_waiting: Default::default(),
             totals: FleetTotals::default(),
             agents: BTreeMap::new(),
@@ -760,18 +764,39 @@ impl FleetAnalyzer {
         r.router_overlap_blocks = Some(view.overlap_blocks);
         let (held, best_held) = (r.recorded_overlap_blocks, r.recorded_best_overlap_blocks);
         let spill = r.recorded_spill_blocks(min_spill_blocks).is_some();
-        let a = &mut self.router_view;
         let believed = view.overlap_blocks;
+        // The first block the router got wrong: the one past the shorter of the two.
+        let first_wrong = r.chain.get(believed.min(held) as usize).copied();
+        let (worker, decided_ns) = (r.worker, r.decided_ns);
+        let recent = &self.recent_changes;
+        let why = |under: bool| match first_wrong {
+            Some(b) if under => recent.why_under(worker, b, decided_ns),
+            Some(b) => recent.why_over(worker, b, decided_ns),
+            None => StaleCause::Unexplained,
+        };
+        let a = &mut self.router_view;
         a.compared += 1;
         match believed.cmp(&held) {
             std::cmp::Ordering::Equal => a.exact += 1,
             std::cmp::Ordering::Greater => {
                 a.over += 1;
                 a.over_blocks += u64::from(believed - held);
+                match why(false) {
+                    StaleCause::RemovedLately { lag_ns } => {
+                        a.over_removed_lately += 1;
+                        a.note_lag(lag_ns);
+                    }
+                    StaleCause::StoredAfter => a.over_stored_after += 1,
+                    StaleCause::StoredLately { .. } | StaleCause::Unexplained => {}
+                }
             }
             std::cmp::Ordering::Less => {
                 a.under += 1;
                 a.under_blocks += u64::from(held - believed);
+                if let StaleCause::StoredLately { lag_ns } = why(true) {
+                    a.under_stored_lately += 1;
+                    a.note_lag(lag_ns);
+                }
             }
         }
         if spill {
@@ -984,6 +1009,8 @@ impl FleetAnalyzer {
                     match stored {
                         Ok(seg) => {
                             self.counters.stored_blocks += seg.blocks.len() as u64;
+                            self.recent_changes
+                                .stored(worker, t, block_hashes, &seg.blocks);
                             if let Some(engine_ns) = engine_ns {
                                 self.find_judged_before(engine_ns, &seg.blocks);
                             }
@@ -1030,6 +1057,7 @@ impl FleetAnalyzer {
                     }
                 }
                 KvEvent::BlockRemoved { block_hashes, .. } => {
+                    self.recent_changes.removed(worker, t, block_hashes);
                     let out = self.index.remove(worker, block_hashes);
                     self.counters.removed_blocks += out.removed;
                     if out.unknown > 0 {
@@ -1885,17 +1913,19 @@ mod tests {
         assert_eq!(a.counters().generated_blocks, 6);
     }
 
+    /// The router's view of request `id`: `overlap_blocks` on `worker`.
+    fn view(id: &str, worker: u64, overlap_blocks: u32) -> Record {
+        Record::RouterView(kvscope_wire::RouterView {
+            request_id: id.into(),
+            worker: w(worker),
+            overlap_blocks,
+            phase: Some("Aggregated".into()),
+        })
+    }
+
     #[test]
     fn the_routers_view_is_set_beside_what_the_engines_held() {
         let mut a = FleetAnalyzer::new(cfg());
-        let view = |id: &str, worker: u64, overlap_blocks: u32| {
-            Record::RouterView(kvscope_wire::RouterView {
-                request_id: id.into(),
-                worker: w(worker),
-                overlap_blocks,
-                phase: Some("Aggregated".into()),
-            })
-        };
         let prompt: Vec<u32> = (0..4).collect();
         a.apply(&env(1, decision("t1", 1, &prompt)));
         a.apply(&env(
@@ -1954,10 +1984,58 @@ mod tests {
         assert_eq!((v.compared, v.exact, v.over, v.under), (3, 1, 1, 1));
         assert_eq!((v.over_blocks, v.under_blocks), (2, 1));
         assert_eq!((v.spills, v.spills_unseen), (2, 1));
+        // Why: t3's uncredited block was stored on worker 2 just before its decision;
+        // worker 2 never held what t2's view credited it with.
+        assert_eq!(v.under_stored_lately, 1);
+        assert_eq!((v.over_removed_lately, v.over_stored_after), (0, 0));
         // t9's decision never came: a minute of record time later its view is given up.
         a.apply(&env(70 * S, view("t8", 1, 0)));
         assert_eq!(a.counters().router_views_unjoined, 3);
         assert_eq!(a.counters().router_views, 7);
+    }
+
+    #[test]
+    fn an_over_credit_is_told_a_late_removal_or_a_store_the_router_saw_first() {
+        let mut a = FleetAnalyzer::new(cfg());
+        let prompt: Vec<u32> = (0..4).collect();
+        a.apply(&env(
+            S,
+            stored(1, 0, SequenceStatus::First, &prompt, &[1, 2]),
+        ));
+        // Worker 1 evicts the prompt's second block a moment before r1 comes to it; the
+        // router still credits both.
+        a.apply(&env(
+            2 * S,
+            batch(
+                1,
+                1,
+                SequenceStatus::InOrder,
+                vec![KvEvent::BlockRemoved {
+                    block_hashes: vec![2],
+                    medium: None,
+                }],
+            ),
+        ));
+        a.apply(&env(2 * S + 1, decision("r1", 1, &prompt)));
+        a.apply(&env(2 * S + 2, view("r1", 1, 2)));
+        // r2 goes to worker 2, which stores the prompt only after the decision (in
+        // record time); the router credited it already.
+        a.apply(&env(3 * S, decision("r2", 2, &prompt)));
+        a.apply(&env(
+            3 * S + 1,
+            stored(2, 0, SequenceStatus::First, &prompt, &[11, 12]),
+        ));
+        a.apply(&env(3 * S + 2, view("r2", 2, 2)));
+        // r3 to worker 1 a minute later, credited with the block removed long ago: the
+        // router lost that removal.
+        a.apply(&env(60 * S, decision("r3", 1, &prompt)));
+        a.apply(&env(60 * S, view("r3", 1, 2)));
+        let v = a.router_view();
+        assert_eq!((v.compared, v.over, v.over_blocks), (3, 3, 4));
+        assert_eq!((v.over_removed_lately, v.over_stored_after), (1, 1));
+        assert_eq!(v.under_stored_lately, 0);
+        // r1's removal came 1 ns before its decision.
+        assert_eq!((v.lately_lag_us_sum, v.lately_lag_us_max), (0, 0));
     }
 
     #[test]

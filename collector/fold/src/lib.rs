@@ -6,5 +6,6 @@ pub mod analyzer;
 pub mod fixtures;
 pub mod fleet_index;
 pub mod nixl;
+pub mod recent_changes;
 pub mod verdict;
 pub mod window;

@@ -47,6 +47,34 @@ fn write_router_view(out: &mut Exposition, v: &kvscope_wire::api::summary::Route
     for (direction, n) in [("over", v.over_blocks), ("under", v.under_blocks)] {
         out.counter(name, &labels(&[("direction", direction)]), n);
     }
+    let name = "kvscope_router_view_stale_causes";
+    out.family(
+        name,
+        Kind::Counter,
+        "Over- and under-estimates by why, from the first block the router got wrong: removed_lately (over: removed within 5 s before the decision, a removal the router had not applied), stored_after (over: stored only after the decision), stored_lately (under: stored within 5 s before, a store not yet applied), unexplained (an older change: lost or never applied).",
+    );
+    for (direction, cause, n) in [
+        ("over", "removed_lately", v.over_removed_lately),
+        ("over", "stored_after", v.over_stored_after),
+        (
+            "over",
+            "unexplained",
+            v.over
+                .saturating_sub(v.over_removed_lately + v.over_stored_after),
+        ),
+        ("under", "stored_lately", v.under_stored_lately),
+        (
+            "under",
+            "unexplained",
+            v.under.saturating_sub(v.under_stored_lately),
+        ),
+    ] {
+        out.counter(
+            name,
+            &labels(&[("direction", direction), ("cause", cause)]),
+            n,
+        );
+    }
     out.single_counter(
         "kvscope_router_view_spills",
         "Spills whose router view came (set beside the engines' truth).",

@@ -230,6 +230,11 @@ async fn exact_on(release: &str, shape: Shape) -> Outcome {
         &std::fs::read_to_string(&router_log).unwrap_or_default(),
         verdicts,
         &oracle::dynamo_overlaps(&replayed.envelopes),
+        &replayed.envelopes,
+    );
+    eprintln!(
+        "Dynamo {release} ({}): the router's view {views:?}",
+        shape.name
     );
     assert_eq!(
         replayed.analyzer.router_view(),

@@ -175,6 +175,7 @@ async fn lab_fleet_end_to_end_with_a_collector_crash() {
         &std::fs::read_to_string(&router_log).unwrap(),
         &verdicts,
         &truth,
+        &rec.envelopes,
     );
     let audit: kvscope_wire::api::summary::RouterViewAudit =
         serde_json::from_value(live_summary["router_view"].clone()).unwrap();

@@ -111,6 +111,7 @@ async fn decode_generated_blocks_show_in_the_true_delta_as_the_workload_counts_t
         &std::fs::read_to_string(&router_log).unwrap(),
         &judged,
         &oracle::dynamo_overlaps(&rec.envelopes),
+        &rec.envelopes,
     );
     let audit: RouterViewAudit = serde_json::from_value(live["router_view"].clone()).unwrap();
     eprintln!("router view, output blocks tracked: {audit:?}");

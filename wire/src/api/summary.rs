@@ -106,16 +106,42 @@ pub struct RouterViewAudit {
     pub over: u64,
     /// Blocks credited over the truth, summed.
     pub over_blocks: u64,
+    /// Of the over-estimates, those whose first wrongly credited block the worker had
+    /// removed within 5 s before the decision: a removal the router had not applied.
+    pub over_removed_lately: u64,
+    /// ... and those whose first wrongly credited block the worker stored only after the
+    /// decision (in kvscope's record time): the router applied the store first. The rest
+    /// of `over` is unexplained by what the collector keeps (older changes: lost or
+    /// never applied events, the router's TTL or approximate mode).
+    pub over_stored_after: u64,
     /// The router credited the worker with less than it held (stores it had not applied
     /// yet, lost events, output blocks it does not track).
     pub under: u64,
     /// Blocks held that the router did not credit, summed.
     pub under_blocks: u64,
+    /// Of the under-estimates, those whose first uncredited block the worker stored
+    /// within 5 s before the decision: a store the router had not applied yet. The rest
+    /// of `under` is unexplained by what the collector keeps (a store the router lost).
+    pub under_stored_lately: u64,
     /// Spills (verdicts whose best worker held more than the chosen one) compared.
     pub spills: u64,
     /// Of those, spills the router could not see: it credited the chosen worker with at
     /// least what the best worker truly held, so by its view it chose no worse.
     pub spills_unseen: u64,
+    /// Over the misses told "not yet applied" (`over_removed_lately`,
+    /// `under_stored_lately`): how long before the decision the change came, in µs of
+    /// record time, summed (÷ their count: the mean) and the longest.
+    pub lately_lag_us_sum: u64,
+    pub lately_lag_us_max: u64,
+}
+
+impl RouterViewAudit {
+    /// A miss told "not yet applied", its change `lag_ns` before the decision.
+    pub fn note_lag(&mut self, lag_ns: u64) {
+        let us = lag_ns / 1_000;
+        self.lately_lag_us_sum = self.lately_lag_us_sum.saturating_add(us);
+        self.lately_lag_us_max = self.lately_lag_us_max.max(us);
+    }
 }
 
 /// Everything the collector counted since it started (or since the replay began).
