@@ -18,13 +18,24 @@ const KEPT_BLOCKS: usize = 65_536;
 /// one older is a view the router lost, not one it had yet to update.
 pub const STALE_HORIZON_NS: u64 = 5_000_000_000;
 
+/// One batch's change: its hashes are the next `len` (a removal) or `2 × len` (a store:
+/// the engine's, then the mirror's) entries of [`RecentChanges::hashes`].
 #[derive(Debug)]
 struct Change {
     worker: WorkerKey,
     at_ns: u64,
-    engine: Box<[u64]>,
-    /// The stored blocks' sequence hashes, in `engine`'s order; empty for a removal.
-    stored: Box<[SequenceHash]>,
+    len: usize,
+    stored: bool,
+}
+
+impl Change {
+    fn entries(&self) -> usize {
+        if self.stored {
+            2 * self.len
+        } else {
+            self.len
+        }
+    }
 }
 
 /// Why the router's overlap for its chosen worker differed from what the worker held.
@@ -44,9 +55,11 @@ pub enum StaleCause {
     Unexplained,
 }
 
+/// The changes, oldest first, and their hashes in one ring: no allocation per batch.
 #[derive(Debug, Default)]
 pub struct RecentChanges {
     changes: VecDeque<Change>,
+    hashes: VecDeque<u64>,
     blocks: usize,
 }
 
@@ -60,36 +73,49 @@ impl RecentChanges {
         stored: &[SequenceHash],
     ) {
         let n = engine.len().min(stored.len());
-        self.push(Change {
-            worker,
-            at_ns,
-            engine: engine[..n].into(),
-            stored: stored[..n].into(),
-        });
+        self.hashes.extend(&engine[..n]);
+        self.hashes.extend(&stored[..n]);
+        self.push(worker, at_ns, n, true);
     }
 
     /// `worker` removed `engine` at `at_ns`.
     pub fn removed(&mut self, worker: WorkerKey, at_ns: u64, engine: &[u64]) {
-        self.push(Change {
-            worker,
-            at_ns,
-            engine: engine.into(),
-            stored: Box::default(),
-        });
+        self.hashes.extend(engine);
+        self.push(worker, at_ns, engine.len(), false);
     }
 
-    fn push(&mut self, c: Change) {
-        if c.engine.is_empty() {
+    fn push(&mut self, worker: WorkerKey, at_ns: u64, len: usize, stored: bool) {
+        if len == 0 {
             return;
         }
-        self.blocks += c.engine.len();
-        self.changes.push_back(c);
+        self.blocks += len;
+        self.changes.push_back(Change {
+            worker,
+            at_ns,
+            len,
+            stored,
+        });
         while self.blocks > KEPT_BLOCKS {
-            match self.changes.pop_front() {
-                Some(old) => self.blocks -= old.engine.len(),
-                None => break,
-            }
+            let Some(old) = self.changes.pop_front() else {
+                break;
+            };
+            self.blocks -= old.len;
+            self.hashes.drain(..old.entries());
         }
+    }
+
+    /// Each change, newest first, with where its hashes start in [`Self::hashes`].
+    fn newest_first(&self) -> impl Iterator<Item = (&Change, usize)> + '_ {
+        let mut end = self.hashes.len();
+        self.changes.iter().rev().map(move |c| {
+            end -= c.entries();
+            (c, end)
+        })
+    }
+
+    /// `n` hashes from `at`.
+    fn hashes(&self, at: usize, n: usize) -> impl Iterator<Item = u64> + '_ {
+        self.hashes.range(at..at + n).copied()
     }
 
     /// Why `worker`'s engine held `block` at `decided_ns` while the router did not
@@ -107,15 +133,15 @@ impl RecentChanges {
     /// `decided_ns`: removed lately, stored after, or unexplained.
     pub fn why_over(&self, worker: WorkerKey, block: SequenceHash, decided_ns: u64) -> StaleCause {
         if let Some((engine, stored_ns)) = self.last_store(worker, block, |t| t <= decided_ns) {
-            let removed = self.changes.iter().rev().find(|c| {
+            let removed = self.newest_first().find(|(c, at)| {
                 c.worker == worker
-                    && c.stored.is_empty()
+                    && !c.stored
                     && c.at_ns >= stored_ns
                     && c.at_ns <= decided_ns
                     && decided_ns - c.at_ns <= STALE_HORIZON_NS
-                    && c.engine.contains(&engine)
+                    && self.hashes(*at, c.len).any(|h| h == engine)
             });
-            if let Some(c) = removed {
+            if let Some((c, _)) = removed {
                 return StaleCause::RemovedLately {
                     lag_ns: decided_ns - c.at_ns,
                 };
@@ -135,13 +161,12 @@ impl RecentChanges {
         block: SequenceHash,
         when: impl Fn(u64) -> bool,
     ) -> Option<(u64, u64)> {
-        self.changes
-            .iter()
-            .rev()
-            .filter(|c| c.worker == worker && when(c.at_ns))
-            .find_map(|c| {
-                let i = c.stored.iter().position(|s| *s == block)?;
-                Some((c.engine[i], c.at_ns))
+        self.newest_first()
+            .filter(|(c, _)| c.worker == worker && c.stored && when(c.at_ns))
+            .find_map(|(c, at)| {
+                // A store's sequence hashes follow its engine hashes.
+                let i = self.hashes(at + c.len, c.len).position(|s| s == block)?;
+                Some((self.hashes[at + i], c.at_ns))
             })
     }
 }
@@ -206,14 +231,21 @@ mod tests {
             r.stored(W, i * S, &engine, &stored);
         }
         assert!(r.blocks <= KEPT_BLOCKS, "{}", r.blocks);
-        assert_eq!(
-            r.blocks,
-            r.changes.iter().map(|c| c.engine.len()).sum::<usize>()
-        );
+        let kept = |r: &RecentChanges| r.changes.iter().map(|c| c.len).sum::<usize>();
+        let entries = |r: &RecentChanges| r.changes.iter().map(Change::entries).sum::<usize>();
+        assert_eq!((r.blocks, r.hashes.len()), (kept(&r), entries(&r)));
         r.removed(W, 0, &[]);
+        r.removed(W, 101 * S, &[5, 6, 7]);
+        assert_eq!((r.blocks, r.hashes.len()), (kept(&r), entries(&r)));
+        // The newest changes are still found, their hashes where they were put, after
+        // the oldest went.
         assert_eq!(
-            r.blocks,
-            r.changes.iter().map(|c| c.engine.len()).sum::<usize>()
+            r.why_under(W, seq(1023), 99 * S + 1),
+            StaleCause::StoredLately { lag_ns: 1 }
+        );
+        assert_eq!(
+            r.why_over(W, seq(6), 101 * S + 2),
+            StaleCause::RemovedLately { lag_ns: 2 }
         );
     }
 }
