@@ -62,6 +62,19 @@ const ROUTER_VIEW_CAPTION: &str = "The overlap the router credited each chosen w
      block it got wrong: removed or stored on that worker within 5 s before the decision (a \
      change the router had not applied), or stored only after it (the router saw it first).";
 
+/// The mean and longest lag of the router-view misses told "not yet applied", in ms.
+fn lately_lag_cell(v: &RouterViewAudit) -> String {
+    let ms = |us: u64| us as f64 / 1e3;
+    match v.over_removed_lately + v.under_stored_lately {
+        0 => "–".into(),
+        n => format!(
+            "{} / {}",
+            ms(v.lately_lag_us_sum / n),
+            ms(v.lately_lag_us_max)
+        ),
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct OpportunityReport {
     pub status: ReportStatus,
@@ -269,18 +282,7 @@ impl OpportunityReport {
                     format!("{} / {}", v.over_removed_lately, v.over_stored_after),
                     format!("{} ({})", v.under, v.under_blocks),
                     v.under_stored_lately.to_string(),
-                    {
-                        let n = v.over_removed_lately + v.under_stored_lately;
-                        let ms = |us: u64| us as f64 / 1e3;
-                        match n {
-                            0 => "–".into(),
-                            _ => format!(
-                                "{} / {}",
-                                ms(v.lately_lag_us_sum / n),
-                                ms(v.lately_lag_us_max)
-                            ),
-                        }
-                    },
+                    lately_lag_cell(v),
                     v.spills.to_string(),
                     v.spills_unseen.to_string(),
                 ],

@@ -8,22 +8,22 @@ use kvscope_wire::hashing::{chain_hash, sequence_hashes};
 use kvscope_wire::{Envelope, KvEvent, Record, WorkerKey};
 use std::collections::{BTreeMap, HashMap, HashSet};
 
-/// A change this close before a decision is one the router may not have applied yet.
-const STALE_HORIZON_NS: u64 = 5_000_000_000;
+// What counts as "lately" is the audit's definition, shared; how it is counted is not.
+use kvscope_collector::fold::recent_changes::STALE_HORIZON_NS;
 
 /// The audit of `verdicts` from the router's log text: per request, the first line that
 /// states the router's view (Dynamo 1.6's `route request completed`, whose last
 /// `request_id` is the route's; 1.4/1.5's DEBUG `[ROUTING] Best:`, whose first is the
-/// event's), its `worker_id` and `overlap_blocks` set beside `truth` (the oracle's
-/// per-worker overlaps of each decision) where the request was judged on that worker.
-/// The causes of each miss from `records` (see [`Changes`]). Also how many lines stated
-/// a view.
+/// event's), its `worker_id` and `overlap_blocks` set beside the truth (the oracle's
+/// per-worker overlaps of each decision in `records`) where the request was judged on
+/// that worker. The causes of each miss from `records` too (see [`Changes`]). Also how
+/// many lines stated a view.
 pub fn count(
     log: &str,
     verdicts: &[SpillVerdict],
-    truth: &[(String, BTreeMap<WorkerKey, u32>)],
     records: &[Envelope],
 ) -> (RouterViewAudit, usize) {
+    let truth = crate::oracle::dynamo_overlaps(records);
     let changes = Changes::scan(records);
     let chosen: HashMap<&str, WorkerKey> = verdicts
         .iter()

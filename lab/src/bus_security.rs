@@ -380,7 +380,7 @@ fn random_hex(bytes: usize) -> Result<String> {
 }
 
 /// A string in the NATS configuration's syntax (JSON's quoting is a subset of it).
-fn quote(s: &str) -> String {
+pub(crate) fn quote(s: &str) -> String {
     serde_json::to_string(s).unwrap_or_default()
 }
 

@@ -96,8 +96,7 @@ pub const LAB_MAX_FILE_STORE: u64 = 16 << 30;
 pub fn jetstream_config(store: &Path, max_file_store: u64) -> String {
     format!(
         "jetstream {{\n  store_dir: {}\n  max_file_store: {max_file_store}\n}}\n",
-        // NATS reads a JSON string.
-        serde_json::to_string(&store.display().to_string()).unwrap_or_default()
+        crate::bus_security::quote(&store.display().to_string())
     )
 }
 

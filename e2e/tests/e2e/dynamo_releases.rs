@@ -229,7 +229,6 @@ async fn exact_on(release: &str, shape: Shape) -> Outcome {
     let (views, view_lines) = kvscope_e2e::router_view::count(
         &std::fs::read_to_string(&router_log).unwrap_or_default(),
         verdicts,
-        &oracle::dynamo_overlaps(&replayed.envelopes),
         &replayed.envelopes,
     );
     eprintln!(

@@ -19,13 +19,10 @@
 //! equal a count from the router's log and the radix tree's overlaps. Needs the lab
 //! (`scripts/setup`).
 
-use kvscope_collector::fold::analyzer::{AnalyzerConfig, FleetAnalyzer};
-use kvscope_e2e::oracle;
 use kvscope_fleet::fleet_run::FleetRunConfig;
 use kvscope_lab::workload::{self, RequestRecord, WorkloadConfig};
 use kvscope_lab::LabConfig;
 use kvscope_wire::api::summary::RouterViewAudit;
-use kvscope_wire::recording::read_recording;
 use serde_json::Value;
 use std::collections::BTreeMap;
 
@@ -96,22 +93,12 @@ async fn decode_generated_blocks_show_in_the_true_delta_as_the_workload_counts_t
     let recording = run.finish().await.expect("the run ends cleanly");
 
     // The router's view with output blocks tracked, counted from its log.
-    let rec = read_recording(&recording).unwrap();
-    let mut analyzer = FleetAnalyzer::new(AnalyzerConfig {
-        window_secs: WINDOW_SECS,
-        warmup_secs: WINDOW_SECS,
-        ..AnalyzerConfig::default()
-    });
-    let judged: Vec<_> = rec
-        .envelopes
-        .iter()
-        .filter_map(|e| analyzer.apply(e))
-        .collect();
+    let replayed = kvscope_fleet::fleet_run::replay(&recording, WINDOW_SECS, &[]).unwrap();
+    let judged = &replayed.verdicts;
     let (want, _) = kvscope_e2e::router_view::count(
         &std::fs::read_to_string(&router_log).unwrap(),
-        &judged,
-        &oracle::dynamo_overlaps(&rec.envelopes),
-        &rec.envelopes,
+        judged,
+        &replayed.envelopes,
     );
     let audit: RouterViewAudit = serde_json::from_value(live["router_view"].clone()).unwrap();
     eprintln!("router view, output blocks tracked: {audit:?}");
