@@ -183,13 +183,30 @@ pub fn nixl_inspect(library: &std::path::Path) -> anyhow::Result<String> {
         }
     ));
     s.push_str(&format!(
-        "sites          {}\n",
-        if lib.sites {
-            "completion sites known (one probe hit per transfer end)".to_string()
+        "ends           {}\n",
+        match &lib.derivation.end_sites {
+            _ if lib.sites => {
+                "at the completion sites of getXferStatus and releaseXferReq (one probe hit per \
+             transfer end)"
+                    .to_string()
+            }
+            Ok(_) => "probed on every getXferStatus poll and release (sites disabled, or \
+                      the offsets unknown)"
+                .to_string(),
+            Err(_) => "probed on every getXferStatus poll and release (no completion sites: \
+                       see the end)"
+                .to_string(),
+        }
+    ));
+    s.push_str(&format!(
+        "returns        {}\n",
+        if lib.returns_at_sites {
+            "at the offsets table's sites for this build".to_string()
         } else if let Some(why) = &lib.sites_refused {
-            format!("refused: {why}")
+            format!("at the methods' entries and returns; the table's sites refused: {why}")
         } else {
-            "not known for this build: status-call probes".to_string()
+            "at the methods' entries and returns (two probe hits each per creation and post)"
+                .to_string()
         }
     ));
     if !lib.missing.is_empty() {

@@ -310,11 +310,17 @@ pub struct NixlLibraryStatus {
     pub build_id: String,
     /// The offsets table knows this build: bytes, ops and remote names are measured.
     pub offsets_known: bool,
-    /// Transfers are seen to end at the build's completion sites inside NIXL, so no
-    /// probe fires on a status poll or a release (false: the status-call probes, which
-    /// fire on every `getXferStatus`).
+    /// Transfers are seen to end at the build's completion sites inside NIXL (derived
+    /// from its `getXferStatus` and `releaseXferReq`), so no probe fires on a status
+    /// poll or a release (false: the status-call probes, which fire on every
+    /// `getXferStatus`).
     #[serde(default)]
     pub completion_sites: bool,
+    /// Creations are seen only where they fail, and posts return at one instruction
+    /// (the sites the offsets table holds for this build); false: at the methods' entry
+    /// and return probes.
+    #[serde(default)]
+    pub return_sites: bool,
     pub probes_attached: u32,
     /// Set when something is not measured, saying what and why.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -34,7 +34,7 @@ fuzz_target!(|data: &[u8]| {
             bytes: code.get(from..)?,
         })
     };
-    let d = derive(&method, &at);
+    let d = derive(&method, &at, &|_| None);
     let fields = d.fields.len();
     assert!(d.fields.iter().all(|f| f.value.is_some() || f.unknown_because.is_some()));
     let _ = d.offsets();

@@ -38,6 +38,9 @@ use iced_x86::{
 
 use super::offsets::{Counts, NixlOffsets, REQ_WINDOW};
 
+mod end_sites;
+pub use end_sites::EndSites;
+
 /// The methods read, by the prefix of their mangled names.
 pub const TELEMETRY: &str = "_ZNK9nixlAgent16getXferTelemetryE";
 pub const POST: &str = "_ZNK9nixlAgent11postXferReqE";
@@ -45,6 +48,7 @@ pub const STATUS: &str = "_ZNK9nixlAgent13getXferStatusE";
 pub const REGISTER: &str = "_ZN9nixlAgent11registerMemE";
 pub const DATA_CTOR: &str = "_ZN13nixlAgentDataC2E";
 pub const CREATE: &str = "_ZNK9nixlAgent13createXferReqE";
+pub const RELEASE: &str = "_ZNK9nixlAgent14releaseXferReqE";
 
 /// Every method a derivation reads.
 pub const METHODS: [&str; 6] = [TELEMETRY, POST, STATUS, REGISTER, DATA_CTOR, CREATE];
@@ -80,6 +84,9 @@ pub struct Derivation {
     /// Where `getXferTelemetry` refuses an agent whose telemetry is off, or why it
     /// was not found.
     pub telemetry_refused: Result<RefusedSite, String>,
+    /// Where transfers end (`getXferStatus`' answers, in-flight releases), or why
+    /// they are not known.
+    pub end_sites: Result<EndSites, String>,
 }
 
 /// The first instruction of the path on which `getXferTelemetry` returns
@@ -184,6 +191,39 @@ impl Derivation {
                 "\ngetXferTelemetry's refusals are not counted: {why}\n"
             )),
         }
+        match &self.end_sites {
+            Ok(sites) => {
+                let list = |v: &[u64]| {
+                    v.iter()
+                        .map(|a| format!("{a:#x}"))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                };
+                s.push_str(&format!(
+                    "\ngetXferStatus' completion sites (the request in {:?}): succeeded at {}; \
+                     failed at {}; stale at {} (returns {}); releaseXferReq's in flight at {} \
+                     (the request in {:?}):\n",
+                    sites.request,
+                    list(&sites.succeeded),
+                    list(&sites.failed),
+                    if sites.stale.is_empty() {
+                        "none".to_string()
+                    } else {
+                        list(&sites.stale)
+                    },
+                    sites.stale_status,
+                    list(&sites.released_in_flight),
+                    sites.release_request
+                ));
+                for e in &sites.evidence {
+                    s.push_str(&format!("{:<14}   {e}\n", ""));
+                }
+            }
+            Err(why) => s.push_str(&format!(
+                "\ngetXferStatus is probed on every poll and releaseXferReq on every release: \
+                 the completion sites were not found: {why}\n"
+            )),
+        }
         s.push_str(&format!(
             "\nreq_bytes and req_descs are read {}: {}\n",
             match self.counts {
@@ -202,9 +242,12 @@ impl Derivation {
 
 /// Derive every field from the methods `code` finds (None: the build does not export
 /// it); `code_at` gives the bytes at a virtual address (a jump's target outside them).
+/// `callee` names the function a direct call at an address goes to, where the library
+/// says (a PLT stub's symbol).
 pub fn derive<'a>(
     code: &dyn Fn(&'static str) -> Option<MethodCode<'a>>,
     code_at: &dyn Fn(u64) -> Option<MethodCode<'a>>,
+    callee: &dyn Fn(u64) -> Option<String>,
 ) -> Derivation {
     let runs: HashMap<&str, Option<Run>> = METHODS
         .iter()
@@ -305,6 +348,10 @@ pub fn derive<'a>(
             _,
         ) => (Counts::Never, why.clone()),
     };
+    let req_status = fields
+        .iter()
+        .find(|f| f.name == "req_status")
+        .and_then(|f| f.value);
     let telemetry_refused = run(TELEMETRY).and_then(|r| refused_site(r, agent_data, code_at));
     // The same flag gates getXferTelemetry: a second instruction naming it.
     let counts_because = match (&counts, &telemetry_refused) {
@@ -316,11 +363,20 @@ pub fn derive<'a>(
         }
         _ => counts_because,
     };
+    let end_sites = match (code(STATUS), code(RELEASE), req_status) {
+        (Some(status), Some(release), Some(at)) => {
+            end_sites::end_sites(status, release, at, code_at, callee)
+        }
+        (None, ..) => Err("getXferStatus is not exported".into()),
+        (_, None, _) => Err("releaseXferReq is not exported".into()),
+        (.., None) => Err("the request's status offset is unknown".into()),
+    };
     Derivation {
         fields,
         counts,
         counts_because,
         telemetry_refused: telemetry_refused.map(|s| s.site),
+        end_sites,
     }
 }
 
@@ -472,6 +528,23 @@ fn counts_filled(run: &Run, bytes: u64, agent_data: Option<u64>) -> (Counts, Str
             run.steps[stores[0]].evidence
         ),
     )
+}
+
+/// The GOT slot a PLT stub at `code` jumps through (`jmp *slot(%rip)`, after an
+/// `endbr64` where the build has CET), or None when the code is not a stub.
+pub fn plt_slot(code: MethodCode<'_>) -> Option<u64> {
+    let mut decoder = Decoder::with_ip(64, code.bytes, code.address, DecoderOptions::NONE);
+    for _ in 0..2 {
+        let ins = decoder.decode();
+        match ins.mnemonic() {
+            Mnemonic::Endbr64 => continue,
+            Mnemonic::Jmp if ins.op0_kind() == OpKind::Memory && ins.is_ip_rel_memory_operand() => {
+                return Some(ins.ip_rel_memory_address())
+            }
+            _ => return None,
+        }
+    }
+    None
 }
 
 /// The method's name as the evidence shows it.
@@ -634,6 +707,19 @@ struct Post {
     notif: Result<Finding, String>,
     has_notif: Result<Finding, String>,
 }
+
+/// What a call may overwrite (System V x86-64).
+const CALLER_SAVED: [Register; 9] = [
+    Register::RAX,
+    Register::RCX,
+    Register::RDX,
+    Register::RSI,
+    Register::RDI,
+    Register::R8,
+    Register::R9,
+    Register::R10,
+    Register::R11,
+];
 
 /// Argument registers in order.
 const ARGS: [Register; 6] = [
@@ -1207,17 +1293,7 @@ fn step(
                 }
             }
             seen.push(Seen::Call { indirect, args });
-            for r in [
-                Register::RAX,
-                Register::RCX,
-                Register::RDX,
-                Register::RSI,
-                Register::RDI,
-                Register::R8,
-                Register::R9,
-                Register::R10,
-                Register::R11,
-            ] {
+            for r in CALLER_SAVED {
                 if let Some(g) = gpr(r) {
                     state.gpr[g] = None;
                 }
@@ -1392,13 +1468,13 @@ mod tests {
                 address: 0x1000,
                 bytes: &bytes,
             };
-            let d = derive(&|_| Some(code), &|_| Some(code));
+            let d = derive(&|_| Some(code), &|_| Some(code), &|_| None);
             assert_eq!(d.fields.len(), 12);
             let _ = d.offsets();
             assert!(!d.report().is_empty());
         }
         // No method at all: every field unknown, each with its reason.
-        let d = derive(&|_| None, &|_| None);
+        let d = derive(&|_| None, &|_| None, &|_| None);
         let why = d.offsets().unwrap_err();
         assert!(why.contains("not exported"), "{why}");
         assert!(d.fields.iter().all(|f| f.unknown_because.is_some()));

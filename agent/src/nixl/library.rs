@@ -2,13 +2,13 @@
 //! the probes attach to, resolved from the ELF dynamic symbol table (never hard-coded
 //! addresses). C++ overloads are told apart by their mangled signatures.
 
-use object::{Object, ObjectSection, ObjectSymbol};
+use object::{Object, ObjectSection, ObjectSymbol, ObjectSymbolTable};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use super::derive::{self, Derivation, MethodCode};
 use super::event::NixlCall;
-use super::offsets::{self, CodeSite, NixlOffsets, TransferSites};
+use super::offsets::{self, CodeSite, EndRegisters, NixlOffsets, SitesAttached, TransferSites};
 
 /// Where a probe fires.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -19,6 +19,18 @@ pub enum ProbeSide {
     Site(SiteName),
     /// At one instruction the derivation found ([`Derivation`]).
     Derived,
+}
+
+/// The two groups of completion sites, each attached in place of its own status-call
+/// probes, or not at all.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SiteGroup {
+    /// Where creations fail and posts return: the offsets table's, for the builds it
+    /// holds.
+    Returns,
+    /// Where `getXferStatus` sees a transfer end and `releaseXferReq` one in flight:
+    /// derived from each build's instructions ([`derive::EndSites`]).
+    Ends,
 }
 
 /// The completion sites, by name.
@@ -36,6 +48,35 @@ pub enum SiteName {
 }
 
 impl SiteName {
+    fn group(self) -> SiteGroup {
+        match self {
+            Self::StatusSucceeded
+            | Self::StatusFailed
+            | Self::StatusStale
+            | Self::ReleasedInFlight => SiteGroup::Ends,
+            _ => SiteGroup::Returns,
+        }
+    }
+
+    /// The derived instructions (virtual addresses) of this name, for the ends group.
+    fn derived(self, sites: &derive::EndSites) -> &[u64] {
+        match self {
+            Self::StatusSucceeded => &sites.succeeded,
+            Self::StatusFailed => &sites.failed,
+            Self::StatusStale => &sites.stale,
+            Self::ReleasedInFlight => &sites.released_in_flight,
+            _ => &[],
+        }
+    }
+
+    /// The method a derived site is in.
+    fn method(self) -> &'static str {
+        match self {
+            Self::ReleasedInFlight => derive::RELEASE,
+            _ => derive::STATUS,
+        }
+    }
+
     /// The instructions of this name in `sites`, each with its probe's cookie where the
     /// site gives its own (else the spec's).
     fn of(self, sites: &TransferSites) -> Vec<(CodeSite, Option<u64>)> {
@@ -73,9 +114,10 @@ pub struct ProbeSpec {
     pub call: Option<NixlCall>,
     /// Without it the transfer or handshake counts would be wrong: attaching fails.
     pub required: bool,
-    /// One of the status-call probes: attached only where the build's completion sites
-    /// are not (they see the same ends without firing on every poll and release).
-    pub replaced_by_sites: bool,
+    /// One of the status-call probes: attached only where this group of the build's
+    /// completion sites is not (they see the same events without firing on every poll,
+    /// release or successful creation).
+    pub replaced_by: Option<SiteGroup>,
     /// Attached only where the build does not export this method (the one an older
     /// build's method was replaced by, and which then forwards to it).
     pub unless_exported: Option<&'static str>,
@@ -94,7 +136,7 @@ const fn probe(
         symbol_prefix,
         call,
         required,
-        replaced_by_sites: false,
+        replaced_by: None,
         unless_exported: None,
     }
 }
@@ -105,10 +147,10 @@ const fn unless_exported(mut spec: ProbeSpec, newer: &'static str) -> ProbeSpec 
     spec
 }
 
-/// A probe not attached where the build's sites are (see
-/// [`ProbeSpec::replaced_by_sites`]).
-const fn without_sites(mut spec: ProbeSpec) -> ProbeSpec {
-    spec.replaced_by_sites = true;
+/// A probe not attached where the build's sites of `group` are (see
+/// [`ProbeSpec::replaced_by`]).
+const fn without_sites(group: SiteGroup, mut spec: ProbeSpec) -> ProbeSpec {
+    spec.replaced_by = Some(group);
     spec
 }
 
@@ -169,55 +211,73 @@ pub const PROBES: &[ProbeSpec] = &[
         false,
     ),
     // With sites, a successful create is not probed at all: its post reads the request.
-    without_sites(probe(
-        "create_xfer_enter",
-        Entry,
-        "_ZNK9nixlAgent13createXferReqE",
-        Some(NixlCall::CreateXferReq),
-        true,
-    )),
-    without_sites(probe(
-        "create_xfer_exit",
-        Return,
-        "_ZNK9nixlAgent13createXferReqE",
-        Some(NixlCall::CreateXferReq),
-        true,
-    )),
+    without_sites(
+        SiteGroup::Returns,
+        probe(
+            "create_xfer_enter",
+            Entry,
+            "_ZNK9nixlAgent13createXferReqE",
+            Some(NixlCall::CreateXferReq),
+            true,
+        ),
+    ),
+    without_sites(
+        SiteGroup::Returns,
+        probe(
+            "create_xfer_exit",
+            Return,
+            "_ZNK9nixlAgent13createXferReqE",
+            Some(NixlCall::CreateXferReq),
+            true,
+        ),
+    ),
     // The span overload; the std::vector one forwards to it. With sites, as a create.
-    without_sites(probe(
-        "make_xfer_enter",
-        Entry,
-        MAKE_SPAN,
-        Some(NixlCall::MakeXferReq),
-        false,
-    )),
-    without_sites(probe(
-        "make_xfer_exit",
-        Return,
-        MAKE_SPAN,
-        Some(NixlCall::MakeXferReq),
-        false,
-    )),
+    without_sites(
+        SiteGroup::Returns,
+        probe(
+            "make_xfer_enter",
+            Entry,
+            MAKE_SPAN,
+            Some(NixlCall::MakeXferReq),
+            false,
+        ),
+    ),
+    without_sites(
+        SiteGroup::Returns,
+        probe(
+            "make_xfer_exit",
+            Return,
+            MAKE_SPAN,
+            Some(NixlCall::MakeXferReq),
+            false,
+        ),
+    ),
     // Before 1.5: the std::vector overload, op by reference, is the implementation (in
     // 1.5 it forwards to the span one, probed above).
     unless_exported(
-        without_sites(probe(
-            "make_xfer_ref_enter",
-            Entry,
-            MAKE_BY_REFERENCE,
-            Some(NixlCall::MakeXferReq),
-            false,
-        )),
+        without_sites(
+            SiteGroup::Returns,
+            probe(
+                "make_xfer_ref_enter",
+                Entry,
+                MAKE_BY_REFERENCE,
+                Some(NixlCall::MakeXferReq),
+                false,
+            ),
+        ),
         MAKE_SPAN,
     ),
     unless_exported(
-        without_sites(probe(
-            "make_xfer_exit",
-            Return,
-            MAKE_BY_REFERENCE,
-            Some(NixlCall::MakeXferReq),
-            false,
-        )),
+        without_sites(
+            SiteGroup::Returns,
+            probe(
+                "make_xfer_exit",
+                Return,
+                MAKE_BY_REFERENCE,
+                Some(NixlCall::MakeXferReq),
+                false,
+            ),
+        ),
         MAKE_SPAN,
     ),
     probe(
@@ -227,34 +287,46 @@ pub const PROBES: &[ProbeSpec] = &[
         Some(NixlCall::PostXferReq),
         true,
     ),
-    without_sites(probe(
-        "post_xfer_exit",
-        Return,
-        "_ZNK9nixlAgent11postXferReqE",
-        Some(NixlCall::PostXferReq),
-        true,
-    )),
-    without_sites(probe(
-        "xfer_status_enter",
-        Entry,
-        "_ZNK9nixlAgent13getXferStatusE",
-        None,
-        true,
-    )),
-    without_sites(probe(
-        "xfer_status_exit",
-        Return,
-        "_ZNK9nixlAgent13getXferStatusE",
-        None,
-        true,
-    )),
-    without_sites(probe(
-        "release_xfer_enter",
-        Entry,
-        "_ZNK9nixlAgent14releaseXferReqE",
-        None,
-        true,
-    )),
+    without_sites(
+        SiteGroup::Returns,
+        probe(
+            "post_xfer_exit",
+            Return,
+            "_ZNK9nixlAgent11postXferReqE",
+            Some(NixlCall::PostXferReq),
+            true,
+        ),
+    ),
+    without_sites(
+        SiteGroup::Ends,
+        probe(
+            "xfer_status_enter",
+            Entry,
+            "_ZNK9nixlAgent13getXferStatusE",
+            None,
+            true,
+        ),
+    ),
+    without_sites(
+        SiteGroup::Ends,
+        probe(
+            "xfer_status_exit",
+            Return,
+            "_ZNK9nixlAgent13getXferStatusE",
+            None,
+            true,
+        ),
+    ),
+    without_sites(
+        SiteGroup::Ends,
+        probe(
+            "release_xfer_enter",
+            Entry,
+            "_ZNK9nixlAgent14releaseXferReqE",
+            None,
+            true,
+        ),
+    ),
     probe(
         "call_enter",
         Entry,
@@ -452,8 +524,12 @@ pub struct NixlLibrary {
     pub probes: Vec<ResolvedProbe>,
     /// Optional methods this build does not export (their probes are skipped).
     pub missing: Vec<&'static str>,
-    /// Transfers end at the build's completion sites (no probe on the status poll).
+    /// Transfers end at the build's completion sites, derived from `getXferStatus`
+    /// (no probe on the status poll).
     pub sites: bool,
+    /// Creations' failures, posts' returns and in-flight releases are seen at the
+    /// offsets table's sites for this build (else at the methods' entries and returns).
+    pub returns_at_sites: bool,
     /// Why a build with sites in the offsets table is traced with the status-call
     /// probes instead (a site's bytes are not what the table says).
     pub sites_refused: Option<String>,
@@ -542,7 +618,26 @@ impl NixlLibrary {
                 bytes: &bytes[..bytes.len().min(4096)],
             })
         };
-        let derivation = derived_once(&build_id, || derive::derive(&code, &code_at));
+        // What a direct call goes to: the dynamic symbol its PLT stub's GOT slot is
+        // relocated to (the only names a stripped library keeps).
+        let got: BTreeMap<u64, String> = file
+            .dynamic_relocations()
+            .into_iter()
+            .flatten()
+            .filter_map(|(slot, r)| {
+                let object::RelocationTarget::Symbol(index) = r.target() else {
+                    return None;
+                };
+                let table = file.dynamic_symbol_table()?;
+                let name = table.symbol_by_index(index).ok()?.name().ok()?;
+                Some((slot, name.to_string()))
+            })
+            .collect();
+        let callee = |address: u64| -> Option<String> {
+            let slot = derive::plt_slot(code_at(address)?)?;
+            got.get(&slot).cloned()
+        };
+        let derivation = derived_once(&build_id, || derive::derive(&code, &code_at, &callee));
         let derived = derivation.offsets().ok();
         // Completion sites are still read from the table, for the builds it holds; they
         // need the offsets (their probes read the request).
@@ -560,10 +655,24 @@ impl NixlLibrary {
             },
             None => (None, None),
         };
-        let sites = site_probes.is_some();
+        let returns_at_sites = site_probes.is_some();
+        // Transfers' ends, where getXferStatus' own instructions placed them (the
+        // request is read there, so the offsets are needed too).
+        let end_probes = derivation
+            .end_sites
+            .as_ref()
+            .ok()
+            .filter(|_| completion_sites && derived.is_some())
+            .and_then(|sites| end_probes(sites, &in_file));
+        let sites = end_probes.is_some();
+        let attached = |group: Option<SiteGroup>| match group {
+            Some(SiteGroup::Returns) => returns_at_sites,
+            Some(SiteGroup::Ends) => sites,
+            None => false,
+        };
         let mut probes = Vec::new();
         let mut missing = Vec::new();
-        for spec in PROBES.iter().filter(|p| !(sites && p.replaced_by_sites)) {
+        for spec in PROBES.iter().filter(|p| !attached(p.replaced_by)) {
             if let Some(newer) = spec.unless_exported {
                 if method(newer)?.is_some() {
                     continue;
@@ -591,6 +700,7 @@ impl NixlLibrary {
         // A method replaced by its older form, probed instead, is not missing.
         missing.retain(|m| !probes.iter().any(|p| p.spec.unless_exported == Some(*m)));
         probes.extend(site_probes.unwrap_or_default());
+        probes.extend(end_probes.unwrap_or_default());
         // getXferTelemetry's refusals, where the derivation found their path.
         if let Some(file_offset) = derivation
             .telemetry_refused
@@ -611,10 +721,31 @@ impl NixlLibrary {
             probes,
             missing,
             sites,
+            returns_at_sites,
             sites_refused,
             offsets,
             derivation,
         })
+    }
+}
+
+impl NixlLibrary {
+    /// What the BPF programs' globals must say of the sites attached.
+    pub fn sites_attached(&self) -> SitesAttached {
+        SitesAttached {
+            returns: self.returns_at_sites,
+            ends: self
+                .derivation
+                .end_sites
+                .as_ref()
+                .ok()
+                .filter(|_| self.sites)
+                .map(|s| EndRegisters {
+                    request: s.request,
+                    stale_status: s.stale_status,
+                    release_request: s.release_request,
+                }),
+        }
     }
 }
 
@@ -653,6 +784,9 @@ fn resolve_sites(
         let ProbeSide::Site(name) = spec.side else {
             continue;
         };
+        if name.group() != SiteGroup::Returns {
+            continue;
+        }
         for (site, cookie) in name.of(sites) {
             let Some(start) = method(site.symbol_prefix).map_err(|e| e.to_string())? else {
                 continue;
@@ -680,6 +814,30 @@ fn resolve_sites(
     Ok(probes)
 }
 
+/// The ends group's probes at the derived sites, or None when one is outside the file.
+fn end_probes<'a>(
+    sites: &derive::EndSites,
+    in_file: &dyn Fn(u64) -> Option<(u64, &'a [u8])>,
+) -> Option<Vec<ResolvedProbe>> {
+    let mut probes = Vec::new();
+    for spec in SITE_PROBES {
+        let ProbeSide::Site(name) = spec.side else {
+            continue;
+        };
+        for address in name.derived(sites) {
+            let (file_offset, _) = in_file(*address)?;
+            let mut spec = *spec;
+            spec.symbol_prefix = name.method();
+            probes.push(ResolvedProbe {
+                spec,
+                file_offset,
+                cookie: spec.call.map(|c| c as u64),
+            });
+        }
+    }
+    Some(probes)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -702,8 +860,10 @@ mod tests {
         }
     }
 
-    /// Each site is checked against the file's bytes: one wrong byte and none is used
-    /// (the status-call probes are attached instead, and the reason is given).
+    /// Each of the table's sites is checked against the file's bytes: one wrong byte and
+    /// none is used (the methods' entry and return probes are attached instead, and the
+    /// reason is given). The table's `getXferStatus` sites are the derivation's fixture,
+    /// never attached from it.
     #[test]
     fn completion_sites_are_used_only_where_every_one_holds_its_instruction() {
         let sites = offsets::KNOWN_BUILDS[0].1.sites.expect("1.5.1 has sites");
@@ -719,7 +879,7 @@ mod tests {
             for (site, _) in name.of(&sites) {
                 let at = (0x20000 + site.offset) as usize;
                 data[at..at + site.bytes.len()].copy_from_slice(site.bytes);
-                count += 1;
+                count += usize::from(name.group() == SiteGroup::Returns);
             }
         }
         let probes = resolve_sites(&sites, &data, &method).unwrap();
@@ -749,16 +909,19 @@ mod tests {
         );
         assert_eq!(post.spec.symbol_prefix, sites.post_returned.symbol_prefix);
 
-        data[(0x20000 + sites.status_failed.offset) as usize] ^= 0xff;
+        assert!(probes
+            .iter()
+            .all(|p| !matches!(p.spec.side, ProbeSide::Site(n) if n.group() == SiteGroup::Ends)));
+        data[(0x20000 + sites.post_returned.offset) as usize] ^= 0xff;
         let why = resolve_sites(&sites, &data, &method).unwrap_err();
-        assert!(why.contains("StatusFailed"), "{why}");
+        assert!(why.contains("PostReturned"), "{why}");
         // A site past the end of the file is refused too, not a panic.
         let short = &data[..0x20010];
         assert!(resolve_sites(&sites, short, &method).is_err());
         // A method the build does not export skips its sites only.
         let make = sites.make_failed[0].site.symbol_prefix;
         let no_make = |p: &'static str| Ok((p != make).then_some(0x20000));
-        data[(0x20000 + sites.status_failed.offset) as usize] ^= 0xff;
+        data[(0x20000 + sites.post_returned.offset) as usize] ^= 0xff;
         let probes = resolve_sites(&sites, &data, &no_make).unwrap();
         assert_eq!(probes.len(), count - sites.make_failed.len());
     }
@@ -780,7 +943,7 @@ mod tests {
             assert!(PROBES
                 .iter()
                 .filter(|p| p.symbol_prefix == method)
-                .all(|p| p.replaced_by_sites));
+                .all(|p| p.replaced_by == Some(SiteGroup::Returns)));
             let at_method: Vec<_> = SITE_PROBES
                 .iter()
                 .filter_map(|p| match p.side {

@@ -439,6 +439,27 @@ pub fn for_build(build_id: &str) -> Option<NixlOffsets> {
         .map(|(_, o)| *o)
 }
 
+/// Which completion sites a library's probes were attached at, for the globals their
+/// programs read.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SitesAttached {
+    /// The table's creation and post sites.
+    pub returns: bool,
+    /// The derived ends' registers and constant.
+    pub ends: Option<EndRegisters>,
+}
+
+/// What the derived end sites' programs read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EndRegisters {
+    /// The request, at `getXferStatus`' sites.
+    pub request: SiteReg,
+    /// What `getXferStatus`' stale path returns.
+    pub stale_status: i32,
+    /// The request, at `releaseXferReq`'s in-flight site.
+    pub release_request: SiteReg,
+}
+
 /// `REQ_WINDOW` of `ebpf/nixl/common.h`: a request's window is shorter.
 pub const REQ_WINDOW: u64 = 256;
 
@@ -460,10 +481,10 @@ impl NixlOffsets {
     }
 
     /// The BPF globals (`const volatile` in `ebpf/nixl/common.h`) and their values;
-    /// the sites' only when `sites_attached` (their probes were resolved and checked).
+    /// each group of sites' only where its probes were attached.
     pub fn globals(
         offsets: Option<&NixlOffsets>,
-        sites_attached: bool,
+        attached: SitesAttached,
     ) -> [(&'static str, u64); 28] {
         let o = offsets.copied().unwrap_or(NixlOffsets {
             version: "",
@@ -483,11 +504,18 @@ impl NixlOffsets {
             sites: None,
         });
         let window = offsets.map_or((0, 0), NixlOffsets::req_window);
-        let attached = o.sites.as_ref().filter(|_| sites_attached);
-        let site = |f: fn(&TransferSites) -> SiteValue| attached.map_or(0, |s| f(s).encoded());
+        let returns = o.sites.as_ref().filter(|_| attached.returns);
+        let site = |f: fn(&TransferSites) -> SiteValue| returns.map_or(0, |s| f(s).encoded());
         let site_opt = |f: fn(&TransferSites) -> Option<SiteValue>| {
-            attached.and_then(f).map_or(0, SiteValue::encoded)
+            returns.and_then(f).map_or(0, SiteValue::encoded)
         };
+        let (done_req, stale_status, release_req) = attached.ends.map_or((0, 0, 0), |e| {
+            (
+                SiteValue::Reg(e.request).encoded(),
+                SiteValue::Const(e.stale_status).encoded(),
+                SiteValue::Reg(e.release_request).encoded(),
+            )
+        });
         [
             ("offsets_known", u64::from(offsets.is_some())),
             ("off_agent_data", o.agent_data),
@@ -517,9 +545,9 @@ impl NixlOffsets {
             ("site_make_op", site(|s| s.make_args.op)),
             ("site_make_request", site(|s| s.make_args.request)),
             ("site_post_status", site(|s| s.post_status)),
-            ("site_done_req", site(|s| s.done_req)),
-            ("site_stale_status", site(|s| s.stale_status)),
-            ("site_release_req", site(|s| s.release_req)),
+            ("site_done_req", done_req),
+            ("site_stale_status", stale_status),
+            ("site_release_req", release_req),
         ]
     }
 }
@@ -531,7 +559,7 @@ mod tests {
     #[test]
     fn every_global_is_declared_in_the_bpf_source() {
         let common = include_str!("../../../ebpf/nixl/common.h");
-        for (name, _) in NixlOffsets::globals(None, false) {
+        for (name, _) in NixlOffsets::globals(None, SitesAttached::default()) {
             assert!(
                 common.contains(&format!("const volatile __u64 {name} = 0;")),
                 "{name} is not a global of ebpf/nixl/common.h"
@@ -578,8 +606,18 @@ mod tests {
         }
         // The sites' globals are zero unless the sites were attached.
         let o = KNOWN_BUILDS[0].1;
-        let zero = NixlOffsets::globals(Some(&o), false);
-        let set = NixlOffsets::globals(Some(&o), true);
+        let zero = NixlOffsets::globals(Some(&o), SitesAttached::default());
+        let set = NixlOffsets::globals(
+            Some(&o),
+            SitesAttached {
+                returns: true,
+                ends: Some(EndRegisters {
+                    request: SiteReg::Rbx,
+                    stale_status: -4,
+                    release_request: SiteReg::Rbx,
+                }),
+            },
+        );
         for ((name, a), (_, b)) in zero.iter().zip(&set) {
             if name.starts_with("site_") {
                 assert!(*a == 0 && *b != 0, "{name}");
@@ -603,7 +641,7 @@ mod tests {
             }
         }
         assert_eq!(KNOWN_BUILDS[0].1.req_window(), (0x60, 0x88));
-        let g = NixlOffsets::globals(None, false);
+        let g = NixlOffsets::globals(None, SitesAttached::default());
         assert!(g.contains(&("req_window_len", 0)));
     }
 
@@ -611,6 +649,9 @@ mod tests {
     fn lookup_by_build_id() {
         assert!(for_build("C60AC851FDD67A4D9738B5B2F53BD4849505F241").is_some());
         assert!(for_build("00").is_none());
-        assert_eq!(NixlOffsets::globals(None, false)[0], ("offsets_known", 0));
+        assert_eq!(
+            NixlOffsets::globals(None, SitesAttached::default())[0],
+            ("offsets_known", 0)
+        );
     }
 }

@@ -13,7 +13,7 @@ use std::num::NonZeroU32;
 use std::path::Path;
 
 use super::library::{NixlLibrary, ProbeSide};
-use super::offsets::NixlOffsets;
+use super::offsets::{NixlOffsets, SitesAttached};
 
 /// The compiled BPF object (built by `build.rs` from `ebpf/nixl/`).
 static NIXL_BPF: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/nixl.bpf.o"));
@@ -108,7 +108,7 @@ pub struct LoadedProbes {
 }
 
 /// The BPF object loaded (its maps created) with `offsets` in its globals.
-fn load_object(offsets: Option<&NixlOffsets>, sites: bool) -> Result<Ebpf, ProbeError> {
+fn load_object(offsets: Option<&NixlOffsets>, sites: SitesAttached) -> Result<Ebpf, ProbeError> {
     if !Path::new("/sys/bus/event_source/devices/uprobe").exists() {
         return Err(ProbeError::NoUprobes);
     }
@@ -130,7 +130,7 @@ fn load_object(offsets: Option<&NixlOffsets>, sites: bool) -> Result<Ebpf, Probe
 /// not load probes says so (naming what it lacks) before any library is found, rather
 /// than at each library later.
 pub fn check_can_load() -> Result<(), ProbeError> {
-    let mut ebpf = load_object(None, false)?;
+    let mut ebpf = load_object(None, SitesAttached::default())?;
     if let Some((_, program)) = ebpf.programs_mut().next() {
         let program: &mut UProbe = program
             .try_into()
@@ -173,7 +173,7 @@ impl LoadedProbes {
     /// Load the BPF object with `library`'s offsets and attach every probe it resolved.
     pub fn attach(library: NixlLibrary, scope: AttachScope) -> Result<Self, ProbeError> {
         let offsets = library.offsets;
-        let mut ebpf = load_object(offsets.as_ref(), library.sites)?;
+        let mut ebpf = load_object(offsets.as_ref(), library.sites_attached())?;
         let path = library.path.display().to_string();
         let aya_scope = match scope {
             AttachScope::AllProcesses => UProbeScope::AllProcesses,

@@ -38,9 +38,10 @@ pub struct NixlTraceConfig {
     pub discover: bool,
     /// Trace only this process.
     pub pid: Option<u32>,
-    /// See transfers end at the build's completion sites where the offsets table has
-    /// them (no probe on a status poll or a plain release); false: always with the
-    /// probes on getXferStatus and releaseXferReq (exact too, but they fire on every
+    /// See transfers end at the completion sites derived from each build's
+    /// `getXferStatus` (no probe on a status poll), and creations, posts and releases at
+    /// the offsets table's sites where it has the build's; false: always with the
+    /// probes on the methods' entries and returns (exact too, but they fire on every
     /// poll).
     pub completion_sites: bool,
     pub scan_interval_secs: f64,
@@ -143,8 +144,8 @@ fn degraded_reason(lib: &NixlLibrary, offsets_known: bool) -> Option<String> {
     }
     if let Some(why) = &lib.sites_refused {
         reasons.push(format!(
-            "{why}: transfers' ends are seen by the status-call probes instead, which fire \
-             on every getXferStatus poll (figures exact, costlier)"
+            "{why}: creations, posts and releases are seen at the methods' entries and \
+             returns instead (figures exact, costlier)"
         ));
     }
     if !lib.missing.is_empty() {
@@ -277,6 +278,7 @@ fn attach_one(
         build_id: probes.library.build_id.clone(),
         offsets_known,
         completion_sites: probes.library.sites,
+        return_sites: probes.library.returns_at_sites,
         probes_attached: probes.attached as u32,
         degraded: degraded_reason(&probes.library, offsets_known),
     };
@@ -351,6 +353,7 @@ fn rescan(
                         build_id: String::new(),
                         offsets_known: false,
                         completion_sites: false,
+                        return_sites: false,
                         probes_attached: 0,
                         degraded: Some(format!("not traced: {e:#}")),
                     },

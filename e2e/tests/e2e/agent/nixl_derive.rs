@@ -38,7 +38,76 @@ fn the_derived_offsets_are_the_hand_read_table_for_the_lab_build() {
         derived.sites, table.sites,
         "the table's completion sites kept"
     );
-    assert!(lib.sites);
+    assert!(lib.sites && lib.returns_at_sites);
+    // getXferStatus' sites, derived, are the table's (its hand-read fixture).
+    let sites = table.sites.expect("the table has the lab build's sites");
+    let derived_ends = lib
+        .derivation
+        .end_sites
+        .as_ref()
+        .unwrap_or_else(|why| panic!("{why}\n{}", lib.derivation.report()));
+    let status_at = derived_ends.succeeded[0] - sites.status_succeeded.offset as u64;
+    let at = |site: offsets::CodeSite| status_at.wrapping_add_signed(site.offset);
+    assert_eq!(derived_ends.succeeded, [at(sites.status_succeeded)]);
+    assert_eq!(derived_ends.failed, [at(sites.status_failed)]);
+    assert_eq!(derived_ends.stale, [at(sites.status_stale)]);
+    assert_eq!(
+        offsets::SiteValue::Reg(derived_ends.request),
+        sites.done_req
+    );
+    assert_eq!(
+        offsets::SiteValue::Const(derived_ends.stale_status),
+        sites.stale_status
+    );
+    assert_eq!(
+        offsets::SiteValue::Reg(derived_ends.release_request),
+        sites.release_req
+    );
+    // Each site's place in its method, from the file offsets the probes attach at: the
+    // methods' own (their entry probes, without sites) and the sites'.
+    let plain = NixlLibrary::inspect(&libs.libnixl, false).unwrap();
+    let file_offset = |lib: &NixlLibrary, program: &str| -> Vec<u64> {
+        lib.probes
+            .iter()
+            .filter(|p| p.spec.program == program)
+            .map(|p| p.file_offset)
+            .collect()
+    };
+    let into = |program: &str, method_program: &str| -> Vec<i64> {
+        let start = file_offset(&plain, method_program)[0] as i64;
+        file_offset(&lib, program)
+            .iter()
+            .map(|at| *at as i64 - start)
+            .collect()
+    };
+    assert_eq!(
+        into("xfer_released_in_flight", "release_xfer_enter"),
+        [sites.released_in_flight.offset]
+    );
+    let mut ends = into("xfer_status_changed", "xfer_status_enter");
+    ends.sort_unstable();
+    assert_eq!(
+        ends,
+        [sites.status_succeeded.offset, sites.status_failed.offset]
+    );
+    assert_eq!(
+        into("xfer_status_stale", "xfer_status_enter"),
+        [sites.status_stale.offset]
+    );
+    // Placed by the paths, with the instructions that placed them.
+    assert!(derived_ends.evidence.len() >= 5, "{derived_ends:?}");
+    // The probes are at those three instructions, not on getXferStatus' entry or return.
+    let programs: Vec<&str> = lib.probes.iter().map(|p| p.spec.program).collect();
+    assert!(!programs.contains(&"xfer_status_enter") && !programs.contains(&"xfer_status_exit"));
+    assert!(!programs.contains(&"release_xfer_enter"));
+    assert!(programs.contains(&"xfer_released_in_flight"));
+    assert_eq!(
+        programs
+            .iter()
+            .filter(|p| **p == "xfer_status_changed")
+            .count(),
+        2
+    );
     // Every field named by an instruction, most by more than one.
     for f in &lib.derivation.fields {
         assert!(!f.evidence.is_empty(), "{f:?}");
@@ -102,6 +171,35 @@ fn older_builds_say_when_their_counts_are_held_and_where_telemetry_is_refused() 
             .probes
             .iter()
             .any(|p| p.spec.program == "xfer_telemetry_refused"));
+        // getXferStatus' ends: 1.4 on has a path for a success and one for a failure;
+        // 1.0–1.3 merge a success with an in-progress answer when the agent's telemetry
+        // is off, so their polls are probed (and the report says where).
+        match (version, &lib.derivation.end_sites) {
+            ("1.4.1", Ok(ends)) => {
+                assert!(lib.sites, "{report}");
+                assert_eq!(
+                    (ends.succeeded.len(), ends.failed.len(), ends.stale.len()),
+                    (1, 1, 1),
+                    "{ends:?}"
+                );
+                assert_eq!(ends.stale_status, -4, "NIXL_ERR_NOT_FOUND");
+                assert_eq!(ends.released_in_flight.len(), 1, "{ends:?}");
+                assert!(!lib
+                    .probes
+                    .iter()
+                    .any(|p| p.spec.program == "xfer_status_exit"
+                        || p.spec.program == "release_xfer_enter"));
+            }
+            ("1.0.1" | "1.3.2", Err(why)) => {
+                assert!(!lib.sites);
+                assert!(why.contains("may still be success"), "{version}: {why}");
+                assert!(lib
+                    .probes
+                    .iter()
+                    .any(|p| p.spec.program == "xfer_status_exit"));
+            }
+            (_, found) => panic!("{version}: {found:?}\n{report}"),
+        }
     }
 }
 
@@ -120,7 +218,14 @@ fn nixl_inspect_says_what_was_derived_and_from_which_instructions() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(text.contains("offsets        all derived"), "{text}");
-    assert!(text.contains("completion sites known"), "{text}");
+    assert!(
+        text.contains("ends           at the completion sites of getXferStatus"),
+        "{text}"
+    );
+    assert!(
+        text.contains("getXferStatus' completion sites (the request in Rbx)"),
+        "{text}"
+    );
     assert!(text.contains("req_bytes      0xd8"), "{text}");
     assert!(
         text.contains("getXferTelemetry+0x") && text.contains("postXferReq+0x"),

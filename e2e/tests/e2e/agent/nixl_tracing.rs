@@ -609,16 +609,19 @@ async fn only_the_process_asked_for_is_traced() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_build_in_no_table_is_traced_bytes_included() {
     // The same library with another build-id, as a NIXL built from source has: the
-    // offsets are derived from its instructions, so every figure is exact, bytes
-    // included; only the completion sites (still per build) are not known, so the
-    // status-call probes see the transfers' ends.
+    // offsets and getXferStatus' completion sites are derived from its instructions,
+    // so every figure is exact, bytes included, and transfers end at the sites; only
+    // the creation, post and release sites (the table's, per build) are not known, so
+    // those methods' entry and return probes see them.
     let libs = support::nixl_libs();
     let dir = tempfile::tempdir().unwrap();
     let copy = support::copy_libs_with_new_build_id(&libs.lib_dir, dir.path());
     let lib = copy.join("libnixl.so");
+    let inspected = kvscope_agent::nixl::library::NixlLibrary::inspect(&lib, true).unwrap();
+    assert!(inspected.sites && !inspected.returns_at_sites);
     let tracer = start_tracer(&tracer_config(vec![lib.clone()], false, None)).await;
     let st = tracer.report().libraries[0].clone();
-    assert!(st.offsets_known && !st.completion_sites, "{st:?}");
+    assert!(st.offsets_known && st.completion_sites, "{st:?}");
     assert_eq!(st.degraded, None);
 
     let truth = run_lab(&["--scenario", "mixed", "--lib-dir", copy.to_str().unwrap()]);
@@ -753,14 +756,18 @@ async fn older_builds_are_traced_exactly_on_their_derived_offsets() {
                 _ => false,
             };
             let checked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                // Completion sites only for the build in the offsets table (1.5).
+                // Transfers end at sites wherever getXferStatus' were derived (1.4 on:
+                // no table holds these builds); creations, posts and releases are seen
+                // at the methods' entries and returns (their sites are the table's).
                 assert!(
                     st.offsets_known
-                        && st.completion_sites
-                            == kvscope_agent::nixl::offsets::for_build(&inspected.build_id)
-                                .is_some(),
+                        && st.completion_sites == inspected.derivation.end_sites.is_ok()
+                        && !inspected.returns_at_sites,
                     "{version}: {st:?}"
                 );
+                if version.as_str() >= "1.4" {
+                    assert!(st.completion_sites, "{version}: {st:?}");
+                }
                 assert_eq!(truth.nixl.libnixl, lib.display().to_string(), "{version}");
                 // The lab asks each done transfer's telemetry: refused exactly where it
                 // is off (the comparison checks the probes saw each refusal).
@@ -809,7 +816,7 @@ async fn older_builds_are_traced_exactly_on_their_derived_offsets() {
                 &inspected.build_id[..inspected.build_id.len().min(8)],
                 counts_text,
                 if st.completion_sites {
-                    "yes"
+                    "ends (derived)"
                 } else {
                     "no: status-call probes"
                 },
