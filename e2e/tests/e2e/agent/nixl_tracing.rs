@@ -756,16 +756,23 @@ async fn older_builds_are_traced_exactly_on_their_derived_offsets() {
                 _ => false,
             };
             let checked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                // Transfers end at sites wherever getXferStatus' were derived (1.4 on:
-                // no table holds these builds); creations, posts and releases are seen
-                // at the methods' entries and returns (their sites are the table's).
+                // Transfers end at sites wherever getXferStatus' were derived (1.4 on);
+                // creations and posts are seen at sites only for the table's build (1.5),
+                // else at the methods' entries and returns.
+                let in_table =
+                    kvscope_agent::nixl::offsets::for_build(&inspected.build_id).is_some();
                 assert!(
                     st.offsets_known
                         && st.completion_sites == inspected.derivation.end_sites.is_ok()
-                        && !inspected.returns_at_sites,
+                        && st.return_sites == in_table,
                     "{version}: {st:?}"
                 );
-                if version.as_str() >= "1.4" {
+                let minor: Vec<u32> = version
+                    .split('.')
+                    .take(2)
+                    .map(|p| p.parse().unwrap_or(0))
+                    .collect();
+                if minor >= vec![1, 4] {
                     assert!(st.completion_sites, "{version}: {st:?}");
                 }
                 assert_eq!(truth.nixl.libnixl, lib.display().to_string(), "{version}");
@@ -815,10 +822,10 @@ async fn older_builds_are_traced_exactly_on_their_derived_offsets() {
                 "| {version} | {}… | {} | {} | {} | {} | {traced} of {moved} | {refused} | {} |",
                 &inspected.build_id[..inspected.build_id.len().min(8)],
                 counts_text,
-                if st.completion_sites {
-                    "ends (derived)"
-                } else {
-                    "no: status-call probes"
+                match (st.completion_sites, st.return_sites) {
+                    (true, true) => "ends (derived), returns (table)",
+                    (true, false) => "ends (derived)",
+                    (false, _) => "no: status-call probes",
                 },
                 if telemetry { "on" } else { "off" },
                 truth.transfers.len(),
