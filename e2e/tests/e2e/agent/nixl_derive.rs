@@ -281,4 +281,28 @@ fn bad_libraries_are_refused_or_derived_in_part_with_the_reason() {
         .map(|f| f.name)
         .collect();
     assert_eq!(unknown, ["dlist_begin", "desc_stride", "desc_len"]);
+
+    // getXferStatus no longer tests for in progress where the walk looks: no end site
+    // is placed, the reason is given, the offsets are still derived, and transfers'
+    // ends are seen by the probes on every poll and release.
+    let dir = tempfile::tempdir().unwrap();
+    let copy = support::copy_libs_patched(
+        &libs.lib_dir,
+        dir.path(),
+        &[support::STATUS_IN_PROGRESS_TEST],
+    );
+    let lib = NixlLibrary::inspect(&copy.join("libnixl.so"), true).unwrap();
+    let why = lib.derivation.end_sites.clone().unwrap_err();
+    assert!(why.contains("in-progress"), "{why}");
+    assert!(lib.offsets.is_some() && !lib.sites);
+    let programs: Vec<&str> = lib.probes.iter().map(|p| p.spec.program).collect();
+    assert!(programs.contains(&"xfer_status_exit") && programs.contains(&"release_xfer_enter"));
+    assert!(!programs.contains(&"xfer_status_changed"));
+    assert!(
+        lib.derivation
+            .report()
+            .contains("the completion sites were not found"),
+        "{}",
+        lib.derivation.report()
+    );
 }

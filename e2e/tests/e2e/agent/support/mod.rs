@@ -63,6 +63,15 @@ pub const DESCRIPTOR_SUM: (&[u8], &[u8]) = (
     &[0x31, 0xf6, 0x66, 0x90, 0x48, 0x83, 0xc0, 0x38],
 );
 
+/// `getXferStatus`' test of the request's status for in progress in the lab's build
+/// (`mov 0xb8(%rbx),%ebp; cmp $1,%ebp`), made a test for 2: no path is known to be in
+/// progress, so no end site can be placed (the file is read, never run).
+#[allow(dead_code)]
+pub const STATUS_IN_PROGRESS_TEST: (&[u8], &[u8]) = (
+    &[0x8b, 0xab, 0xb8, 0x00, 0x00, 0x00, 0x83, 0xfd, 0x01],
+    &[0x8b, 0xab, 0xb8, 0x00, 0x00, 0x00, 0x83, 0xfd, 0x02],
+);
+
 /// [`copy_libs_with_new_build_id`], with every occurrence of each `(from, to)` pair's
 /// bytes in `libnixl.so` replaced (each must occur).
 #[allow(dead_code)]
@@ -101,9 +110,16 @@ pub fn copy_libs_patched(
         .position(|w| w == raw.as_slice())
         .expect("the build-id bytes in the file");
     // A build-id of its own per patch set (a build-id names the bytes: the agent
-    // derives a build once).
+    // derives a build once): the first bytes flipped, the next mixed with the patches'.
     for b in &mut bytes[at..at + 4] {
         *b ^= 0xff - patches.len() as u8;
+    }
+    let mixed = patches
+        .iter()
+        .flat_map(|(_, to)| to.iter())
+        .fold(0u32, |h, b| h.rotate_left(5) ^ u32::from(*b));
+    for (b, m) in bytes[at + 4..at + 8].iter_mut().zip(mixed.to_le_bytes()) {
+        *b ^= m;
     }
     for (from, to) in patches {
         assert_eq!(from.len(), to.len());
