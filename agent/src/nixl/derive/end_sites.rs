@@ -238,6 +238,12 @@ impl<'a> Walk<'a, '_> {
             }
             self.steps += 1;
             let Some(ins) = self.decode(ip) else {
+                // Past the in-progress test, a path that cannot be read may end a
+                // transfer where no site is: no sites rather than wrong ones.
+                if state.phase != Phase::Before {
+                    self.unseen
+                        .push(format!("the code at {ip:#x} cannot be decoded"));
+                }
                 continue;
             };
             if state.phase == Phase::Checking {
