@@ -140,7 +140,8 @@ pub struct Cli {
 pub enum AgentCommand {
     /// Read a libnixl.so and print what the NIXL probes would read of it: each struct
     /// offset and the instructions it was derived from, the fields that could not be
-    /// derived and why, and whether its completion sites are known. Attach the output
+    /// derived and why, and its completion sites with the instructions that placed them
+    /// (or why there are none). Attach the output
     /// to a bug report about NIXL figures. Needs no privileges: it only reads the file.
     NixlInspect {
         /// The library file (e.g. a wheel's .nixl_cu12.mesonpy.libs/libnixl.so).

@@ -524,8 +524,8 @@ pub struct NixlLibrary {
     pub probes: Vec<ResolvedProbe>,
     /// Optional methods this build does not export (their probes are skipped).
     pub missing: Vec<&'static str>,
-    /// Transfers end at the build's completion sites, derived from `getXferStatus`
-    /// (no probe on the status poll).
+    /// Transfers end at the build's completion sites, derived from its
+    /// `getXferStatus` and `releaseXferReq` (no probe on a status poll or a release).
     pub sites: bool,
     /// Creations' failures, posts' returns and in-flight releases are seen at the
     /// offsets table's sites for this build (else at the methods' entries and returns).
