@@ -99,6 +99,15 @@ struct PathState {
     constants: [Option<i32>; 16],
 }
 
+impl PathState {
+    /// Register `g` was overwritten: it holds none of what the path tracks.
+    fn forget(&mut self, g: usize) {
+        self.request &= !(1 << g);
+        self.status &= !(1 << g);
+        self.constants[g] = None;
+    }
+}
+
 /// What a conditional jump on the status leaves possible when taken (`true`) or not.
 fn refine(cc: ConditionCode, flags: Flags, taken: bool) -> Option<u8> {
     let when_taken = match (flags, cc) {
@@ -132,6 +141,17 @@ enum Kind {
     Failed,
     Stale,
     Released,
+}
+
+impl Kind {
+    fn label(self) -> &'static str {
+        match self {
+            Kind::Succeeded => "succeeded",
+            Kind::Failed => "failed",
+            Kind::Stale => "stale",
+            Kind::Released => "released in flight",
+        }
+    }
 }
 
 /// Which method a walk reads.
@@ -404,12 +424,8 @@ impl<'a> Walk<'a, '_> {
             ins.flow_control(),
             FlowControl::Call | FlowControl::IndirectCall
         ) {
-            for r in CALLER_SAVED {
-                if let Some(g) = gpr(r) {
-                    s.request &= !(1 << g);
-                    s.status &= !(1 << g);
-                    s.constants[g] = None;
-                }
+            for g in CALLER_SAVED.into_iter().filter_map(gpr) {
+                s.forget(g);
             }
             s.flags = Flags::Other;
             return;
@@ -446,9 +462,7 @@ impl<'a> Walk<'a, '_> {
                     | OpAccess::ReadCondWrite
             ) {
                 if let Some(g) = gpr(used.register()) {
-                    s.request &= !(1 << g);
-                    s.status &= !(1 << g);
-                    s.constants[g] = None;
+                    s.forget(g);
                 }
             }
         }
@@ -479,7 +493,7 @@ impl<'a> Walk<'a, '_> {
 
     /// The first jump of the straight run from `at`, where no other path enters it and
     /// the request's register is not written on the way; else `at`.
-    fn first_jump(&mut self, at: u64, request: u16, placed_by: u64) -> (u64, u16) {
+    fn first_jump(&mut self, at: u64, request: u16, placed_by: u64) -> u64 {
         let mut ip = at;
         for _ in 0..8 {
             let Some(ins) = self.decode(ip) else {
@@ -493,9 +507,7 @@ impl<'a> Walk<'a, '_> {
                 break;
             }
             match ins.flow_control() {
-                FlowControl::ConditionalBranch | FlowControl::UnconditionalBranch => {
-                    return (ip, request)
-                }
+                FlowControl::ConditionalBranch | FlowControl::UnconditionalBranch => return ip,
                 FlowControl::Next => {}
                 _ => break,
             }
@@ -510,7 +522,7 @@ impl<'a> Walk<'a, '_> {
             }
             ip = ins.next_ip();
         }
-        (at, request)
+        at
     }
 }
 
@@ -701,17 +713,13 @@ pub fn end_sites<'a>(
     let mut request = u16::MAX;
     let found = std::mem::take(&mut walk.found);
     for f in &found {
-        let (at, r) = walk.first_jump(f.at, f.request, f.jump);
-        request &= r;
+        let at = walk.first_jump(f.at, f.request, f.jump);
+        request &= f.request;
         if sites.entry(f.kind).or_default().insert(at) {
             walk.decode(at);
             evidence.push(format!(
                 "{}: {} then {}",
-                match f.kind {
-                    Kind::Succeeded => "succeeded",
-                    Kind::Failed => "failed",
-                    Kind::Stale | Kind::Released => "stale",
-                },
+                f.kind.label(),
                 walk.text(f.jump),
                 walk.text(at)
             ));
@@ -749,12 +757,13 @@ fn released_in_flight(walk: Walk<'_, '_>) -> Result<(Vec<u64>, SiteReg, Vec<Stri
     let mut evidence = Vec::new();
     let found = std::mem::take(&mut walk.found);
     for f in found.iter().filter(|f| f.kind == Kind::Released) {
-        let (at, r) = walk.first_jump(f.at, f.request, f.jump);
-        request &= r;
+        let at = walk.first_jump(f.at, f.request, f.jump);
+        request &= f.request;
         if sites.insert(at) {
             walk.decode(at);
             evidence.push(format!(
-                "released in flight: {} then {}",
+                "{}: {} then {}",
+                f.kind.label(),
                 walk.text(f.jump),
                 walk.text(at)
             ));
