@@ -200,14 +200,25 @@ pub fn nixl_inspect(library: &std::path::Path) -> anyhow::Result<String> {
         }
     ));
     s.push_str(&format!(
-        "returns        {}\n",
-        if lib.returns_at_sites {
-            "at the offsets table's sites for this build".to_string()
+        "posts          {}\n",
+        match &lib.derivation.post_site {
+            _ if lib.post_at_site => {
+                "at the site where postXferReq's status is final (one probe hit per post \
+                 besides its entry)"
+                    .to_string()
+            }
+            Ok(_) => "at postXferReq's return (sites disabled, or the offsets unknown)".to_string(),
+            Err(_) => "at postXferReq's return (no site: see the end)".to_string(),
+        }
+    ));
+    s.push_str(&format!(
+        "creations      {}\n",
+        if lib.creations_at_sites {
+            "at the offsets table's failure sites for this build".to_string()
         } else if let Some(why) = &lib.sites_refused {
             format!("at the methods' entries and returns; the table's sites refused: {why}")
         } else {
-            "at the methods' entries and returns (two probe hits each per creation and post)"
-                .to_string()
+            "at the methods' entries and returns (two probe hits per creation)".to_string()
         }
     ));
     if !lib.missing.is_empty() {

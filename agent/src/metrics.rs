@@ -212,7 +212,8 @@ pub fn write_nixl(out: &mut Exposition, agent: &str, r: &NixlReport) {
             ("build_id", &l.build_id),
             ("offsets_known", &l.offsets_known.to_string()),
             ("completion_sites", &l.completion_sites.to_string()),
-            ("return_sites", &l.return_sites.to_string()),
+            ("post_site", &l.post_site.to_string()),
+            ("creation_sites", &l.creation_sites.to_string()),
             ("probes", &l.probes_attached.to_string()),
         ]);
         out.gauge(name, &l_labels, u8::from(l.degraded.is_none()));

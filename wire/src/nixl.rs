@@ -316,11 +316,15 @@ pub struct NixlLibraryStatus {
     /// `getXferStatus`).
     #[serde(default)]
     pub completion_sites: bool,
-    /// Creations are seen only where they fail, and posts return at one instruction
-    /// (the sites the offsets table holds for this build); false: at the methods' entry
-    /// and return probes.
+    /// Posts are seen returning at one instruction (derived from the build's
+    /// `postXferReq`); false: by its return probe.
     #[serde(default)]
-    pub return_sites: bool,
+    pub post_site: bool,
+    /// Creations are seen only where they fail (the sites the offsets table holds for
+    /// this build); false: at the methods' entry and return probes. (Agents before the
+    /// post site was derived called it `return_sites`.)
+    #[serde(default, alias = "return_sites")]
+    pub creation_sites: bool,
     pub probes_attached: u32,
     /// Set when something is not measured, saying what and why.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -36,10 +36,13 @@ use iced_x86::{
     Mnemonic, OpAccess, OpKind, Register,
 };
 
-use super::offsets::{Counts, NixlOffsets, REQ_WINDOW};
+use super::offsets::{Counts, NixlOffsets, SiteReg, REQ_WINDOW};
 
 mod end_sites;
+mod listing;
+mod post_site;
 pub use end_sites::EndSites;
+pub use post_site::PostSite;
 
 /// The methods read, by the prefix of their mangled names.
 pub const TELEMETRY: &str = "_ZNK9nixlAgent16getXferTelemetryE";
@@ -87,6 +90,8 @@ pub struct Derivation {
     /// Where transfers end (`getXferStatus`' answers, in-flight releases), or why
     /// they are not known.
     pub end_sites: Result<EndSites, String>,
+    /// Where `postXferReq`'s status is final on every return, or why it is not known.
+    pub post_site: Result<PostSite, String>,
 }
 
 /// The first instruction of the path on which `getXferTelemetry` returns
@@ -222,6 +227,20 @@ impl Derivation {
             Err(why) => s.push_str(&format!(
                 "\ngetXferStatus is probed on every poll and releaseXferReq on every release: \
                  the completion sites were not found: {why}\n"
+            )),
+        }
+        match &self.post_site {
+            Ok(site) => {
+                s.push_str(&format!(
+                    "\npostXferReq's status is final at {:#x} (in {:?}):\n",
+                    site.at, site.status
+                ));
+                for e in &site.evidence {
+                    s.push_str(&format!("{:<14}   {e}\n", ""));
+                }
+            }
+            Err(why) => s.push_str(&format!(
+                "\npostXferReq is probed at its return: no site holds its final status: {why}\n"
             )),
         }
         s.push_str(&format!(
@@ -371,12 +390,17 @@ pub fn derive<'a>(
         (_, None, _) => Err("releaseXferReq is not exported".into()),
         (.., None) => Err("the request's status offset is unknown".into()),
     };
+    let post_site = match code(POST) {
+        Some(post) => post_site::post_site(post, code_at, callee),
+        None => Err("postXferReq is not exported".into()),
+    };
     Derivation {
         fields,
         counts,
         counts_because,
         telemetry_refused: telemetry_refused.map(|s| s.site),
         end_sites,
+        post_site,
     }
 }
 
@@ -1060,6 +1084,32 @@ struct State {
 fn gpr(r: Register) -> Option<usize> {
     let f = r.full_register();
     f.is_gpr64().then(|| f.number())
+}
+
+/// The callee-saved registers a site may read.
+const SITE_REGS: [(Register, SiteReg); 6] = [
+    (Register::RBX, SiteReg::Rbx),
+    (Register::RBP, SiteReg::Rbp),
+    (Register::R12, SiteReg::R12),
+    (Register::R13, SiteReg::R13),
+    (Register::R14, SiteReg::R14),
+    (Register::R15, SiteReg::R15),
+];
+
+/// The site register of general-purpose register `g`, where it is one.
+fn site_reg(g: usize) -> Option<SiteReg> {
+    SITE_REGS
+        .iter()
+        .find(|(reg, _)| gpr(*reg) == Some(g))
+        .map(|(_, s)| *s)
+}
+
+/// The general-purpose register number of a site register.
+fn site_gpr(r: SiteReg) -> Option<usize> {
+    SITE_REGS
+        .iter()
+        .find(|(_, s)| *s == r)
+        .and_then(|(reg, _)| gpr(*reg))
 }
 
 impl Run {

@@ -21,13 +21,15 @@ pub enum ProbeSide {
     Derived,
 }
 
-/// The two groups of completion sites, each attached in place of its own status-call
+/// The groups of completion sites, each attached in place of its own status-call
 /// probes, or not at all.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SiteGroup {
-    /// Where creations fail and posts return: the offsets table's, for the builds it
-    /// holds.
-    Returns,
+    /// Where creations fail: the offsets table's, for the builds it holds.
+    Creations,
+    /// Where `postXferReq`'s status is final on every return: derived from each build's
+    /// instructions ([`derive::PostSite`]).
+    Post,
     /// Where `getXferStatus` sees a transfer end and `releaseXferReq` one in flight:
     /// derived from each build's instructions ([`derive::EndSites`]).
     Ends,
@@ -54,25 +56,30 @@ impl SiteName {
             | Self::StatusFailed
             | Self::StatusStale
             | Self::ReleasedInFlight => SiteGroup::Ends,
-            _ => SiteGroup::Returns,
+            Self::PostReturned => SiteGroup::Post,
+            Self::CreateFailed | Self::MakeFailed => SiteGroup::Creations,
         }
     }
 
-    /// The derived instructions (virtual addresses) of this name, for the ends group.
-    fn derived(self, sites: &derive::EndSites) -> &[u64] {
-        match self {
-            Self::StatusSucceeded => &sites.succeeded,
-            Self::StatusFailed => &sites.failed,
-            Self::StatusStale => &sites.stale,
-            Self::ReleasedInFlight => &sites.released_in_flight,
-            _ => &[],
-        }
+    /// The derived instructions (virtual addresses) of this name, or why its group's
+    /// were not derived (a name of the table's group has none).
+    fn derived(self, derivation: &Derivation) -> Result<Vec<u64>, String> {
+        let ends = || derivation.end_sites.as_ref().map_err(Clone::clone);
+        Ok(match self {
+            Self::StatusSucceeded => ends()?.succeeded.clone(),
+            Self::StatusFailed => ends()?.failed.clone(),
+            Self::StatusStale => ends()?.stale.clone(),
+            Self::ReleasedInFlight => ends()?.released_in_flight.clone(),
+            Self::PostReturned => vec![derivation.post_site.as_ref().map_err(Clone::clone)?.at],
+            Self::CreateFailed | Self::MakeFailed => Vec::new(),
+        })
     }
 
     /// The method a derived site is in.
     fn method(self) -> &'static str {
         match self {
             Self::ReleasedInFlight => derive::RELEASE,
+            Self::PostReturned => derive::POST,
             _ => derive::STATUS,
         }
     }
@@ -212,7 +219,7 @@ pub const PROBES: &[ProbeSpec] = &[
     ),
     // With sites, a successful create is not probed at all: its post reads the request.
     without_sites(
-        SiteGroup::Returns,
+        SiteGroup::Creations,
         probe(
             "create_xfer_enter",
             Entry,
@@ -222,7 +229,7 @@ pub const PROBES: &[ProbeSpec] = &[
         ),
     ),
     without_sites(
-        SiteGroup::Returns,
+        SiteGroup::Creations,
         probe(
             "create_xfer_exit",
             Return,
@@ -233,7 +240,7 @@ pub const PROBES: &[ProbeSpec] = &[
     ),
     // The span overload; the std::vector one forwards to it. With sites, as a create.
     without_sites(
-        SiteGroup::Returns,
+        SiteGroup::Creations,
         probe(
             "make_xfer_enter",
             Entry,
@@ -243,7 +250,7 @@ pub const PROBES: &[ProbeSpec] = &[
         ),
     ),
     without_sites(
-        SiteGroup::Returns,
+        SiteGroup::Creations,
         probe(
             "make_xfer_exit",
             Return,
@@ -256,7 +263,7 @@ pub const PROBES: &[ProbeSpec] = &[
     // 1.5 it forwards to the span one, probed above).
     unless_exported(
         without_sites(
-            SiteGroup::Returns,
+            SiteGroup::Creations,
             probe(
                 "make_xfer_ref_enter",
                 Entry,
@@ -269,7 +276,7 @@ pub const PROBES: &[ProbeSpec] = &[
     ),
     unless_exported(
         without_sites(
-            SiteGroup::Returns,
+            SiteGroup::Creations,
             probe(
                 "make_xfer_exit",
                 Return,
@@ -288,7 +295,7 @@ pub const PROBES: &[ProbeSpec] = &[
         true,
     ),
     without_sites(
-        SiteGroup::Returns,
+        SiteGroup::Post,
         probe(
             "post_xfer_exit",
             Return,
@@ -527,9 +534,12 @@ pub struct NixlLibrary {
     /// Transfers end at the build's completion sites, derived from its
     /// `getXferStatus` and `releaseXferReq` (no probe on a status poll or a release).
     pub sites: bool,
-    /// Creations' failures, posts' returns and in-flight releases are seen at the
-    /// offsets table's sites for this build (else at the methods' entries and returns).
-    pub returns_at_sites: bool,
+    /// Posts are seen returning at the site derived from `postXferReq` (else by its
+    /// return probe).
+    pub post_at_site: bool,
+    /// Creations' failures are seen at the offsets table's sites for this build (else
+    /// at the methods' entries and returns).
+    pub creations_at_sites: bool,
     /// Why a build with sites in the offsets table is traced with the status-call
     /// probes instead (a site's bytes are not what the table says).
     pub sites_refused: Option<String>,
@@ -655,18 +665,20 @@ impl NixlLibrary {
             },
             None => (None, None),
         };
-        let returns_at_sites = site_probes.is_some();
-        // Transfers' ends, where getXferStatus' own instructions placed them (the
-        // request is read there, so the offsets are needed too).
-        let end_probes = derivation
-            .end_sites
-            .as_ref()
-            .ok()
-            .filter(|_| completion_sites && derived.is_some())
-            .and_then(|sites| end_probes(sites, &in_file));
+        let creations_at_sites = site_probes.is_some();
+        // Transfers' ends and posts' returns, where the methods' own instructions placed
+        // them (the request is read there, so the offsets are needed too).
+        let derived_probes = |group| {
+            derived_probes(group, &derivation, &in_file)
+                .filter(|_| completion_sites && derived.is_some())
+        };
+        let end_probes = derived_probes(SiteGroup::Ends);
+        let post_probes = derived_probes(SiteGroup::Post);
         let sites = end_probes.is_some();
+        let post_at_site = post_probes.is_some();
         let attached = |group: Option<SiteGroup>| match group {
-            Some(SiteGroup::Returns) => returns_at_sites,
+            Some(SiteGroup::Creations) => creations_at_sites,
+            Some(SiteGroup::Post) => post_at_site,
             Some(SiteGroup::Ends) => sites,
             None => false,
         };
@@ -701,6 +713,7 @@ impl NixlLibrary {
         missing.retain(|m| !probes.iter().any(|p| p.spec.unless_exported == Some(*m)));
         probes.extend(site_probes.unwrap_or_default());
         probes.extend(end_probes.unwrap_or_default());
+        probes.extend(post_probes.unwrap_or_default());
         // getXferTelemetry's refusals, where the derivation found their path.
         if let Some(file_offset) = derivation
             .telemetry_refused
@@ -721,7 +734,8 @@ impl NixlLibrary {
             probes,
             missing,
             sites,
-            returns_at_sites,
+            post_at_site,
+            creations_at_sites,
             sites_refused,
             offsets,
             derivation,
@@ -733,7 +747,14 @@ impl NixlLibrary {
     /// What the BPF programs' globals must say of the sites attached.
     pub fn sites_attached(&self) -> SitesAttached {
         SitesAttached {
-            returns: self.returns_at_sites,
+            creations: self.creations_at_sites,
+            post_status: self
+                .derivation
+                .post_site
+                .as_ref()
+                .ok()
+                .filter(|_| self.post_at_site)
+                .map(|p| p.status),
             ends: self
                 .derivation
                 .end_sites
@@ -784,7 +805,7 @@ fn resolve_sites(
         let ProbeSide::Site(name) = spec.side else {
             continue;
         };
-        if name.group() != SiteGroup::Returns {
+        if name.group() != SiteGroup::Creations {
             continue;
         }
         for (site, cookie) in name.of(sites) {
@@ -814,9 +835,11 @@ fn resolve_sites(
     Ok(probes)
 }
 
-/// The ends group's probes at the derived sites, or None when one is outside the file.
-fn end_probes<'a>(
-    sites: &derive::EndSites,
+/// A derived group's probes at its sites, or None when the group was not derived or
+/// a site is outside the file.
+fn derived_probes<'a>(
+    group: SiteGroup,
+    derivation: &Derivation,
     in_file: &dyn Fn(u64) -> Option<(u64, &'a [u8])>,
 ) -> Option<Vec<ResolvedProbe>> {
     let mut probes = Vec::new();
@@ -824,8 +847,11 @@ fn end_probes<'a>(
         let ProbeSide::Site(name) = spec.side else {
             continue;
         };
-        for address in name.derived(sites) {
-            let (file_offset, _) = in_file(*address)?;
+        if name.group() != group {
+            continue;
+        }
+        for address in name.derived(derivation).ok()? {
+            let (file_offset, _) = in_file(address)?;
             let mut spec = *spec;
             spec.symbol_prefix = name.method();
             probes.push(ResolvedProbe {
@@ -879,7 +905,7 @@ mod tests {
             for (site, _) in name.of(&sites) {
                 let at = (0x20000 + site.offset) as usize;
                 data[at..at + site.bytes.len()].copy_from_slice(site.bytes);
-                count += usize::from(name.group() == SiteGroup::Returns);
+                count += usize::from(name.group() == SiteGroup::Creations);
             }
         }
         let probes = resolve_sites(&sites, &data, &method).unwrap();
@@ -899,29 +925,20 @@ mod tests {
             assert_eq!(p.file_offset as i64, 0x20000 + f.site.offset);
             assert_eq!(p.spec.symbol_prefix, f.site.symbol_prefix);
         }
-        let post = probes
-            .iter()
-            .find(|p| p.spec.program == "post_xfer_returned")
-            .unwrap();
-        assert_eq!(
-            post.file_offset as i64,
-            0x20000 + sites.post_returned.offset
-        );
-        assert_eq!(post.spec.symbol_prefix, sites.post_returned.symbol_prefix);
-
-        assert!(probes
-            .iter()
-            .all(|p| !matches!(p.spec.side, ProbeSide::Site(n) if n.group() == SiteGroup::Ends)));
-        data[(0x20000 + sites.post_returned.offset) as usize] ^= 0xff;
+        // The table's post and getXferStatus sites are fixtures of the derivation only.
+        assert!(probes.iter().all(
+            |p| matches!(p.spec.side, ProbeSide::Site(n) if n.group() == SiteGroup::Creations)
+        ));
+        let last = sites.make_failed[sites.make_failed.len() - 1].site;
+        data[(0x20000 + last.offset) as usize] ^= 0xff;
         let why = resolve_sites(&sites, &data, &method).unwrap_err();
-        assert!(why.contains("PostReturned"), "{why}");
+        assert!(why.contains("MakeFailed"), "{why}");
         // A site past the end of the file is refused too, not a panic.
         let short = &data[..0x20010];
         assert!(resolve_sites(&sites, short, &method).is_err());
         // A method the build does not export skips its sites only.
         let make = sites.make_failed[0].site.symbol_prefix;
         let no_make = |p: &'static str| Ok((p != make).then_some(0x20000));
-        data[(0x20000 + sites.post_returned.offset) as usize] ^= 0xff;
         let probes = resolve_sites(&sites, &data, &no_make).unwrap();
         assert_eq!(probes.len(), count - sites.make_failed.len());
     }
@@ -943,7 +960,7 @@ mod tests {
             assert!(PROBES
                 .iter()
                 .filter(|p| p.symbol_prefix == method)
-                .all(|p| p.replaced_by == Some(SiteGroup::Returns)));
+                .all(|p| p.replaced_by == Some(SiteGroup::Creations)));
             let at_method: Vec<_> = SITE_PROBES
                 .iter()
                 .filter_map(|p| match p.side {

@@ -178,13 +178,12 @@ impl CreationFailure {
 
 /// Where one build's transfers end, so that no probe fires on the busy-polled
 /// `getXferStatus`, on a release of a finished transfer, or on a successful creation.
-/// `postXferReq`'s return site is a conditional jump every return path runs through
-/// after the status is final (x86 uprobes emulate jumps: one trap, no single-step); the
-/// status sites are on the two paths `getXferStatus` takes when the backend has just
-/// reported the transfer done or failed, which run once per transfer; `createXferReq`
-/// and `makeXferReq` are seen only on the paths where they fail (a successful creation
-/// is learned from its post, which reads the request). All found by reading the
-/// methods' disassembly.
+/// `createXferReq` and `makeXferReq` are seen only on the paths where they fail (a
+/// successful creation is learned from its post, which reads the request): these sites
+/// are attached from this table. The post, status and release sites are derived from
+/// every build's own instructions (`derive::PostSite`, `derive::EndSites`); the table's
+/// are the fixture the derivation must reproduce. All found by reading the methods'
+/// disassembly.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TransferSites {
     /// Every path on which `createXferReq` returns a failure.
@@ -443,8 +442,10 @@ pub fn for_build(build_id: &str) -> Option<NixlOffsets> {
 /// programs read.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SitesAttached {
-    /// The table's creation and post sites.
-    pub returns: bool,
+    /// The table's creation sites.
+    pub creations: bool,
+    /// Where the derived post site finds the status.
+    pub post_status: Option<SiteValue>,
     /// The derived ends' registers and constant.
     pub ends: Option<EndRegisters>,
 }
@@ -504,10 +505,10 @@ impl NixlOffsets {
             sites: None,
         });
         let window = offsets.map_or((0, 0), NixlOffsets::req_window);
-        let returns = o.sites.as_ref().filter(|_| attached.returns);
-        let site = |f: fn(&TransferSites) -> SiteValue| returns.map_or(0, |s| f(s).encoded());
+        let creations = o.sites.as_ref().filter(|_| attached.creations);
+        let site = |f: fn(&TransferSites) -> SiteValue| creations.map_or(0, |s| f(s).encoded());
         let site_opt = |f: fn(&TransferSites) -> Option<SiteValue>| {
-            returns.and_then(f).map_or(0, SiteValue::encoded)
+            creations.and_then(f).map_or(0, SiteValue::encoded)
         };
         let (done_req, stale_status, release_req) = attached.ends.map_or((0, 0, 0), |e| {
             (
@@ -544,7 +545,10 @@ impl NixlOffsets {
             ("site_make_agent", site(|s| s.make_args.agent)),
             ("site_make_op", site(|s| s.make_args.op)),
             ("site_make_request", site(|s| s.make_args.request)),
-            ("site_post_status", site(|s| s.post_status)),
+            (
+                "site_post_status",
+                attached.post_status.map_or(0, SiteValue::encoded),
+            ),
             ("site_done_req", done_req),
             ("site_stale_status", stale_status),
             ("site_release_req", release_req),
@@ -610,7 +614,8 @@ mod tests {
         let set = NixlOffsets::globals(
             Some(&o),
             SitesAttached {
-                returns: true,
+                creations: true,
+                post_status: Some(SiteValue::Frame(0xe8)),
                 ends: Some(EndRegisters {
                     request: SiteReg::Rbx,
                     stale_status: -4,

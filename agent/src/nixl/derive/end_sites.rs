@@ -28,11 +28,12 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use iced_x86::{
-    ConditionCode, Decoder, DecoderOptions, FlowControl, Formatter, GasFormatter, Instruction,
-    InstructionInfoFactory, Mnemonic, OpAccess, OpKind, Register,
+    ConditionCode, FlowControl, Instruction, InstructionInfoFactory, Mnemonic, OpAccess, OpKind,
+    Register,
 };
 
-use super::{gpr, is_immediate, MethodCode, CALLER_SAVED};
+use super::listing::Listing;
+use super::{gpr, is_immediate, site_reg, MethodCode, CALLER_SAVED};
 use crate::nixl::offsets::SiteReg;
 
 /// Where transfers end, as virtual addresses.
@@ -172,11 +173,9 @@ impl Method {
 
 struct Walk<'a, 'c> {
     which: Method,
-    method: MethodCode<'a>,
-    code_at: &'c dyn Fn(u64) -> Option<MethodCode<'a>>,
+    code: Listing<'a, 'c>,
     callee: &'c dyn Fn(u64) -> Option<String>,
     req_status: u64,
-    decoded: HashMap<u64, Option<Instruction>>,
     info: InstructionInfoFactory,
     /// Every jump target seen (an instruction another path may enter at).
     targets: BTreeMap<u64, BTreeSet<u64>>,
@@ -193,50 +192,7 @@ struct Walk<'a, 'c> {
     steps: usize,
 }
 
-impl<'a> Walk<'a, '_> {
-    fn decode(&mut self, ip: u64) -> Option<Instruction> {
-        if let Some(ins) = self.decoded.get(&ip) {
-            return *ins;
-        }
-        let end = self.method.address + self.method.bytes.len() as u64;
-        let code = if (self.method.address..end).contains(&ip) {
-            let from = (ip - self.method.address) as usize;
-            Some(MethodCode {
-                address: ip,
-                bytes: &self.method.bytes[from..],
-            })
-        } else {
-            (self.code_at)(ip)
-        };
-        let ins = code.and_then(|c| {
-            let mut d = Decoder::with_ip(64, c.bytes, c.address, DecoderOptions::NONE);
-            let ins = d.decode();
-            (!ins.is_invalid()).then_some(ins)
-        });
-        self.decoded.insert(ip, ins);
-        ins
-    }
-
-    fn text(&self, ip: u64) -> String {
-        let Some(Some(ins)) = self.decoded.get(&ip) else {
-            return format!("{ip:#x}");
-        };
-        let mut f = GasFormatter::new();
-        f.options_mut().set_uppercase_hex(false);
-        let mut text = String::new();
-        f.format(ins, &mut text);
-        let end = self.method.address + self.method.bytes.len() as u64;
-        if (self.method.address..end).contains(&ip) {
-            format!(
-                "{}+{:#x}: {text}",
-                self.which.name(),
-                ip - self.method.address
-            )
-        } else {
-            format!("{ip:#x}: {text}")
-        }
-    }
-
+impl Walk<'_, '_> {
     /// Walk every path from the method's entry.
     fn run(&mut self) {
         let mut start = PathState {
@@ -251,13 +207,13 @@ impl<'a> Walk<'a, '_> {
             start.request = 1 << g;
         }
         let mut seen: HashSet<(u64, PathState)> = HashSet::new();
-        let mut stack = vec![(self.method.address, start)];
+        let mut stack = vec![(self.code.entry(), start)];
         while let Some((ip, state)) = stack.pop() {
             if self.steps >= MAX_STEPS || !seen.insert((ip, state.clone())) {
                 continue;
             }
             self.steps += 1;
-            let Some(ins) = self.decode(ip) else {
+            let Some(ins) = self.code.decode(ip) else {
                 // Past the in-progress test, a path that cannot be read may end a
                 // transfer where no site is: no sites rather than wrong ones.
                 if state.phase != Phase::Before {
@@ -290,7 +246,7 @@ impl<'a> Walk<'a, '_> {
                     Phase::Answered if state.can_be & (ZERO | NEG) != 0 => {
                         self.unseen.push(format!(
                             "`{}` returns where the backend's answer may still be {}",
-                            self.text(ip),
+                            self.code.text(ip),
                             if state.can_be & ZERO != 0 {
                                 "success"
                             } else {
@@ -352,7 +308,7 @@ impl<'a> Walk<'a, '_> {
                     if state.phase != Phase::Before {
                         self.unseen.push(format!(
                             "`{}` jumps where it cannot be followed",
-                            self.text(ip)
+                            self.code.text(ip)
                         ));
                     }
                 }
@@ -496,7 +452,7 @@ impl<'a> Walk<'a, '_> {
     fn first_jump(&mut self, at: u64, request: u16, placed_by: u64) -> u64 {
         let mut ip = at;
         for _ in 0..8 {
-            let Some(ins) = self.decode(ip) else {
+            let Some(ins) = self.code.decode(ip) else {
                 break;
             };
             let entered = self
@@ -527,7 +483,7 @@ impl<'a> Walk<'a, '_> {
 }
 
 /// The C++ runtime's functions that do not return, by their symbols.
-fn never_returns(name: &str) -> bool {
+pub(super) fn never_returns(name: &str) -> bool {
     (name.starts_with("_ZSt") && name.contains("__throw_"))
         || matches!(
             name,
@@ -547,18 +503,6 @@ fn never_returns(name: &str) -> bool {
         )
 }
 
-fn site_reg(g: usize) -> Option<SiteReg> {
-    let r = [
-        (Register::RBX, SiteReg::Rbx),
-        (Register::RBP, SiteReg::Rbp),
-        (Register::R12, SiteReg::R12),
-        (Register::R13, SiteReg::R13),
-        (Register::R14, SiteReg::R14),
-        (Register::R15, SiteReg::R15),
-    ];
-    r.iter().find(|(reg, _)| reg.number() == g).map(|(_, s)| *s)
-}
-
 impl<'a, 'c> Walk<'a, 'c> {
     fn new(
         which: Method,
@@ -569,11 +513,9 @@ impl<'a, 'c> Walk<'a, 'c> {
     ) -> Self {
         Walk {
             which,
-            method,
-            code_at,
+            code: Listing::new(which.name(), method, code_at),
             callee,
             req_status,
-            decoded: HashMap::new(),
             info: InstructionInfoFactory::new(),
             targets: BTreeMap::new(),
             found: Vec::new(),
@@ -624,7 +566,7 @@ pub fn end_sites<'a>(
     if walk.stored_at.is_empty() {
         return Err(format!(
             "no path past `{}` stores a backend's answer at the request's {req_status:#x}",
-            walk.text(check)
+            walk.code.text(check)
         ));
     }
     if let Some(why) = walk.unseen.first() {
@@ -654,7 +596,7 @@ pub fn end_sites<'a>(
             // Through plain jumps to the code they lead to.
             let mut at = *to;
             for _ in 0..4 {
-                match walk.decode(at) {
+                match walk.code.decode(at) {
                     Some(i) if i.flow_control() == FlowControl::UnconditionalBranch => {
                         at = i.near_branch_target()
                     }
@@ -693,7 +635,7 @@ pub fn end_sites<'a>(
         if !walk.found.iter().any(|f| f.kind == kind) {
             return Err(format!(
                 "no path past `{}` is left with only a {} answer",
-                walk.text(check),
+                walk.code.text(check),
                 if kind == Kind::Succeeded {
                     "successful"
                 } else {
@@ -703,10 +645,10 @@ pub fn end_sites<'a>(
         }
     }
     let mut evidence = vec![
-        format!("in progress: {}", walk.text(check)),
+        format!("in progress: {}", walk.code.text(check)),
         format!(
             "answer stored: {}",
-            walk.text(*walk.stored_at.iter().next().unwrap_or(&0))
+            walk.code.text(*walk.stored_at.iter().next().unwrap_or(&0))
         ),
     ];
     let mut sites: BTreeMap<Kind, BTreeSet<u64>> = BTreeMap::new();
@@ -716,12 +658,12 @@ pub fn end_sites<'a>(
         let at = walk.first_jump(f.at, f.request, f.jump);
         request &= f.request;
         if sites.entry(f.kind).or_default().insert(at) {
-            walk.decode(at);
+            walk.code.decode(at);
             evidence.push(format!(
                 "{}: {} then {}",
                 f.kind.label(),
-                walk.text(f.jump),
-                walk.text(at)
+                walk.code.text(f.jump),
+                walk.code.text(at)
             ));
         }
     }
@@ -760,12 +702,12 @@ fn released_in_flight(walk: Walk<'_, '_>) -> Result<(Vec<u64>, SiteReg, Vec<Stri
         let at = walk.first_jump(f.at, f.request, f.jump);
         request &= f.request;
         if sites.insert(at) {
-            walk.decode(at);
+            walk.code.decode(at);
             evidence.push(format!(
                 "{}: {} then {}",
                 f.kind.label(),
-                walk.text(f.jump),
-                walk.text(at)
+                walk.code.text(f.jump),
+                walk.code.text(at)
             ));
         }
     }
@@ -775,7 +717,7 @@ fn released_in_flight(walk: Walk<'_, '_>) -> Result<(Vec<u64>, SiteReg, Vec<Stri
         .ok_or_else(|| {
             format!(
                 "no callee-saved register holds the request past `{}`",
-                walk.text(check)
+                walk.code.text(check)
             )
         })?;
     Ok((sites.into_iter().collect(), request, evidence))

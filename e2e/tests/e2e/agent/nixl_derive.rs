@@ -38,7 +38,7 @@ fn the_derived_offsets_are_the_hand_read_table_for_the_lab_build() {
         derived.sites, table.sites,
         "the table's completion sites kept"
     );
-    assert!(lib.sites && lib.returns_at_sites);
+    assert!(lib.sites && lib.post_at_site && lib.creations_at_sites);
     // getXferStatus' sites, derived, are the table's (its hand-read fixture).
     let sites = table.sites.expect("the table has the lab build's sites");
     let derived_ends = lib
@@ -84,6 +84,19 @@ fn the_derived_offsets_are_the_hand_read_table_for_the_lab_build() {
         into("xfer_released_in_flight", "release_xfer_enter"),
         [sites.released_in_flight.offset]
     );
+    // postXferReq's, derived, is the table's too: the same jump, the status in the
+    // same frame slot.
+    let post = lib
+        .derivation
+        .post_site
+        .as_ref()
+        .unwrap_or_else(|why| panic!("{why}\n{}", lib.derivation.report()));
+    assert_eq!(post.status, sites.post_status);
+    assert_eq!(
+        into("post_xfer_returned", "post_xfer_enter"),
+        [sites.post_returned.offset]
+    );
+    assert!(lib.sites_attached().post_status == Some(sites.post_status));
     let mut ends = into("xfer_status_changed", "xfer_status_enter");
     ends.sort_unstable();
     assert_eq!(
@@ -99,7 +112,7 @@ fn the_derived_offsets_are_the_hand_read_table_for_the_lab_build() {
     // The probes are at those three instructions, not on getXferStatus' entry or return.
     let programs: Vec<&str> = lib.probes.iter().map(|p| p.spec.program).collect();
     assert!(!programs.contains(&"xfer_status_enter") && !programs.contains(&"xfer_status_exit"));
-    assert!(!programs.contains(&"release_xfer_enter"));
+    assert!(!programs.contains(&"release_xfer_enter") && !programs.contains(&"post_xfer_exit"));
     assert!(programs.contains(&"xfer_released_in_flight"));
     assert_eq!(
         programs
@@ -171,6 +184,23 @@ fn older_builds_say_when_their_counts_are_held_and_where_telemetry_is_refused() 
             .probes
             .iter()
             .any(|p| p.spec.program == "xfer_telemetry_refused"));
+        // postXferReq's status is final at one jump in every build: in r12 before 1.4,
+        // r14 in 1.4, a frame slot from 1.5 on.
+        let post = lib
+            .derivation
+            .post_site
+            .as_ref()
+            .unwrap_or_else(|why| panic!("{version}: {why}\n{report}"));
+        let held = match version {
+            "1.4.1" => offsets::SiteValue::Reg(offsets::SiteReg::R14),
+            _ => offsets::SiteValue::Reg(offsets::SiteReg::R12),
+        };
+        assert_eq!(post.status, held, "{version}: {post:?}");
+        assert!(lib.post_at_site && !lib.creations_at_sites, "{version}");
+        assert!(lib
+            .probes
+            .iter()
+            .all(|p| p.spec.program != "post_xfer_exit"));
         // getXferStatus' ends: 1.4 on has a path for a success and one for a failure;
         // 1.0–1.3 merge a success with an in-progress answer when the agent's telemetry
         // is off, so their polls are probed (and the report says where).
@@ -224,6 +254,12 @@ fn nixl_inspect_says_what_was_derived_and_from_which_instructions() {
     );
     assert!(
         text.contains("getXferStatus' completion sites (the request in Rbx)"),
+        "{text}"
+    );
+    assert!(
+        text.contains("posts          at the site where postXferReq's status is final")
+            && text.contains("postXferReq's status is final at 0x")
+            && text.contains("status: postXferReq+0x"),
         "{text}"
     );
     assert!(text.contains("req_bytes      0xd8"), "{text}");
@@ -305,4 +341,25 @@ fn bad_libraries_are_refused_or_derived_in_part_with_the_reason() {
         "{}",
         lib.derivation.report()
     );
+
+    // postXferReq returns a constant, not a status kept where a site can read it: no
+    // post site, the reason given, posts seen by the return probe; the rest derived.
+    let dir = tempfile::tempdir().unwrap();
+    let copy =
+        support::copy_libs_patched(&libs.lib_dir, dir.path(), &[support::POST_STATUS_RETURN]);
+    let lib = NixlLibrary::inspect(&copy.join("libnixl.so"), true).unwrap();
+    let why = lib.derivation.post_site.clone().unwrap_err();
+    assert!(
+        why.contains("not in one callee-saved register or frame slot")
+            && why.contains("xor %eax,%eax"),
+        "{why}"
+    );
+    assert!(lib.offsets.is_some() && lib.sites && !lib.post_at_site);
+    assert_eq!(lib.sites_attached().post_status, None);
+    let programs: Vec<&str> = lib.probes.iter().map(|p| p.spec.program).collect();
+    assert!(programs.contains(&"post_xfer_exit") && !programs.contains(&"post_xfer_returned"));
+    assert!(lib
+        .derivation
+        .report()
+        .contains("postXferReq is probed at its return"));
 }

@@ -609,19 +609,23 @@ async fn only_the_process_asked_for_is_traced() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_build_in_no_table_is_traced_bytes_included() {
     // The same library with another build-id, as a NIXL built from source has: the
-    // offsets and getXferStatus' completion sites are derived from its instructions,
-    // so every figure is exact, bytes included, and transfers end at the sites; only
-    // the creation, post and release sites (the table's, per build) are not known, so
-    // those methods' entry and return probes see them.
+    // offsets and the completion sites of getXferStatus, releaseXferReq and
+    // postXferReq are derived from its instructions, so every figure is exact, bytes
+    // included, and transfers end and posts return at the sites; only the creation
+    // sites (the table's, per build) are not known, so createXferReq's and
+    // makeXferReq's entry and return probes see them.
     let libs = support::nixl_libs();
     let dir = tempfile::tempdir().unwrap();
     let copy = support::copy_libs_with_new_build_id(&libs.lib_dir, dir.path());
     let lib = copy.join("libnixl.so");
     let inspected = kvscope_agent::nixl::library::NixlLibrary::inspect(&lib, true).unwrap();
-    assert!(inspected.sites && !inspected.returns_at_sites);
+    assert!(inspected.sites && inspected.post_at_site && !inspected.creations_at_sites);
     let tracer = start_tracer(&tracer_config(vec![lib.clone()], false, None)).await;
     let st = tracer.report().libraries[0].clone();
-    assert!(st.offsets_known && st.completion_sites, "{st:?}");
+    assert!(
+        st.offsets_known && st.completion_sites && st.post_site && !st.creation_sites,
+        "{st:?}"
+    );
     assert_eq!(st.degraded, None);
 
     let truth = run_lab(&["--scenario", "mixed", "--lib-dir", copy.to_str().unwrap()]);
@@ -756,15 +760,17 @@ async fn older_builds_are_traced_exactly_on_their_derived_offsets() {
                 _ => false,
             };
             let checked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                // Transfers end at sites wherever getXferStatus' were derived (1.4 on);
-                // creations and posts are seen at sites only for the table's build (1.5),
-                // else at the methods' entries and returns.
+                // Transfers end at sites wherever getXferStatus' were derived (1.4 on),
+                // posts return at theirs wherever derived (every build); creations are
+                // seen at sites only for the table's build (1.5), else at the methods'
+                // entries and returns.
                 let in_table =
                     kvscope_agent::nixl::offsets::for_build(&inspected.build_id).is_some();
                 assert!(
                     st.offsets_known
                         && st.completion_sites == inspected.derivation.end_sites.is_ok()
-                        && st.return_sites == in_table,
+                        && st.post_site == inspected.derivation.post_site.is_ok()
+                        && st.creation_sites == in_table,
                     "{version}: {st:?}"
                 );
                 let minor: Vec<u32> = version
@@ -775,6 +781,7 @@ async fn older_builds_are_traced_exactly_on_their_derived_offsets() {
                 if minor >= vec![1, 4] {
                     assert!(st.completion_sites, "{version}: {st:?}");
                 }
+                assert!(st.post_site, "{version}: {st:?}");
                 assert_eq!(truth.nixl.libnixl, lib.display().to_string(), "{version}");
                 // The lab asks each done transfer's telemetry: refused exactly where it
                 // is off (the comparison checks the probes saw each refusal).
@@ -822,10 +829,12 @@ async fn older_builds_are_traced_exactly_on_their_derived_offsets() {
                 "| {version} | {}… | {} | {} | {} | {} | {traced} of {moved} | {refused} | {} |",
                 &inspected.build_id[..inspected.build_id.len().min(8)],
                 counts_text,
-                match (st.completion_sites, st.return_sites) {
-                    (true, true) => "ends (derived), returns (table)",
-                    (true, false) => "ends (derived)",
-                    (false, _) => "no: status-call probes",
+                match (st.completion_sites, st.post_site, st.creation_sites) {
+                    (true, true, true) => "ends, posts (derived); creations (table)",
+                    (true, true, false) => "ends, posts (derived)",
+                    (false, true, _) => "posts (derived); ends: status-call probes",
+                    (true, false, _) => "ends (derived); posts: return probe",
+                    (false, false, _) => "no: status-call probes",
                 },
                 if telemetry { "on" } else { "off" },
                 truth.transfers.len(),

@@ -72,6 +72,15 @@ pub const STATUS_IN_PROGRESS_TEST: (&[u8], &[u8]) = (
     &[0x8b, 0xab, 0xb8, 0x00, 0x00, 0x00, 0x83, 0xfd, 0x02],
 );
 
+/// `postXferReq`'s return of its status from the frame in the lab's build
+/// (`mov -0xe8(%rbp),%eax; lea -0x28(%rbp),%rsp`), made `xor %eax,%eax` and a nop: the
+/// status returned is no longer where a site can read it (the file is read, never run).
+#[allow(dead_code)]
+pub const POST_STATUS_RETURN: (&[u8], &[u8]) = (
+    &[0x8b, 0x85, 0x18, 0xff, 0xff, 0xff, 0x48, 0x8d, 0x65, 0xd8],
+    &[0x31, 0xc0, 0x0f, 0x1f, 0x40, 0x00, 0x48, 0x8d, 0x65, 0xd8],
+);
+
 /// [`copy_libs_with_new_build_id`], with every occurrence of each `(from, to)` pair's
 /// bytes in `libnixl.so` replaced (each must occur).
 #[allow(dead_code)]

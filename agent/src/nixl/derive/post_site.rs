@@ -1,0 +1,371 @@
+//! Where `postXferReq` holds its final status, read from its instructions, so that a
+//! build no table holds sees each post return at one instruction (a jump, which x86
+//! uprobes emulate: one trap) instead of by a return probe (a trap at the entry to
+//! plant it and another at the return).
+//!
+//! The method's paths are followed from its first instruction into its cold part,
+//! ending at its returns and at calls that never return. The status every return gives
+//! is where the last write to `eax` before it reads it: a callee-saved register (1.0 to
+//! 1.4 keep it in `r12`/`r14`), or a slot of the frame `rbp` points to (1.5); the same
+//! on every path. The site is the first jump that
+//! - every path from the entry to a return runs through, and no loop runs again (so it
+//!   runs once per post that returns);
+//! - leads only to returns (no throw or abort past it);
+//! - comes before every read of the status into `eax`, after which the register or slot
+//!   is never written: for a slot, `rbp` stays the frame, its address is never taken
+//!   (no call can write it) and nothing is stored relative to `rsp`.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use iced_x86::{
+    FlowControl, Instruction, InstructionInfoFactory, Mnemonic, OpAccess, OpKind, Register,
+};
+
+use super::end_sites::never_returns;
+use super::listing::Listing;
+use super::{gpr, site_gpr, site_reg, MethodCode};
+use crate::nixl::offsets::SiteValue;
+
+/// Where a post's status is final, as a virtual address, and where it is there.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PostSite {
+    pub at: u64,
+    /// A callee-saved register, or a slot below the frame pointer.
+    pub status: SiteValue,
+    /// The instructions that placed it.
+    pub evidence: Vec<String>,
+}
+
+/// Instructions in all: a bound for unexpected code.
+const MAX_INSTRUCTIONS: usize = 20_000;
+
+/// Every instruction a path reaches, with where it goes next.
+struct Graph {
+    next: BTreeMap<u64, Vec<u64>>,
+    previous: BTreeMap<u64, Vec<u64>>,
+    returns: Vec<u64>,
+    /// Where a path ends without returning (a throw, an abort, a trap).
+    dead_ends: BTreeSet<u64>,
+    instructions: BTreeMap<u64, Instruction>,
+}
+
+impl Graph {
+    fn walk(
+        code: &mut Listing<'_, '_>,
+        callee: &dyn Fn(u64) -> Option<String>,
+    ) -> Result<Graph, String> {
+        let mut graph = Graph {
+            next: BTreeMap::new(),
+            previous: BTreeMap::new(),
+            returns: Vec::new(),
+            dead_ends: BTreeSet::new(),
+            instructions: BTreeMap::new(),
+        };
+        let mut stack = vec![code.entry()];
+        while let Some(ip) = stack.pop() {
+            if graph.next.contains_key(&ip) {
+                continue;
+            }
+            if graph.next.len() >= MAX_INSTRUCTIONS {
+                return Err(format!(
+                    "{}'s paths reach more than {MAX_INSTRUCTIONS} instructions",
+                    code.name()
+                ));
+            }
+            let ins = code
+                .decode(ip)
+                .ok_or_else(|| format!("the code at {ip:#x} cannot be decoded"))?;
+            let after = ins.next_ip();
+            let next = match ins.flow_control() {
+                FlowControl::Return => {
+                    graph.returns.push(ip);
+                    vec![]
+                }
+                FlowControl::UnconditionalBranch => vec![ins.near_branch_target()],
+                FlowControl::ConditionalBranch => vec![ins.near_branch_target(), after],
+                FlowControl::IndirectBranch => {
+                    return Err(format!(
+                        "`{}` jumps where it cannot be followed",
+                        code.text(ip)
+                    ))
+                }
+                FlowControl::Call
+                    if callee(ins.near_branch_target()).is_some_and(|n| never_returns(&n)) =>
+                {
+                    graph.dead_ends.insert(ip);
+                    vec![]
+                }
+                FlowControl::Exception | FlowControl::Interrupt => {
+                    graph.dead_ends.insert(ip);
+                    vec![]
+                }
+                _ => vec![after],
+            };
+            for to in &next {
+                graph.previous.entry(*to).or_default().push(ip);
+            }
+            stack.extend(next.iter().copied());
+            graph.next.insert(ip, next);
+            graph.instructions.insert(ip, ins);
+        }
+        Ok(graph)
+    }
+
+    /// The instructions reachable from `from` (included), forward or backward, never
+    /// through `skip`.
+    fn reach(&self, from: &[u64], skip: Option<u64>, forward: bool) -> BTreeSet<u64> {
+        let edges = if forward { &self.next } else { &self.previous };
+        let mut seen = BTreeSet::new();
+        let mut stack: Vec<u64> = from
+            .iter()
+            .copied()
+            .filter(|ip| Some(*ip) != skip)
+            .collect();
+        while let Some(ip) = stack.pop() {
+            if !seen.insert(ip) {
+                continue;
+            }
+            for to in edges.get(&ip).into_iter().flatten() {
+                if Some(*to) != skip && !seen.contains(to) {
+                    stack.push(*to);
+                }
+            }
+        }
+        seen
+    }
+}
+
+/// Where one return's status comes from: the last write to `eax` before it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Source {
+    At(SiteValue),
+    /// Anything else (a constant, a call's result, arithmetic): at this instruction.
+    Other(u64),
+}
+
+fn writes_rax(ins: &Instruction, info: &mut InstructionInfoFactory) -> bool {
+    matches!(
+        ins.flow_control(),
+        FlowControl::Call | FlowControl::IndirectCall
+    ) || writes_gpr(ins, info, Register::RAX.number())
+}
+
+fn writes_gpr(ins: &Instruction, info: &mut InstructionInfoFactory, g: usize) -> bool {
+    info.info(ins).used_registers().iter().any(|u| {
+        !matches!(
+            u.access(),
+            OpAccess::Read | OpAccess::CondRead | OpAccess::NoMemAccess | OpAccess::None
+        ) && gpr(u.register()) == Some(g)
+    })
+}
+
+/// `mov <callee-saved register or frame slot>,%eax`: where it reads.
+fn source_of(ins: &Instruction, ip: u64) -> Source {
+    if ins.mnemonic() != Mnemonic::Mov
+        || ins.op0_kind() != OpKind::Register
+        || gpr(ins.op0_register()) != gpr(Register::RAX)
+    {
+        return Source::Other(ip);
+    }
+    match ins.op1_kind() {
+        OpKind::Register => match gpr(ins.op1_register()).and_then(site_reg) {
+            Some(r) => Source::At(SiteValue::Reg(r)),
+            None => Source::Other(ip),
+        },
+        OpKind::Memory
+            if ins.memory_base() == Register::RBP && ins.memory_index() == Register::None =>
+        {
+            let below = (ins.memory_displacement64() as i64).checked_neg();
+            match below.and_then(|b| u32::try_from(b).ok()).filter(|b| *b > 0) {
+                Some(below) => Source::At(SiteValue::Frame(below)),
+                None => Source::Other(ip),
+            }
+        }
+        _ => Source::Other(ip),
+    }
+}
+
+/// Where `post` (`postXferReq`) holds its final status on every return; `code_at` gives
+/// the code its jumps lead to, `callee` names a call's target.
+pub fn post_site<'a>(
+    post: MethodCode<'a>,
+    code_at: &dyn Fn(u64) -> Option<MethodCode<'a>>,
+    callee: &dyn Fn(u64) -> Option<String>,
+) -> Result<PostSite, String> {
+    let mut code = Listing::new("postXferReq", post, code_at);
+    let graph = Graph::walk(&mut code, callee)?;
+    let mut info = InstructionInfoFactory::new();
+    if graph.returns.is_empty() {
+        return Err("postXferReq never returns".into());
+    }
+    // Each return's status: the writes to eax met walking back from it.
+    let mut writers = BTreeSet::new();
+    for ret in &graph.returns {
+        let mut seen = BTreeSet::new();
+        let mut stack: Vec<u64> = graph.previous.get(ret).cloned().unwrap_or_default();
+        if stack.is_empty() {
+            return Err(format!(
+                "`{}` returns a status never written",
+                code.text(*ret)
+            ));
+        }
+        while let Some(ip) = stack.pop() {
+            if !seen.insert(ip) {
+                continue;
+            }
+            let ins = graph.instructions[&ip];
+            if writes_rax(&ins, &mut info) {
+                writers.insert(ip);
+                continue;
+            }
+            match graph.previous.get(&ip) {
+                Some(from) => stack.extend(from.iter().copied()),
+                None => {
+                    return Err(format!(
+                        "`{}` returns a status no instruction on its path writes",
+                        code.text(*ret)
+                    ))
+                }
+            }
+        }
+    }
+    let sources: Vec<Source> = writers
+        .iter()
+        .map(|ip| source_of(&graph.instructions[ip], *ip))
+        .collect();
+    let status = match sources.as_slice() {
+        [Source::At(first), rest @ ..] if rest.iter().all(|s| *s == Source::At(*first)) => *first,
+        _ => {
+            return Err(format!(
+                "its returns' status is not in one callee-saved register or frame slot on \
+                 every path: {}",
+                writers
+                    .iter()
+                    .map(|ip| format!("`{}`", code.text(*ip)))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ))
+        }
+    };
+    let writes_status = |ins: &Instruction, info: &mut InstructionInfoFactory| match status {
+        SiteValue::Reg(r) => site_gpr(r).is_none_or(|g| writes_gpr(ins, info, g)),
+        SiteValue::Frame(below) => {
+            let slot = -i64::from(below);
+            info.info(ins).used_memory().iter().any(|m| {
+                let written = !matches!(
+                    m.access(),
+                    OpAccess::Read | OpAccess::CondRead | OpAccess::NoMemAccess | OpAccess::None
+                );
+                let from = m.displacement() as i64;
+                let size = m.memory_size().size() as i64;
+                written
+                    && match (m.base(), m.index()) {
+                        (Register::RBP, Register::None) => from < slot + 4 && slot < from + size,
+                        // A store relative to rsp may land anywhere in the frame; a push
+                        // or a call's return address goes below it.
+                        (Register::RSP, _) => {
+                            !matches!(ins.mnemonic(), Mnemonic::Push | Mnemonic::Call)
+                        }
+                        _ => false,
+                    }
+            })
+        }
+        _ => true,
+    };
+    // Every instruction on a path to a read of the status into eax.
+    let before_reads = graph.reach(&writers.iter().copied().collect::<Vec<_>>(), None, false);
+    // A frame slot: `rbp` is the frame from the prologue on, wherever the status is
+    // read, and the slot's address is never taken.
+    if let SiteValue::Frame(below) = status {
+        let entry = code.entry();
+        let prologue = graph.instructions.get(&entry).map(Instruction::mnemonic)
+            == Some(Mnemonic::Push)
+            && graph.instructions[&entry].op0_register() == Register::RBP;
+        let set_at = graph.next.get(&entry).and_then(|n| n.first().copied());
+        let sets_frame = set_at
+            .and_then(|ip| graph.instructions.get(&ip))
+            .is_some_and(|i| {
+                i.mnemonic() == Mnemonic::Mov
+                    && i.op0_register() == Register::RBP
+                    && i.op1_register() == Register::RSP
+            });
+        if !prologue || !sets_frame {
+            return Err(format!(
+                "the status is in a frame slot ({}), but the method does not begin by \
+                 setting its frame pointer",
+                code.text(*writers.first().unwrap_or(&entry))
+            ));
+        }
+        for (ip, ins) in &graph.instructions {
+            let moves_rbp = Some(*ip) != set_at
+                && before_reads.contains(ip)
+                && writes_gpr(ins, &mut info, Register::RBP.number());
+            let takes_slot = (ins.mnemonic() == Mnemonic::Lea
+                && ins.memory_base() == Register::RBP
+                && (ins.memory_displacement64() as i64) <= -i64::from(below))
+                || (ins.op_count() > 1
+                    && ins.op1_kind() == OpKind::Register
+                    && ins.op1_register() == Register::RBP
+                    && Some(*ip) != set_at);
+            if moves_rbp || takes_slot {
+                return Err(format!(
+                    "the status's frame slot (-{below:#x}(%rbp)) may change unseen: `{}`",
+                    code.text(*ip)
+                ));
+            }
+        }
+    }
+    // The candidates: jumps every return runs through, once, with only returns past
+    // them and the status final; the earliest (every other is reachable from it).
+    let entry = code.entry();
+    let mut best: Option<(usize, u64)> = None;
+    for (ip, ins) in &graph.instructions {
+        if !matches!(
+            ins.flow_control(),
+            FlowControl::ConditionalBranch | FlowControl::UnconditionalBranch
+        ) {
+            continue;
+        }
+        let without = graph.reach(&[entry], Some(*ip), true);
+        if graph.returns.iter().any(|r| without.contains(r)) {
+            continue; // a return some path reaches around it
+        }
+        let onward = graph.next.get(ip).cloned().unwrap_or_default();
+        let after = graph.reach(&onward, None, true);
+        if after.contains(ip) || !after.is_disjoint(&graph.dead_ends) {
+            continue; // in a loop, or a throw past it
+        }
+        if !writers.iter().all(|w| after.contains(w))
+            || after
+                .intersection(&before_reads)
+                .any(|a| writes_status(&graph.instructions[a], &mut info))
+        {
+            continue;
+        }
+        if best.is_none_or(|(n, _)| after.len() > n) {
+            best = Some((after.len(), *ip));
+        }
+    }
+    let Some((_, at)) = best else {
+        return Err(format!(
+            "no jump that every return runs through once comes before its status is read \
+             ({}) with the status final",
+            writers
+                .iter()
+                .map(|ip| format!("`{}`", code.text(*ip)))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
+    };
+    let mut evidence = vec![format!("post returned: {}", code.text(at))];
+    evidence.extend(
+        writers
+            .iter()
+            .map(|ip| format!("status: {}", code.text(*ip))),
+    );
+    Ok(PostSite {
+        at,
+        status,
+        evidence,
+    })
+}
