@@ -213,12 +213,14 @@ pub fn nixl_inspect(library: &std::path::Path) -> anyhow::Result<String> {
     ));
     s.push_str(&format!(
         "creations      {}\n",
-        if lib.creations_at_sites {
-            "at the offsets table's failure sites for this build".to_string()
-        } else if let Some(why) = &lib.sites_refused {
-            format!("at the methods' entries and returns; the table's sites refused: {why}")
-        } else {
-            "at the methods' entries and returns (two probe hits per creation)".to_string()
+        match (&lib.derivation.create_sites, &lib.derivation.make_sites) {
+            _ if lib.creations_at_sites => "at the failure sites of createXferReq and \
+                makeXferReq (no probe hit on a successful creation)"
+                .to_string(),
+            (Ok(_), Ok(_)) => "at the methods' entries and returns (sites disabled, or the \
+                offsets unknown)"
+                .to_string(),
+            _ => "at the methods' entries and returns (no failure sites: see the end)".to_string(),
         }
     ));
     if !lib.missing.is_empty() {

@@ -57,19 +57,31 @@ const volatile __u64 req_window_len = 0;     /* < REQ_WINDOW */
  * nothing fires on the busy-polled getXferStatus until a transfer's status changes and
  * nothing on a release unless the transfer is still in flight. Where a site finds a
  * value is build-specific too: SRC_REG | register, SRC_FRAME | offset below the
- * frame pointer, SRC_FRAME_REF | offset of a slot holding a 32-bit value's address, or
- * SRC_CONST | the value a path returns without storing it. 0 = this build has no sites (the status-call probes are attached).
+ * frame pointer, SRC_FRAME_REF | offset of a slot holding a 32-bit value's address,
+ * SRC_REG_REF | register holding a 32-bit value's address, or SRC_CONST | the value a
+ * path returns without storing it. 0 = this build has no sites (the status-call probes are attached).
  */
 #define SRC_REG (1ull << 32)
 #define SRC_FRAME (2ull << 32)
 #define SRC_CONST (3ull << 32) /* the low 32 bits are the value (a status) */
 #define SRC_FRAME_REF (4ull << 32) /* a frame slot holding the address of a 32-bit value */
+#define SRC_REG_REF (5ull << 32) /* a register holding the address of a 32-bit value */
 #define REG_RBX 0
 #define REG_RBP 1
 #define REG_R12 2
 #define REG_R13 3
 #define REG_R14 4
 #define REG_R15 5
+/* Caller-saved: only at a failure site before any call (an argument still in place). */
+#define REG_RAX 6
+#define REG_RCX 7
+#define REG_RDX 8
+#define REG_RSI 9
+#define REG_RDI 10
+#define REG_R8 11
+#define REG_R9 12
+#define REG_R10 13
+#define REG_R11 14
 /* createXferReq's and makeXferReq's failure paths (one probe each; its cookie: the
  * status's source, FAILED_REQUEST_BUILT once the request holds the op and remote agent,
  * FAILED_IN_MAKE for makeXferReq): `this`, the op before the request is built, the frame
@@ -77,6 +89,9 @@ const volatile __u64 req_window_len = 0;     /* < REQ_WINDOW */
  * request once built. */
 #define FAILED_REQUEST_BUILT (1ull << 40)
 #define FAILED_IN_MAKE (1ull << 41)
+/* Bits 42-46: 1 + the REG_* holding `this` on this path, where it is not in the method's
+ * usual place (0: site_create_agent / site_make_agent). */
+#define FAILED_AGENT_SHIFT 42
 const volatile __u64 site_create_agent = 0;
 const volatile __u64 site_create_op = 0;
 const volatile __u64 site_create_remote_ref = 0;
@@ -228,16 +243,33 @@ struct {
 static __always_inline __u64 site_value(struct pt_regs *ctx, __u64 src)
 {
 	__u64 v = src & 0xffffffffull;
-	if ((src >> 32) == (SRC_REG >> 32)) {
+	if ((src >> 32) == (SRC_REG >> 32) || (src >> 32) == (SRC_REG_REF >> 32)) {
+		__u64 r = 0;
+		/* Each register read where it is named: the compiler would otherwise merge the
+		 * loads into one at a computed offset from ctx, which the verifier refuses. */
 		switch (v) {
-		case REG_RBX: return ctx->rbx;
-		case REG_RBP: return ctx->rbp;
-		case REG_R12: return ctx->r12;
-		case REG_R13: return ctx->r13;
-		case REG_R14: return ctx->r14;
-		case REG_R15: return ctx->r15;
+		case REG_RBX: r = ctx->rbx; barrier_var(r); break;
+		case REG_RBP: r = ctx->rbp; barrier_var(r); break;
+		case REG_R12: r = ctx->r12; barrier_var(r); break;
+		case REG_R13: r = ctx->r13; barrier_var(r); break;
+		case REG_R14: r = ctx->r14; barrier_var(r); break;
+		case REG_R15: r = ctx->r15; barrier_var(r); break;
+		case REG_RAX: r = ctx->rax; barrier_var(r); break;
+		case REG_RCX: r = ctx->rcx; barrier_var(r); break;
+		case REG_RDX: r = ctx->rdx; barrier_var(r); break;
+		case REG_RSI: r = ctx->rsi; barrier_var(r); break;
+		case REG_RDI: r = ctx->rdi; barrier_var(r); break;
+		case REG_R8: r = ctx->r8; barrier_var(r); break;
+		case REG_R9: r = ctx->r9; barrier_var(r); break;
+		case REG_R10: r = ctx->r10; barrier_var(r); break;
+		case REG_R11: r = ctx->r11; barrier_var(r); break;
 		}
-		return 0;
+		if ((src >> 32) == (SRC_REG >> 32))
+			return r;
+		__u32 x = 0;
+		if (r)
+			bpf_probe_read_user(&x, sizeof(x), (const void *)r);
+		return x;
 	}
 	if ((src >> 32) == (SRC_CONST >> 32))
 		return v;

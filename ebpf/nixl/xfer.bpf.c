@@ -224,7 +224,10 @@ int BPF_KPROBE(xfer_creation_failed)
 {
 	__u64 cookie = bpf_get_attach_cookie(ctx);
 	int make = (cookie & FAILED_IN_MAKE) != 0;
-	__u64 self = site_value(ctx, make ? site_make_agent : site_create_agent);
+	/* A path that fails before `this` reaches its usual place names the register. */
+	__u64 agent_reg = (cookie >> FAILED_AGENT_SHIFT) & 0x1f;
+	__u64 self = site_value(ctx, agent_reg ? (SRC_REG | (agent_reg - 1))
+					       : make ? site_make_agent : site_create_agent);
 	note_agent(self);
 	struct nixl_event *e = event_reserve(EV_XFER_CREATE);
 	if (!e)

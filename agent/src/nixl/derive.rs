@@ -38,9 +38,11 @@ use iced_x86::{
 
 use super::offsets::{Counts, NixlOffsets, SiteReg, REQ_WINDOW};
 
+mod creation_sites;
 mod end_sites;
 mod listing;
 mod post_site;
+pub use creation_sites::{CreationSites, Creator, Failure};
 pub use end_sites::EndSites;
 pub use post_site::PostSite;
 
@@ -52,6 +54,10 @@ pub const REGISTER: &str = "_ZN9nixlAgent11registerMemE";
 pub const DATA_CTOR: &str = "_ZN13nixlAgentDataC2E";
 pub const CREATE: &str = "_ZNK9nixlAgent13createXferReqE";
 pub const RELEASE: &str = "_ZNK9nixlAgent14releaseXferReqE";
+/// `makeXferReq`'s overloads: the span one (1.5 on), the std::vector one taking its op
+/// by reference (every build; before 1.5 the implementation, in 1.5 a wrapper).
+pub const MAKE_SPAN: &str = "_ZNK9nixlAgent11makeXferReqE14nixl_xfer_op_t";
+pub const MAKE_BY_REFERENCE: &str = "_ZNK9nixlAgent11makeXferReqERK14nixl_xfer_op_t";
 
 /// Every method a derivation reads.
 pub const METHODS: [&str; 6] = [TELEMETRY, POST, STATUS, REGISTER, DATA_CTOR, CREATE];
@@ -92,6 +98,10 @@ pub struct Derivation {
     pub end_sites: Result<EndSites, String>,
     /// Where `postXferReq`'s status is final on every return, or why it is not known.
     pub post_site: Result<PostSite, String>,
+    /// Where `createXferReq` fails, or why it is not known.
+    pub create_sites: Result<CreationSites, String>,
+    /// Where `makeXferReq` (the overload that implements it) fails, or why not known.
+    pub make_sites: Result<CreationSites, String>,
 }
 
 /// The first instruction of the path on which `getXferTelemetry` returns
@@ -228,6 +238,27 @@ impl Derivation {
                 "\ngetXferStatus is probed on every poll and releaseXferReq on every release: \
                  the completion sites were not found: {why}\n"
             )),
+        }
+        for (name, sites) in [
+            ("createXferReq", &self.create_sites),
+            ("makeXferReq", &self.make_sites),
+        ] {
+            match sites {
+                Ok(sites) => {
+                    s.push_str(&format!(
+                        "\n{name} fails at {} site{}:\n",
+                        sites.failed.len(),
+                        if sites.failed.len() == 1 { "" } else { "s" }
+                    ));
+                    for e in &sites.evidence {
+                        s.push_str(&format!("{:<14}   {e}\n", ""));
+                    }
+                }
+                Err(why) => s.push_str(&format!(
+                    "\n{name} is probed at its entry and return: its failure sites were not \
+                     found: {why}\n"
+                )),
+            }
         }
         match &self.post_site {
             Ok(site) => {
@@ -394,6 +425,17 @@ pub fn derive<'a>(
         Some(post) => post_site::post_site(post, code_at, callee),
         None => Err("postXferReq is not exported".into()),
     };
+    let create_sites = match code(CREATE) {
+        Some(c) => creation_sites::creation_sites(Creator::Create, c, code_at, callee),
+        None => Err("createXferReq is not exported".into()),
+    };
+    let make_sites = match (code(MAKE_SPAN), code(MAKE_BY_REFERENCE)) {
+        (Some(c), _) => creation_sites::creation_sites(Creator::MakeSpan, c, code_at, callee),
+        (None, Some(c)) => {
+            creation_sites::creation_sites(Creator::MakeByReference, c, code_at, callee)
+        }
+        (None, None) => Err("makeXferReq is not exported".into()),
+    };
     Derivation {
         fields,
         counts,
@@ -401,6 +443,8 @@ pub fn derive<'a>(
         telemetry_refused: telemetry_refused.map(|s| s.site),
         end_sites,
         post_site,
+        create_sites,
+        make_sites,
     }
 }
 
@@ -1096,7 +1140,30 @@ const SITE_REGS: [(Register, SiteReg); 6] = [
     (Register::R15, SiteReg::R15),
 ];
 
-/// The site register of general-purpose register `g`, where it is one.
+/// Every register a site may read, callee-saved or not.
+const ANY_SITE_REGS: [(Register, SiteReg); 9] = [
+    (Register::RAX, SiteReg::Rax),
+    (Register::RCX, SiteReg::Rcx),
+    (Register::RDX, SiteReg::Rdx),
+    (Register::RSI, SiteReg::Rsi),
+    (Register::RDI, SiteReg::Rdi),
+    (Register::R8, SiteReg::R8),
+    (Register::R9, SiteReg::R9),
+    (Register::R10, SiteReg::R10),
+    (Register::R11, SiteReg::R11),
+];
+
+/// The site register of general-purpose register `g`, callee-saved or not.
+fn any_site_reg(g: usize) -> Option<SiteReg> {
+    site_reg(g).or_else(|| {
+        ANY_SITE_REGS
+            .iter()
+            .find(|(reg, _)| gpr(*reg) == Some(g))
+            .map(|(_, s)| *s)
+    })
+}
+
+/// The site register of general-purpose register `g`, where it is a callee-saved one.
 fn site_reg(g: usize) -> Option<SiteReg> {
     SITE_REGS
         .iter()

@@ -8,14 +8,15 @@ use std::path::{Path, PathBuf};
 
 use super::derive::{self, Derivation, MethodCode};
 use super::event::NixlCall;
-use super::offsets::{self, CodeSite, EndRegisters, NixlOffsets, SitesAttached, TransferSites};
+use super::offsets::{EndRegisters, NixlOffsets, SitesAttached};
 
 /// Where a probe fires.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ProbeSide {
     Entry,
     Return,
-    /// At one instruction inside the method, from the build's [`TransferSites`].
+    /// At one instruction inside the method where a transfer ends, a post returns or a
+    /// creation fails, derived from the build ([`SiteGroup`]).
     Site(SiteName),
     /// At one instruction the derivation found ([`Derivation`]).
     Derived,
@@ -25,7 +26,8 @@ pub enum ProbeSide {
 /// probes, or not at all.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SiteGroup {
-    /// Where creations fail: the offsets table's, for the builds it holds.
+    /// Where `createXferReq` and `makeXferReq` fail: derived from each build's
+    /// instructions ([`derive::CreationSites`]).
     Creations,
     /// Where `postXferReq`'s status is final on every return: derived from each build's
     /// instructions ([`derive::PostSite`]).
@@ -61,52 +63,35 @@ impl SiteName {
         }
     }
 
-    /// The derived instructions (virtual addresses) of this name, or why its group's
-    /// were not derived (a name of the table's group has none).
-    fn derived(self, derivation: &Derivation) -> Result<Vec<u64>, String> {
+    /// The derived instructions (virtual addresses) of this name, each with its probe's
+    /// cookie where the site gives its own, and the method they are in; or why its
+    /// group's were not derived.
+    fn derived(self, derivation: &Derivation) -> Result<(Vec<Placed>, &'static str), String> {
         let ends = || derivation.end_sites.as_ref().map_err(Clone::clone);
+        let plain = |v: &[u64]| v.iter().map(|a| (*a, None)).collect::<Vec<_>>();
+        let failures = |sites: &Result<derive::CreationSites, String>, make: bool| {
+            sites.as_ref().map_err(Clone::clone).map(|s| {
+                let at = s.failed.iter().map(|f| (f.at, Some(f.cookie(make))));
+                (at.collect(), s.symbol)
+            })
+        };
         Ok(match self {
-            Self::StatusSucceeded => ends()?.succeeded.clone(),
-            Self::StatusFailed => ends()?.failed.clone(),
-            Self::StatusStale => ends()?.stale.clone(),
-            Self::ReleasedInFlight => ends()?.released_in_flight.clone(),
-            Self::PostReturned => vec![derivation.post_site.as_ref().map_err(Clone::clone)?.at],
-            Self::CreateFailed | Self::MakeFailed => Vec::new(),
+            Self::StatusSucceeded => (plain(&ends()?.succeeded), derive::STATUS),
+            Self::StatusFailed => (plain(&ends()?.failed), derive::STATUS),
+            Self::StatusStale => (plain(&ends()?.stale), derive::STATUS),
+            Self::ReleasedInFlight => (plain(&ends()?.released_in_flight), derive::RELEASE),
+            Self::PostReturned => (
+                plain(&[derivation.post_site.as_ref().map_err(Clone::clone)?.at]),
+                derive::POST,
+            ),
+            Self::CreateFailed => failures(&derivation.create_sites, false)?,
+            Self::MakeFailed => failures(&derivation.make_sites, true)?,
         })
     }
-
-    /// The method a derived site is in.
-    fn method(self) -> &'static str {
-        match self {
-            Self::ReleasedInFlight => derive::RELEASE,
-            Self::PostReturned => derive::POST,
-            _ => derive::STATUS,
-        }
-    }
-
-    /// The instructions of this name in `sites`, each with its probe's cookie where the
-    /// site gives its own (else the spec's).
-    fn of(self, sites: &TransferSites) -> Vec<(CodeSite, Option<u64>)> {
-        let one = |site: CodeSite| vec![(site, None)];
-        match self {
-            Self::CreateFailed => sites
-                .create_failed
-                .iter()
-                .map(|f| (f.site, Some(f.cookie(false))))
-                .collect(),
-            Self::MakeFailed => sites
-                .make_failed
-                .iter()
-                .map(|f| (f.site, Some(f.cookie(true))))
-                .collect(),
-            Self::PostReturned => one(sites.post_returned),
-            Self::StatusSucceeded => one(sites.status_succeeded),
-            Self::StatusFailed => one(sites.status_failed),
-            Self::StatusStale => one(sites.status_stale),
-            Self::ReleasedInFlight => one(sites.released_in_flight),
-        }
-    }
 }
+
+/// A derived site: its address, and its probe's cookie where it gives its own.
+type Placed = (u64, Option<u64>);
 
 /// One uprobe or uretprobe: which BPF program, on which method, with which cookie.
 #[derive(Clone, Copy, Debug)]
@@ -170,8 +155,7 @@ use ProbeSide::{Entry, Return};
 
 /// `makeXferReq`'s overloads: the span one (1.5 on), the std::vector one taking its op
 /// by reference (every build; before 1.5 the only one).
-const MAKE_SPAN: &str = "_ZNK9nixlAgent11makeXferReqE14nixl_xfer_op_t";
-const MAKE_BY_REFERENCE: &str = "_ZNK9nixlAgent11makeXferReqERK14nixl_xfer_op_t";
+use derive::{MAKE_BY_REFERENCE, MAKE_SPAN};
 
 /// The completion-site probes, attached instead of the status-call ones where the
 /// build's sites are known (their methods are those of the sites).
@@ -537,12 +521,9 @@ pub struct NixlLibrary {
     /// Posts are seen returning at the site derived from `postXferReq` (else by its
     /// return probe).
     pub post_at_site: bool,
-    /// Creations' failures are seen at the offsets table's sites for this build (else
-    /// at the methods' entries and returns).
+    /// Creations' failures are seen at the sites derived from `createXferReq` and
+    /// `makeXferReq` (else at the methods' entries and returns).
     pub creations_at_sites: bool,
-    /// Why a build with sites in the offsets table is traced with the status-call
-    /// probes instead (a site's bytes are not what the table says).
-    pub sites_refused: Option<String>,
     /// The struct offsets the probes read, derived from the library's own
     /// instructions (None: a field could not be; [`Self::derivation`] says why).
     pub offsets: Option<NixlOffsets>,
@@ -649,33 +630,20 @@ impl NixlLibrary {
         };
         let derivation = derived_once(&build_id, || derive::derive(&code, &code_at, &callee));
         let derived = derivation.offsets().ok();
-        // Completion sites are still read from the table, for the builds it holds; they
-        // need the offsets (their probes read the request).
-        let table_sites = offsets::for_build(&build_id)
-            .and_then(|o| o.sites)
-            .filter(|_| derived.is_some());
-        let offsets = derived.map(|o| NixlOffsets {
-            sites: table_sites,
-            ..o
-        });
-        let (site_probes, sites_refused) = match table_sites.filter(|_| completion_sites) {
-            Some(sites) => match resolve_sites(&sites, &data, &method) {
-                Ok(probes) => (Some(probes), None),
-                Err(why) => (None, Some(why)),
-            },
-            None => (None, None),
-        };
-        let creations_at_sites = site_probes.is_some();
-        // Transfers' ends and posts' returns, where the methods' own instructions placed
-        // them (the request is read there, so the offsets are needed too).
+        let offsets = derived;
+        // Transfers' ends, posts' returns and creations' failures, where the methods' own
+        // instructions placed them (the request is read there, so the offsets are needed
+        // too).
         let derived_probes = |group| {
             derived_probes(group, &derivation, &in_file)
                 .filter(|_| completion_sites && derived.is_some())
         };
         let end_probes = derived_probes(SiteGroup::Ends);
         let post_probes = derived_probes(SiteGroup::Post);
+        let creation_probes = derived_probes(SiteGroup::Creations);
         let sites = end_probes.is_some();
         let post_at_site = post_probes.is_some();
+        let creations_at_sites = creation_probes.is_some();
         let attached = |group: Option<SiteGroup>| match group {
             Some(SiteGroup::Creations) => creations_at_sites,
             Some(SiteGroup::Post) => post_at_site,
@@ -711,7 +679,7 @@ impl NixlLibrary {
         }
         // A method replaced by its older form, probed instead, is not missing.
         missing.retain(|m| !probes.iter().any(|p| p.spec.unless_exported == Some(*m)));
-        probes.extend(site_probes.unwrap_or_default());
+        probes.extend(creation_probes.unwrap_or_default());
         probes.extend(end_probes.unwrap_or_default());
         probes.extend(post_probes.unwrap_or_default());
         // getXferTelemetry's refusals, where the derivation found their path.
@@ -736,7 +704,6 @@ impl NixlLibrary {
             sites,
             post_at_site,
             creations_at_sites,
-            sites_refused,
             offsets,
             derivation,
         })
@@ -747,7 +714,10 @@ impl NixlLibrary {
     /// What the BPF programs' globals must say of the sites attached.
     pub fn sites_attached(&self) -> SitesAttached {
         SitesAttached {
-            creations: self.creations_at_sites,
+            creations: match (&self.derivation.create_sites, &self.derivation.make_sites) {
+                (Ok(c), Ok(m)) if self.creations_at_sites => Some((c.args, m.args)),
+                _ => None,
+            },
             post_status: self
                 .derivation
                 .post_site
@@ -791,50 +761,6 @@ fn derived_once(build_id: &str, derive: impl FnOnce() -> Derivation) -> Derivati
         .clone()
 }
 
-/// The site probes of `sites` in this file, or why none is attached: a site's bytes
-/// are not the instruction the table names. A site in a method the build does not
-/// export is skipped, as that method's own probes are; an ambiguous method is refused
-/// here and reported by the method's own probes.
-fn resolve_sites(
-    sites: &TransferSites,
-    data: &[u8],
-    method: &dyn Fn(&'static str) -> Result<Option<u64>, LibraryError>,
-) -> Result<Vec<ResolvedProbe>, String> {
-    let mut probes = Vec::new();
-    for spec in SITE_PROBES {
-        let ProbeSide::Site(name) = spec.side else {
-            continue;
-        };
-        if name.group() != SiteGroup::Creations {
-            continue;
-        }
-        for (site, cookie) in name.of(sites) {
-            let Some(start) = method(site.symbol_prefix).map_err(|e| e.to_string())? else {
-                continue;
-            };
-            let at = start.checked_add_signed(site.offset);
-            let found = at
-                .and_then(|at| usize::try_from(at).ok())
-                .and_then(|at| data.get(at..at.checked_add(site.bytes.len())?));
-            if found != Some(site.bytes) {
-                return Err(format!(
-                    "the completion site {name:?} ({}+{:#x}) holds {:02x?}, not the {:02x?} \
-                     the offsets table names",
-                    site.symbol_prefix, site.offset, found, site.bytes
-                ));
-            }
-            let mut spec = *spec;
-            spec.symbol_prefix = site.symbol_prefix;
-            probes.push(ResolvedProbe {
-                spec,
-                file_offset: at.unwrap_or_default(),
-                cookie: cookie.or(spec.call.map(|c| c as u64)),
-            });
-        }
-    }
-    Ok(probes)
-}
-
 /// A derived group's probes at its sites, or None when the group was not derived or
 /// a site is outside the file.
 fn derived_probes<'a>(
@@ -850,14 +776,15 @@ fn derived_probes<'a>(
         if name.group() != group {
             continue;
         }
-        for address in name.derived(derivation).ok()? {
+        let (at, method) = name.derived(derivation).ok()?;
+        for (address, cookie) in at {
             let (file_offset, _) = in_file(address)?;
             let mut spec = *spec;
-            spec.symbol_prefix = name.method();
+            spec.symbol_prefix = method;
             probes.push(ResolvedProbe {
                 spec,
                 file_offset,
-                cookie: spec.call.map(|c| c as u64),
+                cookie: cookie.or(spec.call.map(|c| c as u64)),
             });
         }
     }
@@ -886,95 +813,27 @@ mod tests {
         }
     }
 
-    /// Each of the table's sites is checked against the file's bytes: one wrong byte and
-    /// none is used (the methods' entry and return probes are attached instead, and the
-    /// reason is given). The table's `getXferStatus` sites are the derivation's fixture,
-    /// never attached from it.
-    #[test]
-    fn completion_sites_are_used_only_where_every_one_holds_its_instruction() {
-        let sites = offsets::KNOWN_BUILDS[0].1.sites.expect("1.5.1 has sites");
-        // Each site's bytes written at its offset.
-        // Every method at 0x20000 of a fake file (the cold parts are before it).
-        let method = |_: &'static str| Ok(Some(0x20000));
-        let mut data = vec![0u8; 0x21000];
-        let mut count = 0;
-        for spec in SITE_PROBES {
-            let ProbeSide::Site(name) = spec.side else {
-                unreachable!()
-            };
-            for (site, _) in name.of(&sites) {
-                let at = (0x20000 + site.offset) as usize;
-                data[at..at + site.bytes.len()].copy_from_slice(site.bytes);
-                count += usize::from(name.group() == SiteGroup::Creations);
-            }
-        }
-        let probes = resolve_sites(&sites, &data, &method).unwrap();
-        assert_eq!(probes.len(), count);
-        // One probe per failure path of createXferReq and makeXferReq, each with its
-        // own cookie.
-        let failed: Vec<_> = probes
-            .iter()
-            .filter(|p| p.spec.program == "xfer_creation_failed")
-            .collect();
-        let expected: Vec<_> = (sites.create_failed.iter().map(|f| (f, false)))
-            .chain(sites.make_failed.iter().map(|f| (f, true)))
-            .collect();
-        assert_eq!(failed.len(), expected.len());
-        for (p, (f, make)) in failed.iter().zip(expected) {
-            assert_eq!(p.cookie, Some(f.cookie(make)));
-            assert_eq!(p.file_offset as i64, 0x20000 + f.site.offset);
-            assert_eq!(p.spec.symbol_prefix, f.site.symbol_prefix);
-        }
-        // The table's post and getXferStatus sites are fixtures of the derivation only.
-        assert!(probes.iter().all(
-            |p| matches!(p.spec.side, ProbeSide::Site(n) if n.group() == SiteGroup::Creations)
-        ));
-        let last = sites.make_failed[sites.make_failed.len() - 1].site;
-        data[(0x20000 + last.offset) as usize] ^= 0xff;
-        let why = resolve_sites(&sites, &data, &method).unwrap_err();
-        assert!(why.contains("MakeFailed"), "{why}");
-        // A site past the end of the file is refused too, not a panic.
-        let short = &data[..0x20010];
-        assert!(resolve_sites(&sites, short, &method).is_err());
-        // A method the build does not export skips its sites only.
-        let make = sites.make_failed[0].site.symbol_prefix;
-        let no_make = |p: &'static str| Ok((p != make).then_some(0x20000));
-        let probes = resolve_sites(&sites, &data, &no_make).unwrap();
-        assert_eq!(probes.len(), count - sites.make_failed.len());
-    }
-
     /// With the sites a successful `createXferReq` or `makeXferReq` fires no probe:
-    /// their entry probes are ones the sites replace, and their sites are on failure
-    /// paths only.
+    /// their entry and return probes are ones the creation sites replace (the sites are
+    /// on failure paths only: `nixl_derive.rs` checks them against each build's).
     #[test]
     fn with_sites_a_successful_creation_is_not_probed() {
-        let sites = offsets::KNOWN_BUILDS[0].1.sites.unwrap();
-        for (method, failures, make) in [
-            ("_ZNK9nixlAgent13createXferReqE", sites.create_failed, false),
-            (
-                "_ZNK9nixlAgent11makeXferReqE14nixl_xfer_op_t",
-                sites.make_failed,
-                true,
-            ),
-        ] {
-            assert!(PROBES
+        for method in [derive::CREATE, MAKE_SPAN, MAKE_BY_REFERENCE] {
+            let probes: Vec<_> = PROBES
                 .iter()
                 .filter(|p| p.symbol_prefix == method)
-                .all(|p| p.replaced_by == Some(SiteGroup::Creations)));
-            let at_method: Vec<_> = SITE_PROBES
-                .iter()
-                .filter_map(|p| match p.side {
-                    ProbeSide::Site(name) => Some(name.of(&sites)),
-                    _ => None,
-                })
-                .flatten()
-                .filter(|(site, _)| site.symbol_prefix == method)
                 .collect();
-            assert_eq!(at_method.len(), failures.len());
-            assert!(at_method.iter().all(|(site, cookie)| failures
-                .iter()
-                .any(|f| f.site == *site && Some(f.cookie(make)) == *cookie)));
+            assert!(!probes.is_empty(), "{method}");
+            assert!(
+                probes
+                    .iter()
+                    .all(|p| p.replaced_by == Some(SiteGroup::Creations)),
+                "{method}"
+            );
         }
+        assert!(SITE_PROBES
+            .iter()
+            .any(|p| matches!(p.side, ProbeSide::Site(n) if n.group() == SiteGroup::Creations)));
     }
 
     #[test]

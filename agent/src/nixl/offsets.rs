@@ -1,12 +1,14 @@
-//! What the probes read of NIXL's C++ objects, and the builds whose completion sites
-//! are known, keyed by GNU build-id.
+//! What the probes read of NIXL's C++ objects and where they find it, and one build's
+//! offsets and completion sites read by hand, keyed by GNU build-id: the derivation's
+//! fixture.
 //!
 //! The probes read a few fields of NIXL's C++ objects (the request handle's remote agent,
 //! op and byte count; an agent's name; a registration list's lengths), handed to the BPF
 //! programs as read-only globals before loading. Their offsets change between NIXL
 //! versions: [`super::derive`] reads them from each library's instructions. The table
-//! below holds the 1.5.1 wheel's offsets as read by hand — the derivation's fixture
-//! (`e2e/tests/e2e/agent/nixl_derive.rs`) — and its completion sites.
+//! below holds the 1.5.1 wheel's offsets and completion sites as read by hand — the
+//! derivation's fixture (`e2e/tests/e2e/agent/nixl_derive.rs`); nothing is attached
+//! from it.
 //!
 //! How the 1.5.1 entry was read (ARCHITECTURE.md, "NIXL struct offsets"):
 //! `nixlAgent::getXferTelemetry`
@@ -20,7 +22,7 @@
 //!
 //! A build's [`TransferSites`] are instructions inside the transfer methods where probes
 //! see returns and transfer ends without firing on every status poll (ARCHITECTURE.md,
-//! "Completion sites"); their bytes are checked in the file before use.
+//! "Completion sites"); the agent derives them from each build.
 
 /// Offsets the probes need, in bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -54,7 +56,7 @@ pub struct NixlOffsets {
     pub req_status: u64,
     /// When the request's byte and descriptor counts hold the transfer's.
     pub counts: Counts,
-    /// The build's completion sites, or None: then the status-call probes are used.
+    /// The build's completion sites as read by hand (the fixture's); None where derived.
     pub sites: Option<TransferSites>,
 }
 
@@ -93,11 +95,15 @@ pub enum SiteValue {
     /// A 32-bit value whose address a frame slot holds (an argument passed by
     /// reference).
     FrameRef(u32),
+    /// A 32-bit value whose address a register holds.
+    RegRef(SiteReg),
     /// What the path returns without keeping it anywhere (a status).
     Const(i32),
 }
 
-/// The callee-saved registers a site may read (`REG_*` in `ebpf/nixl/common.h`).
+/// The registers a site may read (`REG_*` in `ebpf/nixl/common.h`): the callee-saved
+/// ones, which hold their values across calls, and the others, which a failure site
+/// reached before any call may find an argument in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SiteReg {
     Rbx = 0,
@@ -106,6 +112,15 @@ pub enum SiteReg {
     R13 = 3,
     R14 = 4,
     R15 = 5,
+    Rax = 6,
+    Rcx = 7,
+    Rdx = 8,
+    Rsi = 9,
+    Rdi = 10,
+    R8 = 11,
+    R9 = 12,
+    R10 = 13,
+    R11 = 14,
 }
 
 impl SiteValue {
@@ -115,6 +130,7 @@ impl SiteValue {
             Self::Frame(off) => (2 << 32) | u64::from(off),
             Self::Const(v) => (3 << 32) | u64::from(v as u32),
             Self::FrameRef(off) => (4 << 32) | u64::from(off),
+            Self::RegRef(r) => (5 << 32) | r as u64,
         }
     }
 }
@@ -161,6 +177,9 @@ pub struct CreationArgs {
 /// method is `makeXferReq`.
 pub const FAILED_REQUEST_BUILT: u64 = 1 << 40;
 pub const FAILED_IN_MAKE: u64 = 1 << 41;
+/// Bits 42–46 of that cookie: 1 + the register holding `this` on a path where it is not
+/// in the method's usual place.
+pub const FAILED_AGENT_SHIFT: u32 = 42;
 
 impl CreationFailure {
     /// The uprobe cookie of this failure's probe: its status source, where its op and
@@ -239,7 +258,8 @@ const fn failed(
     }
 }
 
-/// Known builds: (GNU build-id as hex, offsets).
+/// Builds read by hand: (GNU build-id as hex, offsets and sites). The derivation's
+/// fixture, never attached from.
 pub const KNOWN_BUILDS: &[(&str, NixlOffsets)] = &[(
     // PyPI nixl-cu12==1.5.1, .nixl_cu12.mesonpy.libs/libnixl.so
     "c60ac851fdd67a4d9738b5b2f53bd4849505f241",
@@ -442,8 +462,9 @@ pub fn for_build(build_id: &str) -> Option<NixlOffsets> {
 /// programs read.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SitesAttached {
-    /// The table's creation sites.
-    pub creations: bool,
+    /// Where the derived creation sites find `createXferReq`'s and `makeXferReq`'s
+    /// arguments.
+    pub creations: Option<(CreationArgs, CreationArgs)>,
     /// Where the derived post site finds the status.
     pub post_status: Option<SiteValue>,
     /// The derived ends' registers and constant.
@@ -505,10 +526,9 @@ impl NixlOffsets {
             sites: None,
         });
         let window = offsets.map_or((0, 0), NixlOffsets::req_window);
-        let creations = o.sites.as_ref().filter(|_| attached.creations);
-        let site = |f: fn(&TransferSites) -> SiteValue| creations.map_or(0, |s| f(s).encoded());
-        let site_opt = |f: fn(&TransferSites) -> Option<SiteValue>| {
-            creations.and_then(f).map_or(0, SiteValue::encoded)
+        let (create, make) = attached.creations.unzip();
+        let site = |args: Option<CreationArgs>, f: fn(&CreationArgs) -> SiteValue| {
+            args.map_or(0, |a| f(&a).encoded())
         };
         let (done_req, stale_status, release_req) = attached.ends.map_or((0, 0, 0), |e| {
             (
@@ -535,16 +555,18 @@ impl NixlOffsets {
             ("off_data_telemetry", o.counts.globals().1),
             ("off_req_window", window.0),
             ("req_window_len", window.1),
-            ("site_create_agent", site(|s| s.create_args.agent)),
-            ("site_create_op", site(|s| s.create_args.op)),
+            ("site_create_agent", site(create, |a| a.agent)),
+            ("site_create_op", site(create, |a| a.op)),
             (
                 "site_create_remote_ref",
-                site_opt(|s| s.create_args.remote_ref),
+                create
+                    .and_then(|a| a.remote_ref)
+                    .map_or(0, SiteValue::encoded),
             ),
-            ("site_create_request", site(|s| s.create_args.request)),
-            ("site_make_agent", site(|s| s.make_args.agent)),
-            ("site_make_op", site(|s| s.make_args.op)),
-            ("site_make_request", site(|s| s.make_args.request)),
+            ("site_create_request", site(create, |a| a.request)),
+            ("site_make_agent", site(make, |a| a.agent)),
+            ("site_make_op", site(make, |a| a.op)),
+            ("site_make_request", site(make, |a| a.request)),
             (
                 "site_post_status",
                 attached.post_status.map_or(0, SiteValue::encoded),
@@ -585,6 +607,15 @@ mod tests {
             (SiteReg::R13, "REG_R13"),
             (SiteReg::R14, "REG_R14"),
             (SiteReg::R15, "REG_R15"),
+            (SiteReg::Rax, "REG_RAX"),
+            (SiteReg::Rcx, "REG_RCX"),
+            (SiteReg::Rdx, "REG_RDX"),
+            (SiteReg::Rsi, "REG_RSI"),
+            (SiteReg::Rdi, "REG_RDI"),
+            (SiteReg::R8, "REG_R8"),
+            (SiteReg::R9, "REG_R9"),
+            (SiteReg::R10, "REG_R10"),
+            (SiteReg::R11, "REG_R11"),
         ] {
             assert!(
                 common.contains(&format!("#define {name} {}", reg as u64)),
@@ -594,11 +625,14 @@ mod tests {
         }
         assert_eq!(SiteValue::Frame(0xe8).encoded(), (2 << 32) | 0xe8);
         assert!(common.contains("#define SRC_FRAME_REF (4ull << 32)"));
+        assert!(common.contains("#define SRC_REG_REF (5ull << 32)"));
+        assert_eq!(SiteValue::RegRef(SiteReg::R13).encoded(), (5 << 32) | 3);
         assert_eq!(SiteValue::FrameRef(0x138).encoded(), (4 << 32) | 0x138);
         // A creation failure's cookie: its status's source, and the bits for a built
         // request and for makeXferReq.
         assert!(common.contains("#define FAILED_REQUEST_BUILT (1ull << 40)"));
         assert!(common.contains("#define FAILED_IN_MAKE (1ull << 41)"));
+        assert!(common.contains(&format!("#define FAILED_AGENT_SHIFT {FAILED_AGENT_SHIFT}")));
         let sites = KNOWN_BUILDS[0].1.sites.unwrap();
         for (failures, make) in [(sites.create_failed, false), (sites.make_failed, true)] {
             for f in failures {
@@ -614,7 +648,10 @@ mod tests {
         let set = NixlOffsets::globals(
             Some(&o),
             SitesAttached {
-                creations: true,
+                creations: Some((
+                    KNOWN_BUILDS[0].1.sites.unwrap().create_args,
+                    KNOWN_BUILDS[0].1.sites.unwrap().make_args,
+                )),
                 post_status: Some(SiteValue::Frame(0xe8)),
                 ends: Some(EndRegisters {
                     request: SiteReg::Rbx,

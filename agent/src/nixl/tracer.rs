@@ -142,12 +142,6 @@ fn degraded_reason(lib: &NixlLibrary, offsets_known: bool) -> Option<String> {
         )),
         _ => {}
     }
-    if let Some(why) = &lib.sites_refused {
-        reasons.push(format!(
-            "{why}: creations, posts and releases are seen at the methods' entries and \
-             returns instead (figures exact, costlier)"
-        ));
-    }
     if !lib.missing.is_empty() {
         reasons.push(format!(
             "methods not exported, not traced: {}",

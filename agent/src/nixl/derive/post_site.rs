@@ -15,14 +15,13 @@
 //!   is never written: for a slot, `rbp` stays the frame, its address is never taken
 //!   (no call can write it) and nothing is stored relative to `rsp`.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 
 use iced_x86::{
     FlowControl, Instruction, InstructionInfoFactory, Mnemonic, OpAccess, OpKind, Register,
 };
 
-use super::end_sites::never_returns;
-use super::listing::Listing;
+use super::listing::{Graph, Listing};
 use super::{gpr, site_gpr, site_reg, MethodCode};
 use crate::nixl::offsets::SiteValue;
 
@@ -34,105 +33,6 @@ pub struct PostSite {
     pub status: SiteValue,
     /// The instructions that placed it.
     pub evidence: Vec<String>,
-}
-
-/// Instructions in all: a bound for unexpected code.
-const MAX_INSTRUCTIONS: usize = 20_000;
-
-/// Every instruction a path reaches, with where it goes next.
-struct Graph {
-    next: BTreeMap<u64, Vec<u64>>,
-    previous: BTreeMap<u64, Vec<u64>>,
-    returns: Vec<u64>,
-    /// Where a path ends without returning (a throw, an abort, a trap).
-    dead_ends: BTreeSet<u64>,
-    instructions: BTreeMap<u64, Instruction>,
-}
-
-impl Graph {
-    fn walk(
-        code: &mut Listing<'_, '_>,
-        callee: &dyn Fn(u64) -> Option<String>,
-    ) -> Result<Graph, String> {
-        let mut graph = Graph {
-            next: BTreeMap::new(),
-            previous: BTreeMap::new(),
-            returns: Vec::new(),
-            dead_ends: BTreeSet::new(),
-            instructions: BTreeMap::new(),
-        };
-        let mut stack = vec![code.entry()];
-        while let Some(ip) = stack.pop() {
-            if graph.next.contains_key(&ip) {
-                continue;
-            }
-            if graph.next.len() >= MAX_INSTRUCTIONS {
-                return Err(format!(
-                    "{}'s paths reach more than {MAX_INSTRUCTIONS} instructions",
-                    code.name()
-                ));
-            }
-            let ins = code
-                .decode(ip)
-                .ok_or_else(|| format!("the code at {ip:#x} cannot be decoded"))?;
-            let after = ins.next_ip();
-            let next = match ins.flow_control() {
-                FlowControl::Return => {
-                    graph.returns.push(ip);
-                    vec![]
-                }
-                FlowControl::UnconditionalBranch => vec![ins.near_branch_target()],
-                FlowControl::ConditionalBranch => vec![ins.near_branch_target(), after],
-                FlowControl::IndirectBranch => {
-                    return Err(format!(
-                        "`{}` jumps where it cannot be followed",
-                        code.text(ip)
-                    ))
-                }
-                FlowControl::Call
-                    if callee(ins.near_branch_target()).is_some_and(|n| never_returns(&n)) =>
-                {
-                    graph.dead_ends.insert(ip);
-                    vec![]
-                }
-                FlowControl::Exception | FlowControl::Interrupt => {
-                    graph.dead_ends.insert(ip);
-                    vec![]
-                }
-                _ => vec![after],
-            };
-            for to in &next {
-                graph.previous.entry(*to).or_default().push(ip);
-            }
-            stack.extend(next.iter().copied());
-            graph.next.insert(ip, next);
-            graph.instructions.insert(ip, ins);
-        }
-        Ok(graph)
-    }
-
-    /// The instructions reachable from `from` (included), forward or backward, never
-    /// through `skip`.
-    fn reach(&self, from: &[u64], skip: Option<u64>, forward: bool) -> BTreeSet<u64> {
-        let edges = if forward { &self.next } else { &self.previous };
-        let mut seen = BTreeSet::new();
-        let mut stack: Vec<u64> = from
-            .iter()
-            .copied()
-            .filter(|ip| Some(*ip) != skip)
-            .collect();
-        while let Some(ip) = stack.pop() {
-            if !seen.insert(ip) {
-                continue;
-            }
-            for to in edges.get(&ip).into_iter().flatten() {
-                if Some(*to) != skip && !seen.contains(to) {
-                    stack.push(*to);
-                }
-            }
-        }
-        seen
-    }
 }
 
 /// Where one return's status comes from: the last write to `eax` before it.

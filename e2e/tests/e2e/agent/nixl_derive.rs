@@ -34,10 +34,6 @@ fn the_derived_offsets_are_the_hand_read_table_for_the_lab_build() {
         .offsets
         .unwrap_or_else(|| panic!("not derived:\n{}", lib.derivation.report()));
     assert_eq!(fields(&derived), fields(&table));
-    assert_eq!(
-        derived.sites, table.sites,
-        "the table's completion sites kept"
-    );
     assert!(lib.sites && lib.post_at_site && lib.creations_at_sites);
     // getXferStatus' sites, derived, are the table's (its hand-read fixture).
     let sites = table.sites.expect("the table has the lab build's sites");
@@ -97,6 +93,76 @@ fn the_derived_offsets_are_the_hand_read_table_for_the_lab_build() {
         [sites.post_returned.offset]
     );
     assert!(lib.sites_attached().post_status == Some(sites.post_status));
+    // createXferReq's and makeXferReq's failures, derived, are the table's: the same
+    // arguments' places, and for createXferReq the same eight paths (one site is the
+    // jump into the cold block the table names), statuses and built requests included;
+    // makeXferReq's are found per path where the table names the blocks several paths
+    // share, with the same statuses.
+    let create = lib
+        .derivation
+        .create_sites
+        .as_ref()
+        .unwrap_or_else(|why| panic!("{why}\n{}", lib.derivation.report()));
+    let make = lib
+        .derivation
+        .make_sites
+        .as_ref()
+        .unwrap_or_else(|why| panic!("{why}\n{}", lib.derivation.report()));
+    assert_eq!(create.args, sites.create_args);
+    assert_eq!(make.args, sites.make_args);
+    let create_at = file_offset(&plain, "create_xfer_enter")[0];
+    // The probes are attached in the derivation's order: virtual address to file offset.
+    let probed: Vec<u64> = lib
+        .probes
+        .iter()
+        .filter(|p| p.spec.program == "xfer_creation_failed")
+        .filter(|p| p.cookie.unwrap_or(0) & offsets::FAILED_IN_MAKE == 0)
+        .map(|p| p.file_offset)
+        .collect();
+    assert_eq!(probed.len(), sites.create_failed.len());
+    let delta = create.failed[0].at - probed[0];
+    for t in sites.create_failed {
+        let at = create_at.checked_add_signed(t.site.offset).unwrap() + delta;
+        let jump = format!("jmp {at:#018x}");
+        let f = create
+            .failed
+            .iter()
+            .find(|f| f.at == at)
+            .or_else(|| {
+                create.failed.iter().find(|f| {
+                    let Some(into) = (f.at - delta).checked_sub(create_at) else {
+                        return false;
+                    };
+                    let text = format!("createXferReq+{into:#x}: {jump}");
+                    create.evidence.iter().any(|e| e.ends_with(&text))
+                })
+            })
+            .unwrap_or_else(|| panic!("no site at or jumping to {at:#x}: {create:#?}"));
+        assert_eq!(f.cookie(false), t.cookie(false), "{t:?} {f:?}");
+    }
+    let kinds = |v: &mut Vec<(String, bool)>| {
+        v.sort();
+        v.dedup();
+        v.clone()
+    };
+    assert_eq!(
+        kinds(
+            &mut make
+                .failed
+                .iter()
+                .map(|f| (format!("{:?}", f.status), f.request_built))
+                .collect()
+        ),
+        kinds(
+            &mut sites
+                .make_failed
+                .iter()
+                .map(|f| (format!("{:?}", f.status), f.request_built))
+                .collect()
+        )
+    );
+    let programs: Vec<&str> = lib.probes.iter().map(|p| p.spec.program).collect();
+    assert!(!programs.contains(&"create_xfer_enter") && !programs.contains(&"make_xfer_exit"));
     let mut ends = into("xfer_status_changed", "xfer_status_enter");
     ends.sort_unstable();
     assert_eq!(
@@ -196,7 +262,27 @@ fn older_builds_say_when_their_counts_are_held_and_where_telemetry_is_refused() 
             _ => offsets::SiteValue::Reg(offsets::SiteReg::R12),
         };
         assert_eq!(post.status, held, "{version}: {post:?}");
-        assert!(lib.post_at_site && !lib.creations_at_sites, "{version}");
+        assert!(lib.post_at_site && lib.creations_at_sites, "{version}");
+        // createXferReq's and makeXferReq's failure paths: every build has both kinds
+        // (before and after the request is built) and names each one's status.
+        for (what, sites) in [
+            ("createXferReq", &lib.derivation.create_sites),
+            ("makeXferReq", &lib.derivation.make_sites),
+        ] {
+            let sites = sites
+                .as_ref()
+                .unwrap_or_else(|why| panic!("{version} {what}: {why}\n{report}"));
+            assert!(sites.failed.len() >= 5, "{version} {what}: {sites:?}");
+            assert!(
+                sites.failed.iter().any(|f| f.request_built)
+                    && sites.failed.iter().any(|f| !f.request_built),
+                "{version} {what}: {sites:?}"
+            );
+        }
+        assert!(lib
+            .probes
+            .iter()
+            .all(|p| p.spec.program != "create_xfer_enter" && p.spec.program != "make_xfer_exit"));
         assert!(lib
             .probes
             .iter()
@@ -254,6 +340,12 @@ fn nixl_inspect_says_what_was_derived_and_from_which_instructions() {
     );
     assert!(
         text.contains("getXferStatus' completion sites (the request in Rbx)"),
+        "{text}"
+    );
+    assert!(
+        text.contains("creations      at the failure sites of createXferReq and makeXferReq")
+            && text.contains("createXferReq fails at 8 sites")
+            && text.contains("failed (Const(-4), request built)"),
         "{text}"
     );
     assert!(
@@ -362,4 +454,24 @@ fn bad_libraries_are_refused_or_derived_in_part_with_the_reason() {
         .derivation
         .report()
         .contains("postXferReq is probed at its return"));
+
+    // Two of createXferReq's failure paths return what a call left in eax: no sites can
+    // see every failure, so creations are probed at the methods' entries and returns
+    // (both methods: the group is attached whole or not at all), with the reason.
+    let dir = tempfile::tempdir().unwrap();
+    let copy =
+        support::copy_libs_patched(&libs.lib_dir, dir.path(), &[support::CREATE_FAILURE_STATUS]);
+    let lib = NixlLibrary::inspect(&copy.join("libnixl.so"), true).unwrap();
+    let why = lib.derivation.create_sites.clone().unwrap_err();
+    assert!(why.contains("no site sees"), "{why}");
+    assert!(lib.derivation.make_sites.is_ok());
+    assert!(lib.offsets.is_some() && lib.sites && lib.post_at_site && !lib.creations_at_sites);
+    assert_eq!(lib.sites_attached().creations, None);
+    let programs: Vec<&str> = lib.probes.iter().map(|p| p.spec.program).collect();
+    assert!(programs.contains(&"create_xfer_enter") && programs.contains(&"make_xfer_exit"));
+    assert!(!programs.contains(&"xfer_creation_failed"));
+    assert!(lib
+        .derivation
+        .report()
+        .contains("createXferReq is probed at its entry and return"));
 }

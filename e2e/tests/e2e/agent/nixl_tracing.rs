@@ -609,21 +609,19 @@ async fn only_the_process_asked_for_is_traced() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_build_in_no_table_is_traced_bytes_included() {
     // The same library with another build-id, as a NIXL built from source has: the
-    // offsets and the completion sites of getXferStatus, releaseXferReq and
-    // postXferReq are derived from its instructions, so every figure is exact, bytes
-    // included, and transfers end and posts return at the sites; only the creation
-    // sites (the table's, per build) are not known, so createXferReq's and
-    // makeXferReq's entry and return probes see them.
+    // offsets and every completion site (getXferStatus', releaseXferReq's,
+    // postXferReq's, and createXferReq's and makeXferReq's failures) are derived from
+    // its instructions, so every figure is exact, bytes included, at the sites.
     let libs = support::nixl_libs();
     let dir = tempfile::tempdir().unwrap();
     let copy = support::copy_libs_with_new_build_id(&libs.lib_dir, dir.path());
     let lib = copy.join("libnixl.so");
     let inspected = kvscope_agent::nixl::library::NixlLibrary::inspect(&lib, true).unwrap();
-    assert!(inspected.sites && inspected.post_at_site && !inspected.creations_at_sites);
+    assert!(inspected.sites && inspected.post_at_site && inspected.creations_at_sites);
     let tracer = start_tracer(&tracer_config(vec![lib.clone()], false, None)).await;
     let st = tracer.report().libraries[0].clone();
     assert!(
-        st.offsets_known && st.completion_sites && st.post_site && !st.creation_sites,
+        st.offsets_known && st.completion_sites && st.post_site && st.creation_sites,
         "{st:?}"
     );
     assert_eq!(st.degraded, None);
@@ -760,17 +758,13 @@ async fn older_builds_are_traced_exactly_on_their_derived_offsets() {
                 _ => false,
             };
             let checked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                // Transfers end at sites wherever getXferStatus' were derived (1.4 on),
-                // posts return at theirs wherever derived (every build); creations are
-                // seen at sites only for the table's build (1.5), else at the methods'
-                // entries and returns.
-                let in_table =
-                    kvscope_agent::nixl::offsets::for_build(&inspected.build_id).is_some();
+                // Transfers end at sites wherever getXferStatus' were derived (1.4 on);
+                // posts return and creations fail at theirs in every build.
                 assert!(
                     st.offsets_known
                         && st.completion_sites == inspected.derivation.end_sites.is_ok()
-                        && st.post_site == inspected.derivation.post_site.is_ok()
-                        && st.creation_sites == in_table,
+                        && st.post_site
+                        && st.creation_sites,
                     "{version}: {st:?}"
                 );
                 let minor: Vec<u32> = version
@@ -781,7 +775,6 @@ async fn older_builds_are_traced_exactly_on_their_derived_offsets() {
                 if minor >= vec![1, 4] {
                     assert!(st.completion_sites, "{version}: {st:?}");
                 }
-                assert!(st.post_site, "{version}: {st:?}");
                 assert_eq!(truth.nixl.libnixl, lib.display().to_string(), "{version}");
                 // The lab asks each done transfer's telemetry: refused exactly where it
                 // is off (the comparison checks the probes saw each refusal).
@@ -830,11 +823,9 @@ async fn older_builds_are_traced_exactly_on_their_derived_offsets() {
                 &inspected.build_id[..inspected.build_id.len().min(8)],
                 counts_text,
                 match (st.completion_sites, st.post_site, st.creation_sites) {
-                    (true, true, true) => "ends, posts (derived); creations (table)",
-                    (true, true, false) => "ends, posts (derived)",
-                    (false, true, _) => "posts (derived); ends: status-call probes",
-                    (true, false, _) => "ends (derived); posts: return probe",
-                    (false, false, _) => "no: status-call probes",
+                    (true, true, true) => "ends, posts, creations",
+                    (false, true, true) => "posts, creations; ends: status-call probes",
+                    _ => "DIFFERS: not every site derived",
                 },
                 if telemetry { "on" } else { "off" },
                 truth.transfers.len(),

@@ -81,6 +81,16 @@ pub const POST_STATUS_RETURN: (&[u8], &[u8]) = (
     &[0x31, 0xc0, 0x0f, 0x1f, 0x40, 0x00, 0x48, 0x8d, 0x65, 0xd8],
 );
 
+/// `createXferReq`'s `mov $-2,%r15d` in the lab's build (the status two failure paths
+/// share), made `mov %eax,%r15d` and a nop: those paths return whatever the call before
+/// left, which may be success, so no set of sites sees every failure (the file is read,
+/// never run).
+#[allow(dead_code)]
+pub const CREATE_FAILURE_STATUS: (&[u8], &[u8]) = (
+    &[0x41, 0xbf, 0xfe, 0xff, 0xff, 0xff],
+    &[0x41, 0x89, 0xc7, 0x0f, 0x1f, 0x00],
+);
+
 /// [`copy_libs_with_new_build_id`], with every occurrence of each `(from, to)` pair's
 /// bytes in `libnixl.so` replaced (each must occur).
 #[allow(dead_code)]
