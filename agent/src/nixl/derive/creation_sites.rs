@@ -1,22 +1,26 @@
-//! Where `createXferReq` and `makeXferReq` fail, read from their instructions, so that a
-//! build no table holds sees a failed creation at a site on its path and a successful
-//! one not at all (it is learned from its post, which reads the request).
+//! Where `createXferReq` and `makeXferReq` fail, read from their instructions, so that
+//! every build sees a failed creation at a site on its path and a successful one not at
+//! all (it is learned from its post, which reads the request).
 //!
 //! The method's paths are walked from its first instruction into its cold part, knowing
-//! along each what the status values can still be (negative, zero, positive, or one
+//! along each what the 4-byte values can still be (negative, zero, positive, or one
 //! constant) and which registers and frame slots hold the same value, refined at each
 //! conditional jump on a test of one of them against zero. A return gives what `eax`
-//! holds there. An instruction is on a failure path when every path through it that
-//! returns gives a status that cannot be zero; the sites are the first such instructions
-//! of each path (never run by a success). Every path that returns a status which may not
-//! be zero must pass one, and no site may lead to another: then each failure is seen
-//! once, and nothing else is.
+//! holds there. An instruction is on a failure path when no path through it returns a
+//! status that may be zero; the sites are the first such instruction of each path
+//! (never run by a success). A loop only failures run is passed on to where it leads
+//! (its first instruction would run once per turn), and a jump into a failure block
+//! other paths share is left to that block. Every return that may give a failure must
+//! pass one site, and no site may lead to another: then each failure is seen once, and
+//! nothing else is.
 //!
 //! At each site, what the probe reads: the status (a constant every path from there
-//! returns, or the register or slot that holds it unchanged to the return); whether the
-//! request is built (the allocation the method later stores through its `req_hndl`
-//! argument); and where `this`, the op and the remote agent's name (or the request, once
-//! built) are on every path to it (callee-saved registers, or frame slots).
+//! returns, or the register or slot whose value every return gives, followed value by
+//! value); whether the request is built (the allocation the method later stores through
+//! its `req_hndl` argument); and where `this`, the op and the remote agent's name (or the
+//! request, once built) are on every path to it (a must-hold pass over registers and
+//! frame slots). A path that fails before `this` leaves its argument register names that
+//! register in its cookie.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
