@@ -654,6 +654,85 @@ pub fn creation_sites<'a>(
     let graph = Graph::walk(&mut code, callee)?;
     let entry = code.entry();
     let walked = walk(&graph, entry, name)?;
+    let sites = failure_sites(&graph, &walked, &mut code, name)?;
+    // Each site's status: the constant every path from it returns, or the place
+    // holding it unchanged to the return.
+    let held = holds(&graph, entry, creator, callee);
+    let req = request(&graph, &held);
+    let mut failed = Vec::new();
+    let mut evidence = Vec::new();
+    for s in &sites {
+        let starts: Vec<usize> = (0..walked.nodes.len())
+            .filter(|n| walked.nodes[*n].0 == *s)
+            .collect();
+        let reached = walked.reach(starts.clone(), true, |_| false);
+        let outcomes: BTreeSet<Option<i32>> = walked
+            .returns
+            .iter()
+            .filter(|(n, ..)| reached[*n])
+            .map(|(_, _, k)| *k)
+            .collect();
+        let status = match outcomes.iter().collect::<Vec<_>>().as_slice() {
+            [Some(k)] => SiteValue::Const(*k),
+            _ => kept_status(&graph, &walked, &starts, &reached).ok_or_else(|| {
+                format!(
+                    "the failure at `{}` returns a status not kept in one place",
+                    code.text(*s)
+                )
+            })?,
+        };
+        let (h, allocs) = held.get(s).cloned().unwrap_or_default();
+        let built = match req {
+            Some(r) if h.values().any(|v| *v == Held::Alloc(r)) => true,
+            Some(r) if !allocs.contains(&r) => false,
+            None if allocs.is_empty() => false,
+            _ => {
+                return Err(format!(
+                    "at `{}` the request may or may not be built",
+                    code.text(*s)
+                ))
+            }
+        };
+        failed.push(Failure {
+            at: *s,
+            status,
+            request_built: built,
+            agent: None,
+        });
+    }
+    let args = arguments(creator, &mut failed, &held, req, &code)?;
+    for f in &failed {
+        evidence.push(format!(
+            "failed ({:?}{}{}): {}",
+            f.status,
+            if f.request_built {
+                ", request built"
+            } else {
+                ""
+            },
+            f.agent
+                .map(|r| format!(", this in {r:?}"))
+                .unwrap_or_default(),
+            code.text(f.at)
+        ));
+    }
+    evidence.push(format!("arguments: {args:?}"));
+    Ok(CreationSites {
+        symbol: creator.symbol(),
+        failed,
+        args,
+        evidence,
+    })
+}
+
+/// The first instruction of each failure path (see the module's comment), or why the
+/// failures cannot all be seen once.
+fn failure_sites(
+    graph: &Graph,
+    walked: &Walked,
+    code: &mut Listing<'_, '_>,
+    name: &str,
+) -> Result<BTreeSet<u64>, String> {
     // Nodes from which a return that may succeed is reached, and those from which any
     // return is.
     let closure = |from: Vec<usize>| walked.reach(from, false, |_| false);
@@ -754,51 +833,19 @@ pub fn creation_sites<'a>(
             ));
         }
     }
-    // Each site's status: the constant every path from it returns, or the place
-    // holding it unchanged to the return.
-    let held = holds(&graph, entry, creator, callee);
-    let req = request(&graph, &held);
-    let mut failed = Vec::new();
-    let mut evidence = Vec::new();
-    for s in &sites {
-        let starts: Vec<usize> = (0..walked.nodes.len())
-            .filter(|n| walked.nodes[*n].0 == *s)
-            .collect();
-        let reached = walked.reach(starts.clone(), true, |_| false);
-        let outcomes: BTreeSet<Option<i32>> = walked
-            .returns
-            .iter()
-            .filter(|(n, ..)| reached[*n])
-            .map(|(_, _, k)| *k)
-            .collect();
-        let status = match outcomes.iter().collect::<Vec<_>>().as_slice() {
-            [Some(k)] => SiteValue::Const(*k),
-            _ => kept_status(&graph, &walked, &starts, &reached).ok_or_else(|| {
-                format!(
-                    "the failure at `{}` returns a status not kept in one place",
-                    code.text(*s)
-                )
-            })?,
-        };
-        let (h, allocs) = held.get(s).cloned().unwrap_or_default();
-        let built = match req {
-            Some(r) if h.values().any(|v| *v == Held::Alloc(r)) => true,
-            Some(r) if !allocs.contains(&r) => false,
-            None if allocs.is_empty() => false,
-            _ => {
-                return Err(format!(
-                    "at `{}` the request may or may not be built",
-                    code.text(*s)
-                ))
-            }
-        };
-        failed.push(Failure {
-            at: *s,
-            status,
-            request_built: built,
-            agent: None,
-        });
-    }
+    Ok(sites)
+}
+
+/// Where `this`, the op, the remote agent and the request are at the failure sites
+/// that read them; a site where `this` is not in its usual place gets its register.
+fn arguments(
+    creator: Creator,
+    failed: &mut [Failure],
+    held: &HashMap<u64, (Holds, BTreeSet<u64>)>,
+    req: Option<u64>,
+    code: &Listing<'_, '_>,
+) -> Result<CreationArgs, String> {
+    let name = creator.name();
     // The arguments, at every site that reads them.
     let all: Vec<u64> = failed.iter().map(|f| f.at).collect();
     let unbuilt: Vec<u64> = failed
@@ -815,7 +862,7 @@ pub fn creation_sites<'a>(
         if sites.is_empty() {
             return Ok(SiteValue::Const(0));
         }
-        held_at(sites, &held, value)
+        held_at(sites, held, value)
             .and_then(|l| site_value(l, by_reference))
             .ok_or_else(|| format!("{what} is in no one place at every failure site of {name}"))
     };
@@ -826,7 +873,7 @@ pub fn creation_sites<'a>(
     // `this`: where most sites find it; the others name their register.
     let mut counts: BTreeMap<Loc, usize> = BTreeMap::new();
     for s in &all {
-        if let Some(l) = held_at(&[*s], &held, Held::This) {
+        if let Some(l) = held_at(&[*s], held, Held::This) {
             *counts.entry(l).or_default() += 1;
         }
     }
@@ -836,7 +883,7 @@ pub fn creation_sites<'a>(
         .max_by_key(|(_, n)| **n)
         .map(|(l, _)| *l)
         .ok_or_else(|| format!("this is in no place a failure site of {name} can read"))?;
-    for f in &mut failed {
+    for f in failed.iter_mut() {
         let here: BTreeSet<Loc> = held
             .get(&f.at)
             .map(|(h, _)| {
@@ -857,7 +904,7 @@ pub fn creation_sites<'a>(
             );
         }
     }
-    let args = CreationArgs {
+    Ok(CreationArgs {
         agent: site_value(usual, false).unwrap_or(SiteValue::Const(0)),
         op,
         remote_ref: match creator {
@@ -868,28 +915,6 @@ pub fn creation_sites<'a>(
             Some(r) => place(&built, Held::Alloc(r), false, "the request")?,
             None => SiteValue::Const(0),
         },
-    };
-    for f in &failed {
-        evidence.push(format!(
-            "failed ({:?}{}{}): {}",
-            f.status,
-            if f.request_built {
-                ", request built"
-            } else {
-                ""
-            },
-            f.agent
-                .map(|r| format!(", this in {r:?}"))
-                .unwrap_or_default(),
-            code.text(f.at)
-        ));
-    }
-    evidence.push(format!("arguments: {args:?}"));
-    Ok(CreationSites {
-        symbol: creator.symbol(),
-        failed,
-        args,
-        evidence,
     })
 }
 
