@@ -308,7 +308,7 @@ pub struct NixlCallStats {
 pub struct NixlLibraryStatus {
     pub path: String,
     pub build_id: String,
-    /// The offsets table knows this build: bytes, ops and remote names are measured.
+    /// The build's offsets were derived: bytes, ops and remote names are measured.
     pub offsets_known: bool,
     /// Transfers are seen to end at the build's completion sites inside NIXL (derived
     /// from its `getXferStatus` and `releaseXferReq`), so no probe fires on a status
@@ -320,9 +320,9 @@ pub struct NixlLibraryStatus {
     /// `postXferReq`); false: by its return probe.
     #[serde(default)]
     pub post_site: bool,
-    /// Creations are seen only where they fail (the sites the offsets table holds for
-    /// this build); false: at the methods' entry and return probes. (Agents before the
-    /// post site was derived called it `return_sites`.)
+    /// Creations are seen only where they fail (sites derived from the build's
+    /// `createXferReq` and `makeXferReq`); false: at the methods' entry and return
+    /// probes. (Agents before these were derived called it `return_sites`.)
     #[serde(default, alias = "return_sites")]
     pub creation_sites: bool,
     pub probes_attached: u32,

@@ -532,8 +532,8 @@ pub struct NixlLibrary {
 }
 
 impl NixlLibrary {
-    /// Read `path` and resolve every probe: with the build's completion sites when
-    /// `completion_sites` and the offsets table has them.
+    /// Read `path` and resolve every probe: with the completion sites derived from the
+    /// build when `completion_sites` (each group where it was derived).
     pub fn inspect(path: &Path, completion_sites: bool) -> Result<Self, LibraryError> {
         let data = std::fs::read(path).map_err(|source| LibraryError::Read {
             path: path.to_owned(),

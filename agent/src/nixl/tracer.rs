@@ -38,11 +38,10 @@ pub struct NixlTraceConfig {
     pub discover: bool,
     /// Trace only this process.
     pub pid: Option<u32>,
-    /// See transfers end at the completion sites derived from each build's
-    /// `getXferStatus` (no probe on a status poll), and creations, posts and releases at
-    /// the offsets table's sites where it has the build's; false: always with the
-    /// probes on the methods' entries and returns (exact too, but they fire on every
-    /// poll).
+    /// See transfers end, posts return and creations fail at the completion sites
+    /// derived from each build (no probe on a status poll or a successful creation);
+    /// false: always with the probes on the methods' entries and returns (exact too,
+    /// but they fire on every poll).
     pub completion_sites: bool,
     pub scan_interval_secs: f64,
     /// How often the figures are sent to the collector.

@@ -9,8 +9,9 @@
 //! exact status), bytes, descriptors and handshakes (by call, peers and exact status)
 //! equal the lab's ground truth; latencies are measured and never exceed the lab's
 //! own wall-clock of the same phase; a process started after the agent is found and
-//! traced, and traced again when it restarts; a build outside the offsets table is
-//! still counted, without bytes, and says why.
+//! traced, and traced again when it restarts; a build no table holds is traced exactly
+//! at its derived offsets and sites; one whose offsets cannot be derived is still
+//! counted, without bytes, and says why.
 
 use super::support;
 

@@ -45,7 +45,7 @@ pub fn older_nixl_lib_dir(version: &str) -> PathBuf {
 }
 
 /// A copy of the wheel's NIXL library folder under `dest` whose `libnixl.so` carries
-/// another GNU build-id (a NIXL build the agent's offsets table does not know). The
+/// another GNU build-id (a NIXL build no table holds, as one built from source). The
 /// bundled UCX folder, found through `$ORIGIN/../nixl_cu12.libs`, is linked, not copied.
 /// Returns the copied library folder.
 #[allow(dead_code)]
