@@ -481,7 +481,7 @@ fn holds(
     entry: u64,
     creator: Creator,
     callee: &dyn Fn(u64) -> Option<String>,
-) -> HashMap<u64, (Holds, BTreeSet<u64>)> {
+) -> Result<HashMap<u64, (Holds, BTreeSet<u64>)>, String> {
     let reg = |r: Register| Loc::Reg(gpr(r).unwrap_or_default());
     let mut start: Holds = BTreeMap::new();
     start.insert(reg(Register::RDI), Held::This);
@@ -508,7 +508,11 @@ fn holds(
     while let Some(ip) = work.pop_first() {
         rounds += 1;
         if rounds > MAX_STATES {
-            break;
+            // Unsettled, the places would claim more than every path holds.
+            return Err(format!(
+                "{}'s arguments were not followed to every site within {MAX_STATES} steps",
+                creator.name()
+            ));
         }
         let Some(ins) = graph.instructions.get(&ip) else {
             continue;
@@ -566,7 +570,7 @@ fn holds(
             }
         }
     }
-    at
+    Ok(at)
 }
 
 /// The request: the allocation the method stores through its `req_hndl` argument.
@@ -657,7 +661,7 @@ pub fn creation_sites<'a>(
     let sites = failure_sites(&graph, &walked, &mut code, name)?;
     // Each site's status: the constant every path from it returns, or the place
     // holding it unchanged to the return.
-    let held = holds(&graph, entry, creator, callee);
+    let held = holds(&graph, entry, creator, callee)?;
     let req = request(&graph, &held);
     let mut failed = Vec::new();
     let mut evidence = Vec::new();
