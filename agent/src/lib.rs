@@ -13,6 +13,10 @@
 //! time). The daemon is [`agent`] with [`metrics`]; what can go wrong is listed in
 //! [`internal_events`], each bumping its counter in [`counters`].
 
+// Every decoder of outside bytes is safe Rust: the fuzz targets run without a
+// sanitizer (scripts/fuzz), and this keeps that true.
+#![forbid(unsafe_code)]
+
 pub mod agent;
 pub mod capabilities;
 pub mod cli;

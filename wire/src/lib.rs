@@ -6,6 +6,9 @@
 //! Keeping these types in one small crate means the two sides of each hop can never
 //! disagree about a field.
 
+// Its codecs are fuzzed without a sanitizer (scripts/fuzz): safe Rust only.
+#![forbid(unsafe_code)]
+
 pub mod api;
 pub mod bundle;
 pub mod cost;
