@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use iced_x86::{
     Decoder, DecoderOptions, FlowControl, Formatter, GasFormatter, Instruction,
-    InstructionInfoFactory, OpAccess, Register,
+    InstructionInfoFactory, Mnemonic, OpAccess, Register,
 };
 
 use super::end_sites::never_returns;
@@ -188,11 +188,13 @@ impl Graph {
     }
 }
 
-/// What one instruction writes: general-purpose registers (by number), and byte ranges
-/// of the frame (`[from, to)` from `rbp`).
+/// What one instruction writes: general-purpose registers (by number), byte ranges of
+/// the frame (`[from, to)` from `rbp`), and whether it stores relative to `rsp` (which
+/// may land anywhere in the frame; a push or a call's return address goes below it).
 pub(super) struct Written {
     pub(super) regs: Vec<usize>,
     pub(super) frame: Vec<(i64, i64)>,
+    pub(super) stack: bool,
 }
 
 pub(super) fn written(ins: &Instruction, info: &mut InstructionInfoFactory) -> Written {
@@ -202,8 +204,14 @@ pub(super) fn written(ins: &Instruction, info: &mut InstructionInfoFactory) -> W
             OpAccess::Read | OpAccess::CondRead | OpAccess::NoMemAccess | OpAccess::None
         )
     };
+    let plain_store = !matches!(ins.mnemonic(), Mnemonic::Push | Mnemonic::Call);
     let info = info.info(ins);
     Written {
+        stack: plain_store
+            && info
+                .used_memory()
+                .iter()
+                .any(|m| writes(m.access()) && m.base() == Register::RSP),
         regs: info
             .used_registers()
             .iter()

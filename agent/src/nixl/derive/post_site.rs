@@ -17,11 +17,9 @@
 
 use std::collections::BTreeSet;
 
-use iced_x86::{
-    FlowControl, Instruction, InstructionInfoFactory, Mnemonic, OpAccess, OpKind, Register,
-};
+use iced_x86::{FlowControl, Instruction, InstructionInfoFactory, Mnemonic, OpKind, Register};
 
-use super::listing::{Graph, Listing};
+use super::listing::{written, Graph, Listing};
 use super::{gpr, site_gpr, site_reg, MethodCode};
 use crate::nixl::offsets::SiteValue;
 
@@ -47,16 +45,11 @@ fn writes_rax(ins: &Instruction, info: &mut InstructionInfoFactory) -> bool {
     matches!(
         ins.flow_control(),
         FlowControl::Call | FlowControl::IndirectCall
-    ) || writes_gpr(ins, info, Register::RAX.number())
+    ) || writes_gpr(ins, info, Register::RAX)
 }
 
-fn writes_gpr(ins: &Instruction, info: &mut InstructionInfoFactory, g: usize) -> bool {
-    info.info(ins).used_registers().iter().any(|u| {
-        !matches!(
-            u.access(),
-            OpAccess::Read | OpAccess::CondRead | OpAccess::NoMemAccess | OpAccess::None
-        ) && gpr(u.register()) == Some(g)
-    })
+fn writes_gpr(ins: &Instruction, info: &mut InstructionInfoFactory, r: Register) -> bool {
+    gpr(r).is_some_and(|g| written(ins, info).regs.contains(&g))
 }
 
 /// `mov <callee-saved register or frame slot>,%eax`: where it reads.
@@ -148,27 +141,14 @@ pub fn post_site<'a>(
         }
     };
     let writes_status = |ins: &Instruction, info: &mut InstructionInfoFactory| match status {
-        SiteValue::Reg(r) => site_gpr(r).is_none_or(|g| writes_gpr(ins, info, g)),
+        SiteValue::Reg(r) => site_gpr(r).is_none_or(|g| written(ins, info).regs.contains(&g)),
         SiteValue::Frame(below) => {
             let slot = -i64::from(below);
-            info.info(ins).used_memory().iter().any(|m| {
-                let written = !matches!(
-                    m.access(),
-                    OpAccess::Read | OpAccess::CondRead | OpAccess::NoMemAccess | OpAccess::None
-                );
-                let from = m.displacement() as i64;
-                let size = m.memory_size().size() as i64;
-                written
-                    && match (m.base(), m.index()) {
-                        (Register::RBP, Register::None) => from < slot + 4 && slot < from + size,
-                        // A store relative to rsp may land anywhere in the frame; a push
-                        // or a call's return address goes below it.
-                        (Register::RSP, _) => {
-                            !matches!(ins.mnemonic(), Mnemonic::Push | Mnemonic::Call)
-                        }
-                        _ => false,
-                    }
-            })
+            let w = written(ins, info);
+            w.stack
+                || w.frame
+                    .iter()
+                    .any(|(from, to)| *from < slot + 4 && slot < *to)
         }
         _ => true,
     };
@@ -199,7 +179,7 @@ pub fn post_site<'a>(
         for (ip, ins) in &graph.instructions {
             let moves_rbp = Some(*ip) != set_at
                 && before_reads.contains(ip)
-                && writes_gpr(ins, &mut info, Register::RBP.number());
+                && writes_gpr(ins, &mut info, Register::RBP);
             let takes_slot = (ins.mnemonic() == Mnemonic::Lea
                 && ins.memory_base() == Register::RBP
                 && (ins.memory_displacement64() as i64) <= -i64::from(below))
