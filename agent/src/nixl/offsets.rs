@@ -185,23 +185,39 @@ impl CreationFailure {
     /// The uprobe cookie of this failure's probe: its status source, where its op and
     /// remote agent are, and which method it is in.
     pub fn cookie(&self, in_make: bool) -> u64 {
-        let built = if self.request_built {
-            FAILED_REQUEST_BUILT
-        } else {
-            0
-        };
-        let make = if in_make { FAILED_IN_MAKE } else { 0 };
-        self.status.encoded() | built | make
+        failure_cookie(self.status, self.request_built, in_make, None)
     }
+}
+
+/// A creation-failure probe's cookie (`xfer_creation_failed` in `ebpf/nixl/xfer.bpf.c`):
+/// the status's source, whether the request is built, the method, and the register
+/// holding `this` where it is not in the method's usual place.
+pub fn failure_cookie(
+    status: SiteValue,
+    request_built: bool,
+    in_make: bool,
+    agent: Option<SiteReg>,
+) -> u64 {
+    let mut c = status.encoded();
+    if request_built {
+        c |= FAILED_REQUEST_BUILT;
+    }
+    if in_make {
+        c |= FAILED_IN_MAKE;
+    }
+    if let Some(r) = agent {
+        c |= (r as u64 + 1) << FAILED_AGENT_SHIFT;
+    }
+    c
 }
 
 /// Where one build's transfers end, so that no probe fires on the busy-polled
 /// `getXferStatus`, on a release of a finished transfer, or on a successful creation.
 /// `createXferReq` and `makeXferReq` are seen only on the paths where they fail (a
-/// successful creation is learned from its post, which reads the request): these sites
-/// are attached from this table. The post, status and release sites are derived from
-/// every build's own instructions (`derive::PostSite`, `derive::EndSites`); the table's
-/// are the fixture the derivation must reproduce. All found by reading the methods'
+/// successful creation is learned from its post, which reads the request). Every site
+/// is derived from each build's own instructions (`derive::CreationSites`,
+/// `derive::PostSite`, `derive::EndSites`); these are the fixture the derivation must
+/// reproduce. All found by reading the methods'
 /// disassembly.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TransferSites {

@@ -30,9 +30,7 @@ use iced_x86::{
 
 use super::listing::{written, Graph, Listing};
 use super::{any_site_reg, gpr, is_immediate, site_reg, MethodCode, CALLER_SAVED};
-use crate::nixl::offsets::{
-    CreationArgs, SiteReg, SiteValue, FAILED_AGENT_SHIFT, FAILED_IN_MAKE, FAILED_REQUEST_BUILT,
-};
+use crate::nixl::offsets::{failure_cookie, CreationArgs, SiteReg, SiteValue};
 
 /// Which creating method, and how it takes its arguments.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -81,17 +79,7 @@ pub struct Failure {
 impl Failure {
     /// Its probe's cookie (`xfer_creation_failed` in `ebpf/nixl/xfer.bpf.c`).
     pub fn cookie(&self, in_make: bool) -> u64 {
-        let mut c = self.status.encoded();
-        if self.request_built {
-            c |= FAILED_REQUEST_BUILT;
-        }
-        if in_make {
-            c |= FAILED_IN_MAKE;
-        }
-        if let Some(r) = self.agent {
-            c |= (r as u64 + 1) << FAILED_AGENT_SHIFT;
-        }
-        c
+        failure_cookie(self.status, self.request_built, in_make, self.agent)
     }
 }
 
