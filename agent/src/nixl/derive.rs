@@ -1130,18 +1130,15 @@ fn gpr(r: Register) -> Option<usize> {
     f.is_gpr64().then(|| f.number())
 }
 
-/// The callee-saved registers a site may read.
-const SITE_REGS: [(Register, SiteReg); 6] = [
+/// Every register a site may read: the callee-saved ones first (they hold their values
+/// across calls), then the others (an argument still in place before any call).
+const SITE_REGS: [(Register, SiteReg); 15] = [
     (Register::RBX, SiteReg::Rbx),
     (Register::RBP, SiteReg::Rbp),
     (Register::R12, SiteReg::R12),
     (Register::R13, SiteReg::R13),
     (Register::R14, SiteReg::R14),
     (Register::R15, SiteReg::R15),
-];
-
-/// Every register a site may read, callee-saved or not.
-const ANY_SITE_REGS: [(Register, SiteReg); 9] = [
     (Register::RAX, SiteReg::Rax),
     (Register::RCX, SiteReg::Rcx),
     (Register::RDX, SiteReg::Rdx),
@@ -1153,19 +1150,20 @@ const ANY_SITE_REGS: [(Register, SiteReg); 9] = [
     (Register::R11, SiteReg::R11),
 ];
 
+/// How many of [`SITE_REGS`] are callee-saved.
+const CALLEE_SAVED_SITE_REGS: usize = 6;
+
 /// The site register of general-purpose register `g`, callee-saved or not.
 fn any_site_reg(g: usize) -> Option<SiteReg> {
-    site_reg(g).or_else(|| {
-        ANY_SITE_REGS
-            .iter()
-            .find(|(reg, _)| gpr(*reg) == Some(g))
-            .map(|(_, s)| *s)
-    })
+    SITE_REGS
+        .iter()
+        .find(|(reg, _)| gpr(*reg) == Some(g))
+        .map(|(_, s)| *s)
 }
 
 /// The site register of general-purpose register `g`, where it is a callee-saved one.
 fn site_reg(g: usize) -> Option<SiteReg> {
-    SITE_REGS
+    SITE_REGS[..CALLEE_SAVED_SITE_REGS]
         .iter()
         .find(|(reg, _)| gpr(*reg) == Some(g))
         .map(|(_, s)| *s)
