@@ -98,12 +98,18 @@ fn start_agent_as(
 
 /// A `kvscope collector run` on `nats_url`, its HTTP base once it answers.
 async fn start_collector(dir: &Path, nats_url: &str) -> (StopOnDrop, String) {
+    start_collector_with(dir, nats_url, &[]).await
+}
+
+/// [`start_collector`] with more flags.
+async fn start_collector_with(dir: &Path, nats_url: &str, extra: &[&str]) -> (StopOnDrop, String) {
     let held = kvscope_lab::ports::reserve_ports(1).unwrap();
     let listen = format!("127.0.0.1:{}", held.ports()[0]);
     let mut cmd = Command::new(kvscope_e2e::kvscope());
     cmd.args(["collector", "run", "--cluster", "hostile"])
         .args(["--nats-url", nats_url])
-        .args(["--listen", &listen]);
+        .args(["--listen", &listen])
+        .args(extra);
     drop(held);
     let p = StopOnDrop(vec![ManagedProcess::spawn(
         "collector",
@@ -521,10 +527,29 @@ async fn an_agent_host_whose_clock_runs_ahead_is_named_and_moves_no_one_else() {
     // before it is quarantined. The collector learns that agent's offset from when the
     // stream stored its records, moves them back, and names it on /metrics; the healthy
     // agent's records are never late, and the watermark stays at the stream's time.
+    //
+    // Windows are a minute, and the agents start early in one: the whole run then
+    // falls inside it, so a healthy record can only be late if the skewed agent's
+    // records carried the watermark past the minute (55 s uncorrected always does).
+    // Without that, a healthy record read a moment late by its agent on a loaded host
+    // and a heartbeat of the other agent on either side of a window's end would make
+    // one record late with no skew at all.
     const SKEW_MS: i64 = 55_000;
+    const WINDOW_SECS: u64 = 60;
     let dir = tempfile::tempdir().unwrap();
     let nats = NatsServer::start_anywhere(dir.path()).expect("nats-server starts");
     let url = nats.url();
+    let window = WINDOW_SECS.to_string();
+    let (_collector, collector) =
+        start_collector_with(dir.path(), &url, &["--window-secs", &window]).await;
+    loop {
+        let into_window =
+            kvscope_kit::clock::now_ns() / kvscope_kit::clock::NS_PER_SEC % WINDOW_SECS;
+        if (1..=20).contains(&into_window) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     let (healthy_log, skewed_log) = (
         dir.path().join("healthy.log"),
         dir.path().join("skewed.log"),
@@ -536,7 +561,6 @@ async fn an_agent_host_whose_clock_runs_ahead_is_named_and_moves_no_one_else() {
     let args = |log| ["--router-log", log, "--heartbeat-secs", "1"];
     let healthy = start_agent_as(dir.path(), &url, "healthy", 0, &args(healthy_log_arg));
     let skewed = start_agent_as(dir.path(), &url, "skewed", SKEW_MS, &args(skewed_log_arg));
-    let (_collector, collector) = start_collector(dir.path(), &url).await;
     healthy.readyz_until(200, &["ready"]).await;
     skewed.readyz_until(200, &["ready"]).await;
     let n = 40;
