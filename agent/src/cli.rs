@@ -141,7 +141,8 @@ pub enum AgentCommand {
     /// Read a libnixl.so and print what the NIXL probes would read of it: each struct
     /// offset and the instructions it was derived from, the fields that could not be
     /// derived and why, and its completion sites with the instructions that placed them
-    /// (or why there are none). Attach the output
+    /// (or why there are none). Reads x86-64 and aarch64 builds (an aarch64 build's
+    /// offsets only: the probes attach to x86-64 builds). Attach the output
     /// to a bug report about NIXL figures. Needs no privileges: it only reads the file.
     NixlInspect {
         /// The library file (e.g. a wheel's .nixl_cu12.mesonpy.libs/libnixl.so).
@@ -162,6 +163,20 @@ pub fn nixl_inspect(library: &std::path::Path) -> anyhow::Result<String> {
             &lib.build_id
         }
     );
+    s.push_str(&format!("isa            {}\n", lib.isa.name()));
+    if lib.isa != crate::nixl::derive::Isa::X86_64 {
+        // Derived offline: no probe is attached to such a build, so nothing is "read".
+        s.push_str(&format!(
+            "offsets        {}\nprobes         none: the probes read x86-64 registers \
+             (the offsets are derived to check them against the x86-64 build's)\n\n",
+            match lib.derivation.offsets() {
+                Ok(_) => "all derived".to_string(),
+                Err(why) => format!("unknown ({why})"),
+            }
+        ));
+        s.push_str(&lib.derivation.report());
+        return Ok(s);
+    }
     s.push_str(&format!(
         "offsets        {}\n",
         match lib.derivation.offsets() {

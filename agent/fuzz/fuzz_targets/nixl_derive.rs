@@ -3,12 +3,20 @@
 //! derivation: never a panic, every field either derived or unknown with its reason.
 #![no_main]
 
-use kvscope_agent::nixl::derive::{derive, MethodCode, METHODS};
+use kvscope_agent::nixl::derive::{derive, Isa, MethodCode, METHODS};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    // The first bytes cut the rest into one slice per method (a library on a node can
+    // The first byte picks the instruction set, the next ones cut the rest into one slice per method (a library on a node can
     // hold anything, and methods of any length).
+    let Some((&pick, data)) = data.split_first() else {
+        return;
+    };
+    let isa = if pick & 1 == 0 {
+        Isa::X86_64
+    } else {
+        Isa::Aarch64
+    };
     let (cuts, code) = data.split_at(data.len().min(METHODS.len()));
     let mut slices = Vec::new();
     let mut rest = code;
@@ -34,7 +42,7 @@ fuzz_target!(|data: &[u8]| {
             bytes: code.get(from..)?,
         })
     };
-    let d = derive(&method, &at, &|_| None);
+    let d = derive(isa, &method, &at, &|_| None);
     let fields = d.fields.len();
     assert!(d.fields.iter().all(|f| f.value.is_some() || f.unknown_because.is_some()));
     let _ = d.offsets();

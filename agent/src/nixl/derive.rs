@@ -38,6 +38,7 @@ use iced_x86::{
 
 use super::offsets::{Counts, NixlOffsets, SiteReg, REQ_WINDOW};
 
+mod aarch64;
 mod creation_sites;
 mod end_sites;
 mod listing;
@@ -62,6 +63,25 @@ pub const MAKE_BY_REFERENCE: &str = "_ZNK9nixlAgent11makeXferReqERK14nixl_xfer_o
 /// Every method a derivation reads.
 pub const METHODS: [&str; 6] = [TELEMETRY, POST, STATUS, REGISTER, DATA_CTOR, CREATE];
 
+/// The instruction set a build is compiled for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    /// Everything is derived: the offsets and every completion site.
+    X86_64,
+    /// The offsets only (one struct layout with the x86-64 build of a version): the
+    /// probes and their sites are x86-64's.
+    Aarch64,
+}
+
+impl Isa {
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::X86_64 => "x86-64",
+            Isa::Aarch64 => "aarch64",
+        }
+    }
+}
+
 /// A method's machine code as the library holds it.
 #[derive(Clone, Copy, Debug)]
 pub struct MethodCode<'a> {
@@ -83,6 +103,8 @@ pub struct Field {
 /// What was derived from one library.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Derivation {
+    /// What the build is compiled for: sites are placed on x86-64 builds only.
+    pub isa: Isa,
     pub fields: Vec<Field>,
     /// When the request's byte and descriptor counts hold the transfer's: builds
     /// before 1.4 fill them in `createXferReq` only while the agent's telemetry is
@@ -192,6 +214,31 @@ impl Derivation {
                 s.push_str(&format!("{:<14}   {e}\n", ""));
             }
         }
+        if self.isa == Isa::X86_64 {
+            self.report_sites(&mut s);
+        } else {
+            s.push_str(&format!(
+                "\nno site is placed on an {} build: the probes read x86-64 registers\n",
+                self.isa.name()
+            ));
+        }
+        s.push_str(&format!(
+            "\nreq_bytes and req_descs are read {}: {}\n",
+            match self.counts {
+                Counts::Always => "on every post".to_string(),
+                Counts::WithTelemetry { data_flag } => format!(
+                    "when the agent's telemetry is enabled (the byte at nixlAgentData+\
+                     {data_flag:#x}); else the transfer's bytes are counted as unknown"
+                ),
+                Counts::Never => "never; every transfer's bytes are counted as unknown".into(),
+            },
+            self.counts_because
+        ));
+        s
+    }
+
+    /// Where the sites are (an x86-64 build's), or why each is not.
+    fn report_sites(&self, s: &mut String) {
         match &self.telemetry_refused {
             Ok(site) => {
                 s.push_str(&format!(
@@ -274,19 +321,6 @@ impl Derivation {
                 "\npostXferReq is probed at its return: no site holds its final status: {why}\n"
             )),
         }
-        s.push_str(&format!(
-            "\nreq_bytes and req_descs are read {}: {}\n",
-            match self.counts {
-                Counts::Always => "on every post".to_string(),
-                Counts::WithTelemetry { data_flag } => format!(
-                    "when the agent's telemetry is enabled (the byte at nixlAgentData+\
-                     {data_flag:#x}); else the transfer's bytes are counted as unknown"
-                ),
-                Counts::Never => "never; every transfer's bytes are counted as unknown".into(),
-            },
-            self.counts_because
-        ));
-        s
     }
 }
 
@@ -295,13 +329,20 @@ impl Derivation {
 /// `callee` names the function a direct call at an address goes to, where the library
 /// says (a PLT stub's symbol).
 pub fn derive<'a>(
+    isa: Isa,
     code: &dyn Fn(&'static str) -> Option<MethodCode<'a>>,
     code_at: &dyn Fn(u64) -> Option<MethodCode<'a>>,
     callee: &dyn Fn(u64) -> Option<String>,
 ) -> Derivation {
     let runs: HashMap<&str, Option<Run>> = METHODS
         .iter()
-        .map(|m| (*m, code(m).map(|c| Run::of(short_name(m), c))))
+        .map(|m| {
+            let run = |c| match isa {
+                Isa::X86_64 => Run::of(short_name(m), c),
+                Isa::Aarch64 => aarch64::run(short_name(m), c),
+            };
+            (*m, code(m).map(run))
+        })
         .collect();
     let run = |m: &'static str| -> Result<&Run, String> {
         runs.get(m)
@@ -402,6 +443,21 @@ pub fn derive<'a>(
         .iter()
         .find(|f| f.name == "req_status")
         .and_then(|f| f.value);
+    if isa == Isa::Aarch64 {
+        // The sites are where uprobes go, and the probes read x86-64 registers.
+        let x86_only = "placed on x86-64 builds only (the probes read x86-64 registers)";
+        return Derivation {
+            isa,
+            fields,
+            counts,
+            counts_because,
+            telemetry_refused: Err(x86_only.into()),
+            end_sites: Err(x86_only.into()),
+            post_site: Err(x86_only.into()),
+            create_sites: Err(x86_only.into()),
+            make_sites: Err(x86_only.into()),
+        };
+    }
     let telemetry_refused = run(TELEMETRY).and_then(|r| refused_site(r, agent_data, code_at));
     // The same flag gates getXferTelemetry: a second instruction naming it.
     let counts_because = match (&counts, &telemetry_refused) {
@@ -437,6 +493,7 @@ pub fn derive<'a>(
         (None, None) => Err("makeXferReq is not exported".into()),
     };
     Derivation {
+        isa,
         fields,
         counts,
         counts_because,
@@ -533,10 +590,8 @@ fn counts_filled(run: &Run, bytes: u64, agent_data: Option<u64>) -> (Counts, Str
         .iter()
         .enumerate()
         .filter(|(_, s)| {
-            s.store.is_some_and(|(base, disp, size)| {
-                size >= 8
-                    && !matches!(base, Register::RSP | Register::RBP | Register::RIP)
-                    && offset(disp).is_some_and(|d| d <= bytes && bytes < d + size as u64)
+            s.store.is_some_and(|(disp, size)| {
+                size >= 8 && offset(disp).is_some_and(|d| d <= bytes && bytes < d + size as u64)
             })
         })
         .map(|(i, _)| i)
@@ -879,8 +934,8 @@ fn post(run: &Run) -> Result<Post, String> {
                 Seen::Write {
                     at: Loc::Field { arg: 1, off },
                     size: 4,
-                    value: Value::Reg(r),
-                } if *r == Register::EAX => Some((s, *off)),
+                    value: Value::Untracked { returned: true },
+                } => Some((s, *off)),
                 _ => None,
             })
         })
@@ -1006,10 +1061,15 @@ fn descriptor_sum(run: &Run) -> Result<(Finding, Finding, Finding), String> {
             let begin_ev = run.origin_of(s, *list_at);
             let mut list_ev: Vec<String> = begin_ev;
             // Confirmed by the loop's end: the vector's end pointer, read 8 bytes on.
-            list_ev.extend(run.steps_where(|seen| {
+            for e in run.steps_where(|seen| {
                 matches!(seen, Seen::Read { at: Loc::Field { arg: 1, off }, size: 8 }
                     if *off == list_at.wrapping_add(8))
-            }));
+            }) {
+                // (One instruction reads both where a pair is loaded at once.)
+                if !list_ev.contains(&e) {
+                    list_ev.push(e);
+                }
+            }
             let (Some(b), Some(st), Some(l)) = (offset(*list_at), offset(stride), offset(*len_at))
             else {
                 continue;
@@ -1066,8 +1126,11 @@ impl Loc {
 enum Value {
     Sym(Sym),
     Imm(u64),
-    /// A register whose content is not tracked.
-    Reg(Register),
+    /// A register whose content is not tracked; `returned` when it is the 4-byte
+    /// return-value register (`eax`, `w0`): a call's answer.
+    Untracked {
+        returned: bool,
+    },
     Unknown,
 }
 
@@ -1102,8 +1165,9 @@ enum Seen {
 struct Step {
     ip: u64,
     evidence: String,
-    /// A store's base register, displacement and size.
-    store: Option<(Register, i64, usize)>,
+    /// A store's displacement and size, through a register other than the stack's,
+    /// the frame's or the instruction pointer.
+    store: Option<(i64, usize)>,
     /// A conditional jump's target.
     cond_target: Option<u64>,
     seen: Vec<Seen>,
@@ -1220,14 +1284,12 @@ impl Run {
                     | Mnemonic::Movdqa
             ) && ins.op_count() == 2
                 && ins.op0_kind() == OpKind::Memory
-                && ins.memory_index() == Register::None)
-                .then(|| {
-                    (
-                        ins.memory_base(),
-                        ins.memory_displacement64() as i64,
-                        ins.memory_size().size(),
-                    )
-                });
+                && ins.memory_index() == Register::None
+                && !matches!(
+                    ins.memory_base(),
+                    Register::RSP | Register::RBP | Register::RIP
+                ))
+            .then(|| (ins.memory_displacement64() as i64, ins.memory_size().size()));
             let cond_target = ins.is_jcc_short_or_near().then(|| ins.near_branch_target());
             steps.push(Step {
                 ip: ins.ip(),
@@ -1319,7 +1381,7 @@ impl Run {
                     Seen::Write {
                         at: Loc::Field { arg: 1, off },
                         size: 4,
-                        value: Value::Reg(_),
+                        value: Value::Untracked { .. },
                     } => Some((offset(*off)?, s.evidence.clone())),
                     _ => None,
                 })
@@ -1457,7 +1519,9 @@ fn step(
                 };
                 match held {
                     Some((s, _)) => Value::Sym(s),
-                    None => Value::Reg(r),
+                    None => Value::Untracked {
+                        returned: r == Register::EAX,
+                    },
                 }
             } else if is_immediate(kind) {
                 Value::Imm(ins.immediate(1))
@@ -1583,13 +1647,15 @@ mod tests {
                 address: 0x1000,
                 bytes: &bytes,
             };
-            let d = derive(&|_| Some(code), &|_| Some(code), &|_| None);
-            assert_eq!(d.fields.len(), 12);
-            let _ = d.offsets();
-            assert!(!d.report().is_empty());
+            for isa in [Isa::X86_64, Isa::Aarch64] {
+                let d = derive(isa, &|_| Some(code), &|_| Some(code), &|_| None);
+                assert_eq!(d.fields.len(), 12);
+                let _ = d.offsets();
+                assert!(!d.report().is_empty());
+            }
         }
         // No method at all: every field unknown, each with its reason.
-        let d = derive(&|_| None, &|_| None, &|_| None);
+        let d = derive(Isa::X86_64, &|_| None, &|_| None, &|_| None);
         let why = d.offsets().unwrap_err();
         assert!(why.contains("not exported"), "{why}");
         assert!(d.fields.iter().all(|f| f.unknown_because.is_some()));

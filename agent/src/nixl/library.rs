@@ -6,7 +6,7 @@ use object::{Object, ObjectSection, ObjectSymbol, ObjectSymbolTable};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use super::derive::{self, Derivation, MethodCode};
+use super::derive::{self, Derivation, Isa, MethodCode};
 use super::event::NixlCall;
 use super::offsets::{EndRegisters, NixlOffsets, SitesAttached};
 
@@ -487,6 +487,14 @@ pub enum LibraryError {
         path: PathBuf,
         source: object::Error,
     },
+    #[error("{path} is built for {architecture}: the offsets are derived from x86-64 and aarch64 builds only")]
+    Architecture { path: PathBuf, architecture: String },
+    #[error(
+        "{path} is an {} build: this agent's probes read x86-64 registers \
+         (`kvscope agent nixl-inspect` derives its offsets offline)",
+        isa.name()
+    )]
+    ForeignIsa { path: PathBuf, isa: Isa },
     #[error("{path} has no dynamic symbol {prefix}…: not a libnixl.so this agent can trace")]
     MissingSymbol { path: PathBuf, prefix: &'static str },
     #[error("{path}: {count} different symbols start with {prefix}: the probe table needs a longer prefix")]
@@ -512,6 +520,8 @@ pub struct NixlLibrary {
     pub path: PathBuf,
     /// GNU build-id, lowercase hex; empty when the library has none.
     pub build_id: String,
+    /// What the library is compiled for (the probes attach to x86-64 builds).
+    pub isa: Isa,
     pub probes: Vec<ResolvedProbe>,
     /// Optional methods this build does not export (their probes are skipped).
     pub missing: Vec<&'static str>,
@@ -543,6 +553,16 @@ impl NixlLibrary {
             path: path.to_owned(),
             source,
         })?;
+        let isa = match file.architecture() {
+            object::Architecture::X86_64 => Isa::X86_64,
+            object::Architecture::Aarch64 => Isa::Aarch64,
+            other => {
+                return Err(LibraryError::Architecture {
+                    path: path.to_owned(),
+                    architecture: format!("{other:?}"),
+                })
+            }
+        };
         let build_id = match file.build_id() {
             Ok(Some(id)) => id.iter().map(|b| format!("{b:02x}")).collect(),
             _ => String::new(),
@@ -628,7 +648,7 @@ impl NixlLibrary {
             let slot = derive::plt_slot(code_at(address)?)?;
             got.get(&slot).cloned()
         };
-        let derivation = derived_once(&build_id, || derive::derive(&code, &code_at, &callee));
+        let derivation = derived_once(&build_id, || derive::derive(isa, &code, &code_at, &callee));
         let derived = derivation.offsets().ok();
         let offsets = derived;
         // Transfers' ends, posts' returns and creations' failures, where the methods' own
@@ -699,6 +719,7 @@ impl NixlLibrary {
         Ok(Self {
             path: path.to_owned(),
             build_id,
+            isa,
             probes,
             missing,
             sites,

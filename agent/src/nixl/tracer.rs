@@ -3,9 +3,10 @@
 //! `/proc` for new copies of the library and for exited processes.
 
 use super::aggregate::NixlAggregator;
+use super::derive::Isa;
 use super::discovery::{self, FileId};
 use super::event::NixlEvent;
-use super::library::NixlLibrary;
+use super::library::{LibraryError, NixlLibrary};
 use super::offsets::Counts;
 use super::probes::{self, AttachScope, LoadedProbes};
 use super::spans::NixlSpans;
@@ -264,6 +265,13 @@ fn attach_one(
         return Ok(());
     }
     let library = NixlLibrary::inspect(path, completion_sites)?;
+    if library.isa != Isa::X86_64 {
+        return Err(LibraryError::ForeignIsa {
+            path: path.to_owned(),
+            isa: library.isa,
+        }
+        .into());
+    }
     let mut probes = LoadedProbes::attach(library, scope)?;
     let offsets_known = probes.offsets.is_some();
     let status = NixlLibraryStatus {

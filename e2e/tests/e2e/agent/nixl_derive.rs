@@ -319,6 +319,61 @@ fn older_builds_say_when_their_counts_are_held_and_where_telemetry_is_refused() 
     }
 }
 
+/// The same wheels built for aarch64 (scripts/setup; `KVSCOPE_NIXL_AARCH64` names
+/// others), derived offline from their own instructions: every field equal to the
+/// x86-64 build's of that version (one struct layout), and when the requests hold their
+/// byte counts too. The sites are x86-64's: none is placed on an aarch64 build.
+#[test]
+fn aarch64_builds_derive_the_x86_64_builds_layout() {
+    use kvscope_agent::nixl::derive::Isa;
+    let versions = std::env::var("KVSCOPE_NIXL_AARCH64")
+        .unwrap_or_else(|_| "1.0.1 1.3.2 1.4.1 1.5.1".to_string());
+    println!("| NIXL | aarch64 build | fields equal to x86-64's | byte counts |");
+    println!("|---|---|---|---|");
+    for version in versions.split_whitespace() {
+        let a64 = NixlLibrary::inspect(&support::aarch64_nixl_lib(version), true).unwrap();
+        let x86_lib = if version == kvscope_nixl_lab::libs::NIXL_VERSION {
+            support::nixl_libs().libnixl
+        } else {
+            support::older_nixl_lib_dir(version).join("libnixl.so")
+        };
+        let x86 = NixlLibrary::inspect(&x86_lib, true).unwrap();
+        assert_eq!((a64.isa, x86.isa), (Isa::Aarch64, Isa::X86_64));
+        assert_ne!(a64.build_id, x86.build_id, "{version}: two builds");
+        let report = a64.derivation.report();
+        let a = a64
+            .offsets
+            .unwrap_or_else(|| panic!("{version} aarch64: {report}"));
+        let x = x86.offsets.unwrap();
+        assert_eq!(fields(&a), fields(&x), "{version}: {report}");
+        assert_eq!(a.counts, x.counts, "{version}: {report}");
+        // Derived from aarch64 instructions (AT&T x86 operands carry a `%`).
+        assert!(
+            a64.derivation
+                .fields
+                .iter()
+                .all(|f| !f.evidence.is_empty() && f.evidence.iter().all(|e| !e.contains('%'))),
+            "{report}"
+        );
+        assert!(!a64.sites && !a64.post_at_site && !a64.creations_at_sites);
+        assert!(
+            report.contains("no site is placed on an aarch64 build"),
+            "{report}"
+        );
+        let counts = match a.counts {
+            offsets::Counts::Always => "always".to_string(),
+            offsets::Counts::WithTelemetry { data_flag } => {
+                format!("with the agent's telemetry on (its byte {data_flag:#x})")
+            }
+            offsets::Counts::Never => "never".to_string(),
+        };
+        println!(
+            "| {version} | {}… | 12 of 12 | {counts} |",
+            &a64.build_id[..8]
+        );
+    }
+}
+
 #[test]
 fn nixl_inspect_says_what_was_derived_and_from_which_instructions() {
     let libs = support::nixl_libs();
@@ -393,6 +448,14 @@ fn bad_libraries_are_refused_or_derived_in_part_with_the_reason() {
             }
         }
     }
+
+    // Built for another machine (32-bit Arm in the ELF header): refused, naming it.
+    let mut arm = whole.clone();
+    arm[18..20].copy_from_slice(&40u16.to_le_bytes()); // e_machine = EM_ARM
+    let path = dir.path().join("arm.so");
+    std::fs::write(&path, &arm).unwrap();
+    let why = NixlLibrary::inspect(&path, true).unwrap_err().to_string();
+    assert!(why.contains("built for Arm"), "{why}");
 
     // No instruction names a descriptor's length: those fields are unknown and say
     // why; the rest are still derived; the offsets as a whole are not used.

@@ -44,6 +44,20 @@ pub fn older_nixl_lib_dir(version: &str) -> PathBuf {
     dir
 }
 
+/// The `libnixl.so` of the NIXL `version` wheel built for aarch64 (scripts/setup).
+pub fn aarch64_nixl_lib(version: &str) -> PathBuf {
+    let lib = kvscope_lab::paths::default_lab_dir()
+        .join("nixl/aarch64")
+        .join(version)
+        .join("libnixl.so");
+    assert!(
+        lib.is_file(),
+        "the NIXL {version} aarch64 wheel's libnixl.so is not at {}: run scripts/setup",
+        lib.display()
+    );
+    lib
+}
+
 /// A copy of the wheel's NIXL library folder under `dest` whose `libnixl.so` carries
 /// another GNU build-id (a NIXL build no table holds, as one built from source). The
 /// bundled UCX folder, found through `$ORIGIN/../nixl_cu12.libs`, is linked, not copied.
