@@ -123,7 +123,7 @@ pub struct Exemplar {
 
 impl TokenHistogram {
     /// [`Self::observe`], remembering the observation as its bucket's exemplar.
-    pub fn observe_traced(&mut self, tokens: u64, trace_id: String, at_ns: u64) {
+    pub(crate) fn observe_traced(&mut self, tokens: u64, trace_id: String, at_ns: u64) {
         self.observe(tokens);
         let bucket = TOKEN_BOUNDS
             .iter()
@@ -473,10 +473,6 @@ impl FleetAnalyzer {
                 self.told_owners.remove(&k);
             }
         }
-    }
-    /// Workers whose mirror is incomplete now (see `verdicts_on_incomplete_mirror`).
-    pub fn incomplete_workers(&self) -> impl Iterator<Item = &WorkerKey> {
-        self.incomplete.iter()
     }
     /// The workers discovery described (the latest record of each; retired ones too).
     pub fn fleet(&self) -> &BTreeMap<u64, WorkerRecord> {

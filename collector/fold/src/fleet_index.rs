@@ -218,7 +218,7 @@ impl FleetIndex {
         self.workers.iter().map(|w| w.cached).sum()
     }
 
-    pub fn knows_worker(&self, worker: &WorkerKey) -> bool {
+    pub(crate) fn knows_worker(&self, worker: &WorkerKey) -> bool {
         self.index_of.contains_key(worker)
     }
 
@@ -417,7 +417,7 @@ impl FleetIndex {
 
     /// Mark a block of the last store on `worker` as decode-generated (not from a
     /// prompt). Blocks not held by the worker, or not in its last store, are not marked.
-    pub fn mark_generated(&mut self, worker: WorkerKey, seq: SequenceHash) {
+    pub(crate) fn mark_generated(&mut self, worker: WorkerKey, seq: SequenceHash) {
         let Some(w) = self.known_worker_idx(&worker) else {
             return;
         };
@@ -439,7 +439,7 @@ impl FleetIndex {
     }
 
     /// How many of `blocks` are cached on `worker` as decode-generated.
-    pub fn generated_among(&self, worker: &WorkerKey, blocks: &[SequenceHash]) -> u32 {
+    pub(crate) fn generated_among(&self, worker: &WorkerKey, blocks: &[SequenceHash]) -> u32 {
         self.index_of.get(worker).map_or(0, |w| {
             let generated = &self.workers[*w as usize].generated;
             if generated.is_empty() {
@@ -452,7 +452,7 @@ impl FleetIndex {
     /// The run of decode-generated blocks `blocks` ends with on `worker` (start, end
     /// positions, end exclusive): a previous turn's reply at the end of a cached prefix.
     /// Read from the end, as long as the reply.
-    pub fn generated_tail(
+    pub(crate) fn generated_tail(
         &self,
         worker: &WorkerKey,
         blocks: &[SequenceHash],
@@ -516,7 +516,7 @@ impl FleetIndex {
     /// [`Self::match_chain`] for a request known by its blocks' sequence hashes (what
     /// Dynamo's request trace and replica-sync events carry) instead of their local
     /// hashes: the same walk, each step found by the hash it names.
-    pub fn match_seq_chain(&self, chain: &[SequenceHash]) -> ChainMatch {
+    pub(crate) fn match_seq_chain(&self, chain: &[SequenceHash]) -> ChainMatch {
         let mut walk = Walk::new(None);
         let mut left = Vec::new();
         let mut at: Option<Visited> = None;

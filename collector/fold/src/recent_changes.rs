@@ -40,7 +40,7 @@ impl Change {
 
 /// Why the router's overlap for its chosen worker differed from what the worker held.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum StaleCause {
+pub(crate) enum StaleCause {
     /// Under: the first block it did not credit was stored within
     /// [`STALE_HORIZON_NS`] before the decision, this long before.
     StoredLately { lag_ns: u64 },
@@ -57,7 +57,7 @@ pub enum StaleCause {
 
 /// The changes, oldest first, and their hashes in one ring: no allocation per batch.
 #[derive(Debug, Default)]
-pub struct RecentChanges {
+pub(crate) struct RecentChanges {
     changes: VecDeque<Change>,
     hashes: VecDeque<u64>,
     blocks: usize,
@@ -120,7 +120,7 @@ impl RecentChanges {
 
     /// Why `worker`'s engine held `block` at `decided_ns` while the router did not
     /// credit it: [`StaleCause::StoredLately`] or [`StaleCause::Unexplained`].
-    pub fn why_under(&self, worker: WorkerKey, block: SequenceHash, decided_ns: u64) -> StaleCause {
+    pub(crate) fn why_under(&self, worker: WorkerKey, block: SequenceHash, decided_ns: u64) -> StaleCause {
         match self.last_store(worker, block, |t| t <= decided_ns) {
             Some((_, t)) if decided_ns - t <= STALE_HORIZON_NS => StaleCause::StoredLately {
                 lag_ns: decided_ns - t,
@@ -131,7 +131,7 @@ impl RecentChanges {
 
     /// Why the router credited `worker` with `block`, which its engine did not hold at
     /// `decided_ns`: removed lately, stored after, or unexplained.
-    pub fn why_over(&self, worker: WorkerKey, block: SequenceHash, decided_ns: u64) -> StaleCause {
+    pub(crate) fn why_over(&self, worker: WorkerKey, block: SequenceHash, decided_ns: u64) -> StaleCause {
         if let Some((engine, stored_ns)) = self.last_store(worker, block, |t| t <= decided_ns) {
             let removed = self.newest_first().find(|(c, at)| {
                 c.worker == worker

@@ -39,7 +39,7 @@ pub fn judge(
 
 /// [`judge`] with the decision's chain already matched against the mirror
 /// ([`FleetIndex::match_chain`]), for a caller that keeps the chain.
-pub fn judge_matched(
+pub(crate) fn judge_matched(
     index: &FleetIndex,
     decision: &RoutingDecision,
     chain: &[SequenceHash],

@@ -60,7 +60,7 @@ pub fn token_distribution(h: &Histogram<u64>) -> TokenDistribution {
 
 /// A window still collecting.
 #[derive(Debug)]
-pub struct OpenWindow {
+pub(crate) struct OpenWindow {
     pub summary: WindowSummary,
     pub true_delta: Histogram<u64>,
     pub upper_bound: Histogram<u64>,
@@ -80,7 +80,7 @@ impl OpenWindow {
         }
     }
 
-    pub fn add_verdict(&mut self, v: &SpillVerdict) {
+    pub(crate) fn add_verdict(&mut self, v: &SpillVerdict) {
         let s = &mut self.summary;
         if let Some(m) = &v.model {
             s.models.entry(m.clone()).or_default().add(v);

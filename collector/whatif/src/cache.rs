@@ -19,7 +19,7 @@ struct Resident {
 /// holds what its running requests hold, as any size does: the hits only grow with the
 /// size, which the calibration's bisection relies on.
 #[derive(Debug, Clone)]
-pub struct SimulatedCache {
+pub(crate) struct SimulatedCache {
     capacity: usize,
     resident: HashMap<SequenceHash, Resident>,
     /// The blocks no running request holds, by tick: the first is evicted first.
@@ -40,7 +40,7 @@ impl SimulatedCache {
     }
 
     /// How many of `chain`'s blocks, from its first, are resident now.
-    pub fn prefix_hit(&self, chain: &[SequenceHash]) -> usize {
+    pub(crate) fn prefix_hit(&self, chain: &[SequenceHash]) -> usize {
         chain
             .iter()
             .take_while(|b| self.resident.contains_key(b))
@@ -142,11 +142,13 @@ impl SimulatedCache {
         }
     }
 
-    pub fn resident(&self) -> usize {
+    #[cfg(test)]
+    fn resident(&self) -> usize {
         self.resident.len()
     }
 
-    pub fn evicted(&self) -> u64 {
+    #[cfg(test)]
+    fn evicted(&self) -> u64 {
         self.evicted
     }
 }

@@ -60,7 +60,7 @@ pub enum DisaggError {
 /// `remote` (bool), or else `prefill_worker_id` (remote where it differs from the
 /// `decode_worker_id` or `worker_id` given); `cached_tokens` or `usage_cached_tokens` (default 0). Failed requests
 /// (`ok: false`) and those without `ttft_ms` are left out and counted.
-pub fn read_samples(path: &Path) -> Result<(Vec<TtftSample>, u64), DisaggError> {
+pub(crate) fn read_samples(path: &Path) -> Result<(Vec<TtftSample>, u64), DisaggError> {
     let text =
         std::fs::read_to_string(path).map_err(|e| DisaggError::Read(path.into(), e.to_string()))?;
     let rows: Vec<(usize, serde_json::Value)> =
@@ -248,7 +248,7 @@ impl DisaggCosts {
 
     /// The uncached size where remote prefill starts to be faster: `Some(0)` when it
     /// always is, `None` when no size on is (see [`Self::crossing`]).
-    pub fn break_even_tokens(&self) -> Option<u64> {
+    pub(crate) fn break_even_tokens(&self) -> Option<u64> {
         match self.crossing() {
             Crossing::RemoteAlways => Some(0),
             Crossing::RemoteFrom(n) => Some(n),
@@ -258,7 +258,7 @@ impl DisaggCosts {
 
     /// Mean time to first token over `uncached` sizes when prefills of fewer than
     /// `threshold` tokens stay local.
-    pub fn mean_ttft_ms(&self, uncached: &[u64], threshold: u64) -> f64 {
+    pub(crate) fn mean_ttft_ms(&self, uncached: &[u64], threshold: u64) -> f64 {
         if uncached.is_empty() {
             return 0.0;
         }
@@ -332,7 +332,7 @@ pub struct DisaggWhatIf {
 }
 
 /// Thresholds tabulated unless others are asked for.
-pub const DEFAULT_THRESHOLDS: [u64; 7] = [256, 512, 1024, 2048, 4096, 8192, 16384];
+pub(crate) const DEFAULT_THRESHOLDS: [u64; 7] = [256, 512, 1024, 2048, 4096, 8192, 16384];
 
 /// The question: fitted costs, the requests to judge them on (each one's uncached and
 /// prompt tokens; the samples' own where none is given), thresholds to tabulate.

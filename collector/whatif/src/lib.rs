@@ -103,9 +103,9 @@ pub enum WhatIfError {
 
 /// The largest cache size simulated, in blocks per worker (2^32 blocks of 16 tokens are
 /// 68 billion tokens: no engine holds that).
-pub const MAX_BLOCKS: u64 = 1 << 32;
+pub(crate) const MAX_BLOCKS: u64 = 1 << 32;
 /// Reserves predicted in one what-if at most.
-pub const MAX_RESERVES: usize = 32;
+pub(crate) const MAX_RESERVES: usize = 32;
 
 /// Blocks per dp rank by worker id, as discovery last described each worker (a size of
 /// 0 says nothing: unknown).
@@ -375,7 +375,7 @@ impl WhatIf {
 
     /// Every request replayed over caches of `blocks(worker)` each: the totals, and
     /// the simulated overlap of each request.
-    pub fn simulate(&self, blocks: impl Fn(&WorkerKey) -> u64) -> (CacheTotals, Vec<u32>) {
+    pub(crate) fn simulate(&self, blocks: impl Fn(&WorkerKey) -> u64) -> (CacheTotals, Vec<u32>) {
         let mut overlaps = Vec::with_capacity(self.requests.len());
         let t = self.replay(blocks, false, |_, hit, _| overlaps.push(hit as u32));
         (t, overlaps)

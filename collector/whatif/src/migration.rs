@@ -26,9 +26,9 @@ use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 
 /// The default token gates swept (the actuator's default `min_tokens` is 16384).
-pub const DEFAULT_GATES: [u64; 6] = [16, 256, 1024, 4096, 16384, 65536];
+pub(crate) const DEFAULT_GATES: [u64; 6] = [16, 256, 1024, 4096, 16384, 65536];
 /// Gates predicted in one what-if at most.
-pub const MAX_GATES: usize = 16;
+pub(crate) const MAX_GATES: usize = 16;
 
 /// What prices a migration, and where each figure came from.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -9,10 +9,10 @@ use serde::{Deserialize, Deserializer, Serialize};
 use std::path::PathBuf;
 
 /// The actuator's default prefill rate, tokens/s per worker.
-pub const DEFAULT_PREFILL_TOK_PER_S: f64 = 10_000.0;
+pub(crate) const DEFAULT_PREFILL_TOK_PER_S: f64 = 10_000.0;
 /// The actuator's default KV bytes per token: an 8B model in fp16 (32 layers × 8 KV
 /// heads × 128 dims × K and V × 2 bytes).
-pub const DEFAULT_KV_BYTES_PER_TOKEN: u64 = 131_072;
+pub(crate) const DEFAULT_KV_BYTES_PER_TOKEN: u64 = 131_072;
 
 /// What to predict, and what to price it with (see `kvscope whatif --help`).
 #[derive(clap::Args, Debug, Clone, Default, Deserialize)]
@@ -100,7 +100,7 @@ pub struct WhatIfInputs {
 }
 
 /// The changes the router knobs are asked about when none are given.
-pub const DEFAULT_ROUTER_CHANGES: [&str; 4] = [
+pub(crate) const DEFAULT_ROUTER_CHANGES: [&str; 4] = [
     "session-affinity-ttl-secs=300",
     "track-output-blocks=true",
     "kv-overlap-score-credit=0.5",

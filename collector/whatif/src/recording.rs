@@ -14,7 +14,7 @@ pub fn replay(path: &Path, cfg: AnalyzerConfig) -> Result<FleetAnalyzer, Recordi
 
 /// [`replay`], calling `applied` with the analyzer after each record it applies, and
 /// whether it judged a request there.
-pub fn replay_with(
+pub(crate) fn replay_with(
     path: &Path,
     cfg: AnalyzerConfig,
     mut applied: impl FnMut(&FleetAnalyzer, &Envelope, bool),

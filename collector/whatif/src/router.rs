@@ -625,9 +625,9 @@ pub struct RouterWhatIf {
 }
 
 /// At most this many router settings in one what-if.
-pub const MAX_ROUTER_CHANGES: usize = 16;
+pub(crate) const MAX_ROUTER_CHANGES: usize = 16;
 /// At most this many runs (seeds) per setting.
-pub const MAX_ROUTER_RUNS: u32 = 16;
+pub(crate) const MAX_ROUTER_RUNS: u32 = 16;
 
 /// How near the model at the recorded settings must come to the recorded run for its
 /// other rows to be shown: the tolerance the model was validated to on real lab runs
