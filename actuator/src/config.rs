@@ -66,7 +66,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 /// Shortest API token accepted.
-pub const MIN_TOKEN_LEN: usize = 16;
+pub(crate) const MIN_TOKEN_LEN: usize = 16;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -314,7 +314,7 @@ impl ActuatorConfig {
     }
 
     /// The API token: from the environment, else from `api.token_file`.
-    pub fn api_token(&self) -> Result<Option<String>, ConfigError> {
+    pub(crate) fn api_token(&self) -> Result<Option<String>, ConfigError> {
         if let Some(t) = &self.api.token_from_env {
             return Ok(Some(t.clone()));
         }
@@ -325,7 +325,7 @@ impl ActuatorConfig {
     }
 
     /// The API token, required when the API is served or the actuator writes anywhere.
-    pub fn required_api_token(&self) -> Result<Option<String>, ConfigError> {
+    pub(crate) fn required_api_token(&self) -> Result<Option<String>, ConfigError> {
         let token = self.api_token()?;
         if let Some(t) = &token {
             if t.chars().count() < MIN_TOKEN_LEN {

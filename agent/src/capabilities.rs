@@ -26,7 +26,7 @@ fn number(name: &str) -> Option<u32> {
 }
 
 /// The effective set, from a `/proc/<pid>/status` text (`CapEff:` in hex).
-pub fn effective_in(status: &str) -> Option<u64> {
+pub(crate) fn effective_in(status: &str) -> Option<u64> {
     let hex = status
         .lines()
         .find_map(|l| l.strip_prefix("CapEff:"))?
@@ -41,7 +41,7 @@ pub fn effective() -> Option<u64> {
 
 /// Of `needed`, the ones not in `effective` (as `CAP_X`). `SYS_ADMIN` stands in for
 /// `BPF` and `PERFMON`, as the kernel lets it.
-pub fn lacking(effective: u64, needed: &[&str]) -> Vec<String> {
+pub(crate) fn lacking(effective: u64, needed: &[&str]) -> Vec<String> {
     let has = |name: &str| number(name).is_some_and(|n| effective & (1 << n) != 0);
     needed
         .iter()
@@ -51,7 +51,7 @@ pub fn lacking(effective: u64, needed: &[&str]) -> Vec<String> {
 }
 
 /// Why loading BPF programs was refused: `BPF` and `PERFMON`, which `SYS_ADMIN` grants.
-pub fn diagnose_load() -> String {
+pub(crate) fn diagnose_load() -> String {
     let d = diagnose(&["BPF", "PERFMON"]);
     if d.starts_with("the agent lacks") {
         format!("{d} (CAP_SYS_ADMIN grants both)")
@@ -62,7 +62,7 @@ pub fn diagnose_load() -> String {
 
 /// Why opening a uprobe perf event was refused: `SYS_ADMIN` on kernels like CI's,
 /// `PERFMON` on those that open uprobes to it.
-pub fn diagnose_attach() -> String {
+pub(crate) fn diagnose_attach() -> String {
     let d = diagnose(&["SYS_ADMIN"]);
     if d.starts_with("the agent lacks") {
         format!("{d}: this kernel opens uprobe perf events only with it")
@@ -73,7 +73,7 @@ pub fn diagnose_attach() -> String {
 
 /// A sentence for an error: which of `needed` this process lacks, or that it has them
 /// all (the refusal then came from elsewhere: an LSM, a seccomp profile, a sysctl).
-pub fn diagnose(needed: &[&str]) -> String {
+pub(crate) fn diagnose(needed: &[&str]) -> String {
     match effective() {
         None => "its capabilities could not be read".to_string(),
         Some(eff) => {

@@ -151,7 +151,7 @@ pub enum AgentCommand {
 }
 
 /// `kvscope agent nixl-inspect LIB`'s text.
-pub fn nixl_inspect(library: &std::path::Path) -> anyhow::Result<String> {
+pub(crate) fn nixl_inspect(library: &std::path::Path) -> anyhow::Result<String> {
     use crate::nixl::offsets::Counts;
     let lib = crate::nixl::library::NixlLibrary::inspect(library, true)?;
     let mut s = format!(

@@ -363,7 +363,7 @@ impl AgentConfig {
     }
 
     /// Whether the agent taps Dynamo's event plane (see `event_plane`).
-    pub fn taps_event_plane(&self) -> bool {
+    pub(crate) fn taps_event_plane(&self) -> bool {
         self.event_plane.unwrap_or(
             self.discovery.backend != kvscope_discovery::config::BackendKind::None
                 && self.kv_endpoints.is_empty(),
@@ -372,7 +372,7 @@ impl AgentConfig {
 
     /// Dynamo's NATS for the event-plane tap, and how to authenticate to it: Dynamo's
     /// `NATS_AUTH_*` when given; else, where it is kvscope's own bus, the bus's settings.
-    pub fn event_plane_nats(&self) -> (String, kvscope_wire::NatsSecurity) {
+    pub(crate) fn event_plane_nats(&self) -> (String, kvscope_wire::NatsSecurity) {
         let url = self
             .event_plane_nats_url
             .clone()
@@ -386,7 +386,7 @@ impl AgentConfig {
     }
 
     /// What a KV event publisher may make a tap hold.
-    pub fn kv_limits(&self) -> crate::taps::engine::zmtp::Limits {
+    pub(crate) fn kv_limits(&self) -> crate::taps::engine::zmtp::Limits {
         crate::taps::engine::zmtp::Limits {
             max_message_bytes: self.kv_max_message_bytes,
             ..Default::default()

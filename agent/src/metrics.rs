@@ -43,7 +43,7 @@ struct Summed {
 /// peer, method and status; probe health. Label values are bounded by the fleet: NIXL
 /// agent names, ops, stages, methods and `nixl_status_t` names. Processes are summed
 /// (no `pid` label): a restarted worker keeps its series instead of adding new ones.
-pub fn write_nixl(out: &mut Exposition, agent: &str, r: &NixlReport) {
+pub(crate) fn write_nixl(out: &mut Exposition, agent: &str, r: &NixlReport) {
     let mut transfers: BTreeMap<(&str, &str, &str, &str, &str), Summed> = BTreeMap::new();
     for t in &r.transfers {
         let key = (
@@ -222,7 +222,7 @@ pub fn write_nixl(out: &mut Exposition, agent: &str, r: &NixlReport) {
 
 /// Everything `/metrics` shows, rendered at each call in the format asked for: the one
 /// source of both `/metrics` (text format) and the OTLP metrics export.
-pub type Render = Arc<dyn Fn(Format) -> String + Send + Sync>;
+pub(crate) type Render = Arc<dyn Fn(Format) -> String + Send + Sync>;
 
 /// What the agent's [`Render`] reads: its counters, the NIXL probes' figures, the OTLP
 /// export's and the metrics listener's health, and its readiness checks.

@@ -20,17 +20,17 @@ use std::time::Duration;
 use tokio::sync::watch;
 
 /// A followed router log cannot be read (its reason: missing, not a regular file, …).
-pub const ROUTER_LOG_CHECK: &str = "router_log";
+pub(crate) const ROUTER_LOG_CHECK: &str = "router_log";
 /// Records wait in the buffer and none has left for [`PUBLISH_STALL`].
-pub const PUBLISHING_CHECK: &str = "publishing";
+pub(crate) const PUBLISHING_CHECK: &str = "publishing";
 /// Discovery has not been read for [`DiscoveryFreshness::stale_after`].
-pub const DISCOVERY_FRESH_CHECK: &str = "discovery_fresh";
+pub(crate) const DISCOVERY_FRESH_CHECK: &str = "discovery_fresh";
 
 /// How long a source may be unreadable before the agent is not ready: a rotation or a
 /// re-pointed link is a moment, not an outage.
-pub const UNAVAILABLE_GRACE: Duration = Duration::from_secs(5);
+pub(crate) const UNAVAILABLE_GRACE: Duration = Duration::from_secs(5);
 /// How long records may wait with none published before the agent is not ready.
-pub const PUBLISH_STALL: Duration = Duration::from_secs(30);
+pub(crate) const PUBLISH_STALL: Duration = Duration::from_secs(30);
 
 /// The sources that cannot be read now, by name, with why and since when.
 #[derive(Debug, Default)]
@@ -94,7 +94,7 @@ impl DiscoveryFreshness {
         })
     }
 
-    pub fn read_now(&self) {
+    pub(crate) fn read_now(&self) {
         self.last_read_ns.store(now_ns(), Ordering::Relaxed);
     }
 }

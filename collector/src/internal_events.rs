@@ -13,7 +13,7 @@ use std::time::Duration;
 use tracing::{error, warn};
 
 /// A record sent in parts that never came whole: dropped, never guessed at.
-pub struct RecordIncomplete<'a> {
+pub(crate) struct RecordIncomplete<'a> {
     pub seq: u64,
     pub reason: &'a str,
     pub lost_parts: u64,
@@ -37,7 +37,7 @@ impl InternalEvent<Shared> for RecordIncomplete<'_> {
 }
 
 /// A record whose agent is not the one its subject names (forged, or misrouted).
-pub struct RecordForeign<'a> {
+pub(crate) struct RecordForeign<'a> {
     pub seq: u64,
     pub subject: &'a str,
     pub agent: &'a str,
@@ -61,7 +61,7 @@ impl InternalEvent<Shared> for RecordForeign<'_> {
 }
 
 /// A record dated far ahead of this host's clock: quarantined.
-pub struct RecordFromFuture<'a> {
+pub(crate) struct RecordFromFuture<'a> {
     pub seq: u64,
     pub agent: &'a str,
     pub observed_ns: u64,
@@ -110,7 +110,7 @@ impl InternalEvent<Shared> for RecordClockCorrected<'_> {
 }
 
 /// Bus bytes that are not a record.
-pub struct RecordUndecodable<'a> {
+pub(crate) struct RecordUndecodable<'a> {
     pub seq: u64,
     pub error: &'a dyn Display,
 }
@@ -127,7 +127,7 @@ impl InternalEvent<Shared> for RecordUndecodable<'_> {
 }
 
 /// A stream record gone (expired or deleted) before this collector applied it.
-pub struct RecordMissing<'a> {
+pub(crate) struct RecordMissing<'a> {
     pub seq: u64,
     pub error: &'a dyn Display,
 }
@@ -145,7 +145,7 @@ impl InternalEvent<Shared> for RecordMissing<'_> {
 
 /// Stream records `from..to` were discarded by the stream's limits (age, size) before
 /// this collector read them: counted as missing, all at once.
-pub struct RecordsDiscarded {
+pub(crate) struct RecordsDiscarded {
     pub from: u64,
     pub to: u64,
 }
@@ -165,7 +165,7 @@ impl InternalEvent<Shared> for RecordsDiscarded {
 
 /// The stream was found made anew under its name (a server whose storage was wiped):
 /// the consumer is made anew and the new stream followed from its first record.
-pub struct StreamReset {
+pub(crate) struct StreamReset {
     pub applied_seq: u64,
     pub first_seq: u64,
 }
@@ -184,7 +184,7 @@ impl InternalEvent<Shared> for StreamReset {
 }
 
 /// A write to the recording failed: the recording stops (and readiness says so).
-pub struct RecordingFailed<'a> {
+pub(crate) struct RecordingFailed<'a> {
     pub error: &'a dyn Display,
 }
 
@@ -196,7 +196,7 @@ impl InternalEvent<Shared> for RecordingFailed<'_> {
 }
 
 /// Flushing the recording failed (it keeps trying at the next flush).
-pub struct RecordingFlushFailed<'a> {
+pub(crate) struct RecordingFlushFailed<'a> {
     pub error: &'a dyn Display,
 }
 
@@ -212,7 +212,7 @@ impl InternalEvent<Shared> for RecordingFlushFailed<'_> {
 }
 
 /// The NATS server refused this collector something (its credentials or permissions).
-pub struct NatsRefused<'a> {
+pub(crate) struct NatsRefused<'a> {
     pub error: &'a dyn Display,
 }
 
@@ -228,7 +228,7 @@ impl InternalEvent<Shared> for NatsRefused<'_> {
 }
 
 /// Connecting to NATS failed; the collector waits for it and tries again.
-pub struct NatsUnreachable<'a> {
+pub(crate) struct NatsUnreachable<'a> {
     pub url: &'a str,
     pub error: &'a dyn Display,
     pub retry_in: Duration,
@@ -243,7 +243,7 @@ impl InternalEvent<Shared> for NatsUnreachable<'_> {
 }
 
 /// The stream could not be created or opened yet; it is tried again.
-pub struct StreamUnavailable<'a> {
+pub(crate) struct StreamUnavailable<'a> {
     pub stream: &'a str,
     pub error: &'a dyn Display,
     pub retry_in: Duration,
@@ -258,7 +258,7 @@ impl InternalEvent<Shared> for StreamUnavailable<'_> {
 }
 
 /// A pull from the durable consumer failed; it is retried.
-pub struct PullFailed<'a> {
+pub(crate) struct PullFailed<'a> {
     pub error: &'a dyn Display,
 }
 
@@ -275,7 +275,7 @@ impl InternalEvent<Shared> for PullFailed<'_> {
 
 /// A delivered message without JetStream metadata: skipped (its record, if any, is
 /// fetched by sequence when the next delivery shows the gap).
-pub struct MessageWithoutMetadata<'a> {
+pub(crate) struct MessageWithoutMetadata<'a> {
     pub error: &'a dyn Display,
 }
 
@@ -291,7 +291,7 @@ impl InternalEvent<Shared> for MessageWithoutMetadata<'_> {
 }
 
 /// An ack failed: the record may be delivered again, and is skipped then.
-pub struct AckFailed<'a> {
+pub(crate) struct AckFailed<'a> {
     pub seq: u64,
     pub error: &'a dyn Display,
 }

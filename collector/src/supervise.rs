@@ -36,7 +36,7 @@ impl<'a> Essential<'a> {
 
     /// A future resolving when tasks owned elsewhere end (e.g. the OTLP export's, whose
     /// owner stops them itself).
-    pub fn owned_elsewhere(
+    pub(crate) fn owned_elsewhere(
         name: &'static str,
         ended: impl Future<Output = Result<(), JoinError>> + Send + 'a,
     ) -> Self {

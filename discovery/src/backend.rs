@@ -76,7 +76,7 @@ impl std::fmt::Display for Backend {
 /// The largest entry of a file store read: Dynamo writes entries of a few KB (a model
 /// card with its chat template is the largest); a larger file is no entry Dynamo wrote,
 /// and reading it every poll would hold its whole size in memory.
-pub const MAX_ENTRY_BYTES: u64 = 4 << 20;
+pub(crate) const MAX_ENTRY_BYTES: u64 = 4 << 20;
 
 /// An entry of the store left unread, and why (counted by the reader's owner).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -143,7 +143,7 @@ pub fn read_file_store(root: &Path) -> Result<Vec<(String, Value)>, DiscoveryErr
 /// The file backend's store under `root`, and the files skipped: anything but a
 /// regular file (a FIFO would block the read for good, a device never end) and files
 /// over [`MAX_ENTRY_BYTES`].
-pub fn read_file_store_all(root: &Path) -> Result<StoreRead, DiscoveryError> {
+pub(crate) fn read_file_store_all(root: &Path) -> Result<StoreRead, DiscoveryError> {
     let v1 = root.join("v1");
     let buckets = match std::fs::read_dir(&v1) {
         Ok(b) => b,

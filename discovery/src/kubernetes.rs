@@ -34,10 +34,10 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 /// Where the service account's files are in a pod.
-pub const SERVICE_ACCOUNT_DIR: &str = "/var/run/secrets/kubernetes.io/serviceaccount";
+pub(crate) const SERVICE_ACCOUNT_DIR: &str = "/var/run/secrets/kubernetes.io/serviceaccount";
 /// The label Dynamo's operator puts on the Services (and so the EndpointSlices) of
 /// workers that use Kubernetes discovery.
-pub const DISCOVERY_LABEL: &str = "nvidia.com/dynamo-discovery-enabled=true";
+pub(crate) const DISCOVERY_LABEL: &str = "nvidia.com/dynamo-discovery-enabled=true";
 
 /// An API server to read, and how.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -124,7 +124,7 @@ impl KubeApi {
 }
 
 /// The pods an EndpointSlice list names as ready endpoints.
-pub fn ready_pods(slices: &Value) -> BTreeSet<String> {
+pub(crate) fn ready_pods(slices: &Value) -> BTreeSet<String> {
     let mut out = BTreeSet::new();
     for slice in items(slices) {
         for ep in slice
@@ -203,7 +203,7 @@ pub fn entries(ready: &BTreeSet<String>, objects: &Value) -> Vec<(String, Value)
 
 /// The namespace to read when none is configured: `POD_NAMESPACE`, Dynamo's podinfo
 /// file, the service account's.
-pub fn default_namespace(var: impl Fn(&str) -> Option<String>) -> Option<String> {
+pub(crate) fn default_namespace(var: impl Fn(&str) -> Option<String>) -> Option<String> {
     var("POD_NAMESPACE")
         .filter(|v| !v.trim().is_empty())
         .or_else(|| read_trimmed(Path::new("/etc/podinfo/pod_namespace")))
@@ -211,7 +211,7 @@ pub fn default_namespace(var: impl Fn(&str) -> Option<String>) -> Option<String>
 }
 
 /// The in-cluster API server: `https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT`.
-pub fn in_cluster_server(var: impl Fn(&str) -> Option<String>) -> Option<String> {
+pub(crate) fn in_cluster_server(var: impl Fn(&str) -> Option<String>) -> Option<String> {
     let host = var("KUBERNETES_SERVICE_HOST").filter(|v| !v.is_empty())?;
     let port = var("KUBERNETES_SERVICE_PORT").unwrap_or_else(|| "443".into());
     // An IPv6 service address needs brackets in a URL.

@@ -79,7 +79,7 @@ const TCP_STATES: [&str; 12] = [
 ];
 
 /// One row of a `/proc/net/{tcp,udp}[6]` table: (inode, local, remote, state).
-pub fn parse_table(
+pub(crate) fn parse_table(
     text: &str,
     protocol: &'static str,
 ) -> Vec<(u64, SocketAddr, SocketAddr, &'static str)> {
@@ -207,7 +207,7 @@ pub fn listeners(sockets: &[SocketInfo], host: &str, port: u16) -> BTreeSet<u32>
 }
 
 /// The process's parent, from `<proc_root>/<pid>/stat` (`None` when gone or for pid 1).
-pub fn parent_of(proc_root: &Path, pid: u32) -> Option<u32> {
+pub(crate) fn parent_of(proc_root: &Path, pid: u32) -> Option<u32> {
     let stat = std::fs::read_to_string(proc_root.join(pid.to_string()).join("stat")).ok()?;
     // `pid (comm) state ppid …`; comm may hold spaces and parentheses.
     let (_, after) = stat.rsplit_once(") ")?;

@@ -239,7 +239,7 @@ impl FleetRun {
     }
 
     /// [`Self::bus_env`] for the agent `agent_id` (one of `LabConfig::bus_agents`).
-    pub fn agent_bus_env(&self, agent_id: &str) -> anyhow::Result<Vec<(String, String)>> {
+    pub(crate) fn agent_bus_env(&self, agent_id: &str) -> anyhow::Result<Vec<(String, String)>> {
         self.bus_env(&kvscope_lab::bus_security::agent_user(agent_id))
     }
 

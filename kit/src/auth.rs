@@ -9,7 +9,7 @@ pub const REFUSAL_BODY: &str = "a valid bearer token is required\n";
 /// Whether an `Authorization` header value is `Bearer <token>` (compared in constant
 /// time); an empty `token` refuses everything. The scheme is case-insensitive, as HTTP
 /// auth schemes are (RFC 9110 §11.1): clients send `bearer` too.
-pub fn bearer_matches(authorization: Option<&str>, token: &str) -> bool {
+pub(crate) fn bearer_matches(authorization: Option<&str>, token: &str) -> bool {
     let Some((scheme, given)) = authorization.and_then(|v| v.trim_start().split_once(' ')) else {
         return false;
     };

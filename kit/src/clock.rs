@@ -96,7 +96,7 @@ impl<T: Default> TwoPeriods<T> {
 pub struct ClockAhead(TwoPeriods<ClockPeriod>);
 
 #[derive(Debug, Default, Clone, Copy)]
-pub struct ClockPeriod {
+pub(crate) struct ClockPeriod {
     samples: u64,
     /// The two largest amounts a stamp was ahead of this clock (0: not ahead).
     ahead: [u64; 2],
@@ -108,7 +108,7 @@ impl ClockAhead {
     pub const PERIOD_NS: u64 = 2 * NS_PER_SEC;
     /// Stamps further ahead than this are not a clock offset but a bad stamp (counted
     /// where they are refused).
-    pub const MAX_AHEAD_NS: u64 = 60 * NS_PER_SEC;
+    pub(crate) const MAX_AHEAD_NS: u64 = 60 * NS_PER_SEC;
 
     /// Take `stamp`, arrived at `now`; returns the stamp corrected by the offset as now
     /// estimated, never later than `now`, and whether an offset was taken off.

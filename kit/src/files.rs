@@ -14,7 +14,7 @@ use std::path::Path;
 const O_NONBLOCK: i32 = 0o4000;
 
 /// Why `m` is not a regular file, as an error.
-pub fn not_regular(m: &Metadata) -> io::Error {
+pub(crate) fn not_regular(m: &Metadata) -> io::Error {
     let t = m.file_type();
     let what = if t.is_char_device() {
         "a character device"

@@ -27,7 +27,7 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// The bounds of one listener.
 #[derive(Debug, Clone, Copy)]
-pub struct ServerLimits {
+pub(crate) struct ServerLimits {
     /// How long a connection may wait for a request's whole headers (the first, and
     /// each next one on a kept-alive connection).
     pub header_timeout: Duration,

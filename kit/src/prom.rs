@@ -57,7 +57,7 @@ impl Kind {
 }
 
 /// A label value escaped for the Prometheus text formats.
-pub fn escape_label(v: &str) -> String {
+pub(crate) fn escape_label(v: &str) -> String {
     v.replace('\\', "\\\\")
         .replace('"', "\\\"")
         .replace('\n', "\\n")

@@ -32,7 +32,7 @@ use std::time::Duration;
 
 /// Whom `https://` endpoints are checked against when no `certificate` is given: the
 /// system's CA bundle (Debian's; the image carries it too).
-pub const SYSTEM_CA_BUNDLE: &str = "/etc/ssl/certs/ca-certificates.crt";
+pub(crate) const SYSTEM_CA_BUNDLE: &str = "/etc/ssl/certs/ca-certificates.crt";
 
 /// TLS settings an https:// endpoint is reached with.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -287,7 +287,10 @@ fn millis(key: &str, v: &str) -> Result<f64, ConfigError> {
 
 /// `k1=v1,k2=v2` with percent-encoded values (the W3C Baggage form the OTel spec uses
 /// for `OTEL_EXPORTER_OTLP_HEADERS` and `OTEL_RESOURCE_ATTRIBUTES`).
-pub fn parse_key_values(key: &str, v: &str) -> Result<BTreeMap<String, String>, ConfigError> {
+pub(crate) fn parse_key_values(
+    key: &str,
+    v: &str,
+) -> Result<BTreeMap<String, String>, ConfigError> {
     let mut out = BTreeMap::new();
     for item in v.split(',').filter(|s| !s.trim().is_empty()) {
         let (k, val) = item

@@ -265,7 +265,7 @@ pub(crate) enum HttpTransport {
 }
 
 impl HttpTransport {
-    pub(crate) fn new(target: &SignalTarget) -> Result<Self, ExportError> {
+    pub fn new(target: &SignalTarget) -> Result<Self, ExportError> {
         reqwest::Url::parse(&target.url).map_err(|e| bad_endpoint(target, e.to_string()))?;
         Ok(match &target.tls {
             Some(tls) => {
@@ -333,7 +333,7 @@ enum Transport {
 
 /// One signal's connection to its receiver (metrics; spans go through
 /// [`crate::traces::TraceExporter`]).
-pub struct SignalExporter {
+pub(crate) struct SignalExporter {
     target: SignalTarget,
     transport: Transport,
     metadata: MetadataMap,
@@ -376,10 +376,6 @@ impl SignalExporter {
             metadata,
             http_headers,
         })
-    }
-
-    pub fn target(&self) -> &SignalTarget {
-        &self.target
     }
 
     fn send_error(&self, reason: impl std::fmt::Display) -> ExportError {

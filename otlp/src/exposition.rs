@@ -137,7 +137,7 @@ struct HistogramParts {
 /// its start time moves to just after that export, as OTLP wants for cumulative
 /// data, so a receiver does not read the drop as negative.
 #[derive(Debug, Default)]
-pub struct CumulativeStarts {
+pub(crate) struct CumulativeStarts {
     last: std::collections::HashMap<String, (f64, u64, u64)>,
 }
 

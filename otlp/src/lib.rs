@@ -255,7 +255,7 @@ impl SpanSink {
 }
 
 /// Renders the process's `/metrics` text at each export.
-pub type MetricsSource = Arc<dyn Fn() -> String + Send + Sync>;
+pub(crate) type MetricsSource = Arc<dyn Fn() -> String + Send + Sync>;
 
 /// A running OTLP export.
 pub struct OtlpExport {

@@ -38,7 +38,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 const RETRY_POLICY_MAX_RETRIES: usize = usize::MAX;
 
 /// The span exporter of one process, and what it counted.
-pub struct TraceExporter {
+pub(crate) struct TraceExporter {
     inner: opentelemetry_otlp::SpanExporter,
     url: String,
     /// The export timeout: every attempt of an export, and the waits between, in it.
@@ -323,7 +323,7 @@ fn context(trace: &[u8], span: &[u8], state: &str, flags: u32, exported: bool) -
 
 /// A span kvscope built, as the SDK's exporter takes it (what it then sends is the
 /// same span: ids, times, attributes, events, links, status).
-pub fn to_span_data(s: Span) -> SpanData {
+pub(crate) fn to_span_data(s: Span) -> SpanData {
     let kind = match span::SpanKind::try_from(s.kind) {
         Ok(span::SpanKind::Server) => SpanKind::Server,
         Ok(span::SpanKind::Client) => SpanKind::Client,

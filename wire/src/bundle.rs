@@ -24,7 +24,7 @@
 use thiserror::Error;
 
 /// The last token of a bundle's subject (after its scope).
-pub const BUNDLE_KIND: &str = "records";
+pub(crate) const BUNDLE_KIND: &str = "records";
 /// A bundle's payload never grows past this (a record that would take it past goes in
 /// the next message; one larger by itself goes alone).
 pub const MAX_BUNDLE_BYTES: usize = 256 * 1024;

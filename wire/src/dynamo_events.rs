@@ -30,7 +30,7 @@ use rmpv::Value;
 
 const MAX_DEPTH: usize = 64;
 /// The frame format version Dynamo 1.6.1 writes.
-pub const FRAME_VERSION: u8 = 1;
+pub(crate) const FRAME_VERSION: u8 = 1;
 
 /// A ZMQ message that is not Dynamo's four-frame shape.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

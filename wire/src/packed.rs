@@ -81,7 +81,10 @@ pub fn write<W: Word, S: Serializer>(words: &[W], s: S) -> Result<S::Ok, S::Erro
 
 /// `#[serde(serialize_with = "packed::write_some")]` for an `Option<Vec<_>>` skipped when
 /// `None`.
-pub fn write_some<W: Word, S: Serializer>(words: &Option<Vec<W>>, s: S) -> Result<S::Ok, S::Error> {
+pub(crate) fn write_some<W: Word, S: Serializer>(
+    words: &Option<Vec<W>>,
+    s: S,
+) -> Result<S::Ok, S::Error> {
     match words {
         Some(w) => write(w, s),
         None => s.serialize_none(),
@@ -94,7 +97,9 @@ pub fn read<'de, W: Word, D: Deserializer<'de>>(d: D) -> Result<Vec<W>, D::Error
 }
 
 /// `#[serde(default, deserialize_with = "packed::read_some")]`: as [`read`], or `null`.
-pub fn read_some<'de, W: Word, D: Deserializer<'de>>(d: D) -> Result<Option<Vec<W>>, D::Error> {
+pub(crate) fn read_some<'de, W: Word, D: Deserializer<'de>>(
+    d: D,
+) -> Result<Option<Vec<W>>, D::Error> {
     Ok(Option::<Packed<W>>::deserialize(d)?.map(|p| p.0))
 }
 

@@ -29,7 +29,7 @@ pub struct WorkerSpec {
 
 impl WorkerSpec {
     /// The form, as every parse error names it.
-    pub const FORM: &'static str = "WORKER_ID[/DP]";
+    pub(crate) const FORM: &'static str = "WORKER_ID[/DP]";
 
     /// Whether `w` is this worker (at any rank when none was given).
     pub fn matches(&self, w: &WorkerKey) -> bool {
@@ -322,7 +322,7 @@ pub enum KvOrigin {
 }
 
 impl KvOrigin {
-    pub fn is_engine(&self) -> bool {
+    pub(crate) fn is_engine(&self) -> bool {
         *self == KvOrigin::Engine
     }
 }

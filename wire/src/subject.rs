@@ -44,7 +44,7 @@ impl Subjects {
     }
 
     /// Every subject the agent `agent` publishes: what its NATS user may publish to.
-    pub fn of_agent(&self, agent: &str) -> String {
+    pub(crate) fn of_agent(&self, agent: &str) -> String {
         format!("kvscope.{}.{}.>", self.cluster, token(agent))
     }
 
@@ -254,7 +254,7 @@ pub fn stream_config(
 
 /// The longest subject token: a NATS server refuses a control line over 4 KiB (and
 /// drops the connection), and a subject carries a cluster, an agent and a model.
-pub const MAX_TOKEN: usize = 64;
+pub(crate) const MAX_TOKEN: usize = 64;
 
 /// `s` as one NATS subject token: every character but letters, digits, `-` and `_`
 /// replaced by `_` (empty: `default`). A name longer than [`MAX_TOKEN`] becomes its

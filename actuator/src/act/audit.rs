@@ -107,7 +107,7 @@ pub enum AuditError {
 }
 
 #[derive(Debug)]
-pub struct AuditLog {
+pub(crate) struct AuditLog {
     path: PathBuf,
     file: std::fs::File,
 }
@@ -207,7 +207,7 @@ pub fn restore(entries: &[AuditEntry], now_ns: u64) -> Restored {
 }
 
 /// The mode the log says the router was last put in.
-pub fn last_mode(entries: &[AuditEntry]) -> Option<Mode> {
+pub(crate) fn last_mode(entries: &[AuditEntry]) -> Option<Mode> {
     entries.last().map(|e| e.mode)
 }
 

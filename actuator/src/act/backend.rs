@@ -12,7 +12,7 @@ use std::time::Duration;
 use tokio::io::AsyncReadExt as _;
 
 /// Default content of a file backend: an environment file.
-pub const DEFAULT_FILE_CONTENT: &str = "DYN_KV_MIGRATION={mode}\n";
+pub(crate) const DEFAULT_FILE_CONTENT: &str = "DYN_KV_MIGRATION={mode}\n";
 
 /// One mode backend, as configured (`[[mode_backends]]`, tagged by `kind`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -154,7 +154,7 @@ pub struct ModeBackend {
 
 /// Why the mode is being set, passed to the HTTP backend.
 #[derive(Debug, Clone, Serialize)]
-pub struct ModeChange<'a> {
+pub(crate) struct ModeChange<'a> {
     pub dyn_kv_migration: &'static str,
     pub state: &'static str,
     pub reason: &'a str,

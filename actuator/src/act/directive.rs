@@ -272,7 +272,7 @@ impl DirectiveLedger {
 
 /// A token bucket on a caller-given clock (seconds).
 #[derive(Debug, Clone)]
-pub struct TokenBucket {
+pub(crate) struct TokenBucket {
     rate: f64,
     burst: f64,
     tokens: f64,
@@ -290,7 +290,7 @@ impl TokenBucket {
     }
 
     /// Take one token at time `now_s`, if there is one.
-    pub fn try_take(&mut self, now_s: f64) -> bool {
+    pub(crate) fn try_take(&mut self, now_s: f64) -> bool {
         if let Some(last) = self.last {
             self.tokens = (self.tokens + (now_s - last).max(0.0) * self.rate).min(self.burst);
         }

@@ -11,10 +11,10 @@ use kvscope_kit::prom::{labels, Exposition, Format, Kind};
 use std::collections::BTreeMap;
 
 /// Flip reasons besides the safety triggers' kinds.
-pub const REASON_ENTRY: &str = "thresholds_met";
-pub const REASON_ECONOMIC_EXIT: &str = "below_hysteresis";
-pub const REASON_BACKEND_FAILED: &str = "backend_failed";
-pub const REASON_OPERATOR: &str = "operator";
+pub(crate) const REASON_ENTRY: &str = "thresholds_met";
+pub(crate) const REASON_ECONOMIC_EXIT: &str = "below_hysteresis";
+pub(crate) const REASON_BACKEND_FAILED: &str = "backend_failed";
+pub(crate) const REASON_OPERATOR: &str = "operator";
 
 const MODES: [Mode; 3] = [Mode::Off, Mode::Dry, Mode::Live];
 const INPUTS: [InputHealth; 4] = [

@@ -30,7 +30,7 @@ pub struct CollectorView {
 
 /// A saved read, for `plan --input`: the view and when it was taken.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct CollectorSnapshot {
+pub(crate) struct CollectorSnapshot {
     /// When the responses were fetched (UNIX ns); `plan --input` evaluates as of then.
     pub captured_ns: u64,
     #[serde(flatten)]
@@ -133,7 +133,7 @@ impl CollectorClient {
 }
 
 /// An error and its causes on one line, without repeats (reqwest nests the same text).
-pub fn error_chain(e: &dyn std::error::Error) -> String {
+pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
     let mut parts: Vec<String> = vec![e.to_string()];
     let mut cur = e.source();
     while let Some(s) = cur {

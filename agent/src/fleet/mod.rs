@@ -23,12 +23,12 @@ use std::time::Duration;
 use tokio::sync::watch;
 
 /// The readiness check the store's follower keeps: its last read succeeded.
-pub const DISCOVERY_CHECK: &str = "discovery";
+pub(crate) const DISCOVERY_CHECK: &str = "discovery";
 
 /// The latest read of the store.
-pub type FleetView = watch::Receiver<Arc<Fleet>>;
+pub(crate) type FleetView = watch::Receiver<Arc<Fleet>>;
 
-pub fn worker_record(w: &Worker, state: WorkerState) -> WorkerRecord {
+pub(crate) fn worker_record(w: &Worker, state: WorkerState) -> WorkerRecord {
     WorkerRecord {
         worker_id: w.instance_id,
         state,
@@ -161,7 +161,11 @@ pub async fn run(
 /// plane itself, or one of its ancestors does (vLLM's engine process under Dynamo's
 /// worker process), or it shares the worker's pod ([`crate::fleet::owners`]). An error, with
 /// the reason, while that is not (yet) so or is ambiguous.
-pub fn resolve_endpoint(fleet: &Fleet, endpoint: &str, proc_root: &Path) -> Result<u64, String> {
+pub(crate) fn resolve_endpoint(
+    fleet: &Fleet,
+    endpoint: &str,
+    proc_root: &Path,
+) -> Result<u64, String> {
     let (host, port) = procfs::host_port(endpoint)
         .ok_or_else(|| format!("{endpoint} has no TCP port to look up"))?;
     let sockets = procfs::sockets_of(proc_root, &procfs::all_pids(proc_root));

@@ -60,7 +60,7 @@ fn served(fleet: &Fleet, sockets: &[SocketInfo]) -> Served {
 
 /// The worker process `pid` works for, as told from the process tree and the pod.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ProcessOwner {
+pub(crate) struct ProcessOwner {
     pub worker_id: Option<u64>,
     /// The dp rank, when the worker has several and exactly one rank's publisher is in
     /// the process's tree.
@@ -73,7 +73,7 @@ pub struct ProcessOwner {
 }
 
 /// Tell the worker process `pid` works for (see the module's text).
-pub fn worker_of_process(
+pub(crate) fn worker_of_process(
     fleet: &Fleet,
     sockets: &[SocketInfo],
     proc_root: &Path,
@@ -188,7 +188,7 @@ pub fn tell(
 /// The owners told so far, re-told when the fleet changes and, for agents not told, at
 /// most every [`RETRY_UNTOLD`].
 #[derive(Default)]
-pub struct Owners {
+pub(crate) struct Owners {
     fleet: Option<Arc<Fleet>>,
     told: BTreeMap<(u32, String), (NixlAgentOwner, Instant)>,
 }

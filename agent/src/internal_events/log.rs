@@ -6,7 +6,7 @@ use kvscope_wire::MigrationLogKind;
 use tracing::{debug, info, warn};
 
 /// One line read from the router's log.
-pub struct LogLineRead;
+pub(crate) struct LogLineRead;
 
 impl InternalEvent<AgentStats> for LogLineRead {
     fn emit(self, stats: &AgentStats) {
@@ -15,7 +15,7 @@ impl InternalEvent<AgentStats> for LogLineRead {
 }
 
 /// A line that looked like a decision or migration line but did not parse.
-pub struct LogLineMalformed<'a> {
+pub(crate) struct LogLineMalformed<'a> {
     pub kind: &'a str,
     pub reason: &'a str,
 }
@@ -31,7 +31,7 @@ impl InternalEvent<AgentStats> for LogLineMalformed<'_> {
     }
 }
 
-pub struct DecisionJoined<'a> {
+pub(crate) struct DecisionJoined<'a> {
     pub request_id: &'a str,
 }
 
@@ -43,7 +43,7 @@ impl InternalEvent<AgentStats> for DecisionJoined<'_> {
 }
 
 /// Half of a decision whose other half never came within the join timeout.
-pub struct DecisionUnjoined<'a> {
+pub(crate) struct DecisionUnjoined<'a> {
     pub request_id: &'a str,
     pub half: &'a str,
 }
@@ -62,7 +62,7 @@ impl InternalEvent<AgentStats> for DecisionUnjoined<'_> {
 /// The router logs its choices, but neither the `[ROUTING_INPUT]` lines nor the request
 /// trace decisions are made of: what to set on it. No counter (the unjoined choices are
 /// counted); said once per log.
-pub struct RoutingInputMissing;
+pub(crate) struct RoutingInputMissing;
 
 /// The `DYN_LOG` directives under which the routers of Dynamo 1.4 on write their
 /// `[ROUTING_INPUT]` lines: 1.4 and 1.5 log them from `dynamo_llm::kv_router`, 1.6 from
@@ -82,7 +82,7 @@ impl InternalEvent<AgentStats> for RoutingInputMissing {
     }
 }
 
-pub struct MigrationLineParsed {
+pub(crate) struct MigrationLineParsed {
     pub kind: MigrationLogKind,
 }
 
@@ -94,7 +94,7 @@ impl InternalEvent<AgentStats> for MigrationLineParsed {
 }
 
 /// The followed file was replaced (rotation) or cut (truncation). No counter.
-pub struct LogFileReopened<'a> {
+pub(crate) struct LogFileReopened<'a> {
     pub path: &'a str,
     pub reason: &'a str,
 }
@@ -106,7 +106,7 @@ impl InternalEvent<AgentStats> for LogFileReopened<'_> {
 }
 
 /// A router log file matching the `router_log` pattern is followed. No counter.
-pub struct RouterLogFollowed<'a> {
+pub(crate) struct RouterLogFollowed<'a> {
     pub path: &'a std::path::Path,
     pub from_start: bool,
 }
@@ -119,7 +119,7 @@ impl InternalEvent<AgentStats> for RouterLogFollowed<'_> {
 
 /// A followed router log no longer matches (its pod is gone) or a newer file in its
 /// folder took over (the container restarted): read to its end and let go. No counter.
-pub struct RouterLogReleased<'a> {
+pub(crate) struct RouterLogReleased<'a> {
     pub path: &'a std::path::Path,
 }
 
@@ -130,7 +130,7 @@ impl InternalEvent<AgentStats> for RouterLogReleased<'_> {
 }
 
 /// The router log cannot be read right now (missing, permissions); retried.
-pub struct LogFileUnavailable<'a> {
+pub(crate) struct LogFileUnavailable<'a> {
     pub path: &'a str,
     pub error: &'a str,
 }
@@ -147,7 +147,7 @@ impl InternalEvent<AgentStats> for LogFileUnavailable<'_> {
 
 /// A request id longer than kvscope keeps (256 bytes): kept as its first bytes and a
 /// hash (`kvscope_wire::bounded_request_id`).
-pub struct RequestIdShortened;
+pub(crate) struct RequestIdShortened;
 
 static ID_SHORTENED: LogLimiter = LogLimiter::new();
 
@@ -164,7 +164,7 @@ impl InternalEvent<AgentStats> for RequestIdShortened {
 }
 
 /// A router log line longer than the limit: skipped to its end, never held whole.
-pub struct LogLineTooLong<'a> {
+pub(crate) struct LogLineTooLong<'a> {
     pub source: &'a str,
     pub bytes: u64,
 }
@@ -181,7 +181,7 @@ impl InternalEvent<AgentStats> for LogLineTooLong<'_> {
 }
 
 /// A routing decision read from Dynamo's request trace (no routing lines named it).
-pub struct DecisionTraced<'a> {
+pub(crate) struct DecisionTraced<'a> {
     pub request_id: &'a str,
 }
 
@@ -196,7 +196,7 @@ impl InternalEvent<AgentStats> for DecisionTraced<'_> {
 /// possibly written again past where it had read): it is read again from its start.
 /// Lines written between the follower's last read and the cut went to the copy and are
 /// not read: counted here.
-pub struct LogFileTruncated<'a> {
+pub(crate) struct LogFileTruncated<'a> {
     pub path: &'a str,
     pub position: u64,
     pub size_now: u64,
@@ -211,7 +211,7 @@ impl InternalEvent<AgentStats> for LogFileTruncated<'_> {
 
 /// A router log line dated too far ahead of this host's clock (a wrong clock, or a
 /// forged line): its time is not taken, so it cannot stop the joins.
-pub struct LogLineFuture {
+pub(crate) struct LogLineFuture {
     pub ts_ns: u64,
     pub ahead_ns: u64,
 }

@@ -5,7 +5,7 @@ use crate::counters::{add, AgentStats};
 use tracing::{debug, error, info, trace, warn};
 
 /// A message of `records` records acknowledged by JetStream.
-pub struct RecordPublished {
+pub(crate) struct RecordPublished {
     pub records: usize,
 }
 
@@ -19,7 +19,7 @@ impl InternalEvent<AgentStats> for RecordPublished {
 
 /// A record dropped because the local buffer was full (in records or in bytes) while
 /// NATS was away.
-pub struct PublishDropped<'a> {
+pub(crate) struct PublishDropped<'a> {
     pub capacity: usize,
     pub max_bytes: usize,
     /// The record's size.
@@ -39,7 +39,7 @@ impl InternalEvent<AgentStats> for PublishDropped<'_> {
 }
 
 /// A record larger than one bus message was sent in parts (the collector joins them).
-pub struct RecordSplit<'a> {
+pub(crate) struct RecordSplit<'a> {
     pub bytes: usize,
     pub parts: usize,
     pub subject: &'a str,
@@ -54,7 +54,7 @@ impl InternalEvent<AgentStats> for RecordSplit<'_> {
 
 /// JetStream refused a message itself (not the connection): its records are set aside,
 /// counted, and the records behind them go on. The agent's recording still has them.
-pub struct RecordSetAside<'a> {
+pub(crate) struct RecordSetAside<'a> {
     pub error: &'a str,
     pub bytes: usize,
     pub records: usize,
@@ -74,7 +74,7 @@ impl InternalEvent<AgentStats> for RecordSetAside<'_> {
 
 /// A record arrived later than the reorder window allows: sent at once, out of its
 /// event-time order (the collector sees it stamped with its predecessor's time).
-pub struct RecordLate<'a> {
+pub(crate) struct RecordLate<'a> {
     pub behind_ms: f64,
     pub subject: &'a str,
 }
@@ -110,7 +110,7 @@ impl InternalEvent<AgentStats> for RecordClockCorrected<'_> {
 
 /// A decision whose router log lines all reached the agent late: the router's clock may
 /// be behind, so it is flagged.
-pub struct DecisionClockBehind {
+pub(crate) struct DecisionClockBehind {
     pub floor_ns: u64,
 }
 
@@ -126,7 +126,7 @@ impl InternalEvent<AgentStats> for DecisionClockBehind {
 }
 
 /// A publish (or the stream set-up) failed; the record stays buffered and is retried.
-pub struct PublishFailed<'a> {
+pub(crate) struct PublishFailed<'a> {
     pub error: &'a str,
     pub buffered: usize,
 }
@@ -144,7 +144,7 @@ impl InternalEvent<AgentStats> for PublishFailed<'_> {
 
 /// The NATS server refused this agent: its credentials, or a subject its permissions
 /// do not allow. Counted in `bus_refusals`; the connection is retried.
-pub struct BusRefused<'a> {
+pub(crate) struct BusRefused<'a> {
     pub error: &'a str,
 }
 
@@ -160,7 +160,7 @@ impl InternalEvent<AgentStats> for BusRefused<'_> {
 }
 
 /// The stream exists with the agent's configuration. No counter.
-pub struct StreamReady<'a> {
+pub(crate) struct StreamReady<'a> {
     pub stream: &'a str,
 }
 
@@ -172,7 +172,7 @@ impl InternalEvent<AgentStats> for StreamReady<'_> {
 
 /// The server refused to create or update the stream with this agent's limits, but the
 /// stream exists: the agent publishes to it as it is.
-pub struct StreamKeptAsIs<'a> {
+pub(crate) struct StreamKeptAsIs<'a> {
     pub stream: &'a str,
     pub error: &'a str,
 }
@@ -189,7 +189,7 @@ impl InternalEvent<AgentStats> for StreamKeptAsIs<'_> {
 }
 
 /// Writing the local recording failed: counted; the record still goes to NATS.
-pub struct RecordingWriteFailed<'a> {
+pub(crate) struct RecordingWriteFailed<'a> {
     pub error: &'a str,
 }
 

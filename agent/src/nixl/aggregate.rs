@@ -18,11 +18,11 @@ use std::collections::{BTreeMap, HashMap};
 
 /// The local agent label when the agent's name was never seen (created before the
 /// probes attached, on a build whose offsets are unknown).
-pub const UNKNOWN_AGENT: &str = "unknown";
+pub(crate) const UNKNOWN_AGENT: &str = "unknown";
 
 /// The pid under which the figures of processes that exited are kept, summed (no
 /// process has pid 0 in user space).
-pub const EXITED_PID: u32 = 0;
+pub(crate) const EXITED_PID: u32 = 0;
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 struct TransferKey {
@@ -181,7 +181,7 @@ fn op_name(op: Option<i32>) -> &'static str {
 
 /// One transfer or call the probes saw end: what a span shows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Observed<'a> {
+pub(crate) struct Observed<'a> {
     pub pid: u32,
     pub local: &'a str,
     pub remote: &'a str,
@@ -201,7 +201,7 @@ pub struct Observed<'a> {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ObservedKind {
+pub(crate) enum ObservedKind {
     Transfer { op: &'static str, stage: XferStage },
     Call(NixlCall),
 }
@@ -339,7 +339,7 @@ impl NixlAggregator {
 
     /// A process exited: forget its handles and agents (its pid may be reused), and fold
     /// its figures into [`EXITED_PID`]'s so the totals stay while its series go.
-    pub fn process_exited(&mut self, pid: u32) {
+    pub(crate) fn process_exited(&mut self, pid: u32) {
         if pid == EXITED_PID {
             return;
         }
@@ -365,7 +365,7 @@ impl NixlAggregator {
     }
 
     /// Apply one probe event; `observe` sees the transfer or call it ends, if any.
-    pub fn apply_observing(&mut self, e: &NixlEvent, observe: &mut dyn FnMut(Observed<'_>)) {
+    pub(crate) fn apply_observing(&mut self, e: &NixlEvent, observe: &mut dyn FnMut(Observed<'_>)) {
         let pid = e.pid;
         match e.kind {
             EventKind::AgentNew | EventKind::AgentSeen => {
@@ -552,7 +552,7 @@ impl NixlAggregator {
 
     /// The requests whose transfers moved within `window_ns` of `now_ns` (the probes'
     /// clock), newest first, at most [`kvscope_wire::nixl::REPORTED_REQUESTS`].
-    pub fn recent_requests(
+    pub(crate) fn recent_requests(
         &self,
         now_ns: u64,
         window_ns: u64,

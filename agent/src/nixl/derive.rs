@@ -48,17 +48,17 @@ pub use end_sites::EndSites;
 pub use post_site::PostSite;
 
 /// The methods read, by the prefix of their mangled names.
-pub const TELEMETRY: &str = "_ZNK9nixlAgent16getXferTelemetryE";
+pub(crate) const TELEMETRY: &str = "_ZNK9nixlAgent16getXferTelemetryE";
 pub const POST: &str = "_ZNK9nixlAgent11postXferReqE";
-pub const STATUS: &str = "_ZNK9nixlAgent13getXferStatusE";
-pub const REGISTER: &str = "_ZN9nixlAgent11registerMemE";
-pub const DATA_CTOR: &str = "_ZN13nixlAgentDataC2E";
+pub(crate) const STATUS: &str = "_ZNK9nixlAgent13getXferStatusE";
+pub(crate) const REGISTER: &str = "_ZN9nixlAgent11registerMemE";
+pub(crate) const DATA_CTOR: &str = "_ZN13nixlAgentDataC2E";
 pub const CREATE: &str = "_ZNK9nixlAgent13createXferReqE";
-pub const RELEASE: &str = "_ZNK9nixlAgent14releaseXferReqE";
+pub(crate) const RELEASE: &str = "_ZNK9nixlAgent14releaseXferReqE";
 /// `makeXferReq`'s overloads: the span one (1.5 on), the std::vector one taking its op
 /// by reference (every build; before 1.5 the implementation, in 1.5 a wrapper).
-pub const MAKE_SPAN: &str = "_ZNK9nixlAgent11makeXferReqE14nixl_xfer_op_t";
-pub const MAKE_BY_REFERENCE: &str = "_ZNK9nixlAgent11makeXferReqERK14nixl_xfer_op_t";
+pub(crate) const MAKE_SPAN: &str = "_ZNK9nixlAgent11makeXferReqE14nixl_xfer_op_t";
+pub(crate) const MAKE_BY_REFERENCE: &str = "_ZNK9nixlAgent11makeXferReqERK14nixl_xfer_op_t";
 
 /// Every method a derivation reads.
 pub const METHODS: [&str; 6] = [TELEMETRY, POST, STATUS, REGISTER, DATA_CTOR, CREATE];
@@ -655,7 +655,7 @@ fn counts_filled(run: &Run, bytes: u64, agent_data: Option<u64>) -> (Counts, Str
 
 /// The GOT slot a PLT stub at `code` jumps through (`jmp *slot(%rip)`, after an
 /// `endbr64` where the build has CET), or None when the code is not a stub.
-pub fn plt_slot(code: MethodCode<'_>) -> Option<u64> {
+pub(crate) fn plt_slot(code: MethodCode<'_>) -> Option<u64> {
     let mut decoder = Decoder::with_ip(64, code.bytes, code.address, DecoderOptions::NONE);
     for _ in 0..2 {
         let ins = decoder.decode();

@@ -9,7 +9,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 /// File name the scan looks for.
-pub const LIBNIXL: &str = "libnixl.so";
+pub(crate) const LIBNIXL: &str = "libnixl.so";
 
 /// One library file and the processes mapping it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -20,11 +20,11 @@ pub struct MappedLibrary {
 }
 
 /// (device as in /proc/pid/maps, inode)
-pub type FileId = (String, u64);
+pub(crate) type FileId = (String, u64);
 
 /// Parse one `/proc/<pid>/maps` line: the (device, inode) and path of a mapped
 /// `libnixl.so`, or None.
-pub fn parse_maps_line(line: &str) -> Option<(FileId, &str)> {
+pub(crate) fn parse_maps_line(line: &str) -> Option<(FileId, &str)> {
     let mut fields = line.split_whitespace();
     let _range = fields.next()?;
     let _perms = fields.next()?;
@@ -92,7 +92,7 @@ pub fn scan(proc_root: &Path, only_pid: Option<u32>) -> Scan {
 
 /// The (device, inode) of a file on disk, in the `/proc/pid/maps` device notation
 /// (`major:minor` in hex), so a configured path and a mapped one compare equal.
-pub fn file_id(path: &Path) -> std::io::Result<FileId> {
+pub(crate) fn file_id(path: &Path) -> std::io::Result<FileId> {
     use std::os::unix::fs::MetadataExt;
     let m = std::fs::metadata(path)?;
     let dev = m.dev();

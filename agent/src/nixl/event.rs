@@ -5,7 +5,7 @@
 use std::fmt;
 
 /// Length of the name buffer (`NIXL_NAME_LEN`).
-pub const NAME_LEN: usize = 64;
+pub(crate) const NAME_LEN: usize = 64;
 
 /// What the probe saw (`enum nixl_event_kind`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -81,7 +81,7 @@ impl NixlCall {
         Self::GetXferTelemetry,
     ];
 
-    pub fn from_raw(v: u32) -> Option<Self> {
+    pub(crate) fn from_raw(v: u32) -> Option<Self> {
         Self::ALL.into_iter().find(|c| *c as u32 == v)
     }
 
@@ -133,12 +133,12 @@ pub fn status_name(status: i32) -> std::borrow::Cow<'static, str> {
 
 /// `flags` bits.
 pub mod flags {
-    pub const OFFSETS_KNOWN: u32 = 1 << 0;
-    pub const NAME_TRUNCATED: u32 = 1 << 1;
-    pub const IN_FLIGHT: u32 = 1 << 2;
-    pub const BYTES_PARTIAL: u32 = 1 << 3;
+    pub(crate) const OFFSETS_KNOWN: u32 = 1 << 0;
+    pub(crate) const NAME_TRUNCATED: u32 = 1 << 1;
+    pub(crate) const IN_FLIGHT: u32 = 1 << 2;
+    pub(crate) const BYTES_PARTIAL: u32 = 1 << 3;
     /// A post whose request holds no byte count the probes could read.
-    pub const BYTES_UNKNOWN: u32 = 1 << 4;
+    pub(crate) const BYTES_UNKNOWN: u32 = 1 << 4;
 }
 
 /// One decoded `struct nixl_event`.
@@ -191,7 +191,7 @@ pub enum DecodeError {
 }
 
 /// `sizeof(struct nixl_event)`.
-pub const SIZE: usize = 80 + NAME_LEN;
+pub(crate) const SIZE: usize = 80 + NAME_LEN;
 
 fn u32_at(b: &[u8], at: usize) -> u32 {
     u32::from_ne_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])

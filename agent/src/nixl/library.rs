@@ -159,7 +159,7 @@ use derive::{MAKE_BY_REFERENCE, MAKE_SPAN};
 
 /// The completion-site probes, attached instead of the status-call ones where the
 /// build's sites are known (their methods are those of the sites).
-pub const SITE_PROBES: &[ProbeSpec] = &[
+pub(crate) const SITE_PROBES: &[ProbeSpec] = &[
     // Their cookies are each failure's own (`CreationFailure::cookie`).
     site("xfer_creation_failed", SiteName::CreateFailed, None),
     site("xfer_creation_failed", SiteName::MakeFailed, None),
@@ -177,7 +177,7 @@ pub const SITE_PROBES: &[ProbeSpec] = &[
 /// At the first instruction of `getXferTelemetry`'s refusal of an agent without
 /// telemetry, where the derivation found it (`derive::RefusedSite`); runs only on
 /// that path.
-pub const TELEMETRY_REFUSED: ProbeSpec = probe(
+pub(crate) const TELEMETRY_REFUSED: ProbeSpec = probe(
     "xfer_telemetry_refused",
     ProbeSide::Derived,
     derive::TELEMETRY,
@@ -186,7 +186,7 @@ pub const TELEMETRY_REFUSED: ProbeSpec = probe(
 );
 
 /// Every probe, entry and return.
-pub const PROBES: &[ProbeSpec] = &[
+pub(crate) const PROBES: &[ProbeSpec] = &[
     probe(
         "agent_ctor_enter",
         Entry,

@@ -175,11 +175,11 @@ pub struct CreationArgs {
 
 /// Bits of a creation-failure probe's cookie (`common.h`): the request was built; the
 /// method is `makeXferReq`.
-pub const FAILED_REQUEST_BUILT: u64 = 1 << 40;
+pub(crate) const FAILED_REQUEST_BUILT: u64 = 1 << 40;
 pub const FAILED_IN_MAKE: u64 = 1 << 41;
 /// Bits 42–46 of that cookie: 1 + the register holding `this` on a path where it is not
 /// in the method's usual place.
-pub const FAILED_AGENT_SHIFT: u32 = 42;
+pub(crate) const FAILED_AGENT_SHIFT: u32 = 42;
 
 impl CreationFailure {
     /// The uprobe cookie of this failure's probe: its status source, where its op and
@@ -192,7 +192,7 @@ impl CreationFailure {
 /// A creation-failure probe's cookie (`xfer_creation_failed` in `ebpf/nixl/xfer.bpf.c`):
 /// the status's source, whether the request is built, the method, and the register
 /// holding `this` where it is not in the method's usual place.
-pub fn failure_cookie(
+pub(crate) fn failure_cookie(
     status: SiteValue,
     request_built: bool,
     in_make: bool,
@@ -276,7 +276,7 @@ const fn failed(
 
 /// Builds read by hand: (GNU build-id as hex, offsets and sites). The derivation's
 /// fixture, never attached from.
-pub const KNOWN_BUILDS: &[(&str, NixlOffsets)] = &[(
+pub(crate) const KNOWN_BUILDS: &[(&str, NixlOffsets)] = &[(
     // PyPI nixl-cu12==1.5.1, .nixl_cu12.mesonpy.libs/libnixl.so
     "c60ac851fdd67a4d9738b5b2f53bd4849505f241",
     NixlOffsets {
@@ -499,12 +499,12 @@ pub struct EndRegisters {
 }
 
 /// `REQ_WINDOW` of `ebpf/nixl/common.h`: a request's window is shorter.
-pub const REQ_WINDOW: u64 = 256;
+pub(crate) const REQ_WINDOW: u64 = 256;
 
 impl NixlOffsets {
     /// The span of the request a post reads in one read: (start, length). A
     /// `std::string` takes 32 bytes (pointer, length, and its inline characters).
-    pub fn req_window(&self) -> (u64, u64) {
+    pub(crate) fn req_window(&self) -> (u64, u64) {
         let fields = [
             (self.req_remote, 32),
             (self.req_notif, 32),
@@ -520,7 +520,7 @@ impl NixlOffsets {
 
     /// The BPF globals (`const volatile` in `ebpf/nixl/common.h`) and their values;
     /// each group of sites' only where its probes were attached.
-    pub fn globals(
+    pub(crate) fn globals(
         offsets: Option<&NixlOffsets>,
         attached: SitesAttached,
     ) -> [(&'static str, u64); 28] {

@@ -129,7 +129,7 @@ fn load_object(offsets: Option<&NixlOffsets>, sites: SitesAttached) -> Result<Eb
 /// Load the BPF object and one program, then drop them: at start, so an agent that may
 /// not load probes says so (naming what it lacks) before any library is found, rather
 /// than at each library later.
-pub fn check_can_load() -> Result<(), ProbeError> {
+pub(crate) fn check_can_load() -> Result<(), ProbeError> {
     let mut ebpf = load_object(None, SitesAttached::default())?;
     if let Some((_, program)) = ebpf.programs_mut().next() {
         let program: &mut UProbe = program
@@ -231,7 +231,7 @@ impl LoadedProbes {
     }
 
     /// Take the ring buffer the probes write to (once).
-    pub fn take_ring(&mut self) -> Option<RingBuf<MapData>> {
+    pub(crate) fn take_ring(&mut self) -> Option<RingBuf<MapData>> {
         RingBuf::try_from(self.ebpf.take_map("events")?).ok()
     }
 

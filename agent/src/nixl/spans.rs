@@ -15,11 +15,11 @@ use kvscope_wire::trace_ids::{span_id, trace_id};
 /// Span name of a transfer.
 pub const TRANSFER_SPAN: &str = "nixl.transfer";
 /// Span names of handshakes: `nixl.` + the `nixlAgent` method.
-pub const HANDSHAKE_SPAN_PREFIX: &str = "nixl.";
+pub(crate) const HANDSHAKE_SPAN_PREFIX: &str = "nixl.";
 
 /// Where the tracer sends spans, and the agent they come from.
 #[derive(Clone)]
-pub struct NixlSpans {
+pub(crate) struct NixlSpans {
     pub sink: SpanSink,
     pub agent_id: String,
 }

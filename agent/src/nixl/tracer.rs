@@ -24,7 +24,7 @@ use tracing::{info, warn};
 
 /// How long a request's transfers stay in the reports after they last moved: long
 /// enough that a report lost on the way is made good by a later one.
-pub const REQUESTS_WINDOW_NS: u64 = 30_000_000_000;
+pub(crate) const REQUESTS_WINDOW_NS: u64 = 30_000_000_000;
 
 /// What to trace.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -241,7 +241,7 @@ impl NixlTracer {
     }
 
     /// Send a span per transfer and handshake from now on (rate-capped by the sink).
-    pub fn set_spans(&self, spans: NixlSpans) {
+    pub(crate) fn set_spans(&self, spans: NixlSpans) {
         if spans.sink.enabled() {
             lock(&self.state).spans = Some(spans);
         }

@@ -250,7 +250,7 @@ const BEHIND_FLAG_NS: u64 = 50_000_000;
 
 /// One source's clock as `/metrics` shows it.
 #[derive(Debug, Clone, PartialEq)]
-pub struct SourceClockReading {
+pub(crate) struct SourceClockReading {
     pub name: String,
     /// How far its clock reads ahead of the agent's (ns): what its stamps are moved back.
     pub ahead_ns: u64,
@@ -333,14 +333,14 @@ impl RecordSink {
 
     /// A new input whose records will arrive in their event-time order, at most
     /// `window_ns` after they happened (0: records never wait for it).
-    pub fn add_source(&self, name: &str, window_ns: u64) -> SourceId {
+    pub(crate) fn add_source(&self, name: &str, window_ns: u64) -> SourceId {
         self.add(name, window_ns, false)
     }
 
     /// An engine's KV event publisher: like [`Self::add_source`], but while it is quiet
     /// records wait for it only as long as publishers' measured delivery lag says (see
     /// the module docs), at most `window_ns`.
-    pub fn add_publisher(&self, name: &str, window_ns: u64) -> SourceId {
+    pub(crate) fn add_publisher(&self, name: &str, window_ns: u64) -> SourceId {
         self.add(name, window_ns, true)
     }
 
@@ -360,7 +360,7 @@ impl RecordSink {
 
     /// From now on `source`'s records may come out of order by up to `window_ns`: every
     /// record waits that long for it.
-    pub fn hold_source(&self, source: SourceId, window_ns: u64) {
+    pub(crate) fn hold_source(&self, source: SourceId, window_ns: u64) {
         let mut inner = self.lock();
         if let Some(p) = inner.sources.get_mut(source.0) {
             p.held = true;
@@ -370,7 +370,7 @@ impl RecordSink {
 
     /// `source` will deliver nothing more (its publisher is gone): records stop waiting
     /// for it.
-    pub fn retire_source(&self, source: SourceId) {
+    pub(crate) fn retire_source(&self, source: SourceId) {
         let mut inner = self.lock();
         if let Some(p) = inner.sources.get_mut(source.0) {
             p.last_ns = u64::MAX;
@@ -386,7 +386,7 @@ impl RecordSink {
 
     /// How long records now wait for a quiet KV publisher (ns): the window until a batch
     /// has been measured.
-    pub fn publisher_wait_ns(&self) -> Option<u64> {
+    pub(crate) fn publisher_wait_ns(&self) -> Option<u64> {
         let inner = self.lock();
         inner
             .sources
@@ -396,7 +396,7 @@ impl RecordSink {
     }
 
     /// Every live source's clock against the agent's (see the module docs).
-    pub fn source_clocks(&self) -> Vec<SourceClockReading> {
+    pub(crate) fn source_clocks(&self) -> Vec<SourceClockReading> {
         let inner = self.lock();
         inner
             .sources
@@ -415,7 +415,7 @@ impl RecordSink {
     /// behind the agent's by up to that much (see the module docs). Records later than
     /// the window (a log read from its start, an agent far behind) are late, not skewed,
     /// and counted as such.
-    pub fn clock_behind_ns(&self, source: SourceId) -> Option<u64> {
+    pub(crate) fn clock_behind_ns(&self, source: SourceId) -> Option<u64> {
         let inner = self.lock();
         let p = inner.sources.get(source.0)?;
         let c = &p.clock;
@@ -427,24 +427,24 @@ impl RecordSink {
     }
 
     /// A record whose source gives no time of its own (heartbeats): it happened now.
-    pub fn submit(&self, record: Record) {
+    pub(crate) fn submit(&self, record: Record) {
         self.submit_at(None, record, None, now_ns());
     }
 
     /// A record from `source` that happened at `event_ns` (UNIX ns, the source's clock),
     /// if known.
-    pub fn submit_event(&self, source: SourceId, record: Record, event_ns: Option<u64>) {
+    pub(crate) fn submit_event(&self, source: SourceId, record: Record, event_ns: Option<u64>) {
         self.submit_at(Some(source), record, event_ns, now_ns());
     }
 
     /// `source` has got as far as `event_ns` without a record (a log line that is not a
     /// decision): records up to then need not wait for it.
-    pub fn advance(&self, source: SourceId, event_ns: u64) {
+    pub(crate) fn advance(&self, source: SourceId, event_ns: u64) {
         self.advance_at(source, event_ns, now_ns());
     }
 
     /// [`Self::advance`] with an explicit clock reading (tests).
-    pub fn advance_at(&self, source: SourceId, event_ns: u64, now: u64) {
+    pub(crate) fn advance_at(&self, source: SourceId, event_ns: u64, now: u64) {
         let mut inner = self.lock();
         if let Some(p) = inner.sources.get_mut(source.0) {
             let t = p.take_stamp(event_ns, now, &self.stats);
@@ -460,7 +460,7 @@ impl RecordSink {
     /// [`Self::submit_event`] with an explicit clock reading (tests). An event time is
     /// corrected by its source's estimated clock offset, and one still in the future
     /// counts as now.
-    pub fn submit_at(
+    pub(crate) fn submit_at(
         &self,
         source: Option<SourceId>,
         record: Record,
@@ -501,7 +501,7 @@ impl RecordSink {
 
     /// When the first held record stops waiting for the sources that have not passed it
     /// (UNIX ns), if any is held.
-    pub fn next_due_ns(&self) -> Option<u64> {
+    pub(crate) fn next_due_ns(&self) -> Option<u64> {
         let inner = self.lock();
         let Reverse(h) = inner.held.peek()?;
         let t = h.event_ns;
@@ -522,12 +522,12 @@ impl RecordSink {
     }
 
     /// Release the records whose reorder window has passed (call it periodically).
-    pub fn release_due(&self) {
+    pub(crate) fn release_due(&self) {
         self.release_at(now_ns());
     }
 
     /// [`Self::release_due`] with an explicit clock reading (tests).
-    pub fn release_at(&self, now_ns: u64) {
+    pub(crate) fn release_at(&self, now_ns: u64) {
         let mut inner = self.lock();
         if self.release_locked(&mut inner, now_ns, false) {
             drop(inner);
@@ -536,7 +536,7 @@ impl RecordSink {
     }
 
     /// Release everything still held (shutdown).
-    pub fn release_all(&self) {
+    pub(crate) fn release_all(&self) {
         let mut inner = self.lock();
         if self.release_locked(&mut inner, u64::MAX, true) {
             drop(inner);

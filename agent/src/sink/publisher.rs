@@ -34,7 +34,7 @@ use std::time::Duration;
 use tokio::sync::watch;
 
 /// The readiness check the publisher keeps.
-pub const BUS_CHECK: &str = "bus";
+pub(crate) const BUS_CHECK: &str = "bus";
 
 /// Messages in flight at once.
 pub const WINDOW: usize = 128;

@@ -120,7 +120,12 @@ impl RecentChanges {
 
     /// Why `worker`'s engine held `block` at `decided_ns` while the router did not
     /// credit it: [`StaleCause::StoredLately`] or [`StaleCause::Unexplained`].
-    pub(crate) fn why_under(&self, worker: WorkerKey, block: SequenceHash, decided_ns: u64) -> StaleCause {
+    pub(crate) fn why_under(
+        &self,
+        worker: WorkerKey,
+        block: SequenceHash,
+        decided_ns: u64,
+    ) -> StaleCause {
         match self.last_store(worker, block, |t| t <= decided_ns) {
             Some((_, t)) if decided_ns - t <= STALE_HORIZON_NS => StaleCause::StoredLately {
                 lag_ns: decided_ns - t,
@@ -131,7 +136,12 @@ impl RecentChanges {
 
     /// Why the router credited `worker` with `block`, which its engine did not hold at
     /// `decided_ns`: removed lately, stored after, or unexplained.
-    pub(crate) fn why_over(&self, worker: WorkerKey, block: SequenceHash, decided_ns: u64) -> StaleCause {
+    pub(crate) fn why_over(
+        &self,
+        worker: WorkerKey,
+        block: SequenceHash,
+        decided_ns: u64,
+    ) -> StaleCause {
         if let Some((engine, stored_ns)) = self.last_store(worker, block, |t| t <= decided_ns) {
             let removed = self.newest_first().find(|(c, at)| {
                 c.worker == worker

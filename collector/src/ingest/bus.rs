@@ -569,7 +569,7 @@ fn unix_ns(t: async_nats::datetime::DateTime) -> u64 {
 
 /// Whether the NATS subject pattern `filter` (`*` one token, `>` the rest) takes
 /// `subject`.
-pub fn subject_matches(filter: &str, subject: &str) -> bool {
+pub(crate) fn subject_matches(filter: &str, subject: &str) -> bool {
     let mut s = subject.split('.');
     for f in filter.split('.') {
         match (f, s.next()) {

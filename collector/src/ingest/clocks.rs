@@ -14,11 +14,11 @@ use std::collections::HashMap;
 /// At most this many agents' clocks are kept: agent names come from the bus, and a
 /// flood of names must not grow the collector. Past it, a new agent's records are only
 /// clamped to their storing (never ahead of it), not corrected by an offset.
-pub const MAX_AGENTS: usize = 4096;
+pub(crate) const MAX_AGENTS: usize = 4096;
 
 /// An agent's offset at least this large is reported in the log (it is always on
 /// `/metrics`).
-pub const REPORTED_AHEAD_NS: u64 = kvscope_kit::clock::NS_PER_SEC;
+pub(crate) const REPORTED_AHEAD_NS: u64 = kvscope_kit::clock::NS_PER_SEC;
 
 #[derive(Debug, Default)]
 pub struct AgentClocks {
@@ -33,7 +33,7 @@ struct Tracked {
 
 /// An agent's record time after the correction.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Corrected {
+pub(crate) struct Corrected {
     pub observed_ns: u64,
     /// The agent's estimated offset when it was moved back by one (0: not moved).
     pub ahead_ns: u64,
@@ -41,7 +41,7 @@ pub struct Corrected {
 
 impl AgentClocks {
     /// `agent`'s record observed at `observed_ns`, stored by the stream at `stored_ns`.
-    pub fn correct(&mut self, agent: &str, observed_ns: u64, stored_ns: u64) -> Corrected {
+    pub(crate) fn correct(&mut self, agent: &str, observed_ns: u64, stored_ns: u64) -> Corrected {
         if !self.by_agent.contains_key(agent) {
             if self.by_agent.len() >= MAX_AGENTS {
                 self.forget_quiet(stored_ns);

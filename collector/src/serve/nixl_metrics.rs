@@ -12,7 +12,7 @@ fn histogram(out: &mut Exposition, name: &str, labels: &str, l: &MergedLatency) 
 /// and failed series, zero or not, so a rate over them always has data.
 /// One series per NIXL agent whose worker a node agent told: joins the pair figures
 /// (`local_agent`, `remote_agent`) to Dynamo workers in a query.
-pub fn render_owners(out: &mut Exposition, rows: &[NixlAgentRow]) {
+pub(crate) fn render_owners(out: &mut Exposition, rows: &[NixlAgentRow]) {
     let name = "kvscope_nixl_agent_worker_info";
     out.family(
         name,

@@ -85,7 +85,12 @@ fn outcome(kind: MigrationLogKind) -> &'static str {
 /// and linked to the request's spill verdict span.
 /// `at` tells apart lines without a request id: the record's bus message and its place
 /// in it (`<seq>` or `<seq>.<index>`).
-pub fn migration_span(m: &MigrationLogLine, agent: &str, observed_ns: u64, at: &str) -> Span {
+pub(crate) fn migration_span(
+    m: &MigrationLogLine,
+    agent: &str,
+    observed_ns: u64,
+    at: &str,
+) -> Span {
     let outcome = outcome(m.kind);
     // Lines without a request id still get a trace of their own.
     let trace_key = m
@@ -164,7 +169,7 @@ pub fn migration_span(m: &MigrationLogLine, agent: &str, observed_ns: u64, at: &
 
 /// The spans of one applied record (the `index`th of bus message `seq`): the spill
 /// The span export, as the collector's state is told of each record applied.
-pub struct VerdictSpans(pub SpanSink);
+pub(crate) struct VerdictSpans(pub SpanSink);
 
 impl crate::state::AppliedSink for VerdictSpans {
     fn applied(&self, env: &Envelope, verdict: Option<&SpillVerdict>, seq: u64, index: usize) {

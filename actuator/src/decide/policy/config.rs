@@ -159,7 +159,7 @@ impl PolicyConfig {
         Ok(())
     }
 
-    pub fn cost_params(&self) -> CostParams {
+    pub(crate) fn cost_params(&self) -> CostParams {
         CostParams {
             kv_bytes_per_token: self.kv_bytes_per_token,
             prefill_tok_per_s: self.prefill_tok_per_s,
@@ -169,13 +169,13 @@ impl PolicyConfig {
     }
 
     /// Dispatch failures tolerated out of `attempts`.
-    pub fn dispatch_budget(&self, attempts: u64) -> u64 {
+    pub(crate) fn dispatch_budget(&self, attempts: u64) -> u64 {
         self.dispatch_failure_allowance
             .max((self.dispatch_failure_ratio * attempts as f64).ceil() as u64)
     }
 
     /// The prefill rate charged for recomputing on `target` in window `w`.
-    pub fn prefill_rate(&self, w: &WindowSummary, target: &WorkerKey) -> f64 {
+    pub(crate) fn prefill_rate(&self, w: &WindowSummary, target: &WorkerKey) -> f64 {
         let secs = (w.end_ns.saturating_sub(w.start_ns)) as f64 / 1e9;
         let measured = match (self.use_measured_prefill, w.workers.get(target)) {
             (true, Some(t)) if secs > 0.0 => t.uncached_prefill_tokens as f64 / secs,

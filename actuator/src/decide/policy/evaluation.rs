@@ -83,7 +83,7 @@ pub enum SafetyTrigger {
 
 impl SafetyTrigger {
     /// Every kind, as [`Self::kind`] names them (a bounded label set for `/metrics`).
-    pub const KINDS: [&'static str; 9] = [
+    pub(crate) const KINDS: [&'static str; 9] = [
         "input_missing",
         "stale",
         "no_agents",

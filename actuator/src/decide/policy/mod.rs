@@ -165,7 +165,7 @@ impl PolicyEngine {
     /// The backends could not apply `attempted`. A failed LIVE leaves the engine in DRY
     /// with the attempt counted as a flip (so the cooldown and the cap hold back
     /// retries); a failed DRY or OFF keeps the engine there (it is retried by the caller).
-    pub fn apply_failed(&mut self, attempted: Mode, now_ns: u64) {
+    pub(crate) fn apply_failed(&mut self, attempted: Mode, now_ns: u64) {
         if attempted == Mode::Live && self.state.mode == Mode::Live {
             self.state.mode = Mode::Dry;
             self.state.live_since_ns = None;
@@ -176,7 +176,7 @@ impl PolicyEngine {
     }
 
     /// Leave LIVE for DRY without counting a flip (the actuator is stopping).
-    pub fn leave_live(&mut self) {
+    pub(crate) fn leave_live(&mut self) {
         if self.state.mode == Mode::Live {
             self.state.mode = Mode::Dry;
             self.state.live_since_ns = None;

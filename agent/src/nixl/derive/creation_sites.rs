@@ -48,7 +48,7 @@ pub enum Creator {
 
 impl Creator {
     /// Its symbol's prefix.
-    pub fn symbol(self) -> &'static str {
+    pub(crate) fn symbol(self) -> &'static str {
         match self {
             Creator::Create => super::CREATE,
             Creator::MakeSpan => super::MAKE_SPAN,

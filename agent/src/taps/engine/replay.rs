@@ -18,15 +18,15 @@ use crate::taps::engine::zmtp::{Connection, Limits, SocketType, ZmtpError};
 use std::time::Duration;
 
 /// Batches one answer may hold: vLLM's default buffer, and some.
-pub const MAX_REPLAYED: usize = 16_384;
+pub(crate) const MAX_REPLAYED: usize = 16_384;
 /// Payload bytes one answer may hold (the batches are decoded once the answer is in):
 /// vLLM's default buffer of 10,000 batches of a few KB each fits many times over, and
 /// an answer of huge batches cannot make the agent hold gigabytes.
-pub const MAX_REPLAY_BYTES: usize = 64 << 20;
+pub(crate) const MAX_REPLAY_BYTES: usize = 64 << 20;
 /// How long one replay may take, connection included.
-pub const REPLAY_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const REPLAY_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long an answer may pause before it is taken as ended (its end marker lost).
-pub const REPLAY_IDLE: Duration = Duration::from_secs(1);
+pub(crate) const REPLAY_IDLE: Duration = Duration::from_secs(1);
 const END_MARKER: u64 = u64::MAX;
 
 #[derive(Debug, thiserror::Error)]

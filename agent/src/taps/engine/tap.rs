@@ -32,7 +32,7 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Turns raw multipart messages from one publisher into records (no I/O; the socket
 /// loop in [`run`] feeds it).
-pub struct KvTap {
+pub(crate) struct KvTap {
     endpoint: KvEndpoint,
     /// The worker the batches belong to (configured, or found through discovery).
     worker_id: u64,
@@ -129,7 +129,7 @@ impl PublisherSequence {
 
 /// What a replay must fetch before the batch the tap is about to take.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ReplayNeed {
+pub(crate) struct ReplayNeed {
     /// The first number asked for.
     pub from: u64,
     /// How the first batch recovered is marked: `None` where it continues one engine's
@@ -143,7 +143,7 @@ pub struct ReplayNeed {
 
 /// What one replay answer gave.
 #[derive(Debug, Default)]
-pub struct ReplayRound {
+pub(crate) struct ReplayRound {
     pub records: Vec<Record>,
     /// Everything missing before the next batch is now delivered.
     pub complete: bool,
@@ -187,7 +187,7 @@ impl KvTap {
     /// publisher seen past its start, an engine restart seen past its new start, or —
     /// after a gap or a reconnection — whether the engine is still the one whose
     /// batches the tap took (the last of them asked again); `None` when nothing is.
-    pub fn missing_before(&self, seq: u64) -> Option<ReplayNeed> {
+    pub(crate) fn missing_before(&self, seq: u64) -> Option<ReplayNeed> {
         let status = self.sequence.peek(&self.endpoint.endpoint, seq);
         let check_last = || {
             let last = self.sequence.last.zip(self.sequence.last_digest);

@@ -22,7 +22,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 /// The greeting's length: signature (10), version (2), mechanism (20), as-server (1),
 /// filler (31).
-pub const GREETING_LEN: usize = 64;
+pub(crate) const GREETING_LEN: usize = 64;
 const FLAG_MORE: u8 = 0x01;
 const FLAG_LONG: u8 = 0x02;
 const FLAG_COMMAND: u8 = 0x04;
@@ -88,7 +88,7 @@ pub enum ZmtpError {
 impl ZmtpError {
     /// Whether the peer broke the protocol or a limit (counted as its fault), as opposed
     /// to the connection just failing or ending.
-    pub fn is_peer_violation(&self) -> bool {
+    pub(crate) fn is_peer_violation(&self) -> bool {
         !matches!(self, Self::Io(_) | Self::Closed | Self::Endpoint(_))
     }
 }
@@ -180,7 +180,7 @@ impl FrameDecoder {
     }
 
     /// How many more bytes the next step needs at least (a header's rest or a body's).
-    pub fn wanted(&self, buf: &BytesMut) -> usize {
+    pub(crate) fn wanted(&self, buf: &BytesMut) -> usize {
         match self.header {
             Some((_, len)) => (len as usize).saturating_sub(buf.len()).max(1),
             None => 1,

@@ -134,7 +134,7 @@ impl Drop for SourceGuard {
 }
 
 /// Turns event-plane envelopes into KV batch records (no I/O).
-pub struct PlaneDecoder {
+pub(crate) struct PlaneDecoder {
     sequences: HashMap<u64, PublisherSequence>,
     /// Per publisher, the newest event id a recovery answer covered: live events up to
     /// it were in the answer, and are dropped.
@@ -144,7 +144,7 @@ pub struct PlaneDecoder {
 
 /// One envelope, decoded: its events (with their ids) not yet made records.
 #[derive(Debug, Clone)]
-pub struct DecodedEnvelope {
+pub(crate) struct DecodedEnvelope {
     pub publisher_id: u64,
     /// `<channel>#<publisher hex>`: the batches' `publisher`.
     pub publisher: String,
@@ -161,7 +161,7 @@ pub struct DecodedEnvelope {
 impl DecodedEnvelope {
     /// Batches before this one are missing: a publisher seen first past its start, or
     /// a gap.
-    pub fn missed_some(&self) -> bool {
+    pub(crate) fn missed_some(&self) -> bool {
         matches!(self.sequence, SequenceStatus::Gap { .. })
             || (self.sequence == SequenceStatus::First && self.seq > 0)
     }

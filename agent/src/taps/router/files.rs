@@ -27,7 +27,7 @@ use std::time::{Duration, SystemTime};
 use tokio::task::JoinHandle;
 
 /// Whether `router_log` is a pattern rather than one path.
-pub fn is_pattern(router_log: &str) -> bool {
+pub(crate) fn is_pattern(router_log: &str) -> bool {
     router_log.contains(['*', '?', '['])
 }
 
@@ -70,7 +70,7 @@ impl Drop for Followers {
 
 /// Follow one log file as a source of its own: a follower thread feeding a router tap.
 /// `name` is the source's name on `/metrics`.
-pub fn follow_one(
+pub(crate) fn follow_one(
     source: LogSource,
     name: &str,
     s: &FollowSettings,

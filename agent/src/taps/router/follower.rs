@@ -58,7 +58,7 @@ pub struct LineBudget {
 }
 
 /// The bytes of lines that may wait for the tap.
-pub const LINE_BUDGET_BYTES: usize = 8 << 20;
+pub(crate) const LINE_BUDGET_BYTES: usize = 8 << 20;
 
 impl LineBudget {
     pub fn new(max: usize) -> Arc<Self> {
@@ -98,7 +98,7 @@ impl LineBudget {
 /// The most one round reads before looking whether the path still names the file
 /// (a log written faster than it is read must not keep the follower from seeing it
 /// replaced).
-pub const MAX_ROUND_BYTES: u64 = 8 << 20;
+pub(crate) const MAX_ROUND_BYTES: u64 = 8 << 20;
 
 /// Start following on a new thread. It stops when `stop` is set (checked every poll)
 /// or the receiver is dropped. Lines longer than `max_line` bytes are skipped (never

@@ -31,7 +31,7 @@ impl Half {
 }
 
 #[derive(Debug, Clone, PartialEq)]
-pub enum JoinOutput {
+pub(crate) enum JoinOutput {
     Joined(Box<RoutingDecision>),
     Unjoined { request_id: String, half: Half },
 }
@@ -44,7 +44,7 @@ struct Pending<T> {
 
 /// The joiner's state: halves waiting for their other half.
 #[derive(Debug)]
-pub struct DecisionJoiner {
+pub(crate) struct DecisionJoiner {
     timeout_ns: u64,
     max_pending: usize,
     now_ns: u64,
@@ -140,7 +140,7 @@ impl DecisionJoiner {
 
     /// Move the clock to `ts_ns` (never backwards) and give up halves older than the
     /// timeout.
-    pub fn advance(&mut self, ts_ns: u64) -> Vec<JoinOutput> {
+    pub(crate) fn advance(&mut self, ts_ns: u64) -> Vec<JoinOutput> {
         self.now_ns = self.now_ns.max(ts_ns);
         let mut out = Vec::new();
         while let Some((t, ..)) = self.order.front() {
@@ -155,7 +155,7 @@ impl DecisionJoiner {
     /// Drop the choice waiting for `request_id`'s routing input: the request was decided
     /// otherwise (from its request-trace record). Its place in the expiry order finds it
     /// gone and reports nothing.
-    pub fn forget_selection(&mut self, request_id: &str) {
+    pub(crate) fn forget_selection(&mut self, request_id: &str) {
         self.selections.remove(request_id);
     }
 
@@ -404,7 +404,7 @@ impl RouterLogProcessor {
         Self::with_source(timeout_ns, max_pending, DecisionSource::Auto)
     }
 
-    pub fn with_source(timeout_ns: u64, max_pending: usize, source: DecisionSource) -> Self {
+    pub(crate) fn with_source(timeout_ns: u64, max_pending: usize, source: DecisionSource) -> Self {
         Self {
             joiner: DecisionJoiner::new(timeout_ns, max_pending),
             last_ts_ns: None,
@@ -608,7 +608,7 @@ impl RouterLogProcessor {
     }
 
     /// The timestamp of the latest line that carried one.
-    pub fn last_ts_ns(&self) -> Option<u64> {
+    pub(crate) fn last_ts_ns(&self) -> Option<u64> {
         self.last_ts_ns
     }
 }

@@ -50,7 +50,7 @@ pub struct RoutingInput {
 
 /// The longest model name taken from a log line: Dynamo's model names are paths or hub
 /// names; a longer field is no name kvscope can key figures by.
-pub const MAX_MODEL_NAME: usize = 512;
+pub(crate) const MAX_MODEL_NAME: usize = 512;
 
 /// `Selected worker`: the router's pick.
 #[derive(Debug, Clone, PartialEq)]
@@ -88,7 +88,7 @@ impl TracedRequest {
     /// Name the request's worker (the record's own, or where it names none the one the
     /// request's `Selected worker` line named), in its end too, where a prefill worker
     /// that is the same one is none.
-    pub fn set_worker(&mut self, worker: kvscope_wire::WorkerKey) {
+    pub(crate) fn set_worker(&mut self, worker: kvscope_wire::WorkerKey) {
         self.worker = Some(worker);
         self.end.worker = worker;
         self.end.prefill_worker = self.end.prefill_worker.filter(|p| *p != worker);
@@ -96,7 +96,7 @@ impl TracedRequest {
 }
 
 /// The request trace's schema name.
-pub const REQUEST_TRACE_SCHEMA: &str = "dynamo.request.trace.v1";
+pub(crate) const REQUEST_TRACE_SCHEMA: &str = "dynamo.request.trace.v1";
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum LineContent {
@@ -228,7 +228,7 @@ pub fn parse_line(raw: &str) -> Result<ParsedLine, MalformedLine> {
 /// the event's fields as keys (numbers or strings: `dp_rank` is a string, `worker_id` a
 /// number past 2^53, `local_hashes` the string `"[h1, h2, …]"`). `None` when the line
 /// is not a JSON object (it is read as text then).
-pub fn parse_json_line(line: &str) -> Option<Result<ParsedLine, MalformedLine>> {
+pub(crate) fn parse_json_line(line: &str) -> Option<Result<ParsedLine, MalformedLine>> {
     let serde_json::Value::Object(obj) = serde_json::from_str::<serde_json::Value>(line).ok()?
     else {
         return None;
@@ -820,7 +820,7 @@ pub fn strip_ansi(s: &str) -> std::borrow::Cow<'_, str> {
 /// interval it names; nothing a line reports happens within a microsecond of it. A
 /// coarser stamp keeps its start: ending a millisecond or a second later could put a
 /// decision after its own prefill.
-pub fn line_time_ns(s: &str) -> Option<u64> {
+pub(crate) fn line_time_ns(s: &str) -> Option<u64> {
     let (start, digits) = parse_rfc3339(s)?;
     if digits < 6 {
         return Some(start);
@@ -830,7 +830,7 @@ pub fn line_time_ns(s: &str) -> Option<u64> {
 }
 
 /// `2026-11-29T07:50:01.123456Z` (or with a `+hh:mm` offset) → UNIX nanoseconds.
-pub fn parse_rfc3339_ns(s: &str) -> Option<u64> {
+pub(crate) fn parse_rfc3339_ns(s: &str) -> Option<u64> {
     parse_rfc3339(s).map(|(ns, _)| ns)
 }
 

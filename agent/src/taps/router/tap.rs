@@ -16,7 +16,7 @@ use kvscope_wire::Record;
 use tokio::sync::mpsc;
 
 /// Halves of decisions that may wait at once.
-pub const MAX_PENDING: usize = 100_000;
+pub(crate) const MAX_PENDING: usize = 100_000;
 
 pub struct RouterTap {
     processor: RouterLogProcessor,
@@ -26,7 +26,7 @@ pub struct RouterTap {
 
 /// A record from the log, and when it happened if not at its line's time (a decision
 /// from the request trace happened when its request arrived).
-pub type LogRecord = (Record, Option<u64>);
+pub(crate) type LogRecord = (Record, Option<u64>);
 
 impl RouterTap {
     /// Lines joined from CRI partials are held up to `max_line_bytes`.
@@ -38,7 +38,7 @@ impl RouterTap {
     }
 
     /// The timestamp of the latest log line that carried one (UNIX ns).
-    pub fn log_time_ns(&self) -> Option<u64> {
+    pub(crate) fn log_time_ns(&self) -> Option<u64> {
         self.processor.last_ts_ns()
     }
 
