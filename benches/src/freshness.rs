@@ -112,6 +112,12 @@ pub struct FreshnessArgs {
     /// Seed of the workload.
     #[arg(long, default_value_t = 6)]
     seed: u64,
+    /// After the load, kill the collector (SIGKILL, as a crash) and start it again on the
+    /// same stream: how long until it answers, says it is ready, and has applied the
+    /// whole stream again (it rebuilds from the stream's first record). A long run (or a
+    /// high --blocks-per-sec) fills the stream first: 4 GiB is ~110 M block events.
+    #[arg(long)]
+    restart_collector: bool,
 }
 
 /// What one run measured.
@@ -163,6 +169,27 @@ pub struct FreshnessReport {
     pub rss_mib: BTreeMap<String, (f64, f64)>,
     pub load_average_start: String,
     pub load_average_end: String,
+    /// The collector killed and started again after the load (`--restart-collector`).
+    pub restart: Option<RestartReport>,
+}
+
+/// A collector killed (SIGKILL) after the load and started again on the same stream.
+#[derive(Debug, Serialize)]
+pub struct RestartReport {
+    /// The stream's last sequence the first collector had applied (messages: a bundle of
+    /// records is one).
+    pub stream_messages: u64,
+    /// The NATS store on disk when the collector was killed.
+    pub stream_bytes: u64,
+    /// Records the new collector read while rebuilding.
+    pub rebuilt_records: u64,
+    /// From its start: its API answered, `/readyz` said 200, it had applied the stream
+    /// up to where the first one was and finished rebuilding.
+    pub answered_secs: f64,
+    pub ready_secs: Option<f64>,
+    pub caught_up_secs: f64,
+    /// The same counters as the first collector's (stored, removed, decisions).
+    pub same_counters: bool,
 }
 
 #[derive(Debug, Default, Serialize)]
@@ -346,15 +373,8 @@ fn start_pipeline(
     if let Some(b) = args.stream_max_bytes {
         collector_cfg.stream_max_bytes = b;
     }
-    let collector_toml = dir.join("collector.toml");
-    std::fs::write(&collector_toml, toml::to_string(&collector_cfg)?)?;
-    let mut cmd = Command::new(kvscope);
-    cmd.arg("collector")
-        .arg("--config")
-        .arg(&collector_toml)
-        .arg("run")
-        .env("RUST_LOG", "info");
-    let collector = ManagedProcess::spawn("collector", cmd, &dir.join("collector.log"))?;
+    std::fs::write(dir.join(COLLECTOR_TOML), toml::to_string(&collector_cfg)?)?;
+    let collector = spawn_collector(kvscope, &dir, "collector.log")?;
 
     let mut agent_toml = format!(
         "agent_id = \"bench-node\"\ncluster = \"{CLUSTER}\"\nnats_url = \"{}\"\n\
@@ -395,6 +415,93 @@ fn start_pipeline(
         },
         api: CollectorApi::new(&listen),
     })
+}
+
+const COLLECTOR_TOML: &str = "collector.toml";
+
+/// `kvscope collector run` on the run folder's config, logging to `log` there.
+fn spawn_collector(kvscope: &Path, dir: &Path, log: &str) -> anyhow::Result<ManagedProcess> {
+    let mut cmd = Command::new(kvscope);
+    cmd.arg("collector")
+        .arg("--config")
+        .arg(dir.join(COLLECTOR_TOML))
+        .arg("run")
+        .env("RUST_LOG", "info");
+    ManagedProcess::spawn("collector", cmd, &dir.join(log))
+}
+
+/// Bytes of every file under `dir`.
+fn dir_bytes(dir: &Path) -> u64 {
+    std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| match e.file_type() {
+            Ok(t) if t.is_dir() => dir_bytes(&e.path()),
+            _ => e.metadata().map(|m| m.len()).unwrap_or(0),
+        })
+        .sum()
+}
+
+/// Kill the collector that applied the run (`before`: its summary) and start it again
+/// on the same stream, timing its way back.
+async fn restart_collector(
+    pipeline: &mut Pipeline,
+    kvscope: &Path,
+    before: &Value,
+) -> anyhow::Result<RestartReport> {
+    let counters = |s: &Value| {
+        ["stored_blocks", "removed_blocks", "decisions"].map(|k| s["counters"][k].as_u64())
+    };
+    let stream_messages = before["bus"]["applied_seq"].as_u64().unwrap_or(0);
+    let stream_bytes = dir_bytes(&pipeline.dir.join("nats"));
+    eprintln!(
+        "kvscope-bench freshness: killing the collector (SIGKILL) on a stream of {stream_messages} \
+         messages, {:.1} MiB on disk, and starting it again …",
+        stream_bytes as f64 / (1 << 20) as f64
+    );
+    pipeline.daemons.kill_collector();
+    let started = Instant::now();
+    pipeline.daemons.collector = Some(spawn_collector(
+        kvscope,
+        &pipeline.dir,
+        "collector-restarted.log",
+    )?);
+    let (mut answered, mut ready) = (None, None);
+    let timeout = Duration::from_secs(1800);
+    loop {
+        pipeline.check_alive()?;
+        let at = started.elapsed().as_secs_f64();
+        if let Ok(s) = pipeline.api.summary().await {
+            answered.get_or_insert(at);
+            if ready.is_none() && pipeline.api.get_text("/readyz").await.is_ok() {
+                ready = Some(at);
+            }
+            let bus = &s["bus"];
+            if bus["rebuilding"] == false
+                && bus["applied_seq"].as_u64().unwrap_or(0) >= stream_messages
+            {
+                return Ok(RestartReport {
+                    stream_messages,
+                    stream_bytes,
+                    rebuilt_records: bus["rebuilt_records"].as_u64().unwrap_or(0),
+                    answered_secs: answered.unwrap_or(at),
+                    ready_secs: ready,
+                    caught_up_secs: at,
+                    same_counters: counters(&s) == counters(before),
+                });
+            }
+        }
+        if started.elapsed() > timeout {
+            pipeline.keep_logs();
+            bail!(
+                "the restarted collector had not applied the stream again after {timeout:?}; \
+                 see {}",
+                pipeline.dir.join("collector-restarted.log").display()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 async fn run(args: &FreshnessArgs) -> anyhow::Result<FreshnessReport> {
@@ -525,6 +632,11 @@ async fn run(args: &FreshnessArgs) -> anyhow::Result<FreshnessReport> {
         .api
         .get_json(&format!("/api/verdicts?limit={}", issued + 10))
         .await?;
+    let restart = if args.restart_collector {
+        Some(restart_collector(&mut pipeline, &kvscope, &summary).await?)
+    } else {
+        None
+    };
     pipeline.stop();
 
     let mut by_id: HashMap<&str, &Value> = HashMap::new();
@@ -617,6 +729,7 @@ async fn run(args: &FreshnessArgs) -> anyhow::Result<FreshnessReport> {
         rss_mib,
         load_average_start: load_start,
         load_average_end: load_end,
+        restart,
     })
 }
 
@@ -726,6 +839,29 @@ fn print_report(args: &FreshnessArgs, r: &FreshnessReport) {
         "Load average: {} at start, {} at end.",
         r.load_average_start, r.load_average_end
     );
+    if let Some(x) = &r.restart {
+        println!(
+            "\nCollector killed (SIGKILL) and started again on the stream ({} messages, {:.1} MiB \
+             on disk): API answering after {:.2} s, /readyz 200 after {}, the whole stream \
+             applied again ({} records rebuilt) after {:.2} s ({:.0} records/s); counters {} \
+             the first collector's.",
+            x.stream_messages,
+            x.stream_bytes as f64 / (1 << 20) as f64,
+            x.answered_secs,
+            x.ready_secs
+                .map_or("never, while it caught up".to_string(), |s| format!(
+                    "{s:.2} s"
+                )),
+            x.rebuilt_records,
+            x.caught_up_secs,
+            x.rebuilt_records as f64 / x.caught_up_secs.max(1e-9),
+            if x.same_counters {
+                "equal to"
+            } else {
+                "NOT equal to"
+            }
+        );
+    }
 }
 
 fn loadavg() -> String {
