@@ -163,8 +163,8 @@ pub(crate) fn nixl_inspect(library: &std::path::Path) -> anyhow::Result<String> 
             &lib.build_id
         }
     );
-    s.push_str(&format!("isa            {}\n", lib.isa.name()));
-    if lib.isa != crate::nixl::derive::Isa::X86_64 {
+    s.push_str(&format!("isa            {}\n", lib.derivation.isa.name()));
+    if lib.derivation.isa != crate::nixl::derive::Isa::X86_64 {
         // Derived offline: no probe is attached to such a build, so nothing is "read".
         s.push_str(&format!(
             "offsets        {}\nprobes         none: the probes read x86-64 registers \

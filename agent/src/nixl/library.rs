@@ -520,8 +520,6 @@ pub struct NixlLibrary {
     pub path: PathBuf,
     /// GNU build-id, lowercase hex; empty when the library has none.
     pub build_id: String,
-    /// What the library is compiled for (the probes attach to x86-64 builds).
-    pub isa: Isa,
     pub probes: Vec<ResolvedProbe>,
     /// Optional methods this build does not export (their probes are skipped).
     pub missing: Vec<&'static str>,
@@ -719,7 +717,6 @@ impl NixlLibrary {
         Ok(Self {
             path: path.to_owned(),
             build_id,
-            isa,
             probes,
             missing,
             sites,

@@ -265,10 +265,10 @@ fn attach_one(
         return Ok(());
     }
     let library = NixlLibrary::inspect(path, completion_sites)?;
-    if library.isa != Isa::X86_64 {
+    if library.derivation.isa != Isa::X86_64 {
         return Err(LibraryError::ForeignIsa {
             path: path.to_owned(),
-            isa: library.isa,
+            isa: library.derivation.isa,
         }
         .into());
     }

@@ -338,7 +338,10 @@ fn aarch64_builds_derive_the_x86_64_builds_layout() {
             support::older_nixl_lib_dir(version).join("libnixl.so")
         };
         let x86 = NixlLibrary::inspect(&x86_lib, true).unwrap();
-        assert_eq!((a64.isa, x86.isa), (Isa::Aarch64, Isa::X86_64));
+        assert_eq!(
+            (a64.derivation.isa, x86.derivation.isa),
+            (Isa::Aarch64, Isa::X86_64)
+        );
         assert_ne!(a64.build_id, x86.build_id, "{version}: two builds");
         let report = a64.derivation.report();
         let a = a64
