@@ -105,6 +105,9 @@ fn spill(id: &str, decided_ns: u64, delta_blocks: u32) -> SpillVerdict {
         delta_parent_hash: None,
         nixl: None,
         router_overlap_blocks: None,
+        chosen_lower_tiers: Default::default(),
+        best_lower_tiers: Default::default(),
+        onload_delta_tokens: 0,
     }
 }
 

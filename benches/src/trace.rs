@@ -248,7 +248,7 @@ impl Trace {
     }
 }
 
-/// Same rule as the collector's analyzer.
+/// The device tier, as the collector's analyzer reads a medium.
 fn is_device_tier(medium: Option<&str>) -> bool {
-    matches!(medium, None | Some("GPU") | Some("DEVICE"))
+    kvscope_wire::Tier::of_medium(medium) == Some(kvscope_wire::Tier::Device)
 }

@@ -106,6 +106,10 @@ pub struct OpportunityReport {
     /// Output-block blindness: the share of the true delta that lies in blocks the
     /// holding worker generated while decoding.
     pub generated_share_of_true_delta: Option<f64>,
+    /// Tiers: the share of the true delta the chosen worker held in its own lower tiers
+    /// (host memory, disk) and onloaded; the rest was recomputed.
+    #[serde(default)]
+    pub onload_share_of_true_delta: Option<f64>,
     pub agreement: Agreement,
     pub migration_log: MigrationLogWindow,
     #[serde(with = "kvscope_wire::worker_map")]
@@ -143,6 +147,7 @@ impl OpportunityReport {
         let mut models: BTreeMap<String, ModelFigures> = BTreeMap::new();
         let (mut requests, mut spills, mut td_sum, mut ub_sum) = (0, 0, 0u64, 0u64);
         let mut generated_sum = 0u64;
+        let mut onload_sum = 0u64;
         for w in &measured {
             let s = &w.summary;
             w.true_delta.add_to(&mut true_delta);
@@ -154,6 +159,7 @@ impl OpportunityReport {
             td_sum = td_sum.saturating_add(s.true_delta_tokens);
             ub_sum = ub_sum.saturating_add(s.upper_bound_tokens);
             generated_sum = generated_sum.saturating_add(s.generated_delta_tokens);
+            onload_sum = onload_sum.saturating_add(s.onload_delta_tokens);
             agreement.decision_spills += s.spills;
             agreement.decision_true_delta_tokens = agreement
                 .decision_true_delta_tokens
@@ -237,6 +243,7 @@ impl OpportunityReport {
             true_share_of_upper_bound: (ub_sum > 0).then(|| td_sum as f64 / ub_sum as f64),
             generated_share_of_true_delta: (td_sum > 0)
                 .then(|| generated_sum as f64 / td_sum as f64),
+            onload_share_of_true_delta: (td_sum > 0).then(|| onload_sum as f64 / td_sum as f64),
             agreement,
             migration_log,
             workers,
@@ -513,11 +520,26 @@ impl OpportunityReport {
                 false,
             ),
             (
+                "true delta onloaded from the chosen worker's lower tiers",
+                self.onload_share_said(),
+                false,
+            ),
+            (
                 "measured windows with data faults",
                 self.windows_with_data_faults.to_string(),
                 false,
             ),
         ]
+    }
+
+    /// The share of the true delta the chosen workers onloaded from their lower tiers,
+    /// and, when it is 0, whether any engine published a lower tier at all.
+    fn onload_share_said(&self) -> String {
+        let share = pct(self.onload_share_of_true_delta);
+        if self.onload_share_of_true_delta != Some(0.0) || self.collector.lower_tier_events > 0 {
+            return share;
+        }
+        format!("{share} (no engine published a host or disk tier: device only)")
     }
 
     /// The share of the true delta in decode-generated blocks, and why it is 0 when it
@@ -581,9 +603,14 @@ impl OpportunityReport {
                 c.batch_order_faults,
             ),
             (
-                "stores and removals on host/disk tiers (not counted)",
+                "stores and removals on host/disk tiers (lower-tier mirror)",
                 c.lower_tier_events,
             ),
+            (
+                "lower-tier blocks not placed or not held",
+                c.lower_tier_unknown_blocks,
+            ),
+            ("events of an unknown medium (left out)", c.unknown_medium_events),
             (
                 "stores with unknown parent (dropped)",
                 c.unknown_parent_events,

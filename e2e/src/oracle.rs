@@ -41,6 +41,13 @@
 //! For each `Record::Decision` it calls `RadixTree::find_matches(local_hashes, false)`
 //! and keeps the workers with a non-zero score.
 //!
+//! **Lower tiers** ([`dynamo_tiers`]): the events step 3 sends to the lower-tier
+//! indexers go to the crate's own `LowerTierIndexers` (one `LowerTierIndexer` per host,
+//! disk and external tier, keyed by the engine's hashes), and a decision's match is
+//! extended through them with the router's own walk, `query_lower_tiers_with_options`,
+//! seeded by `RadixTree::find_match_details` (each worker's device overlap and last
+//! matched hash). The dedup refcounts of step 2 are kept per tier, as Dynamo keeps them.
+//!
 //! An engine's tokens reach the records as their blocks' local hashes (the agent hashes
 //! them, `KvEvent::hash_tokens`). Step 1 then runs on placeholder tokens of the same
 //! count, one block's worth per local hash: Dynamo's conversion looks at how many tokens
@@ -60,6 +67,9 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::AtomicU32;
 use std::sync::Arc;
 
+use dynamo_kv_router::indexer::{
+    query_lower_tiers_with_options, LowerTierIndexers, LowerTierQueryOptions,
+};
 use dynamo_kv_router::protocols::{
     ExternalSequenceBlockHash, KvCacheEvent, KvCacheEventData, KvCacheRemoveData, KvCacheStoreData,
     KvCacheStoredBlockData, LocalBlockHash, RouterEvent, StorageTier, WorkerWithDpRank,
@@ -72,6 +82,32 @@ use kvscope_wire::{Envelope, KvEvent, KvEventBatch, KvOrigin, Record, WorkerKey}
 /// Record::Decision in the input, the request id and the overlap (in blocks) of every worker
 /// that has a non-zero overlap, as the Dynamo indexer computes it at that point in the stream.
 pub fn dynamo_overlaps(records: &[Envelope]) -> Vec<(String, BTreeMap<WorkerKey, u32>)> {
+    replay_decisions(records, |oracle, locals| oracle.overlaps(locals))
+}
+
+/// [`dynamo_overlaps`] through the tiers: per decision, every worker's device overlap
+/// and how far the router extends it through its host tier, then its disk tier (disk
+/// and external, as the router's `disk_blocks` counts them), for the workers that hold
+/// any of it.
+pub fn dynamo_tiers(records: &[Envelope]) -> Vec<(String, BTreeMap<WorkerKey, TieredMatch>)> {
+    replay_decisions(records, |oracle, locals| oracle.tiered(locals))
+}
+
+/// A worker's match through the tiers, in blocks, as Dynamo's router counts it: the
+/// device overlap, then the host and disk extensions past it.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct TieredMatch {
+    pub device: u32,
+    pub host: u32,
+    pub disk: u32,
+}
+
+/// Replay `records` in order, asking `query` for each decision's chain (its local
+/// hashes), the answer kept for the workers of the decision's model.
+fn replay_decisions<T>(
+    records: &[Envelope],
+    query: impl Fn(&DynamoOracle, &[u64]) -> BTreeMap<WorkerKey, T>,
+) -> Vec<(String, BTreeMap<WorkerKey, T>)> {
     let mut oracle = DynamoOracle::new();
     let mut out = Vec::new();
     let mut removed = std::collections::HashSet::new();
@@ -99,7 +135,7 @@ pub fn dynamo_overlaps(records: &[Envelope]) -> Vec<(String, BTreeMap<WorkerKey,
                     Some(seq) => oracle.locals_of(seq),
                     None => d.local_hashes.clone(),
                 };
-                let mut o = oracle.overlaps(&locals);
+                let mut o = query(&oracle, &locals);
                 if let Some(m) = models.get(&d.worker.worker_id) {
                     o.retain(|w, _| models.get(&w.worker_id) == Some(m));
                 }
@@ -157,6 +193,8 @@ pub struct OracleCounters {
     pub block_not_found: u64,
     /// Other errors from `apply_event`.
     pub other_errors: u64,
+    /// Lower-tier events a lower-tier indexer refused.
+    pub lower_tier_errors: u64,
 }
 
 #[derive(Default)]
@@ -164,8 +202,8 @@ struct PublisherState {
     /// The publisher's normalizer; created with the first stored event's block size.
     normalizer: Option<ZmqEventNormalizer>,
     next_event_id: u64,
-    /// `EventDedupFilter` refcounts for the device tier of this `(worker, dp_rank)`.
-    refcounts: HashMap<ExternalSequenceBlockHash, usize>,
+    /// `EventDedupFilter` refcounts per tier of this `(worker, dp_rank)`.
+    refcounts: HashMap<(StorageTier, ExternalSequenceBlockHash), usize>,
 }
 
 /// The stateful oracle behind [`dynamo_overlaps`], for callers that interleave their
@@ -178,6 +216,9 @@ pub struct DynamoOracle {
     seq_to_local: HashMap<u64, u64>,
     engine_to_seq: HashMap<(WorkerKey, u64), u64>,
     publishers: HashMap<WorkerKey, PublisherState>,
+    /// The router's lower-tier indexers (host, disk, external), made on the first
+    /// lower-tier event.
+    lower: LowerTierIndexers,
     warnings: Arc<AtomicU32>,
     pub counters: OracleCounters,
 }
@@ -195,6 +236,7 @@ impl DynamoOracle {
             seq_to_local: HashMap::new(),
             engine_to_seq: HashMap::new(),
             publishers: HashMap::new(),
+            lower: LowerTierIndexers::new(1, 16),
             warnings: Arc::new(AtomicU32::new(0)),
             counters: OracleCounters::default(),
         }
@@ -266,10 +308,16 @@ impl DynamoOracle {
             }
             KvEvent::AllBlocksCleared => None,
         };
-        if !matches!(medium, None | Some("GPU")) {
-            self.counters.lower_tier += 1;
-            return;
-        }
+        let tier = match medium {
+            None => StorageTier::Device,
+            Some(m) => match StorageTier::from_kv_medium(m) {
+                Some(t) => t,
+                None => {
+                    self.counters.filtered += 1;
+                    return;
+                }
+            },
+        };
         let data = match ev {
             KvEvent::BlockStored {
                 block_hashes,
@@ -301,15 +349,20 @@ impl DynamoOracle {
             KvEvent::AllBlocksCleared => KvCacheEventData::Cleared,
         };
         self.counters.converted += 1;
-        let event = RouterEvent::new(
+        let event = RouterEvent::with_storage_tier(
             dyn_worker.worker_id,
             KvCacheEvent {
                 event_id,
                 data,
                 dp_rank: dyn_worker.dp_rank,
             },
+            tier,
         );
-        self.apply_to_tree(event);
+        if tier.is_gpu() {
+            self.apply_to_tree(event);
+        } else {
+            self.apply_to_lower_tier(event);
+        }
     }
 
     fn apply_one(&mut self, worker: WorkerKey, ev: &KvEvent) {
@@ -368,25 +421,24 @@ impl DynamoOracle {
                 }
             }
         }
-        let is_gpu = router_event.storage_tier == StorageTier::Device;
+        let tier = router_event.storage_tier;
 
-        // EventDedupFilter (per dp rank and tier; only the device tier is kept here).
+        // EventDedupFilter (per dp rank and tier).
         match &mut router_event.event.data {
             KvCacheEventData::Stored(store) => {
-                if is_gpu {
-                    for b in &store.blocks {
-                        *state.refcounts.entry(b.block_hash).or_insert(0) += 1;
-                    }
+                for b in &store.blocks {
+                    *state.refcounts.entry((tier, b.block_hash)).or_insert(0) += 1;
                 }
             }
             KvCacheEventData::Removed(remove) => {
-                if is_gpu {
-                    let refcounts = &mut state.refcounts;
-                    remove.block_hashes.retain(|h| match refcounts.get_mut(h) {
+                let refcounts = &mut state.refcounts;
+                remove
+                    .block_hashes
+                    .retain(|h| match refcounts.get_mut(&(tier, *h)) {
                         Some(n) => {
                             *n -= 1;
                             if *n == 0 {
-                                refcounts.remove(h);
+                                refcounts.remove(&(tier, *h));
                                 true
                             } else {
                                 false
@@ -394,21 +446,65 @@ impl DynamoOracle {
                         }
                         None => true,
                     });
-                }
                 if remove.block_hashes.is_empty() {
                     // `filter_remove_in_domain` returns None: nothing is published.
                     self.counters.dedup_swallowed += 1;
                     return;
                 }
             }
-            KvCacheEventData::Cleared => state.refcounts.clear(),
+            KvCacheEventData::Cleared => state.refcounts.retain(|(t, _), _| *t != tier),
         }
 
         if !router_event.targets_primary().unwrap_or(false) {
-            self.counters.lower_tier += 1;
+            self.apply_to_lower_tier(router_event);
             return;
         }
         self.apply_to_tree(router_event);
+    }
+
+    /// A host, disk or external tier's event, to that tier's indexer, applied before
+    /// the next query (the router's indexers are asynchronous; the oracle waits).
+    fn apply_to_lower_tier(&mut self, router_event: RouterEvent) {
+        self.counters.lower_tier += 1;
+        let indexer = self.lower.get_or_create(router_event.storage_tier);
+        // Its worker threads apply the event; waiting on them needs no async runtime.
+        if futures::executor::block_on(indexer.apply_event_and_wait(router_event)).is_err() {
+            self.counters.lower_tier_errors += 1;
+        }
+    }
+
+    /// Every worker's match through the tiers for this chain of local hashes, as the
+    /// router walks it: the device tree's match (overlap and last matched hash), then
+    /// the lower tiers in the router's order, each from where the faster ones ended.
+    pub fn tiered(&self, local_hashes: &[u64]) -> BTreeMap<WorkerKey, TieredMatch> {
+        let seq: Vec<LocalBlockHash> = local_hashes.iter().copied().map(LocalBlockHash).collect();
+        let device = self.tree.find_match_details(seq.clone(), false);
+        let lower = query_lower_tiers_with_options(
+            &self.lower,
+            &seq,
+            &device,
+            LowerTierQueryOptions::default(),
+        );
+        let key = |w: &WorkerWithDpRank| WorkerKey {
+            worker_id: w.worker_id,
+            dp_rank: w.dp_rank,
+        };
+        let mut out: BTreeMap<WorkerKey, TieredMatch> = BTreeMap::new();
+        for (w, n) in &device.overlap_scores.scores {
+            out.entry(key(w)).or_default().device = *n;
+        }
+        for (tier, details) in &lower {
+            for (w, n) in &details.hits {
+                let m = out.entry(key(w)).or_default();
+                match tier {
+                    StorageTier::HostPinned => m.host += *n as u32,
+                    StorageTier::Disk | StorageTier::External => m.disk += *n as u32,
+                    StorageTier::Device => {}
+                }
+            }
+        }
+        out.retain(|_, m| m.device + m.host + m.disk > 0);
+        out
     }
 
     fn apply_to_tree(&mut self, router_event: RouterEvent) {

@@ -22,6 +22,7 @@ pub mod parts;
 pub mod record;
 pub mod recording;
 pub mod subject;
+pub mod tier;
 pub mod trace_ids;
 pub mod vllm_events;
 
@@ -30,3 +31,4 @@ pub use nats_security::NatsSecurity;
 pub use record::worker_map;
 pub use record::*;
 pub use subject::{Permissions, Subjects};
+pub use tier::{LowerTierBlocks, Tier};

@@ -608,6 +608,11 @@ pub struct Selection {
     /// affinity, or a worker the request named), not chosen among all.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub pinned: bool,
+    /// How far the router extended the chosen worker's match through its host and disk
+    /// tiers (Dynamo 1.6's `host_pinned_blocks` and `disk_blocks` on `Selected worker`):
+    /// its view of the lower tiers, audited against the engines' (`TierViewAudit`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lower_tiers: Option<crate::tier::LowerTierBlocks>,
 }
 
 impl Selection {

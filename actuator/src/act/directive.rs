@@ -347,6 +347,9 @@ mod tests {
             delta_parent_hash: None,
             nixl: None,
             router_overlap_blocks: None,
+            chosen_lower_tiers: Default::default(),
+            best_lower_tiers: Default::default(),
+            onload_delta_tokens: 0,
         }
     }
 

@@ -5,16 +5,18 @@
 //! same records give the same figures.
 
 use crate::fleet_index::{FastMap, FleetIndex, MirrorError};
+use crate::lower_tiers::LowerTiers;
 use crate::recent_changes::{RecentChanges, StaleCause};
 use crate::verdict;
 use crate::window::{ClosedWindow, OpenWindow};
-use kvscope_wire::api::summary::{AgentStatus, CollectorCounters, RouterViewAudit};
+use kvscope_wire::api::summary::{AgentStatus, CollectorCounters, RouterViewAudit, TierViewAudit};
 use kvscope_wire::api::verdict::SpillVerdict;
 use kvscope_wire::api::window::{MigrationLogWindow, ModelFigures, WindowSummary};
 use kvscope_wire::nixl::{MergedLatency, NixlAgentOwner, NixlAgentRow};
 use kvscope_wire::{
     Envelope, KvEvent, KvEventBatch, MigrationLogKind, MigrationLogLine, Record, RequestEnd,
-    RoutingDecision, Selection, SequenceHash, SequenceStatus, WorkerKey, WorkerRecord, WorkerState,
+    RoutingDecision, Selection, SequenceHash, SequenceStatus, Tier, WorkerKey, WorkerRecord,
+    WorkerState,
 };
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap, VecDeque};
@@ -175,6 +177,8 @@ pub struct FleetTotals {
     pub upper_bound: TokenHistogram,
     /// The part of the true delta in decode-generated blocks.
     pub generated_delta_tokens: u64,
+    /// The part of the true delta the chosen worker onloaded from its lower tiers.
+    pub onload_delta_tokens: u64,
     pub workers: BTreeMap<WorkerKey, WorkerTotals>,
     /// Per model, when discovery named the workers' models.
     pub models: BTreeMap<String, ModelFigures>,
@@ -187,8 +191,11 @@ pub struct FleetAnalyzer {
     cfg: AnalyzerConfig,
     window_ns: u64,
     index: FleetIndex,
+    /// The host and disk tiers: how far a worker's match extends past its device overlap.
+    lower: LowerTiers,
     counters: CollectorCounters,
     router_view: RouterViewAudit,
+    tier_view: TierViewAudit,
     /// The latest block changes, to tell why a router view was wrong.
     recent_changes: RecentChanges,
     /// Router views that came before their decision, waiting for it (see
@@ -384,8 +391,10 @@ impl FleetAnalyzer {
             cfg,
             window_ns,
             index: FleetIndex::new(),
+            lower: LowerTiers::default(),
             counters: CollectorCounters::default(),
             router_view: RouterViewAudit::default(),
+            tier_view: TierViewAudit::default(),
             recent_changes: RecentChanges::default(),
             views_waiting: Default::default(),
             totals: FleetTotals::default(),
@@ -422,6 +431,10 @@ impl FleetAnalyzer {
     }
     /// The router's view of its choices beside the engines' truth (see
     /// [`RouterViewAudit`]).
+    pub fn tier_view(&self) -> &TierViewAudit {
+        &self.tier_view
+    }
+
     pub fn router_view(&self) -> &RouterViewAudit {
         &self.router_view
     }
@@ -975,6 +988,7 @@ impl FleetAnalyzer {
             SequenceStatus::Reset => {
                 self.counters.sequence_resets += 1;
                 self.counters.cleared_blocks += self.index.clear(worker);
+                self.lower.clear(worker);
                 self.incomplete.remove(&worker);
                 self.open_summary().data_faults += 1;
             }
@@ -986,12 +1000,25 @@ impl FleetAnalyzer {
         }
         for ev in &batch.events {
             self.counters.kv_events += 1;
-            match ev {
-                KvEvent::BlockStored { medium, .. } | KvEvent::BlockRemoved { medium, .. }
-                    if !is_device_tier(medium.as_deref()) =>
-                {
-                    self.counters.lower_tier_events += 1;
+            let tier = match ev {
+                KvEvent::BlockStored { medium, .. } | KvEvent::BlockRemoved { medium, .. } => {
+                    Tier::of_medium(medium.as_deref())
                 }
+                KvEvent::AllBlocksCleared => Some(Tier::Device),
+            };
+            match tier {
+                Some(Tier::Device) => {}
+                Some(tier) => {
+                    self.apply_lower_tier(worker, tier, ev);
+                    continue;
+                }
+                None => {
+                    self.counters.unknown_medium_events += 1;
+                    self.open_summary().data_faults += 1;
+                    continue;
+                }
+            }
+            match ev {
                 KvEvent::BlockStored {
                     block_hashes,
                     parent_block_hash,
@@ -1067,6 +1094,46 @@ impl FleetAnalyzer {
                     self.incomplete.remove(&worker);
                 }
             }
+        }
+    }
+
+    /// A host or disk tier's store or removal, applied to the lower-tier mirror.
+    fn apply_lower_tier(&mut self, worker: WorkerKey, tier: Tier, ev: &KvEvent) {
+        self.counters.lower_tier_events += 1;
+        let out = match ev {
+            KvEvent::BlockStored {
+                block_hashes,
+                parent_block_hash,
+                ..
+            } => {
+                let locals = ev.stored_local_hashes().unwrap_or_default();
+                match self.lower.store(
+                    tier,
+                    worker,
+                    *parent_block_hash,
+                    block_hashes,
+                    &locals,
+                    &self.index,
+                ) {
+                    Ok(out) => out,
+                    Err(_) => {
+                        self.counters.unknown_parent_events += 1;
+                        self.open_summary().data_faults += 1;
+                        return;
+                    }
+                }
+            }
+            KvEvent::BlockRemoved { block_hashes, .. } => {
+                self.lower.remove(tier, worker, block_hashes)
+            }
+            KvEvent::AllBlocksCleared => return,
+        };
+        let c = &mut self.counters;
+        c.lower_tier_stored_blocks += out.stored;
+        c.lower_tier_removed_blocks += out.removed;
+        if out.unknown > 0 {
+            c.lower_tier_unknown_blocks += out.unknown;
+            self.open_summary().data_faults += 1;
         }
     }
 
@@ -1168,6 +1235,10 @@ impl FleetAnalyzer {
             self.cfg.min_spill_blocks,
         );
         v.model = model;
+        verdict::extend_through_lower_tiers(&mut v, &self.lower, &chain);
+        if let Some(believed) = d.selection.lower_tiers {
+            self.tier_view.compare(believed, v.chosen_lower_tiers);
+        }
         // Any worker the router could have chosen with a mirror missing events makes the
         // best (or the chosen worker's overlap) possibly wrong.
         v.incomplete_mirror = self
@@ -1292,6 +1363,7 @@ impl FleetAnalyzer {
             t.generated_delta_tokens = t
                 .generated_delta_tokens
                 .saturating_add(v.generated_delta_tokens);
+            t.onload_delta_tokens = t.onload_delta_tokens.saturating_add(v.onload_delta_tokens);
         }
     }
 
@@ -1322,17 +1394,12 @@ impl FleetAnalyzer {
     }
 }
 
-/// Whether a KV event's `medium` is the device (GPU) cache the router scores, spelled
-/// as Dynamo spells it; events without a medium are device events.
-fn is_device_tier(medium: Option<&str>) -> bool {
-    matches!(medium, None | Some("GPU") | Some("DEVICE"))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::fixtures::{batch, decision, env, stored, stored_under, w};
     use kvscope_wire::AgentHeartbeat;
+    use kvscope_wire::LowerTierBlocks;
 
     const S: u64 = 1_000_000_000;
 
@@ -2111,6 +2178,123 @@ mod tests {
         a.apply(&env(1, batch));
         assert_eq!(a.counters().lower_tier_events, 1);
         assert_eq!(a.index().cached_pairs(), 0);
+    }
+
+    #[test]
+    fn a_verdict_says_how_far_each_match_extends_through_the_lower_tiers() {
+        let mut a = FleetAnalyzer::new(cfg());
+        let toks: Vec<u32> = (0..8).collect();
+        let with_medium = |mut r: Record, m: &str| {
+            if let Record::KvEvents(b) = &mut r {
+                for ev in &mut b.events {
+                    if let KvEvent::BlockStored { medium, .. }
+                    | KvEvent::BlockRemoved { medium, .. } = ev
+                    {
+                        *medium = Some(m.into());
+                    }
+                }
+            }
+            r
+        };
+        // Worker 1 holds the 4-block prompt on its device. Worker 2 held it too, offloaded
+        // it to host memory (vLLM's spelling) and then to disk (SGLang's), and its device
+        // kept only the first block.
+        a.apply(&env(
+            1,
+            stored(1, 0, SequenceStatus::First, &toks, &[1, 2, 3, 4]),
+        ));
+        a.apply(&env(
+            1,
+            stored(2, 0, SequenceStatus::First, &toks, &[1, 2, 3, 4]),
+        ));
+        a.apply(&env(
+            2,
+            with_medium(
+                stored(2, 1, SequenceStatus::InOrder, &toks[..6], &[1, 2, 3]),
+                "CPU",
+            ),
+        ));
+        a.apply(&env(
+            2,
+            with_medium(
+                stored_under(2, 2, SequenceStatus::InOrder, Some(3), &toks[6..], &[4]),
+                "DISK",
+            ),
+        ));
+        a.apply(&env(
+            3,
+            batch(
+                2,
+                3,
+                SequenceStatus::InOrder,
+                vec![KvEvent::BlockRemoved {
+                    block_hashes: vec![2, 3, 4],
+                    medium: None,
+                }],
+            ),
+        ));
+        // A medium no engine sends: counted, left out.
+        a.apply(&env(
+            3,
+            with_medium(stored(2, 4, SequenceStatus::InOrder, &toks, &[9]), "TAPE"),
+        ));
+        assert_eq!(a.counters().lower_tier_events, 2);
+        assert_eq!(a.counters().lower_tier_stored_blocks, 4);
+        assert_eq!(a.counters().unknown_medium_events, 1);
+        assert_eq!(a.index().cached_blocks(&w(2)), 1);
+        // The router's line says it saw none of worker 2's lower tiers (a router that
+        // does not score them).
+        let mut r = decision("r", 2, &toks);
+        if let Record::Decision(d) = &mut r {
+            d.selection.lower_tiers = Some(LowerTierBlocks::default());
+        }
+        let v = a.apply(&env(4, r)).unwrap();
+        let audit = a.tier_view();
+        assert_eq!((audit.compared, audit.under, audit.under_blocks), (1, 1, 3));
+        assert_eq!(
+            (v.chosen_overlap_blocks, v.best, v.best_overlap_blocks),
+            (1, w(1), 4)
+        );
+        // Blocks 2 and 3 from host memory, block 4 from disk: the whole delta onloaded.
+        assert_eq!(
+            v.chosen_lower_tiers,
+            LowerTierBlocks {
+                host_blocks: 2,
+                disk_blocks: 1
+            }
+        );
+        assert!(v.best_lower_tiers.is_empty());
+        assert_eq!((v.true_delta_tokens, v.onload_delta_tokens), (6, 6));
+        // The host tier loses block 3: the match stops there, disk does not skip ahead.
+        a.apply(&env(
+            5,
+            with_medium(
+                batch(
+                    2,
+                    5,
+                    SequenceStatus::InOrder,
+                    vec![KvEvent::BlockRemoved {
+                        block_hashes: vec![3],
+                        medium: None,
+                    }],
+                ),
+                "CPU",
+            ),
+        ));
+        let v = a.apply(&env(6, decision("s", 2, &toks))).unwrap();
+        assert_eq!(
+            v.chosen_lower_tiers,
+            LowerTierBlocks {
+                host_blocks: 1,
+                disk_blocks: 0
+            }
+        );
+        assert_eq!((v.true_delta_tokens, v.onload_delta_tokens), (6, 2));
+        // An engine restart takes its lower tiers with it.
+        a.apply(&env(7, batch(2, 0, SequenceStatus::Reset, vec![])));
+        let v = a.apply(&env(8, decision("t", 2, &toks))).unwrap();
+        assert!(v.chosen_lower_tiers.is_empty());
+        assert_eq!(v.onload_delta_tokens, 0);
     }
 
     #[test]

@@ -250,6 +250,22 @@ impl FleetIndex {
         }
     }
 
+    /// The block `worker` stores under `engine_hash`, by its sequence hash: how a lower
+    /// tier's store finds a parent (or a block) it names by the engine's hash.
+    pub(crate) fn seq_of_engine(
+        &self,
+        worker: &WorkerKey,
+        engine_hash: u64,
+    ) -> Option<SequenceHash> {
+        let w = self.known_worker_idx(worker)?;
+        let cache = &self.workers[w as usize];
+        let b = cache
+            .recent
+            .get(engine_hash)
+            .or_else(|| cache.by_engine.get(engine_hash))?;
+        Some(self.blocks.seq(b))
+    }
+
     /// [`Self::store_hashed`] from a store's tokens, for tests (the analyzer reads a
     /// store's local hashes through `KvEvent::stored_local_hashes`).
     #[cfg(test)]

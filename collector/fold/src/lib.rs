@@ -5,6 +5,7 @@
 pub mod analyzer;
 pub mod fixtures;
 pub mod fleet_index;
+pub mod lower_tiers;
 pub mod nixl;
 pub mod recent_changes;
 pub mod verdict;

@@ -2,8 +2,10 @@
 //! ARCHITECTURE.md ("The measurements").
 
 use crate::fleet_index::FleetIndex;
+use crate::lower_tiers::LowerTiers;
 use kvscope_wire::api::verdict::SpillVerdict;
-use kvscope_wire::{RoutingDecision, SequenceHash, WorkerKey};
+use kvscope_wire::LowerTierBlocks;
+use kvscope_wire::{RoutingDecision, SequenceHash, Tier, WorkerKey};
 use std::collections::BTreeMap;
 
 /// The verdict's trace id, lowercase hex: the router's trace of the request when known,
@@ -96,7 +98,38 @@ pub(crate) fn judge_matched(
             .then(|| chain[chosen_overlap as usize - 1]),
         nixl: None,
         router_overlap_blocks: None,
+        chosen_lower_tiers: Default::default(),
+        best_lower_tiers: Default::default(),
+        onload_delta_tokens: 0,
     }
+}
+
+/// Extend `v`'s chosen and best workers' matches through their lower tiers (host, then
+/// disk), each from where its device overlap ends, and split the true delta into what
+/// the chosen worker onloads from its own lower tiers and what it recomputes.
+pub(crate) fn extend_through_lower_tiers(
+    v: &mut SpillVerdict,
+    tiers: &LowerTiers,
+    chain: &[SequenceHash],
+) {
+    if tiers.is_empty() {
+        return;
+    }
+    let extend = |worker: &WorkerKey, device: u32| {
+        let host = tiers.extension(Tier::Host, worker, chain, device as usize);
+        let disk = tiers.extension(Tier::Disk, worker, chain, (device + host) as usize);
+        LowerTierBlocks {
+            host_blocks: host,
+            disk_blocks: disk,
+        }
+    };
+    v.chosen_lower_tiers = extend(&v.chosen, v.chosen_overlap_blocks);
+    v.best_lower_tiers = extend(&v.best, v.best_overlap_blocks);
+    let gap = v
+        .best_overlap_blocks
+        .saturating_sub(v.chosen_overlap_blocks);
+    v.onload_delta_tokens =
+        u64::from(v.chosen_lower_tiers.total().min(gap)) * u64::from(v.block_size);
 }
 
 #[cfg(test)]

@@ -109,6 +109,7 @@ impl OpenWindow {
             s.generated_delta_tokens = s
                 .generated_delta_tokens
                 .saturating_add(v.generated_delta_tokens);
+            s.onload_delta_tokens = s.onload_delta_tokens.saturating_add(v.onload_delta_tokens);
             let pair = match s
                 .spill_pairs
                 .binary_search_by_key(&(v.best, v.chosen), |p| (p.source, p.target))
@@ -276,6 +277,9 @@ mod tests {
             delta_parent_hash: None,
             nixl: None,
             router_overlap_blocks: None,
+            chosen_lower_tiers: Default::default(),
+            best_lower_tiers: Default::default(),
+            onload_delta_tokens: 0,
         };
         let mut open = OpenWindow::new(0, 1_000_000_000, false);
         open.add_verdict(&verdict(2, 1, 16384, true));

@@ -113,6 +113,7 @@ async fn summary(State(s): State<Arc<Shared>>) -> impl IntoResponse {
         open_window: a.open_window().cloned(),
         counters: a.counters().clone(),
         router_view: a.router_view().clone(),
+        router_tier_view: a.tier_view().clone(),
         agents: a.agents().clone(),
         fleet: a.fleet().clone(),
     };

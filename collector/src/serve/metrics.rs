@@ -28,6 +28,18 @@ pub fn exposition(shared: &crate::state::Shared, format: Format) -> String {
 /// The router's view of its choices against the engines' truth: decisions by how the
 /// router's credited overlap compared, the blocks it was off by, and the spills it could
 /// not see.
+fn write_tier_view(out: &mut Exposition, v: &kvscope_wire::api::summary::TierViewAudit) {
+    let name = "kvscope_router_tier_view_decisions";
+    out.family(
+        name,
+        Kind::Counter,
+        "Judged decisions whose line stated how far the router extended the chosen worker's match through its host and disk tiers, by how that compared with what its engine held then (exact, over, under).",
+    );
+    for (outcome, n) in [("exact", v.exact), ("over", v.over), ("under", v.under)] {
+        out.counter(name, &labels(&[("outcome", outcome)]), n);
+    }
+}
+
 fn write_router_view(out: &mut Exposition, v: &kvscope_wire::api::summary::RouterViewAudit) {
     let name = "kvscope_router_view_decisions";
     out.family(
@@ -392,7 +404,14 @@ pub fn write(out: &mut Exposition, a: &FleetAnalyzer, bus: &BusStatus) {
         "",
         t.generated_delta_tokens,
     );
+    out.single_counter(
+        "kvscope_spill_onload_delta_tokens",
+        "Part of the spills' true delta the chosen worker held in its own lower tiers (host memory, disk): onloaded, not recomputed. The rest of the true delta was recomputed.",
+        "",
+        t.onload_delta_tokens,
+    );
     write_router_view(out, a.router_view());
+    write_tier_view(out, a.tier_view());
     let m = &t.migration_log;
     let name = "kvscope_migration_log_lines";
     out.family(

@@ -62,6 +62,7 @@ pub fn verdict_span(v: &SpillVerdict, agent: &str) -> Span {
             attr_int("kvscope.upper_bound_tokens", v.upper_bound_tokens),
             attr_int("kvscope.true_delta_tokens", v.true_delta_tokens),
             attr_int("kvscope.generated_delta_tokens", v.generated_delta_tokens),
+            attr_int("kvscope.onload_delta_tokens", v.onload_delta_tokens),
             attr_int("kvscope.uncached_prefill_tokens", v.uncached_prefill_tokens),
             attr_str("kvscope.agent.id", agent.to_string()),
         ]

@@ -24,6 +24,7 @@ mod event_plane;
 mod gap_recovery;
 mod hostile;
 mod info_decisions;
+mod kv_tiers;
 mod lab;
 mod lab_e2e;
 mod late_start;

@@ -22,7 +22,7 @@
 use kvscope_fleet::fleet_run::FleetRunConfig;
 use kvscope_lab::workload::{self, RequestRecord, WorkloadConfig};
 use kvscope_lab::LabConfig;
-use kvscope_wire::api::summary::RouterViewAudit;
+use kvscope_wire::api::summary::{RouterViewAudit, TierViewAudit};
 use serde_json::Value;
 use std::collections::BTreeMap;
 
@@ -108,6 +108,23 @@ async fn decode_generated_blocks_show_in_the_true_delta_as_the_workload_counts_t
         judged.len(),
         "every decision has its view"
     );
+    // The router's view of the lower tiers: 1.6.1 states `host_pinned_blocks` and
+    // `disk_blocks` on every `Selected worker` line; the mockers publish no lower tier,
+    // so the engines hold none past the device overlap either.
+    let log = std::fs::read_to_string(&router_log).unwrap();
+    let stated = log
+        .lines()
+        .filter(|l| l.contains("Selected worker") && l.contains("host_pinned_blocks="))
+        .count();
+    let tiers: TierViewAudit = serde_json::from_value(live["router_tier_view"].clone()).unwrap();
+    eprintln!("router's lower-tier view: {tiers:?}, {stated} lines state it");
+    assert_eq!(
+        tiers.compared as usize,
+        judged.len(),
+        "every decision's line states it"
+    );
+    assert!(stated >= judged.len());
+    assert_eq!(tiers.exact, tiers.compared);
 
     let by_router_id: BTreeMap<&str, &RequestRecord> = summary
         .requests

@@ -24,6 +24,9 @@ pub struct CollectorSummary {
     pub counters: CollectorCounters,
     /// The router's own view of its choices set beside the engines' truth.
     pub router_view: RouterViewAudit,
+    /// The router's view of the chosen workers' lower tiers beside the engines'.
+    #[serde(default)]
+    pub router_tier_view: TierViewAudit,
     /// Every agent the collector has heard from, with when it last did.
     pub agents: BTreeMap<String, AgentStatus>,
     /// The workers discovery described, by instance id (retired ones included).
@@ -94,6 +97,42 @@ pub struct BusStatus {
 /// router credited the chosen worker with (its logged `overlap_blocks`) against the
 /// blocks the chosen worker's engine had stored and not removed at the decision (the
 /// verdict's `chosen_overlap_blocks`).
+/// The router's view of the chosen worker's lower tiers (how far it extended the match
+/// past the device overlap through host memory and disk, as its decision line states
+/// it) set beside the engines' (the verdict's `chosen_lower_tiers`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct TierViewAudit {
+    /// Judged decisions whose line stated the router's lower-tier view.
+    pub compared: u64,
+    pub exact: u64,
+    /// The router extended the match further than the engines held (Σ blocks over).
+    pub over: u64,
+    pub over_blocks: u64,
+    /// The router extended it less far than the engines held (Σ blocks short).
+    pub under: u64,
+    pub under_blocks: u64,
+}
+
+impl TierViewAudit {
+    /// Count one decision: `believed` by the router, `held` by the engines.
+    pub fn compare(&mut self, believed: crate::LowerTierBlocks, held: crate::LowerTierBlocks) {
+        self.compared += 1;
+        let (b, h) = (u64::from(believed.total()), u64::from(held.total()));
+        if believed == held {
+            self.exact += 1;
+        } else if b >= h {
+            // Equal totals split differently between host and disk count as over: the
+            // router credited a tier the blocks were not in.
+            self.over += 1;
+            self.over_blocks += b - h;
+        } else {
+            self.under += 1;
+            self.under_blocks += h - b;
+        }
+    }
+}
+
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct RouterViewAudit {
@@ -158,9 +197,18 @@ pub struct CollectorCounters {
     pub unknown_parent_events: u64,
     /// Removals of blocks the worker never stored.
     pub unknown_removed_blocks: u64,
-    /// Stores and removals on a host, disk or remote tier: they never count toward an
-    /// overlap (the router keeps them in a separate lower-tier index).
+    /// Stores and removals on a host or disk tier: applied to the lower-tier mirror,
+    /// never to an overlap (the router keeps them in separate lower-tier indexes and
+    /// extends a match through them past the device overlap).
     pub lower_tier_events: u64,
+    pub lower_tier_stored_blocks: u64,
+    pub lower_tier_removed_blocks: u64,
+    /// Lower-tier blocks that could not be placed (a store of engine hashes alone that
+    /// no tier of the worker held) or removed (never stored there).
+    pub lower_tier_unknown_blocks: u64,
+    /// Stores and removals whose `medium` names no tier an engine is known to send: left
+    /// out of every tier, never guessed.
+    pub unknown_medium_events: u64,
     /// Stores whose tokens did not fill exactly one block per block hash.
     pub token_count_mismatches: u64,
     pub sequence_gaps: u64,

@@ -1,6 +1,7 @@
 //! Per-request spill verdicts as the collector serves them (`/api/verdicts`): the
 //! measurements of ARCHITECTURE.md ("The measurements") for one routed request.
 
+use crate::tier::LowerTierBlocks;
 use crate::{SequenceHash, WorkerKey};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -82,4 +83,16 @@ pub struct SpillVerdict {
     /// verdict is served (`/api/verdicts`) once the view came; the fold leaves it out.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub router_overlap_blocks: Option<u32>,
+    /// How far the chosen worker's match extends past its device overlap through its
+    /// host tier, then its disk tier (as Dynamo's router extends it): blocks it would
+    /// onload rather than compute. Empty on a fleet whose engines publish no lower tier.
+    #[serde(default, skip_serializing_if = "LowerTierBlocks::is_empty")]
+    pub chosen_lower_tiers: LowerTierBlocks,
+    /// The same for the best worker.
+    #[serde(default, skip_serializing_if = "LowerTierBlocks::is_empty")]
+    pub best_lower_tiers: LowerTierBlocks,
+    /// The part of the true delta the chosen worker held in its own lower tiers: onloaded,
+    /// not recomputed. `true_delta_tokens − onload_delta_tokens` had to be recomputed.
+    #[serde(default)]
+    pub onload_delta_tokens: u64,
 }

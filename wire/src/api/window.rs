@@ -136,6 +136,10 @@ pub struct WindowSummary {
     /// Σ of the true delta that lies in decode-generated blocks, over spills.
     #[serde(default)]
     pub generated_delta_tokens: u64,
+    /// Σ of the true delta the chosen worker held in its lower tiers (host, disk), over
+    /// spills: onloaded rather than recomputed.
+    #[serde(default)]
+    pub onload_delta_tokens: u64,
     pub true_delta: TokenDistribution,
     pub upper_bound: TokenDistribution,
     pub true_delta_tok_per_s: f64,

@@ -767,6 +767,7 @@ mod tests {
             selection: kvscope_wire::Selection {
                 logit: Some(1.5),
                 pinned: false,
+                lower_tiers: None,
             },
             trace: None,
         })

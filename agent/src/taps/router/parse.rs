@@ -525,7 +525,20 @@ fn selected_worker(f: &Fields, pinned: bool) -> Result<SelectedWorker, String> {
                 .and_then(|v| v.parse::<f64>().ok())
                 .filter(|l| l.is_finite()),
             pinned,
+            lower_tiers: router_lower_tiers(f),
         },
+    })
+}
+
+/// The router's extension of the chosen worker's match through its lower tiers, where
+/// the line states it (Dynamo 1.6: `host_pinned_blocks=… disk_blocks=…`); a field that
+/// is no count is none.
+fn router_lower_tiers(f: &Fields) -> Option<kvscope_wire::LowerTierBlocks> {
+    let count = |k: &str| f.get(k).and_then(|v| v.parse::<u32>().ok());
+    let (host, disk) = (count("host_pinned_blocks"), count("disk_blocks"));
+    (host.is_some() || disk.is_some()).then(|| kvscope_wire::LowerTierBlocks {
+        host_blocks: host.unwrap_or(0),
+        disk_blocks: disk.unwrap_or(0),
     })
 }
 
@@ -903,7 +916,7 @@ mod tests {
     use super::*;
 
     const INPUT: &str = r#"2026-11-29T07:50:01.123456Z DEBUG http-request:kv_router.select_worker: dynamo_kv_router::services::selection::core::run: [ROUTING_INPUT] request local hashes request_id="r-1" isl_tokens=41 block_size=16 num_blocks=2 local_hashes=[11, 18446744073709551615] method=POST x_request_id="kvs1 with space" request_id=other-id model="m""#;
-    const SELECTED: &str = r#"2026-11-29T07:50:01.123556Z  INFO dynamo_kv_router::scheduling::selector: Selected worker router_mode="kv" request_id="r-1" worker_id=758491669810558404 worker_type=decode dp_rank=1 logit=62.625 host_pinned_blocks=0 disk_blocks=0"#;
+    const SELECTED: &str = r#"2026-11-29T07:50:01.123556Z  INFO dynamo_kv_router::scheduling::selector: Selected worker router_mode="kv" request_id="r-1" worker_id=758491669810558404 worker_type=decode dp_rank=1 logit=62.625 host_pinned_blocks=3 disk_blocks=1"#;
 
     #[test]
     fn routing_input_line() {
@@ -943,6 +956,7 @@ mod tests {
             selection: kvscope_wire::Selection {
                 logit: Some(59.312),
                 pinned: true,
+                lower_tiers: None,
             },
         });
         assert_eq!(parse_line(text).unwrap().content, want);
@@ -965,6 +979,10 @@ mod tests {
                 selection: kvscope_wire::Selection {
                     logit: Some(62.625),
                     pinned: false,
+                    lower_tiers: Some(kvscope_wire::LowerTierBlocks {
+                        host_blocks: 3,
+                        disk_blocks: 1,
+                    }),
                 },
             })
         );

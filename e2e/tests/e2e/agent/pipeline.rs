@@ -528,6 +528,7 @@ async fn records_from_zmq_and_the_router_log_arrive_on_jetstream() {
             selection: kvscope_wire::Selection {
                 logit: Some(62.625),
                 pinned: false,
+                lower_tiers: Some(kvscope_wire::LowerTierBlocks::default()),
             },
             trace: None,
         }]
