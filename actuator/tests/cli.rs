@@ -324,3 +324,33 @@ fn help_explains_the_policy_and_print_config_round_trips() {
     assert_eq!(back.policy.min_tokens, 64);
     assert_eq!(back.worker_agents.len(), 2);
 }
+
+/// The daemon reads the collector only once it says it has caught up: a collector that
+/// does not consume its stream (here, one serving a replay with no bus) answers 503 on
+/// `/readyz`, and the client reports why instead of handing its figures on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_collector_that_has_not_caught_up_is_not_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let recording = dir.path().join("fleet.jsonl");
+    record_fleet(&recording);
+    let collector = serve_collector(&recording).await;
+    let client = kvscope_actuator::decide::input::CollectorClient::new(
+        &collector,
+        std::time::Duration::from_secs(5),
+        10,
+        10,
+    )
+    .unwrap();
+    let err = client.ready().await.unwrap_err();
+    let text = err.to_string();
+    assert!(
+        matches!(
+            err,
+            kvscope_actuator::decide::input::InputError::NotReady { .. }
+        ),
+        "{text}"
+    );
+    assert!(text.contains("bus: not consuming the stream"), "{text}");
+    // Its figures are still there for `plan`, which acts on nothing.
+    assert!(client.fetch().await.is_ok());
+}

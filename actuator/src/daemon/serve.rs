@@ -58,7 +58,14 @@ pub async fn serve(cfg: ActuatorConfig, api_token: Option<String>) -> Result<(),
     loop {
         tokio::select! {
             _ = ticker.tick() => {
-                let view = client.fetch().await.map_err(|e| e.to_string());
+                // A collector that has not caught up (rebuilding from the stream after a
+                // restart) serves figures that are not the fleet's now: read as no input,
+                // so the policy holds nothing LIVE on them and no directive is sent.
+                let view = match client.ready().await {
+                    Ok(()) => client.fetch().await,
+                    Err(e) => Err(e),
+                }
+                .map_err(|e| e.to_string());
                 // Logged when it starts, changes or ends; the audit has the rest.
                 match (&view, &last_error) {
                     (Err(e), Some(last)) if e == last => {}

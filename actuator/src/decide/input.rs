@@ -41,6 +41,8 @@ pub(crate) struct CollectorSnapshot {
 pub enum InputError {
     #[error("collector request {url} failed: {error}")]
     Request { url: String, error: String },
+    #[error("the collector is not ready ({url}): {why}")]
+    NotReady { url: String, why: String },
     #[error("collector answered {status} to {url}")]
     Status {
         url: String,
@@ -109,6 +111,47 @@ impl CollectorClient {
             error: error_chain(&e),
         })?;
         serde_json::from_slice(&bytes).map_err(|source| InputError::Decode { url, source })
+    }
+
+    /// Whether the collector serves figures it has caught up on (`/readyz`): one that is
+    /// rebuilding its state from the stream (after a restart), not consuming it, or not
+    /// applying what waits for it answers 503 and says why. Its figures are then not the
+    /// fleet's now, and acting on them would act on stale data.
+    pub async fn ready(&self) -> Result<(), InputError> {
+        let url = format!("{}/readyz", self.base);
+        let resp = self
+            .http
+            .get(&url)
+            .send()
+            .await
+            .map_err(|e| InputError::Request {
+                url: url.clone(),
+                error: error_chain(&e),
+            })?;
+        let status = resp.status();
+        if status == reqwest::StatusCode::SERVICE_UNAVAILABLE {
+            let body = resp.text().await.unwrap_or_default();
+            // The failing checks (`check: why`, under a `not ready` line), on one line,
+            // bounded.
+            let mut why: String = body
+                .lines()
+                .map(str::trim)
+                .filter(|l| !l.is_empty() && *l != "not ready")
+                .collect::<Vec<_>>()
+                .join("; ");
+            if why.len() > 300 {
+                let cut = (0..=300)
+                    .rev()
+                    .find(|i| why.is_char_boundary(*i))
+                    .unwrap_or(0);
+                why.truncate(cut);
+            }
+            return Err(InputError::NotReady { url, why });
+        }
+        if !status.is_success() {
+            return Err(InputError::Status { url, status });
+        }
+        Ok(())
     }
 
     /// Fetch summary, windows, verdicts, NIXL pairs and NIXL agents' workers.
