@@ -73,6 +73,7 @@ fn record_fleet(path: &Path) {
                     local_hashes: None,
                     lora_name: None,
                     medium: None,
+                    cache_salt: None,
                 }],
             }),
         ))

@@ -47,7 +47,6 @@ agent_stats!(
     kv_fields_left_out_ownership: "KV events with vLLM's ownership set (0.33 on): read, not carried.",
     kv_fields_left_out_session_id: "KV events with vLLM's session_id set (0.33 on): read, not carried.",
     kv_fields_left_out_lookahead_token_ids: "KV events with vLLM's lookahead_token_ids set (0.33 on): read, not carried.",
-    kv_fields_left_out_cache_salt: "KV events with SGLang's cache_salt set (its block hashes already namespaced by it; the mirror matches blocks by their tokens alone): read, not carried.",
     kv_fields_left_out_other: "KV events with a field the agent does not know set (a newer engine's): read past, not carried.",
     kv_sequence_gaps: "Gaps in a publisher's batch sequence numbers (batches lost before the agent).",
     kv_missed_batches: "KV batches lost in sequence gaps.",
@@ -103,6 +102,6 @@ mod tests {
         let c = s.snapshot();
         assert_eq!(c.kv_batches, 2);
         assert_eq!(c.publish_dropped, 5);
-        assert_eq!(s.named().len(), 53);
+        assert_eq!(s.named().len(), 52);
     }
 }

@@ -58,8 +58,9 @@
 //!
 //! Assumptions the records cannot settle: the publisher's configured `kv_block_size`
 //! is taken to be the `block_size` of the first `BlockStored` seen from that worker key
-//! (Dynamo drops blocks whose size differs from it); there are no `cache_salt` /
-//! multimodal / eagle fields in kvscope records, so they are absent here too.
+//! (Dynamo drops blocks whose size differs from it); a store's `cache_salt` goes to the
+//! publisher as its `cache_salt` (Dynamo's cache namespace); there are no multimodal or
+//! eagle fields in kvscope records, so they are absent here too.
 
 #![allow(dead_code)]
 
@@ -565,6 +566,7 @@ fn to_raw(ev: &KvEvent) -> RawKvEvent {
             lora_name,
             medium,
             local_hashes,
+            cache_salt,
         } => RawKvEvent::BlockStored {
             block_hashes: block_hashes
                 .iter()
@@ -579,7 +581,7 @@ fn to_raw(ev: &KvEvent) -> RawKvEvent {
             block_size: *block_size as usize,
             medium: medium.clone(),
             lora_name: lora_name.clone(),
-            cache_namespace: None,
+            cache_namespace: cache_salt.clone(),
             block_mm_infos: None,
             is_eagle: None,
             group_idx: None,

@@ -250,6 +250,7 @@ fn stored(body: &Value, block_size: u32, medium: Option<String>) -> Result<KvEve
         local_hashes: Some(local_hashes),
         lora_name: None,
         medium,
+        cache_salt: None,
     })
 }
 
@@ -533,6 +534,7 @@ mod tests {
                     local_hashes: Some(vec![7673640008819948746, 6]),
                     lora_name: None,
                     medium: None,
+                    cache_salt: None,
                 },
             },
             PlaneEvent {

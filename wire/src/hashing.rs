@@ -18,10 +18,22 @@ pub type SequenceHash = u64;
 
 /// The seed for a LoRA adapter: Dynamo offsets the base seed by the adapter name's hash.
 pub fn seed_for_lora(lora_name: Option<&str>) -> u64 {
-    match lora_name {
-        Some(name) if !name.is_empty() => DYNAMO_HASH_SEED.wrapping_add(xxh3_64(name.as_bytes())),
-        _ => DYNAMO_HASH_SEED,
+    seed_for(None, lora_name)
+}
+
+/// The seed of a block's identity: Dynamo offsets the base seed by the LoRA adapter
+/// name's hash and, apart from it (another inner seed), by the cache salt's (the
+/// tenant's namespace), so blocks of equal tokens under another adapter or salt hash
+/// apart. Empty names are none.
+pub fn seed_for(cache_salt: Option<&str>, lora_name: Option<&str>) -> u64 {
+    let mut seed = DYNAMO_HASH_SEED;
+    if let Some(name) = lora_name.filter(|n| !n.is_empty()) {
+        seed = seed.wrapping_add(xxh3_64(name.as_bytes()));
     }
+    if let Some(salt) = cache_salt.filter(|s| !s.is_empty()) {
+        seed = seed.wrapping_add(xxhash_rust::xxh3::xxh3_64_with_seed(salt.as_bytes(), 1));
+    }
+    seed
 }
 
 /// Local hash of one block of token ids.

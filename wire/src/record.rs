@@ -372,6 +372,11 @@ pub enum KvEvent {
         lora_name: Option<String>,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         medium: Option<String>,
+        /// The cache salt the blocks were stored under (SGLang's `cache_salt`: a
+        /// tenant's namespace). Part of a block's identity, as Dynamo's router hashes
+        /// it: blocks of equal tokens under another salt are other blocks.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        cache_salt: Option<String>,
     },
     BlockRemoved {
         #[serde(serialize_with = "crate::packed::write")]
@@ -393,6 +398,7 @@ impl KvEvent {
             block_size,
             local_hashes,
             lora_name,
+            cache_salt,
             ..
         } = self
         else {
@@ -403,7 +409,7 @@ impl KvEvent {
             _ => crate::hashing::local_block_hashes(
                 token_ids,
                 *block_size as usize,
-                crate::hashing::seed_for_lora(lora_name.as_deref()),
+                crate::hashing::seed_for(cache_salt.as_deref(), lora_name.as_deref()),
             )
             .into(),
         })
@@ -460,6 +466,8 @@ impl TaggedMap for KvEvent {
             lora_name: Option<String>,
             #[serde(default)]
             medium: Option<String>,
+            #[serde(default)]
+            cache_salt: Option<String>,
         }
         #[derive(Deserialize)]
         struct Removed {
@@ -479,6 +487,7 @@ impl TaggedMap for KvEvent {
                     local_hashes: f.local_hashes,
                     lora_name: f.lora_name,
                     medium: f.medium,
+                    cache_salt: f.cache_salt,
                 }
             }
             "BlockRemoved" => {
@@ -831,8 +840,6 @@ pub struct AgentCounters {
     #[serde(skip_serializing_if = "is_zero")]
     pub kv_fields_left_out_lookahead_token_ids: u64,
     #[serde(skip_serializing_if = "is_zero")]
-    pub kv_fields_left_out_cache_salt: u64,
-    #[serde(skip_serializing_if = "is_zero")]
     pub kv_fields_left_out_other: u64,
     pub kv_sequence_gaps: u64,
     pub kv_missed_batches: u64,
@@ -968,6 +975,7 @@ mod tests {
             local_hashes: None,
             lora_name: lora.map(str::to_string),
             medium: Some("GPU".into()),
+            cache_salt: None,
         };
         let hashed = |locals: Vec<u64>, lora: Option<&str>| KvEvent::BlockStored {
             block_hashes: vec![10, 11],
@@ -977,6 +985,7 @@ mod tests {
             local_hashes: Some(locals),
             lora_name: lora.map(str::to_string),
             medium: Some("GPU".into()),
+            cache_salt: None,
         };
         let mut e = store(vec![1, 2, 3, 4, 5], None);
         e.hash_tokens();
@@ -1119,6 +1128,7 @@ mod tests {
                         local_hashes: None,
                         lora_name: None,
                         medium: Some("GPU".into()),
+                        cache_salt: Some("tenant-a".into()),
                     },
                     KvEvent::AllBlocksCleared,
                 ],
@@ -1222,6 +1232,7 @@ mod tests {
                 local_hashes: Some(vec![8, 9]),
                 lora_name: Some("l".into()),
                 medium: Some("GPU".into()),
+                cache_salt: None,
             },
             KvEvent::BlockRemoved {
                 block_hashes: vec![1],
@@ -1245,6 +1256,7 @@ mod tests {
             local_hashes: Some(vec![8, 9]),
             lora_name: None,
             medium: None,
+            cache_salt: None,
         };
         let mut decision = RoutingDecision {
             model: None,
@@ -1354,6 +1366,7 @@ mod tests {
                     local_hashes,
                     lora_name,
                     medium,
+                    cache_salt: None,
                 },
                 DerivedKvEvent::BlockRemoved {
                     block_hashes,

@@ -22,8 +22,7 @@
 //!
 //! Fields the agent does not carry (vLLM's `lora_id`, `extra_keys`, `group_idx`, the KV
 //! cache spec, and since 0.33 `locality`, `ownership`, `session_id`,
-//! `lookahead_token_ids`; SGLang's `cache_salt`; any other a newer version adds) are
-//! read past and counted per
+//! `lookahead_token_ids`; any other a newer version adds) are read past and counted per
 //! event that sets them ([`FieldsLeftOut`]); optional ones may be missing. Block hashes
 //! are msgpack uint64, signed int64 (SGLang; the bits are kept) or bytes (the low 64
 //! bits read big-endian, i.e. the last 8 bytes; shorter strings are left-padded).
@@ -85,8 +84,6 @@ pub struct FieldsLeftOut {
     pub ownership: u32,
     pub session_id: u32,
     pub lookahead_token_ids: u32,
-    /// SGLang's: its block hashes are already namespaced by it.
-    pub cache_salt: u32,
     pub other: u32,
 }
 
@@ -103,7 +100,6 @@ impl FieldsLeftOut {
             "ownership" => &mut self.ownership,
             "session_id" => &mut self.session_id,
             "lookahead_token_ids" => &mut self.lookahead_token_ids,
-            "cache_salt" => &mut self.cache_salt,
             _ => &mut self.other,
         }
     }
@@ -124,7 +120,7 @@ impl FieldsLeftOut {
     }
 
     /// `(name, count)` of every field.
-    pub fn counts(&self) -> [(&'static str, u32); 11] {
+    pub fn counts(&self) -> [(&'static str, u32); 10] {
         [
             ("lora_id", self.lora_id),
             ("extra_keys", self.extra_keys),
@@ -138,7 +134,6 @@ impl FieldsLeftOut {
             ("ownership", self.ownership),
             ("session_id", self.session_id),
             ("lookahead_token_ids", self.lookahead_token_ids),
-            ("cache_salt", self.cache_salt),
             ("other", self.other),
         ]
     }
@@ -171,7 +166,7 @@ fn positional_field(kind: &str, pos: u32) -> &'static str {
 
 /// The fields the decoder carries (the rest are counted, [`FieldsLeftOut`]); in a map
 /// event, a second of one is counted as `other`.
-pub const CARRIED: [&str; 7] = [
+pub const CARRIED: [&str; 8] = [
     "type",
     "block_hashes",
     "parent_block_hash",
@@ -179,6 +174,9 @@ pub const CARRIED: [&str; 7] = [
     "block_size",
     "medium",
     "lora_name",
+    // SGLang's: the tenant namespace its block hashes are salted with, part of the
+    // blocks' identity (`KvEvent::BlockStored::cache_salt`).
+    "cache_salt",
 ];
 
 /// A decoded payload.
@@ -382,6 +380,7 @@ struct Slots<'a> {
     block_size: Option<Head<'a>>,
     medium: Option<Head<'a>>,
     lora_name: Option<Head<'a>>,
+    cache_salt: Option<Head<'a>>,
     /// A positional BlockStored's slot 5 (vLLM's old `lora_id`; the mocker's medium when
     /// it left medium out).
     before_medium: Option<Head<'a>>,
@@ -759,6 +758,9 @@ impl<'a> Reader<'a> {
                         Some("lora_name") if slots.lora_name.is_none() => {
                             slots.lora_name = Some(self.value(items)?)
                         }
+                        Some("cache_salt") if slots.cache_salt.is_none() => {
+                            slots.cache_salt = Some(self.value(items)?)
+                        }
                         name => {
                             let h = self.value(items)?;
                             let name = name.filter(|n| !CARRIED.contains(n)).unwrap_or("other");
@@ -823,6 +825,7 @@ fn event_of<'a>(event_type: &str, slots: Slots<'a>) -> Result<KvEvent, EventErro
                 _ => return Err(bad("block_size missing or not a u32".into())),
             },
             medium: opt_string(slots.medium, "medium")?,
+            cache_salt: opt_string(slots.cache_salt, "cache_salt")?,
             lora_name: opt_string(slots.lora_name, "lora_name")?,
         }),
         "BlockRemoved" => Ok(KvEvent::BlockRemoved {
@@ -901,6 +904,7 @@ pub fn encode_payload(engine_ts: f64, events: &[KvEvent], dp_rank: u32) -> Vec<u
                 block_size,
                 lora_name,
                 medium,
+                cache_salt,
                 // vLLM's format carries tokens, not Dynamo's hashes of them.
                 local_hashes: _,
             } => map(vec![
@@ -918,6 +922,7 @@ pub fn encode_payload(engine_ts: f64, events: &[KvEvent], dp_rank: u32) -> Vec<u
                 ("lora_id", Value::Nil),
                 ("medium", opt_str(medium.as_deref())),
                 ("lora_name", opt_str(lora_name.as_deref())),
+                ("cache_salt", opt_str(cache_salt.as_deref())),
             ]),
             KvEvent::BlockRemoved {
                 block_hashes,
@@ -1079,6 +1084,13 @@ mod tests {
                         .and_then(|b| u32::try_from(b).ok())
                         .ok_or_else(|| bad("block_size missing or not a u32".into()))?,
                     medium: opt_string(medium, "medium").map_err(bad)?,
+                    // Named only (SGLang's maps): no positional layout carries it.
+                    cache_salt: match fields {
+                        Fields::Named(_) => {
+                            opt_string(fields.get(0, "cache_salt"), "cache_salt").map_err(bad)?
+                        }
+                        Fields::Positional(_) => None,
+                    },
                     lora_name: opt_string(fields.get(7, "lora_name"), "lora_name").map_err(bad)?,
                 }),
                 "BlockRemoved" => Ok(KvEvent::BlockRemoved {
@@ -1225,6 +1237,7 @@ mod tests {
             local_hashes: None,
             lora_name: None,
             medium: None,
+            cache_salt: None,
         }
     }
 
@@ -1239,6 +1252,7 @@ mod tests {
                 local_hashes: None,
                 lora_name: None,
                 medium: Some("GPU".into()),
+                cache_salt: None,
             },
             stored(vec![3], None, vec![5, 6], 2),
             KvEvent::BlockRemoved {
@@ -1299,6 +1313,7 @@ mod tests {
                     local_hashes: None,
                     lora_name: Some("adapter".into()),
                     medium: Some("GPU".into()),
+                    cache_salt: None,
                 },
                 KvEvent::BlockRemoved {
                     block_hashes: vec![2],

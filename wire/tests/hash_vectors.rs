@@ -244,3 +244,38 @@ fn pinned_vectors() {
         vec![15310707395893867146, 13769157705258532664]
     );
 }
+
+/// A cache salt (Dynamo's cache namespace) seeds a block's identity apart from the LoRA
+/// adapter: kvscope's `seed_for` against `compute_block_hash_for_seq` with both set.
+#[test]
+fn cache_salt_seeds_as_dynamo_namespaces_hashes() {
+    use kvscope_wire::hashing::seed_for;
+    for seq in sequences() {
+        for bs in [16u32, 64] {
+            for lora in LORAS {
+                for salt in [None, Some(""), Some("tenant-a"), Some("tenant-b")] {
+                    let theirs: Vec<u64> = compute_block_hash_for_seq(
+                        &seq,
+                        bs,
+                        BlockHashOptions {
+                            lora_name: lora,
+                            cache_namespace: salt,
+                            ..Default::default()
+                        },
+                    )
+                    .into_iter()
+                    .map(|h| h.0)
+                    .collect();
+                    let ours = local_block_hashes(&seq, bs as usize, seed_for(salt, lora));
+                    assert_eq!(ours, theirs, "bs={bs} lora={lora:?} salt={salt:?}");
+                }
+            }
+        }
+    }
+    // Another salt, another identity; no salt is the unsalted one.
+    let seq = tokens(64, 9);
+    let with = |salt| local_block_hashes(&seq, 16, seed_for(salt, None));
+    assert_ne!(with(Some("tenant-a")), with(Some("tenant-b")));
+    assert_ne!(with(Some("tenant-a")), with(None));
+    assert_eq!(with(Some("")), with(None));
+}

@@ -139,10 +139,6 @@ impl InternalEvent<AgentStats> for KvFieldsLeftOut<'_> {
             &stats.kv_fields_left_out_lookahead_token_ids,
             u64::from(f.lookahead_token_ids),
         );
-        add(
-            &stats.kv_fields_left_out_cache_salt,
-            u64::from(f.cache_salt),
-        );
         add(&stats.kv_fields_left_out_other, u64::from(f.other));
     }
 }

@@ -175,7 +175,6 @@ mod tests {
                 kv_fields_left_out_ownership: 0,
                 kv_fields_left_out_session_id: 0,
                 kv_fields_left_out_lookahead_token_ids: 0,
-                kv_fields_left_out_cache_salt: 0,
                 kv_fields_left_out_other: 0,
                 kv_sequence_gaps: 1,
                 kv_missed_batches: 3,

@@ -1631,6 +1631,7 @@ mod tests {
                         local_hashes: None,
                         lora_name: None,
                         medium: None,
+                        cache_salt: None,
                     }],
                 }),
             ),
@@ -1749,6 +1750,7 @@ mod tests {
                         local_hashes: None,
                         lora_name: None,
                         medium: None,
+                        cache_salt: None,
                     },
                 ],
             ),
@@ -2295,6 +2297,51 @@ mod tests {
         let v = a.apply(&env(8, decision("t", 2, &toks))).unwrap();
         assert!(v.chosen_lower_tiers.is_empty());
         assert_eq!(v.onload_delta_tokens, 0);
+    }
+
+    #[test]
+    fn blocks_of_equal_tokens_under_another_cache_salt_are_other_blocks() {
+        use crate::fixtures::routing_decision;
+        use kvscope_wire::hashing::{local_block_hashes, seed_for};
+        let mut a = FleetAnalyzer::new(cfg());
+        let toks: Vec<u32> = (0..8).collect();
+        let salted = |r: Record, salt: &str| match r {
+            Record::KvEvents(mut b) => {
+                for ev in &mut b.events {
+                    if let KvEvent::BlockStored { cache_salt, .. } = ev {
+                        *cache_salt = Some(salt.into());
+                    }
+                }
+                Record::KvEvents(b)
+            }
+            other => other,
+        };
+        // Two tenants send the same prompt: worker 1 stores it under salt "a", worker 2
+        // under "b" (SGLang's cache_salt).
+        a.apply(&env(
+            1,
+            salted(
+                stored(1, 0, SequenceStatus::First, &toks, &[1, 2, 3, 4]),
+                "a",
+            ),
+        ));
+        a.apply(&env(
+            1,
+            salted(
+                stored(2, 0, SequenceStatus::First, &toks, &[1, 2, 3, 4]),
+                "b",
+            ),
+        ));
+        // Tenant a's request (the router hashes it with its salt) routed to worker 2:
+        // only worker 1 holds any of it.
+        let mut d = routing_decision("ra", 2, &toks);
+        d.local_hashes = local_block_hashes(&toks, 2, seed_for(Some("a"), None));
+        let v = a.apply(&env(2, Record::Decision(d))).unwrap();
+        assert_eq!(v.overlaps, BTreeMap::from([(w(1), 4)]));
+        assert!(v.spill);
+        // An unsalted request holds nothing of either.
+        let v = a.apply(&env(3, decision("r", 1, &toks))).unwrap();
+        assert!(v.overlaps.is_empty());
     }
 
     #[test]

@@ -57,6 +57,7 @@ pub fn stored_under(
             local_hashes: None,
             lora_name: None,
             medium: None,
+            cache_salt: None,
         }],
     )
 }

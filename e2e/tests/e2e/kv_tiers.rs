@@ -104,6 +104,7 @@ impl Fleet {
                 local_hashes: None,
                 lora_name: None,
                 medium: medium(tier),
+                cache_salt: None,
             },
         );
     }

@@ -66,6 +66,7 @@ fn stored(tokens: &[u32], first_block: usize, tag: u64, parent: Option<u64>) -> 
         local_hashes: None,
         lora_name: None,
         medium: None,
+        cache_salt: None,
     }
 }
 
@@ -237,6 +238,7 @@ fn dp_ranks_are_separate_caches_and_lower_tiers_do_not_count() {
             local_hashes: None,
             lora_name: None,
             medium: Some("CPU".into()),
+            cache_salt: None,
         }],
     );
     assert_eq!(o.counters.lower_tier, 1);
@@ -260,6 +262,7 @@ fn lora_blocks_only_match_lora_requests() {
             local_hashes: None,
             lora_name: Some("my-lora".into()),
             medium: Some("GPU".into()),
+            cache_salt: None,
         }],
     );
     let base = local_block_hashes(&a, BS as usize, DYNAMO_HASH_SEED);
@@ -284,6 +287,7 @@ fn partial_trailing_block_and_wrong_block_size_are_not_indexed() {
             local_hashes: None,
             lora_name: None,
             medium: None,
+            cache_salt: None,
         }],
     );
     assert_eq!(o.overlaps(&hashes), m(&[(W1, 2)]));
@@ -299,6 +303,7 @@ fn partial_trailing_block_and_wrong_block_size_are_not_indexed() {
             local_hashes: None,
             lora_name: None,
             medium: None,
+            cache_salt: None,
         }],
     );
     assert_eq!(o.overlaps(&hashes), m(&[(W1, 2)]));
@@ -341,6 +346,7 @@ fn hashed_tokens_give_dynamo_s_overlaps() {
             local_hashes: None,
             lora_name: lora.map(str::to_string),
             medium,
+            cache_salt: None,
         }
     };
     let lora_decision = |id: &str, tokens: &[u32]| {
@@ -463,4 +469,54 @@ fn hashed_tokens_give_dynamo_s_overlaps() {
     let mut analyzer = kvscope_collector::fold::analyzer::FleetAnalyzer::new(Default::default());
     let verdicts: Vec<_> = hashed.iter().filter_map(|e| analyzer.apply(e)).collect();
     oracle::assert_overlaps_equal(&verdicts, &records);
+}
+
+/// Two tenants' equal prompts under their cache salts (SGLang's `cache_salt`, Dynamo's
+/// cache namespace): Dynamo's publisher seeds each store's hashes with its salt, so a
+/// request of one tenant (hashed with its salt, as the router hashes it) overlaps only
+/// that tenant's blocks; the collector's fold credits the same, never across salts.
+#[test]
+fn cache_salts_keep_equal_prompts_apart() {
+    use kvscope_wire::hashing::seed_for;
+    let a = toks(4, 1);
+    let salted = |tag: u64, salt: &str| {
+        let mut ev = stored(&a, 0, tag, None);
+        if let KvEvent::BlockStored { cache_salt, .. } = &mut ev {
+            *cache_salt = Some(salt.into());
+        }
+        ev
+    };
+    let request = |id: &str, worker: WorkerKey, salt: Option<&str>| {
+        let Record::Decision(mut d) = decision(id, worker, &a) else {
+            unreachable!()
+        };
+        d.local_hashes = local_block_hashes(&a, BS as usize, seed_for(salt, None));
+        Record::Decision(d)
+    };
+    let records = vec![
+        env(
+            1,
+            batch(W1, 0, SequenceStatus::First, vec![salted(1, "tenant-a")]),
+        ),
+        env(
+            2,
+            batch(W2, 0, SequenceStatus::First, vec![salted(2, "tenant-b")]),
+        ),
+        env(3, request("ra", W2, Some("tenant-a"))),
+        env(4, request("rb", W1, Some("tenant-b"))),
+        env(5, request("r", W1, None)),
+    ];
+    let want = vec![
+        ("ra".to_string(), m(&[(W1, 4)])),
+        ("rb".to_string(), m(&[(W2, 4)])),
+        ("r".to_string(), m(&[])),
+    ];
+    assert_eq!(dynamo_overlaps(&records), want, "Dynamo's view");
+    let mut fold = kvscope_collector::fold::analyzer::FleetAnalyzer::new(Default::default());
+    let got: Vec<(String, BTreeMap<WorkerKey, u32>)> = records
+        .iter()
+        .filter_map(|e| fold.apply(e))
+        .map(|v| (v.request_id, v.overlaps))
+        .collect();
+    assert_eq!(got, want, "the fold's view");
 }

@@ -716,6 +716,7 @@ mod tests {
             local_hashes: Some(vec![11, 12]),
             lora_name: None,
             medium: None,
+            cache_salt: None,
         };
         let msg = |seq| {
             encode(

@@ -113,7 +113,6 @@ fn extras() -> Vec<(&'static str, Value)> {
         ("ownership", json!("owned")),
         ("session_id", json!("session-9")),
         ("lookahead_token_ids", json!([[9, 10]])),
-        ("cache_salt", json!("salt-a")),
     ]
 }
 
@@ -133,6 +132,9 @@ fn every_field(fields: &Value) -> (Value, Vec<Vec<KvEvent>>, FieldsLeftOut) {
     // Media and LoRA names where the engine has them (vLLM from 0.11 and 0.14).
     let medium = |m: &str| has("BlockStored", "medium").then(|| m.to_string());
     let lora_name = has("BlockStored", "lora_name").then(|| "adapter-a".to_string());
+    // SGLang's tenant namespace: carried, and part of the blocks' identity (their local
+    // hashes are seeded with it, as Dynamo's router seeds them).
+    let cache_salt = has("BlockStored", "cache_salt").then(|| "salt-a".to_string());
     let mut stored = json!({
         "type": "BlockStored",
         // Unsigned past 2^63, and signed (SGLang's namespaced hashes are int64).
@@ -150,6 +152,9 @@ fn every_field(fields: &Value) -> (Value, Vec<Vec<KvEvent>>, FieldsLeftOut) {
     }
     if let Some(l) = &lora_name {
         stored["lora_name"] = json!(l);
+    }
+    if let Some(c) = &cache_salt {
+        stored["cache_salt"] = json!(c);
     }
     for (f, v) in extras() {
         if has("BlockStored", f) {
@@ -169,6 +174,7 @@ fn every_field(fields: &Value) -> (Value, Vec<Vec<KvEvent>>, FieldsLeftOut) {
         local_hashes: None,
         lora_name,
         medium: medium("GPU"),
+        cache_salt,
     };
     s1.hash_tokens();
     let mut first = vec![stored];
@@ -194,6 +200,7 @@ fn every_field(fields: &Value) -> (Value, Vec<Vec<KvEvent>>, FieldsLeftOut) {
             local_hashes: None,
             lora_name: None,
             medium: medium("CPU"),
+            cache_salt: None,
         };
         s2.hash_tokens();
         first_want.push(s2);

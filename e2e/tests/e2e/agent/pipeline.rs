@@ -351,7 +351,6 @@ async fn records_from_zmq_and_the_router_log_arrive_on_jetstream() {
         kv_fields_left_out_ownership: 0,
         kv_fields_left_out_session_id: 0,
         kv_fields_left_out_lookahead_token_ids: 0,
-        kv_fields_left_out_cache_salt: 0,
         kv_fields_left_out_other: 0,
         kv_sequence_gaps: 1,
         kv_missed_batches: 2,
@@ -458,6 +457,7 @@ async fn records_from_zmq_and_the_router_log_arrive_on_jetstream() {
                 local_hashes: Some(local_block_hashes(&real_tokens, 16, DYNAMO_HASH_SEED)),
                 lora_name: None,
                 medium: None,
+                cache_salt: None,
             }],
         },
         KvEventBatch {
@@ -476,6 +476,7 @@ async fn records_from_zmq_and_the_router_log_arrive_on_jetstream() {
                     local_hashes: Some(local_block_hashes(&[1, 2, 3, 4], 2, DYNAMO_HASH_SEED)),
                     lora_name: None,
                     medium: Some("GPU".into()),
+                    cache_salt: None,
                 },
                 KvEvent::BlockRemoved {
                     block_hashes: vec![u64::from_be_bytes([24, 25, 26, 27, 28, 29, 30, 31])],

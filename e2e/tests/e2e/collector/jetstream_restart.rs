@@ -68,6 +68,7 @@ fn trace(n: usize) -> Vec<Envelope> {
                             local_hashes: None,
                             lora_name: None,
                             medium: None,
+                            cache_salt: None,
                         },
                         KvEvent::BlockRemoved {
                             block_hashes: vec![((conv as u64).saturating_sub(4)) << 20],

@@ -126,6 +126,7 @@ fn fleet_records() -> Vec<Envelope> {
                         local_hashes: None,
                         lora_name: None,
                         medium: Some("GPU".into()),
+                        cache_salt: None,
                     }],
                 }),
             ));

@@ -26,6 +26,7 @@ fn stored(hashes: &[u64], parent: Option<u64>, tokens: &[u32]) -> KvEvent {
         local_hashes: None,
         lora_name: None,
         medium: None,
+        cache_salt: None,
     }
 }
 

@@ -323,6 +323,7 @@ async fn migrate(
             local_hashes: None,
             lora_name: None,
             medium: None,
+            cache_salt: None,
         };
         if target_w.publish.send(vec![ev]).is_ok() {
             target_w.published.fetch_add(1, Ordering::Relaxed);

@@ -137,6 +137,7 @@ mod tests {
             local_hashes: None,
             lora_name: None,
             medium: None,
+            cache_salt: None,
         }
     }
 
