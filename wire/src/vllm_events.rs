@@ -381,6 +381,10 @@ struct Slots<'a> {
     medium: Option<Head<'a>>,
     lora_name: Option<Head<'a>>,
     cache_salt: Option<Head<'a>>,
+    /// The string items of `extra_keys`' first block (where Dynamo tags a request's cache
+    /// salt for vLLM, `dynamo-cache-salt:…`).
+    first_block_keys: Vec<&'a [u8]>,
+    extra_keys_seen: bool,
     /// A positional BlockStored's slot 5 (vLLM's old `lora_id`; the mocker's medium when
     /// it left medium out).
     before_medium: Option<Head<'a>>,
@@ -580,6 +584,41 @@ impl<'a> Reader<'a> {
         }))
     }
 
+    /// vLLM's `extra_keys` (one entry per block: nil or an array of items), walked whole:
+    /// its head, and the string items of its first block's entry (the first 64), where
+    /// Dynamo tags a request's cache salt.
+    fn extra_keys(&mut self, depth: u16) -> Result<(Head<'a>, Vec<&'a [u8]>), WalkError> {
+        let depth = deeper(depth)?;
+        let h = self.head()?;
+        let mut first = Vec::new();
+        let Head::Array(n) = h else {
+            self.finish(&h, depth)?;
+            return Ok((h, first));
+        };
+        let blocks = deeper(depth)?;
+        for i in 0..n {
+            if i > 0 {
+                self.value(blocks)?;
+                continue;
+            }
+            let entry_depth = deeper(blocks)?;
+            let entry = self.head()?;
+            let Head::Array(m) = entry else {
+                self.finish(&entry, entry_depth)?;
+                continue;
+            };
+            let items = deeper(entry_depth)?;
+            for _ in 0..m {
+                if let Head::Str(s) = self.value(items)? {
+                    if first.len() < 64 {
+                        first.push(s);
+                    }
+                }
+            }
+        }
+        Ok((h, first))
+    }
+
     fn hashes(&mut self, depth: u16) -> Result<Option<Result<Vec<u64>, String>>, WalkError> {
         self.array(depth, |h| {
             head_block_hash(h).map_err(|e| format!("block_hashes: {e}"))
@@ -692,6 +731,11 @@ impl<'a> Reader<'a> {
                             slots.medium = Some(self.value(items)?)
                         }
                         (Some("BlockStored"), 7) => slots.lora_name = Some(self.value(items)?),
+                        (Some("BlockStored"), 8) => {
+                            let (h, keys) = self.extra_keys(items)?;
+                            slots.first_block_keys = keys;
+                            left.saw("extra_keys", matches!(h, Head::Nil), false);
+                        }
                         (Some(kind @ ("BlockStored" | "BlockRemoved")), _) => {
                             let h = self.value(items)?;
                             left.saw(
@@ -761,6 +805,12 @@ impl<'a> Reader<'a> {
                         Some("cache_salt") if slots.cache_salt.is_none() => {
                             slots.cache_salt = Some(self.value(items)?)
                         }
+                        Some("extra_keys") if !slots.extra_keys_seen => {
+                            let (h, keys) = self.extra_keys(items)?;
+                            slots.first_block_keys = keys;
+                            slots.extra_keys_seen = true;
+                            left.saw("extra_keys", matches!(h, Head::Nil), false);
+                        }
                         name => {
                             let h = self.value(items)?;
                             let name = name.filter(|n| !CARRIED.contains(n)).unwrap_or("other");
@@ -825,7 +875,19 @@ fn event_of<'a>(event_type: &str, slots: Slots<'a>) -> Result<KvEvent, EventErro
                 _ => return Err(bad("block_size missing or not a u32".into())),
             },
             medium: opt_string(slots.medium, "medium")?,
-            cache_salt: opt_string(slots.cache_salt, "cache_salt")?,
+            cache_salt: {
+                let lora = opt_string(slots.lora_name, "lora_name")?;
+                match opt_string(slots.cache_salt, "cache_salt")? {
+                    Some(salt) => Some(salt),
+                    None => tagged_cache_salt(
+                        slots
+                            .first_block_keys
+                            .iter()
+                            .filter_map(|k| std::str::from_utf8(k).ok()),
+                        lora.as_deref(),
+                    ),
+                }
+            },
             lora_name: opt_string(slots.lora_name, "lora_name")?,
         }),
         "BlockRemoved" => Ok(KvEvent::BlockRemoved {
@@ -835,6 +897,35 @@ fn event_of<'a>(event_type: &str, slots: Slots<'a>) -> Result<KvEvent, EventErro
         "AllBlocksCleared" => Ok(KvEvent::AllBlocksCleared),
         other => Err(EventError::Unknown(other.to_string())),
     }
+}
+
+/// The prefix Dynamo's vLLM handler puts before a request's cache salt in what it hands
+/// vLLM, so the salt shows in `extra_keys` apart from LoRA names and multimodal hashes.
+pub const DYNAMO_CACHE_SALT_PREFIX: &str = "dynamo-cache-salt:";
+
+/// A store's cache salt from its first block's `extra_keys` strings, where it carries no
+/// `cache_salt` of its own, as Dynamo's publisher finds it: the first item tagged
+/// [`DYNAMO_CACHE_SALT_PREFIX`] with something after it, skipping one item equal to the
+/// store's LoRA name (vLLM lists the adapter's name first). An untagged salt (vLLM's own
+/// `cache_salt` without Dynamo) cannot be told from other keys and stays unread, as
+/// Dynamo leaves it.
+fn tagged_cache_salt<'k>(
+    first_block: impl Iterator<Item = &'k str>,
+    lora_name: Option<&str>,
+) -> Option<String> {
+    let mut unmatched_lora = lora_name.filter(|n| !n.is_empty());
+    for key in first_block {
+        if unmatched_lora == Some(key) {
+            unmatched_lora = None;
+            continue;
+        }
+        if let Some(salt) = key.strip_prefix(DYNAMO_CACHE_SALT_PREFIX) {
+            if !salt.is_empty() {
+                return Some(salt.to_string());
+            }
+        }
+    }
+    None
 }
 
 /// [`block_hash`] of a value read in place.
@@ -1084,12 +1175,34 @@ mod tests {
                         .and_then(|b| u32::try_from(b).ok())
                         .ok_or_else(|| bad("block_size missing or not a u32".into()))?,
                     medium: opt_string(medium, "medium").map_err(bad)?,
-                    // Named only (SGLang's maps): no positional layout carries it.
-                    cache_salt: match fields {
+                    // Named only (SGLang's maps): no positional layout carries it; else the
+                    // salt Dynamo tags in the first block's `extra_keys`.
+                    cache_salt: match match fields {
                         Fields::Named(_) => {
                             opt_string(fields.get(0, "cache_salt"), "cache_salt").map_err(bad)?
                         }
                         Fields::Positional(_) => None,
+                    } {
+                        Some(salt) => Some(salt),
+                        None => {
+                            let lora =
+                                opt_string(fields.get(7, "lora_name"), "lora_name").map_err(bad)?;
+                            let first = match fields.get(8, "extra_keys") {
+                                Some(Value::Array(blocks)) => match blocks.first() {
+                                    Some(Value::Array(items)) => items.as_slice(),
+                                    _ => &[],
+                                },
+                                _ => &[],
+                            };
+                            tagged_cache_salt(
+                                first
+                                    .iter()
+                                    .filter(|v| v.is_str())
+                                    .take(64)
+                                    .filter_map(|v| v.as_str()),
+                                lora.as_deref(),
+                            )
+                        }
                     },
                     lora_name: opt_string(fields.get(7, "lora_name"), "lora_name").map_err(bad)?,
                 }),
@@ -1268,6 +1381,64 @@ mod tests {
         assert_eq!(p.events, events);
         let f = frames(b"", 9, bytes.clone());
         assert_eq!(split_frames(&f).unwrap(), (9, bytes.as_slice()));
+    }
+
+    /// Dynamo's vLLM handler tags a request's cache salt (`dynamo-cache-salt:…`) in what
+    /// it hands vLLM, which lists it in the first block's `extra_keys` (after the LoRA
+    /// name): read from there as Dynamo's publisher reads it, both encodings, both
+    /// decoders; an untagged string is no salt.
+    #[test]
+    fn a_salt_dynamo_tagged_in_extra_keys_is_the_stores_cache_salt() {
+        let stored = |extra_keys: Value, lora: Value| {
+            Value::Array(vec![
+                s("BlockStored"),
+                ints(&[1, 2]),
+                Value::Nil,
+                ints(&[1, 2, 3, 4]),
+                Value::from(2u64),
+                Value::Nil,
+                s("GPU"),
+                lora,
+                extra_keys,
+            ])
+        };
+        let keys = |first: Vec<Value>| Value::Array(vec![Value::Array(first), Value::Nil]);
+        let cases = [
+            (
+                keys(vec![s("adapter"), s("dynamo-cache-salt:tenant-a")]),
+                s("adapter"),
+                Some("tenant-a"),
+            ),
+            // A LoRA name that looks tagged is skipped once, as Dynamo skips it.
+            (
+                keys(vec![s("dynamo-cache-salt:x"), s("dynamo-cache-salt:y")]),
+                s("dynamo-cache-salt:x"),
+                Some("y"),
+            ),
+            (keys(vec![s("salt-untagged"), ints(&[5])]), Value::Nil, None),
+            (keys(vec![s("dynamo-cache-salt:")]), Value::Nil, None),
+            (Value::Nil, Value::Nil, None),
+        ];
+        for (extra_keys, lora, want) in cases {
+            let ev = stored(extra_keys.clone(), lora.clone());
+            let map = Value::Map(vec![
+                (s("type"), s("BlockStored")),
+                (s("block_hashes"), ints(&[1, 2])),
+                (s("token_ids"), ints(&[1, 2, 3, 4])),
+                (s("block_size"), Value::from(2u64)),
+                (s("lora_name"), lora),
+                (s("extra_keys"), extra_keys),
+            ]);
+            for ev in [ev, map] {
+                let input = encode(&batch(vec![ev], None));
+                let p = decode_payload(&input).unwrap();
+                let KvEvent::BlockStored { cache_salt, .. } = &p.events[0] else {
+                    panic!("{:?}", p.events)
+                };
+                assert_eq!(cache_salt.as_deref(), want);
+                same_as_reference(&input, &Ok(p.clone()));
+            }
+        }
     }
 
     #[test]
