@@ -17,6 +17,30 @@ pub enum Tier {
     Disk,
 }
 
+/// Every medium spelling an engine is known to send, and its tier.
+const SPELLINGS: [(&str, Tier); 20] = [
+    ("GPU", Tier::Device),
+    ("DEVICE", Tier::Device),
+    ("CUDA", Tier::Device),
+    ("HBM", Tier::Device),
+    ("CPU", Tier::Host),
+    ("CPU_PINNED", Tier::Host),
+    ("CPU_TIER1", Tier::Host),
+    ("HOST", Tier::Host),
+    ("HOST_PINNED", Tier::Host),
+    ("CPU_TIER2", Tier::Disk),
+    ("DISK", Tier::Disk),
+    ("NVME", Tier::Disk),
+    ("SSD", Tier::Disk),
+    ("STORAGE", Tier::Disk),
+    ("FS", Tier::Disk),
+    ("OBJ", Tier::Disk),
+    ("EXTERNAL", Tier::Disk),
+    ("NETWORK", Tier::Disk),
+    ("REMOTE", Tier::Disk),
+    ("SHARED", Tier::Disk),
+];
+
 impl Tier {
     /// The lower tiers, in the order a match is extended through them.
     pub const LOWER: [Tier; 2] = [Tier::Host, Tier::Disk];
@@ -31,13 +55,12 @@ impl Tier {
         let Some(m) = medium else {
             return Some(Tier::Device);
         };
-        Some(match m.to_ascii_uppercase().as_str() {
-            "GPU" | "DEVICE" | "CUDA" | "HBM" => Tier::Device,
-            "CPU" | "CPU_PINNED" | "CPU_TIER1" | "HOST" | "HOST_PINNED" => Tier::Host,
-            "CPU_TIER2" | "DISK" | "NVME" | "SSD" | "STORAGE" | "FS" | "OBJ" | "EXTERNAL"
-            | "NETWORK" | "REMOTE" | "SHARED" => Tier::Disk,
-            _ => return None,
-        })
+        // Compared in place, case aside (every event of most engines names its medium:
+        // no allocation per event), the device's spellings first.
+        SPELLINGS
+            .iter()
+            .find(|(spelling, _)| spelling.eq_ignore_ascii_case(m))
+            .map(|(_, tier)| *tier)
     }
 
     pub fn as_str(self) -> &'static str {
