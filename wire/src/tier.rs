@@ -62,14 +62,6 @@ impl Tier {
             .find(|(spelling, _)| spelling.eq_ignore_ascii_case(m))
             .map(|(_, tier)| *tier)
     }
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Tier::Device => "device",
-            Tier::Host => "host",
-            Tier::Disk => "disk",
-        }
-    }
 }
 
 /// A match's extension through the lower tiers, in blocks: `host_blocks` from the end of

@@ -89,17 +89,20 @@ impl CollectorClient {
         })
     }
 
-    async fn get<T: serde::de::DeserializeOwned>(&self, path: &str) -> Result<T, InputError> {
+    /// GET `path`: the URL asked and the response, whatever its status.
+    async fn send(&self, path: &str) -> Result<(String, reqwest::Response), InputError> {
         let url = format!("{}{}", self.base, path);
-        let resp = self
-            .http
-            .get(&url)
-            .send()
-            .await
-            .map_err(|e| InputError::Request {
-                url: url.clone(),
+        match self.http.get(&url).send().await {
+            Ok(resp) => Ok((url, resp)),
+            Err(e) => Err(InputError::Request {
                 error: error_chain(&e),
-            })?;
+                url,
+            }),
+        }
+    }
+
+    async fn get<T: serde::de::DeserializeOwned>(&self, path: &str) -> Result<T, InputError> {
+        let (url, resp) = self.send(path).await?;
         if !resp.status().is_success() {
             return Err(InputError::Status {
                 url,
@@ -118,16 +121,7 @@ impl CollectorClient {
     /// applying what waits for it answers 503 and says why. Its figures are then not the
     /// fleet's now, and acting on them would act on stale data.
     pub async fn ready(&self) -> Result<(), InputError> {
-        let url = format!("{}/readyz", self.base);
-        let resp = self
-            .http
-            .get(&url)
-            .send()
-            .await
-            .map_err(|e| InputError::Request {
-                url: url.clone(),
-                error: error_chain(&e),
-            })?;
+        let (url, resp) = self.send("/readyz").await?;
         let status = resp.status();
         if status == reqwest::StatusCode::SERVICE_UNAVAILABLE {
             let body = resp.text().await.unwrap_or_default();

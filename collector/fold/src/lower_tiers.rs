@@ -66,6 +66,9 @@ pub struct TierOutcome {
 #[derive(Debug, Default)]
 pub struct LowerTiers {
     caches: FastMap<(Tier, WorkerKey), TierCache>,
+    /// (block, worker, tier) triples held, over every cache: a verdict on a fleet with no
+    /// lower tier asks nothing more than this.
+    held: usize,
 }
 
 impl LowerTiers {
@@ -74,6 +77,28 @@ impl LowerTiers {
     /// that sends only the engine's hashes of an offload) names blocks the device cache
     /// holds under the same hashes; those are found there, the rest counted as unknown.
     pub fn store(
+        &mut self,
+        tier: Tier,
+        worker: WorkerKey,
+        parent_engine_hash: Option<u64>,
+        engine_hashes: &[u64],
+        locals: &[LocalBlockHash],
+        device: &FleetIndex,
+    ) -> Result<TierOutcome, MirrorError> {
+        let before = self.held_by(tier, worker);
+        let out = self.store_blocks(
+            tier,
+            worker,
+            parent_engine_hash,
+            engine_hashes,
+            locals,
+            device,
+        );
+        self.held = self.held + self.held_by(tier, worker) - before;
+        out
+    }
+
+    fn store_blocks(
         &mut self,
         tier: Tier,
         worker: WorkerKey,
@@ -118,6 +143,7 @@ impl LowerTiers {
             out.unknown = engine_hashes.len() as u64;
             return out;
         };
+        let before = cache.held.len();
         for engine in engine_hashes {
             let Some((seq, n)) = cache.by_engine.get_mut(engine) else {
                 out.unknown += 1;
@@ -131,7 +157,13 @@ impl LowerTiers {
                 out.removed += 1;
             }
         }
+        self.held = self.held + cache.held.len() - before;
         out
+    }
+
+    /// Blocks `worker` holds in `tier`.
+    fn held_by(&self, tier: Tier, worker: WorkerKey) -> usize {
+        self.caches.get(&(tier, worker)).map_or(0, |c| c.held.len())
     }
 
     /// Forget every lower tier of `worker` (its engine restarted: host memory and a
@@ -140,6 +172,7 @@ impl LowerTiers {
         let mut n = 0;
         for tier in Tier::LOWER {
             if let Some(c) = self.caches.remove(&(tier, worker)) {
+                self.held -= c.held.len();
                 n += c.held.len() as u64;
             }
         }
@@ -168,16 +201,7 @@ impl LowerTiers {
 
     /// Whether any worker holds anything in a lower tier (most fleets: none).
     pub fn is_empty(&self) -> bool {
-        self.caches.values().all(|c| c.held.is_empty())
-    }
-
-    /// Blocks held in `tier`, over every worker.
-    pub fn blocks_in(&self, tier: Tier) -> usize {
-        self.caches
-            .iter()
-            .filter(|((t, _), _)| *t == tier)
-            .map(|(_, c)| c.held.len())
-            .sum()
+        self.held == 0
     }
 
     fn cache(&mut self, tier: Tier, worker: WorkerKey) -> &mut TierCache {
