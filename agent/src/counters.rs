@@ -40,14 +40,17 @@ agent_stats!(
     kv_events_medium_left_out: "KV events in the layout of Dynamo's mocker before 1.5 (medium left out, its group_idx in medium's slot): read with medium absent.",
     kv_fields_left_out_lora_id: "KV events with vLLM's lora_id set (deprecated for lora_name, which the agent carries): read, not carried.",
     kv_fields_left_out_extra_keys: "KV events with vLLM's extra_keys set (multimodal identifiers, LoRA name, cache salt in the block hash): read, not carried; the mirror matches blocks by their tokens alone.",
-    kv_fields_left_out_group_idx: "KV events of a KV cache group other than the first (a hybrid model's sliding-window or Mamba group): read, not carried; the mirror holds one group.",
-    kv_fields_left_out_kv_cache_spec_kind: "KV events with vLLM's kv_cache_spec_kind set: read, not carried.",
-    kv_fields_left_out_kv_cache_spec_sliding_window: "KV events with vLLM's kv_cache_spec_sliding_window set: read, not carried.",
-    kv_fields_left_out_locality: "KV events with vLLM's locality set (0.33 on): read, not carried.",
-    kv_fields_left_out_ownership: "KV events with vLLM's ownership set (0.33 on): read, not carried.",
+    kv_fields_left_out_kv_cache_spec_sliding_window: "KV events with vLLM's kv_cache_spec_sliding_window set: read, not carried (a group's kind decides whether its events are taken).",
     kv_fields_left_out_session_id: "KV events with vLLM's session_id set (0.33 on): read, not carried.",
     kv_fields_left_out_lookahead_token_ids: "KV events with vLLM's lookahead_token_ids set (0.33 on): read, not carried.",
     kv_fields_left_out_other: "KV events with a field the agent does not know set (a newer engine's): read past, not carried.",
+    kv_events_refused_other_owner: "KV events refused: their blocks are managed by another cache service (vLLM's ownership kvcr) or an owner no engine names.",
+    kv_events_refused_not_local: "KV events refused: their blocks are not held by the publisher (vLLM's locality REMOTE, or one no engine names).",
+    kv_events_refused_other_cache_group: "KV events refused: a KV cache group that keeps no prefixes (a hybrid model's sliding-window or Mamba group), as the event or its group's stores named its kind.",
+    kv_events_refused_unknown_cache_kind: "KV events refused: a KV cache group kind no engine is known to send.",
+    kv_events_refused_unlearned_cache_group: "KV events refused: a KV cache group other than the first whose kind no store has named yet.",
+    kv_events_refused_ambiguous_salt: "KV stores refused: they continue a chain whose parent block was stored under two cache salts.",
+    kv_salts_inherited: "KV stores that named no cache salt and took their parent block's (a salted chain continued; vLLM names the salt in a chain's first block only).",
     kv_sequence_gaps: "Gaps in a publisher's batch sequence numbers (batches lost before the agent).",
     kv_missed_batches: "KV batches lost in sequence gaps.",
     kv_sequence_resets: "Publisher sequence restarts (engine restarts).",
@@ -102,6 +105,6 @@ mod tests {
         let c = s.snapshot();
         assert_eq!(c.kv_batches, 2);
         assert_eq!(c.publish_dropped, 5);
-        assert_eq!(s.named().len(), 52);
+        assert_eq!(s.named().len(), 55);
     }
 }

@@ -8,7 +8,9 @@ pub const REFUSAL_BODY: &str = "a valid bearer token is required\n";
 
 /// Whether an `Authorization` header value is `Bearer <token>` (compared in constant
 /// time); an empty `token` refuses everything. The scheme is case-insensitive, as HTTP
-/// auth schemes are (RFC 9110 §11.1): clients send `bearer` too.
+/// auth schemes are (RFC 9110 §11.1): clients send `bearer` too. Used by the daemons'
+/// HTTP servers only (the `daemon` feature).
+#[cfg_attr(not(feature = "daemon"), allow(dead_code))]
 pub(crate) fn bearer_matches(authorization: Option<&str>, token: &str) -> bool {
     let Some((scheme, given)) = authorization.and_then(|v| v.trim_start().split_once(' ')) else {
         return false;
@@ -29,6 +31,7 @@ pub fn authorized(headers: &hyper::HeaderMap, token: &str) -> bool {
     )
 }
 
+#[cfg_attr(not(feature = "daemon"), allow(dead_code))]
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     if a.len() != b.len() {
         return false;

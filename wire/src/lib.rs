@@ -15,6 +15,7 @@ pub mod cost;
 pub mod directive;
 pub mod dynamo_events;
 pub mod hashing;
+pub mod kv_admission;
 pub mod nats_security;
 pub mod nixl;
 pub mod packed;

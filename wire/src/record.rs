@@ -826,21 +826,38 @@ pub struct AgentCounters {
     #[serde(skip_serializing_if = "is_zero")]
     pub kv_fields_left_out_extra_keys: u64,
     #[serde(skip_serializing_if = "is_zero")]
-    pub kv_fields_left_out_group_idx: u64,
-    #[serde(skip_serializing_if = "is_zero")]
-    pub kv_fields_left_out_kv_cache_spec_kind: u64,
-    #[serde(skip_serializing_if = "is_zero")]
     pub kv_fields_left_out_kv_cache_spec_sliding_window: u64,
-    #[serde(skip_serializing_if = "is_zero")]
-    pub kv_fields_left_out_locality: u64,
-    #[serde(skip_serializing_if = "is_zero")]
-    pub kv_fields_left_out_ownership: u64,
     #[serde(skip_serializing_if = "is_zero")]
     pub kv_fields_left_out_session_id: u64,
     #[serde(skip_serializing_if = "is_zero")]
     pub kv_fields_left_out_lookahead_token_ids: u64,
     #[serde(skip_serializing_if = "is_zero")]
     pub kv_fields_left_out_other: u64,
+    /// Events the mirror does not take, as Dynamo's publisher does not hand them to its
+    /// router (`kvscope_wire::kv_admission`), by why; left out of a heartbeat while 0.
+    /// Blocks managed by another cache service, or an owner no engine names.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub kv_events_refused_other_owner: u64,
+    /// Blocks not held by the publisher (`REMOTE`).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub kv_events_refused_not_local: u64,
+    /// A KV cache group that keeps no prefixes (a hybrid model's sliding-window or Mamba
+    /// group).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub kv_events_refused_other_cache_group: u64,
+    /// A KV cache group kind no engine is known to send.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub kv_events_refused_unknown_cache_kind: u64,
+    /// A group other than the first whose kind no store named yet.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub kv_events_refused_unlearned_cache_group: u64,
+    /// Stores continuing a chain whose parent was stored under two cache salts.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub kv_events_refused_ambiguous_salt: u64,
+    /// Stores that named no cache salt and took their parent's (a salted chain's
+    /// continuation).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub kv_salts_inherited: u64,
     pub kv_sequence_gaps: u64,
     pub kv_missed_batches: u64,
     pub kv_sequence_resets: u64,

@@ -29,6 +29,7 @@
 //! An event of an unknown type or with bad fields is reported as an [`EventProblem`]
 //! and skipped; the rest of the batch is kept. Nothing here panics on any input.
 
+use crate::kv_admission::{CacheSpecKind, EventMeta, Locality, Ownership};
 use crate::KvEvent;
 use rmpv::Value;
 
@@ -70,22 +71,21 @@ pub enum EventProblem {
 }
 
 /// Fields of vLLM's events the decoder reads past without carrying, each counted per
-/// event (decoded) that sets it: to nil is unset, and a `group_idx` of 0 — the first KV
-/// cache group, the only one of a model that is not hybrid — is what the mirror holds
-/// anyway. `other` counts names this decoder does not know (a newer vLLM's).
+/// event (decoded) that sets it: to nil is unset. `other` counts names this decoder does
+/// not know (a newer vLLM's). The fields that say which events the mirror takes
+/// ([`META_FIELDS`]) are read into [`DecodedPayload::meta`] instead.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct FieldsLeftOut {
     pub lora_id: u32,
     pub extra_keys: u32,
-    pub group_idx: u32,
-    pub kv_cache_spec_kind: u32,
     pub kv_cache_spec_sliding_window: u32,
-    pub locality: u32,
-    pub ownership: u32,
     pub session_id: u32,
     pub lookahead_token_ids: u32,
     pub other: u32,
 }
+
+/// The fields read into an event's [`EventMeta`].
+pub const META_FIELDS: [&str; 4] = ["group_idx", "kv_cache_spec_kind", "locality", "ownership"];
 
 impl FieldsLeftOut {
     /// The count of field `name` (`other` for a name this decoder does not know).
@@ -93,22 +93,17 @@ impl FieldsLeftOut {
         match name {
             "lora_id" => &mut self.lora_id,
             "extra_keys" => &mut self.extra_keys,
-            "group_idx" => &mut self.group_idx,
-            "kv_cache_spec_kind" => &mut self.kv_cache_spec_kind,
             "kv_cache_spec_sliding_window" => &mut self.kv_cache_spec_sliding_window,
-            "locality" => &mut self.locality,
-            "ownership" => &mut self.ownership,
             "session_id" => &mut self.session_id,
             "lookahead_token_ids" => &mut self.lookahead_token_ids,
             _ => &mut self.other,
         }
     }
 
-    /// Field `name` of one event was set (`nil` says whether it was nil, `zero` whether
-    /// it was the integer 0).
-    fn saw(&mut self, name: &str, nil: bool, zero: bool) {
-        let neutral = nil || (zero && name == "group_idx");
-        if !neutral {
+    /// Field `name` of one event was set (`nil` says whether it was nil); the fields
+    /// read into [`EventMeta`] are not left out.
+    fn saw(&mut self, name: &str, nil: bool) {
+        if !nil && !META_FIELDS.contains(&name) {
             *self.field_mut(name) = 1;
         }
     }
@@ -120,22 +115,36 @@ impl FieldsLeftOut {
     }
 
     /// `(name, count)` of every field.
-    pub fn counts(&self) -> [(&'static str, u32); 10] {
+    pub fn counts(&self) -> [(&'static str, u32); 6] {
         [
             ("lora_id", self.lora_id),
             ("extra_keys", self.extra_keys),
-            ("group_idx", self.group_idx),
-            ("kv_cache_spec_kind", self.kv_cache_spec_kind),
             (
                 "kv_cache_spec_sliding_window",
                 self.kv_cache_spec_sliding_window,
             ),
-            ("locality", self.locality),
-            ("ownership", self.ownership),
             ("session_id", self.session_id),
             ("lookahead_token_ids", self.lookahead_token_ids),
             ("other", self.other),
         ]
+    }
+}
+
+/// Read field `name`'s value `h` into `meta`, where it is one of [`META_FIELDS`] of the
+/// type vLLM writes it in (another type is read as unset, as Dynamo reads it).
+fn note_meta(meta: &mut EventMeta, name: &str, h: &Head<'_>) {
+    match (name, h) {
+        ("group_idx", Head::Uint(g)) => meta.group_idx = u32::try_from(*g).ok(),
+        ("kv_cache_spec_kind", Head::Str(b)) => {
+            meta.spec_kind = std::str::from_utf8(b).ok().map(CacheSpecKind::from_wire)
+        }
+        ("locality", Head::Str(b)) => {
+            meta.locality = std::str::from_utf8(b).ok().map(Locality::from_wire)
+        }
+        ("ownership", Head::Str(b)) => {
+            meta.ownership = std::str::from_utf8(b).map_or(Ownership::Unknown, Ownership::from_wire)
+        }
+        _ => {}
     }
 }
 
@@ -185,6 +194,9 @@ pub struct DecodedPayload {
     pub engine_ts: f64,
     pub dp_rank: Option<u32>,
     pub events: Vec<KvEvent>,
+    /// What each event says beside its blocks (`meta[i]` of `events[i]`): which events
+    /// the mirror takes ([`crate::kv_admission::Admission`]).
+    pub meta: Vec<EventMeta>,
     pub problems: Vec<EventProblem>,
     /// Events read in the layout of Dynamo's mocker before 1.5 (medium left out, its
     /// `group_idx` in medium's slot): decoded, and counted here.
@@ -262,13 +274,17 @@ pub fn decode_payload(bytes: &[u8]) -> Result<DecodedPayload, PayloadError> {
         engine_ts,
         dp_rank,
         events: Vec::with_capacity(raw_events.len()),
+        meta: Vec::with_capacity(raw_events.len()),
         problems: Vec::new(),
         medium_left_out: rd.medium_left_out,
         fields_left_out: rd.fields_left_out,
     };
     for (index, event) in raw_events.into_iter().enumerate() {
         match event {
-            Ok(ev) => out.events.push(ev),
+            Ok((ev, meta)) => {
+                out.events.push(ev);
+                out.meta.push(meta);
+            }
             Err(EventError::Unknown(event_type)) => out
                 .problems
                 .push(EventProblem::Unknown { index, event_type }),
@@ -351,17 +367,21 @@ impl<'a> Head<'a> {
     }
 }
 
+/// One event as read: the event and what it says beside its blocks, or why it was
+/// skipped.
+type ReadEvent = Result<(KvEvent, EventMeta), EventError>;
+
 /// The top level as read: its shape, and the fields the batch is made of.
 enum Batch<'a> {
     Array {
         n: u32,
         ts: Option<Head<'a>>,
-        events: Option<Option<Vec<Result<KvEvent, EventError>>>>,
+        events: Option<Option<Vec<ReadEvent>>>,
         dp: Option<Head<'a>>,
     },
     Map {
         ts: Option<Head<'a>>,
-        events: Option<Option<Vec<Result<KvEvent, EventError>>>>,
+        events: Option<Option<Vec<ReadEvent>>>,
         data_parallel_rank: Option<Head<'a>>,
         dp_rank: Option<Head<'a>>,
     },
@@ -686,11 +706,7 @@ impl<'a> Reader<'a> {
     }
 
     /// The events array: `None` when the value is no array.
-    #[allow(clippy::type_complexity)]
-    fn events(
-        &mut self,
-        depth: u16,
-    ) -> Result<Option<Vec<Result<KvEvent, EventError>>>, WalkError> {
+    fn events(&mut self, depth: u16) -> Result<Option<Vec<ReadEvent>>, WalkError> {
         let depth = deeper(depth)?;
         let h = self.head()?;
         let Head::Array(n) = h else {
@@ -705,10 +721,11 @@ impl<'a> Reader<'a> {
         Ok(Some(out))
     }
 
-    fn event(&mut self, depth: u16) -> Result<Result<KvEvent, EventError>, WalkError> {
+    fn event(&mut self, depth: u16) -> Result<ReadEvent, WalkError> {
         let depth = deeper(depth)?;
         let h = self.head()?;
         let mut slots = Slots::default();
+        let mut meta = EventMeta::default();
         match h {
             Head::Array(n) => {
                 let items = deeper(depth)?;
@@ -734,15 +751,13 @@ impl<'a> Reader<'a> {
                         (Some("BlockStored"), 8) => {
                             let (h, keys) = self.extra_keys(items)?;
                             slots.first_block_keys = keys;
-                            left.saw("extra_keys", matches!(h, Head::Nil), false);
+                            left.saw("extra_keys", matches!(h, Head::Nil));
                         }
                         (Some(kind @ ("BlockStored" | "BlockRemoved")), _) => {
                             let h = self.value(items)?;
-                            left.saw(
-                                positional_field(kind, pos),
-                                matches!(h, Head::Nil),
-                                matches!(h, Head::Uint(0)),
-                            );
+                            let name = positional_field(kind, pos);
+                            note_meta(&mut meta, name, &h);
+                            left.saw(name, matches!(h, Head::Nil));
                         }
                         _ => {
                             self.value(items)?;
@@ -752,19 +767,17 @@ impl<'a> Reader<'a> {
                 // The mocker's left-out medium: its group_idx where medium belongs.
                 let left_out = matches!(slots.medium, Some(Head::Uint(_)));
                 if left_out {
-                    left.saw(
-                        "group_idx",
-                        false,
-                        matches!(slots.medium, Some(Head::Uint(0))),
-                    );
+                    if let Some(h) = &slots.medium {
+                        note_meta(&mut meta, "group_idx", h);
+                    }
                     slots.medium = slots
                         .before_medium
                         .take()
                         .filter(|h| kind == Some("BlockStored") && matches!(h, Head::Str(_)));
                 }
                 // vLLM's slot 5 is lora_id (an integer); the mocker's medium is a string.
-                if let Some(h @ (Head::Uint(_) | Head::Int(_))) = slots.before_medium {
-                    left.saw("lora_id", false, matches!(h, Head::Uint(0)));
+                if let Some(Head::Uint(_) | Head::Int(_)) = slots.before_medium {
+                    left.saw("lora_id", false);
                 }
                 let event = match tag.str() {
                     None => Err(malformed("?", "array without a string tag")),
@@ -775,7 +788,7 @@ impl<'a> Reader<'a> {
                     self.medium_left_out += u32::from(left_out);
                     self.fields_left_out.add(&left);
                 }
-                Ok(event)
+                Ok(event.map(|e| (e, meta)))
             }
             Head::Map(n) => {
                 let items = deeper(depth)?;
@@ -809,12 +822,13 @@ impl<'a> Reader<'a> {
                             let (h, keys) = self.extra_keys(items)?;
                             slots.first_block_keys = keys;
                             slots.extra_keys_seen = true;
-                            left.saw("extra_keys", matches!(h, Head::Nil), false);
+                            left.saw("extra_keys", matches!(h, Head::Nil));
                         }
                         name => {
                             let h = self.value(items)?;
                             let name = name.filter(|n| !CARRIED.contains(n)).unwrap_or("other");
-                            left.saw(name, matches!(h, Head::Nil), matches!(h, Head::Uint(0)));
+                            note_meta(&mut meta, name, &h);
+                            left.saw(name, matches!(h, Head::Nil));
                         }
                     }
                 }
@@ -826,7 +840,7 @@ impl<'a> Reader<'a> {
                 if event.is_ok() {
                     self.fields_left_out.add(&left);
                 }
-                Ok(event)
+                Ok(event.map(|e| (e, meta)))
             }
             other => {
                 self.finish(&other, depth)?;
@@ -1084,6 +1098,7 @@ mod tests {
                 engine_ts,
                 dp_rank,
                 events: Vec::with_capacity(raw_events.len()),
+                meta: Vec::new(),
                 problems: Vec::new(),
                 medium_left_out: 0,
                 fields_left_out: FieldsLeftOut::default(),
@@ -1092,7 +1107,8 @@ mod tests {
                 match decode_event(raw) {
                     Ok((ev, left_out)) => {
                         out.medium_left_out += u32::from(left_out);
-                        out.fields_left_out.add(&left_out_of(raw, left_out));
+                        out.fields_left_out.add(&left_out_of(raw));
+                        out.meta.push(meta_of(raw, left_out));
                         out.events.push(ev)
                     }
                     Err(EventError::Unknown(event_type)) => out
@@ -1216,28 +1232,69 @@ mod tests {
             event.map(|e| (e, left_out && event_type != "AllBlocksCleared"))
         }
 
-        /// The fields one decoded event sets and the decoder does not carry.
-        fn left_out_of(raw: &Value, medium_left_out: bool) -> FieldsLeftOut {
-            let mut left = FieldsLeftOut::default();
-            let zero = |v: &Value| v.as_u64() == Some(0);
+        /// What one decoded event says beside its blocks.
+        fn meta_of(raw: &Value, medium_left_out: bool) -> EventMeta {
+            let mut meta = EventMeta::default();
+            let mut note = |name: &str, v: &Value| match (name, v) {
+                ("group_idx", Value::Integer(i)) => {
+                    if let Some(g) = i.as_u64() {
+                        meta.group_idx = u32::try_from(g).ok()
+                    }
+                }
+                ("kv_cache_spec_kind", Value::String(x)) => {
+                    meta.spec_kind = x.as_str().map(CacheSpecKind::from_wire)
+                }
+                ("locality", Value::String(x)) => {
+                    meta.locality = x.as_str().map(Locality::from_wire)
+                }
+                ("ownership", Value::String(x)) => {
+                    meta.ownership = x.as_str().map_or(Ownership::Unknown, Ownership::from_wire)
+                }
+                _ => {}
+            };
             match raw {
                 Value::Array(a) => {
                     let kind = a[0].as_str().unwrap_or("");
                     let (from, medium) = match kind {
                         "BlockStored" => (8, 6),
                         "BlockRemoved" => (3, 2),
+                        _ => return meta,
+                    };
+                    for (pos, v) in a.iter().enumerate().skip(from) {
+                        note(positional_field(kind, pos as u32), v);
+                    }
+                    if medium_left_out {
+                        note("group_idx", &a[medium]);
+                    }
+                }
+                Value::Map(m) => {
+                    for (k, v) in m {
+                        if let Some(n) = k.as_str().filter(|n| !CARRIED.contains(n)) {
+                            note(n, v);
+                        }
+                    }
+                }
+                _ => {}
+            }
+            meta
+        }
+
+        /// The fields one decoded event sets and the decoder does not carry.
+        fn left_out_of(raw: &Value) -> FieldsLeftOut {
+            let mut left = FieldsLeftOut::default();
+            match raw {
+                Value::Array(a) => {
+                    let kind = a[0].as_str().unwrap_or("");
+                    let from = match kind {
+                        "BlockStored" => 8,
+                        "BlockRemoved" => 3,
                         _ => return left,
                     };
                     for (pos, v) in a.iter().enumerate().skip(from) {
-                        left.saw(positional_field(kind, pos as u32), v.is_nil(), zero(v));
+                        left.saw(positional_field(kind, pos as u32), v.is_nil());
                     }
-                    if medium_left_out {
-                        left.saw("group_idx", false, zero(&a[medium]));
-                    }
-                    if kind == "BlockStored" {
-                        if let Some(v) = a.get(5).filter(|v| v.is_u64() || v.is_i64()) {
-                            left.saw("lora_id", false, zero(v));
-                        }
+                    if kind == "BlockStored" && a.get(5).is_some_and(|v| v.is_u64() || v.is_i64()) {
+                        left.saw("lora_id", false);
                     }
                 }
                 Value::Map(m) => {
@@ -1251,7 +1308,7 @@ mod tests {
                             Some(n) if !CARRIED.contains(&n) => n,
                             _ => "other",
                         };
-                        left.saw(name, v.is_nil(), zero(v));
+                        left.saw(name, v.is_nil());
                     }
                 }
                 _ => {}
@@ -1544,11 +1601,19 @@ mod tests {
             p.fields_left_out,
             FieldsLeftOut {
                 lora_id: 2,
-                group_idx: 2,
-                locality: 1,
                 other: 1, // brand_new and the second medium: one event
                 ..FieldsLeftOut::default()
             }
+        );
+        // What says which events the mirror takes is read, not left out.
+        let groups: Vec<_> = p.meta.iter().map(|m| (m.group_idx, m.locality)).collect();
+        assert_eq!(
+            groups,
+            [
+                (Some(2), None),
+                (Some(0), None),
+                (Some(1), Some(Locality::Unknown)) // vLLM spells it LOCAL
+            ]
         );
     }
 

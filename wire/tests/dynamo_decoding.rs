@@ -120,3 +120,214 @@ fn cache_salts_read_as_dynamos_publisher_reads_them() {
     }
     assert!(salted >= 10, "{salted}");
 }
+
+/// A pick from `xs`.
+fn pick<T: Copy>(rng: &mut fastrand::Rng, xs: &[T]) -> T {
+    xs[rng.usize(..xs.len())]
+}
+
+/// One engine event as vLLM writes it, with what decides whether a router takes it:
+/// KV cache groups and their kinds, locality, ownership, media, and cache salts named
+/// outright, tagged in the first block's `extra_keys`, or not at all (a chain's
+/// continuation). Maps, and vLLM's positional layout with every trailing field.
+fn engine_event(rng: &mut fastrand::Rng) -> Value {
+    let opt = |x: Option<&str>| x.map_or(Value::Nil, Value::from);
+    let hashes: Vec<Value> = (0..1 + rng.u64(..3))
+        .map(|_| Value::from(1 + rng.u64(..12)))
+        .collect();
+    let medium = pick(
+        rng,
+        &[None, None, Some("GPU"), Some("CPU"), Some("STORAGE")],
+    );
+    let group = pick(rng, &[None, None, Some(0u64), Some(0), Some(1), Some(2)]);
+    let kind = pick(
+        rng,
+        &[
+            None,
+            None,
+            None,
+            None,
+            Some("full_attention"),
+            Some("mla_attention"),
+            Some("sliding_window"),
+            Some("mamba"),
+            Some("a_kind_from_later"),
+        ],
+    );
+    let locality = pick(
+        rng,
+        &[None, None, None, None, None, Some("LOCAL"), Some("REMOTE")],
+    );
+    let ownership = pick(
+        rng,
+        &[None, None, None, None, None, None, None, None, Some("kvcr")],
+    );
+    let positional = rng.u64(..4) == 0;
+    match rng.u64(..10) {
+        // A clear's own fields (a map's locality and group are not a clear's).
+        0 if positional => Value::Array(vec![s("AllBlocksCleared")]),
+        0 => {
+            let mut m = vec![(s("type"), s("AllBlocksCleared"))];
+            m.extend(group.map(|g| (s("group_idx"), Value::from(g))));
+            m.extend(locality.map(|l| (s("locality"), s(l))));
+            m.extend(ownership.map(|o| (s("ownership"), s(o))));
+            Value::Map(m)
+        }
+        1..=3 => {
+            if positional {
+                // vLLM's removals name their group only.
+                return Value::Array(vec![
+                    s("BlockRemoved"),
+                    Value::Array(hashes),
+                    opt(medium),
+                    group.map_or(Value::Nil, Value::from),
+                ]);
+            }
+            let mut m = vec![
+                (s("type"), s("BlockRemoved")),
+                (s("block_hashes"), Value::Array(hashes)),
+                (s("medium"), opt(medium)),
+            ];
+            m.extend(group.map(|g| (s("group_idx"), Value::from(g))));
+            m.extend(locality.map(|l| (s("locality"), s(l))));
+            m.extend(ownership.map(|o| (s("ownership"), s(o))));
+            Value::Map(m)
+        }
+        _ => {
+            let n = hashes.len() as u64;
+            let parent = (rng.u64(..3) > 0).then(|| Value::from(1 + rng.u64(..12)));
+            let salt = pick(rng, &[None, None, None, Some("tenant-a"), Some("tenant-b")]);
+            let tagged = !positional && rng.u64(..2) == 0;
+            let extra_keys = match salt {
+                Some(salt) if positional || tagged => Value::Array(vec![Value::Array(vec![s(
+                    &format!("dynamo-cache-salt:{salt}"),
+                )])]),
+                _ => Value::Nil,
+            };
+            let tokens = Value::Array((0..4 * n).map(Value::from).collect());
+            if positional {
+                return Value::Array(vec![
+                    s("BlockStored"),
+                    Value::Array(hashes),
+                    parent.unwrap_or(Value::Nil),
+                    tokens,
+                    Value::from(4u64),
+                    Value::Nil,
+                    opt(medium),
+                    Value::Nil,
+                    extra_keys,
+                    group.map_or(Value::Nil, Value::from),
+                    opt(kind),
+                    Value::Nil,
+                    opt(locality),
+                    opt(ownership),
+                ]);
+            }
+            let mut m = vec![
+                (s("type"), s("BlockStored")),
+                (s("block_hashes"), Value::Array(hashes)),
+                (s("parent_block_hash"), parent.unwrap_or(Value::Nil)),
+                (s("token_ids"), tokens),
+                (s("block_size"), Value::from(4u64)),
+                (s("medium"), opt(medium)),
+                (s("extra_keys"), extra_keys),
+            ];
+            if !tagged {
+                m.extend(salt.map(|x| (s("cache_salt"), s(x))));
+            }
+            m.extend(group.map(|g| (s("group_idx"), Value::from(g))));
+            m.extend(kind.map(|k| (s("kv_cache_spec_kind"), s(k))));
+            m.extend(locality.map(|l| (s("locality"), s(l))));
+            m.extend(ownership.map(|o| (s("ownership"), s(o))));
+            Value::Map(m)
+        }
+    }
+}
+
+#[test]
+fn the_events_the_mirror_takes_are_the_ones_dynamos_publisher_hands_its_router() {
+    use dynamo_kv_router::protocols::WorkerWithDpRank;
+    use dynamo_kv_router::zmq_wire::{ZmqEventFilterReason as Theirs, ZmqEventNormalizer};
+    use kvscope_wire::kv_admission::{Admission, Refusal};
+
+    let reason = |r: Theirs| match r {
+        Theirs::UnsupportedOwnership | Theirs::UnknownOwnership => Refusal::OtherOwner,
+        Theirs::NonLocalLocality => Refusal::NotLocal,
+        Theirs::NonMainAttentionKind | Theirs::NonMainAttentionGroup => Refusal::OtherCacheGroup,
+        Theirs::UnknownKind => Refusal::UnknownCacheKind,
+        Theirs::UnlearnedGroupIdx => Refusal::UnlearnedCacheGroup,
+        Theirs::AmbiguousCacheNamespace => Refusal::AmbiguousSalt,
+        other => panic!("Dynamo refused for a reason the generator does not make: {other:?}"),
+    };
+    let mut outcomes = std::collections::BTreeMap::<String, usize>::new();
+    for seed in 1..=40u64 {
+        let mut rng = fastrand::Rng::with_seed(seed);
+        let mut theirs = ZmqEventNormalizer::new(4);
+        let mut ours = Admission::default();
+        for step in 0..400 {
+            let dp = rng.u64(..2);
+            let events: Vec<Value> = (0..1 + rng.u64(..4))
+                .map(|_| engine_event(&mut rng))
+                .collect();
+            let batch = Value::Array(vec![
+                Value::F64(1.5),
+                Value::Array(events.clone()),
+                Value::from(dp),
+            ]);
+            let mut payload = Vec::new();
+            rmpv::encode::write_value(&mut payload, &batch).unwrap();
+            let their_batch = decode_event_batch(&payload).expect("Dynamo decodes it");
+            let our_batch = decode_payload(&payload).expect("kvscope decodes it");
+            assert!(our_batch.problems.is_empty(), "{:?}", our_batch.problems);
+            let worker = WorkerWithDpRank::new(7, dp as u32);
+            for (i, (raw, (mut ev, meta))) in their_batch
+                .events
+                .into_iter()
+                .zip(our_batch.events.into_iter().zip(our_batch.meta))
+                .enumerate()
+            {
+                let want = theirs
+                    .preprocess_with_reason(raw, worker)
+                    .map(|raw| match raw {
+                        RawKvEvent::BlockStored {
+                            cache_namespace, ..
+                        } => cache_namespace,
+                        _ => None,
+                    })
+                    .map_err(reason);
+                let got = ours.admit(dp as u32, &mut ev, &meta).map(|_| match &ev {
+                    KvEvent::BlockStored { cache_salt, .. } => cache_salt.clone(),
+                    _ => None,
+                });
+                assert_eq!(
+                    got, want,
+                    "seed {seed} step {step} event {i}: {}",
+                    events[i]
+                );
+                let outcome = match &got {
+                    Ok(Some(_)) => "taken, salted".to_string(),
+                    Ok(None) => "taken".to_string(),
+                    Err(r) => format!("{r:?}"),
+                };
+                *outcomes.entry(outcome).or_default() += 1;
+            }
+        }
+    }
+    eprintln!("{outcomes:?}");
+    // Every way an event is taken or refused happened, many times.
+    for outcome in [
+        "taken",
+        "taken, salted",
+        "OtherOwner",
+        "NotLocal",
+        "OtherCacheGroup",
+        "UnknownCacheKind",
+        "UnlearnedCacheGroup",
+        "AmbiguousSalt",
+    ] {
+        assert!(
+            outcomes.get(outcome).copied().unwrap_or(0) >= 20,
+            "{outcome}: {outcomes:?}"
+        );
+    }
+}

@@ -120,17 +120,10 @@ impl InternalEvent<AgentStats> for KvFieldsLeftOut<'_> {
             &stats.kv_fields_left_out_extra_keys,
             u64::from(f.extra_keys),
         );
-        add(&stats.kv_fields_left_out_group_idx, u64::from(f.group_idx));
-        add(
-            &stats.kv_fields_left_out_kv_cache_spec_kind,
-            u64::from(f.kv_cache_spec_kind),
-        );
         add(
             &stats.kv_fields_left_out_kv_cache_spec_sliding_window,
             u64::from(f.kv_cache_spec_sliding_window),
         );
-        add(&stats.kv_fields_left_out_locality, u64::from(f.locality));
-        add(&stats.kv_fields_left_out_ownership, u64::from(f.ownership));
         add(
             &stats.kv_fields_left_out_session_id,
             u64::from(f.session_id),
@@ -140,6 +133,41 @@ impl InternalEvent<AgentStats> for KvFieldsLeftOut<'_> {
             u64::from(f.lookahead_token_ids),
         );
         add(&stats.kv_fields_left_out_other, u64::from(f.other));
+    }
+}
+
+/// An event the mirror does not take (`kvscope_wire::kv_admission`).
+pub struct KvEventRefused<'a> {
+    pub publisher: &'a str,
+    pub why: kvscope_wire::kv_admission::Refusal,
+}
+
+static EVENT_REFUSED: LogLimiter = LogLimiter::new();
+
+impl InternalEvent<AgentStats> for KvEventRefused<'_> {
+    fn emit(self, stats: &AgentStats) {
+        use kvscope_wire::kv_admission::Refusal;
+        if let Some(suppressed) = EVENT_REFUSED.check() {
+            debug!(publisher = %self.publisher, why = ?self.why, suppressed, "KV event not taken into the mirror (as Dynamo's publisher does not hand it to its router).");
+        }
+        let counter = match self.why {
+            Refusal::OtherOwner => &stats.kv_events_refused_other_owner,
+            Refusal::NotLocal => &stats.kv_events_refused_not_local,
+            Refusal::OtherCacheGroup => &stats.kv_events_refused_other_cache_group,
+            Refusal::UnknownCacheKind => &stats.kv_events_refused_unknown_cache_kind,
+            Refusal::UnlearnedCacheGroup => &stats.kv_events_refused_unlearned_cache_group,
+            Refusal::AmbiguousSalt => &stats.kv_events_refused_ambiguous_salt,
+        };
+        add(counter, 1);
+    }
+}
+
+/// A store that took its parent's cache salt.
+pub struct KvSaltInherited;
+
+impl InternalEvent<AgentStats> for KvSaltInherited {
+    fn emit(self, stats: &AgentStats) {
+        add(&stats.kv_salts_inherited, 1);
     }
 }
 

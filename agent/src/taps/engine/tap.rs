@@ -13,14 +13,15 @@ use crate::counters::AgentStats;
 use crate::fleet::FleetView;
 use crate::internal_events::{
     InternalEvent, KvBadFrame, KvBatchReceived, KvBatchReplayed, KvDecodeError,
-    KvEngineTimeIgnored, KvFieldsLeftOut, KvMalformedEvent, KvMediumLeftOut, KvPeerViolation,
-    KvReplayCut, KvReplayDone, KvReplayFailed, KvSequenceGap, KvSequenceReset, KvTapConnected,
-    KvTapDisconnected, KvTapPanicked, KvUnknownEvent,
+    KvEngineTimeIgnored, KvEventRefused, KvFieldsLeftOut, KvMalformedEvent, KvMediumLeftOut,
+    KvPeerViolation, KvReplayCut, KvReplayDone, KvReplayFailed, KvSaltInherited, KvSequenceGap,
+    KvSequenceReset, KvTapConnected, KvTapDisconnected, KvTapPanicked, KvUnknownEvent,
 };
 use crate::kv_events::{decode_payload, split_frames, EventProblem};
 use crate::sink::{RecordSink, SourceId};
 use crate::taps::engine::sequence::SequenceTracker;
 use crate::taps::engine::zmtp::{Connection, Limits, SocketType, ZmtpError};
+use kvscope_wire::kv_admission::Admission;
 use kvscope_wire::{KvEvent, KvEventBatch, Record, SequenceStatus, WorkerKey};
 use std::sync::Arc;
 use std::time::Duration;
@@ -37,6 +38,8 @@ pub(crate) struct KvTap {
     /// The worker the batches belong to (configured, or found through discovery).
     worker_id: u64,
     sequence: PublisherSequence,
+    /// Which of the engine's events the mirror takes, and their chains' salts.
+    admission: Admission,
     stats: Arc<AgentStats>,
 }
 
@@ -179,6 +182,7 @@ impl KvTap {
             endpoint,
             worker_id,
             sequence: PublisherSequence::default(),
+            admission: Admission::default(),
             stats,
         }
     }
@@ -345,7 +349,7 @@ impl KvTap {
     }
 
     /// A batch's record from its number, status and payload; every problem is emitted.
-    fn batch(&self, seq: u64, sequence: SequenceStatus, payload: &[u8]) -> Option<Record> {
+    fn batch(&mut self, seq: u64, sequence: SequenceStatus, payload: &[u8]) -> Option<Record> {
         let publisher = self.endpoint.endpoint.as_str();
         let decoded = match decode_payload(payload) {
             Ok(d) => d,
@@ -382,7 +386,23 @@ impl KvTap {
             events: decoded.events.len(),
         }
         .emit(&self.stats);
-        let mut events = decoded.events;
+        let dp_rank = self.endpoint.dp_rank.or(decoded.dp_rank).unwrap_or(0);
+        // A restarted engine's groups and chains are new.
+        if sequence == SequenceStatus::Reset {
+            self.admission.clear();
+        }
+        let mut events = Vec::with_capacity(decoded.events.len());
+        for (mut event, meta) in decoded.events.into_iter().zip(&decoded.meta) {
+            match self.admission.admit(dp_rank, &mut event, meta) {
+                Ok(admitted) => {
+                    if admitted.salt_inherited {
+                        KvSaltInherited.emit(&self.stats);
+                    }
+                    events.push(event);
+                }
+                Err(why) => KvEventRefused { publisher, why }.emit(&self.stats),
+            }
+        }
         // The tokens leave the node as their blocks' hashes (a block's hash in the bytes
         // of two of its tokens: half the bytes on the bus in all), and the collector's
         // hashing is done here, spread over the nodes.
@@ -390,7 +410,7 @@ impl KvTap {
         Some(Record::KvEvents(KvEventBatch {
             worker: WorkerKey {
                 worker_id: self.worker_id,
-                dp_rank: self.endpoint.dp_rank.or(decoded.dp_rank).unwrap_or(0),
+                dp_rank,
             },
             publisher: publisher.to_string(),
             origin: Default::default(),
@@ -929,6 +949,110 @@ mod tests {
             ),
             (1, 3, 1, 1)
         );
+    }
+
+    fn event(fields: Vec<(&str, Value)>) -> Value {
+        Value::Map(
+            fields
+                .into_iter()
+                .map(|(k, v)| (Value::from(k), v))
+                .collect(),
+        )
+    }
+
+    fn stored(hash: u64, parent: Option<u64>, more: Vec<(&str, Value)>) -> Value {
+        let mut f = vec![
+            ("type", Value::from("BlockStored")),
+            ("block_hashes", Value::Array(vec![Value::from(hash)])),
+            ("parent_block_hash", parent.map_or(Value::Nil, Value::from)),
+            (
+                "token_ids",
+                Value::Array((0..4u32).map(Value::from).collect()),
+            ),
+            ("block_size", Value::from(4u32)),
+        ];
+        f.extend(more);
+        event(f)
+    }
+
+    fn events_of(r: Option<Record>) -> Vec<KvEvent> {
+        let Some(Record::KvEvents(b)) = r else {
+            panic!("a batch")
+        };
+        b.events
+    }
+
+    #[test]
+    fn a_hybrid_models_other_groups_and_a_salted_chain_reach_the_mirror_as_dynamo_takes_them() {
+        let (mut t, stats) = tap(None);
+        let group = |g: u32, kind: Option<&str>| {
+            let mut f = vec![("group_idx", Value::from(g))];
+            f.extend(kind.map(|k| ("kv_cache_spec_kind", Value::from(k))));
+            f
+        };
+        let removed = |hash: u64, g: u32| {
+            event(vec![
+                ("type", Value::from("BlockRemoved")),
+                ("block_hashes", Value::Array(vec![Value::from(hash)])),
+                ("group_idx", Value::from(g)),
+            ])
+        };
+        // Both groups store block 1; the sliding window drops it while the full
+        // attention group keeps it: the mirror keeps it too.
+        let got = events_of(t.message(&msg(
+            0,
+            encode(&batch(
+                vec![
+                    stored(1, None, group(0, Some("full_attention"))),
+                    stored(1, None, group(1, Some("sliding_window"))),
+                    removed(1, 1),
+                    removed(1, 2),
+                ],
+                None,
+            )),
+        )));
+        assert_eq!(got.len(), 1, "{got:?}");
+        assert!(
+            matches!(&got[0], KvEvent::BlockStored { block_hashes, .. } if block_hashes == &[1])
+        );
+        let c = stats.snapshot();
+        assert_eq!(
+            (
+                c.kv_events_refused_other_cache_group,
+                c.kv_events_refused_unlearned_cache_group
+            ),
+            (2, 1)
+        );
+        // A chain salted at its first block (Dynamo's tag in vLLM's extra_keys): its
+        // continuation hashes as a store salted outright does.
+        let tagged = vec![(
+            "extra_keys",
+            Value::Array(vec![Value::Array(vec![Value::from("dynamo-cache-salt:t")])]),
+        )];
+        let got = events_of(t.message(&msg(
+            1,
+            encode(&batch(
+                vec![stored(5, None, tagged), stored(6, Some(5), vec![])],
+                None,
+            )),
+        )));
+        let mut want = KvEvent::BlockStored {
+            block_hashes: vec![6],
+            parent_block_hash: Some(5),
+            token_ids: (0..4).collect(),
+            block_size: 4,
+            local_hashes: None,
+            lora_name: None,
+            medium: None,
+            cache_salt: Some("t".into()),
+        };
+        want.hash_tokens();
+        assert_eq!(got[1], want);
+        assert_eq!(stats.snapshot().kv_salts_inherited, 1);
+        // A restarted engine: its groups are learned anew.
+        let got = events_of(t.message(&msg(0, encode(&batch(vec![removed(1, 1)], None)))));
+        assert!(got.is_empty());
+        assert_eq!(stats.snapshot().kv_events_refused_unlearned_cache_group, 2);
     }
 
     #[test]

@@ -11,6 +11,11 @@
 //!   bytes hashes, parents, media, LoRA names, data-parallel ranks), and each field the
 //!   agent does not carry counted by name
 //!   (`kvscope_agent_kv_fields_left_out_<field>_total`);
+//! - the events a router does not take refused and counted by why
+//!   (`kvscope_agent_kv_events_refused_<why>_total`: a hybrid model's sliding-window
+//!   group, as its store names it and as its removal's group was learned; remote
+//!   blocks; another owner's), and a salted chain's continuation salted as its first
+//!   block where the engine has `extra_keys`;
 //! - a gap replayed; a replay past the agent's 16,384 batches per answer (the
 //!   publisher's `buffer_steps` set higher) taken in more than one answer; an engine restart first
 //!   seen through the replay socket marked a reset; an engine restart whose numbers ran
@@ -23,7 +28,7 @@
 use kvscope_lab::nats::NatsServer;
 use kvscope_lab::process::{ManagedProcess, StopOnDrop};
 use kvscope_wire::recording::read_recording;
-use kvscope_wire::vllm_events::{FieldsLeftOut, CARRIED};
+use kvscope_wire::vllm_events::{FieldsLeftOut, CARRIED, META_FIELDS};
 use kvscope_wire::{KvEvent, Record, SequenceStatus};
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Write};
@@ -101,16 +106,17 @@ fn hash_hex(b: &[u8]) -> Value {
     json!({"bytes": b.iter().map(|x| format!("{x:02x}")).collect::<String>()})
 }
 
-/// Values for the fields an engine's events may carry beyond those the agent reads.
+/// Values for the fields an engine's events may carry beyond those the agent carries:
+/// the ones that say which events a router takes ([`META_FIELDS`]) set to what it
+/// takes (the full-attention group, local blocks); [`refusals`] sets the others.
 fn extras() -> Vec<(&'static str, Value)> {
     vec![
         ("lora_id", json!(3)),
         ("extra_keys", json!([["salt-1"], null, null])),
-        ("group_idx", json!(1)),
-        ("kv_cache_spec_kind", json!("sliding_window")),
+        ("group_idx", json!(0)),
+        ("kv_cache_spec_kind", json!("full_attention")),
         ("kv_cache_spec_sliding_window", json!(128)),
-        ("locality", json!("local")),
-        ("ownership", json!("owned")),
+        ("locality", json!("LOCAL")),
         ("session_id", json!("session-9")),
         ("lookahead_token_ids", json!([[9, 10]])),
     ]
@@ -119,7 +125,15 @@ fn extras() -> Vec<(&'static str, Value)> {
 /// The batches that exercise every field this engine's classes have, the events the
 /// agent must make of them (tokens become their blocks' local hashes on the agent, as
 /// every batch's do), and how many events set each field the agent does not carry.
-fn every_field(fields: &Value) -> (Value, Vec<Vec<KvEvent>>, FieldsLeftOut) {
+#[allow(clippy::type_complexity)]
+fn every_field(
+    fields: &Value,
+) -> (
+    Value,
+    Vec<Vec<KvEvent>>,
+    FieldsLeftOut,
+    Vec<(&'static str, u64)>,
+) {
     let has = |class: &str, f: &str| {
         fields[class]
             .as_array()
@@ -157,13 +171,18 @@ fn every_field(fields: &Value) -> (Value, Vec<Vec<KvEvent>>, FieldsLeftOut) {
         stored["cache_salt"] = json!(c);
     }
     for (f, v) in extras() {
+        let read_past = !META_FIELDS.contains(&f);
         if has("BlockStored", f) {
             stored[f] = v.clone();
-            count(f);
+            if read_past {
+                count(f);
+            }
         }
         if has("BlockRemoved", f) && f != "lora_id" {
             removed[f] = v;
-            count(f);
+            if read_past {
+                count(f);
+            }
         }
     }
     let mut s1 = KvEvent::BlockStored {
@@ -205,10 +224,67 @@ fn every_field(fields: &Value) -> (Value, Vec<Vec<KvEvent>>, FieldsLeftOut) {
         s2.hash_tokens();
         first_want.push(s2);
     }
+    // What a router does not take: a hybrid model's sliding-window group (its store
+    // names its kind; its removal only its group), remote blocks, another owner's.
+    // And a salted chain (Dynamo's tag in the first block's extra_keys): its
+    // continuation names no salt and takes the first block's.
+    let mut refused = Vec::new();
+    let mut taken = Vec::new();
+    let mut refusals = Vec::new();
+    let store = |hash: u64, parent: Option<u64>| {
+        json!({"type": "BlockStored", "block_hashes": [hash], "parent_block_hash": parent,
+               "token_ids": [1, 2, 3, 4], "block_size": 4})
+    };
+    if has("BlockStored", "group_idx") && has("BlockStored", "kv_cache_spec_kind") {
+        let mut e = store(21, None);
+        e["group_idx"] = json!(1);
+        e["kv_cache_spec_kind"] = json!("sliding_window");
+        refused.push(e);
+        let mut n = 1;
+        if has("BlockRemoved", "group_idx") {
+            refused.push(json!({"type": "BlockRemoved", "block_hashes": [21], "group_idx": 1}));
+            n += 1;
+        }
+        refusals.push(("other_cache_group", n));
+    }
+    for (f, v, counter) in [
+        ("locality", "REMOTE", "not_local"),
+        ("ownership", "kvcr", "other_owner"),
+    ] {
+        if has("BlockStored", f) {
+            let mut e = store(22, None);
+            e[f] = json!(v);
+            refused.push(e);
+            refusals.push((counter, 1));
+        }
+    }
+    if has("BlockStored", "extra_keys") {
+        let mut e = store(31, None);
+        e["extra_keys"] = json!([["dynamo-cache-salt:tenant-x"]]);
+        count("extra_keys");
+        refused.push(e);
+        refused.push(store(32, Some(31)));
+        for (hash, parent) in [(31, None), (32, Some(31))] {
+            let mut want = KvEvent::BlockStored {
+                block_hashes: vec![hash],
+                parent_block_hash: parent,
+                token_ids: vec![1, 2, 3, 4],
+                block_size: 4,
+                local_hashes: None,
+                lora_name: None,
+                medium: None,
+                cache_salt: Some("tenant-x".into()),
+            };
+            want.hash_tokens();
+            taken.push(want);
+        }
+        refusals.push(("salts_inherited", 1));
+    }
     let batches = json!([
         {"events": first},
         {"events": [removed, removed_unset], "data_parallel_rank": 1},
         {"events": [{"type": "AllBlocksCleared"}]},
+        {"events": refused},
     ]);
     let want = vec![
         first_want,
@@ -223,8 +299,9 @@ fn every_field(fields: &Value) -> (Value, Vec<Vec<KvEvent>>, FieldsLeftOut) {
             },
         ],
         vec![KvEvent::AllBlocksCleared],
+        taken,
     ];
-    (batches, want, left_out)
+    (batches, want, left_out, refusals)
 }
 
 /// What one version's events are: positional or maps, and the fields its classes have
@@ -281,7 +358,7 @@ fn run_version(engine: &str, version: &str) -> Shape {
         .iter()
         .flat_map(|c| fields[c].as_array().unwrap())
         .filter_map(|f| f.as_str())
-        .filter(|f| !CARRIED.contains(f))
+        .filter(|f| !CARRIED.contains(f) && !META_FIELDS.contains(f))
         .map(str::to_string)
         .collect();
     not_carried.dedup();
@@ -315,7 +392,7 @@ fn run_version(engine: &str, version: &str) -> Shape {
         n += driver.publish(json!([{"events": []}])).len() as u64;
         std::thread::sleep(Duration::from_millis(100));
     }
-    let (batches, want_events, want_left_out) = every_field(&fields);
+    let (batches, want_events, want_left_out, want_refusals) = every_field(&fields);
     let field_seqs = driver.publish(batches);
     n += field_seqs.len() as u64;
     taken += n;
@@ -390,6 +467,16 @@ fn run_version(engine: &str, version: &str) -> Shape {
                 f,
                 counter(&format!("kvscope_agent_kv_fields_left_out_{f}_total")),
             )
+        })
+        .collect();
+    let refusals: Vec<(&str, u64)> = want_refusals
+        .iter()
+        .map(|(c, _)| {
+            let name = match *c {
+                "salts_inherited" => "kvscope_agent_kv_salts_inherited_total".to_string(),
+                c => format!("kvscope_agent_kv_events_refused_{c}_total"),
+            };
+            (*c, counter(&name))
         })
         .collect();
     agent.stop(Duration::from_secs(5));
@@ -474,6 +561,9 @@ fn run_version(engine: &str, version: &str) -> Shape {
         .map(|(f, n)| (f, u64::from(n)))
         .collect();
     assert_eq!(left_out, want, "{engine} {version}: fields left out");
+    // What a router does not take, refused and counted; a salted chain's continuation
+    // salted as its first block.
+    assert_eq!(refusals, want_refusals, "{engine} {version}: refused");
     shape
 }
 
