@@ -80,6 +80,7 @@ fn config(dir: &Path, directive_url: &str) -> ActuatorConfig {
 
 fn spill(id: &str, decided_ns: u64, delta_blocks: u32) -> SpillVerdict {
     SpillVerdict {
+        tenant: None,
         model: None,
         incomplete_mirror: false,
         after_own_prefill: false,

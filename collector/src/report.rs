@@ -117,6 +117,10 @@ pub struct OpportunityReport {
     /// Per model over the measured windows, when discovery named the models.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub models: BTreeMap<String, ModelFigures>,
+    /// Per tenant (a request's cache salt), over every decision judged (warm-up
+    /// included): the tenants with the most spills, the rest, and the unsalted.
+    #[serde(default, skip_serializing_if = "TenantRows::is_empty")]
+    pub tenants: TenantRows,
     pub collector: CollectorCounters,
     /// The router's view of its choices beside the engines' truth, over every decision
     /// judged (warm-up included: the router's view is no load figure).
@@ -177,15 +181,7 @@ impl OpportunityReport {
             m.dispatch_failures += s.migration_log.dispatch_failures;
             m.decoding_on_target += s.migration_log.decoding_on_target;
             for (name, m) in &s.models {
-                let t = models.entry(name.clone()).or_default();
-                t.requests += m.requests;
-                t.spills += m.spills;
-                t.isl_tokens = t.isl_tokens.saturating_add(m.isl_tokens);
-                t.uncached_prefill_tokens = t
-                    .uncached_prefill_tokens
-                    .saturating_add(m.uncached_prefill_tokens);
-                t.true_delta_tokens = t.true_delta_tokens.saturating_add(m.true_delta_tokens);
-                t.upper_bound_tokens = t.upper_bound_tokens.saturating_add(m.upper_bound_tokens);
+                models.entry(name.clone()).or_default().merge(m);
             }
             for (k, ww) in &s.workers {
                 let t = workers.entry(*k).or_default();
@@ -248,6 +244,7 @@ impl OpportunityReport {
             migration_log,
             workers,
             models,
+            tenants: TenantRows::of(&a.totals().tenants),
             collector: a.counters().clone(),
             router_view: a.router_view().clone(),
             agents: a.agents().clone(),
@@ -383,21 +380,38 @@ impl OpportunityReport {
             );
             let _ = writeln!(md, "| {} |", cells.join(" | "));
         }
+        const FIGURES_HEAD: &str = "| requests | spills | spill rate | true delta tokens | upper bound tokens | uncached prefill tokens |\n|---|---|---|---|---|---|---|";
+        let figures_row = |md: &mut String, name: &str, m: &ModelFigures| {
+            let rate = (m.requests > 0).then(|| m.spills as f64 / m.requests as f64);
+            // A name is the fleet's text (a model, a salt): a `|` would split the cell.
+            let _ = writeln!(
+                md,
+                "| {} | {} | {} | {} | {} | {} | {} |",
+                name.replace('|', "\\|"),
+                m.requests,
+                m.spills,
+                pct(rate),
+                m.true_delta_tokens,
+                m.upper_bound_tokens,
+                m.uncached_prefill_tokens
+            );
+        };
         if !self.models.is_empty() {
-            let _ = writeln!(md, "\n## Models\n\nEach request judged among the workers serving its model.\n\n| model | requests | spills | spill rate | true delta tokens | upper bound tokens | uncached prefill tokens |\n|---|---|---|---|---|---|---|");
+            let _ = writeln!(md, "\n## Models\n\nEach request judged among the workers serving its model.\n\n| model {FIGURES_HEAD}");
             for (name, m) in &self.models {
-                let rate = (m.requests > 0).then(|| m.spills as f64 / m.requests as f64);
-                let _ = writeln!(
-                    md,
-                    "| {name} | {} | {} | {} | {} | {} | {} |",
-                    m.requests,
-                    m.spills,
-                    pct(rate),
-                    m.true_delta_tokens,
-                    m.upper_bound_tokens,
-                    m.uncached_prefill_tokens
-                );
+                figures_row(&mut md, name, m);
             }
+        }
+        if !self.tenants.is_empty() {
+            let _ = writeln!(md, "\n## Tenants\n\nA request's tenant is the cache salt its first block was stored under; every decision judged since the collector started (warm-up included). The rows sum to the fleet's.\n\n| tenant {FIGURES_HEAD}");
+            let t = &self.tenants;
+            for r in &t.top {
+                figures_row(&mut md, &r.tenant, &r.figures);
+            }
+            if t.others.requests > 0 {
+                figures_row(&mut md, "(other tenants)", &t.others);
+            }
+            figures_row(&mut md, "(no salt)", &t.unsalted);
         }
         let _ = writeln!(md, "\n## Workers\n\n| worker | requests | spills in | spills out | uncached prefill tokens | true delta tokens in | cached blocks |\n|---|---|---|---|---|---|---|");
         for (k, w) in &self.workers {
@@ -752,6 +766,56 @@ fn power_of_two_bins(true_delta: &Histogram<u64>, upper: &Histogram<u64>) -> Vec
         .collect()
 }
 
+/// A report's tenants: the [`TenantRows::TOP`] with the most spills, one row each, the
+/// rest in one, and the requests with no salt known. Their sum is the fleet's.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct TenantRows {
+    pub top: Vec<TenantRow>,
+    /// Every salted tenant past the top, in one.
+    pub others: ModelFigures,
+    pub unsalted: ModelFigures,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct TenantRow {
+    pub tenant: String,
+    #[serde(flatten)]
+    pub figures: ModelFigures,
+}
+
+impl TenantRows {
+    /// Tenants a report names apart.
+    pub const TOP: usize = 20;
+
+    pub fn of(t: &kvscope_wire::api::window::TenantFigures) -> Self {
+        let top: Vec<TenantRow> = t
+            .top(Self::TOP)
+            .into_iter()
+            .map(|(tenant, f)| TenantRow {
+                tenant: tenant.to_string(),
+                figures: f.clone(),
+            })
+            .collect();
+        let mut others = t.other_tenants.clone();
+        for (name, f) in &t.tenants {
+            if !top.iter().any(|r| &r.tenant == name) {
+                others.merge(f);
+            }
+        }
+        Self {
+            top,
+            others,
+            unsalted: t.unsalted.clone(),
+        }
+    }
+
+    /// No salted tenant: the section is left out.
+    pub fn is_empty(&self) -> bool {
+        self.top.is_empty() && self.others.requests == 0
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -796,6 +860,46 @@ mod tests {
         let html = r.to_html();
         assert!(html.contains("router-view-table"));
         assert!(html.contains("<td>2 (30)</td>"), "{html}");
+    }
+
+    #[test]
+    fn tenants_show_the_top_by_spills_the_rest_and_the_unsalted_summing_to_the_fleet() {
+        use kvscope_wire::api::window::TenantFigures;
+        let mut r = OpportunityReport::from_analyzer(&FleetAnalyzer::new(Default::default()));
+        assert!(!r.to_markdown().contains("## Tenants"));
+        let mut t = TenantFigures::default();
+        let fig = |requests, spills| ModelFigures {
+            requests,
+            spills,
+            true_delta_tokens: spills * 16,
+            ..ModelFigures::default()
+        };
+        for i in 0..(TenantRows::TOP as u64 + 5) {
+            t.tenants.insert(format!("t{i:02}"), fig(10, i));
+        }
+        t.tenants.insert("a|b".into(), fig(1, 100));
+        t.unsalted = fig(7, 0);
+        r.tenants = TenantRows::of(&t);
+        assert_eq!(r.tenants.top.len(), TenantRows::TOP);
+        assert_eq!(r.tenants.top[0].tenant, "a|b");
+        let sum: u64 = r
+            .tenants
+            .top
+            .iter()
+            .map(|x| x.figures.requests)
+            .sum::<u64>()
+            + r.tenants.others.requests
+            + r.tenants.unsalted.requests;
+        assert_eq!(sum, 10 * (TenantRows::TOP as u64 + 5) + 1 + 7);
+        // "a|b" takes the first row: the six with the fewest spills (t00..t05) are the rest.
+        assert_eq!(
+            (r.tenants.others.requests, r.tenants.others.spills),
+            (60, 15)
+        );
+        let md = r.to_markdown();
+        assert!(md.contains("| a\\|b | 1 | 100 |"), "{md}");
+        assert!(md.contains("| (other tenants) | 60 | 15 |"));
+        assert!(md.contains("| (no salt) | 7 | 0 |"));
     }
 
     #[test]

@@ -322,6 +322,7 @@ mod tests {
 
     fn verdict(id: &str, t: u64, chosen_blocks: u32, best_blocks: u32) -> SpillVerdict {
         SpillVerdict {
+            tenant: None,
             model: None,
             incomplete_mirror: false,
             after_own_prefill: false,
@@ -401,6 +402,7 @@ mod tests {
         let mut ledger = DirectiveLedger::new(10);
         let verdicts = vec![
             SpillVerdict {
+                tenant: None,
                 delta_block_hashes: vec![11, 12],
                 delta_parent_hash: Some(10),
                 ..verdict("new-big", now - S, 10, 2010) // 32000 tokens: yes

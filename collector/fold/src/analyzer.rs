@@ -7,11 +7,12 @@
 use crate::fleet_index::{FastMap, FleetIndex, MirrorError};
 use crate::lower_tiers::LowerTiers;
 use crate::recent_changes::{RecentChanges, StaleCause};
+use crate::tenants::TenantRoots;
 use crate::verdict;
 use crate::window::{ClosedWindow, OpenWindow};
 use kvscope_wire::api::summary::{AgentStatus, CollectorCounters, RouterViewAudit, TierViewAudit};
 use kvscope_wire::api::verdict::SpillVerdict;
-use kvscope_wire::api::window::{MigrationLogWindow, ModelFigures, WindowSummary};
+use kvscope_wire::api::window::{MigrationLogWindow, ModelFigures, TenantFigures, WindowSummary};
 use kvscope_wire::nixl::{MergedLatency, NixlAgentOwner, NixlAgentRow};
 use kvscope_wire::{
     Envelope, KvEvent, KvEventBatch, MigrationLogKind, MigrationLogLine, Record, RequestEnd,
@@ -182,6 +183,8 @@ pub struct FleetTotals {
     pub workers: BTreeMap<WorkerKey, WorkerTotals>,
     /// Per model, when discovery named the workers' models.
     pub models: BTreeMap<String, ModelFigures>,
+    /// Per tenant (the cache salt of a request's first block).
+    pub tenants: TenantFigures,
     /// The fork's KVMIGRATE log lines by kind.
     pub migration_log: MigrationLogWindow,
 }
@@ -193,6 +196,8 @@ pub struct FleetAnalyzer {
     index: FleetIndex,
     /// The host and disk tiers: how far a worker's match extends past its device overlap.
     lower: LowerTiers,
+    /// The salts of salted chain roots: a request's tenant.
+    tenant_roots: TenantRoots,
     counters: CollectorCounters,
     router_view: RouterViewAudit,
     tier_view: TierViewAudit,
@@ -392,6 +397,7 @@ impl FleetAnalyzer {
             window_ns,
             index: FleetIndex::new(),
             lower: LowerTiers::default(),
+            tenant_roots: TenantRoots::default(),
             counters: CollectorCounters::default(),
             router_view: RouterViewAudit::default(),
             tier_view: TierViewAudit::default(),
@@ -1023,6 +1029,7 @@ impl FleetAnalyzer {
                     block_hashes,
                     parent_block_hash,
                     block_size,
+                    cache_salt,
                     ..
                 } => {
                     let locals = ev.stored_local_hashes().unwrap_or_default();
@@ -1031,6 +1038,15 @@ impl FleetAnalyzer {
                             .store_hashed(worker, *parent_block_hash, block_hashes, &locals);
                     match stored {
                         Ok(seg) => {
+                            // A salted chain's first block names its tenant.
+                            if let (None, Some(salt), Some(&first)) = (
+                                parent_block_hash,
+                                cache_salt.as_deref().filter(|s| !s.is_empty()),
+                                locals.first(),
+                            ) {
+                                let root = kvscope_wire::sequence_hashes(&[first])[0];
+                                self.tenant_roots.stored(root, salt);
+                            }
                             self.counters.stored_blocks += seg.blocks.len() as u64;
                             self.recent_changes
                                 .stored(worker, t, block_hashes, &seg.blocks);
@@ -1235,6 +1251,10 @@ impl FleetAnalyzer {
             self.cfg.min_spill_blocks,
         );
         v.model = model;
+        v.tenant = chain
+            .first()
+            .and_then(|&root| self.tenant_roots.tenant_of(root))
+            .map(|salt| salt.to_string());
         verdict::extend_through_lower_tiers(&mut v, &self.lower, &chain);
         if let Some(believed) = d.selection.lower_tiers {
             self.tier_view.compare(believed, v.chosen_lower_tiers);
@@ -1339,6 +1359,7 @@ impl FleetAnalyzer {
         if let Some(m) = &v.model {
             t.models.entry(m.clone()).or_default().add(v);
         }
+        t.tenants.add(v);
         // Token counts come from the wire (a decision's `isl_tokens`, a block size):
         // saturate so a crafted record cannot overflow a total.
         t.prompt_tokens = t.prompt_tokens.saturating_add(v.isl_tokens);
@@ -2339,9 +2360,25 @@ mod tests {
         let v = a.apply(&env(2, Record::Decision(d))).unwrap();
         assert_eq!(v.overlaps, BTreeMap::from([(w(1), 4)]));
         assert!(v.spill);
+        // Its tenant: the salt its first block was stored under.
+        assert_eq!(v.tenant.as_deref(), Some("a"));
+        let mut d = routing_decision("rb", 2, &toks);
+        d.local_hashes = local_block_hashes(&toks, 2, seed_for(Some("b"), None));
+        let v = a.apply(&env(2, Record::Decision(d))).unwrap();
+        assert_eq!((v.tenant.as_deref(), v.spill), (Some("b"), false));
         // An unsalted request holds nothing of either.
         let v = a.apply(&env(3, decision("r", 1, &toks))).unwrap();
         assert!(v.overlaps.is_empty());
+        assert_eq!(v.tenant, None);
+        // Per tenant, summing to the fleet's.
+        let t = &a.totals().tenants;
+        let (ta, tb) = (&t.tenants["a"], &t.tenants["b"]);
+        assert_eq!((ta.requests, ta.spills, ta.true_delta_tokens), (1, 1, 8));
+        assert_eq!((tb.requests, tb.spills), (1, 0));
+        assert_eq!((t.unsalted.requests, t.other_tenants.requests), (1, 0));
+        let fleet: u64 = a.totals().workers.values().map(|w| w.decisions).sum();
+        assert_eq!(ta.requests + tb.requests + t.unsalted.requests, fleet);
+        assert_eq!(ta.spills, a.counters().spills);
     }
 
     #[test]

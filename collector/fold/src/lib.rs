@@ -8,5 +8,6 @@ pub mod fleet_index;
 pub mod lower_tiers;
 pub mod nixl;
 pub mod recent_changes;
+pub mod tenants;
 pub mod verdict;
 pub mod window;

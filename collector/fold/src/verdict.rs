@@ -72,6 +72,7 @@ pub(crate) fn judge_matched(
         0
     };
     SpillVerdict {
+        tenant: None,
         request_id: decision.request_id.clone(),
         model: None,
         incomplete_mirror: false,

@@ -252,6 +252,7 @@ mod tests {
             dp_rank: 0,
         };
         let verdict = |best, chosen, delta: u64, spill| SpillVerdict {
+            tenant: None,
             model: None,
             incomplete_mirror: false,
             after_own_prefill: false,

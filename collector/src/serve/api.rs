@@ -23,6 +23,7 @@ pub fn router(shared: Arc<Shared>) -> Router {
         .route("/api/summary", get(summary))
         .route("/api/windows", get(windows))
         .route("/api/verdicts", get(verdicts))
+        .route("/api/tenants", get(tenants))
         .route("/api/report", get(report_json))
         .route("/api/report.md", get(report_md))
         .route("/api/report.html", get(report_html))
@@ -118,6 +119,11 @@ async fn summary(State(s): State<Arc<Shared>>) -> impl IntoResponse {
         fleet: a.fleet().clone(),
     };
     Json(summary)
+}
+
+/// Every tenant's figures since the collector started (`TenantFigures`).
+async fn tenants(State(s): State<Arc<Shared>>) -> impl IntoResponse {
+    Json(lock(&s.analyzer).totals().tenants.clone())
 }
 
 #[derive(Deserialize)]

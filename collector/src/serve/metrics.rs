@@ -707,6 +707,38 @@ pub fn write(out: &mut Exposition, a: &FleetAnalyzer, bus: &BusStatus) {
             out.counter(name, &labels(&[("model", model)]), get(m));
         }
     }
+    // Per tenant, the label bounded: the first tenants with a spill by name (never
+    // changed, so each series stays a counter), every other salted tenant as `_other`,
+    // requests with no salt known as `_none`.
+    let tenants = &a.totals().tenants;
+    let others = tenants.unnamed();
+    let per_tenant: [(&str, &str, ModelFigure); 3] = [
+        (
+            "kvscope_tenant_decisions",
+            "Routing decisions judged, by tenant (the cache salt of the request's first block).",
+            |m| m.requests,
+        ),
+        ("kvscope_tenant_spills", "Spills, by tenant.", |m| m.spills),
+        (
+            "kvscope_tenant_true_delta_tokens",
+            "Σ true delta over spills, by tenant.",
+            |m| m.true_delta_tokens,
+        ),
+    ];
+    for (name, help, get) in per_tenant {
+        out.family(name, Kind::Counter, help);
+        for t in &tenants.metric_tenants {
+            if let Some(m) = tenants.tenants.get(t) {
+                out.counter(name, &labels(&[("tenant", t)]), get(m));
+            }
+        }
+        out.counter(name, &labels(&[("tenant", "_other")]), get(&others));
+        out.counter(
+            name,
+            &labels(&[("tenant", "_none")]),
+            get(&tenants.unsalted),
+        );
+    }
     super::nixl_metrics::render(out, &crate::fold::nixl::pairs(a.agents()));
     super::nixl_metrics::render_owners(out, &crate::fold::nixl::owners(a.agents()));
 }
@@ -801,6 +833,10 @@ mod tests {
             "kvscope_spill_true_delta_tokens_sum 6\n",
             "kvscope_worker_spills_in_total{worker_id=\"2\",dp_rank=\"0\"} 1\n",
             "kvscope_prompt_tokens_total 12\n",
+            // No salt on these stores: every decision is the unsalted tenant's.
+            "kvscope_tenant_decisions_total{tenant=\"_none\"} 2\n",
+            "kvscope_tenant_spills_total{tenant=\"_none\"} 1\n",
+            "kvscope_tenant_spills_total{tenant=\"_other\"} 0\n",
         ] {
             assert!(text.contains(line), "{line} in\n{text}");
         }

@@ -68,6 +68,7 @@ pub fn verdict_span(v: &SpillVerdict, agent: &str) -> Span {
         ]
         .into_iter()
         .chain(v.model.clone().map(|m| attr_str("kvscope.model", m)))
+        .chain(v.tenant.clone().map(|t| attr_str("kvscope.tenant", t)))
         .collect(),
         ..Default::default()
     }

@@ -513,10 +513,24 @@ fn cache_salts_keep_equal_prompts_apart() {
     ];
     assert_eq!(dynamo_overlaps(&records), want, "Dynamo's view");
     let mut fold = kvscope_collector::fold::analyzer::FleetAnalyzer::new(Default::default());
-    let got: Vec<(String, BTreeMap<WorkerKey, u32>)> = records
+    let verdicts: Vec<_> = records.iter().filter_map(|e| fold.apply(e)).collect();
+    let got: Vec<(String, BTreeMap<WorkerKey, u32>)> = verdicts
         .iter()
-        .filter_map(|e| fold.apply(e))
-        .map(|v| (v.request_id, v.overlaps))
+        .map(|v| (v.request_id.clone(), v.overlaps.clone()))
         .collect();
     assert_eq!(got, want, "the fold's view");
+    // Each request's tenant, and the figures per tenant summing to the fleet's.
+    let tenants: Vec<Option<&str>> = verdicts.iter().map(|v| v.tenant.as_deref()).collect();
+    assert_eq!(tenants, [Some("tenant-a"), Some("tenant-b"), None]);
+    let t = &fold.totals().tenants;
+    let spills: u64 = t.tenants.values().map(|f| f.spills).sum::<u64>() + t.unsalted.spills;
+    let requests: u64 = t.tenants.values().map(|f| f.requests).sum::<u64>() + t.unsalted.requests;
+    assert_eq!(
+        (requests, spills),
+        (3, verdicts.iter().filter(|v| v.spill).count() as u64)
+    );
+    assert_eq!(
+        (t.tenants["tenant-a"].spills, t.tenants["tenant-b"].spills),
+        (1, 1)
+    );
 }

@@ -36,6 +36,10 @@ pub struct SpillVerdict {
     /// earlier, applied after it): its overlaps may be short.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub judged_before_event: bool,
+    /// The request's tenant: the cache salt its first block was stored under, where an
+    /// engine named one ([`crate::api::window::TenantFigures`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
     pub decided_ns: u64,
     pub chosen: WorkerKey,
     pub chosen_overlap_blocks: u32,

@@ -45,6 +45,18 @@ pub struct ModelFigures {
 }
 
 impl ModelFigures {
+    /// Add another's figures (sums saturate).
+    pub fn merge(&mut self, o: &ModelFigures) {
+        self.requests += o.requests;
+        self.spills += o.spills;
+        self.isl_tokens = self.isl_tokens.saturating_add(o.isl_tokens);
+        self.uncached_prefill_tokens = self
+            .uncached_prefill_tokens
+            .saturating_add(o.uncached_prefill_tokens);
+        self.true_delta_tokens = self.true_delta_tokens.saturating_add(o.true_delta_tokens);
+        self.upper_bound_tokens = self.upper_bound_tokens.saturating_add(o.upper_bound_tokens);
+    }
+
     /// Count one verdict (token sums saturate: they come from the wire).
     pub fn add(&mut self, v: &SpillVerdict) {
         self.requests += 1;
@@ -57,6 +69,79 @@ impl ModelFigures {
             self.true_delta_tokens = self.true_delta_tokens.saturating_add(v.true_delta_tokens);
             self.upper_bound_tokens = self.upper_bound_tokens.saturating_add(v.upper_bound_tokens);
         }
+    }
+}
+
+/// Spills and true delta per tenant (`/api/tenants`): a request's tenant is the cache
+/// salt its first block was stored under (an engine's `cache_salt`, or the salt Dynamo
+/// tags for vLLM), known once any worker stored that block with its salt — always for a
+/// spill (the best worker holds the first block). The three parts sum to the fleet's
+/// figures.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct TenantFigures {
+    /// Per salt, the first [`TenantFigures::MAX_TENANTS`] salts seen.
+    pub tenants: BTreeMap<String, ModelFigures>,
+    /// Requests with no salt known: an unsalted fleet's every request, a tenant's
+    /// request before any worker stored its first block (cold, so never a spill).
+    pub unsalted: ModelFigures,
+    /// Requests of tenants past the bound.
+    pub other_tenants: ModelFigures,
+    /// The tenants the metrics name apart (the first [`TenantFigures::METRIC_TENANTS`]
+    /// with a spill; never changed after, so every series stays a counter).
+    pub metric_tenants: Vec<String>,
+}
+
+impl TenantFigures {
+    /// The most tenants kept apart (the rest are `other_tenants`).
+    pub const MAX_TENANTS: usize = 10_000;
+    /// The most tenants the metrics name apart (the rest are one `other` series).
+    pub const METRIC_TENANTS: usize = 10;
+
+    /// Count one verdict under its tenant.
+    pub fn add(&mut self, v: &SpillVerdict) {
+        if let Some(t) = v.tenant.as_deref().filter(|_| v.spill) {
+            if self.metric_tenants.len() < Self::METRIC_TENANTS
+                && !self.metric_tenants.iter().any(|m| m == t)
+            {
+                self.metric_tenants.push(t.to_string());
+            }
+        }
+        let figures = match v.tenant.as_deref() {
+            None => &mut self.unsalted,
+            Some(t) => {
+                if !self.tenants.contains_key(t) && self.tenants.len() >= Self::MAX_TENANTS {
+                    &mut self.other_tenants
+                } else {
+                    self.tenants.entry(t.to_string()).or_default()
+                }
+            }
+        };
+        figures.add(v);
+    }
+
+    /// The figures of every salted tenant the metrics do not name apart.
+    pub fn unnamed(&self) -> ModelFigures {
+        let mut sum = self.other_tenants.clone();
+        for (t, f) in &self.tenants {
+            if !self.metric_tenants.contains(t) {
+                sum.merge(f);
+            }
+        }
+        sum
+    }
+
+    /// The `n` tenants with the most spills (then the most requests, then by name).
+    pub fn top(&self, n: usize) -> Vec<(&str, &ModelFigures)> {
+        let mut all: Vec<(&str, &ModelFigures)> =
+            self.tenants.iter().map(|(t, f)| (t.as_str(), f)).collect();
+        all.sort_by(|a, b| {
+            (b.1.spills, b.1.requests)
+                .cmp(&(a.1.spills, a.1.requests))
+                .then(a.0.cmp(b.0))
+        });
+        all.truncate(n);
+        all
     }
 }
 
