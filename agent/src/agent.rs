@@ -321,6 +321,7 @@ pub async fn start(cfg: AgentConfig) -> anyhow::Result<RunningAgent> {
             subjects: subjects.clone(),
             stream_max_age: Duration::from_secs(cfg.stream_max_age_secs),
             stream_max_bytes: cfg.stream_max_bytes,
+            stream_replicas: cfg.stream_replicas,
             run_id: format!("{}-{}", cfg.agent_id, now_ns()),
             health: health.clone(),
         },

@@ -21,7 +21,8 @@ pub struct Cli {
     /// Cluster name: one JetStream stream per cluster [default: default].
     #[arg(long)]
     pub cluster: Option<String>,
-    /// NATS server [default: nats://127.0.0.1:4222].
+    /// NATS server, or a cluster's servers separated by commas
+    /// [default: nats://127.0.0.1:4222].
     #[arg(long)]
     pub nats_url: Option<String>,
     /// An engine's KV event publisher (vLLM's format), e.g. tcp://127.0.0.1:5557, and,
@@ -90,6 +91,10 @@ pub struct Cli {
     /// must fit the NATS server's JetStream store (0: no limit) [default: 4294967296].
     #[arg(long)]
     pub stream_max_bytes: Option<u64>,
+    /// How many servers keep the stream (0: 3 when the servers form a cluster of three
+    /// or more, else 1) [default: 0].
+    #[arg(long)]
+    pub stream_replicas: Option<usize>,
     /// How long half a routing decision waits for the other half, in log seconds
     /// [default: 30].
     #[arg(long)]
@@ -317,6 +322,9 @@ impl Cli {
         }
         if let Some(v) = self.stream_max_bytes {
             cfg.stream_max_bytes = v;
+        }
+        if let Some(v) = self.stream_replicas {
+            cfg.stream_replicas = v;
         }
         if let Some(v) = self.join_timeout_secs {
             cfg.join_timeout_secs = v;

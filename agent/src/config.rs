@@ -5,7 +5,7 @@
 //! ```toml
 //! agent_id = "node-1"
 //! cluster = "prod"
-//! nats_url = "nats://127.0.0.1:4222"
+//! nats_url = "nats://127.0.0.1:4222"   # or a cluster's: "nats://a:4222,nats://b:4222,nats://c:4222"
 //! router_log = "/var/log/dynamo/frontend.log"   # "-" for stdin, or a pattern:
 //! # router_log = "/var/log/pods/dynamo_*frontend*/*/*.log"
 //! from_start = false
@@ -17,6 +17,7 @@
 //! heartbeat_interval_secs = 1.0
 //! stream_max_age_secs = 86400
 //! stream_max_bytes = 4294967296  # the stream's oldest records go first past this (0: no limit)
+//! stream_replicas = 0          # servers keeping it (0: 3 on a cluster of three or more, else 1)
 //! join_timeout_secs = 30.0
 //! reorder_window_ms = 250      # how long records wait for a quiet router log
 //! kv_reorder_window_ms = 250   # at most this for a quiet KV event publisher (default: as above)
@@ -59,7 +60,9 @@ pub struct AgentConfig {
     /// The cluster the records belong to: one JetStream stream per cluster (default
     /// `default`). Env: `KVSCOPE_AGENT_CLUSTER`.
     pub cluster: String,
-    /// NATS server (default `nats://127.0.0.1:4222`). Env: `KVSCOPE_AGENT_NATS_URL`.
+    /// NATS server, or a cluster's servers separated by commas (any of them is
+    /// connected to, and reconnected to; default `nats://127.0.0.1:4222`). Env:
+    /// `KVSCOPE_AGENT_NATS_URL`.
     pub nats_url: String,
     /// Engines' ZMQ KV event publishers to tap, each with the worker identity the router
     /// uses for it (default none). Env: `KVSCOPE_AGENT_KV` as comma-separated
@@ -102,6 +105,10 @@ pub struct AgentConfig {
     /// refuses the stream; without one a busy fleet fills that store and every publish
     /// is refused. Env: `KVSCOPE_AGENT_STREAM_MAX_BYTES`.
     pub stream_max_bytes: u64,
+    /// How many servers keep the stream, set when the agent creates or updates it: 0
+    /// (default) is 3 when the servers form a cluster of three or more, else 1. Env:
+    /// `KVSCOPE_AGENT_STREAM_REPLICAS`.
+    pub stream_replicas: usize,
     /// How long, in the log's own time, half a routing decision waits for its other
     /// half before it counts as unjoined (default 30).
     pub join_timeout_secs: f64,
@@ -240,6 +247,7 @@ impl Default for AgentConfig {
             heartbeat_interval_secs: 1.0,
             stream_max_age_secs: 86_400,
             stream_max_bytes: kvscope_wire::subject::DEFAULT_STREAM_MAX_BYTES,
+            stream_replicas: 0,
             join_timeout_secs: 30.0,
             decisions: Default::default(),
             request_trace_window_ms: 10_000,
@@ -325,6 +333,9 @@ impl AgentConfig {
         }
         if let Some(v) = env.parse("KVSCOPE_AGENT_STREAM_MAX_BYTES")? {
             self.stream_max_bytes = v;
+        }
+        if let Some(v) = env.parse("KVSCOPE_AGENT_STREAM_REPLICAS")? {
+            self.stream_replicas = v;
         }
         if let Some(v) = env.get("KVSCOPE_AGENT_METRICS_LISTEN") {
             self.metrics_listen = Some(v);

@@ -51,7 +51,8 @@ pub enum Command {
     /// Consume records from NATS JetStream and serve /metrics and the JSON API until stopped.
     #[command(after_help = format!("{}\n\n{}", kvscope_otlp::HELP, kvscope_wire::nats_security::HELP))]
     Run {
-        /// NATS server URL (default nats://127.0.0.1:4222).
+        /// NATS server URL, or a cluster's servers separated by commas (default
+        /// nats://127.0.0.1:4222).
         #[arg(long)]
         nats_url: Option<String>,
         /// Cluster name (default "default").
@@ -396,6 +397,7 @@ async fn serve(cfg: CollectorConfig) -> anyhow::Result<()> {
         durable_name,
         stream_max_age: Duration::from_secs(cfg.stream_max_age_secs),
         stream_max_bytes: cfg.stream_max_bytes,
+        stream_replicas: cfg.stream_replicas,
         filter: single_model.map(|m| Subjects::new(&cfg.cluster).of_model(m)),
     };
     let bus_task = tokio::spawn(bus::run(bus_cfg, shared.clone()));

@@ -12,6 +12,7 @@
 //! report_dir = "/var/lib/kvscope/reports"
 //! stream_max_age_secs = 86400
 //! stream_max_bytes = 4294967296
+//! stream_replicas = 0   # servers keeping it (0: 3 on a cluster of three or more, else 1)
 //!
 //! [analyzer]
 //! window_secs = 15.0
@@ -34,7 +35,8 @@ use std::path::PathBuf;
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct CollectorConfig {
-    /// NATS server with JetStream enabled.
+    /// NATS server with JetStream enabled, or a cluster's servers separated by commas
+    /// (any of them is connected to, and reconnected to).
     pub nats_url: String,
     /// Cluster name: selects the stream `KVSCOPE_<CLUSTER>` and subjects `kvscope.<cluster>.>`.
     pub cluster: String,
@@ -55,6 +57,9 @@ pub struct CollectorConfig {
     /// oldest records are discarded (default 4 GiB; 0: no limit). The agents set the
     /// same on the stream they create or update; keep the two equal.
     pub stream_max_bytes: u64,
+    /// How many servers keep the stream (when this collector creates it): 0 (default)
+    /// is 3 when the servers form a cluster of three or more, else 1.
+    pub stream_replicas: usize,
     pub analyzer: AnalyzerConfig,
     /// OTLP export of the collector's metrics and spans (default off: no endpoint). The
     /// standard `OTEL_EXPORTER_OTLP_*` variables override it (see `kvscope_otlp::config`).
@@ -75,6 +80,7 @@ impl Default for CollectorConfig {
             report_dir: None,
             stream_max_age_secs: 24 * 3600,
             stream_max_bytes: kvscope_wire::subject::DEFAULT_STREAM_MAX_BYTES,
+            stream_replicas: 0,
             analyzer: AnalyzerConfig::default(),
             otlp: kvscope_otlp::OtlpConfig::default(),
             nats: Default::default(),
@@ -110,6 +116,9 @@ impl CollectorConfig {
         }
         if let Some(v) = env.parse(&key("STREAM_MAX_BYTES"))? {
             self.stream_max_bytes = v;
+        }
+        if let Some(v) = env.parse(&key("STREAM_REPLICAS"))? {
+            self.stream_replicas = v;
         }
         let a = &mut self.analyzer;
         if let Some(v) = env.parse(&key("WINDOW_SECS"))? {

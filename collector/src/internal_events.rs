@@ -10,7 +10,7 @@ use crate::state::{lock, Shared};
 pub use kvscope_kit::internal_events::{InternalEvent, LogLimiter};
 use std::fmt::Display;
 use std::time::Duration;
-use tracing::{error, warn};
+use tracing::{error, info, warn};
 
 /// A record sent in parts that never came whole: dropped, never guessed at.
 pub(crate) struct RecordIncomplete<'a> {
@@ -159,6 +159,23 @@ impl InternalEvent<Shared> for RecordsDiscarded {
             "Stream records were discarded by the stream's age or size limit before this \
              collector applied them; counted as missing (it fell behind by more than the \
              stream keeps: raise stream_max_bytes, or give the collector more CPU)."
+        );
+    }
+}
+
+/// The stream's replicas elected another leader (its server went, or handed over).
+pub(crate) struct StreamLeaderMoved<'a> {
+    pub from: &'a str,
+    pub to: &'a str,
+}
+
+impl InternalEvent<Shared> for StreamLeaderMoved<'_> {
+    fn emit(self, s: &Shared) {
+        lock(&s.bus).stream_leader_changes += 1;
+        info!(
+            from = self.from,
+            to = self.to,
+            "The stream's leader moved to another server of the NATS cluster."
         );
     }
 }

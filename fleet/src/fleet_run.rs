@@ -105,6 +105,9 @@ pub struct FleetRunConfig {
     /// Extra environment of the agent and of the collector (e.g. `OTEL_*`).
     pub agent_env: Vec<(String, String)>,
     pub collector_env: Vec<(String, String)>,
+    /// kvscope's bus when it is not the lab's NATS: another server's or a cluster's
+    /// URLs (comma-separated), without security.
+    pub bus_url: Option<String>,
 }
 
 pub struct FleetRun {
@@ -135,6 +138,7 @@ impl FleetRunConfig {
             warmup_secs: window_secs,
             agent_env: Vec::new(),
             collector_env: Vec::new(),
+            bus_url: None,
         }
     }
 }
@@ -156,10 +160,13 @@ impl FleetRun {
         let lab = Lab::start(cfg.lab.clone())
             .await
             .context("starting the lab")?;
-        let nats_url = lab
-            .nats_url()
-            .context("the lab was started without NATS; kvscope needs it as its bus")?
-            .to_string();
+        let nats_url = match &cfg.bus_url {
+            Some(url) => url.clone(),
+            None => lab
+                .nats_url()
+                .context("the lab was started without NATS; kvscope needs it as its bus")?
+                .to_string(),
+        };
         let run_dir = lab.run_dir().to_path_buf();
         let port = kvscope_lab::ports::pick_ports(1)?[0];
         let mut run = FleetRun {
@@ -232,6 +239,9 @@ impl FleetRun {
     /// `KVSCOPE_NATS_*` for a kvscope process logging in to the lab's bus as `user`
     /// (nothing when the bus runs without security).
     pub fn bus_env(&self, user: &str) -> anyhow::Result<Vec<(String, String)>> {
+        if self.cfg.bus_url.is_some() {
+            return Ok(Vec::new());
+        }
         match &self.lab().manifest().bus_security {
             Some(s) => s.kvscope_env(user),
             None => Ok(Vec::new()),
@@ -251,7 +261,7 @@ impl FleetRun {
         Ok(security
             .connect_options(None)
             .await?
-            .connect(self.nats_url.as_str())
+            .connect(kvscope_wire::nats_security::server_urls(&self.nats_url).as_slice())
             .await?)
     }
 

@@ -224,12 +224,8 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
     let mut run = FleetRun::start(
         &exe,
         FleetRunConfig {
-            kv_source: Default::default(),
-            lab,
-            window_secs: args.window_secs,
             warmup_secs: args.warmup_secs,
-            agent_env: Vec::new(),
-            collector_env: Vec::new(),
+            ..FleetRunConfig::new(lab, args.window_secs)
         },
     )
     .await?;

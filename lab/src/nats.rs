@@ -84,6 +84,107 @@ impl NatsServer {
     }
 }
 
+/// A JetStream cluster of `nats-server`s on loopback, each with its own store and log
+/// under one folder (`dir/n<i>/`), routes between every pair: what a fleet that runs
+/// NATS as a cluster runs. Members can be killed and started again (same name, same
+/// store, same ports), as a node lost and replaced.
+pub struct NatsCluster {
+    dir: std::path::PathBuf,
+    /// Client and route port of each member.
+    ports: Vec<(u16, u16)>,
+    /// Each member's process, `None` while killed.
+    members: Vec<Option<ManagedProcess>>,
+}
+
+impl NatsCluster {
+    /// Start `n` members under `dir`; returns once each accepts connections.
+    pub fn start(dir: &Path, n: usize) -> Result<Self> {
+        let reservation = crate::ports::reserve_ports(2 * n).context("picking ports for NATS")?;
+        let p = reservation.ports();
+        let ports: Vec<(u16, u16)> = (0..n).map(|i| (p[2 * i], p[2 * i + 1])).collect();
+        drop(reservation);
+        let mut cluster = Self {
+            dir: dir.to_path_buf(),
+            ports,
+            members: (0..n).map(|_| None).collect(),
+        };
+        for i in 0..n {
+            cluster.start_member(i)?;
+        }
+        Ok(cluster)
+    }
+
+    /// Member `i`'s server name (what the stream's cluster info names its leader by).
+    pub fn name(i: usize) -> String {
+        format!("n{i}")
+    }
+
+    /// Every member's client URL, comma-separated (what kvscope's daemons take).
+    pub fn urls(&self) -> String {
+        self.ports
+            .iter()
+            .map(|(client, _)| format!("nats://127.0.0.1:{client}"))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// Start member `i` (again): its configuration, store and ports as before.
+    pub fn start_member(&mut self, i: usize) -> Result<()> {
+        let dir = self.dir.join(Self::name(i));
+        let store = dir.join("store");
+        std::fs::create_dir_all(&store).context("creating a NATS member's store folder")?;
+        let routes: Vec<String> = self
+            .ports
+            .iter()
+            .map(|(_, route)| format!("\"nats-route://127.0.0.1:{route}\""))
+            .collect();
+        let (client, route) = self.ports[i];
+        let conf = dir.join("nats-server.conf");
+        std::fs::write(
+            &conf,
+            format!(
+                "server_name: {}\nlisten: \"127.0.0.1:{client}\"\n{}cluster {{\n  name: kvscope\n  listen: \"127.0.0.1:{route}\"\n  routes: [{}]\n}}\n",
+                Self::name(i),
+                jetstream_config(&store, LAB_MAX_FILE_STORE),
+                routes.join(", ")
+            ),
+        )
+        .context("writing a NATS member's configuration")?;
+        let mut cmd = Command::new(crate::setup::nats_server_path()?);
+        cmd.arg("-c").arg(&conf);
+        let log = dir.join("nats.log");
+        let process = ManagedProcess::spawn(&Self::name(i), cmd, &log)?;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect(("127.0.0.1", client)).is_err() {
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "NATS member {i} did not accept connections on 127.0.0.1:{client} within 10 s \
+                 (see {})",
+                log.display()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        self.members[i] = Some(process);
+        Ok(())
+    }
+
+    /// SIGKILL member `i` (a node lost).
+    pub fn kill_member(&mut self, i: usize) {
+        if let Some(mut p) = self.members[i].take() {
+            crate::process::signal_group(p.pid(), "KILL");
+            let _ = p.child.wait();
+        }
+    }
+}
+
+impl Drop for NatsCluster {
+    fn drop(&mut self) {
+        let mut running: Vec<ManagedProcess> =
+            self.members.iter_mut().filter_map(Option::take).collect();
+        stop_all(&mut running, Duration::from_secs(5));
+    }
+}
+
 /// The JetStream store every lab server gets. nats-server's own default is 75% of the
 /// disk free when it starts, so on a machine with under 5.4 GiB free it refuses
 /// kvscope's default stream (4 GiB) and every daemon stays unready; a deployment sets

@@ -251,6 +251,17 @@ fn read_secret(what: &'static str, path: &std::path::Path) -> Result<String, Nat
     Ok(text)
 }
 
+/// The servers of a NATS URL setting: one URL, or several separated by commas (a
+/// cluster's members, as the NATS tools take them). A daemon connects to any of them and
+/// reconnects to any (and to the members the servers announce).
+pub fn server_urls(setting: &str) -> Vec<&str> {
+    setting
+        .split(',')
+        .map(str::trim)
+        .filter(|u| !u.is_empty())
+        .collect()
+}
+
 #[cfg(feature = "jetstream")]
 impl NatsSecurity {
     /// Connect options carrying these settings; `inbox_prefix` (see
@@ -340,6 +351,16 @@ pub fn refusal(event: &async_nats::Event) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_url_setting_names_one_server_or_several() {
+        assert_eq!(server_urls("nats://a:4222"), ["nats://a:4222"]);
+        assert_eq!(
+            server_urls(" nats://a:4222, nats://b:4222,,tls://c:4222 "),
+            ["nats://a:4222", "nats://b:4222", "tls://c:4222"]
+        );
+        assert!(server_urls(" , ").is_empty());
+    }
     use std::collections::HashMap;
     use std::path::Path;
 

@@ -230,14 +230,17 @@ pub const DEFAULT_STREAM_MAX_BYTES: u64 = 4 << 30;
 
 /// The stream both the agents and the collector ask for (either may start first):
 /// every subject of the cluster, on disk, records kept for `max_age` and at most
-/// `max_bytes` bytes in all (0: no byte limit), the oldest discarded first.
+/// `max_bytes` bytes in all (0: no byte limit), the oldest discarded first, on
+/// `replicas` servers ([`stream_replicas`]).
 #[cfg(feature = "jetstream")]
 pub fn stream_config(
     subjects: &Subjects,
     max_age: std::time::Duration,
     max_bytes: u64,
+    replicas: usize,
 ) -> async_nats::jetstream::stream::Config {
     async_nats::jetstream::stream::Config {
+        num_replicas: replicas.max(1),
         name: subjects.stream_name(),
         subjects: vec![subjects.all()],
         storage: async_nats::jetstream::stream::StorageType::File,
@@ -249,6 +252,26 @@ pub fn stream_config(
             .unwrap_or(-1),
         discard: async_nats::jetstream::stream::DiscardPolicy::Old,
         ..Default::default()
+    }
+}
+
+/// How many servers keep the stream: `setting` where one is given (not 0), else 3 when
+/// the server connected to says it is one of a cluster of three or more (its INFO's
+/// `connect_urls` name every member that takes clients, itself included), else 1 (a
+/// single server holds one replica only) — and never fewer than the stream has now
+/// (`existing`): a cluster with a member down names fewer, and an agent that updated the
+/// stream then would take its copies away. A cluster of three keeps every record
+/// through the loss of any one server.
+#[cfg(feature = "jetstream")]
+pub fn stream_replicas(
+    setting: usize,
+    server: &async_nats::ServerInfo,
+    existing: Option<usize>,
+) -> usize {
+    let auto = if server.connect_urls.len() >= 3 { 3 } else { 1 };
+    match setting {
+        0 => auto.max(existing.unwrap_or(0)),
+        n => n,
     }
 }
 

@@ -27,7 +27,7 @@ use async_nats::jetstream::{self, context::PublishErrorKind, message::PublishMes
 use kvscope_kit::Health;
 use kvscope_wire::nats_security::{refusal, refused_connection};
 use kvscope_wire::parts;
-use kvscope_wire::subject::stream_config;
+use kvscope_wire::subject::{stream_config, stream_replicas};
 use kvscope_wire::{NatsSecurity, Subjects};
 use std::sync::Arc;
 use std::time::Duration;
@@ -51,6 +51,8 @@ pub struct PublisherConfig {
     pub stream_max_age: Duration,
     /// The stream's byte limit (0: none); see `kvscope_wire::subject::stream_config`.
     pub stream_max_bytes: u64,
+    /// Servers keeping the stream (0: 3 on a cluster of three or more, else 1).
+    pub stream_replicas: usize,
     /// Prefix of the de-duplication ids: unique per agent run.
     pub run_id: String,
     /// Its `bus` readiness check: connected, stream set up, publishing.
@@ -90,11 +92,32 @@ pub async fn run(
             return;
         }
         if !stream_ready {
+            // The stream as it is: its copies are never taken away. A stream that cannot
+            // be read (its servers electing a leader, or short of a quorum) is not
+            // touched until it can be.
+            let existing = match js.get_stream(cfg.subjects.stream_name()).await {
+                Ok(s) => Some(s.cached_info().config.num_replicas),
+                Err(e) if stream_not_found(&e) => None,
+                Err(e) => {
+                    fail(
+                        &cfg.health,
+                        &stats,
+                        &sink,
+                        &format!("cannot read the stream: {e}"),
+                        &mut backoff,
+                        &mut give_up,
+                    )
+                    .await;
+                    continue;
+                }
+            };
+            let replicas = stream_replicas(cfg.stream_replicas, &client.server_info(), existing);
             match js
                 .create_or_update_stream(stream_config(
                     &cfg.subjects,
                     cfg.stream_max_age,
                     cfg.stream_max_bytes,
+                    replicas,
                 ))
                 .await
             {
@@ -161,6 +184,16 @@ pub async fn run(
     }
 }
 
+/// Whether the server answered that the stream does not exist (not merely that it could
+/// not be read).
+fn stream_not_found(e: &jetstream::context::GetStreamError) -> bool {
+    matches!(
+        e.kind(),
+        jetstream::context::GetStreamErrorKind::JetStream(j)
+            if j.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND
+    )
+}
+
 /// Connect once. The server refusing the credentials, there or later on the live
 /// connection (a permissions violation too), is counted as a refusal.
 async fn connect(
@@ -192,7 +225,11 @@ async fn connect(
         })
         .max_reconnects(None)
         .connection_timeout(Duration::from_secs(5));
-    options.connect(cfg.nats_url.as_str()).await.map_err(|e| {
+    let servers = kvscope_wire::nats_security::server_urls(&cfg.nats_url);
+    if servers.is_empty() {
+        return Err("no NATS server URL given".into());
+    }
+    options.connect(servers.as_slice()).await.map_err(|e| {
         if refused_connection(&e) {
             BusRefused {
                 error: &e.to_string(),

@@ -15,7 +15,7 @@ use async_nats::jetstream::{self, consumer, stream};
 use async_nats::HeaderMap;
 use futures::StreamExt as _;
 use kvscope_wire::parts::{self, PartsOutcome};
-use kvscope_wire::subject::stream_config;
+use kvscope_wire::subject::{stream_config, stream_replicas};
 use kvscope_wire::{Envelope, Subjects};
 use std::sync::Arc;
 use std::time::Duration;
@@ -35,6 +35,9 @@ pub struct BusConfig {
     pub stream_max_age: Duration,
     /// The stream's byte limit (0: none), when this collector creates it.
     pub stream_max_bytes: u64,
+    /// Servers keeping the stream, when this collector creates it (0: as the servers
+    /// say, `kvscope_wire::subject::stream_replicas`).
+    pub stream_replicas: usize,
     /// Consume only these subjects (a collector limited to one model:
     /// `Subjects::of_model`); `None`: the whole stream.
     pub filter: Option<String>,
@@ -259,7 +262,9 @@ async fn connect(cfg: &BusConfig, shared: Arc<Shared>) -> anyhow::Result<async_n
             }
         })
         .max_reconnects(None);
-    Ok(options.connect(cfg.nats_url.as_str()).await?)
+    let servers = kvscope_wire::nats_security::server_urls(&cfg.nats_url);
+    anyhow::ensure!(!servers.is_empty(), "no NATS server URL given");
+    Ok(options.connect(servers.as_slice()).await?)
 }
 
 /// `attempt` until it succeeds, waiting 200 ms between tries at first and twice as long
@@ -311,6 +316,8 @@ pub async fn run(cfg: BusConfig, shared: Arc<Shared>) -> anyhow::Result<()> {
                 &cfg.subjects,
                 cfg.stream_max_age,
                 cfg.stream_max_bytes,
+                // Made only where there is none: nothing to keep.
+                stream_replicas(cfg.stream_replicas, &js.client().server_info(), None),
             ))
         },
         |error, retry_in| {
@@ -415,7 +422,15 @@ async fn follow(
     // Deliveries of a filtered consumer skip the other subjects' stream sequences: its
     // own consumer sequence tells a lost delivery there.
     let mut last_delivery = 0u64;
+    let mut looked = tokio::time::Instant::now();
     loop {
+        // A busy stream is looked at as often as a quiet one (its leader may move).
+        if looked.elapsed() >= LOOK_EVERY {
+            looked = tokio::time::Instant::now();
+            if let Some(anew) = look(cfg, js, &mut durable, created, shared).await? {
+                return Ok(anew);
+            }
+        }
         let msg = match tokio::time::timeout(LOOK_EVERY, messages.next()).await {
             Ok(Some(Ok(m))) => m,
             Ok(Some(Err(e))) => {
@@ -429,6 +444,7 @@ async fn follow(
             Ok(None) => anyhow::bail!("the durable consumer's message stream ended"),
             // Quiet: still the same stream?
             Err(_) => {
+                looked = tokio::time::Instant::now();
                 if let Some(anew) = look(cfg, js, &mut durable, created, shared).await? {
                     return Ok(anew);
                 }
@@ -505,6 +521,8 @@ async fn look(
             &cfg.subjects,
             cfg.stream_max_age,
             cfg.stream_max_bytes,
+            // Made only where there is none: nothing to keep.
+            stream_replicas(cfg.stream_replicas, &js.client().server_info(), None),
         ))
         .await
     else {
@@ -514,6 +532,18 @@ async fn look(
     let Ok(info) = stream.info().await else {
         return Ok(None);
     };
+    // On a cluster, the server leading the stream: its moving is no fault (the stream's
+    // replicas elect another when one goes), but shown and counted.
+    if let Some(leader) = info.cluster.as_ref().and_then(|c| c.leader.clone()) {
+        let previous = lock(&shared.bus).stream_leader.replace(leader.clone());
+        if let Some(previous) = previous.filter(|p| *p != leader) {
+            StreamLeaderMoved {
+                from: &previous,
+                to: &leader,
+            }
+            .emit(shared);
+        }
+    }
     let applied = lock(&shared.bus).applied_seq;
     let created_now = info.created.unix_timestamp_nanos();
     let made_anew = created_now != created || info.state.last_sequence < applied;

@@ -120,7 +120,7 @@ fn write_agent_clocks(out: &mut Exposition, offsets: &[(&str, u64)]) {
 /// The collector's figures for the current state.
 pub fn write(out: &mut Exposition, a: &FleetAnalyzer, bus: &BusStatus) {
     let c = a.counters();
-    let counters: [(&str, &str, u64); 51] = [
+    let counters: [(&str, &str, u64); 52] = [
         ("kvscope_collector_records", "Records applied.", c.records),
         (
             "kvscope_collector_undecodable_records",
@@ -352,6 +352,11 @@ pub fn write(out: &mut Exposition, a: &FleetAnalyzer, bus: &BusStatus) {
             "kvscope_collector_bus_stream_resets",
             "Times the stream was found made anew under its name (its server's storage wiped): the consumer made anew, the new stream followed from its first record.",
             bus.stream_resets,
+        ),
+        (
+            "kvscope_collector_bus_stream_leader_changes",
+            "Times the stream's leader was seen to move to another server of the NATS cluster (its replicas elected another: no fault, no record lost).",
+            bus.stream_leader_changes,
         ),
         (
             "kvscope_collector_bus_messages_without_metadata",

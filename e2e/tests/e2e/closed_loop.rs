@@ -224,12 +224,9 @@ async fn spills_go_live_migrate_over_nixl_and_handshake_failures_drop_to_dry() {
     let otlp_env = |url: &str| vec![("OTEL_EXPORTER_OTLP_ENDPOINT".to_string(), url.to_string())];
     let mut run = kvscope_e2e::fleet_with(
         FleetRunConfig {
-            kv_source: Default::default(),
-            lab,
-            window_secs: WINDOW_SECS,
-            warmup_secs: WINDOW_SECS,
             agent_env: otlp_env(&rx.grpc_url),
             collector_env: otlp_env(&rx.grpc_url),
+            ..FleetRunConfig::new(lab, WINDOW_SECS)
         },
         |lab| {
             // The sidecars' publishers, by endpoint only: the agent tells each one's

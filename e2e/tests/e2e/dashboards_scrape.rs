@@ -132,25 +132,15 @@ async fn every_dashboard_panel_has_data_from_a_real_prometheus() {
     let ports = ports_held.ports();
     let agent_addr = format!("127.0.0.1:{}", ports[0]);
     let actuator_addr = format!("127.0.0.1:{}", ports[1]);
-    let run = kvscope_e2e::fleet_with(
-        FleetRunConfig {
-            kv_source: Default::default(),
-            lab,
-            window_secs: 2.0,
-            warmup_secs: 2.0,
-            agent_env: Vec::new(),
-            collector_env: Vec::new(),
-        },
-        |_| {
-            Ok(vec![
-                "--metrics-listen".into(),
-                agent_addr.clone(),
-                "--nixl-lib".into(),
-                libs.libnixl.display().to_string(),
-                "--no-nixl-discover".into(),
-            ])
-        },
-    )
+    let run = kvscope_e2e::fleet_with(FleetRunConfig::new(lab, 2.0), |_| {
+        Ok(vec![
+            "--metrics-listen".into(),
+            agent_addr.clone(),
+            "--nixl-lib".into(),
+            libs.libnixl.display().to_string(),
+            "--no-nixl-discover".into(),
+        ])
+    })
     .await
     .expect("lab, agent (with NIXL probes) and collector start");
     let dir = tempfile::tempdir().unwrap();

@@ -37,16 +37,9 @@ async fn lab_fleet_end_to_end_with_a_collector_crash() {
     };
     let gpu_blocks = lab.num_gpu_blocks;
     let exe = kvscope_e2e::kvscope();
-    let mut run = kvscope_e2e::fleet(FleetRunConfig {
-        kv_source: Default::default(),
-        lab,
-        window_secs: WINDOW_SECS,
-        warmup_secs: WINDOW_SECS,
-        agent_env: Vec::new(),
-        collector_env: Vec::new(),
-    })
-    .await
-    .expect("lab, agent and collector start");
+    let mut run = kvscope_e2e::fleet(FleetRunConfig::new(lab, WINDOW_SECS))
+        .await
+        .expect("lab, agent and collector start");
     let wl = WorkloadConfig {
         frontend: run.lab().frontend_url().to_string(),
         // Three families over three workers and enough concurrency that the router's

@@ -6,6 +6,7 @@
 mod agent;
 mod alert_rules;
 mod bench_freshness;
+mod bus_cluster;
 mod bus_security;
 mod clock_skew;
 mod closed_loop;

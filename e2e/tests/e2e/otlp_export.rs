@@ -182,16 +182,13 @@ async fn lab_metrics_and_spans_reach_an_otlp_receiver_over_grpc_and_http() {
         ..LabConfig::default()
     };
     let mut run = kvscope_e2e::fleet(FleetRunConfig {
-        kv_source: Default::default(),
-        lab,
-        window_secs: WINDOW_SECS,
-        warmup_secs: WINDOW_SECS,
         collector_env: env(&[("OTEL_EXPORTER_OTLP_ENDPOINT", &rx.grpc_url)]),
         agent_env: env(&[
             ("OTEL_EXPORTER_OTLP_ENDPOINT", &rx.http_url),
             ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"),
             ("KVSCOPE_AGENT_METRICS_LISTEN", &agent_metrics),
         ]),
+        ..FleetRunConfig::new(lab, WINDOW_SECS)
     })
     .await
     .expect("lab, agent and collector start");

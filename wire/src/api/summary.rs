@@ -90,6 +90,11 @@ pub struct BusStatus {
     /// Why the durable consumer could not be read at the latest look, when it could not.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub consumer_error: Option<String>,
+    /// The server leading the stream, on a NATS cluster (as of the latest look).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stream_leader: Option<String>,
+    /// Times the stream's leader was seen to move to another server.
+    pub stream_leader_changes: u64,
 }
 
 /// How the router's view of its choices compares with what the engines held when it

@@ -670,7 +670,7 @@ async fn an_existing_stream_is_used_when_the_server_refuses_the_agent_s_limits()
     let js = async_nats::jetstream::new(async_nats::connect(nats.url()).await.unwrap());
     let subjects = Subjects::new("small");
     let limits =
-        || kvscope_wire::subject::stream_config(&subjects, Duration::from_secs(3600), 512 << 10);
+        || kvscope_wire::subject::stream_config(&subjects, Duration::from_secs(3600), 512 << 10, 1);
     js.get_or_create_stream(limits()).await.unwrap();
     let log_path = dir.path().join("frontend.log");
     let lines: String = (0..3)

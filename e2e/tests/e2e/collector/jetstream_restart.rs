@@ -185,6 +185,7 @@ async fn a_killed_collector_resumes_without_losing_or_repeating_records() {
         &subjects,
         Duration::from_secs(3600),
         kvscope_wire::subject::DEFAULT_STREAM_MAX_BYTES,
+        1,
     ))
     .await
     .unwrap();
@@ -344,6 +345,7 @@ async fn a_record_dated_far_ahead_is_quarantined_not_applied() {
         &subjects,
         Duration::from_secs(3600),
         kvscope_wire::subject::DEFAULT_STREAM_MAX_BYTES,
+        1,
     ))
     .await
     .unwrap();
@@ -430,7 +432,7 @@ async fn a_stream_at_its_size_limit_discards_its_oldest_and_the_collector_counts
     // What the limit is for: with none, the server refuses records once its store is full.
     let unlimited = Subjects::new("u");
     let mut stream = js
-        .get_or_create_stream(stream_config(&unlimited, Duration::from_secs(3600), 0))
+        .get_or_create_stream(stream_config(&unlimited, Duration::from_secs(3600), 0, 1))
         .await
         .unwrap();
     assert_eq!(stream.info().await.unwrap().config.max_bytes, -1);
@@ -448,6 +450,7 @@ async fn a_stream_at_its_size_limit_discards_its_oldest_and_the_collector_counts
             &subjects,
             Duration::from_secs(3600),
             2 * store_limit,
+            1,
         ))
         .await;
     assert!(
@@ -459,6 +462,7 @@ async fn a_stream_at_its_size_limit_discards_its_oldest_and_the_collector_counts
             &subjects,
             Duration::from_secs(3600),
             stream_limit,
+            1,
         ))
         .await
         .unwrap();
