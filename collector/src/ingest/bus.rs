@@ -544,6 +544,7 @@ async fn look(
             .emit(shared);
         }
     }
+    lock(&shared.bus).stream_replicas = info.config.num_replicas;
     let applied = lock(&shared.bus).applied_seq;
     let created_now = info.created.unix_timestamp_nanos();
     let made_anew = created_now != created || info.state.last_sequence < applied;

@@ -113,6 +113,10 @@ async fn a_three_server_bus_loses_no_record_when_its_leader_and_a_follower_die()
         .await
         .expect("every decision reaches the collector");
     let bus = run.summary().await.unwrap()["bus"].clone();
+    assert_eq!(
+        bus["stream_replicas"], 3,
+        "the stream on the three servers: {bus}"
+    );
     assert!(
         bus["stream_leader_changes"].as_u64().unwrap_or(0) >= 1,
         "the collector saw the leader move: {bus}"

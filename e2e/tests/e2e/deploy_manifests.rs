@@ -144,7 +144,9 @@ fn the_manifests_render_and_every_object_passes_the_schemas() {
     }
     // The overlay for the fleet's NATS leaves the bus out and points every daemon there.
     let all = objects(&render_dir("overlays/existing-nats"));
-    assert!(!all.iter().any(|o| o["metadata"]["name"] == "kvscope-bus"));
+    assert!(!all.iter().any(|o| o["metadata"]["name"]
+        .as_str()
+        .is_some_and(|n| n.starts_with("kvscope-bus"))));
     for (kind, name) in [
         ("Deployment", "kvscope-router-agent"),
         ("DaemonSet", "kvscope-node-agent"),
@@ -358,36 +360,58 @@ async fn the_bus_admits_the_collector_and_agent_as_their_manifests_run_them() {
     std::fs::copy(&ca.ca_file, tls.join("ca.crt")).unwrap();
     std::fs::copy(&ca.server_cert, tls.join("tls.crt")).unwrap();
     std::fs::copy(&ca.server_key, tls.join("tls.key")).unwrap();
+    // The bus as the StatefulSet runs it: three members, each its own store, routes
+    // between them (TLS both ways), every socket on loopback.
     // Held until the test ends (the daemons bind them when they start).
-    let held = kvscope_lab::ports::reserve_ports(5).unwrap();
-    let [port, http_port, collector_port, agent_port, actuator_port] = held.ports()[..] else {
-        unreachable!()
-    };
-    let local = format!(
-        "host: 127.0.0.1\n{}",
-        conf.replace("port: 4222", &format!("port: {port}"))
-            .replace("http_port: 8222", &format!("http_port: {http_port}"))
-            .replace("/etc/nats/tls", tls.to_str().unwrap())
-            .replace("/data", dir.path().to_str().unwrap())
-    );
-    let conf_path = dir.path().join("nats.conf");
-    std::fs::write(&conf_path, local).unwrap();
+    let held = kvscope_lab::ports::reserve_ports(12).unwrap();
+    let p = held.ports();
+    let [collector_port, agent_port, actuator_port] = [p[9], p[10], p[11]];
+    let member = |i: usize| (p[3 * i], p[3 * i + 1], p[3 * i + 2]); // client, monitor, route
+    let port = member(0).0;
     let secrets = dir.path().join("bus-users");
     std::fs::create_dir_all(&secrets).unwrap();
     let (agent_pw, collector_pw) = ("agent-pw-3f9e1c", "collector-pw-8b27d4");
     std::fs::write(secrets.join("agent-password"), agent_pw).unwrap();
     std::fs::write(secrets.join("collector-password"), collector_pw).unwrap();
-    let mut nats = Command::new(kvscope_lab::setup::nats_server_path().unwrap());
-    nats.arg("-c")
-        .arg(&conf_path)
-        .env("KVSCOPE_AGENT_PASSWORD", agent_pw)
-        .env("KVSCOPE_COLLECTOR_PASSWORD", collector_pw);
-    let mut procs = StopOnDrop(vec![ManagedProcess::spawn(
-        "bus",
-        nats,
-        &dir.path().join("bus.log"),
-    )
-    .unwrap()]);
+    let mut procs = StopOnDrop(Vec::new());
+    let statefulset = object(&all, "StatefulSet", "kvscope-bus");
+    assert_eq!(statefulset["spec"]["replicas"], 3, "a bus of three servers");
+    for i in 0..3 {
+        let (client, monitor, route) = member(i);
+        let mut local = format!(
+            "host: 127.0.0.1\n{}",
+            conf.replace("port: 4222", &format!("port: {client}"))
+                .replace("http_port: 8222", &format!("http_port: {monitor}"))
+                .replace("0.0.0.0:6222", &format!("127.0.0.1:{route}"))
+                .replace("/etc/nats/tls", tls.to_str().unwrap())
+                .replace(
+                    "/data",
+                    dir.path().join(format!("bus-{i}")).to_str().unwrap()
+                )
+        );
+        for j in 0..3 {
+            local = local.replace(
+                &format!("kvscope-bus-{j}.kvscope-bus-cluster:6222"),
+                &format!("127.0.0.1:{}", member(j).2),
+            );
+        }
+        assert!(
+            !local.contains("kvscope-bus-cluster"),
+            "every route pointed here"
+        );
+        let conf_path = dir.path().join(format!("nats-{i}.conf"));
+        std::fs::write(&conf_path, local).unwrap();
+        let mut nats = Command::new(kvscope_lab::setup::nats_server_path().unwrap());
+        nats.arg("-c")
+            .arg(&conf_path)
+            .env("POD_NAME", format!("kvscope-bus-{i}"))
+            .env("CLIENT_ADVERTISE", format!("127.0.0.1:{client}"))
+            .env("KVSCOPE_AGENT_PASSWORD", agent_pw)
+            .env("KVSCOPE_COLLECTOR_PASSWORD", collector_pw);
+        procs.push(
+            ManagedProcess::spawn("bus", nats, &dir.path().join(format!("bus-{i}.log"))).unwrap(),
+        );
+    }
 
     // The pods' environment, with what points into the pod pointed here.
     let localize = |env: Vec<(String, String)>| -> Vec<(String, String)> {
@@ -458,13 +482,37 @@ async fn the_bus_admits_the_collector_and_agent_as_their_manifests_run_them() {
             };
             panic!(
                 "the collector never saw the node agent\n--- bus\n{}\n--- collector\n{}\n--- agent\n{}",
-                tail("bus.log"),
+                tail("bus-0.log"),
                 tail("collector.log"),
                 tail("agent.log")
             );
         }
         tokio::time::sleep(Duration::from_millis(300)).await;
     };
+    // The stream kept by the three servers (the agent and the collector left
+    // `stream_replicas` at its default: the servers said they were three), one leading.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let s: serde_json::Value = reqwest::get(format!("http://{collector_listen}/api/summary"))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let bus = &s["bus"];
+        if bus["stream_replicas"] == 3 && bus["stream_leader"].is_string() {
+            assert!(bus["stream_leader"]
+                .as_str()
+                .unwrap()
+                .starts_with("kvscope-bus-"));
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the stream on three servers: {bus}"
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
     let metrics = kvscope_e2e::get_text(&format!("http://{collector_listen}/metrics")).await;
     assert!(
         metrics.contains("kvscope_collector_foreign_records_total 0"),

@@ -95,6 +95,8 @@ pub struct BusStatus {
     pub stream_leader: Option<String>,
     /// Times the stream's leader was seen to move to another server.
     pub stream_leader_changes: u64,
+    /// How many servers keep the stream (as of the latest look).
+    pub stream_replicas: usize,
 }
 
 /// How the router's view of its choices compares with what the engines held when it
