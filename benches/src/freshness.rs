@@ -30,7 +30,7 @@ use bytes::Bytes;
 use kvscope_collector::config::CollectorConfig;
 use kvscope_kit::clock::now_ns;
 use kvscope_lab::daemons::{CollectorApi, Daemons};
-use kvscope_lab::nats::NatsServer;
+use kvscope_lab::nats::{NatsCluster, NatsServer};
 use kvscope_lab::process::ManagedProcess;
 use kvscope_lab::workload::SplitMix64;
 use kvscope_wire::hashing::{chain_hash, local_block_hash, DYNAMO_HASH_SEED};
@@ -118,12 +118,18 @@ pub struct FreshnessArgs {
     /// high --blocks-per-sec) fills the stream first: 4 GiB is ~110 M block events.
     #[arg(long)]
     restart_collector: bool,
+    /// NATS servers the bus runs on: 1, or a JetStream cluster of 3 on loopback (the
+    /// stream then kept by all three: `stream_replicas` at its default).
+    #[arg(long, default_value_t = 1)]
+    nats_servers: usize,
 }
 
 /// What one run measured.
 #[derive(Debug, Serialize)]
 pub struct FreshnessReport {
     pub blocks_per_sec_target: u64,
+    /// NATS servers of the bus (the stream's replicas).
+    pub nats_servers: usize,
     pub reorder_window_ms: u64,
     pub kv_reorder_window_ms: Option<u64>,
     pub log_poll_ms: u64,
@@ -254,6 +260,10 @@ fn validate(a: &FreshnessArgs) -> anyhow::Result<()> {
     );
     anyhow::ensure!(a.tick_ms > 0, "--tick-ms must be > 0");
     anyhow::ensure!(
+        matches!(a.nats_servers, 1 | 3),
+        "--nats-servers is 1 or 3 (a JetStream cluster keeps a stream on an odd number)"
+    );
+    anyhow::ensure!(
         a.prompt_blocks > 0 && a.answer_blocks > 0 && a.turns > 0 && a.conversations > 0,
         "--prompt-blocks, --answer-blocks, --turns and --conversations must be > 0"
     );
@@ -288,9 +298,44 @@ const CLUSTER: &str = "bench";
 /// Worker ids as the router would log them.
 const WORKER_ID_BASE: u64 = 7_000_000_000_000_000_000;
 
+/// The bus: one server, or a cluster.
+enum Bus {
+    One(NatsServer),
+    Cluster(NatsCluster),
+}
+
+impl Bus {
+    fn url(&self) -> String {
+        match self {
+            Bus::One(s) => s.url(),
+            Bus::Cluster(c) => c.urls(),
+        }
+    }
+
+    /// Where one copy of the stream is stored, under the run folder `dir` (each member
+    /// of a cluster holds a whole copy).
+    fn store(&self, dir: &Path) -> PathBuf {
+        match self {
+            Bus::One(_) => dir.join("nats"),
+            Bus::Cluster(_) => dir.join(NatsCluster::name(0)).join("store"),
+        }
+    }
+
+    fn pids(&self) -> Vec<(String, u32)> {
+        match self {
+            Bus::One(s) => vec![("nats-server".to_string(), s.pid())],
+            Bus::Cluster(c) => c
+                .pids()
+                .into_iter()
+                .map(|(i, pid)| (format!("nats-server {}", NatsCluster::name(i)), pid))
+                .collect(),
+        }
+    }
+}
+
 struct Pipeline {
     dir: PathBuf,
-    nats: NatsServer,
+    nats: Bus,
     daemons: Daemons,
     api: CollectorApi,
     /// Last, so the folder goes after NATS has stopped writing its store there.
@@ -323,7 +368,7 @@ impl Pipeline {
     }
 
     fn pids(&self) -> Vec<(String, u32)> {
-        let mut v = vec![("nats-server".to_string(), self.nats.pid())];
+        let mut v = self.nats.pids();
         v.extend(self.daemons.pids());
         v.push(("generator (this bench)".into(), std::process::id()));
         v
@@ -358,7 +403,10 @@ fn start_pipeline(
     dir: PathBuf,
     temp: Option<tempfile::TempDir>,
 ) -> anyhow::Result<Pipeline> {
-    let nats = NatsServer::start_anywhere(&dir).context("starting nats-server -js")?;
+    let nats = match args.nats_servers {
+        1 => Bus::One(NatsServer::start_anywhere(&dir).context("starting nats-server -js")?),
+        n => Bus::Cluster(NatsCluster::start(&dir, n).context("starting a NATS cluster")?),
+    };
     let listen = format!("127.0.0.1:{}", ports[args.workers]);
     let mut collector_cfg = CollectorConfig {
         nats_url: nats.url(),
@@ -454,7 +502,7 @@ async fn restart_collector(
         ["stored_blocks", "removed_blocks", "decisions"].map(|k| s["counters"][k].as_u64())
     };
     let stream_messages = before["bus"]["applied_seq"].as_u64().unwrap_or(0);
-    let stream_bytes = dir_bytes(&pipeline.dir.join("nats"));
+    let stream_bytes = dir_bytes(&pipeline.nats.store(&pipeline.dir));
     eprintln!(
         "kvscope-bench freshness: killing the collector (SIGKILL) on a stream of {stream_messages} \
          messages, {:.1} MiB on disk, and starting it again …",
@@ -698,6 +746,7 @@ async fn run(args: &FreshnessArgs) -> anyhow::Result<FreshnessReport> {
     let agent = summary["agents"]["bench-node"]["heartbeat"]["counters"].clone();
     Ok(FreshnessReport {
         blocks_per_sec_target: args.blocks_per_sec,
+        nats_servers: args.nats_servers,
         reorder_window_ms: args.reorder_window_ms,
         kv_reorder_window_ms: args.kv_reorder_window_ms,
         log_poll_ms: args.log_poll_ms,
@@ -742,10 +791,15 @@ fn print_report(args: &FreshnessArgs, r: &FreshnessReport) {
             format!("measured, at most {ms} ms")
         });
     println!(
-        "\nFreshness through agent → NATS JetStream → collector: {} workers, target {} \
-         blocks/s, agent reorder window {} ms (KV publishers: {kv_window}), log poll {} ms, \
-         {:.1} s measured.",
-        args.workers, r.blocks_per_sec_target, r.reorder_window_ms, r.log_poll_ms, r.measured_secs
+        "\nFreshness through agent → NATS JetStream ({} server(s), the stream on each) → \
+         collector: {} workers, target {} blocks/s, agent reorder window {} ms (KV \
+         publishers: {kv_window}), log poll {} ms, {:.1} s measured.",
+        r.nats_servers,
+        args.workers,
+        r.blocks_per_sec_target,
+        r.reorder_window_ms,
+        r.log_poll_ms,
+        r.measured_secs
     );
     println!(
         "Published: {:.0} stored + {:.0} removed = {:.0} blocks/s, {:.0} decisions/s.",

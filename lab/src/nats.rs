@@ -168,6 +168,15 @@ impl NatsCluster {
         Ok(())
     }
 
+    /// `(index, pid)` of each member running.
+    pub fn pids(&self) -> Vec<(usize, u32)> {
+        self.members
+            .iter()
+            .enumerate()
+            .filter_map(|(i, m)| m.as_ref().map(|p| (i, p.pid())))
+            .collect()
+    }
+
     /// SIGKILL member `i` (a node lost).
     pub fn kill_member(&mut self, i: usize) {
         if let Some(mut p) = self.members[i].take() {
