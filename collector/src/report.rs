@@ -797,12 +797,8 @@ impl TenantRows {
                 figures: f.clone(),
             })
             .collect();
-        let mut others = t.other_tenants.clone();
-        for (name, f) in &t.tenants {
-            if !top.iter().any(|r| &r.tenant == name) {
-                others.merge(f);
-            }
-        }
+        let named: Vec<&str> = top.iter().map(|r| r.tenant.as_str()).collect();
+        let others = t.all_but(&named);
         Self {
             top,
             others,

@@ -280,8 +280,8 @@ impl Admission {
         Ok(admitted)
     }
 
-    /// Salted blocks held (for the agent's memory figure and tests).
-    pub fn salted_blocks(&self) -> usize {
+    #[cfg(test)]
+    fn salted_blocks(&self) -> usize {
         self.salts.len()
     }
 }

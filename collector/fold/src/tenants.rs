@@ -78,15 +78,6 @@ impl TenantRoots {
             self.salts.retain(|s, _| live.contains(&**s));
         }
     }
-
-    /// Roots kept.
-    pub fn len(&self) -> usize {
-        self.roots.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.roots.is_empty()
-    }
 }
 
 #[cfg(test)]
@@ -106,7 +97,7 @@ mod tests {
                 assert!(t.tenant_of(1).is_some(), "{r}");
             }
         }
-        assert_eq!(t.len(), MAX_ROOTS);
+        assert_eq!(t.roots.len(), MAX_ROOTS);
         assert_eq!(t.tenant_of(1).as_deref(), Some("tenant-a"));
         assert_eq!(t.tenant_of(2), None, "the oldest unused root went first");
         assert_eq!(t.salts.len(), 2, "one copy of each salt");

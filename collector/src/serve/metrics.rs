@@ -716,7 +716,7 @@ pub fn write(out: &mut Exposition, a: &FleetAnalyzer, bus: &BusStatus) {
     // changed, so each series stays a counter), every other salted tenant as `_other`,
     // requests with no salt known as `_none`.
     let tenants = &a.totals().tenants;
-    let others = tenants.unnamed();
+    let others = tenants.all_but(&tenants.metric_tenants);
     let per_tenant: [(&str, &str, ModelFigure); 3] = [
         (
             "kvscope_tenant_decisions",

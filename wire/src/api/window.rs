@@ -120,11 +120,12 @@ impl TenantFigures {
         figures.add(v);
     }
 
-    /// The figures of every salted tenant the metrics do not name apart.
-    pub fn unnamed(&self) -> ModelFigures {
+    /// The figures of every salted tenant but those `named` (the ones past the bound
+    /// included): the `other` row of a table or metric that names those apart.
+    pub fn all_but<S: AsRef<str>>(&self, named: &[S]) -> ModelFigures {
         let mut sum = self.other_tenants.clone();
         for (t, f) in &self.tenants {
-            if !self.metric_tenants.contains(t) {
+            if !named.iter().any(|n| n.as_ref() == t) {
                 sum.merge(f);
             }
         }
