@@ -460,6 +460,7 @@ fn start_pipeline(
         daemons: Daemons {
             collector: Some(collector),
             agent: Some(agent),
+            standby: None,
         },
         api: CollectorApi::new(&listen),
     })

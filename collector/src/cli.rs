@@ -334,6 +334,11 @@ async fn serve(cfg: CollectorConfig) -> anyhow::Result<()> {
         recorder,
         Subjects::new(&cfg.cluster),
     );
+    if cfg.lease_ttl_secs > 0 {
+        // Nothing is served, exported or written as the scope's until the lease is held.
+        crate::state::lock(&shared.bus).lease.role =
+            kvscope_wire::api::summary::CollectorRole::Standby;
+    }
     let listener = tokio::net::TcpListener::bind(cfg.listen)
         .await
         .with_context(|| {
@@ -399,8 +404,41 @@ async fn serve(cfg: CollectorConfig) -> anyhow::Result<()> {
         stream_max_bytes: cfg.stream_max_bytes,
         stream_replicas: cfg.stream_replicas,
         filter: single_model.map(|m| Subjects::new(&cfg.cluster).of_model(m)),
+        leader: None,
     };
-    let bus_task = tokio::spawn(bus::run(bus_cfg, shared.clone()));
+    // Two collectors of one scope: the one holding the lease serves, the other stands by.
+    let lease = (cfg.lease_ttl_secs > 0).then(|| crate::lease::LeaseConfig {
+        bucket: bus_cfg.subjects.lease_bucket(),
+        key: Subjects::lease_key(&bus_cfg.durable_name),
+        identity: format!(
+            "{}/{}",
+            kvscope_kit::host_name().as_deref().unwrap_or("unknown"),
+            cfg.listen
+        ),
+        ttl: Duration::from_secs(cfg.lease_ttl_secs),
+        replicas: cfg.stream_replicas,
+    });
+    let mut essential = Vec::new();
+    let bus_cfg = match &lease {
+        Some(lease) => {
+            let (leader, follows) = tokio::sync::watch::channel(false);
+            essential.push(Essential::task(
+                "lease",
+                tokio::spawn(crate::lease::hold(
+                    lease.clone(),
+                    bus_cfg.clone(),
+                    shared.clone(),
+                    leader,
+                )),
+            ));
+            BusConfig {
+                leader: Some(follows),
+                ..bus_cfg
+            }
+        }
+        None => bus_cfg,
+    };
+    let bus_task = tokio::spawn(bus::run(bus_cfg.clone(), shared.clone()));
     let flusher = {
         let shared = shared.clone();
         tokio::spawn(async move {
@@ -410,11 +448,11 @@ async fn serve(cfg: CollectorConfig) -> anyhow::Result<()> {
             }
         })
     };
-    let mut essential = vec![
+    essential.extend([
         Essential::task("bus reader", bus_task),
         Essential::task("HTTP server", http),
         Essential::task("recording flusher", flusher),
-    ];
+    ]);
     if let Some(o) = otlp.as_mut() {
         essential.push(Essential::owned_elsewhere("OTLP export", o.ended()));
     }
@@ -431,7 +469,17 @@ async fn serve(cfg: CollectorConfig) -> anyhow::Result<()> {
     if let Some(o) = otlp {
         o.shutdown(Duration::from_secs(5)).await;
     }
-    if let Some(dir) = &cfg.report_dir {
+    let served = crate::state::lock(&shared.bus).lease.role.serves();
+    if let (Some(lease), true) = (&lease, served) {
+        // Stopped cleanly: the standby need not wait for the lease to expire.
+        let _ = tokio::time::timeout(
+            Duration::from_secs(3),
+            crate::lease::release(lease, &bus_cfg, shared.clone()),
+        )
+        .await;
+    }
+    // A standby's report would be the leader's again.
+    if let (Some(dir), true) = (&cfg.report_dir, served) {
         let report = OpportunityReport::from_analyzer(&crate::state::lock(&shared.analyzer));
         if let Err(e) = write_report(dir, &report) {
             error!(error = %e, "Cannot write the report.");

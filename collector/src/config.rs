@@ -13,6 +13,7 @@
 //! stream_max_age_secs = 86400
 //! stream_max_bytes = 4294967296
 //! stream_replicas = 0   # servers keeping it (0: 3 on a cluster of three or more, else 1)
+//! lease_ttl_secs = 10   # a standby serves this long after its leader died (0: no lease)
 //!
 //! [analyzer]
 //! window_secs = 15.0
@@ -22,7 +23,8 @@
 //! ```
 //!
 //! Environment: `KVSCOPE_COLLECTOR_NATS_URL`, `_CLUSTER`, `_DURABLE_NAME`, `_LISTEN`,
-//! `_RECORD`, `_REPORT_DIR`, `_STREAM_MAX_AGE_SECS`, `_STREAM_MAX_BYTES`, `_WINDOW_SECS`,
+//! `_RECORD`, `_REPORT_DIR`, `_STREAM_MAX_AGE_SECS`, `_STREAM_MAX_BYTES`, `_STREAM_REPLICAS`,
+//! `_LEASE_TTL_SECS`, `_WINDOW_SECS`,
 //! `_WARMUP_SECS`, `_MIN_SPILL_BLOCKS`, `_MIN_WINDOWS`, `_KEEP_WINDOWS`, `_KEEP_VERDICTS`,
 //! `_PROMPT_MEMORY_SECS`, `_MODELS` (comma-separated).
 
@@ -60,6 +62,12 @@ pub struct CollectorConfig {
     /// How many servers keep the stream (when this collector creates it): 0 (default)
     /// is 3 when the servers form a cluster of three or more, else 1.
     pub stream_replicas: usize,
+    /// Two collectors of one scope (same cluster and durable consumer name): the one
+    /// holding the scope's lease serves, the other folds the same stream as a warm
+    /// standby and serves once the lease is free — this long after its holder's last
+    /// renewal (default 10 s). 0: no lease; the collector serves alone (then nothing
+    /// keeps a second of the same scope from serving too).
+    pub lease_ttl_secs: u64,
     pub analyzer: AnalyzerConfig,
     /// OTLP export of the collector's metrics and spans (default off: no endpoint). The
     /// standard `OTEL_EXPORTER_OTLP_*` variables override it (see `kvscope_otlp::config`).
@@ -81,6 +89,7 @@ impl Default for CollectorConfig {
             stream_max_age_secs: 24 * 3600,
             stream_max_bytes: kvscope_wire::subject::DEFAULT_STREAM_MAX_BYTES,
             stream_replicas: 0,
+            lease_ttl_secs: 10,
             analyzer: AnalyzerConfig::default(),
             otlp: kvscope_otlp::OtlpConfig::default(),
             nats: Default::default(),
@@ -119,6 +128,9 @@ impl CollectorConfig {
         }
         if let Some(v) = env.parse(&key("STREAM_REPLICAS"))? {
             self.stream_replicas = v;
+        }
+        if let Some(v) = env.parse(&key("LEASE_TTL_SECS"))? {
+            self.lease_ttl_secs = v;
         }
         let a = &mut self.analyzer;
         if let Some(v) = env.parse(&key("WINDOW_SECS"))? {

@@ -125,6 +125,9 @@ pub struct FleetRun {
     pub agent_recording: PathBuf,
     /// More arguments for the agent (from [`Self::start_with`]).
     agent_extra_args: Vec<String>,
+    /// A second collector of the same scope (`start_standby`): where it listens, its API,
+    /// its recording.
+    standby: Option<(String, CollectorApi, PathBuf)>,
 }
 
 impl FleetRunConfig {
@@ -180,6 +183,7 @@ impl FleetRun {
             lab: Some(lab),
             daemons: Daemons::default(),
             agent_extra_args: Vec::new(),
+            standby: None,
         };
         let extra = agent_args(run.lab())?;
         run.agent_extra_args = extra;
@@ -279,6 +283,49 @@ impl FleetRun {
     }
 
     fn start_collector(&mut self) -> anyhow::Result<()> {
+        let (listen, recording) = (self.collector_listen.clone(), self.recording.clone());
+        self.daemons.collector = Some(self.spawn_collector("collector", &listen, &recording)?);
+        Ok(())
+    }
+
+    /// Start a second collector of the same scope (its own listen address and
+    /// recording): it stands by while the first holds the scope's lease.
+    pub async fn start_standby(&mut self) -> anyhow::Result<CollectorApi> {
+        let port = kvscope_lab::ports::pick_ports(1)?[0];
+        let listen = format!("127.0.0.1:{port}");
+        let recording = self.run_dir().join("collector-standby-recording.jsonl");
+        self.daemons.standby =
+            Some(self.spawn_collector("collector-standby", &listen, &recording)?);
+        let api = CollectorApi::new(&listen);
+        let hint = format!(
+            "see {}",
+            self.run_dir().join("collector-standby.log").display()
+        );
+        api.wait_summary("the standby's API", Duration::from_secs(30), &hint, |_| {
+            true
+        })
+        .await?;
+        self.standby = Some((listen, api.clone(), recording));
+        Ok(api)
+    }
+
+    /// After [`Self::kill_collector`]: the standby is the run's collector from now on
+    /// (its API, its recording, stopped by [`Self::finish`]).
+    pub fn standby_is_the_collector(&mut self) -> anyhow::Result<()> {
+        let (listen, api, recording) = self.standby.take().context("no standby started")?;
+        self.daemons.collector = self.daemons.standby.take();
+        self.collector_listen = listen;
+        self.collector_api = api;
+        self.recording = recording;
+        Ok(())
+    }
+
+    fn spawn_collector(
+        &self,
+        name: &str,
+        listen: &str,
+        recording: &Path,
+    ) -> anyhow::Result<ManagedProcess> {
         let mut cmd = Command::new(&self.exe);
         cmd.arg("collector")
             .args(["--window-secs", &self.cfg.window_secs.to_string()])
@@ -290,15 +337,14 @@ impl FleetRun {
                 "--cluster",
                 LAB_CLUSTER,
             ])
-            .args(["--listen", &self.collector_listen])
+            .args(["--listen", listen])
             .arg("--record")
-            .arg(&self.recording)
+            .arg(recording)
             .env("RUST_LOG", "info")
             .envs(self.bus_env(kvscope_lab::bus_security::COLLECTOR_USER)?)
             .envs(self.cfg.collector_env.iter().map(|(k, v)| (k, v)));
-        let log = self.run_dir().join("collector.log");
-        self.daemons.collector = Some(ManagedProcess::spawn("collector", cmd, &log)?);
-        Ok(())
+        let log = self.run_dir().join(format!("{name}.log"));
+        ManagedProcess::spawn(name, cmd, &log)
     }
 
     fn start_agent(&mut self) -> anyhow::Result<()> {

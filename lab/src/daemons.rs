@@ -15,6 +15,8 @@ use std::time::{Duration, Instant};
 #[derive(Debug, Default)]
 pub struct Daemons {
     pub collector: Option<ManagedProcess>,
+    /// A second collector of the same scope, standing by (its lease, `kvscope_collector::lease`).
+    pub standby: Option<ManagedProcess>,
     pub agent: Option<ManagedProcess>,
 }
 
@@ -23,6 +25,7 @@ impl Daemons {
     pub fn exited(&mut self) -> Option<(String, ExitStatus, PathBuf)> {
         self.collector
             .iter_mut()
+            .chain(self.standby.iter_mut())
             .chain(self.agent.iter_mut())
             .find_map(|p| p.exited().map(|s| (p.name.clone(), s, p.log.clone())))
     }
@@ -42,13 +45,14 @@ impl Daemons {
         }
     }
 
-    /// Stop both, the collector first (it flushes its recording), each given `grace`
-    /// after SIGTERM.
+    /// Stop them all, the collectors first (they flush their recordings), each given
+    /// `grace` after SIGTERM.
     pub fn stop(&mut self, grace: Duration) {
         let mut procs: Vec<ManagedProcess> = self
             .collector
             .take()
             .into_iter()
+            .chain(self.standby.take())
             .chain(self.agent.take())
             .collect();
         stop_all(&mut procs, grace);
@@ -58,6 +62,7 @@ impl Daemons {
     pub fn pids(&self) -> Vec<(String, u32)> {
         self.collector
             .iter()
+            .chain(&self.standby)
             .chain(&self.agent)
             .map(|p| (p.name.clone(), p.pid()))
             .collect()

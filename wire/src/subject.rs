@@ -149,13 +149,31 @@ impl Subjects {
         }
     }
 
+    /// The key-value bucket holding each collector scope's lease (one key per durable
+    /// consumer name: the scope).
+    pub fn lease_bucket(&self) -> String {
+        format!("{}_LEASES", self.stream_name())
+    }
+
+    /// The key of the lease of the collectors with durable consumer `durable`.
+    pub fn lease_key(durable: &str) -> String {
+        token(durable)
+    }
+
     /// What a server must let the collector with durable consumer `durable` do: open
     /// the stream, read it (its durable consumer, the ordered one of a rebuild, records
-    /// fetched by sequence to fill a gap), acknowledge; it publishes no record.
+    /// fetched by sequence to fill a gap), acknowledge; open or make the lease bucket
+    /// and write its own scope's key in it. It publishes no record.
     pub fn collector_permissions(&self, durable: &str) -> Permissions {
         let s = self.stream_name();
+        let b = self.lease_bucket();
         Permissions {
             publish: vec![
+                format!("$JS.API.STREAM.INFO.KV_{b}"),
+                format!("$JS.API.STREAM.CREATE.KV_{b}"),
+                format!("$JS.API.STREAM.MSG.GET.KV_{b}"),
+                format!("$JS.API.DIRECT.GET.KV_{b}.>"),
+                format!("$KV.{b}.{}", Self::lease_key(durable)),
                 format!("$JS.API.STREAM.INFO.{s}"),
                 format!("$JS.API.STREAM.CREATE.{s}"),
                 format!("$JS.API.STREAM.UPDATE.{s}"),
@@ -423,7 +441,11 @@ mod tests {
             .all(|p| p.starts_with("$JS.API.STREAM.")));
         assert_eq!(a.subscribe, ["_INBOX_kvscope.prod.node-1.>"]);
         let c = s.collector_permissions("kvscope-collector");
-        assert!(c.publish.iter().all(|p| p.starts_with("$JS.")), "{c:?}");
+        assert!(
+            c.publish.iter().all(|p| p.starts_with("$JS.")
+                || *p == "$KV.KVSCOPE_PROD_LEASES.kvscope-collector"),
+            "{c:?}"
+        );
         let both = a
             .clone()
             .merge(Subjects::new("dev").agent_permissions("node-1"));

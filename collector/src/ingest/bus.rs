@@ -41,6 +41,9 @@ pub struct BusConfig {
     /// Consume only these subjects (a collector limited to one model:
     /// `Subjects::of_model`); `None`: the whole stream.
     pub filter: Option<String>,
+    /// True once this collector holds its scope's lease (`crate::lease`): until then it
+    /// follows the stream as a standby, without its durable consumer. `None`: no lease.
+    pub leader: Option<tokio::sync::watch::Receiver<bool>>,
 }
 
 impl Shared {
@@ -204,7 +207,10 @@ impl Shared {
                     }
                     env.observed_ns = c.observed_ns;
                 }
-                let rebuilding = lock(&self.bus).rebuilding;
+                let (rebuilding, serving) = {
+                    let bus = lock(&self.bus);
+                    (bus.rebuilding, bus.lease.role.serves())
+                };
                 let verdict = {
                     let mut analyzer = lock(&self.analyzer);
                     let verdict = analyzer.apply(&env);
@@ -215,7 +221,8 @@ impl Shared {
                     verdict
                 };
                 if let Some(sink) = self.applied.get() {
-                    if !rebuilding {
+                    // A standby's spans would be the leader's again.
+                    if !rebuilding && serving {
                         sink.applied(&env, verdict.as_ref(), seq, index);
                     }
                 }
@@ -243,7 +250,10 @@ impl Shared {
 /// Connect once, as the `[nats]` settings say; replies come to this collector's own
 /// inbox. A refusal by the live server (a permissions violation) is logged; losing the
 /// connection and getting it back show in [`BusStatus::connected`].
-async fn connect(cfg: &BusConfig, shared: Arc<Shared>) -> anyhow::Result<async_nats::Client> {
+pub(crate) async fn connect(
+    cfg: &BusConfig,
+    shared: Arc<Shared>,
+) -> anyhow::Result<async_nats::Client> {
     let options = cfg
         .security
         .connect_options(Some(&cfg.subjects.inbox_prefix(&cfg.durable_name)))
@@ -269,7 +279,7 @@ async fn connect(cfg: &BusConfig, shared: Arc<Shared>) -> anyhow::Result<async_n
 
 /// `attempt` until it succeeds, waiting 200 ms between tries at first and twice as long
 /// after each failure, up to 5 s; each failure goes to `failed` with the wait after it.
-async fn until_ok<T, E, Fut>(
+pub(crate) async fn until_ok<T, E, Fut>(
     mut attempt: impl FnMut() -> Fut,
     mut failed: impl FnMut(&E, Duration),
 ) -> T
@@ -361,26 +371,52 @@ pub async fn run(cfg: BusConfig, shared: Arc<Shared>) -> anyhow::Result<()> {
     // whose storage was wiped) gets a consumer of its own, followed from its first
     // record.
     loop {
-        let durable = stream
-            .get_or_create_consumer(
-                &cfg.durable_name,
-                consumer::pull::Config {
-                    durable_name: Some(cfg.durable_name.clone()),
-                    ack_policy: consumer::AckPolicy::Explicit,
-                    ack_wait: Duration::from_secs(30),
-                    max_ack_pending: 100_000,
-                    filter_subject: cfg.filter.clone().unwrap_or_else(|| cfg.subjects.all()),
-                    ..Default::default()
-                },
-            )
-            .await
-            .context("cannot create the durable consumer")?;
-        let messages = durable
-            .messages()
-            .await
-            .context("cannot pull from the durable consumer")?;
+        // Only while this collector holds its scope's lease: a standby leaves the
+        // durable consumer to the collector that serves.
+        if let Some(leader) = cfg.leader.clone() {
+            stand_by(&stream, cfg.filter.as_deref(), &shared, leader).await?;
+        }
+        // Made again after a standby took over, maybe while the bus elects a leader:
+        // retried, as at start.
+        let (durable, messages) = until_ok(
+            || async {
+                let durable = stream
+                    .get_or_create_consumer(
+                        &cfg.durable_name,
+                        consumer::pull::Config {
+                            durable_name: Some(cfg.durable_name.clone()),
+                            ack_policy: consumer::AckPolicy::Explicit,
+                            ack_wait: Duration::from_secs(30),
+                            max_ack_pending: 100_000,
+                            filter_subject: cfg
+                                .filter
+                                .clone()
+                                .unwrap_or_else(|| cfg.subjects.all()),
+                            ..Default::default()
+                        },
+                    )
+                    .await
+                    .context("cannot create the durable consumer")?;
+                let messages = durable
+                    .messages()
+                    .await
+                    .context("cannot pull from the durable consumer")?;
+                anyhow::Ok((durable, messages))
+            },
+            |e: &anyhow::Error, _| {
+                PullFailed {
+                    error: &format!("{e:#}"),
+                }
+                .emit(&shared)
+            },
+        )
+        .await;
         info!(stream = %cfg.subjects.stream_name(), durable = %cfg.durable_name, filter = ?cfg.filter, "Following the stream.");
-        let anew = follow(&cfg, &js, &stream, durable, messages, created, &shared).await?;
+        let Some(anew) = follow(&cfg, &js, &stream, durable, messages, created, &shared).await?
+        else {
+            // Lost the lease: stand by again, from the last record applied.
+            continue;
+        };
         let (new_stream, new_created) = anew;
         let first = new_stream.cached_info().state.first_sequence.max(1);
         // Read before the event locks the status itself.
@@ -409,7 +445,8 @@ const LOOK_EVERY: Duration = Duration::from_secs(5);
 
 /// Follow `messages` until the stream turns out made anew (its creation time changed,
 /// or its last record is before the one last applied): the new stream and when it was
-/// made. Errors only when the stream cannot be opened at all.
+/// made; or until this collector loses its lease (`None`). Errors only when the stream
+/// cannot be opened at all.
 async fn follow(
     cfg: &BusConfig,
     js: &jetstream::Context,
@@ -418,25 +455,30 @@ async fn follow(
     mut messages: consumer::pull::Stream,
     created: i128,
     shared: &Shared,
-) -> anyhow::Result<(stream::Stream, i128)> {
+) -> anyhow::Result<Option<(stream::Stream, i128)>> {
     // Deliveries of a filtered consumer skip the other subjects' stream sequences: its
     // own consumer sequence tells a lost delivery there.
     let mut last_delivery = 0u64;
     let mut looked = tokio::time::Instant::now();
+    let mut leader = cfg.leader.clone();
     loop {
         // A busy stream is looked at as often as a quiet one (its leader may move).
         if looked.elapsed() >= LOOK_EVERY {
             looked = tokio::time::Instant::now();
             if let Some(anew) = look(cfg, js, &mut durable, created, shared).await? {
-                return Ok(anew);
+                return Ok(Some(anew));
             }
         }
-        let msg = match tokio::time::timeout(LOOK_EVERY, messages.next()).await {
+        let next = tokio::select! {
+            next = tokio::time::timeout(LOOK_EVERY, messages.next()) => next,
+            () = lease_lost(leader.as_mut()) => return Ok(None),
+        };
+        let msg = match next {
             Ok(Some(Ok(m))) => m,
             Ok(Some(Err(e))) => {
                 PullFailed { error: &e }.emit(shared);
                 if let Some(anew) = look(cfg, js, &mut durable, created, shared).await? {
-                    return Ok(anew);
+                    return Ok(Some(anew));
                 }
                 tokio::time::sleep(Duration::from_millis(200)).await;
                 continue;
@@ -446,7 +488,7 @@ async fn follow(
             Err(_) => {
                 looked = tokio::time::Instant::now();
                 if let Some(anew) = look(cfg, js, &mut durable, created, shared).await? {
-                    return Ok(anew);
+                    return Ok(Some(anew));
                 }
                 continue;
             }
@@ -495,6 +537,18 @@ async fn follow(
         if let Err(e) = msg.ack().await {
             AckFailed { seq, error: &e }.emit(shared);
         }
+    }
+}
+
+/// Resolves once `leader` says the lease is lost; never without a lease.
+async fn lease_lost(leader: Option<&mut tokio::sync::watch::Receiver<bool>>) {
+    match leader {
+        Some(l) => {
+            if l.wait_for(|held| !held).await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        }
+        None => std::future::pending().await,
     }
 }
 
@@ -611,6 +665,110 @@ pub(crate) fn subject_matches(filter: &str, subject: &str) -> bool {
         }
     }
     s.next().is_none()
+}
+
+/// Follow the stream without the durable consumer (another collector of the scope
+/// holds it) until `leader` turns true: the fold stays as current as the serving
+/// collector's, so this one serves the moment it takes the lease. Records are applied
+/// as the durable consumer would (in order, each once); the durable then goes on from
+/// the last one applied.
+async fn stand_by(
+    stream: &stream::Stream,
+    filter: Option<&str>,
+    shared: &Shared,
+    mut leader: tokio::sync::watch::Receiver<bool>,
+) -> anyhow::Result<()> {
+    if *leader.borrow() {
+        return Ok(());
+    }
+    info!("Standing by: following the stream until this collector takes the lease.");
+    let taken = async {
+        while leader.wait_for(|held| *held).await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    };
+    tokio::select! {
+        () = taken => {
+            info!(applied_seq = lock(&shared.bus).applied_seq, "Took over: following the stream with the durable consumer.");
+            Ok(())
+        }
+        r = follow_standing_by(stream, filter, shared) => r,
+    }
+}
+
+/// Apply the stream's records from the one after the last applied, for ever.
+async fn follow_standing_by(
+    stream: &stream::Stream,
+    filter: Option<&str>,
+    shared: &Shared,
+) -> anyhow::Result<()> {
+    loop {
+        let from = lock(&shared.bus).applied_seq + 1;
+        let ordered = stream
+            .create_consumer(consumer::pull::OrderedConfig {
+                deliver_policy: consumer::DeliverPolicy::ByStartSequence {
+                    start_sequence: from,
+                },
+                filter_subject: filter.map(str::to_string).unwrap_or_default(),
+                ..Default::default()
+            })
+            .await;
+        let mut messages = match ordered {
+            Ok(c) => match c.messages().await {
+                Ok(m) => Some(m),
+                Err(e) => {
+                    PullFailed { error: &e }.emit(shared);
+                    None
+                }
+            },
+            Err(e) => {
+                PullFailed { error: &e }.emit(shared);
+                None
+            }
+        };
+        loop {
+            let msg = match messages.as_mut() {
+                Some(m) => m.next().await,
+                None => {
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                    None
+                }
+            };
+            match msg {
+                Some(Ok(msg)) => {
+                    let Ok(info) = msg.info() else { continue };
+                    let (seq, pending, stored) =
+                        (info.stream_sequence, info.pending, unix_ns(info.published));
+                    let applied = lock(&shared.bus).applied_seq;
+                    if seq > applied + 1 && filter.is_none() {
+                        RecordsDiscarded {
+                            from: applied + 1,
+                            to: seq,
+                        }
+                        .emit(shared);
+                    }
+                    if seq > applied {
+                        shared.apply_message(
+                            &msg.subject,
+                            msg.headers.as_ref(),
+                            &msg.payload,
+                            seq,
+                            Some(stored),
+                        );
+                    }
+                    let mut bus = lock(&shared.bus);
+                    bus.pending = pending;
+                    bus.applied_at_ns = kvscope_kit::clock::now_ns();
+                }
+                Some(Err(e)) => {
+                    PullFailed { error: &e }.emit(shared);
+                    break;
+                }
+                // No consumer (made again after a pause), or its messages ended.
+                None => break,
+            }
+        }
+    }
 }
 
 /// Apply the stream's records `seqs` (those `filter` takes, when given), in order.

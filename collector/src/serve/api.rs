@@ -16,11 +16,9 @@ use serde::Deserialize;
 use std::sync::Arc;
 
 pub fn router(shared: Arc<Shared>) -> Router {
-    Router::new()
-        .route("/metrics", get(metrics_text))
-        .route("/healthz", get(|| async { "ok\n" }))
-        .route("/readyz", get(readyz))
-        .route("/api/summary", get(summary))
+    // A standby's figures are the serving collector's again: it answers with its status
+    // (`/api/summary`, `/readyz`, its role on `/metrics`) and nothing else.
+    let figures = Router::new()
         .route("/api/windows", get(windows))
         .route("/api/verdicts", get(verdicts))
         .route("/api/tenants", get(tenants))
@@ -30,7 +28,34 @@ pub fn router(shared: Arc<Shared>) -> Router {
         .route("/api/nixl", get(nixl_pairs))
         .route("/api/nixl/agents", get(nixl_agents))
         .route("/api/whatif", get(whatif))
+        .route_layer(axum::middleware::from_fn_with_state(
+            shared.clone(),
+            unless_standing_by,
+        ));
+    Router::new()
+        .route("/metrics", get(metrics_text))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .route("/api/summary", get(summary))
+        .merge(figures)
         .with_state(shared)
+}
+
+async fn unless_standing_by(
+    State(s): State<Arc<Shared>>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let lease = lock(&s.bus).lease.clone();
+    if lease.role.serves() {
+        return next.run(request).await;
+    }
+    let holder = lease.holder.as_deref().unwrap_or("another collector");
+    (
+        StatusCode::SERVICE_UNAVAILABLE,
+        format!("standing by: {holder} serves this scope (see /api/summary)\n"),
+    )
+        .into_response()
 }
 
 /// OpenMetrics for scrapers that ask for it (Prometheus does), else the text format.
@@ -71,6 +96,14 @@ pub fn readiness(s: &Shared) -> kvscope_kit::Health {
         "bus",
         (!bus.connected)
             .then(|| "not consuming the stream (NATS unreachable or refusing)".to_string()),
+    );
+    check(
+        "lease",
+        (!bus.lease.role.serves()).then(|| match (&bus.lease.error, &bus.lease.holder) {
+            (Some(e), _) => format!("cannot take its scope's lease: {e}"),
+            (None, Some(h)) => format!("standing by: {h} serves this scope"),
+            (None, None) => "standing by: looking at its scope's lease".to_string(),
+        }),
     );
     check(
         "state",

@@ -15,7 +15,12 @@ use kvscope_wire::api::summary::BusStatus;
 pub fn exposition(shared: &crate::state::Shared, format: Format) -> String {
     let bus = crate::state::lock(&shared.bus).clone();
     let mut out = Exposition::new(format);
-    write(&mut out, &crate::state::lock(&shared.analyzer), &bus);
+    write_lease(&mut out, &bus.lease);
+    // A standby's figures would be a second series of the serving collector's: it shows
+    // its role, its lease and its health only.
+    if bus.lease.role.serves() {
+        write(&mut out, &crate::state::lock(&shared.analyzer), &bus);
+    }
     shared
         .otlp
         .write_prometheus(&mut out, "kvscope_collector", "");
@@ -23,6 +28,52 @@ pub fn exposition(shared: &crate::state::Shared, format: Format) -> String {
     write_agent_clocks(&mut out, &crate::state::lock(&shared.clocks).offsets());
     crate::serve::api::readiness(shared).write_prometheus(&mut out, "kvscope_collector");
     out.finish()
+}
+
+fn write_lease(out: &mut Exposition, l: &kvscope_wire::api::summary::LeaseStatus) {
+    use kvscope_wire::api::summary::CollectorRole;
+    let name = "kvscope_collector_role";
+    out.family(
+        name,
+        Kind::Gauge,
+        "1 for this collector's role: leader (holds its scope's lease and serves), standby (folds the same stream, serves once the lease is free) or alone (no lease).",
+    );
+    for role in [
+        CollectorRole::Leader,
+        CollectorRole::Standby,
+        CollectorRole::Alone,
+    ] {
+        out.gauge(
+            name,
+            &labels(&[("role", role.as_str())]),
+            u64::from(l.role == role),
+        );
+    }
+    for (name, help, n) in [
+        (
+            "kvscope_collector_lease_acquired",
+            "Times this collector took its scope's lease.",
+            l.acquired,
+        ),
+        (
+            "kvscope_collector_lease_holder_changes",
+            "Times this collector saw its scope's lease pass to another holder.",
+            l.holder_changes,
+        ),
+        (
+            "kvscope_collector_lease_lost",
+            "Times this collector stopped serving because it could not renew its lease (it stands by again).",
+            l.lost,
+        ),
+        (
+            "kvscope_collector_lease_failures",
+            "Looks at or renewals of the lease that failed (the bus away or refusing the bucket).",
+            l.failures,
+        ),
+    ] {
+        out.family(name, Kind::Counter, help);
+        out.counter(name, "", n);
+    }
 }
 
 /// The router's view of its choices against the engines' truth: decisions by how the

@@ -11,6 +11,7 @@ mod bus_security;
 mod clock_skew;
 mod closed_loop;
 mod collector;
+mod collector_standby;
 mod conditional_disagg;
 mod config_mechanism;
 mod dashboards_schema;

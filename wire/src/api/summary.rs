@@ -97,6 +97,62 @@ pub struct BusStatus {
     pub stream_leader_changes: u64,
     /// How many servers keep the stream (as of the latest look).
     pub stream_replicas: usize,
+    /// Whether this collector serves its scope or stands by (see [`LeaseStatus`]).
+    pub lease: LeaseStatus,
+}
+
+/// What a collector is to its scope (the fleet, or one model): the one that serves, a
+/// warm standby that folds the same stream and serves once the other is gone, or one
+/// that runs without a lease (turned off: nothing keeps a second from serving too).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CollectorRole {
+    Leader,
+    Standby,
+    /// Also a collector serving a recording, with no bus.
+    #[default]
+    Alone,
+}
+
+impl CollectorRole {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Leader => "leader",
+            Self::Standby => "standby",
+            Self::Alone => "alone",
+        }
+    }
+    /// Whether this collector answers for its scope (API, `/readyz`, figures, spans).
+    pub fn serves(self) -> bool {
+        self != Self::Standby
+    }
+}
+
+/// The collector's lease on its scope, held in a NATS key-value bucket: the one whose
+/// entry is in the bucket serves; the entry expires `ttl_secs` after its last renewal, so
+/// a collector that dies is followed by its standby within about that long.
+#[derive(Debug, Default, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct LeaseStatus {
+    pub role: CollectorRole,
+    /// This collector's name in the lease (its host and listen address).
+    pub identity: String,
+    /// Who holds the lease, as of the latest look.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub holder: Option<String>,
+    /// The lease's lifetime after each renewal (the bucket's), in seconds.
+    pub ttl_secs: u64,
+    /// Times this collector took the lease.
+    pub acquired: u64,
+    /// Times it saw the holder change (another collector took it).
+    pub holder_changes: u64,
+    /// Times this collector stopped serving because it could not renew the lease.
+    pub lost: u64,
+    /// Looks at or renewals of the lease that failed (the bus away, or refusing).
+    pub failures: u64,
+    /// Why the latest look or renewal failed, when it did.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
 }
 
 /// How the router's view of its choices compares with what the engines held when it
