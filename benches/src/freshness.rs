@@ -118,6 +118,11 @@ pub struct FreshnessArgs {
     /// high --blocks-per-sec) fills the stream first: 4 GiB is ~110 M block events.
     #[arg(long)]
     restart_collector: bool,
+    /// Run a second collector of the same scope from the start, standing by (its lease);
+    /// after the load kill the first (SIGKILL): how long until the standby says it is
+    /// ready and has the whole stream, its counters beside the first one's.
+    #[arg(long)]
+    standby: bool,
     /// NATS servers the bus runs on: 1, or a JetStream cluster of 3 on loopback (the
     /// stream then kept by all three: `stream_replicas` at its default).
     #[arg(long, default_value_t = 1)]
@@ -177,6 +182,8 @@ pub struct FreshnessReport {
     pub load_average_end: String,
     /// The collector killed and started again after the load (`--restart-collector`).
     pub restart: Option<RestartReport>,
+    /// The collector killed after the load and its standby taking over (`--standby`).
+    pub takeover: Option<RestartReport>,
 }
 
 /// A collector killed (SIGKILL) after the load and started again on the same stream.
@@ -338,6 +345,8 @@ struct Pipeline {
     nats: Bus,
     daemons: Daemons,
     api: CollectorApi,
+    /// The standby collector's API (`--standby`).
+    standby_api: Option<CollectorApi>,
     /// Last, so the folder goes after NATS has stopped writing its store there.
     _temp: Option<tempfile::TempDir>,
 }
@@ -395,7 +404,7 @@ impl Drop for Pipeline {
     }
 }
 
-fn start_pipeline(
+async fn start_pipeline(
     args: &FreshnessArgs,
     kvscope: &Path,
     ports: &[u16],
@@ -422,7 +431,32 @@ fn start_pipeline(
         collector_cfg.stream_max_bytes = b;
     }
     std::fs::write(dir.join(COLLECTOR_TOML), toml::to_string(&collector_cfg)?)?;
-    let collector = spawn_collector(kvscope, &dir, "collector.log")?;
+    let collector = spawn_collector(kvscope, &dir, COLLECTOR_TOML, "collector.log")?;
+    let (standby, standby_api) = if args.standby {
+        // Started once the first holds the lease, so the first is the leader.
+        CollectorApi::new(&listen)
+            .wait_summary("the collector's lease", Duration::from_secs(60), "", |s| {
+                s["bus"]["lease"]["role"] == "leader"
+            })
+            .await?;
+        let listen = format!("127.0.0.1:{}", ports[args.workers + 1]);
+        let cfg = CollectorConfig {
+            listen: listen.parse()?,
+            ..collector_cfg.clone()
+        };
+        std::fs::write(dir.join(STANDBY_TOML), toml::to_string(&cfg)?)?;
+        (
+            Some(spawn_collector(
+                kvscope,
+                &dir,
+                STANDBY_TOML,
+                "collector-standby.log",
+            )?),
+            Some(CollectorApi::new(&listen)),
+        )
+    } else {
+        (None, None)
+    };
 
     let mut agent_toml = format!(
         "agent_id = \"bench-node\"\ncluster = \"{CLUSTER}\"\nnats_url = \"{}\"\n\
@@ -460,20 +494,27 @@ fn start_pipeline(
         daemons: Daemons {
             collector: Some(collector),
             agent: Some(agent),
-            standby: None,
+            standby,
         },
         api: CollectorApi::new(&listen),
+        standby_api,
     })
 }
 
 const COLLECTOR_TOML: &str = "collector.toml";
+const STANDBY_TOML: &str = "collector-standby.toml";
 
-/// `kvscope collector run` on the run folder's config, logging to `log` there.
-fn spawn_collector(kvscope: &Path, dir: &Path, log: &str) -> anyhow::Result<ManagedProcess> {
+/// `kvscope collector run` on the run folder's config `config`, logging to `log` there.
+fn spawn_collector(
+    kvscope: &Path,
+    dir: &Path,
+    config: &str,
+    log: &str,
+) -> anyhow::Result<ManagedProcess> {
     let mut cmd = Command::new(kvscope);
     cmd.arg("collector")
         .arg("--config")
-        .arg(dir.join(COLLECTOR_TOML))
+        .arg(dir.join(config))
         .arg("run")
         .env("RUST_LOG", "info");
     ManagedProcess::spawn("collector", cmd, &dir.join(log))
@@ -514,6 +555,7 @@ async fn restart_collector(
     pipeline.daemons.collector = Some(spawn_collector(
         kvscope,
         &pipeline.dir,
+        COLLECTOR_TOML,
         "collector-restarted.log",
     )?);
     let (mut answered, mut ready) = (None, None);
@@ -553,6 +595,56 @@ async fn restart_collector(
     }
 }
 
+/// Kill the collector that applied the run (`before`: its summary) and time its standby
+/// taking over: ready, and holding the whole stream.
+async fn take_over(pipeline: &mut Pipeline, before: &Value) -> anyhow::Result<RestartReport> {
+    let counters = |s: &Value| {
+        ["stored_blocks", "removed_blocks", "decisions"].map(|k| s["counters"][k].as_u64())
+    };
+    let standby = pipeline.standby_api.clone().context("no standby")?;
+    let stream_messages = before["bus"]["applied_seq"].as_u64().unwrap_or(0);
+    let stream_bytes = dir_bytes(&pipeline.nats.store(&pipeline.dir));
+    let s = standby.summary().await?;
+    eprintln!(
+        "kvscope-bench freshness: killing the collector (SIGKILL) on a stream of {stream_messages} \
+         messages, {:.1} MiB on disk; its standby ({}) has applied up to {} …",
+        stream_bytes as f64 / (1 << 20) as f64,
+        s["bus"]["lease"]["role"],
+        s["bus"]["applied_seq"]
+    );
+    pipeline.daemons.kill_collector();
+    let killed = Instant::now();
+    let mut ready = None;
+    loop {
+        pipeline.check_alive()?;
+        let at = killed.elapsed().as_secs_f64();
+        if ready.is_none() && standby.get_text("/readyz").await.is_ok() {
+            ready = Some(at);
+        }
+        if let (Some(r), Ok(s)) = (ready, standby.summary().await) {
+            if s["bus"]["applied_seq"].as_u64().unwrap_or(0) >= stream_messages {
+                return Ok(RestartReport {
+                    stream_messages,
+                    stream_bytes,
+                    rebuilt_records: s["bus"]["rebuilt_records"].as_u64().unwrap_or(0),
+                    answered_secs: 0.0,
+                    ready_secs: Some(r),
+                    caught_up_secs: at,
+                    same_counters: counters(&s) == counters(before),
+                });
+            }
+        }
+        if killed.elapsed() > Duration::from_secs(600) {
+            pipeline.keep_logs();
+            bail!(
+                "the standby had not taken over after 600 s; see {}",
+                pipeline.dir.join("collector-standby.log").display()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 async fn run(args: &FreshnessArgs) -> anyhow::Result<FreshnessReport> {
     let kvscope = kvscope_binary(args)?;
     let (dir, temp) = match &args.out {
@@ -567,7 +659,7 @@ async fn run(args: &FreshnessArgs) -> anyhow::Result<FreshnessReport> {
             (t.path().to_path_buf(), Some(t))
         }
     };
-    let ports = kvscope_lab::ports::pick_ports(args.workers + 1)?;
+    let ports = kvscope_lab::ports::pick_ports(args.workers + 2)?;
     // The engines' sockets are bound before the agent starts (it retries anyway).
     let mut sockets = Vec::with_capacity(args.workers);
     for port in &ports[..args.workers] {
@@ -579,7 +671,7 @@ async fn run(args: &FreshnessArgs) -> anyhow::Result<FreshnessReport> {
     }
     let router_log = dir.join("router.log");
     std::fs::write(&router_log, b"")?;
-    let mut pipeline = start_pipeline(args, &kvscope, &ports, &router_log, dir, temp)?;
+    let mut pipeline = start_pipeline(args, &kvscope, &ports, &router_log, dir, temp).await?;
     pipeline
         .wait_summary(
             "the collector's API and the agent's first heartbeat",
@@ -686,6 +778,11 @@ async fn run(args: &FreshnessArgs) -> anyhow::Result<FreshnessReport> {
     } else {
         None
     };
+    let takeover = if args.standby {
+        Some(take_over(&mut pipeline, &summary).await?)
+    } else {
+        None
+    };
     pipeline.stop();
 
     let mut by_id: HashMap<&str, &Value> = HashMap::new();
@@ -780,6 +877,7 @@ async fn run(args: &FreshnessArgs) -> anyhow::Result<FreshnessReport> {
         load_average_start: load_start,
         load_average_end: load_end,
         restart,
+        takeover,
     })
 }
 
@@ -894,6 +992,9 @@ fn print_report(args: &FreshnessArgs, r: &FreshnessReport) {
         "Load average: {} at start, {} at end.",
         r.load_average_start, r.load_average_end
     );
+    if let Some(x) = &r.takeover {
+        print_takeover(x);
+    }
     if let Some(x) = &r.restart {
         println!(
             "\nCollector killed (SIGKILL) and started again on the stream ({} messages, {:.1} MiB \
@@ -917,6 +1018,24 @@ fn print_report(args: &FreshnessArgs, r: &FreshnessReport) {
             }
         );
     }
+}
+
+fn print_takeover(x: &RestartReport) {
+    println!(
+        "\nCollector killed (SIGKILL) on a stream of {} messages ({:.1} MiB on disk), its \
+         standby following it: /readyz 200 after {}, the whole stream held after {:.2} s; \
+         counters {} the first collector's.",
+        x.stream_messages,
+        x.stream_bytes as f64 / (1 << 20) as f64,
+        x.ready_secs
+            .map_or("never".to_string(), |s| format!("{s:.2} s")),
+        x.caught_up_secs,
+        if x.same_counters {
+            "equal to"
+        } else {
+            "NOT equal to"
+        }
+    );
 }
 
 fn loadavg() -> String {

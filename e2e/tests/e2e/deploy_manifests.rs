@@ -150,7 +150,7 @@ fn the_manifests_render_and_every_object_passes_the_schemas() {
     for (kind, name) in [
         ("Deployment", "kvscope-router-agent"),
         ("DaemonSet", "kvscope-node-agent"),
-        ("Deployment", "kvscope-collector"),
+        ("StatefulSet", "kvscope-collector"),
     ] {
         let urls: Vec<String> = container_env(&all, kind, name)
             .into_iter()
@@ -179,8 +179,8 @@ fn check_rendering(dir: &str) {
         "Namespace/kvscope",
         "Deployment/kvscope-router-agent",
         "DaemonSet/kvscope-node-agent",
-        "Deployment/kvscope-collector",
-        "PersistentVolumeClaim/kvscope-collector-data",
+        "StatefulSet/kvscope-collector",
+        "PodDisruptionBudget/kvscope-collector",
         "Deployment/kvscope-actuator",
         "ConfigMap/kvscope-actuator-config",
         "NetworkPolicy/kvscope-actuator",
@@ -432,7 +432,7 @@ async fn the_bus_admits_the_collector_and_agent_as_their_manifests_run_them() {
     let mut cmd = Command::new(&exe);
     cmd.args(["collector", "run"])
         .envs(
-            localize(container_env(&all, "Deployment", "kvscope-collector"))
+            localize(container_env(&all, "StatefulSet", "kvscope-collector"))
                 .into_iter()
                 .map(|(k, v)| (k, v.replace("/var/lib/kvscope", data.to_str().unwrap()))),
         )
@@ -560,7 +560,7 @@ async fn the_bus_admits_the_collector_and_agent_as_their_manifests_run_them() {
     };
     for (kind, name, port) in [
         ("DaemonSet", "kvscope-node-agent", agent_port),
-        ("Deployment", "kvscope-collector", collector_port),
+        ("StatefulSet", "kvscope-collector", collector_port),
         ("Deployment", "kvscope-actuator", actuator_port),
     ] {
         for which in ["livenessProbe", "readinessProbe"] {
@@ -709,7 +709,7 @@ fn the_image_builds_offline_and_its_binary_reads_what_the_manifests_give_it() {
     assert_eq!(agent["nats_url"].as_str(), Some("tls://kvscope-bus:4222"));
     assert_eq!(agent["nixl"]["enabled"].as_bool(), Some(true));
     let collector: toml::Table = toml::from_str(&run(
-        &container_env(&all, "Deployment", "kvscope-collector"),
+        &container_env(&all, "StatefulSet", "kvscope-collector"),
         &["collector", "print-config"],
     ))
     .unwrap();
