@@ -102,3 +102,37 @@ pub async fn get_json<T: serde::de::DeserializeOwned>(url: &str) -> T {
     let text = get_text(url).await;
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("GET {url}: {e}: {text}"))
 }
+
+/// The collector's recording, read, once checked to hold exactly what the agent's
+/// recording holds, in its order: nothing lost, applied twice or reordered between them
+/// (across whatever the test did to the bus or the collector), and no bad line in either.
+///
+/// # Panics
+/// When either cannot be read, or they differ.
+pub fn applied_as_published(
+    agent_recording: &Path,
+    collector_recording: &Path,
+) -> kvscope_wire::recording::Recording {
+    let read = |p: &Path| {
+        kvscope_wire::recording::read_recording(p)
+            .unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+    };
+    let (sent, applied) = (read(agent_recording), read(collector_recording));
+    for (r, who) in [(&sent, "agent's"), (&applied, "collector's")] {
+        assert!(
+            r.bad_lines.is_empty(),
+            "the {who} recording has bad lines: {:?}",
+            &r.bad_lines[..r.bad_lines.len().min(3)]
+        );
+    }
+    assert_eq!(
+        sent.envelopes.len(),
+        applied.envelopes.len(),
+        "records published vs applied"
+    );
+    assert!(
+        sent.envelopes == applied.envelopes,
+        "the collector applied the agent's records in the agent's order"
+    );
+    applied
+}

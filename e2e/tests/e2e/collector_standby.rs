@@ -17,7 +17,6 @@ use kvscope_e2e::oracle;
 use kvscope_fleet::fleet_run::FleetRunConfig;
 use kvscope_lab::workload;
 use kvscope_lab::LabConfig;
-use kvscope_wire::recording::read_recording;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -152,17 +151,7 @@ async fn a_standby_collector_serves_within_seconds_of_its_leaders_death() {
     );
 
     // What the promoted collector applied: every record the agent published, in order.
-    let rec = read_recording(&recording).unwrap();
-    let sent = read_recording(&agent_recording).unwrap();
-    assert_eq!(
-        sent.envelopes.len(),
-        rec.envelopes.len(),
-        "records published vs applied"
-    );
-    assert!(
-        sent.envelopes == rec.envelopes,
-        "the standby applied the agent's records in the agent's order"
-    );
+    let sent = kvscope_e2e::applied_as_published(&agent_recording, &recording);
     // Its verdicts, windows and report: Dynamo's indexer's overlaps, and those of an
     // undisturbed fold of the same records.
     let mut undisturbed = FleetAnalyzer::new(AnalyzerConfig {

@@ -16,7 +16,6 @@ use kvscope_collector::report::{OpportunityReport, ReportStatus};
 use kvscope_fleet::fleet_run::FleetRunConfig;
 use kvscope_lab::workload::{self, WorkloadConfig};
 use kvscope_lab::LabConfig;
-use kvscope_wire::recording::read_recording;
 use kvscope_wire::Record;
 use std::collections::HashSet;
 use std::process::Command;
@@ -100,24 +99,8 @@ async fn lab_fleet_end_to_end_with_a_collector_crash() {
     let agent_recording = run.agent_recording.clone();
     run.stop();
 
-    let rec = read_recording(&recording).unwrap();
-    // Nothing lost or reordered between the agent and the collector, across the crash:
-    // what the collector applied is exactly what the agent published, in its order.
-    let sent = read_recording(&agent_recording).unwrap();
-    assert_eq!(
-        sent.envelopes.len(),
-        rec.envelopes.len(),
-        "records published vs applied"
-    );
-    assert!(
-        sent.envelopes == rec.envelopes,
-        "the collector applied the agent's records in the agent's order"
-    );
-    assert!(
-        rec.bad_lines.is_empty(),
-        "the recording is clean: {:?}",
-        &rec.bad_lines[..rec.bad_lines.len().min(3)]
-    );
+    // Nothing lost or reordered between the agent and the collector, across the crash.
+    let rec = kvscope_e2e::applied_as_published(&agent_recording, &recording);
 
     // Every request the workload sent shows up as a joined decision.
     let decided: HashSet<&str> = rec

@@ -20,7 +20,6 @@ use kvscope_e2e::oracle;
 use kvscope_collector::fold::analyzer::{AnalyzerConfig, FleetAnalyzer};
 use kvscope_fleet::fleet_run::FleetRunConfig;
 use kvscope_lab::LabConfig;
-use kvscope_wire::recording::read_recording;
 use kvscope_wire::{AgentCounters, Record};
 use std::path::Path;
 use std::time::Duration;
@@ -190,18 +189,8 @@ async fn million_token_prefills_are_judged_exactly_and_hold_nothing_back() {
     let agent_recording = run.agent_recording.clone();
     let recording = run.finish().await.expect("the collector catches up");
 
-    let rec = read_recording(&recording).unwrap();
-    let observed = read_recording(&agent_recording).unwrap();
-    assert!(rec.bad_lines.is_empty() && observed.bad_lines.is_empty());
-    assert_eq!(
-        observed.envelopes.len(),
-        rec.envelopes.len(),
-        "records observed by the agent vs applied by the collector"
-    );
-    assert!(
-        observed.envelopes == rec.envelopes,
-        "the collector applied the agent's records, joined from their parts, in its order"
-    );
+    // Joined from their parts, in the agent's order.
+    let rec = kvscope_e2e::applied_as_published(&agent_recording, &recording);
     let counters: AgentCounters = rec
         .envelopes
         .iter()
