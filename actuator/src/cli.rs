@@ -76,7 +76,8 @@ pub struct Cli {
     pub config: Option<PathBuf>,
     #[command(flatten)]
     pub log: kvscope_kit::LogArgs,
-    /// The collector's base URL [default: http://127.0.0.1:9465].
+    /// The collector's base URL, or a scope's collectors' separated by commas (the ready
+    /// one is read) [default: http://127.0.0.1:9465].
     #[arg(long, global = true)]
     pub collector_url: Option<String>,
     /// The append-only audit log [default: kvscope-actuator-audit.jsonl].

@@ -71,7 +71,8 @@ pub(crate) const MIN_TOKEN_LEN: usize = 16;
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ActuatorConfig {
-    /// The collector's base URL (default `http://127.0.0.1:9465`).
+    /// The collector's base URL (default `http://127.0.0.1:9465`), or a scope's
+    /// collectors' separated by commas (a leader and its standby): the ready one is read.
     /// Env: `KVSCOPE_ACTUATOR_COLLECTOR_URL`.
     pub collector_url: String,
     /// Seconds between evaluations (default 5). Env: `KVSCOPE_ACTUATOR_INTERVAL_SECS`.
@@ -367,13 +368,14 @@ impl ActuatorConfig {
         };
         positive("interval_secs", self.interval_secs)?;
         positive("collector_timeout_secs", self.collector_timeout_secs)?;
-        if !(self.collector_url.starts_with("http://")
-            || self.collector_url.starts_with("https://"))
-        {
-            return bad(format!(
-                "collector_url {:?} is not an http:// URL",
-                self.collector_url
-            ));
+        let urls = crate::decide::input::collector_urls(&self.collector_url);
+        if urls.is_empty() {
+            return bad("collector_url names no URL".into());
+        }
+        for u in urls {
+            if !(u.starts_with("http://") || u.starts_with("https://")) {
+                return bad(format!("collector_url {u:?} is not an http:// URL"));
+            }
         }
         self.policy.validate().map_err(ConfigError::Invalid)?;
         if self.window_limit < self.policy.min_windows.max(self.policy.exit_windows) {

@@ -8,6 +8,8 @@ use kvscope_wire::api::window::WindowSummary;
 use kvscope_wire::nixl::{NixlAgentRow, NixlPair};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// One consistent-enough read of the collector: four requests, close together.
@@ -65,33 +67,51 @@ pub enum InputError {
     },
 }
 
-/// Reads the collector's JSON API.
+/// Reads the collector's JSON API: of a scope's collectors (their URLs separated by
+/// commas: the one holding the lease and its standby), the one that says it is ready.
 #[derive(Clone, Debug)]
 pub struct CollectorClient {
     http: reqwest::Client,
-    base: String,
+    bases: Vec<String>,
+    /// The collector last found ready, read until it is not.
+    current: Arc<AtomicUsize>,
     window_limit: usize,
     verdict_limit: usize,
 }
 
 impl CollectorClient {
     pub fn new(
-        base_url: &str,
+        base_urls: &str,
         timeout: Duration,
         window_limit: usize,
         verdict_limit: usize,
     ) -> Result<Self, reqwest::Error> {
         Ok(Self {
             http: reqwest::Client::builder().timeout(timeout).build()?,
-            base: base_url.trim_end_matches('/').to_string(),
+            bases: collector_urls(base_urls),
+            current: Arc::default(),
             window_limit,
             verdict_limit,
         })
     }
 
-    /// GET `path`: the URL asked and the response, whatever its status.
+    fn base(&self) -> &str {
+        let i = self.current.load(Ordering::Relaxed);
+        self.bases.get(i).map_or("", String::as_str)
+    }
+
+    /// GET `path` of the collector read now: the URL asked and the response, whatever
+    /// its status.
     async fn send(&self, path: &str) -> Result<(String, reqwest::Response), InputError> {
-        let url = format!("{}{}", self.base, path);
+        self.send_to(self.base(), path).await
+    }
+
+    async fn send_to(
+        &self,
+        base: &str,
+        path: &str,
+    ) -> Result<(String, reqwest::Response), InputError> {
+        let url = format!("{base}{path}");
         match self.http.get(&url).send().await {
             Ok(resp) => Ok((url, resp)),
             Err(e) => Err(InputError::Request {
@@ -120,8 +140,32 @@ impl CollectorClient {
     /// rebuilding its state from the stream (after a restart), not consuming it, or not
     /// applying what waits for it answers 503 and says why. Its figures are then not the
     /// fleet's now, and acting on them would act on stale data.
+    ///
+    /// Of several collectors, the one read last is asked first, then the others in
+    /// order; the first ready is read from then on. None ready: the error of the one
+    /// read last (a standby says who serves).
     pub async fn ready(&self) -> Result<(), InputError> {
-        let (url, resp) = self.send("/readyz").await?;
+        let first = self.current.load(Ordering::Relaxed);
+        let mut error = None;
+        for i in (0..self.bases.len()).map(|k| (first + k) % self.bases.len()) {
+            match self.ready_at(&self.bases[i]).await {
+                Ok(()) => {
+                    self.current.store(i, Ordering::Relaxed);
+                    return Ok(());
+                }
+                Err(e) => {
+                    error.get_or_insert(e);
+                }
+            }
+        }
+        Err(error.unwrap_or(InputError::Request {
+            url: String::new(),
+            error: "no collector URL".into(),
+        }))
+    }
+
+    async fn ready_at(&self, base: &str) -> Result<(), InputError> {
+        let (url, resp) = self.send_to(base, "/readyz").await?;
         let status = resp.status();
         if status == reqwest::StatusCode::SERVICE_UNAVAILABLE {
             let body = resp.text().await.unwrap_or_default();
@@ -167,6 +211,15 @@ impl CollectorClient {
             nixl_agents,
         })
     }
+}
+
+/// The collector URLs of `collector_url`: one, or a scope's collectors separated by
+/// commas, each without its trailing slash.
+pub fn collector_urls(urls: &str) -> Vec<String> {
+    urls.split(',')
+        .map(|u| u.trim().trim_end_matches('/').to_string())
+        .filter(|u| !u.is_empty())
+        .collect()
 }
 
 /// An error and its causes on one line, without repeats (reqwest nests the same text).

@@ -6,7 +6,8 @@
 //! `/readyz` 503, its `/api/windows` 503, its `/metrics` its role and no figure); never,
 //! at any 100 ms sample of the whole run, are both ready; after the kill the standby is
 //! ready again within the documented bound (the lease's 10 s plus its look, ≤ 30 s), with
-//! nobody ready between (what the actuator reads before it acts); the promoted
+//! nobody ready between; the actuator, given both collectors' URLs, reads the leader,
+//! then nothing (missing input, on which it holds nothing LIVE), then the standby; the promoted
 //! collector applied every record the agent published, once and in the agent's order,
 //! and its verdicts equal Dynamo's indexer over the same records and its windows and
 //! report those of an undisturbed fold of them.
@@ -15,8 +16,10 @@ use kvscope_collector::fold::analyzer::{AnalyzerConfig, FleetAnalyzer};
 use kvscope_collector::report::OpportunityReport;
 use kvscope_e2e::oracle;
 use kvscope_fleet::fleet_run::FleetRunConfig;
+use kvscope_lab::process::{ManagedProcess, StopOnDrop};
 use kvscope_lab::workload;
 use kvscope_lab::LabConfig;
+use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -72,6 +75,40 @@ async fn a_standby_collector_serves_within_seconds_of_its_leaders_death() {
         "a standby's /metrics has figures"
     );
 
+    // The actuator, told both collectors: it reads the ready one.
+    let actuator_addr = format!(
+        "127.0.0.1:{}",
+        kvscope_lab::ports::pick_ports(1).unwrap()[0]
+    );
+    let mut actuator = Command::new(kvscope_e2e::kvscope());
+    actuator
+        .args([
+            "actuator",
+            "--collector-url",
+            &format!("{leader},{}", standby.base()),
+        ])
+        .arg("--audit-log")
+        .arg(run.run_dir().join("actuator-audit.jsonl"))
+        .args(["run", "--listen", &actuator_addr, "--interval-secs", "1"])
+        .env_remove("KVSCOPE_ACTUATOR_CONFIG")
+        .env("KVSCOPE_ACTUATOR_API_TOKEN", "standby-test-token");
+    let _actuator = StopOnDrop(vec![ManagedProcess::spawn(
+        "actuator",
+        actuator,
+        &run.run_dir().join("actuator.log"),
+    )
+    .unwrap()]);
+    let evaluations = |input: &'static str| {
+        let url = format!("http://{actuator_addr}/metrics");
+        async move {
+            let text = reqwest::get(&url).await.ok()?.text().await.ok()?;
+            let line = format!("kvscope_actuator_evaluations_total{{input=\"{input}\"}} ");
+            text.lines()
+                .find_map(|l| l.strip_prefix(line.as_str()))
+                .and_then(|n| n.trim().parse::<u64>().ok())
+        }
+    };
+
     // Both collectors' readiness, every 100 ms, for the whole run.
     let samples: Arc<Mutex<Vec<(Instant, bool, bool)>>> = Arc::default();
     let watching = Arc::new(AtomicBool::new(true));
@@ -86,11 +123,25 @@ async fn a_standby_collector_serves_within_seconds_of_its_leaders_death() {
             }
         })
     };
-    let wl = run.chat_workload(24.0);
+    let wl = run.chat_workload(36.0);
     let workload = tokio::spawn(workload::run(wl));
-    tokio::time::sleep(Duration::from_secs(8)).await;
+    // Killed once the actuator has read the leader's figures (its first window past
+    // the warm-up closed).
+    let started = Instant::now();
+    while evaluations("fresh").await.unwrap_or(0) == 0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(25),
+            "the actuator never read the leader's figures"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    eprintln!(
+        "the actuator read the leader {:.1} s into the workload",
+        started.elapsed().as_secs_f64()
+    );
     run.kill_collector();
     let killed = Instant::now();
+    let missing_at_kill = evaluations("missing").await.unwrap();
     let mut back = None;
     while killed.elapsed() < Duration::from_secs(40) {
         if ready(&http, standby.base()).await {
@@ -108,6 +159,14 @@ async fn a_standby_collector_serves_within_seconds_of_its_leaders_death() {
         back <= Duration::from_secs(30),
         "over the documented 30 s: {back:?}"
     );
+    // Meanwhile the actuator read no figures (nobody ready: missing input, on which its
+    // policy holds nothing LIVE); then it reads the standby's.
+    let missing_at_takeover = evaluations("missing").await.unwrap();
+    let fresh_at_takeover = evaluations("fresh").await.unwrap();
+    assert!(
+        missing_at_takeover > missing_at_kill,
+        "no evaluation without input while neither collector was ready"
+    );
     run.standby_is_the_collector().unwrap();
     let summary = workload.await.unwrap().expect("the workload runs");
     assert_eq!(summary.failed, 0);
@@ -118,6 +177,10 @@ async fn a_standby_collector_serves_within_seconds_of_its_leaders_death() {
         .expect("the promoted collector catches up");
     watching.store(false, Ordering::Relaxed);
     watcher.await.unwrap();
+    assert!(
+        evaluations("fresh").await.unwrap() > fresh_at_takeover,
+        "the actuator reads the collector that took over"
+    );
     let s = run.summary().await.unwrap();
     assert_eq!(s["bus"]["lease"]["role"], "leader", "{}", s["bus"]["lease"]);
     assert_eq!(s["bus"]["lease"]["acquired"], 1);
