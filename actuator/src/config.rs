@@ -455,6 +455,24 @@ mod tests {
     }
 
     #[test]
+    fn a_scopes_collectors_are_given_by_commas_each_an_http_url() {
+        let ok = ActuatorConfig::from_toml("collector_url = \"http://c-0:9465/, http://c-1:9465\"")
+            .unwrap();
+        ok.validate().unwrap();
+        assert_eq!(
+            crate::decide::input::collector_urls(&ok.collector_url),
+            ["http://c-0:9465", "http://c-1:9465"]
+        );
+        for bad in ["http://c-0:9465,c-1:9465", " , "] {
+            let c = ActuatorConfig {
+                collector_url: bad.into(),
+                ..ActuatorConfig::default()
+            };
+            assert!(c.validate().is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
     fn env_overrides_the_file() {
         let mut c = ActuatorConfig::from_toml(
             "collector_url = \"http://file:1\"\n[[mode_backends]]\nkind = \"file\"\npath = \"x\"",
