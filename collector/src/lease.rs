@@ -17,8 +17,10 @@
 //! NATS' own compare-and-set (create = only if absent, update = only at the revision
 //! read), so two collectors never both win a key.
 //!
-//! A collector restarted in place (same host and listen address: its identity) takes
-//! its own entry back at once instead of waiting for it to expire.
+//! A collector takes the key only once it has rebuilt its fold from the stream (it
+//! could not serve before); restarted in place (same host and listen address: its
+//! identity) it then takes its own entry back at once if it has not expired, instead of
+//! waiting for it to. A standby that took over meanwhile keeps it.
 
 use crate::ingest::bus::{connect, until_ok, BusConfig};
 use crate::state::{lock, Shared};
@@ -72,12 +74,12 @@ pub async fn hold(
     let replicas = stream_replicas(cfg.replicas, &client.server_info(), None);
     let js = jetstream::new(client);
     let cfg = LeaseConfig { replicas, ..cfg };
-    let (store, ttl) = open_bucket(&cfg, &js, &shared).await;
+    let (mut store, ttl) = open_bucket(&cfg, &js, &shared).await;
     lock(&shared.bus).lease.ttl_secs = ttl.as_secs();
     let look_every = (ttl / 5).clamp(Duration::from_millis(200), Duration::from_secs(2));
     let value = bytes::Bytes::from(cfg.identity.clone());
     loop {
-        let revision = stand_by(&store, &cfg, &value, &shared, look_every).await;
+        let revision = stand_by(&js, &mut store, &cfg, &value, &shared, ttl, look_every).await;
         {
             let mut bus = lock(&shared.bus);
             bus.lease.role = CollectorRole::Leader;
@@ -108,16 +110,36 @@ pub async fn hold(
 /// Until the key is free (or still this collector's from before a restart): the
 /// revision it was taken at.
 async fn stand_by(
-    store: &kv::Store,
+    js: &jetstream::Context,
+    store: &mut kv::Store,
     cfg: &LeaseConfig,
     value: &bytes::Bytes,
     shared: &Shared,
+    ttl: Duration,
     look_every: Duration,
 ) -> u64 {
+    // The last revision of another collector's entry seen, and when it was first seen
+    // (at most a look after it was written). Expired, the entry is gone a lifetime after
+    // it was written; gone sooner (the bus's storage wiped, the entry deleted by hand),
+    // its holder may still serve until its fence. So the key is taken only a lifetime
+    // after its last revision was first seen: after an expiry that adds at most a look,
+    // and after anything else its holder has stopped by then.
+    let mut held_seen: Option<(u64, Instant)> = None;
     loop {
-        match take(store, cfg, value).await {
+        // Rebuilding, this collector could not serve yet: it leaves the key alone, even
+        // its own from before a restart, to a standby that can.
+        if !shared.caught_up.load(std::sync::atomic::Ordering::Acquire) {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            continue;
+        }
+        let may_take = held_seen.is_none_or(|(_, first)| first.elapsed() >= ttl);
+        match take(store, cfg, value, may_take).await {
             Ok(Taken::Now(rev)) => return rev,
-            Ok(Taken::HeldBy(holder)) => {
+            Ok(Taken::NotYet) => {}
+            Ok(Taken::HeldBy(holder, revision)) => {
+                if held_seen.is_none_or(|(r, _)| r != revision) {
+                    held_seen = Some((revision, Instant::now()));
+                }
                 let mut bus = lock(&shared.bus);
                 bus.lease.error = None;
                 if bus.lease.holder.as_deref() != Some(holder.as_str()) {
@@ -128,7 +150,11 @@ async fn stand_by(
                     bus.lease.holder = Some(holder);
                 }
             }
-            Err(e) => failed(shared, &e),
+            Err(e) => {
+                failed(shared, &e);
+                // The bucket itself may be gone (the bus's storage wiped): made again.
+                *store = open_bucket(cfg, js, shared).await.0;
+            }
         }
         tokio::time::sleep(look_every).await;
     }
@@ -205,11 +231,20 @@ pub async fn release(cfg: &LeaseConfig, bus: &BusConfig, shared: Arc<Shared>) {
 
 enum Taken {
     Now(u64),
-    HeldBy(String),
+    /// By another collector, at this revision.
+    HeldBy(String, u64),
+    /// Free, but not to be taken yet (`may_take` false).
+    NotYet,
 }
 
-/// Take the key if it is free, or still this collector's own (restarted in place).
-async fn take(store: &kv::Store, cfg: &LeaseConfig, value: &bytes::Bytes) -> Result<Taken, String> {
+/// Take the key if it is free (and `may_take`), or still this collector's own
+/// (restarted in place).
+async fn take(
+    store: &kv::Store,
+    cfg: &LeaseConfig,
+    value: &bytes::Bytes,
+    may_take: bool,
+) -> Result<Taken, String> {
     match store.entry(&cfg.key).await.map_err(|e| e.to_string())? {
         Some(e) if e.operation == kv::Operation::Put && e.value == *value => store
             .update(&cfg.key, value.clone(), e.revision)
@@ -218,17 +253,21 @@ async fn take(store: &kv::Store, cfg: &LeaseConfig, value: &bytes::Bytes) -> Res
             .map_err(|e| e.to_string()),
         Some(e) if e.operation == kv::Operation::Put => Ok(Taken::HeldBy(
             String::from_utf8_lossy(&e.value).into_owned(),
+            e.revision,
         )),
         // Absent, expired, or let go.
+        _ if !may_take => Ok(Taken::NotYet),
         _ => match store.create(&cfg.key, value.clone()).await {
             Ok(rev) => Ok(Taken::Now(rev)),
             Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => {
                 // Another took it between the look and the create.
-                let holder = store.get(&cfg.key).await.ok().flatten();
+                let entry = store.entry(&cfg.key).await.ok().flatten();
                 Ok(Taken::HeldBy(
-                    holder
-                        .map(|v| String::from_utf8_lossy(&v).into_owned())
+                    entry
+                        .as_ref()
+                        .map(|e| String::from_utf8_lossy(&e.value).into_owned())
                         .unwrap_or_else(|| "another collector".into()),
+                    entry.map_or(0, |e| e.revision),
                 ))
             }
             Err(e) => Err(e.to_string()),

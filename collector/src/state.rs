@@ -10,6 +10,7 @@ use kvscope_wire::api::verdict::SpillVerdict;
 use kvscope_wire::parts::{PartsLimits, Reassembler};
 use kvscope_wire::recording::RecordingWriter;
 use kvscope_wire::{Envelope, Subjects};
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, OnceLock};
 
 /// Told of every record the collector applies live, in stream order, with its verdict
@@ -37,6 +38,10 @@ pub struct Shared {
     pub http: Arc<kvscope_kit::http::ServerStats>,
     /// Each agent's clock against the stream's (`crate::ingest::clocks`).
     pub clocks: Mutex<AgentClocks>,
+    /// The fold has been rebuilt from the stream: only then may this collector take its
+    /// scope's lease (`crate::lease`), so that a collector restarted in place does not
+    /// take it back from a standby that serves while it rebuilds.
+    pub caught_up: AtomicBool,
 }
 
 impl Shared {
@@ -55,6 +60,7 @@ impl Shared {
             applied: OnceLock::new(),
             http: Arc::default(),
             clocks: Mutex::default(),
+            caught_up: AtomicBool::new(false),
         })
     }
 }

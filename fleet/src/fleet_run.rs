@@ -388,9 +388,13 @@ impl FleetRun {
         Ok(())
     }
 
+    /// Until the collector serves: its API answers and it holds its scope's lease (it
+    /// takes it once it has rebuilt its state from the stream).
     async fn wait_collector_up(&self) -> anyhow::Result<()> {
-        self.wait_for_summary("the collector's API", "collector.log", |_| true)
-            .await
+        self.wait_for_summary("the collector to serve", "collector.log", |s| {
+            s["bus"]["lease"]["role"] != "standby"
+        })
+        .await
     }
 
     /// Poll the collector's summary until `ready` holds, for at most 30 s; on time-out

@@ -341,11 +341,13 @@ pub async fn run(cfg: BusConfig, shared: Arc<Shared>) -> anyhow::Result<()> {
     )
     .await;
     lock(&shared.bus).connected = true;
-    let state = &stream
+    let info = stream
         .info()
         .await
-        .context("cannot read the stream's state")?
-        .state;
+        .context("cannot read the stream's state")?;
+    // Its leader from the start: a move before the first look is a move too.
+    note_stream(info, &shared);
+    let state = &info.state;
     let (first, last) = (state.first_sequence, state.last_sequence);
     lock(&shared.bus).stream_first_seq = first;
     if first > 1 {
@@ -367,6 +369,9 @@ pub async fn run(cfg: BusConfig, shared: Arc<Shared>) -> anyhow::Result<()> {
         .created
         .unix_timestamp_nanos();
     lock(&shared.bus).applied_at_ns = kvscope_kit::clock::now_ns();
+    shared
+        .caught_up
+        .store(true, std::sync::atomic::Ordering::Release);
     // One durable consumer per stream: a stream made anew under the name (a server
     // whose storage was wiped) gets a consumer of its own, followed from its first
     // record.
@@ -540,6 +545,23 @@ async fn follow(
     }
 }
 
+/// The stream's servers as `info` has them. On a cluster, the server leading the
+/// stream: its moving is no fault (the stream's replicas elect another when one goes),
+/// but shown and counted, whatever this collector's role.
+fn note_stream(info: &stream::Info, shared: &Shared) {
+    if let Some(leader) = info.cluster.as_ref().and_then(|c| c.leader.clone()) {
+        let previous = lock(&shared.bus).stream_leader.replace(leader.clone());
+        if let Some(previous) = previous.filter(|p| *p != leader) {
+            StreamLeaderMoved {
+                from: &previous,
+                to: &leader,
+            }
+            .emit(shared);
+        }
+    }
+    lock(&shared.bus).stream_replicas = info.config.num_replicas;
+}
+
 /// Resolves once `leader` says the lease is lost; never without a lease.
 async fn lease_lost(leader: Option<&mut tokio::sync::watch::Receiver<bool>>) {
     match leader {
@@ -586,19 +608,7 @@ async fn look(
     let Ok(info) = stream.info().await else {
         return Ok(None);
     };
-    // On a cluster, the server leading the stream: its moving is no fault (the stream's
-    // replicas elect another when one goes), but shown and counted.
-    if let Some(leader) = info.cluster.as_ref().and_then(|c| c.leader.clone()) {
-        let previous = lock(&shared.bus).stream_leader.replace(leader.clone());
-        if let Some(previous) = previous.filter(|p| *p != leader) {
-            StreamLeaderMoved {
-                from: &previous,
-                to: &leader,
-            }
-            .emit(shared);
-        }
-    }
-    lock(&shared.bus).stream_replicas = info.config.num_replicas;
+    note_stream(&info, shared);
     let applied = lock(&shared.bus).applied_seq;
     let created_now = info.created.unix_timestamp_nanos();
     let made_anew = created_now != created || info.state.last_sequence < applied;
@@ -726,9 +736,19 @@ async fn follow_standing_by(
                 None
             }
         };
+        let mut looked = tokio::time::Instant::now();
         loop {
+            if looked.elapsed() >= LOOK_EVERY {
+                looked = tokio::time::Instant::now();
+                if let Ok(info) = stream.get_info().await {
+                    note_stream(&info, shared);
+                }
+            }
             let msg = match messages.as_mut() {
-                Some(m) => m.next().await,
+                Some(m) => match tokio::time::timeout(LOOK_EVERY, m.next()).await {
+                    Ok(m) => m,
+                    Err(_) => continue,
+                },
                 None => {
                     tokio::time::sleep(Duration::from_millis(500)).await;
                     None

@@ -500,7 +500,11 @@ async fn the_bus_admits_the_collector_and_agent_as_their_manifests_run_them() {
             .await
             .unwrap();
         let bus = &s["bus"];
-        if bus["stream_replicas"] == 3 && bus["stream_leader"].is_string() {
+        // Its figures once it serves (holds the fleet's lease).
+        if bus["stream_replicas"] == 3
+            && bus["stream_leader"].is_string()
+            && bus["lease"]["role"] == "leader"
+        {
             assert!(bus["stream_leader"]
                 .as_str()
                 .unwrap()

@@ -119,8 +119,19 @@ async fn start_collector_with(dir: &Path, nats_url: &str, extra: &[&str]) -> (St
     .unwrap()]);
     let base = format!("http://{listen}");
     let deadline = Instant::now() + Duration::from_secs(30);
-    while get(&format!("{base}/healthz")).await.is_err() {
-        assert!(Instant::now() < deadline, "the collector never answered");
+    // Answering, and serving: it holds its scope's lease once it has read the stream.
+    loop {
+        let serves = match get(&format!("{base}/api/summary")).await {
+            Ok(r) => r
+                .json::<serde_json::Value>()
+                .await
+                .is_ok_and(|s| s["bus"]["lease"]["role"] != "standby"),
+            Err(_) => false,
+        };
+        if serves {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the collector never served");
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     (p, base)
@@ -509,8 +520,21 @@ async fn a_bus_whose_storage_is_wiped_is_followed_anew() {
         s["bus"]
     );
     agent.readyz_until(200, &["ready"]).await;
-    let ready = get(&format!("{collector}/readyz")).await.unwrap();
-    assert_eq!(ready.status(), 200, "{}", ready.text().await.unwrap());
+    // Its lease went with the wiped storage: it stopped serving at its fence and takes
+    // the lease again in the bucket made anew.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let ready = get(&format!("{collector}/readyz")).await.unwrap();
+        if ready.status() == 200 {
+            break;
+        }
+        let why = ready.text().await.unwrap();
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the collector is not ready again: {why}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     let metrics = text(&format!("{collector}/metrics")).await;
     assert!(
         metrics.lines().any(
