@@ -608,7 +608,7 @@ async fn look(
     let Ok(info) = stream.info().await else {
         return Ok(None);
     };
-    note_stream(&info, shared);
+    note_stream(info, shared);
     let applied = lock(&shared.bus).applied_seq;
     let created_now = info.created.unix_timestamp_nanos();
     let made_anew = created_now != created || info.state.last_sequence < applied;
