@@ -210,7 +210,7 @@ async fn serve(
 }
 
 /// Let the lease go at once (a clean shutdown), so the standby need not wait for it to
-/// expire. Only this collector's own entry is deleted.
+/// expire. Only this collector's own entry is let go.
 pub async fn release(cfg: &LeaseConfig, bus: &BusConfig, shared: Arc<Shared>) {
     let Ok(client) = connect(bus, shared).await else {
         return;
@@ -221,13 +221,23 @@ pub async fn release(cfg: &LeaseConfig, bus: &BusConfig, shared: Arc<Shared>) {
     };
     if let Ok(Some(entry)) = store.entry(&cfg.key).await {
         if entry.operation == kv::Operation::Put && entry.value == cfg.identity.as_bytes() {
+            // Marked let go rather than deleted: a standby takes a let-go entry at once,
+            // and an entry that vanishes only a lifetime after it last changed.
             let _ = store
-                .delete_expect_revision(&cfg.key, Some(entry.revision))
+                .update(
+                    &cfg.key,
+                    bytes::Bytes::from_static(RELEASED),
+                    entry.revision,
+                )
                 .await;
             info!(key = %cfg.key, "Let the lease go.");
         }
     }
 }
+
+/// The entry's value once its holder let it go (no collector's identity: those are
+/// `host/address`).
+const RELEASED: &[u8] = b"released";
 
 enum Taken {
     Now(u64),
@@ -251,6 +261,14 @@ async fn take(
             .await
             .map(Taken::Now)
             .map_err(|e| e.to_string()),
+        // Let go by a holder that stopped cleanly: free now. Of two standbys taking
+        // it, the update at the revision read lets one win.
+        Some(e) if e.operation == kv::Operation::Put && e.value == RELEASED => {
+            match store.update(&cfg.key, value.clone(), e.revision).await {
+                Ok(rev) => Ok(Taken::Now(rev)),
+                Err(_) => Ok(Taken::NotYet),
+            }
+        }
         Some(e) if e.operation == kv::Operation::Put => Ok(Taken::HeldBy(
             String::from_utf8_lossy(&e.value).into_owned(),
             e.revision,
@@ -333,6 +351,9 @@ fn bucket_stream(cfg: &LeaseConfig) -> jetstream::stream::Config {
         description: Some("kvscope: which collector of each scope serves".into()),
         subjects: vec![format!("$KV.{}.>", cfg.bucket)],
         max_messages_per_subject: 1,
+        // A few keys of ~100 bytes: a bound the server can reserve on a store the
+        // stream has filled.
+        max_bytes: 1 << 20,
         max_age: cfg.ttl,
         // Under two minutes of lifetime, the server wants its duplicate window no longer.
         duplicate_window: cfg.ttl.min(Duration::from_secs(120)),

@@ -148,9 +148,11 @@ async fn get_json(url: &str) -> Option<serde_json::Value> {
     reqwest::get(url).await.ok()?.json().await.ok()
 }
 
+/// The summary once the collector has applied up to `seq` and serves (holds its lease:
+/// a standby applies records too, but serves no figures).
 async fn wait_applied(api: &str, seq: u64) -> serde_json::Value {
     wait_summary(api, &format!("applied up to stream sequence {seq}"), |s| {
-        s["bus"]["applied_seq"].as_u64() == Some(seq)
+        s["bus"]["applied_seq"].as_u64() == Some(seq) && s["bus"]["lease"]["role"] == "leader"
     })
     .await
 }
@@ -483,9 +485,10 @@ async fn a_stream_at_its_size_limit_discards_its_oldest_and_the_collector_counts
     let listen = format!("127.0.0.1:{}", api_port());
     let api = format!("http://{listen}");
     let mut collector = spawn_collector(&url, &listen, &dir.path().join("rec.jsonl"));
-    let rebuilt = wait_summary(&api, "rebuilt the stream", |s| {
+    let rebuilt = wait_summary(&api, "rebuilt the stream, and serving", |s| {
         s["bus"]["applied_seq"].as_u64() == Some(state.last_sequence)
             && s["bus"]["rebuilding"] == false
+            && s["bus"]["lease"]["role"] == "leader"
     })
     .await;
     let bus = &rebuilt["bus"];
