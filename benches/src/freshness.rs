@@ -533,6 +533,11 @@ fn dir_bytes(dir: &Path) -> u64 {
         .sum()
 }
 
+/// The counters two collectors of one stream must agree on.
+fn counters(s: &Value) -> [Option<u64>; 3] {
+    ["stored_blocks", "removed_blocks", "decisions"].map(|k| s["counters"][k].as_u64())
+}
+
 /// Kill the collector that applied the run (`before`: its summary) and start it again
 /// on the same stream, timing its way back.
 async fn restart_collector(
@@ -540,9 +545,6 @@ async fn restart_collector(
     kvscope: &Path,
     before: &Value,
 ) -> anyhow::Result<RestartReport> {
-    let counters = |s: &Value| {
-        ["stored_blocks", "removed_blocks", "decisions"].map(|k| s["counters"][k].as_u64())
-    };
     let stream_messages = before["bus"]["applied_seq"].as_u64().unwrap_or(0);
     let stream_bytes = dir_bytes(&pipeline.nats.store(&pipeline.dir));
     eprintln!(
@@ -598,9 +600,6 @@ async fn restart_collector(
 /// Kill the collector that applied the run (`before`: its summary) and time its standby
 /// taking over: ready, and holding the whole stream.
 async fn take_over(pipeline: &mut Pipeline, before: &Value) -> anyhow::Result<RestartReport> {
-    let counters = |s: &Value| {
-        ["stored_blocks", "removed_blocks", "decisions"].map(|k| s["counters"][k].as_u64())
-    };
     let standby = pipeline.standby_api.clone().context("no standby")?;
     let stream_messages = before["bus"]["applied_seq"].as_u64().unwrap_or(0);
     let stream_bytes = dir_bytes(&pipeline.nats.store(&pipeline.dir));

@@ -117,24 +117,14 @@ async fn start_collector_with(dir: &Path, nats_url: &str, extra: &[&str]) -> (St
         &dir.join("collector.log"),
     )
     .unwrap()]);
-    let base = format!("http://{listen}");
-    let deadline = Instant::now() + Duration::from_secs(30);
     // Answering, and serving: it holds its scope's lease once it has read the stream.
-    loop {
-        let serves = match get(&format!("{base}/api/summary")).await {
-            Ok(r) => r
-                .json::<serde_json::Value>()
-                .await
-                .is_ok_and(|s| s["bus"]["lease"]["role"] != "standby"),
-            Err(_) => false,
-        };
-        if serves {
-            break;
-        }
-        assert!(Instant::now() < deadline, "the collector never served");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    (p, base)
+    let api = kvscope_lab::daemons::CollectorApi::new(&listen);
+    api.wait_summary("the collector to serve", Duration::from_secs(30), "", |s| {
+        s["bus"]["lease"]["role"] != "standby"
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}"));
+    (p, api.base().to_string())
 }
 
 /// The body of a GET of `url`.

@@ -3,6 +3,7 @@
 //! lets the lease go, and the second serves at its next look (within about 2 s, not the
 //! lease's 10 s lifetime); the first started again stands by.
 
+use kvscope_lab::daemons::CollectorApi;
 use kvscope_lab::nats::NatsServer;
 use kvscope_lab::process::{signal_group, ManagedProcess, StopOnDrop};
 use std::path::Path;
@@ -22,28 +23,16 @@ fn spawn(nats: &str, listen: &str, dir: &Path, name: &str) -> StopOnDrop {
     .expect("the collector starts")])
 }
 
-/// The collector's role once it answers, waiting at most `within` for `role`.
+/// How long until the collector on `listen` has `role`, waiting at most `within`.
 async fn role_within(listen: &str, role: &str, within: Duration) -> Duration {
     let started = Instant::now();
-    loop {
-        let s: Option<serde_json::Value> = async {
-            reqwest::get(format!("http://{listen}/api/summary"))
-                .await
-                .ok()?
-                .json()
-                .await
-                .ok()
-        }
-        .await;
-        if s.is_some_and(|s| s["bus"]["lease"]["role"] == role) {
-            return started.elapsed();
-        }
-        assert!(
-            started.elapsed() < within,
-            "{listen} is not {role} after {within:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    CollectorApi::new(listen)
+        .wait_summary(&format!("{listen} to be {role}"), within, "", |s| {
+            s["bus"]["lease"]["role"] == role
+        })
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    started.elapsed()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
