@@ -60,7 +60,11 @@ pub struct SpillTokenBin {
 const ROUTER_VIEW_CAPTION: &str = "The overlap the router credited each chosen worker with \
      (its log), against what the worker's engine held at the decision; why, from the first \
      block it got wrong: removed or stored on that worker within 5 s before the decision (a \
-     change the router had not applied), or stored only after it (the router saw it first).";
+     change the router had not applied), or stored only after it (the router saw it first). \
+     Where the router logs a score per worker (Dynamo 1.4/1.5 at DEBUG), each spill's best \
+     worker too: credited with less than it held, the router's view of the worker it passed \
+     over was stale (the first uncredited block stored within 5 s before: a store not yet \
+     applied); credited with at least that, it chose by load.";
 
 /// The mean and longest lag of the router-view misses told "not yet applied", in ms.
 fn lately_lag_cell(v: &RouterViewAudit) -> String {
@@ -264,7 +268,7 @@ impl OpportunityReport {
     }
 
     /// The router's view as one table row, head and cells, when any decision was compared.
-    pub(crate) fn router_view_row(&self) -> Option<([&'static str; 9], [String; 9])> {
+    pub(crate) fn router_view_row(&self) -> Option<([&'static str; 11], [String; 11])> {
         let v = &self.router_view;
         (v.compared > 0).then(|| {
             (
@@ -278,6 +282,8 @@ impl OpportunityReport {
                     "not yet applied: the change came (mean / max ms before)",
                     "spills",
                     "spills the router could not see",
+                    "spills with the best worker's score",
+                    "of those, the best's view stale (blocks): store not yet applied",
                 ],
                 [
                     v.compared.to_string(),
@@ -289,6 +295,13 @@ impl OpportunityReport {
                     lately_lag_cell(v),
                     v.spills.to_string(),
                     v.spills_unseen.to_string(),
+                    v.spills_best_scored.to_string(),
+                    format!(
+                        "{} ({}): {}",
+                        v.spills_best_stale,
+                        v.spills_best_stale_blocks,
+                        v.spills_best_stale_stored_lately
+                    ),
                 ],
             )
         })
@@ -847,12 +860,16 @@ mod tests {
             under_stored_lately: 1,
             spills: 3,
             spills_unseen: 2,
+            spills_best_scored: 3,
+            spills_best_stale: 1,
+            spills_best_stale_blocks: 5,
+            spills_best_stale_stored_lately: 1,
             lately_lag_us_sum: 3_000,
             lately_lag_us_max: 2_500,
         };
         assert!(r
             .to_markdown()
-            .contains("| 9 | 6 | 2 (30) | 1 / 0 | 1 (4) | 1 | 1.5 / 2.5 | 3 | 2 |"));
+            .contains("| 9 | 6 | 2 (30) | 1 / 0 | 1 (4) | 1 | 1.5 / 2.5 | 3 | 2 | 3 | 1 (5): 1 |"));
         let html = r.to_html();
         assert!(html.contains("router-view-table"));
         assert!(html.contains("<td>2 (30)</td>"), "{html}");

@@ -16,8 +16,11 @@ use kvscope_collector::fold::recent_changes::STALE_HORIZON_NS;
 /// `request_id` is the route's; 1.4/1.5's DEBUG `[ROUTING] Best:`, whose first is the
 /// event's), its `worker_id` and `overlap_blocks` set beside the truth (the oracle's
 /// per-worker overlaps of each decision in `records`) where the request was judged on
-/// that worker. The causes of each miss from `records` too (see [`Changes`]). Also how
-/// many lines stated a view.
+/// that worker. The causes of each miss from `records` too (see [`Changes`]). For each
+/// spill, what the router credited the verdict's best worker with, from its score lines
+/// (1.4/1.5's DEBUG `Formula for worker_id=W … with N … blocks … request_id="…"`, the
+/// first per request and worker), beside what the best held. Also how many lines stated
+/// a view.
 pub fn count(
     log: &str,
     verdicts: &[SpillVerdict],
@@ -29,6 +32,11 @@ pub fn count(
         .iter()
         .map(|v| (v.request_id.as_str(), v.chosen))
         .collect();
+    let best_of: HashMap<&str, WorkerKey> = verdicts
+        .iter()
+        .map(|v| (v.request_id.as_str(), v.best))
+        .collect();
+    let scores = scores(log);
     let truth: HashMap<&str, &BTreeMap<WorkerKey, u32>> =
         truth.iter().map(|(id, o)| (id.as_str(), o)).collect();
     let mut n = RouterViewAudit::default();
@@ -104,9 +112,57 @@ pub fn count(
         if best > held {
             n.spills += 1;
             n.spills_unseen += u64::from(believed >= best);
+            let best_worker = best_of[id.as_str()];
+            if let Some(credit) = scores.get(&(id.clone(), best_worker)) {
+                n.spills_best_scored += 1;
+                let best_held = overlaps.get(&best_worker).copied().unwrap_or(0);
+                if *credit < f64::from(best_held) {
+                    let whole = credit.floor() as u32;
+                    n.spills_best_stale += 1;
+                    n.spills_best_stale_blocks += u64::from(best_held - whole);
+                    if let Some(Why::StoredLately(_)) = changes.why(&id, best_worker, whole, true) {
+                        n.spills_best_stale_stored_lately += 1;
+                    }
+                }
+            }
         }
     }
     (n, lines)
+}
+
+/// The router's score lines: per (request, worker), the first credit it logged.
+fn scores(log: &str) -> HashMap<(String, WorkerKey), f64> {
+    let mut out = HashMap::new();
+    for raw in log.lines() {
+        let line = kvscope_lab::router_log::strip_ansi(raw);
+        let Some(at) = line.find("Formula for worker_id=") else {
+            continue;
+        };
+        let rest = &line[at + "Formula for ".len()..];
+        let field = |key: &str| -> Option<String> {
+            rest.split(&format!("{key}="))
+                .nth(1)?
+                .split_whitespace()
+                .next()
+                .map(|v| v.trim_matches('"').to_string())
+        };
+        let credit = rest
+            .split(" with ")
+            .nth(1)
+            .and_then(|r| r.split_whitespace().next())
+            .and_then(|n| n.parse::<f64>().ok());
+        let (Some(worker_id), Some(id), Some(credit)) = (
+            field("worker_id").and_then(|v| v.parse::<u64>().ok()),
+            field("request_id"),
+            credit,
+        ) else {
+            continue;
+        };
+        let dp_rank = field("dp_rank").and_then(|v| v.parse().ok()).unwrap_or(0);
+        out.entry((id, WorkerKey { worker_id, dp_rank }))
+            .or_insert(credit);
+    }
+    out
 }
 
 #[derive(Debug, PartialEq, Eq)]

@@ -774,6 +774,23 @@ pub struct RouterView {
     /// The route's phase as the router names it (`Aggregated`, `Prefill`, `Decode`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub phase: Option<String>,
+    /// What the router credited each worker it scored with, where its release logs one
+    /// line per worker (Dynamo 1.4 and 1.5 at DEBUG under
+    /// `dynamo_kv_router::scheduling::selector`: `Formula for worker_id=… with N effective
+    /// cached blocks`; 1.6 logs none): the router's belief about the workers it passed
+    /// over, the best one among them. Empty where the log has none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub candidates: Vec<RouterCandidate>,
+}
+
+/// One worker as the router scored it for a request.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RouterCandidate {
+    pub worker: WorkerKey,
+    /// The cached blocks it credited the worker with: its device overlap, plus lower
+    /// tiers' and a shared cache's blocks at their weights where the release scores them
+    /// (so never less than the device overlap it believed), as logged (two decimals).
+    pub credited_blocks: f64,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -909,6 +926,9 @@ pub struct AgentCounters {
     pub decisions_unjoined: u64,
     /// Decisions read from Dynamo's request trace.
     pub decisions_traced: u64,
+    /// The router's per-worker score lines set beside no view of their request.
+    #[serde(default)]
+    pub router_candidates_unjoined: u64,
     pub migration_lines: u64,
     pub published: u64,
     /// NATS messages those records went in (records stamped together share one:

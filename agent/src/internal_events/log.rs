@@ -59,6 +59,27 @@ impl InternalEvent<AgentStats> for DecisionUnjoined<'_> {
     }
 }
 
+/// Router score lines ([`crate::taps::router::parse::Candidate`]) set beside no view.
+pub(crate) struct RouterCandidatesUnjoined {
+    pub lines: u64,
+}
+
+static CANDIDATES_UNJOINED: LogLimiter = LogLimiter::new();
+
+impl InternalEvent<AgentStats> for RouterCandidatesUnjoined {
+    fn emit(self, stats: &AgentStats) {
+        if let Some(suppressed) = CANDIDATES_UNJOINED.check() {
+            warn!(
+                lines = self.lines,
+                suppressed,
+                "The router's per-worker score lines came without a view of their request to set \
+                 them beside: log `[ROUTING] Best` too (DYN_LOG with dynamo_llm::kv_router=debug)."
+            );
+        }
+        add(&stats.router_candidates_unjoined, self.lines);
+    }
+}
+
 /// The router logs its choices, but neither the `[ROUTING_INPUT]` lines nor the request
 /// trace decisions are made of: what to set on it. No counter (the unjoined choices are
 /// counted); said once per log.
@@ -70,6 +91,12 @@ pub(crate) struct RoutingInputMissing;
 /// right on every one of them; docs/deploy.md gives the narrower one per release.
 pub const ROUTING_INPUT_DYN_LOG: &str =
     "info,dynamo_llm::kv_router=debug,dynamo_kv_router::services::selection::core::run=debug";
+
+/// The `DYN_LOG` directive under which the routers of Dynamo 1.4 and 1.5 log their score
+/// of every worker for every request (`Formula for worker_id=…`, one line per worker: a
+/// fleet of hundreds of workers writes hundreds of lines per request, so it is no
+/// default). Dynamo 1.6 logs none.
+pub const ROUTER_SCORES_DYN_LOG: &str = "dynamo_kv_router::scheduling::selector=debug";
 
 impl InternalEvent<AgentStats> for RoutingInputMissing {
     fn emit(self, _stats: &AgentStats) {

@@ -202,6 +202,7 @@ mod tests {
                 decisions_joined: 1,
                 decisions_unjoined: 1,
                 decisions_traced: 0,
+                router_candidates_unjoined: 0,
                 migration_lines: 1,
                 published: 3,
                 messages_published: 1,

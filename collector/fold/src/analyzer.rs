@@ -782,7 +782,16 @@ impl FleetAnalyzer {
         let believed = view.overlap_blocks;
         // The first block the router got wrong: the one past the shorter of the two.
         let first_wrong = r.chain.get(believed.min(held) as usize).copied();
-        let (worker, decided_ns) = (r.worker, r.decided_ns);
+        let (worker, decided_ns, best) = (r.worker, r.decided_ns, r.recorded_best);
+        // What the router credited the worker it passed over with, where it logged it:
+        // whole blocks (a lower tier's weighted share may add a fraction, never a block
+        // of the device prefix), and the first block of the best's it did not credit.
+        let best_credit = view
+            .candidates
+            .iter()
+            .find(|c| c.worker == best)
+            .map(|c| (c.credited_blocks, c.credited_blocks.floor() as u32))
+            .map(|(credit, whole)| (credit, whole, r.chain.get(whole as usize).copied()));
         let recent = &self.recent_changes;
         let why = |under: bool| match first_wrong {
             Some(b) if under => recent.why_under(worker, b, decided_ns),
@@ -818,6 +827,18 @@ impl FleetAnalyzer {
             a.spills += 1;
             // By its own view the router chose no worse than the best worker.
             a.spills_unseen += u64::from(believed >= best_held);
+            if let Some((credit, whole, first_uncredited)) = best_credit {
+                a.spills_best_scored += 1;
+                if credit < f64::from(best_held) {
+                    a.spills_best_stale += 1;
+                    a.spills_best_stale_blocks += u64::from(best_held.saturating_sub(whole));
+                    if let Some(StaleCause::StoredLately { .. }) =
+                        first_uncredited.map(|b| recent.why_under(best, b, decided_ns))
+                    {
+                        a.spills_best_stale_stored_lately += 1;
+                    }
+                }
+            }
         }
     }
 
@@ -2006,7 +2027,77 @@ mod tests {
             worker: w(worker),
             overlap_blocks,
             phase: Some("Aggregated".into()),
+            candidates: Vec::new(),
         })
+    }
+
+    /// [`view`], with what the router credited each worker it scored with.
+    fn scored_view(id: &str, worker: u64, overlap_blocks: u32, scores: &[(u64, f64)]) -> Record {
+        let Record::RouterView(mut v) = view(id, worker, overlap_blocks) else {
+            unreachable!()
+        };
+        v.candidates = scores
+            .iter()
+            .map(|(w_, credited_blocks)| kvscope_wire::RouterCandidate {
+                worker: w(*w_),
+                credited_blocks: *credited_blocks,
+            })
+            .collect();
+        Record::RouterView(v)
+    }
+
+    /// Where the router logged a score per worker: a spill whose best worker it credited
+    /// with what it held was a choice by load; one whose best it credited with less was
+    /// a stale view of it, told a store not yet applied where the store came lately.
+    #[test]
+    fn the_routers_score_of_the_best_worker_tells_a_stale_view_from_a_choice() {
+        let mut a = FleetAnalyzer::new(cfg());
+        let prompt: Vec<u32> = (0..4).collect();
+        a.apply(&env(
+            S,
+            stored(1, 0, SequenceStatus::First, &prompt, &[1, 2]),
+        ));
+        // r1 to worker 2, the router knowing worker 1 held both blocks.
+        assert!(
+            a.apply(&env(2 * S, decision("r1", 2, &prompt)))
+                .unwrap()
+                .spill
+        );
+        a.apply(&env(2 * S, scored_view("r1", 2, 0, &[(1, 2.0), (2, 0.0)])));
+        // Worker 1 stores a third block; a moment later r2 (the prompt with it) goes to
+        // worker 2, the router crediting worker 1 with 2.5 blocks (a lower tier's share).
+        let turn2: Vec<u32> = prompt.iter().copied().chain([7, 8]).collect();
+        a.apply(&env(
+            5 * S,
+            stored_under(1, 1, SequenceStatus::InOrder, Some(2), &turn2[4..], &[3]),
+        ));
+        assert!(
+            a.apply(&env(5 * S + 1, decision("r2", 2, &turn2)))
+                .unwrap()
+                .spill
+        );
+        a.apply(&env(
+            5 * S + 2,
+            scored_view("r2", 2, 0, &[(1, 2.5), (2, 0.0)]),
+        ));
+        // r3: a view without scores; r4: scores without the best worker's.
+        assert!(
+            a.apply(&env(6 * S, decision("r3", 2, &turn2)))
+                .unwrap()
+                .spill
+        );
+        a.apply(&env(6 * S, view("r3", 2, 0)));
+        assert!(
+            a.apply(&env(6 * S, decision("r4", 3, &turn2)))
+                .unwrap()
+                .spill
+        );
+        a.apply(&env(6 * S, scored_view("r4", 3, 0, &[(3, 0.0)])));
+        let v = a.router_view();
+        assert_eq!((v.compared, v.spills, v.spills_unseen), (4, 4, 0));
+        assert_eq!((v.spills_best_scored, v.spills_best_stale), (2, 1));
+        assert_eq!(v.spills_best_stale_blocks, 1);
+        assert_eq!(v.spills_best_stale_stored_lately, 1);
     }
 
     #[test]

@@ -150,6 +150,32 @@ fn write_router_view(out: &mut Exposition, v: &kvscope_wire::api::summary::Route
         "",
         v.spills_unseen,
     );
+    let name = "kvscope_router_view_best_spills";
+    out.family(
+        name,
+        Kind::Counter,
+        "Spills whose router view carries its score of the best worker (the one passed over; Dynamo 1.4/1.5 at DEBUG log one per worker), by what it believed of it: known (credited with at least what it held: a choice by load), stale_stored_lately (credited with less, its first uncredited block stored within 5 s before: a store not yet applied), stale_unexplained (credited with less, for an older change).",
+    );
+    for (view, n) in [
+        (
+            "known",
+            v.spills_best_scored.saturating_sub(v.spills_best_stale),
+        ),
+        ("stale_stored_lately", v.spills_best_stale_stored_lately),
+        (
+            "stale_unexplained",
+            v.spills_best_stale
+                .saturating_sub(v.spills_best_stale_stored_lately),
+        ),
+    ] {
+        out.counter(name, &labels(&[("view", view)]), n);
+    }
+    out.single_counter(
+        "kvscope_router_view_best_stale_blocks",
+        "The best worker's blocks the router did not credit, over the spills it had a stale view of the best worker in.",
+        "",
+        v.spills_best_stale_blocks,
+    );
 }
 
 /// Each agent's clock offset, so the host whose clock runs ahead is named.

@@ -21,7 +21,7 @@
 
 use kvscope_e2e::oracle;
 
-use kvscope_agent::internal_events::ROUTING_INPUT_DYN_LOG;
+use kvscope_agent::internal_events::{ROUTER_SCORES_DYN_LOG, ROUTING_INPUT_DYN_LOG};
 use kvscope_fleet::fleet_run::{replay, FleetRunConfig, KvSource};
 use kvscope_lab::release::DEFAULT_DYNAMO;
 use kvscope_lab::workload;
@@ -143,12 +143,15 @@ const SHAPES: [Shape; 3] = [
 /// One release, one shape: the workload, then every check of the module's header.
 async fn exact_on(release: &str, shape: Shape) -> Outcome {
     let kv_source = shape.kv_source;
+    // With the routing lines, the selector's score per worker too (1.4 and 1.5 log it;
+    // 1.6 none): the router's view of the workers it passed over.
+    let routing_lines = format!("{ROUTING_INPUT_DYN_LOG},{ROUTER_SCORES_DYN_LOG}");
     let mut lab = lab(
         release,
         if shape.request_trace {
             "info"
         } else {
-            ROUTING_INPUT_DYN_LOG
+            &routing_lines
         },
     );
     lab.discovery = shape.discovery;
@@ -226,11 +229,9 @@ async fn exact_on(release: &str, shape: Shape) -> Outcome {
     // The router's view, where this release logs it at this level (1.6 at INFO as each
     // route ends, 1.4/1.5 at DEBUG as it chooses): the audit is the count from its log and
     // the radix tree, and every decision has its view.
-    let (views, view_lines) = kvscope_e2e::router_view::count(
-        &std::fs::read_to_string(&router_log).unwrap_or_default(),
-        verdicts,
-        &replayed.envelopes,
-    );
+    let log_text = std::fs::read_to_string(&router_log).unwrap_or_default();
+    let (views, view_lines) =
+        kvscope_e2e::router_view::count(&log_text, verdicts, &replayed.envelopes);
     eprintln!(
         "Dynamo {release} ({}): the router's view {views:?}",
         shape.name
@@ -249,6 +250,15 @@ async fn exact_on(release: &str, shape: Shape) -> Outcome {
             shape.name
         );
     }
+    // Where the router scored each worker in its log, every spill's view carries its
+    // score of the best worker (the count above from the log itself, the fold's equal).
+    if log_text.contains("Formula for worker_id=") {
+        assert_eq!(
+            views.spills_best_scored, views.spills,
+            "Dynamo {release} ({}): every spill's view has the best worker's score",
+            shape.name
+        );
+    }
     let last_heartbeat = replayed
         .envelopes
         .iter()
@@ -258,6 +268,11 @@ async fn exact_on(release: &str, shape: Shape) -> Outcome {
             _ => None,
         })
         .expect("the agent's heartbeats");
+    assert_eq!(
+        last_heartbeat["router_candidates_unjoined"], 0,
+        "Dynamo {release} ({}): every score line went with its view",
+        shape.name
+    );
     let counted = last_heartbeat
         .as_object()
         .into_iter()

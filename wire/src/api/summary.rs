@@ -230,6 +230,19 @@ pub struct RouterViewAudit {
     /// Of those, spills the router could not see: it credited the chosen worker with at
     /// least what the best worker truly held, so by its view it chose no worse.
     pub spills_unseen: u64,
+    /// Spills whose view carries the router's score of the best worker (the worker
+    /// passed over; Dynamo 1.4 and 1.5 log a score per worker, 1.6 none).
+    pub spills_best_scored: u64,
+    /// Of those, spills where the router credited the best worker with fewer blocks than
+    /// it held: its view of the worker it passed over was stale. The rest of
+    /// `spills_best_scored` it chose knowing what the best worker held (by load).
+    pub spills_best_stale: u64,
+    /// The best workers' blocks the router did not credit (held, less the whole blocks
+    /// credited), summed over `spills_best_stale`.
+    pub spills_best_stale_blocks: u64,
+    /// Of `spills_best_stale`, those whose first uncredited block the best worker stored
+    /// within 5 s before the decision: a store the router had not applied yet.
+    pub spills_best_stale_stored_lately: u64,
     /// Over the misses told "not yet applied" (`over_removed_lately`,
     /// `under_stored_lately`): how long before the decision the change came, in µs of
     /// record time, summed (÷ their count: the mean) and the longest.

@@ -7,9 +7,9 @@
 //! whenever and however fast it is read.
 
 use crate::taps::router::parse::{
-    parse_line, LineContent, LineKind, MalformedLine, RoutingInput, SelectedWorker,
+    parse_line, Candidate, LineContent, LineKind, MalformedLine, RoutingInput, SelectedWorker,
 };
-use kvscope_wire::{MigrationLogLine, RoutingDecision, TraceContext, WorkerKey};
+use kvscope_wire::{MigrationLogLine, RouterCandidate, RoutingDecision, TraceContext, WorkerKey};
 use std::collections::{HashMap, VecDeque};
 
 /// Which half of a decision arrived without the other.
@@ -336,6 +336,61 @@ impl<V: Clone> RecentByRequest<V> {
     }
 }
 
+/// The workers the router scored per recent request (its `Formula for worker_id=…`
+/// lines, which come before the choice), until the request's view takes them.
+#[derive(Debug, Default)]
+struct Scored {
+    map: HashMap<String, Vec<Candidate>>,
+    order: VecDeque<String>,
+}
+
+impl Scored {
+    /// Requests whose scores wait for their view at once: the router writes the view
+    /// right after the choice (Dynamo 1.4 and 1.5's `[ROUTING] Best`), so only the
+    /// requests being routed wait; the oldest are given up beyond it.
+    const CAP: usize = 4_096;
+    /// Scores kept per request (a worker per data-parallel rank): more are given up.
+    const PER_REQUEST: usize = 4_096;
+
+    /// Keep `c`; how many score lines were given up to make room.
+    fn note(&mut self, c: Candidate) -> u64 {
+        let mut given_up = 0;
+        match self.map.get_mut(&c.request_id) {
+            Some(list) if list.len() >= Self::PER_REQUEST => return 1,
+            Some(list) => list.push(c),
+            None => {
+                self.order.push_back(c.request_id.clone());
+                self.map.insert(c.request_id.clone(), vec![c]);
+                while self.order.len() > Self::CAP {
+                    if let Some(old) = self.order.pop_front() {
+                        given_up += self.map.remove(&old).map_or(0, |l| l.len() as u64);
+                    }
+                }
+            }
+        }
+        given_up
+    }
+
+    /// The workers scored in the pool of the view's worker (a disaggregated request is
+    /// scored in each pool under one id), the first score of each. `None` when the view's
+    /// worker was not among them.
+    fn take(&mut self, view: &kvscope_wire::RouterView) -> Option<Vec<RouterCandidate>> {
+        let list = self.map.remove(&view.request_id)?;
+        let pool = list
+            .iter()
+            .find(|c| c.candidate.worker == view.worker)?
+            .worker_type
+            .clone();
+        let mut out: Vec<RouterCandidate> = Vec::new();
+        for c in list.into_iter().filter(|c| c.worker_type == pool) {
+            if !out.iter().any(|o| o.worker == c.candidate.worker) {
+                out.push(c.candidate);
+            }
+        }
+        Some(out)
+    }
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub enum LogOutput {
     Decision(RoutingDecision),
@@ -359,6 +414,9 @@ pub enum LogOutput {
     Migration(MigrationLogLine),
     /// The router's view of a choice (its line comes when the request's route ends).
     RouterView(kvscope_wire::RouterView),
+    /// Router score lines given up: their request's view never came while they were
+    /// remembered, or it named a worker they did not score.
+    CandidatesUnjoined(u64),
     Malformed(MalformedLine),
     Unjoined {
         request_id: String,
@@ -381,6 +439,7 @@ pub struct RouterLogProcessor {
     /// DEBUG, and when the route ends), the same figure.
     viewed: RecentIds,
     spans: RecentByRequest<TraceContext>,
+    scored: Scored,
     /// The worker each recent `Selected worker` line named: the worker of a request-trace
     /// record that names none (Dynamo before 1.5 writes none).
     chosen: RecentByRequest<WorkerKey>,
@@ -412,6 +471,7 @@ impl RouterLogProcessor {
             routed: RecentIds::default(),
             viewed: RecentIds::default(),
             spans: RecentByRequest::default(),
+            scored: Scored::default(),
             chosen: RecentByRequest::default(),
             routing_inputs: 0,
             traces: 0,
@@ -556,10 +616,24 @@ impl RouterLogProcessor {
                 out.push(LogOutput::Migration(m));
                 return out;
             }
-            LineContent::RouterView(v) => {
+            LineContent::RouterView(mut v) => {
                 let mut out = self.advanced(now);
                 if self.viewed.insert(&v.request_id) {
+                    let n = self.scored.map.get(&v.request_id).map_or(0, Vec::len) as u64;
+                    match self.scored.take(&v) {
+                        Some(c) => v.candidates = c,
+                        None if n > 0 => out.push(LogOutput::CandidatesUnjoined(n)),
+                        None => {}
+                    }
                     out.push(LogOutput::RouterView(v));
+                }
+                return out;
+            }
+            LineContent::Candidate(c) => {
+                let mut out = self.advanced(now);
+                let given_up = self.scored.note(c);
+                if given_up > 0 {
+                    out.push(LogOutput::CandidatesUnjoined(given_up));
                 }
                 return out;
             }
@@ -589,6 +663,11 @@ impl RouterLogProcessor {
             .into_iter()
             .map(|j| self.output(j))
             .collect();
+        let scores: u64 = self.scored.map.drain().map(|(_, l)| l.len() as u64).sum();
+        self.scored.order.clear();
+        if scores > 0 {
+            out.push(LogOutput::CandidatesUnjoined(scores));
+        }
         self.advise(&mut out);
         out
     }
@@ -932,6 +1011,85 @@ mod tests {
             (views[0].request_id.as_str(), views[0].overlap_blocks),
             ("r-1", 2)
         );
+    }
+
+    /// A real Dynamo 1.4.1 router log at `dynamo_kv_router::scheduling::selector=debug`:
+    /// every view carries what the router credited each of the three workers with, its
+    /// own worker's credit equal to the overlap it logged; no score line is left over.
+    #[test]
+    fn score_lines_go_with_their_view() {
+        let text = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../lab/fixtures/samples/router_log_1_4_1_scores.log"
+        ))
+        .unwrap();
+        let mut p = RouterLogProcessor::new(30 * SEC, 10_000);
+        let (mut decisions, mut views) = (0, Vec::new());
+        for line in text.lines() {
+            for o in p.line(line, 0) {
+                match o {
+                    LogOutput::Decision(_) => decisions += 1,
+                    LogOutput::RouterView(v) => views.push(v),
+                    other => panic!("{other:?}"),
+                }
+            }
+        }
+        assert_eq!(p.finish(), Vec::new());
+        assert_eq!(views.len(), 16);
+        assert_eq!(decisions, 16);
+        for v in &views {
+            assert_eq!(v.candidates.len(), 3, "{v:?}");
+            let own = v.candidates.iter().find(|c| c.worker == v.worker).unwrap();
+            assert_eq!(own.credited_blocks, f64::from(v.overlap_blocks), "{v:?}");
+        }
+        assert!(views
+            .iter()
+            .any(|v| v.candidates.iter().any(|c| c.credited_blocks > 0.0)));
+    }
+
+    /// Score lines whose view never comes, or names a worker they did not score, are
+    /// given up and counted; a view without score lines has no candidates.
+    #[test]
+    fn score_lines_without_their_view_are_counted() {
+        let score = |id: &str, worker: u64| {
+            format!(
+                r#"2026-12-07T09:30:16Z DEBUG dynamo_kv_router::scheduling::selector: Formula for worker_id={worker} dp_rank=0 with 2.00 effective cached blocks: 1.0 = 1.0 request_id="{id}" worker_type="decode""#
+            )
+        };
+        let best = |id: &str, worker: u64| {
+            format!(
+                r#"2026-12-07T09:30:16Z DEBUG dynamo_llm::kv_router::push_router::selection: [ROUTING] Best: worker_{worker} dp_rank=0 with 2/3 blocks overlap request_id={id} worker_id={worker} dp_rank=0 overlap_blocks=2 total_blocks=3"#
+            )
+        };
+        let mut p = RouterLogProcessor::new(30 * SEC, 100);
+        let mut out = Vec::new();
+        for l in [
+            score("a", 1),
+            score("a", 2),
+            best("a", 3),
+            best("b", 1),
+            score("c", 1),
+        ] {
+            out.extend(p.line(&l, 0));
+        }
+        out.extend(p.finish());
+        let given_up: u64 = out
+            .iter()
+            .filter_map(|o| match o {
+                LogOutput::CandidatesUnjoined(n) => Some(*n),
+                _ => None,
+            })
+            .sum();
+        assert_eq!(given_up, 3, "{out:?}");
+        let views: Vec<_> = out
+            .iter()
+            .filter_map(|o| match o {
+                LogOutput::RouterView(v) => Some(v),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(views.len(), 2);
+        assert!(views.iter().all(|v| v.candidates.is_empty()));
     }
 
     /// Every decision in the captured lab logs joins; plain and coloured agree.

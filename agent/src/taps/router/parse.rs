@@ -13,6 +13,10 @@
 //!   Dynamo 1.4 and 1.5 log the same at DEBUG as it chooses: `[ROUTING] Best: worker_…
 //!   dp_rank=0 with 3/23 blocks overlap request_id=… worker_id=… dp_rank=0
 //!   overlap_blocks=3 total_blocks=23`)
+//! - Dynamo 1.4 and 1.5 at DEBUG under `dynamo_kv_router::scheduling::selector`, before
+//!   the choice, one line per worker scored: `Formula for worker_id=… dp_rank=0 with
+//!   3.00 effective cached blocks: 41.688 = … request_id="…" worker_type="decode"` (what
+//!   the router credited each candidate with; 1.6 logs none)
 //!
 //! and the migration fork (deepinfra/dynamo) adds `KVMIGRATE_SPILL: request routed off
 //! the worker holding its KV` (request_id, source, target, tokens, migratable_tokens),
@@ -63,6 +67,16 @@ pub struct SelectedWorker {
     pub selection: kvscope_wire::Selection,
 }
 
+/// One `Formula for worker_id=…` line: a worker the router scored for a request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Candidate {
+    pub request_id: String,
+    /// The pool it was scored in (`decode`, `prefill`): a disaggregated request is scored
+    /// twice under one id.
+    pub worker_type: Option<String>,
+    pub candidate: kvscope_wire::RouterCandidate,
+}
+
 /// A record of Dynamo's request trace (`DYN_REQUEST_TRACE=1`): one per request, written
 /// when the request ends, at any log level. It names the worker and the prompt's blocks
 /// as sequence hashes.
@@ -106,6 +120,8 @@ pub enum LineContent {
     Migration(MigrationLogLine),
     /// The router's view of a choice, when the request's route ended.
     RouterView(kvscope_wire::RouterView),
+    /// What the router credited one worker with as it scored the request's candidates.
+    Candidate(Candidate),
     /// Any other line naming a request and the span it was written in (a JSON line):
     /// where the request sits in the router's traces, e.g. the frontend's `request
     /// received` at INFO.
@@ -132,6 +148,7 @@ pub enum LineKind {
     Migration,
     RequestTrace,
     RouterView,
+    Candidate,
 }
 
 impl LineKind {
@@ -142,6 +159,7 @@ impl LineKind {
             LineKind::Migration => "migration",
             LineKind::RequestTrace => "request_trace",
             LineKind::RouterView => "router_view",
+            LineKind::Candidate => "router_candidate",
         }
     }
 }
@@ -167,6 +185,9 @@ const KVMIGRATE: &str = "KVMIGRATE";
 const ROUTE_COMPLETED: &str = "route request completed";
 /// Dynamo 1.4 and 1.5's DEBUG line naming the chosen worker and its overlap.
 const ROUTING_BEST: &str = "[ROUTING] Best:";
+/// Dynamo 1.4 and 1.5's DEBUG line per worker scored (the selector's, whose formula name
+/// comes first: `Formula`, or another name for another cost).
+const CANDIDATE: &str = " for worker_id=";
 
 /// The fork's migration messages, by the text after which their fields start.
 const MIGRATION_MESSAGES: &[(&str, MigrationLogKind)] = &[
@@ -405,6 +426,7 @@ enum Marker {
     SelectedPinnedWorker,
     RouteCompleted,
     RoutingBest,
+    Candidate,
     Migration(Option<MigrationLogKind>),
 }
 
@@ -414,6 +436,7 @@ impl Marker {
             Marker::RoutingInput => LineKind::RoutingInput,
             Marker::SelectedWorker | Marker::SelectedPinnedWorker => LineKind::SelectedWorker,
             Marker::RouteCompleted | Marker::RoutingBest => LineKind::RouterView,
+            Marker::Candidate => LineKind::Candidate,
             Marker::Migration(_) => LineKind::Migration,
         }
     }
@@ -442,6 +465,9 @@ fn marker(text: &str) -> Option<(Marker, Option<&str>)> {
         ))
     } else if let Some(pos) = text.find(ROUTING_BEST) {
         Some((Marker::RoutingBest, Some(&text[pos + ROUTING_BEST.len()..])))
+    } else if let Some(pos) = candidate_at(text) {
+        // From `worker_id=` on: the fields, and the `with N … cached blocks` words.
+        Some((Marker::Candidate, Some(&text[pos + 5..])))
     } else if text.contains(KVMIGRATE) {
         Some(
             MIGRATION_MESSAGES
@@ -478,6 +504,10 @@ fn content(kind: Marker, fields: Result<Fields, String>) -> Result<LineContent, 
         Marker::RoutingBest => match router_view(&fields, IdAt::First)? {
             Some(v) => LineContent::RouterView(v),
             None => return Err("no worker_id or overlap_blocks".into()),
+        },
+        Marker::Candidate => match candidate(&fields)? {
+            Some(c) => LineContent::Candidate(c),
+            None => LineContent::Other,
         },
         Marker::Migration(Some(k)) => LineContent::Migration(migration(k, fields)?),
         Marker::Migration(None) => return Err("unknown KVMIGRATE message".into()),
@@ -571,6 +601,46 @@ fn router_view(f: &Fields, id_at: IdAt) -> Result<Option<kvscope_wire::RouterVie
         },
         overlap_blocks: f.parse("overlap_blocks")?,
         phase: f.get("phase").map(str::to_string),
+        // Set by the joiner from the request's score lines.
+        candidates: Vec::new(),
+    }))
+}
+
+/// Where a selector's per-worker line names its worker (`Formula for worker_id=`): the
+/// formula's name is one word ending the text before it, and the line states the
+/// blocks it credited (`with N … blocks`). `None` for any other line.
+fn candidate_at(text: &str) -> Option<usize> {
+    let pos = text.find(CANDIDATE)?;
+    let name = text[..pos].rsplit(' ').next().unwrap_or_default();
+    (name.ends_with("ormula") && text[pos..].contains(" blocks")).then_some(pos)
+}
+
+/// A candidate's line: its worker, and the number after `with` (`with 3.00 effective
+/// cached blocks`, `with 3 cached blocks`, `with 3 device blocks`). `None` where the line
+/// names no request (releases that score in a task without the request's identity write
+/// `request_id="-"` or none): it cannot be set beside its view.
+fn candidate(f: &Fields) -> Result<Option<Candidate>, String> {
+    let Some(request_id) = f
+        .get("request_id")
+        .filter(|id| !id.is_empty() && *id != "-")
+    else {
+        return Ok(None);
+    };
+    let credited_blocks = f
+        .get("with")
+        .and_then(|n| n.trim_end_matches([',', ':']).parse::<f64>().ok())
+        .filter(|n| n.is_finite() && *n >= 0.0)
+        .ok_or("no `with N … blocks`")?;
+    Ok(Some(Candidate {
+        request_id: bounded(request_id),
+        worker_type: f.get("worker_type").map(str::to_string),
+        candidate: kvscope_wire::RouterCandidate {
+            worker: kvscope_wire::WorkerKey {
+                worker_id: f.parse("worker_id")?,
+                dp_rank: f.parse_or("dp_rank", 0)?,
+            },
+            credited_blocks,
+        },
     }))
 }
 
@@ -630,6 +700,8 @@ impl Fields {
             Marker::SelectedPinnedWorker => {
                 Self::read(&s.replace(',', " ").replace("logit: ", "logit="))
             }
+            // `… dp_rank=0 with 3.00 effective cached blocks: …`: the credit, as `with`.
+            Marker::Candidate => Self::read(&s.replacen(" with ", " with=", 1)),
             _ => Self::read(s),
         }
     }
@@ -1194,6 +1266,7 @@ mod tests {
             },
             overlap_blocks: 7,
             phase: Some("Aggregated".into()),
+            candidates: Vec::new(),
         };
         assert_eq!(
             parse_line(text).unwrap().content,
@@ -1219,6 +1292,65 @@ mod tests {
         // A view whose figures are no numbers is malformed, and said so.
         let bad = text.replace("overlap_blocks=7", "overlap_blocks=many");
         assert_eq!(parse_line(&bad).unwrap_err().kind, LineKind::RouterView);
+    }
+
+    /// Dynamo 1.4.1's selector line per worker scored, as its router wrote it: the worker,
+    /// the blocks credited, the request and the pool; the other wordings its releases
+    /// use; a line naming no request is none.
+    #[test]
+    fn score_lines_are_candidates() {
+        let line = r#"2026-12-07T09:30:16.027580Z DEBUG dynamo_kv_router::scheduling::selector: Formula for worker_id=12375151454799782876 dp_rank=0 with 20.00 effective cached blocks: 46.688 = prefill_load_scale * adjusted_prefill_blocks + decode_blocks + active_request_cost_blocks = 1.000 * 2.688 + 44.000 + 0.000 (raw_prefill_blocks: 22.688, overlap_credit_blocks: 20.000, overlap_credit_decay: 1.000) request_id="3a676b3b-2878-45a1-841d-d14239501258" worker_type="decode""#;
+        let want = |blocks: f64, pool: Option<&str>| Candidate {
+            request_id: "3a676b3b-2878-45a1-841d-d14239501258".into(),
+            worker_type: pool.map(str::to_string),
+            candidate: kvscope_wire::RouterCandidate {
+                worker: kvscope_wire::WorkerKey {
+                    worker_id: 12375151454799782876,
+                    dp_rank: 0,
+                },
+                credited_blocks: blocks,
+            },
+        };
+        assert_eq!(
+            parse_line(line).unwrap().content,
+            LineContent::Candidate(want(20.0, Some("decode")))
+        );
+        // Other releases' wordings: a whole count, device blocks with shared ones beyond,
+        // a pinned worker's formula.
+        for (text, blocks) in [
+            ("Formula for worker_id=12375151454799782876 dp_rank=0 with 3 cached blocks: 41.000 = 1.0 * 20.000 + 21.000", 3.0),
+            ("Formula for worker_id=12375151454799782876 dp_rank=0 with 4 device blocks, 2 shared blocks beyond device (reduction=0.5, multiplier=1.00): 40.000", 4.0),
+            ("Pinned formula for worker_id=12375151454799782876 dp_rank=0 with 7.50 effective cached blocks: 12.000", 7.5),
+        ] {
+            let line = format!(
+                r#"2026-12-07T09:30:16Z DEBUG dynamo_kv_router::scheduling::selector: {text} request_id="3a676b3b-2878-45a1-841d-d14239501258""#
+            );
+            assert_eq!(
+                parse_line(&line).unwrap().content,
+                LineContent::Candidate(want(blocks, None)),
+                "{text}"
+            );
+        }
+        // Scored where the request's identity is not known: nothing to set it beside.
+        let unkeyed = line.replace(
+            r#"request_id="3a676b3b-2878-45a1-841d-d14239501258""#,
+            r#"request_id="-""#,
+        );
+        assert_eq!(parse_line(&unkeyed).unwrap().content, LineContent::Other);
+        let bare = line.split(" request_id=").next().unwrap();
+        assert_eq!(parse_line(bare).unwrap().content, LineContent::Other);
+        // A credit that is no number is malformed, and said so.
+        let bad = line.replace("with 20.00", "with many");
+        assert_eq!(parse_line(&bad).unwrap_err().kind, LineKind::Candidate);
+        // Other text naming a worker is no score.
+        let other = r#"2026-12-07T09:30:16Z  INFO x: Event processor for worker_id=5 started with 3 blocks"#;
+        assert_eq!(parse_line(other).unwrap().content, LineContent::Other);
+        // JSON lines: the same score.
+        let json = r#"{"time":"2026-12-07T09:30:16.027580Z","level":"DEBUG","target":"dynamo_kv_router::scheduling::selector","message":"Formula for worker_id=12375151454799782876 dp_rank=0 with 20.00 effective cached blocks: 46.688 = 1.000 * 2.688 + 44.000","request_id":"3a676b3b-2878-45a1-841d-d14239501258","worker_type":"decode"}"#;
+        assert_eq!(
+            parse_line(json).unwrap().content,
+            LineContent::Candidate(want(20.0, Some("decode")))
+        );
     }
 
     fn sample(name: &str) -> String {
@@ -1257,8 +1389,10 @@ mod tests {
                         assert_eq!(v.phase.as_deref(), Some("Aggregated"));
                         views += 1;
                     }
-                    LineContent::Migration(_) | LineContent::RequestTrace(_) => {
-                        panic!("no migration or trace lines in this capture")
+                    LineContent::Migration(_)
+                    | LineContent::RequestTrace(_)
+                    | LineContent::Candidate(_) => {
+                        panic!("no migration, trace or score lines in this capture")
                     }
                     LineContent::Other | LineContent::RequestSpan { .. } => other += 1,
                 }

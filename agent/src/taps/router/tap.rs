@@ -5,7 +5,7 @@ use crate::counters::AgentStats;
 use crate::internal_events::{
     DecisionClockBehind, DecisionJoined, DecisionTraced, DecisionUnjoined, InternalEvent,
     LogLineFuture, LogLineMalformed, LogLineRead, LogLineTooLong, MigrationLineParsed,
-    RequestIdShortened, RoutingInputMissing,
+    RequestIdShortened, RouterCandidatesUnjoined, RoutingInputMissing,
 };
 use crate::sink::{RecordSink, SourceId};
 use crate::taps::router::cri::{CriJoiner, CriOutput};
@@ -118,6 +118,9 @@ impl RouterTap {
                 }
                 .emit(stats),
                 LogOutput::RoutingInputMissing => RoutingInputMissing.emit(stats),
+                LogOutput::CandidatesUnjoined(lines) => {
+                    RouterCandidatesUnjoined { lines }.emit(stats)
+                }
             }
         }
         records
