@@ -243,6 +243,20 @@ async fn million_token_prefills_are_judged_exactly_and_hold_nothing_back() {
         sent.len(),
         "every request is a joined decision"
     );
+    // Completions requests: the router's routing lines name no model (they are logged
+    // outside the request's span); the agent takes it from each request's arrival line.
+    let models: Vec<Option<String>> = rec
+        .envelopes
+        .iter()
+        .filter_map(|e| match &e.record {
+            Record::Decision(d) => Some(d.model.clone()),
+            _ => None,
+        })
+        .collect();
+    assert!(
+        models.len() == sent.len() && models.iter().all(|m| m.as_deref() == Some("kvscope-tiny")),
+        "every completions decision names its model: {models:?}"
+    );
     let isl: Vec<u64> = verdicts.iter().map(|v| v.isl_tokens).collect();
     assert_eq!(isl, sent, "decisions in the order the requests were sent");
     oracle::assert_overlaps_equal(&verdicts, &rec.envelopes);

@@ -439,6 +439,8 @@ pub struct RouterLogProcessor {
     /// DEBUG, and when the route ends), the same figure.
     viewed: RecentIds,
     spans: RecentByRequest<TraceContext>,
+    /// The model each recent request asked for, from its arrival line.
+    models: RecentByRequest<String>,
     scored: Scored,
     /// The worker each recent `Selected worker` line named: the worker of a request-trace
     /// record that names none (Dynamo before 1.5 writes none).
@@ -471,6 +473,7 @@ impl RouterLogProcessor {
             routed: RecentIds::default(),
             viewed: RecentIds::default(),
             spans: RecentByRequest::default(),
+            models: RecentByRequest::default(),
             scored: Scored::default(),
             chosen: RecentByRequest::default(),
             routing_inputs: 0,
@@ -560,7 +563,14 @@ impl RouterLogProcessor {
             self.chosen.note(&sel.request_id, key);
         }
         let joined = match parsed.content {
-            LineContent::RoutingInput(i) if routing_lines => self.joiner.input(now, i),
+            LineContent::RoutingInput(mut i) if routing_lines => {
+                // A routing line outside the request's span (a completions request's)
+                // names no model: the request's arrival line did.
+                if i.model.is_none() {
+                    i.model = self.models.get(&i.request_id);
+                }
+                self.joiner.input(now, i)
+            }
             LineContent::SelectedWorker(s) if routing_lines => self.joiner.selected(now, s),
             LineContent::RoutingInput(_) | LineContent::SelectedWorker(_) => {
                 self.joiner.advance(now)
@@ -589,7 +599,7 @@ impl RouterLogProcessor {
                         LogOutput::TracedDecision {
                             at_ns: t.received_ns,
                             decision: RoutingDecision {
-                                model: None,
+                                model: self.models.get(&t.request_id),
                                 trace: self.spans.get(&t.request_id),
                                 request_id: t.request_id,
                                 worker,
@@ -637,8 +647,17 @@ impl RouterLogProcessor {
                 }
                 return out;
             }
-            LineContent::RequestSpan { request_id, trace } => {
-                self.spans.note(&request_id, trace);
+            LineContent::RequestSpan {
+                request_id,
+                trace,
+                model,
+            } => {
+                if let Some(trace) = trace {
+                    self.spans.note(&request_id, trace);
+                }
+                if let Some(model) = model {
+                    self.models.note(&request_id, model);
+                }
                 self.joiner.advance(now)
             }
             LineContent::Other => self.joiner.advance(now),
@@ -1090,6 +1109,32 @@ mod tests {
             .collect();
         assert_eq!(views.len(), 2);
         assert!(views.iter().all(|v| v.candidates.is_empty()));
+    }
+
+    /// A `/v1/completions` request (Dynamo 1.6.1, as its router logged it): its routing
+    /// line names no model, its arrival line does, and the decision carries it.
+    #[test]
+    fn a_completions_decision_takes_its_model_from_the_arrival_line() {
+        let lines = [
+            r#"2026-12-07T09:48:34.271917Z  INFO http-request:completions:completions_single: dynamo_llm::http::service::metrics: request received request_id=dd6412b8-5b30-4945-a896-7e695701456e model=kvscope-tiny endpoint=completions request_type=unary method=POST uri=/v1/completions version=HTTP/1.1 x_request_id="kvs1-f0-s0-t0" request_id=c09fc6d0-7057-40bc-92d9-47ceb5d07453"#,
+            r#"2026-12-07T09:48:34.272696Z DEBUG http-request:completions:completions_single:kv_router.select_worker: dynamo_kv_router::services::selection::core::run: [ROUTING_INPUT] request local hashes request_id="dd6412b8-5b30-4945-a896-7e695701456e" isl_tokens=363 block_size=16 num_blocks=22 local_hashes=[10727121658098691967, 10060893319996048412, 1315618679366844118, 6059141941202179221, 6640369694136407544, 16775136687545088301, 16691156668715235362, 6061652779405888081, 16835456371756827759, 439184397688277037, 6323260952704293153, 8004874949799055233, 7948110736437753711, 13787794629018888402, 5815191518440233677, 14273424717306483592, 7369272689864542765, 12840954977886852384, 10561530869724339103, 16451162339363919287, 7271169924214517285, 16447221900264701573] method=POST uri=/v1/completions version=HTTP/1.1 x_request_id="kvs1-f0-s0-t0" request_id=c09fc6d0-7057-40bc-92d9-47ceb5d07453"#,
+            r#"2026-12-07T09:48:34.272811Z  INFO dynamo_kv_router::scheduling::selector: Selected worker router_mode="kv" request_id="dd6412b8-5b30-4945-a896-7e695701456e" worker_id=17597927887417138432 worker_type=decode dp_rank=0 logit=44.6875 host_pinned_blocks=0 disk_blocks=0"#,
+        ];
+        assert!(!lines[1].contains(" model="));
+        let decide = |lines: &[&str]| {
+            let mut p = RouterLogProcessor::new(30 * SEC, 100);
+            lines
+                .iter()
+                .flat_map(|l| p.line(l, 0))
+                .find_map(|o| match o {
+                    LogOutput::Decision(d) => Some(d),
+                    _ => None,
+                })
+                .unwrap()
+        };
+        assert_eq!(decide(&lines).model.as_deref(), Some("kvscope-tiny"));
+        // Without the arrival line: none, not a guess.
+        assert_eq!(decide(&lines[1..]).model, None);
     }
 
     /// Every decision in the captured lab logs joins; plain and coloured agree.

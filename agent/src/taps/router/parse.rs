@@ -124,10 +124,13 @@ pub enum LineContent {
     Candidate(Candidate),
     /// Any other line naming a request and the span it was written in (a JSON line):
     /// where the request sits in the router's traces, e.g. the frontend's `request
-    /// received` at INFO.
+    /// received` at INFO; or that line naming the model the request asked for (every
+    /// release logs it before the request's routing lines, also for `/v1/completions`,
+    /// whose routing lines name no model).
     RequestSpan {
         request_id: String,
-        trace: TraceContext,
+        trace: Option<TraceContext>,
+        model: Option<String>,
     },
     /// Any other line: counted, not parsed.
     Other,
@@ -174,6 +177,9 @@ pub struct MalformedLine {
 }
 
 const ROUTING_INPUT: &str = "[ROUTING_INPUT]";
+/// The frontend's INFO line as a request arrives (`dynamo_llm::http::service::metrics`),
+/// naming it by the id its routing lines carry, and its model.
+const REQUEST_RECEIVED: &str = "request received";
 const SELECTED_WORKER: &str = "Selected worker";
 /// A request pinned to a worker (session affinity, or a worker named in the request):
 /// `Selected pinned worker: worker_type=decode, worker_id=… dp_rank=0, logit: …`, its
@@ -229,7 +235,7 @@ pub fn parse_line(raw: &str) -> Result<ParsedLine, MalformedLine> {
     let Some((kind, rest)) = marker(line) else {
         return Ok(ParsedLine {
             ts_ns,
-            content: LineContent::Other,
+            content: request_received(line).unwrap_or(LineContent::Other),
         });
     };
     let fields = match rest {
@@ -278,19 +284,24 @@ pub(crate) fn parse_json_line(line: &str) -> Option<Result<ParsedLine, Malformed
         .unwrap_or_default();
     let text = |k: &str| obj.get(k).and_then(|v| v.as_str());
     let Some((kind, in_message)) = marker(message) else {
-        let span = text("request_id").zip(
-            text("trace_id")
-                .zip(text("span_id"))
-                .and_then(|(t, s)| TraceContext::parse(t, s)),
-        );
+        let trace = text("trace_id")
+            .zip(text("span_id"))
+            .and_then(|(t, s)| TraceContext::parse(t, s));
+        let model = (message == REQUEST_RECEIVED)
+            .then(|| text("model"))
+            .flatten()
+            .and_then(model_name);
         return Some(Ok(ParsedLine {
             ts_ns,
-            content: match span {
-                Some((request_id, trace)) => LineContent::RequestSpan {
-                    request_id: bounded(request_id),
-                    trace,
-                },
-                None => LineContent::Other,
+            content: match text("request_id") {
+                Some(request_id) if trace.is_some() || model.is_some() => {
+                    LineContent::RequestSpan {
+                        request_id: bounded(request_id),
+                        trace,
+                        model,
+                    }
+                }
+                _ => LineContent::Other,
             },
         }));
     };
@@ -514,6 +525,24 @@ fn content(kind: Marker, fields: Result<Fields, String>) -> Result<LineContent, 
     })
 }
 
+/// The frontend's INFO `request received request_id=… model=…` (a text line): the
+/// request's model. `None` for any other line, or one naming no request or model.
+fn request_received(line: &str) -> Option<LineContent> {
+    let at = line.find(REQUEST_RECEIVED)?;
+    let f = Fields::read(&line[at + REQUEST_RECEIVED.len()..]).ok()?;
+    Some(LineContent::RequestSpan {
+        request_id: bounded(f.get("request_id")?),
+        trace: None,
+        model: Some(model_name(f.get("model")?)?),
+    })
+}
+
+/// A model field's value as kvscope keys figures by it: none when empty or longer than
+/// [`MAX_MODEL_NAME`].
+fn model_name(m: &str) -> Option<String> {
+    (!m.is_empty() && m.len() <= MAX_MODEL_NAME).then(|| m.to_string())
+}
+
 fn routing_input(f: &Fields) -> Result<RoutingInput, String> {
     let local_hashes = parse_u64_list(f.require("local_hashes")?)?;
     if let Some(n) = f.get("num_blocks") {
@@ -531,10 +560,7 @@ fn routing_input(f: &Fields) -> Result<RoutingInput, String> {
         block_size: f.parse("block_size")?,
         local_hashes,
         trace: f.trace(),
-        model: f
-            .get("model")
-            .filter(|m| !m.is_empty() && m.len() <= MAX_MODEL_NAME)
-            .map(str::to_string),
+        model: f.get("model").and_then(model_name),
     };
     kvscope_wire::check_prompt_blocks(input.isl_tokens, input.block_size, input.local_hashes.len())
         .map_err(|e| e.to_string())?;
@@ -1221,8 +1247,11 @@ mod tests {
             parse_line(received).unwrap().content,
             LineContent::RequestSpan {
                 request_id: "r-1".into(),
-                trace: TraceContext::parse("e3dc865584cf0a24f81738cf84ceb1c7", "4dbab56494688f08")
-                    .unwrap(),
+                trace: Some(
+                    TraceContext::parse("e3dc865584cf0a24f81738cf84ceb1c7", "4dbab56494688f08")
+                        .unwrap()
+                ),
+                model: None,
             }
         );
         for (t, s) in [
