@@ -641,6 +641,12 @@ impl RouterLogProcessor {
             }
             LineContent::Candidate(c) => {
                 let mut out = self.advanced(now);
+                // A request whose view was sent already: the other leg of a disaggregated
+                // request (scored in the other pool after the first leg's view), whose
+                // view is not sent either.
+                if self.viewed.contains(&c.request_id) {
+                    return out;
+                }
                 let given_up = self.scored.note(c);
                 if given_up > 0 {
                     out.push(LogOutput::CandidatesUnjoined(given_up));
@@ -1082,12 +1088,18 @@ mod tests {
         };
         let mut p = RouterLogProcessor::new(30 * SEC, 100);
         let mut out = Vec::new();
+        // a: scored, its view names another worker; b: a view alone; c: scores alone;
+        // d: a first leg's scores and view, then its second leg's (not sent, not counted).
         for l in [
             score("a", 1),
             score("a", 2),
             best("a", 3),
             best("b", 1),
             score("c", 1),
+            score("d", 1),
+            best("d", 1),
+            score("d", 2),
+            best("d", 2),
         ] {
             out.extend(p.line(&l, 0));
         }
@@ -1107,8 +1119,9 @@ mod tests {
                 _ => None,
             })
             .collect();
-        assert_eq!(views.len(), 2);
-        assert!(views.iter().all(|v| v.candidates.is_empty()));
+        assert_eq!(views.len(), 3);
+        assert!(views[..2].iter().all(|v| v.candidates.is_empty()));
+        assert_eq!(views[2].candidates.len(), 1);
     }
 
     /// A `/v1/completions` request (Dynamo 1.6.1, as its router logged it): its routing
