@@ -1072,6 +1072,36 @@ mod tests {
             .any(|v| v.candidates.iter().any(|c| c.credited_blocks > 0.0)));
     }
 
+    /// A disaggregated request on Dynamo 1.4.1 (one prefill worker, two decode workers):
+    /// scored, chosen and viewed in the prefill pool, then again in the decode pool under
+    /// the same id. The view sent is the first leg's, with the prefill pool's scores; the
+    /// second leg's lines are neither sent nor counted as unjoined.
+    #[test]
+    fn a_disaggregated_requests_view_carries_its_first_legs_scores() {
+        let text = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../lab/fixtures/samples/router_log_1_4_1_disagg_scores.log"
+        ))
+        .unwrap();
+        let mut p = RouterLogProcessor::new(30 * SEC, 10_000);
+        let mut views = Vec::new();
+        for line in text.lines() {
+            for o in p.line(line, 0) {
+                match o {
+                    LogOutput::RouterView(v) => views.push(v),
+                    LogOutput::Decision(_) | LogOutput::Unjoined { .. } => {}
+                    other => panic!("{other:?}"),
+                }
+            }
+        }
+        assert_eq!(p.finish(), Vec::new());
+        assert_eq!(views.len(), 4, "one view per request");
+        for v in &views {
+            assert_eq!(v.candidates.len(), 1, "{v:?}");
+            assert_eq!(v.candidates[0].worker, v.worker);
+        }
+    }
+
     /// Score lines whose view never comes, or names a worker they did not score, are
     /// given up and counted; a view without score lines has no candidates.
     #[test]
