@@ -337,11 +337,14 @@ impl<V: Clone> RecentByRequest<V> {
 }
 
 /// The workers the router scored per recent request (its `Formula for worker_id=…`
-/// lines, which come before the choice), until the request's view takes them.
+/// lines, which come before the choice), until the request's view takes them: per
+/// request, each line's pool and score.
 #[derive(Debug, Default)]
 struct Scored {
-    map: HashMap<String, Vec<Candidate>>,
+    map: HashMap<String, Vec<(Option<String>, RouterCandidate)>>,
     order: VecDeque<String>,
+    /// Score lines held, over every request.
+    lines: usize,
 }
 
 impl Scored {
@@ -349,45 +352,62 @@ impl Scored {
     /// right after the choice (Dynamo 1.4 and 1.5's `[ROUTING] Best`), so only the
     /// requests being routed wait; the oldest are given up beyond it.
     const CAP: usize = 4_096;
-    /// Scores kept per request (a worker per data-parallel rank): more are given up.
-    const PER_REQUEST: usize = 4_096;
+    /// Score lines held at once (a line per worker scored: a few MiB): the oldest
+    /// requests' are given up beyond it, and a request's lines past it.
+    const CAP_LINES: usize = 65_536;
 
     /// Keep `c`; how many score lines were given up to make room.
     fn note(&mut self, c: Candidate) -> u64 {
+        if self
+            .map
+            .get(&c.request_id)
+            .is_some_and(|l| l.len() >= Self::CAP_LINES)
+        {
+            return 1;
+        }
         let mut given_up = 0;
-        match self.map.get_mut(&c.request_id) {
-            Some(list) if list.len() >= Self::PER_REQUEST => return 1,
-            Some(list) => list.push(c),
-            None => {
-                self.order.push_back(c.request_id.clone());
-                self.map.insert(c.request_id.clone(), vec![c]);
-                while self.order.len() > Self::CAP {
-                    if let Some(old) = self.order.pop_front() {
-                        given_up += self.map.remove(&old).map_or(0, |l| l.len() as u64);
-                    }
-                }
-            }
+        if !self.map.contains_key(&c.request_id) {
+            self.order.push_back(c.request_id.clone());
+        }
+        self.map
+            .entry(c.request_id)
+            .or_default()
+            .push((c.worker_type, c.candidate));
+        self.lines += 1;
+        while self.order.len() > Self::CAP || self.lines > Self::CAP_LINES {
+            let Some(old) = self.order.pop_front() else {
+                break;
+            };
+            let n = self.map.remove(&old).map_or(0, |l| l.len());
+            self.lines -= n;
+            given_up += n as u64;
         }
         given_up
     }
 
     /// The workers scored in the pool of the view's worker (a disaggregated request is
-    /// scored in each pool under one id), the first score of each. `None` when the view's
-    /// worker was not among them.
-    fn take(&mut self, view: &kvscope_wire::RouterView) -> Option<Vec<RouterCandidate>> {
-        let list = self.map.remove(&view.request_id)?;
-        let pool = list
+    /// scored in each pool under one id), the first score of each; and how many lines
+    /// the request had. `None` when the view's worker was not among them.
+    fn take(&mut self, view: &kvscope_wire::RouterView) -> (Option<Vec<RouterCandidate>>, u64) {
+        let Some(list) = self.map.remove(&view.request_id) else {
+            return (None, 0);
+        };
+        self.lines -= list.len();
+        let n = list.len() as u64;
+        let Some(pool) = list
             .iter()
-            .find(|c| c.candidate.worker == view.worker)?
-            .worker_type
-            .clone();
+            .find(|(_, c)| c.worker == view.worker)
+            .map(|(pool, _)| pool.clone())
+        else {
+            return (None, n);
+        };
         let mut out: Vec<RouterCandidate> = Vec::new();
-        for c in list.into_iter().filter(|c| c.worker_type == pool) {
-            if !out.iter().any(|o| o.worker == c.candidate.worker) {
-                out.push(c.candidate);
+        for (_, c) in list.into_iter().filter(|(p, _)| *p == pool) {
+            if !out.iter().any(|o| o.worker == c.worker) {
+                out.push(c);
             }
         }
-        Some(out)
+        (Some(out), n)
     }
 }
 
@@ -629,11 +649,10 @@ impl RouterLogProcessor {
             LineContent::RouterView(mut v) => {
                 let mut out = self.advanced(now);
                 if self.viewed.insert(&v.request_id) {
-                    let n = self.scored.map.get(&v.request_id).map_or(0, Vec::len) as u64;
                     match self.scored.take(&v) {
-                        Some(c) => v.candidates = c,
-                        None if n > 0 => out.push(LogOutput::CandidatesUnjoined(n)),
-                        None => {}
+                        (Some(c), _) => v.candidates = c,
+                        (None, 0) => {}
+                        (None, n) => out.push(LogOutput::CandidatesUnjoined(n)),
                     }
                     out.push(LogOutput::RouterView(v));
                 }
@@ -688,8 +707,7 @@ impl RouterLogProcessor {
             .into_iter()
             .map(|j| self.output(j))
             .collect();
-        let scores: u64 = self.scored.map.drain().map(|(_, l)| l.len() as u64).sum();
-        self.scored.order.clear();
+        let scores = std::mem::take(&mut self.scored).lines as u64;
         if scores > 0 {
             out.push(LogOutput::CandidatesUnjoined(scores));
         }
@@ -1100,6 +1118,38 @@ mod tests {
             assert_eq!(v.candidates.len(), 1, "{v:?}");
             assert_eq!(v.candidates[0].worker, v.worker);
         }
+    }
+
+    /// Score lines held stay within their bounds, however many come without views:
+    /// every line is either held or counted given up.
+    #[test]
+    fn score_lines_held_are_bounded() {
+        let mut s = Scored::default();
+        let line = |id: u64, w: u64| Candidate {
+            request_id: format!("r-{id}"),
+            worker_type: None,
+            candidate: RouterCandidate {
+                worker: WorkerKey {
+                    worker_id: w,
+                    dp_rank: 0,
+                },
+                credited_blocks: 1.0,
+            },
+        };
+        let mut given_up = 0;
+        // 300 workers scored per request, 1,000 requests: past the line bound.
+        for id in 0..1_000 {
+            for w in 0..300 {
+                given_up += s.note(line(id, w));
+            }
+        }
+        assert!(s.lines <= Scored::CAP_LINES, "{}", s.lines);
+        assert_eq!(s.lines, s.map.values().map(Vec::len).sum::<usize>());
+        assert_eq!(given_up + s.lines as u64, 300_000);
+        // One request scoring more workers than the bound holds keeps the bound.
+        let mut s = Scored::default();
+        let given_up: u64 = (0..70_000).map(|w| s.note(line(0, w))).sum();
+        assert_eq!((s.lines, given_up), (Scored::CAP_LINES, 70_000 - 65_536));
     }
 
     /// Score lines whose view never comes, or names a worker they did not score, are
