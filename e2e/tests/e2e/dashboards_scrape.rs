@@ -10,8 +10,9 @@
 //! template variables at "All" and Grafana's macros set to the run's span. No panel is
 //! skipped: a panel without a query, a target without data, or a panel whose data is
 //! all NaN fails the test naming the dashboard, panel and expression. Each template
-//! variable's `label_values()` query must have values too, and every `/metrics` must
-//! pass `promtool check metrics`.
+//! variable's `label_values()` query must have values too, and every `/metrics` of
+//! kvscope's must pass `promtool check metrics`. Prometheus scrapes Dynamo's frontend
+//! too, whose own figures a panel sets beside kvscope's.
 //!
 //! Needs root for the probes (CI runs as root) and Debian's prometheus (scripts/setup).
 
@@ -175,6 +176,15 @@ async fn every_dashboard_panel_has_data_from_a_real_prometheus() {
                 job: "kvscope-actuator".into(),
                 targets: vec![actuator_addr.clone()],
             },
+            // The router's own figures, which a panel sets beside kvscope's.
+            ScrapeJob {
+                job: "dynamo-frontend".into(),
+                targets: vec![run
+                    .lab()
+                    .frontend_url()
+                    .trim_start_matches("http://")
+                    .to_string()],
+            },
         ],
         2,
     )
@@ -238,7 +248,7 @@ async fn every_dashboard_panel_has_data_from_a_real_prometheus() {
             // scrape can time out, which is not what this test is about.
             (
                 "every target scraped",
-                "min(max_over_time(up[20s])) == 1 and count(up) == 3",
+                "min(max_over_time(up[20s])) == 1 and count(up) == 4",
             ),
             ("a measured window", "kvscope_windows_measured > 0"),
             ("spills", "kvscope_spill_true_delta_tokens_count > 0"),
@@ -425,6 +435,20 @@ async fn every_dashboard_panel_has_data_from_a_real_prometheus() {
         .collect();
     eprintln!(
         "slowest scrape per job: {scrape_times:?}; failed scrapes per job: {scrape_failures:?}"
+    );
+    // The router's own count of what it passed over and kvscope's true delta, for whoever
+    // reads the log (the panel sets them side by side).
+    let mut passed_over = Vec::new();
+    for expr in [
+        "sum(dynamo_component_router_kv_best_eligible_cached_prefix_tokens_total) - sum(dynamo_component_router_kv_selected_cached_prefix_tokens_total)",
+        "sum(kvscope_spill_true_delta_tokens_sum)",
+    ] {
+        let v = prom.query(expr).await.unwrap_or_default();
+        passed_over.push(v.first().map(|r| r["value"][1].to_string()));
+    }
+    eprintln!(
+        "tokens passed over: the router's count {:?}, kvscope's true delta {:?}",
+        passed_over[0], passed_over[1]
     );
     procs.stop(Duration::from_secs(5));
     drop(prom);
