@@ -783,15 +783,17 @@ impl FleetAnalyzer {
         // The first block the router got wrong: the one past the shorter of the two.
         let first_wrong = r.chain.get(believed.min(held) as usize).copied();
         let (worker, decided_ns, best) = (r.worker, r.decided_ns, r.recorded_best);
-        // What the router credited the worker it passed over with, where it logged it:
-        // whole blocks (a lower tier's weighted share may add a fraction, never a block
-        // of the device prefix), and the first block of the best's it did not credit.
+        // What the router credited the worker it passed over with, where it logged it, and
+        // the whole blocks of it (a lower tier's weighted share may add a fraction, never
+        // a block of the device prefix): the chain's block past them is the first of the
+        // best's it did not credit.
         let best_credit = view
             .candidates
             .iter()
             .find(|c| c.worker == best)
-            .map(|c| (c.credited_blocks, c.credited_blocks.floor() as u32))
-            .map(|(credit, whole)| (credit, whole, r.chain.get(whole as usize).copied()));
+            .map(|c| (c.credited_blocks, c.credited_blocks.floor() as u32));
+        let first_uncredited =
+            best_credit.and_then(|(_, whole)| r.chain.get(whole as usize).copied());
         let recent = &self.recent_changes;
         let why = |under: bool| match first_wrong {
             Some(b) if under => recent.why_under(worker, b, decided_ns),
@@ -827,7 +829,7 @@ impl FleetAnalyzer {
             a.spills += 1;
             // By its own view the router chose no worse than the best worker.
             a.spills_unseen += u64::from(believed >= best_held);
-            if let Some((credit, whole, first_uncredited)) = best_credit {
+            if let Some((credit, whole)) = best_credit {
                 a.spills_best_scored += 1;
                 if credit < f64::from(best_held) {
                     a.spills_best_stale += 1;

@@ -358,22 +358,18 @@ impl Scored {
 
     /// Keep `c`; how many score lines were given up to make room.
     fn note(&mut self, c: Candidate) -> u64 {
-        if self
-            .map
-            .get(&c.request_id)
-            .is_some_and(|l| l.len() >= Self::CAP_LINES)
-        {
-            return 1;
-        }
-        let mut given_up = 0;
-        if !self.map.contains_key(&c.request_id) {
-            self.order.push_back(c.request_id.clone());
-        }
-        self.map
-            .entry(c.request_id)
-            .or_default()
-            .push((c.worker_type, c.candidate));
+        use std::collections::hash_map::Entry;
+        let list = match self.map.entry(c.request_id) {
+            Entry::Occupied(e) if e.get().len() >= Self::CAP_LINES => return 1,
+            Entry::Occupied(e) => e.into_mut(),
+            Entry::Vacant(e) => {
+                self.order.push_back(e.key().clone());
+                e.insert(Vec::new())
+            }
+        };
+        list.push((c.worker_type, c.candidate));
         self.lines += 1;
+        let mut given_up = 0;
         while self.order.len() > Self::CAP || self.lines > Self::CAP_LINES {
             let Some(old) = self.order.pop_front() else {
                 break;
@@ -401,12 +397,12 @@ impl Scored {
         else {
             return (None, n);
         };
-        let mut out: Vec<RouterCandidate> = Vec::new();
-        for (_, c) in list.into_iter().filter(|(p, _)| *p == pool) {
-            if !out.iter().any(|o| o.worker == c.worker) {
-                out.push(c);
-            }
-        }
+        let mut seen = std::collections::HashSet::new();
+        let out = list
+            .into_iter()
+            .filter(|(p, c)| *p == pool && seen.insert(c.worker))
+            .map(|(_, c)| c)
+            .collect();
         (Some(out), n)
     }
 }

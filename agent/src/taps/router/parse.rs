@@ -235,7 +235,7 @@ pub fn parse_line(raw: &str) -> Result<ParsedLine, MalformedLine> {
     let Some((kind, rest)) = marker(line) else {
         return Ok(ParsedLine {
             ts_ns,
-            content: request_received(line).unwrap_or(LineContent::Other),
+            content: LineContent::Other,
         });
     };
     let fields = match rest {
@@ -287,21 +287,15 @@ pub(crate) fn parse_json_line(line: &str) -> Option<Result<ParsedLine, Malformed
         let trace = text("trace_id")
             .zip(text("span_id"))
             .and_then(|(t, s)| TraceContext::parse(t, s));
-        let model = (message == REQUEST_RECEIVED)
-            .then(|| text("model"))
-            .flatten()
-            .and_then(model_name);
         return Some(Ok(ParsedLine {
             ts_ns,
-            content: match text("request_id") {
-                Some(request_id) if trace.is_some() || model.is_some() => {
-                    LineContent::RequestSpan {
-                        request_id: bounded(request_id),
-                        trace,
-                        model,
-                    }
-                }
-                _ => LineContent::Other,
+            content: match text("request_id").zip(trace) {
+                Some((request_id, trace)) => LineContent::RequestSpan {
+                    request_id: bounded(request_id),
+                    trace: Some(trace),
+                    model: None,
+                },
+                None => LineContent::Other,
             },
         }));
     };
@@ -438,6 +432,7 @@ enum Marker {
     RouteCompleted,
     RoutingBest,
     Candidate,
+    RequestReceived,
     Migration(Option<MigrationLogKind>),
 }
 
@@ -448,6 +443,8 @@ impl Marker {
             Marker::SelectedWorker | Marker::SelectedPinnedWorker => LineKind::SelectedWorker,
             Marker::RouteCompleted | Marker::RoutingBest => LineKind::RouterView,
             Marker::Candidate => LineKind::Candidate,
+            // Unused: an arrival line is never malformed (see [`content`]).
+            Marker::RequestReceived => LineKind::RouterView,
             Marker::Migration(_) => LineKind::Migration,
         }
     }
@@ -478,7 +475,12 @@ fn marker(text: &str) -> Option<(Marker, Option<&str>)> {
         Some((Marker::RoutingBest, Some(&text[pos + ROUTING_BEST.len()..])))
     } else if let Some(pos) = candidate_at(text) {
         // From `worker_id=` on: the fields, and the `with N … cached blocks` words.
-        Some((Marker::Candidate, Some(&text[pos + 5..])))
+        Some((Marker::Candidate, Some(&text[pos + " for ".len()..])))
+    } else if let Some(pos) = text.find(REQUEST_RECEIVED) {
+        Some((
+            Marker::RequestReceived,
+            Some(&text[pos + REQUEST_RECEIVED.len()..]),
+        ))
     } else if text.contains(KVMIGRATE) {
         Some(
             MIGRATION_MESSAGES
@@ -495,7 +497,11 @@ fn marker(text: &str) -> Option<(Marker, Option<&str>)> {
 }
 
 fn content(kind: Marker, fields: Result<Fields, String>) -> Result<LineContent, String> {
-    let fields = fields?;
+    let fields = match (kind, fields) {
+        // Not a line decisions are made of: one kvscope cannot read is just a line.
+        (Marker::RequestReceived, Err(_)) => return Ok(LineContent::Other),
+        (_, fields) => fields?,
+    };
     Ok(match kind {
         Marker::RoutingInput => LineContent::RoutingInput(routing_input(&fields)?),
         Marker::SelectedWorker => match selected_worker(&fields, false)? {
@@ -516,6 +522,7 @@ fn content(kind: Marker, fields: Result<Fields, String>) -> Result<LineContent, 
             Some(v) => LineContent::RouterView(v),
             None => return Err("no worker_id or overlap_blocks".into()),
         },
+        Marker::RequestReceived => request_received(&fields),
         Marker::Candidate => match candidate(&fields)? {
             Some(c) => LineContent::Candidate(c),
             None => LineContent::Other,
@@ -525,16 +532,19 @@ fn content(kind: Marker, fields: Result<Fields, String>) -> Result<LineContent, 
     })
 }
 
-/// The frontend's INFO `request received request_id=… model=…` (a text line): the
-/// request's model. `None` for any other line, or one naming no request or model.
-fn request_received(line: &str) -> Option<LineContent> {
-    let at = line.find(REQUEST_RECEIVED)?;
-    let f = Fields::read(&line[at + REQUEST_RECEIVED.len()..]).ok()?;
-    Some(LineContent::RequestSpan {
-        request_id: bounded(f.get("request_id")?),
-        trace: None,
-        model: Some(model_name(f.get("model")?)?),
-    })
+/// The frontend's INFO `request received request_id=… model=…`: the request's model,
+/// and in a JSON line the span it was written in. Any other line for one naming no
+/// request, or neither.
+fn request_received(f: &Fields) -> LineContent {
+    let (trace, model) = (f.trace(), f.get("model").and_then(model_name));
+    match f.get("request_id") {
+        Some(id) if trace.is_some() || model.is_some() => LineContent::RequestSpan {
+            request_id: bounded(id),
+            trace,
+            model,
+        },
+        _ => LineContent::Other,
+    }
 }
 
 /// A model field's value as kvscope keys figures by it: none when empty or longer than
