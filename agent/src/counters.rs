@@ -74,7 +74,7 @@ agent_stats!(
     decisions_joined: "Routing decisions joined (routing input with its selected worker).",
     decisions_unjoined: "Routing inputs or selections never joined within the join timeout.",
     decisions_traced: "Routing decisions read from Dynamo's request trace (DYN_REQUEST_TRACE).",
-    router_candidates_unjoined: "The router's per-worker score lines (Dynamo 1.4/1.5's DEBUG `Formula for worker_id=…`) set beside no view of their request: its view never came while they were remembered (the `[ROUTING] Best` line's target not at DEBUG), or named a worker they did not score.",
+    router_candidates_unjoined: "What the router credited workers it scored (Dynamo 1.4/1.5's DEBUG `Formula for worker_id=…`, a line per worker; 1.6's disaggregated `Router selected a worker with lower KV cache overlap`, two workers a line) set beside no view of their request: its view never came while they were remembered (the `[ROUTING] Best` line's target not at DEBUG on 1.4), came before them, or named a worker they did not score.",
     migration_lines: "KVMIGRATE log lines read.",
     published: "Records published to NATS.",
     messages_published: "NATS messages those records went in (records released together share one).",

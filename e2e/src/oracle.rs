@@ -104,7 +104,7 @@ pub struct TieredMatch {
 }
 
 /// Replay `records` in order, asking `query` for each decision's chain (its local
-/// hashes), the answer kept for the workers of the decision's model.
+/// hashes), the answer kept for the workers of the decision's model and pool.
 fn replay_decisions<T>(
     records: &[Envelope],
     query: impl Fn(&DynamoOracle, &[u64]) -> BTreeMap<WorkerKey, T>,
@@ -112,14 +112,19 @@ fn replay_decisions<T>(
     let mut oracle = DynamoOracle::new();
     let mut out = Vec::new();
     let mut removed = std::collections::HashSet::new();
-    // Dynamo's router keeps one index per model: a request is matched only against the
-    // workers of its model (the chosen worker's).
-    let mut models: HashMap<u64, String> = HashMap::new();
+    // Dynamo's router keeps one index per model, and a disaggregated fleet's prefill
+    // router its own of the prefill workers: a request is matched only against the
+    // workers of its model and pool (the chosen worker's).
+    let mut models: HashMap<u64, (String, bool)> = HashMap::new();
     for env in records {
         match &env.record {
             Record::Worker(w) if w.state == kvscope_wire::WorkerState::Up => {
                 if let Some(m) = &w.model {
-                    models.insert(w.worker_id, m.clone());
+                    let prefill = w
+                        .worker_type
+                        .as_deref()
+                        .is_some_and(|t| t.eq_ignore_ascii_case("prefill"));
+                    models.insert(w.worker_id, (m.clone(), prefill));
                 }
             }
             // The router stops listening to a worker that left discovery.

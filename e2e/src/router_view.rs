@@ -37,8 +37,12 @@ pub fn count(
         .map(|v| (v.request_id.as_str(), v.best))
         .collect();
     let scores = scores(log);
-    let truth: HashMap<&str, &BTreeMap<WorkerKey, u32>> =
-        truth.iter().map(|(id, o)| (id.as_str(), o)).collect();
+    // A disaggregated request's first decision (its prefill worker's) is the judged one.
+    let mut first = HashMap::new();
+    for (id, o) in &truth {
+        first.entry(id.as_str()).or_insert(o);
+    }
+    let truth: HashMap<&str, &BTreeMap<WorkerKey, u32>> = first;
     let mut n = RouterViewAudit::default();
     let (mut lines, mut seen) = (0, HashSet::new());
     for raw in log.lines() {
@@ -130,11 +134,47 @@ pub fn count(
     (n, lines)
 }
 
-/// The router's score lines: per (request, worker), the first credit it logged.
+/// The router's score lines: per (request, worker), the first credit it logged. Also
+/// Dynamo 1.6's disaggregated prefill router's line for a choice made past the worker it
+/// believed best: both workers' credits.
 fn scores(log: &str) -> HashMap<(String, WorkerKey), f64> {
     let mut out = HashMap::new();
     for raw in log.lines() {
         let line = kvscope_lab::router_log::strip_ansi(raw);
+        if let Some(at) = line.find("Router selected a worker with lower KV cache overlap") {
+            let rest = &line[at..];
+            let field = |key: &str| -> Option<String> {
+                rest.split(&format!(" {key}="))
+                    .nth(1)?
+                    .split_whitespace()
+                    .next()
+                    .map(|v| v.trim_matches('"').to_string())
+            };
+            let Some(id) = field("request_id") else {
+                continue;
+            };
+            for (worker, dp_rank, blocks) in [
+                (
+                    "selected_worker_id",
+                    "selected_dp_rank",
+                    "selected_overlap_blocks",
+                ),
+                (
+                    "highest_overlap_worker_id",
+                    "highest_overlap_dp_rank",
+                    "highest_overlap_blocks",
+                ),
+            ] {
+                let worker_id = field(worker).and_then(|v| v.parse().ok());
+                let dp_rank = field(dp_rank).and_then(|v| v.parse().ok()).unwrap_or(0);
+                let credit = field(blocks).and_then(|v| v.parse::<f64>().ok());
+                if let (Some(worker_id), Some(credit)) = (worker_id, credit) {
+                    out.entry((id.clone(), WorkerKey { worker_id, dp_rank }))
+                        .or_insert(credit);
+                }
+            }
+            continue;
+        }
         let Some(at) = line.find("Formula for worker_id=") else {
             continue;
         };

@@ -92,11 +92,15 @@ pub(crate) struct RoutingInputMissing;
 pub const ROUTING_INPUT_DYN_LOG: &str =
     "info,dynamo_llm::kv_router=debug,dynamo_kv_router::services::selection::core::run=debug";
 
-/// The `DYN_LOG` directive under which the routers of Dynamo 1.4 and 1.5 log their score
-/// of every worker for every request (`Formula for worker_id=…`, one line per worker: a
-/// fleet of hundreds of workers writes hundreds of lines per request, so it is no
-/// default). Dynamo 1.6 logs none.
-pub const ROUTER_SCORES_DYN_LOG: &str = "dynamo_kv_router::scheduling::selector=debug";
+/// The `DYN_LOG` directive under which routers log what they credited workers they did
+/// not choose: Dynamo 1.4 and 1.5 their score of every worker for every request
+/// (`Formula for worker_id=…`, one line per worker: a fleet of hundreds of workers writes
+/// hundreds of lines per request, so it is no default); 1.6's disaggregated prefill
+/// router a line per choice made past the worker it believed best (`Router selected a
+/// worker with lower KV cache overlap`). 1.6 logs nothing of the kind for aggregated
+/// routes.
+pub const ROUTER_SCORES_DYN_LOG: &str =
+    "dynamo_kv_router::scheduling::selector=debug,dynamo_llm::kv_router::embedded=debug";
 
 impl InternalEvent<AgentStats> for RoutingInputMissing {
     fn emit(self, _stats: &AgentStats) {

@@ -6,11 +6,17 @@
 //! Asserts: every request's prefill decision is judged and its decode decision counted
 //! as its decode leg (no duplicate); every verdict chooses and finds its best among the
 //! prefill workers; the spills' Σ true delta equals Dynamo's own router counters (best −
-//! selected cached prefix tokens) over the run. Needs the lab (`scripts/setup`).
+//! selected cached prefix tokens) over the run. The router logs its routing lines and
+//! the worker it passed over (`ROUTING_INPUT_DYN_LOG`, `ROUTER_SCORES_DYN_LOG`): the
+//! router-view audit, the best worker's view included, equals the count from its log and
+//! the radix tree; every passed-over line goes with its view. Needs the lab
+//! (`scripts/setup`).
 
-use kvscope_fleet::fleet_run::FleetRunConfig;
+use kvscope_agent::internal_events::{ROUTER_SCORES_DYN_LOG, ROUTING_INPUT_DYN_LOG};
+use kvscope_fleet::fleet_run::{replay, FleetRunConfig};
 use kvscope_lab::workload::{self, WorkloadConfig};
 use kvscope_lab::LabConfig;
+use kvscope_wire::Record;
 use serde_json::Value;
 use std::collections::BTreeSet;
 use std::time::Duration;
@@ -23,6 +29,7 @@ async fn prefill_decisions_are_judged_on_the_prefill_pool() {
         workers: 2,
         prefill_workers: 2,
         frontend_args: vec!["--router-temperature".into(), "0.5".into()],
+        frontend_log_filter: format!("{ROUTING_INPUT_DYN_LOG},{ROUTER_SCORES_DYN_LOG}"),
         ..LabConfig::default()
     };
     let run = kvscope_e2e::fleet(FleetRunConfig::new(lab, WINDOW_SECS))
@@ -57,7 +64,8 @@ async fn prefill_decisions_are_judged_on_the_prefill_pool() {
     let s: Value = run.summary().await.unwrap();
     let verdicts: Vec<Value> =
         kvscope_e2e::get_json(&format!("{}/api/verdicts?limit=100000", run.api())).await;
-    run.finish().await.expect("the run ends cleanly");
+    let router_log = run.lab().router_log().to_path_buf();
+    let recording = run.finish().await.expect("the run ends cleanly");
 
     let c = &s["counters"];
     let ok = summary.ok as u64;
@@ -92,5 +100,42 @@ async fn prefill_decisions_are_judged_on_the_prefill_pool() {
         summary.router_spilled_cached_tokens,
         Some(delta as f64),
         "kvscope's Σ true delta = Dynamo's best − selected cached prefix tokens"
+    );
+
+    // The router's view: the fold's audit equals the count from the router's own log and
+    // the radix tree, and every line naming a worker passed over went with its view.
+    let replayed = replay(&recording, WINDOW_SECS, &[]).expect("the recording reads back");
+    let log_text = std::fs::read_to_string(&router_log).expect("the router log");
+    let passed_over = log_text
+        .lines()
+        .filter(|l| l.contains("Router selected a worker with lower KV cache overlap"))
+        .count();
+    let (views, _) =
+        kvscope_e2e::router_view::count(&log_text, &replayed.verdicts, &replayed.envelopes);
+    eprintln!("{passed_over} passed-over lines; the router's view {views:?}");
+    assert_eq!(replayed.analyzer.router_view(), &views, "the router's view");
+    assert_eq!(
+        views.compared as usize,
+        replayed.verdicts.len(),
+        "every decision has its view"
+    );
+    if passed_over > 0 {
+        assert!(
+            views.spills_best_scored > 0,
+            "a spill's view names the worker passed over: {views:?}"
+        );
+    }
+    let last_heartbeat = replayed
+        .envelopes
+        .iter()
+        .rev()
+        .find_map(|e| match &e.record {
+            Record::Heartbeat(h) => Some(serde_json::to_value(&h.counters).unwrap()),
+            _ => None,
+        })
+        .expect("the agent's heartbeats");
+    assert_eq!(
+        last_heartbeat["router_candidates_unjoined"], 0,
+        "every passed-over line went with its view"
     );
 }

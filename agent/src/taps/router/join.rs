@@ -454,6 +454,15 @@ pub struct RouterLogProcessor {
     /// Requests whose router view was sent: Dynamo 1.5 logs it twice (as it chooses, at
     /// DEBUG, and when the route ends), the same figure.
     viewed: RecentIds,
+    /// Whether this router writes its views as routes end (Dynamo 1.5 and 1.6's INFO
+    /// `route request completed`), once the log has told: then those are the views read
+    /// and the ones it writes as it chooses are not (1.6's disaggregated prefill router
+    /// writes the worker it passed over from another task, before or after the latter).
+    route_ends: Option<bool>,
+    /// Views written as the router chose, while the log has not told yet (oldest first,
+    /// with their log time): dropped at the first route end, whose own will follow;
+    /// sent when [`VIEWS_UNDECIDED_NS`] of log time passed without one.
+    choice_views: VecDeque<(u64, kvscope_wire::RouterView)>,
     spans: RecentByRequest<TraceContext>,
     /// The model each recent request asked for, from its arrival line.
     models: RecentByRequest<String>,
@@ -468,6 +477,13 @@ pub struct RouterLogProcessor {
     selections: u64,
     advised: bool,
 }
+
+/// How long (log time) views written as the router chose wait for the log to show a
+/// route's end before they are taken as the views. Longer than a disaggregated prefill
+/// takes (where the lines they wait for come from); a first aggregated answer that takes
+/// longer only means its release's views written as it chose are read (the same figures,
+/// and no passed-over lines come there).
+const VIEWS_UNDECIDED_NS: u64 = 10_000_000_000;
 
 /// Choices seen, with no routing input and no request trace beside them, after which the
 /// router is told what to set without waiting for one to time out (in log time, which
@@ -488,6 +504,8 @@ impl RouterLogProcessor {
             source,
             routed: RecentIds::default(),
             viewed: RecentIds::default(),
+            route_ends: None,
+            choice_views: VecDeque::new(),
             spans: RecentByRequest::default(),
             models: RecentByRequest::default(),
             scored: Scored::default(),
@@ -540,6 +558,15 @@ impl RouterLogProcessor {
         }
         let mut out: Vec<LogOutput> = future.into_iter().collect();
         out.extend(self.decide(parsed, now));
+        if self
+            .choice_views
+            .front()
+            .is_some_and(|(t, _)| now.saturating_sub(*t) > VIEWS_UNDECIDED_NS)
+        {
+            // No route has ended in that long: this router writes no views at route ends.
+            self.route_ends = Some(false);
+            out.extend(self.choice_views_sent(now));
+        }
         self.advise(&mut out);
         out
     }
@@ -642,31 +669,36 @@ impl RouterLogProcessor {
                 out.push(LogOutput::Migration(m));
                 return out;
             }
-            LineContent::RouterView(mut v) => {
-                let mut out = self.advanced(now);
-                if self.viewed.insert(&v.request_id) {
-                    match self.scored.take(&v) {
-                        (Some(c), _) => v.candidates = c,
-                        (None, 0) => {}
-                        (None, n) => out.push(LogOutput::CandidatesUnjoined(n)),
-                    }
-                    out.push(LogOutput::RouterView(v));
+            // A router that writes its views as routes end (Dynamo 1.5, 1.6) is read at
+            // those: the DEBUG view as it chose can come before lines that concern the
+            // choice (1.6's disaggregated prefill router writes its passed-over worker
+            // from another task, before or after it).
+            LineContent::RouterView(v) => {
+                if self.route_ends != Some(true) {
+                    self.route_ends = Some(true);
+                    self.choice_views.clear();
                 }
-                return out;
+                return self.view(now, v);
             }
-            LineContent::Candidate(c) => {
-                let mut out = self.advanced(now);
-                // A request whose view was sent already: the other leg of a disaggregated
-                // request (scored in the other pool after the first leg's view), whose
-                // view is not sent either.
-                if self.viewed.contains(&c.request_id) {
+            LineContent::ChoiceView(v) => match self.route_ends {
+                Some(true) => self.joiner.advance(now),
+                Some(false) => return self.view(now, v),
+                None => {
+                    let mut out = self.advanced(now);
+                    self.choice_views.push_back((now, v));
+                    if self.choice_views.len() > Scored::CAP {
+                        if let Some((_, oldest)) = self.choice_views.pop_front() {
+                            out.extend(self.view(now, oldest));
+                        }
+                    }
                     return out;
                 }
-                let given_up = self.scored.note(c);
-                if given_up > 0 {
-                    out.push(LogOutput::CandidatesUnjoined(given_up));
-                }
-                return out;
+            },
+            LineContent::Candidate(c) => return self.scores(now, [c], false),
+            // Written by the first leg's router (the prefill pool's) as it chooses: one
+            // whose view went before it is lost, and counted.
+            LineContent::PassedOver { chosen, best } => {
+                return self.scores(now, [chosen, best], true)
             }
             LineContent::RequestSpan {
                 request_id,
@@ -686,6 +718,53 @@ impl RouterLogProcessor {
         joined.into_iter().map(|j| self.output(j)).collect()
     }
 
+    /// The views held while the log had not told where it writes them, sent.
+    fn choice_views_sent(&mut self, now: u64) -> Vec<LogOutput> {
+        let held: Vec<_> = self.choice_views.drain(..).collect();
+        held.into_iter()
+            .flat_map(|(_, v)| self.view(now, v))
+            .collect()
+    }
+
+    /// Send a request's first view, with what the router credited the workers it scored.
+    fn view(&mut self, now: u64, mut v: kvscope_wire::RouterView) -> Vec<LogOutput> {
+        let mut out = self.advanced(now);
+        if self.viewed.insert(&v.request_id) {
+            match self.scored.take(&v) {
+                (Some(c), _) => v.candidates = c,
+                (None, 0) => {}
+                (None, n) => out.push(LogOutput::CandidatesUnjoined(n)),
+            }
+            out.push(LogOutput::RouterView(v));
+        }
+        out
+    }
+
+    /// Keep what the router credited workers with until the request's view takes it.
+    /// A score for a request whose view was sent already is the other leg's of a
+    /// disaggregated request (scored in the other pool after the first leg's view), whose
+    /// view is not sent either; or, `late_is_lost`, one that came too late.
+    fn scores<const N: usize>(
+        &mut self,
+        now: u64,
+        scores: [Candidate; N],
+        late_is_lost: bool,
+    ) -> Vec<LogOutput> {
+        let mut out = self.advanced(now);
+        let mut given_up = 0;
+        for c in scores {
+            if !self.viewed.contains(&c.request_id) {
+                given_up += self.scored.note(c);
+            } else if late_is_lost {
+                given_up += 1;
+            }
+        }
+        if given_up > 0 {
+            out.push(LogOutput::CandidatesUnjoined(given_up));
+        }
+        out
+    }
+
     /// The joiner moved to `now`: what that times out or completes.
     fn advanced(&mut self, now: u64) -> Vec<LogOutput> {
         self.joiner
@@ -703,6 +782,8 @@ impl RouterLogProcessor {
             .into_iter()
             .map(|j| self.output(j))
             .collect();
+        let now = self.last_ts_ns.unwrap_or(0);
+        out.extend(self.choice_views_sent(now));
         let scores = std::mem::take(&mut self.scored).lines as u64;
         if scores > 0 {
             out.push(LogOutput::CandidatesUnjoined(scores));
@@ -1064,8 +1145,11 @@ mod tests {
         .unwrap();
         let mut p = RouterLogProcessor::new(30 * SEC, 10_000);
         let (mut decisions, mut views) = (0, Vec::new());
-        for line in text.lines() {
-            for o in p.line(line, 0) {
+        let mut outputs: Vec<LogOutput> = text.lines().flat_map(|l| p.line(l, 0)).collect();
+        // Nothing left over (what the log holds at its end comes out then).
+        outputs.extend(p.finish());
+        {
+            for o in outputs {
                 match o {
                     LogOutput::Decision(_) => decisions += 1,
                     LogOutput::RouterView(v) => views.push(v),
@@ -1073,7 +1157,6 @@ mod tests {
                 }
             }
         }
-        assert_eq!(p.finish(), Vec::new());
         assert_eq!(views.len(), 16);
         assert_eq!(decisions, 16);
         for v in &views {
@@ -1099,8 +1182,11 @@ mod tests {
         .unwrap();
         let mut p = RouterLogProcessor::new(30 * SEC, 10_000);
         let mut views = Vec::new();
-        for line in text.lines() {
-            for o in p.line(line, 0) {
+        let mut outputs: Vec<LogOutput> = text.lines().flat_map(|l| p.line(l, 0)).collect();
+        // Nothing left over (what the log holds at its end comes out then).
+        outputs.extend(p.finish());
+        {
+            for o in outputs {
                 match o {
                     LogOutput::RouterView(v) => views.push(v),
                     LogOutput::Decision(_) | LogOutput::Unjoined { .. } => {}
@@ -1108,12 +1194,134 @@ mod tests {
                 }
             }
         }
-        assert_eq!(p.finish(), Vec::new());
         assert_eq!(views.len(), 4, "one view per request");
         for v in &views {
             assert_eq!(v.candidates.len(), 1, "{v:?}");
             assert_eq!(v.candidates[0].worker, v.worker);
         }
+    }
+
+    /// A real Dynamo 1.6.1 disaggregated log at `dynamo_llm=debug` (2 prefill, 2 decode
+    /// mockers): the prefill router's passed-over lines come before or after the
+    /// `[ROUTING] Best` view it writes as it chooses, always before the route's end. The
+    /// views are read at the routes' ends, so each passed-over request's view carries
+    /// the chosen worker's credit (its overlap) and the worker it passed over, credited
+    /// with more; the other requests' carry none; nothing is lost.
+    #[test]
+    fn a_passed_over_worker_goes_with_its_view_whichever_line_comes_first() {
+        let text = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../lab/fixtures/samples/router_log_1_6_1_disagg_passed_over.log"
+        ))
+        .unwrap();
+        let passed_over: Vec<&str> = text
+            .lines()
+            .filter(|l| l.contains("lower KV cache overlap"))
+            .collect();
+        let mut p = RouterLogProcessor::new(30 * SEC, 10_000);
+        let mut views = Vec::new();
+        let mut outputs: Vec<LogOutput> = text.lines().flat_map(|l| p.line(l, 0)).collect();
+        // Nothing left over (what the log holds at its end comes out then).
+        outputs.extend(p.finish());
+        {
+            for o in outputs {
+                match o {
+                    LogOutput::RouterView(v) => views.push(v),
+                    LogOutput::Decision(_) | LogOutput::Unjoined { .. } => {}
+                    other => panic!("{other:?}"),
+                }
+            }
+        }
+        assert_eq!(views.len(), 6, "one view per request");
+        let with: Vec<_> = views.iter().filter(|v| !v.candidates.is_empty()).collect();
+        assert_eq!(with.len(), passed_over.len(), "{views:?}");
+        for v in with {
+            assert_eq!(v.phase.as_deref(), Some("Prefill"), "{v:?}");
+            let [chosen, best] = &v.candidates[..] else {
+                panic!("{v:?}");
+            };
+            assert_eq!(chosen.worker, v.worker);
+            assert_eq!(chosen.credited_blocks, f64::from(v.overlap_blocks));
+            assert!(best.credited_blocks > chosen.credited_blocks, "{v:?}");
+        }
+    }
+
+    /// The same lines from a router that writes no route ends: a passed-over line that
+    /// comes after the view written as it chose is lost, and counted.
+    #[test]
+    fn a_passed_over_line_after_its_view_is_counted() {
+        let text = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../lab/fixtures/samples/router_log_1_6_1_disagg_passed_over.log"
+        ))
+        .unwrap();
+        let mut p = RouterLogProcessor::new(30 * SEC, 10_000);
+        // As once the log has shown no route end for long: views are read as written.
+        p.route_ends = Some(false);
+        let (mut views, mut lost) = (0, 0);
+        for line in text
+            .lines()
+            .filter(|l| !l.contains("route request completed"))
+        {
+            for o in p.line(line, 0) {
+                match o {
+                    LogOutput::RouterView(_) => views += 1,
+                    LogOutput::CandidatesUnjoined(n) => lost += n,
+                    _ => {}
+                }
+            }
+        }
+        assert_eq!(views, 6);
+        assert!(lost > 0 && lost % 2 == 0, "{lost}");
+    }
+
+    /// Views written as the router chose wait until the log shows whether it writes
+    /// them at its routes' ends too: at the first route end they are dropped (their own
+    /// ends follow); after 10 s of log time without one they are sent, and later ones at
+    /// once.
+    #[test]
+    fn views_as_chosen_wait_until_the_log_tells_where_views_are_written() {
+        let best = |t: &str, id: &str| {
+            format!(
+                r#"2026-12-07T09:30:{t}Z DEBUG dynamo_llm::kv_router::push_router::selection: [ROUTING] Best: worker_1 dp_rank=0 with 2/3 blocks overlap request_id={id} worker_id=1 dp_rank=0 overlap_blocks=2 total_blocks=3"#
+            )
+        };
+        let end = |t: &str, id: &str| {
+            format!(
+                r#"2026-12-07T09:30:{t}Z  INFO http-request:kv_router.route_request: request_span: route request completed request.outcome="success" request_id={id} dp_rank=0 overlap_blocks=1 phase=Aggregated worker_id=1"#
+            )
+        };
+        let views = |p: &mut RouterLogProcessor, lines: &[String]| -> Vec<(String, u32)> {
+            lines
+                .iter()
+                .flat_map(|l| p.line(l, 0))
+                .filter_map(|o| match o {
+                    LogOutput::RouterView(v) => Some((v.request_id, v.overlap_blocks)),
+                    _ => None,
+                })
+                .collect()
+        };
+        // No route end: held, then sent 10 s on, and from then on at once.
+        let mut p = RouterLogProcessor::new(30 * SEC, 100);
+        assert_eq!(views(&mut p, &[best("00", "a"), best("05", "b")]), []);
+        assert_eq!(
+            views(&mut p, &[best("11", "c"), best("12", "d")]),
+            [("a", 2), ("b", 2), ("c", 2), ("d", 2)].map(|(i, n)| (i.to_string(), n))
+        );
+        // A route end: those held are dropped, and each request's view is its end's.
+        let mut p = RouterLogProcessor::new(30 * SEC, 100);
+        let lines = [
+            best("00", "a"),
+            best("01", "b"),
+            end("02", "a"),
+            best("03", "c"),
+        ];
+        assert_eq!(views(&mut p, &lines), [("a".to_string(), 1)]);
+        assert_eq!(
+            views(&mut p, &[end("20", "b"), end("21", "c")]),
+            [("b", 1), ("c", 1)].map(|(i, n)| (i.to_string(), n))
+        );
+        assert_eq!(p.finish(), Vec::new());
     }
 
     /// Score lines held stay within their bounds, however many come without views:
@@ -1152,11 +1360,12 @@ mod tests {
     /// given up and counted; a view without score lines has no candidates.
     #[test]
     fn score_lines_without_their_view_are_counted() {
-        let score = |id: &str, worker: u64| {
+        let scored_in = |id: &str, worker: u64, pool: &str| {
             format!(
-                r#"2026-12-07T09:30:16Z DEBUG dynamo_kv_router::scheduling::selector: Formula for worker_id={worker} dp_rank=0 with 2.00 effective cached blocks: 1.0 = 1.0 request_id="{id}" worker_type="decode""#
+                r#"2026-12-07T09:30:16Z DEBUG dynamo_kv_router::scheduling::selector: Formula for worker_id={worker} dp_rank=0 with 2.00 effective cached blocks: 1.0 = 1.0 request_id="{id}" worker_type="{pool}""#
             )
         };
+        let score = |id: &str, worker: u64| scored_in(id, worker, "decode");
         let best = |id: &str, worker: u64| {
             format!(
                 r#"2026-12-07T09:30:16Z DEBUG dynamo_llm::kv_router::push_router::selection: [ROUTING] Best: worker_{worker} dp_rank=0 with 2/3 blocks overlap request_id={id} worker_id={worker} dp_rank=0 overlap_blocks=2 total_blocks=3"#
@@ -1172,7 +1381,7 @@ mod tests {
             best("a", 3),
             best("b", 1),
             score("c", 1),
-            score("d", 1),
+            scored_in("d", 1, "prefill"),
             best("d", 1),
             score("d", 2),
             best("d", 2),

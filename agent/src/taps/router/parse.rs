@@ -120,8 +120,18 @@ pub enum LineContent {
     Migration(MigrationLogLine),
     /// The router's view of a choice, when the request's route ended.
     RouterView(kvscope_wire::RouterView),
+    /// The router's view of a choice, as it chose (Dynamo 1.4 and 1.5's DEBUG `[ROUTING]
+    /// Best`; 1.6 writes it too, beside its route's end).
+    ChoiceView(kvscope_wire::RouterView),
     /// What the router credited one worker with as it scored the request's candidates.
     Candidate(Candidate),
+    /// A choice made past the worker the router believed held the most (Dynamo 1.6's
+    /// disaggregated prefill router, DEBUG under `dynamo_llm::kv_router::embedded`):
+    /// what it credited the worker it chose, and the one it passed over.
+    PassedOver {
+        chosen: Candidate,
+        best: Candidate,
+    },
     /// Any other line naming a request and the span it was written in (a JSON line):
     /// where the request sits in the router's traces, e.g. the frontend's `request
     /// received` at INFO; or that line naming the model the request asked for (every
@@ -194,6 +204,11 @@ const ROUTING_BEST: &str = "[ROUTING] Best:";
 /// Dynamo 1.4 and 1.5's DEBUG line per worker scored (the selector's, whose formula name
 /// comes first: `Formula`, or another name for another cost).
 const CANDIDATE: &str = " for worker_id=";
+/// Dynamo 1.6's DEBUG line when its disaggregated prefill router chose a worker with less
+/// of the prompt cached than another (`selected_worker_id`, `selected_overlap_blocks`,
+/// `highest_overlap_worker_id`, `highest_overlap_blocks`, their dp ranks), written as it
+/// chooses, before the request's view.
+const PASSED_OVER: &str = "Router selected a worker with lower KV cache overlap";
 
 /// The fork's migration messages, by the text after which their fields start.
 const MIGRATION_MESSAGES: &[(&str, MigrationLogKind)] = &[
@@ -432,6 +447,7 @@ enum Marker {
     RouteCompleted,
     RoutingBest,
     Candidate,
+    PassedOver,
     RequestReceived,
     Migration(Option<MigrationLogKind>),
 }
@@ -442,7 +458,7 @@ impl Marker {
             Marker::RoutingInput => LineKind::RoutingInput,
             Marker::SelectedWorker | Marker::SelectedPinnedWorker => LineKind::SelectedWorker,
             Marker::RouteCompleted | Marker::RoutingBest => LineKind::RouterView,
-            Marker::Candidate => LineKind::Candidate,
+            Marker::Candidate | Marker::PassedOver => LineKind::Candidate,
             // Unused: an arrival line is never malformed (see [`content`]).
             Marker::RequestReceived => LineKind::RouterView,
             Marker::Migration(_) => LineKind::Migration,
@@ -451,7 +467,9 @@ impl Marker {
 }
 
 fn marker(text: &str) -> Option<(Marker, Option<&str>)> {
-    if let Some(pos) = text.find(ROUTING_INPUT) {
+    if let Some(pos) = text.find(PASSED_OVER) {
+        Some((Marker::PassedOver, Some(&text[pos + PASSED_OVER.len()..])))
+    } else if let Some(pos) = text.find(ROUTING_INPUT) {
         Some((
             Marker::RoutingInput,
             Some(&text[pos + ROUTING_INPUT.len()..]),
@@ -519,12 +537,16 @@ fn content(kind: Marker, fields: Result<Fields, String>) -> Result<LineContent, 
             None => LineContent::Other,
         },
         Marker::RoutingBest => match router_view(&fields, IdAt::First)? {
-            Some(v) => LineContent::RouterView(v),
+            Some(v) => LineContent::ChoiceView(v),
             None => return Err("no worker_id or overlap_blocks".into()),
         },
         Marker::RequestReceived => request_received(&fields),
         Marker::Candidate => match candidate(&fields)? {
             Some(c) => LineContent::Candidate(c),
+            None => LineContent::Other,
+        },
+        Marker::PassedOver => match passed_over(&fields)? {
+            Some((chosen, best)) => LineContent::PassedOver { chosen, best },
             None => LineContent::Other,
         },
         Marker::Migration(Some(k)) => LineContent::Migration(migration(k, fields)?),
@@ -678,6 +700,48 @@ fn candidate(f: &Fields) -> Result<Option<Candidate>, String> {
             credited_blocks,
         },
     }))
+}
+
+/// A choice made past the worker the router believed best: the chosen worker and the
+/// passed-over one as it credited them (`selected_…`, `highest_overlap_…`). `None` where
+/// the line names no request.
+fn passed_over(f: &Fields) -> Result<Option<(Candidate, Candidate)>, String> {
+    let Some(request_id) = f
+        .get("request_id")
+        .filter(|id| !id.is_empty() && *id != "-")
+    else {
+        return Ok(None);
+    };
+    let side = |worker: &str, dp_rank: &str, blocks: &str| -> Result<Candidate, String> {
+        let credited_blocks = f
+            .parse::<f64>(blocks)
+            .ok()
+            .filter(|n| n.is_finite() && *n >= 0.0)
+            .ok_or_else(|| format!("no {blocks}"))?;
+        Ok(Candidate {
+            request_id: bounded(request_id),
+            worker_type: f.get("worker_type").map(str::to_string),
+            candidate: kvscope_wire::RouterCandidate {
+                worker: kvscope_wire::WorkerKey {
+                    worker_id: f.parse(worker)?,
+                    dp_rank: f.parse_or(dp_rank, 0)?,
+                },
+                credited_blocks,
+            },
+        })
+    };
+    Ok(Some((
+        side(
+            "selected_worker_id",
+            "selected_dp_rank",
+            "selected_overlap_blocks",
+        )?,
+        side(
+            "highest_overlap_worker_id",
+            "highest_overlap_dp_rank",
+            "highest_overlap_blocks",
+        )?,
+    )))
 }
 
 fn migration(kind: MigrationLogKind, f: Fields) -> Result<MigrationLogLine, String> {
@@ -1320,7 +1384,7 @@ mod tests {
         let best = r#"2026-12-06T05:59:12.247404Z DEBUG http-request:kv_router.select_worker: dynamo_llm::kv_router::push_router::selection: [ROUTING] Best: worker_7847800910559599967 dp_rank=0 with 7/23 blocks overlap request_id=2b3170e8-a945-4ada-a214-4c47af885a52 worker_id=7847800910559599967 dp_rank=0 overlap_blocks=7 total_blocks=23 method=POST uri=/v1/chat/completions version=HTTP/1.1 x_request_id="kvs1-f0-s0-t0""#;
         assert_eq!(
             parse_line(best).unwrap().content,
-            LineContent::RouterView(kvscope_wire::RouterView {
+            LineContent::ChoiceView(kvscope_wire::RouterView {
                 phase: None,
                 ..want.clone()
             })
@@ -1331,6 +1395,37 @@ mod tests {
         // A view whose figures are no numbers is malformed, and said so.
         let bad = text.replace("overlap_blocks=7", "overlap_blocks=many");
         assert_eq!(parse_line(&bad).unwrap_err().kind, LineKind::RouterView);
+    }
+
+    /// Dynamo 1.6.1's disaggregated prefill router passing over the worker it believed
+    /// best, as it wrote it (text and JSON): the chosen and the passed-over worker with
+    /// their credits; a line naming no request is none; one without its figures
+    /// malformed.
+    #[test]
+    fn a_choice_past_the_believed_best_names_both_workers() {
+        let text = r#"2026-12-07T12:34:28.494048Z DEBUG dynamo_llm::kv_router::embedded: Router selected a worker with lower KV cache overlap request_id="0db12805-1ff6-4bcd-bed6-647f25f985e0" worker_type="prefill" selected_worker_id=11840306891121132110 selected_dp_rank=0 selected_overlap_blocks=0.0 highest_overlap_worker_id=11396365133843937557 highest_overlap_dp_rank=1 highest_overlap_blocks=20.0 overlap_blocks_lost=20.0"#;
+        let side = |worker_id: u64, dp_rank: u32, blocks: f64| Candidate {
+            request_id: "0db12805-1ff6-4bcd-bed6-647f25f985e0".into(),
+            worker_type: Some("prefill".into()),
+            candidate: kvscope_wire::RouterCandidate {
+                worker: kvscope_wire::WorkerKey { worker_id, dp_rank },
+                credited_blocks: blocks,
+            },
+        };
+        let want = LineContent::PassedOver {
+            chosen: side(11840306891121132110, 0, 0.0),
+            best: side(11396365133843937557, 1, 20.0),
+        };
+        assert_eq!(parse_line(text).unwrap().content, want);
+        let json = r#"{"time":"2026-12-07T12:34:28.494048Z","level":"DEBUG","target":"dynamo_llm::kv_router::embedded","message":"Router selected a worker with lower KV cache overlap","request_id":"0db12805-1ff6-4bcd-bed6-647f25f985e0","worker_type":"prefill","selected_worker_id":11840306891121132110,"selected_dp_rank":0,"selected_overlap_blocks":0.0,"highest_overlap_worker_id":11396365133843937557,"highest_overlap_dp_rank":1,"highest_overlap_blocks":20.0,"overlap_blocks_lost":20.0}"#;
+        assert_eq!(parse_line(json).unwrap().content, want);
+        let unkeyed = text.replace(
+            r#"request_id="0db12805-1ff6-4bcd-bed6-647f25f985e0""#,
+            r#"request_id="-""#,
+        );
+        assert_eq!(parse_line(&unkeyed).unwrap().content, LineContent::Other);
+        let bad = text.replace("highest_overlap_blocks=20.0", "highest_overlap_blocks=lots");
+        assert_eq!(parse_line(&bad).unwrap_err().kind, LineKind::Candidate);
     }
 
     /// Dynamo 1.4.1's selector line per worker scored, as its router wrote it: the worker,
@@ -1430,8 +1525,10 @@ mod tests {
                     }
                     LineContent::Migration(_)
                     | LineContent::RequestTrace(_)
-                    | LineContent::Candidate(_) => {
-                        panic!("no migration, trace or score lines in this capture")
+                    | LineContent::ChoiceView(_)
+                    | LineContent::Candidate(_)
+                    | LineContent::PassedOver { .. } => {
+                        panic!("no migration, trace, DEBUG view or score lines in this capture")
                     }
                     LineContent::Other | LineContent::RequestSpan { .. } => other += 1,
                 }
