@@ -39,7 +39,7 @@ agent_stats!(
     kv_malformed_events: "KV events of a known type with fields missing or of the wrong type.",
     kv_events_medium_left_out: "KV events in the layout of Dynamo's mocker before 1.5 (medium left out, its group_idx in medium's slot): read with medium absent.",
     kv_fields_left_out_lora_id: "KV events with vLLM's lora_id set (deprecated for lora_name, which the agent carries): read, not carried.",
-    kv_fields_left_out_extra_keys: "KV events with vLLM's extra_keys set (multimodal identifiers, LoRA name, cache salt in the block hash): read, not carried; the mirror matches blocks by their tokens alone.",
+    kv_fields_left_out_extra_keys: "KV events with vLLM's extra_keys set: read for the cache salt Dynamo tags and the multimodal objects its frontend marked (hashed into their blocks); its other keys (vLLM's own multimodal hashes, LoRA names, prompt embeddings) not carried.",
     kv_fields_left_out_kv_cache_spec_sliding_window: "KV events with vLLM's kv_cache_spec_sliding_window set: read, not carried (a group's kind decides whether its events are taken).",
     kv_fields_left_out_session_id: "KV events with vLLM's session_id set (0.33 on): read, not carried.",
     kv_fields_left_out_lookahead_token_ids: "KV events with vLLM's lookahead_token_ids set (0.33 on): read, not carried.",
@@ -50,6 +50,8 @@ agent_stats!(
     kv_events_refused_unknown_cache_kind: "KV events refused: a KV cache group kind no engine is known to send.",
     kv_events_refused_unlearned_cache_group: "KV events refused: a KV cache group other than the first whose kind no store has named yet.",
     kv_events_refused_ambiguous_salt: "KV stores refused: they continue a chain whose parent block was stored under two cache salts.",
+    kv_media_blocks: "KV blocks stored holding multimodal objects (images, videos), hashed with them as Dynamo's publisher hashes them.",
+    kv_media_blocks_without_placeholders: "Of those, blocks hashed without the model's image and video placeholder token ids (its config.json unread): they may not match the router's.",
     kv_salts_inherited: "KV stores that named no cache salt and took their parent block's (a salted chain continued; vLLM names the salt in a chain's first block only).",
     kv_sequence_gaps: "Gaps in a publisher's batch sequence numbers (batches lost before the agent).",
     kv_missed_batches: "KV batches lost in sequence gaps.",
@@ -106,6 +108,6 @@ mod tests {
         let c = s.snapshot();
         assert_eq!(c.kv_batches, 2);
         assert_eq!(c.publish_dropped, 5);
-        assert_eq!(s.named().len(), 56);
+        assert_eq!(s.named().len(), 58);
     }
 }

@@ -73,6 +73,10 @@ pub struct Worker {
     /// `aggregated`, `prefill` or `decode`, when the card says.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub worker_type: Option<String>,
+    /// The model's `config.json` as the worker registered it (the card's
+    /// `model_info.hf_config_json.path`: a path on the worker's own file system).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_config: Option<String>,
 }
 
 /// Where a publisher's events travel.
@@ -283,6 +287,7 @@ fn instance(doc: &Value) -> Option<Worker> {
         total_kv_blocks: None,
         dp_ranks: Vec::new(),
         worker_type: None,
+        model_config: None,
     })
 }
 
@@ -299,6 +304,10 @@ fn apply_card(w: &mut Worker, doc: &Value) {
         .and_then(|b| u32::try_from(b).ok());
     w.worker_type = card
         .get("worker_type")
+        .and_then(Value::as_str)
+        .map(str::to_string);
+    w.model_config = card
+        .pointer("/model_info/hf_config_json/path")
         .and_then(Value::as_str)
         .map(str::to_string);
     let rc = card.get("runtime_config");
@@ -387,6 +396,10 @@ mod tests {
             assert_eq!(w.block_size, Some(16));
             assert_eq!(w.total_kv_blocks, Some(48));
             assert_eq!(w.dp_ranks, vec![0]);
+            assert!(w
+                .model_config
+                .as_deref()
+                .is_some_and(|p| p.ends_with("/lab/fixtures/model/config.json")));
             assert_eq!(w.endpoint, "generate");
             assert!(w
                 .request_plane

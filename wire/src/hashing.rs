@@ -90,6 +90,140 @@ pub fn local_block_hashes(tokens: &[u32], block_size: usize, seed: u64) -> Vec<L
         .collect()
 }
 
+/// The token ids a model's prompts hold where an image or a video goes (its
+/// `config.json`'s `image_token_id`, and `video_token_id` or `video_token_index`): the
+/// runs Dynamo's vLLM publisher rewrites to stand for the object they hold.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MediaPlaceholders {
+    pub image: Option<u32>,
+    pub video: Option<u32>,
+}
+
+/// The token that stands for multimodal object `object` (its routing hash) in a prompt:
+/// Dynamo's frontend writes it over the object's placeholder run, and its publisher over
+/// the engine's, so equal objects make equal blocks (SGLang's pad value: the hash's low
+/// 30 bits past one million).
+pub fn media_pad_token(object: u64) -> u32 {
+    (1_000_000 + (object & ((1 << 30) - 1))) as u32
+}
+
+/// The local hash of a block holding (part of) the multimodal objects `objects`, in
+/// their order in the prompt, as Dynamo 1.6's publisher hashes a vLLM store's block:
+///
+/// - with a video placeholder known, the block's placeholder runs are mapped to the
+///   objects exactly (an image run is one object; consecutive video runs, split by
+///   timestamps, one) and each run is written over with its object's pad token;
+/// - else, with an image placeholder known and in the block, each image run in turn
+///   takes the next object's pad token (the last object's past the end);
+/// - where neither applies (no run, or runs that do not map one to one), the block's
+///   tokens are hashed with the objects' hashes after them, sorted.
+///
+/// A block without objects is [`local_block_hash`]'s.
+pub fn local_block_hash_with_media(
+    tokens: &[u32],
+    seed: u64,
+    objects: &[u64],
+    placeholders: MediaPlaceholders,
+) -> LocalBlockHash {
+    if objects.is_empty() {
+        return local_block_hash(tokens, seed);
+    }
+    let padded = if placeholders.video.is_some() {
+        pad_runs_exactly(tokens, placeholders, objects)
+    } else {
+        placeholders
+            .image
+            .filter(|i| tokens.contains(i))
+            .map(|image| pad_image_runs(tokens, image, objects))
+    };
+    if let Some(t) = padded {
+        return local_block_hash(&t, seed);
+    }
+    let mut sorted = objects.to_vec();
+    sorted.sort_unstable();
+    let mut bytes = Vec::with_capacity(tokens.len() * 4 + sorted.len() * 8);
+    for t in tokens {
+        bytes.extend_from_slice(&t.to_le_bytes());
+    }
+    for o in sorted {
+        bytes.extend_from_slice(&o.to_le_bytes());
+    }
+    xxh3_64_with_seed(&bytes, seed)
+}
+
+/// Each run of `image` tokens written over with the next object's pad token (the last
+/// object's for runs past them).
+fn pad_image_runs(tokens: &[u32], image: u32, objects: &[u64]) -> Vec<u32> {
+    let mut out = tokens.to_vec();
+    let mut run = 0usize;
+    for i in 0..out.len() {
+        if out[i] != image {
+            continue;
+        }
+        if i > 0 && tokens[i - 1] == image {
+            out[i] = out[i - 1];
+            continue;
+        }
+        out[i] = media_pad_token(objects[run.min(objects.len() - 1)]);
+        run += 1;
+    }
+    out
+}
+
+/// The placeholder runs mapped one to one onto `objects` (an image run is one object; a
+/// video's consecutive runs one), each written over with its object's pad token; `None`
+/// when there is no run, the counts differ, or one token stands for both.
+fn pad_runs_exactly(
+    tokens: &[u32],
+    placeholders: MediaPlaceholders,
+    objects: &[u64],
+) -> Option<Vec<u32>> {
+    #[derive(Clone, Copy, PartialEq)]
+    enum Kind {
+        Image,
+        Video,
+    }
+    if placeholders.image.is_some() && placeholders.image == placeholders.video {
+        return None;
+    }
+    let kind = |t: u32| {
+        if placeholders.image == Some(t) {
+            Some(Kind::Image)
+        } else if placeholders.video == Some(t) {
+            Some(Kind::Video)
+        } else {
+            None
+        }
+    };
+    // (start, end, object index) of each run.
+    let mut runs = Vec::new();
+    let (mut objects_seen, mut previous) = (0usize, None);
+    let mut i = 0;
+    while i < tokens.len() {
+        let Some(k) = kind(tokens[i]) else {
+            i += 1;
+            continue;
+        };
+        let start = i;
+        while i < tokens.len() && kind(tokens[i]) == Some(k) {
+            i += 1;
+        }
+        if k == Kind::Image || previous != Some(Kind::Video) {
+            objects_seen += 1;
+        }
+        previous = Some(k);
+        runs.push((start, i, objects_seen - 1));
+    }
+    if runs.is_empty() || objects_seen != objects.len() {
+        return None;
+    }
+    let mut out = tokens.to_vec();
+    for (start, end, object) in runs {
+        out[start..end].fill(media_pad_token(objects[object]));
+    }
+    Some(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -112,12 +112,17 @@ impl Ownership {
 
 /// What an engine's event says beside its blocks, as decoded
 /// (`vllm_events::DecodedPayload::meta`).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct EventMeta {
     pub group_idx: Option<u32>,
     pub spec_kind: Option<CacheSpecKind>,
     pub locality: Option<Locality>,
     pub ownership: Ownership,
+    /// A store's multimodal objects per block, in prompt order (vLLM's `extra_keys`: the
+    /// routing hashes Dynamo's frontend marked, see `vllm_events::media_object`); empty
+    /// when no block holds one. Part of the blocks' identity
+    /// ([`crate::hashing::local_block_hash_with_media`]).
+    pub media: Vec<Vec<u64>>,
 }
 
 /// Why an event was refused.

@@ -421,8 +421,51 @@ impl KvEvent {
     /// whose tokens do not fill one block per block hash still shows as such (fewer
     /// hashes than blocks). Other events stay as they are.
     pub fn hash_tokens(&mut self) {
+        self.hash_tokens_with_media(&[], crate::hashing::MediaPlaceholders::default());
+    }
+
+    /// [`Self::hash_tokens`] for a store whose blocks hold multimodal objects (`media`,
+    /// per block, as the engine's event named them; see
+    /// [`crate::kv_admission::EventMeta::media`]): those blocks hashed with their objects
+    /// as Dynamo's publisher hashes them, given the model's `placeholders`
+    /// ([`crate::hashing::local_block_hash_with_media`]). How many blocks held objects.
+    pub fn hash_tokens_with_media(
+        &mut self,
+        media: &[Vec<u64>],
+        placeholders: crate::hashing::MediaPlaceholders,
+    ) -> usize {
+        if let KvEvent::BlockStored {
+            token_ids,
+            block_size,
+            lora_name,
+            cache_salt,
+            local_hashes,
+            ..
+        } = self
+        {
+            if media.iter().any(|m| !m.is_empty()) && !token_ids.is_empty() && *block_size > 0 {
+                let seed = crate::hashing::seed_for(cache_salt.as_deref(), lora_name.as_deref());
+                let none = Vec::new();
+                let hashed = token_ids
+                    .chunks_exact(*block_size as usize)
+                    .enumerate()
+                    .map(|(i, block)| {
+                        let objects = media.get(i).unwrap_or(&none);
+                        crate::hashing::local_block_hash_with_media(
+                            block,
+                            seed,
+                            objects,
+                            placeholders,
+                        )
+                    })
+                    .collect();
+                *local_hashes = Some(hashed);
+                *token_ids = Vec::new();
+                return media.iter().filter(|m| !m.is_empty()).count();
+            }
+        }
         let Some(std::borrow::Cow::Owned(hashed)) = self.stored_local_hashes() else {
-            return;
+            return 0;
         };
         if let KvEvent::BlockStored {
             token_ids,
@@ -433,6 +476,7 @@ impl KvEvent {
             *local_hashes = Some(hashed);
             *token_ids = Vec::new();
         }
+        0
     }
 }
 
@@ -871,6 +915,12 @@ pub struct AgentCounters {
     /// Stores continuing a chain whose parent was stored under two cache salts.
     #[serde(skip_serializing_if = "is_zero")]
     pub kv_events_refused_ambiguous_salt: u64,
+    /// Blocks stored holding multimodal objects, hashed with them.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub kv_media_blocks: u64,
+    /// Of those, blocks hashed without the model's placeholder token ids.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub kv_media_blocks_without_placeholders: u64,
     /// Stores that named no cache salt and took their parent's (a salted chain's
     /// continuation).
     #[serde(skip_serializing_if = "is_zero")]

@@ -410,6 +410,28 @@ struct Slots<'a> {
     before_medium: Option<Head<'a>>,
 }
 
+/// An event's `extra_keys` as read ([`Reader::extra_keys`]).
+struct ExtraKeys<'a> {
+    head: Head<'a>,
+    first_block: Vec<&'a [u8]>,
+    /// Per block, its multimodal objects; empty when no block holds one.
+    media: Vec<Vec<u64>>,
+}
+
+/// A multimodal object's routing hash, from an `extra_keys` item in the form Dynamo's
+/// vLLM handler hands vLLM for a hash its frontend issued: 16 hex digits (the hash)
+/// and 48 zeros. vLLM's own 64-digit hashes and other keys (LoRA names, salts, prompt
+/// embeddings) are no object here, as Dynamo 1.6's publisher reads them.
+pub fn media_object(item: &[u8]) -> Option<u64> {
+    if item.len() != 64
+        || !item[..16].iter().all(u8::is_ascii_hexdigit)
+        || !item[16..].iter().all(|&c| c == b'0')
+    {
+        return None;
+    }
+    u64::from_str_radix(std::str::from_utf8(&item[..16]).ok()?, 16).ok()
+}
+
 /// The depth left inside a value that had `depth` left: `rmpv` takes one level for a
 /// value, one for an array's or a map's items, one for a string's or a binary's bytes.
 fn deeper(depth: u16) -> Result<u16, WalkError> {
@@ -605,38 +627,70 @@ impl<'a> Reader<'a> {
     }
 
     /// vLLM's `extra_keys` (one entry per block: nil or an array of items), walked whole:
-    /// its head, and the string items of its first block's entry (the first 64), where
-    /// Dynamo tags a request's cache salt.
-    fn extra_keys(&mut self, depth: u16) -> Result<(Head<'a>, Vec<&'a [u8]>), WalkError> {
+    /// its head; the string items of its first block's entry (the first 64), where
+    /// Dynamo tags a request's cache salt; and each block's multimodal objects (items
+    /// that are a marked routing hash, alone or as `[hash, offset]`: [`media_object`]).
+    fn extra_keys(&mut self, depth: u16) -> Result<ExtraKeys<'a>, WalkError> {
         let depth = deeper(depth)?;
-        let h = self.head()?;
-        let mut first = Vec::new();
-        let Head::Array(n) = h else {
-            self.finish(&h, depth)?;
-            return Ok((h, first));
+        let head = self.head()?;
+        let mut keys = ExtraKeys {
+            head,
+            first_block: Vec::new(),
+            media: Vec::new(),
+        };
+        let Head::Array(n) = head else {
+            self.finish(&head, depth)?;
+            return Ok(keys);
         };
         let blocks = deeper(depth)?;
         for i in 0..n {
-            if i > 0 {
-                self.value(blocks)?;
-                continue;
-            }
+            let mut objects = Vec::new();
             let entry_depth = deeper(blocks)?;
             let entry = self.head()?;
             let Head::Array(m) = entry else {
                 self.finish(&entry, entry_depth)?;
+                keys.media.push(objects);
                 continue;
             };
             let items = deeper(entry_depth)?;
             for _ in 0..m {
-                if let Head::Str(s) = self.value(items)? {
-                    if first.len() < 64 {
-                        first.push(s);
+                let item_depth = deeper(items)?;
+                let item = self.head()?;
+                let hash = match item {
+                    Head::Str(s) => {
+                        self.finish(&item, item_depth)?;
+                        if i == 0 && keys.first_block.len() < 64 {
+                            keys.first_block.push(s);
+                        }
+                        Some(s)
                     }
+                    // `[hash, block-relative offset]` (vLLM 0.19 and later).
+                    Head::Array(k) if k > 0 => {
+                        let pair = deeper(item_depth)?;
+                        let first = self.value(pair)?;
+                        for _ in 1..k {
+                            self.value(pair)?;
+                        }
+                        match first {
+                            Head::Str(s) => Some(s),
+                            _ => None,
+                        }
+                    }
+                    _ => {
+                        self.finish(&item, item_depth)?;
+                        None
+                    }
+                };
+                if let Some(o) = hash.and_then(media_object) {
+                    objects.push(o);
                 }
             }
+            keys.media.push(objects);
         }
-        Ok((h, first))
+        if keys.media.iter().all(Vec::is_empty) {
+            keys.media = Vec::new();
+        }
+        Ok(keys)
     }
 
     fn hashes(&mut self, depth: u16) -> Result<Option<Result<Vec<u64>, String>>, WalkError> {
@@ -749,9 +803,10 @@ impl<'a> Reader<'a> {
                         }
                         (Some("BlockStored"), 7) => slots.lora_name = Some(self.value(items)?),
                         (Some("BlockStored"), 8) => {
-                            let (h, keys) = self.extra_keys(items)?;
-                            slots.first_block_keys = keys;
-                            left.saw("extra_keys", matches!(h, Head::Nil));
+                            let keys = self.extra_keys(items)?;
+                            slots.first_block_keys = keys.first_block;
+                            meta.media = keys.media;
+                            left.saw("extra_keys", matches!(keys.head, Head::Nil));
                         }
                         (Some(kind @ ("BlockStored" | "BlockRemoved")), _) => {
                             let h = self.value(items)?;
@@ -819,10 +874,11 @@ impl<'a> Reader<'a> {
                             slots.cache_salt = Some(self.value(items)?)
                         }
                         Some("extra_keys") if !slots.extra_keys_seen => {
-                            let (h, keys) = self.extra_keys(items)?;
-                            slots.first_block_keys = keys;
+                            let keys = self.extra_keys(items)?;
+                            slots.first_block_keys = keys.first_block;
+                            meta.media = keys.media;
                             slots.extra_keys_seen = true;
-                            left.saw("extra_keys", matches!(h, Head::Nil));
+                            left.saw("extra_keys", matches!(keys.head, Head::Nil));
                         }
                         name => {
                             let h = self.value(items)?;

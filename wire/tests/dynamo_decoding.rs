@@ -331,3 +331,163 @@ fn the_events_the_mirror_takes_are_the_ones_dynamos_publisher_hands_its_router()
         );
     }
 }
+
+/// Multimodal stores: vLLM names each block's multimodal objects in `extra_keys` (the
+/// routing hashes Dynamo's frontend marked, alone or as `[hash, offset]`, beside vLLM's
+/// own 64-digit hashes, LoRA names and salts, which are none), and the blocks hold the
+/// objects' placeholder runs. Seeded stores of every shape — consistent runs, runs that
+/// do not map one to one, objects without runs, videos split by timestamps, images and
+/// videos mixed — under every placeholder setting (none, image, video, both, one token
+/// for both), LoRA and salt included: every block's local hash is the one Dynamo 1.6.1's
+/// publisher (`ZmqEventNormalizer` with the model's image and video token ids) hands its
+/// router. A hash that ignored the objects, their order or the placeholders would differ.
+#[test]
+fn media_objects_hash_as_dynamos_publisher_hashes_them() {
+    use dynamo_kv_router::protocols::{KvCacheEventData, WorkerWithDpRank};
+    use dynamo_kv_router::zmq_wire::ZmqEventNormalizer;
+    use kvscope_wire::hashing::MediaPlaceholders;
+
+    const IMAGE: u32 = 151_655;
+    const VIDEO: u32 = 151_656;
+    const BS: usize = 16;
+    let marked = |h: u64| s(&format!("{h:016x}{}", "0".repeat(48)));
+    let (mut blocks_checked, mut with_objects, mut padded) = (0, 0, 0);
+    for seed in 1..=60u64 {
+        let mut rng = fastrand::Rng::with_seed(seed);
+        let settings = [
+            MediaPlaceholders::default(),
+            MediaPlaceholders {
+                image: Some(IMAGE),
+                video: None,
+            },
+            MediaPlaceholders {
+                image: None,
+                video: Some(VIDEO),
+            },
+            MediaPlaceholders {
+                image: Some(IMAGE),
+                video: Some(VIDEO),
+            },
+            MediaPlaceholders {
+                image: Some(IMAGE),
+                video: Some(IMAGE),
+            },
+        ];
+        let placeholders = settings[seed as usize % settings.len()];
+        let theirs = |bs| {
+            ZmqEventNormalizer::new(bs)
+                .with_image_token_id(placeholders.image)
+                .with_video_token_id(placeholders.video)
+        };
+        let mut normalizer = theirs(BS as u32);
+        for step in 0..40u64 {
+            let blocks = 1 + rng.usize(..5);
+            let mut tokens = Vec::new();
+            let mut keys = Vec::new();
+            for _ in 0..blocks {
+                let mut block: Vec<u32> = (0..BS).map(|_| rng.u32(..50_000)).collect();
+                let objects: Vec<u64> = (0..rng.usize(..4)).map(|_| rng.u64(..)).collect();
+                // Placeholder runs: as many as the objects, or not; images, videos split
+                // by a timestamp token, or both.
+                let runs = match rng.u8(..4) {
+                    0 => objects.len(),
+                    1 => rng.usize(..4),
+                    _ => objects.len().min(2),
+                };
+                let mut at = 0;
+                for r in 0..runs {
+                    let token = match rng.u8(..3) {
+                        0 => VIDEO,
+                        _ if r % 2 == 1 && rng.bool() => VIDEO,
+                        _ => IMAGE,
+                    };
+                    let len = 1 + rng.usize(..3);
+                    let start = (at + rng.usize(..2)).min(BS - 1);
+                    let end = (start + len).min(BS);
+                    block[start..end].fill(token);
+                    at = end + 1;
+                    if at >= BS {
+                        break;
+                    }
+                }
+                tokens.extend(block);
+                let mut items: Vec<Value> = Vec::new();
+                if rng.bool() {
+                    // vLLM's own hash of an object the frontend did not mark: no object.
+                    items.push(s(&format!("{:064x}", rng.u128(..) | 1)));
+                }
+                for o in &objects {
+                    items.push(if rng.bool() {
+                        marked(*o)
+                    } else {
+                        Value::Array(vec![marked(*o), Value::from(rng.u64(..BS as u64))])
+                    });
+                }
+                if rng.bool() {
+                    items.push(s("adapter-a"));
+                }
+                keys.push(if items.is_empty() && rng.bool() {
+                    Value::Nil
+                } else {
+                    Value::Array(items)
+                });
+            }
+            let lora = if rng.bool() {
+                s("adapter-a")
+            } else {
+                Value::Nil
+            };
+            if rng.bool() {
+                if let Some(Value::Array(first)) = keys.first_mut() {
+                    first.push(s("dynamo-cache-salt:tenant-b"));
+                }
+            }
+            let event = Value::Array(vec![
+                s("BlockStored"),
+                Value::Array(
+                    (0..blocks as u64)
+                        .map(|b| Value::from(step * 100 + b + 1))
+                        .collect(),
+                ),
+                Value::Nil,
+                Value::Array(tokens.iter().map(|t| Value::from(*t)).collect()),
+                Value::from(BS as u64),
+                Value::Nil,
+                s("GPU"),
+                lora,
+                Value::Array(keys),
+            ]);
+            let payload = encode(vec![event.clone()]);
+            let raw = decode_event_batch(&payload)
+                .expect("Dynamo decodes it")
+                .events
+                .remove(0);
+            let placed = normalizer
+                .normalize(raw, step, WorkerWithDpRank::new(7, 0))
+                .expect("Dynamo takes it");
+            let KvCacheEventData::Stored(store) = placed.event.data else {
+                panic!("not a store");
+            };
+            let want: Vec<u64> = store.blocks.iter().map(|b| b.tokens_hash.0).collect();
+            let mut ours = decode_payload(&payload).expect("kvscope decodes it");
+            let meta = ours.meta.remove(0);
+            let mut ev = ours.events.remove(0);
+            let n = ev.hash_tokens_with_media(&meta.media, placeholders);
+            let got = ev.stored_local_hashes().unwrap().into_owned();
+            assert_eq!(
+                got, want,
+                "seed {seed} step {step} {placeholders:?}: {event}"
+            );
+            blocks_checked += want.len();
+            with_objects += n;
+            padded += usize::from(
+                n > 0 && (placeholders.image.is_some() || placeholders.video.is_some()),
+            );
+        }
+    }
+    eprintln!("{blocks_checked} blocks, {with_objects} holding objects, {padded} stores padded");
+    assert!(
+        with_objects > 500 && padded > 100,
+        "{with_objects} {padded}"
+    );
+}

@@ -15,6 +15,7 @@ use crate::sink::RecordSink;
 use crate::taps::plane::tap::PlaneTaps;
 use kvscope_discovery::procfs;
 use kvscope_discovery::{Backend, Fleet, FleetChange, Worker};
+use kvscope_wire::hashing::MediaPlaceholders;
 use kvscope_wire::subject;
 use kvscope_wire::{Record, WorkerRecord, WorkerState};
 use std::path::Path;
@@ -165,7 +166,7 @@ pub(crate) fn resolve_endpoint(
     fleet: &Fleet,
     endpoint: &str,
     proc_root: &Path,
-) -> Result<u64, String> {
+) -> Result<(u64, u32), String> {
     let (host, port) = procfs::host_port(endpoint)
         .ok_or_else(|| format!("{endpoint} has no TCP port to look up"))?;
     let sockets = procfs::sockets_of(proc_root, &procfs::all_pids(proc_root));
@@ -180,7 +181,7 @@ pub(crate) fn resolve_endpoint(
         });
     };
     let owner = crate::fleet::owners::worker_of_process(fleet, &sockets, proc_root, pid);
-    owner.worker_id.ok_or_else(|| {
+    owner.worker_id.map(|id| (id, pid)).ok_or_else(|| {
         let hint = if owner.ambiguous {
             format!("; give --kv {endpoint}=WORKER_ID")
         } else {
@@ -190,6 +191,15 @@ pub(crate) fn resolve_endpoint(
     })
 }
 
+/// A publisher's worker, as the fleet and this node's processes tell it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PublisherOwner {
+    pub worker_id: u64,
+    /// What the worker's model holds in its prompts for images and videos, or why that
+    /// is not known ([`media_placeholders`]).
+    pub placeholders: Result<MediaPlaceholders, String>,
+}
+
 /// Wait until `endpoint`'s worker can be told from the fleet (see [`resolve_endpoint`]),
 /// re-checking at every new read of the store and every second; `None` if told to stop.
 pub async fn wait_for_worker(
@@ -197,18 +207,23 @@ pub async fn wait_for_worker(
     endpoint: &str,
     stats: &AgentStats,
     stop: &mut watch::Receiver<bool>,
-) -> Option<u64> {
+) -> Option<PublisherOwner> {
     let mut last_error = String::new();
     loop {
         let fleet = view.borrow_and_update().clone();
         let ep = endpoint.to_string();
         // Reading /proc is blocking file I/O.
-        let resolved =
-            tokio::task::spawn_blocking(move || resolve_endpoint(&fleet, &ep, Path::new("/proc")))
-                .await
-                .unwrap_or_else(|e| Err(e.to_string()));
+        let resolved = tokio::task::spawn_blocking(move || {
+            let proc_root = Path::new("/proc");
+            resolve_endpoint(&fleet, &ep, proc_root).map(|(worker_id, pid)| PublisherOwner {
+                worker_id,
+                placeholders: media_placeholders(&fleet, worker_id, pid, proc_root),
+            })
+        })
+        .await
+        .unwrap_or_else(|e| Err(e.to_string()));
         match resolved {
-            Ok(id) => return Some(id),
+            Ok(owner) => return Some(owner),
             Err(e) => {
                 if e != last_error {
                     crate::internal_events::KvWorkerUnresolved {
@@ -226,4 +241,48 @@ pub async fn wait_for_worker(
             _ = stop.changed() => return None,
         }
     }
+}
+
+/// The largest model `config.json` read: a real one is a few KiB.
+const MAX_MODEL_CONFIG_BYTES: u64 = 4 << 20;
+
+/// What a worker's model holds in its prompts where an image or a video goes, from its
+/// `config.json` (the path its card registered, read through process `pid`'s root, as
+/// the worker sees it): `image_token_id`, and `video_token_id` or `video_token_index`.
+/// These are the ids Dynamo's vLLM handler gives its publisher, which writes a
+/// multimodal object over their runs (see
+/// [`kvscope_wire::hashing::local_block_hash_with_media`]). Why not, where they cannot
+/// be read.
+pub(crate) fn media_placeholders(
+    fleet: &Fleet,
+    worker_id: u64,
+    pid: u32,
+    proc_root: &Path,
+) -> Result<MediaPlaceholders, String> {
+    use std::io::Read;
+    let path = fleet
+        .workers
+        .get(&worker_id)
+        .and_then(|w| w.model_config.as_deref())
+        .ok_or("the worker's model card names no config.json")?;
+    let inside = path
+        .strip_prefix('/')
+        .ok_or_else(|| format!("the card's config.json path {path:?} is not absolute"))?;
+    let full = proc_root.join(pid.to_string()).join("root").join(inside);
+    let mut text = String::new();
+    std::fs::File::open(&full)
+        .and_then(|f| f.take(MAX_MODEL_CONFIG_BYTES).read_to_string(&mut text))
+        .map_err(|e| format!("{}: {e}", full.display()))?;
+    let config: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| format!("{}: {e}", full.display()))?;
+    let id = |key: &str| {
+        config
+            .get(key)
+            .and_then(serde_json::Value::as_u64)
+            .and_then(|v| u32::try_from(v).ok())
+    };
+    Ok(MediaPlaceholders {
+        image: id("image_token_id"),
+        video: id("video_token_id").or_else(|| id("video_token_index")),
+    })
 }

@@ -229,6 +229,7 @@ impl Owners {
 mod tests {
     use super::*;
     use kvscope_discovery::{KvPublisher, Worker};
+    use kvscope_wire::hashing::MediaPlaceholders;
     use kvscope_wire::WorkerKey;
 
     /// A `/proc` with processes (pid, ppid, cgroup, listening sockets as (inode, hex
@@ -276,6 +277,7 @@ mod tests {
             total_kv_blocks: None,
             dp_ranks,
             worker_type: None,
+            model_config: None,
         }
     }
 
@@ -370,7 +372,7 @@ mod tests {
             kv_publishers: BTreeMap::new(),
         };
         let resolve = |ep: &str| crate::fleet::resolve_endpoint(&fleet, ep, proc.root());
-        assert_eq!(resolve("tcp://127.0.0.1:5600"), Ok(7));
+        assert_eq!(resolve("tcp://127.0.0.1:5600"), Ok((7, 101)));
         let e = resolve("tcp://127.0.0.1:5601").unwrap_err();
         assert!(
             e.contains("process 300") && e.contains("no worker's"),
@@ -378,6 +380,46 @@ mod tests {
         );
         let e = resolve("tcp://127.0.0.1:5602").unwrap_err();
         assert!(e.contains("no local process listens"), "{e}");
+    }
+
+    /// The placeholders of a worker's model, from the config.json its card names, read
+    /// through the publisher process's root (its own file system); why not, where not.
+    #[test]
+    fn a_models_placeholders_come_from_its_config_through_the_process_root() {
+        let proc = FakeProc::new();
+        proc.process(101, 1, "/", &[]);
+        let dir = proc.root().join("101/root/models/vl");
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut w = worker(7, "127.0.0.1:9000/7/x", vec![0]);
+        w.model_config = Some("/models/vl/config.json".into());
+        let fleet = Fleet {
+            workers: BTreeMap::from([(7, w)]),
+            kv_publishers: BTreeMap::new(),
+        };
+        let read = || crate::fleet::media_placeholders(&fleet, 7, 101, proc.root());
+        let e = read().unwrap_err();
+        assert!(e.contains("101/root/models/vl/config.json"), "{e}");
+        let write = |json: &str| std::fs::write(dir.join("config.json"), json).unwrap();
+        write(r#"{"model_type":"qwen2_vl","image_token_id":151655,"video_token_id":151656}"#);
+        assert_eq!(
+            read(),
+            Ok(MediaPlaceholders {
+                image: Some(151655),
+                video: Some(151656)
+            })
+        );
+        write(r#"{"model_type":"x","video_token_index":32001}"#);
+        assert_eq!(
+            read(),
+            Ok(MediaPlaceholders {
+                image: None,
+                video: Some(32001)
+            })
+        );
+        write("not json");
+        assert!(read().is_err());
+        let e = crate::fleet::media_placeholders(&fleet, 8, 101, proc.root()).unwrap_err();
+        assert!(e.contains("names no config.json"), "{e}");
     }
 
     #[test]

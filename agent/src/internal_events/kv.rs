@@ -162,6 +162,37 @@ impl InternalEvent<AgentStats> for KvEventRefused<'_> {
     }
 }
 
+/// Blocks of a store that hold multimodal objects, hashed with them; `placeholders`
+/// says whether the model's placeholder ids were known (else why not).
+pub struct KvMediaBlocks<'a> {
+    pub publisher: &'a str,
+    pub blocks: usize,
+    pub placeholders: Result<(), &'a str>,
+}
+
+static MEDIA_WITHOUT_PLACEHOLDERS: LogLimiter = LogLimiter::new();
+
+impl InternalEvent<AgentStats> for KvMediaBlocks<'_> {
+    fn emit(self, stats: &AgentStats) {
+        add(&stats.kv_media_blocks, self.blocks as u64);
+        if let Err(why) = self.placeholders {
+            add(
+                &stats.kv_media_blocks_without_placeholders,
+                self.blocks as u64,
+            );
+            if let Some(suppressed) = MEDIA_WITHOUT_PLACEHOLDERS.check() {
+                warn!(
+                    publisher = %self.publisher,
+                    blocks = self.blocks,
+                    reason = why,
+                    suppressed,
+                    "KV blocks holding images or videos hashed without the model's placeholder                      token ids (its config.json could not be read): they match the router's                      blocks only where Dynamo's publisher did not rewrite their placeholder runs."
+                );
+            }
+        }
+    }
+}
+
 /// A store that took its parent's cache salt.
 pub struct KvSaltInherited;
 

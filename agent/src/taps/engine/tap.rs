@@ -10,19 +10,21 @@
 
 use crate::config::KvEndpoint;
 use crate::counters::AgentStats;
-use crate::fleet::FleetView;
+use crate::fleet::{FleetView, PublisherOwner};
 use crate::internal_events::{
     InternalEvent, KvBadFrame, KvBatchReceived, KvBatchReplayed, KvDecodeError,
-    KvEngineTimeIgnored, KvEventRefused, KvFieldsLeftOut, KvMalformedEvent, KvMediumLeftOut,
-    KvPeerViolation, KvReplayCut, KvReplayDone, KvReplayFailed, KvSaltInherited, KvSequenceGap,
-    KvSequenceReset, KvTapConnected, KvTapDisconnected, KvTapPanicked, KvUnknownEvent,
+    KvEngineTimeIgnored, KvEventRefused, KvFieldsLeftOut, KvMalformedEvent, KvMediaBlocks,
+    KvMediumLeftOut, KvPeerViolation, KvReplayCut, KvReplayDone, KvReplayFailed, KvSaltInherited,
+    KvSequenceGap, KvSequenceReset, KvTapConnected, KvTapDisconnected, KvTapPanicked,
+    KvUnknownEvent,
 };
 use crate::kv_events::{decode_payload, split_frames, EventProblem};
 use crate::sink::{RecordSink, SourceId};
 use crate::taps::engine::sequence::SequenceTracker;
 use crate::taps::engine::zmtp::{Connection, Limits, SocketType, ZmtpError};
+use kvscope_wire::hashing::MediaPlaceholders;
 use kvscope_wire::kv_admission::Admission;
-use kvscope_wire::{KvEvent, KvEventBatch, Record, SequenceStatus, WorkerKey};
+use kvscope_wire::{KvEventBatch, Record, SequenceStatus, WorkerKey};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::watch;
@@ -40,6 +42,9 @@ pub(crate) struct KvTap {
     sequence: PublisherSequence,
     /// Which of the engine's events the mirror takes, and their chains' salts.
     admission: Admission,
+    /// What the worker's model holds for images and videos in its prompts, or why that
+    /// is not known: how blocks holding multimodal objects are hashed.
+    placeholders: Result<MediaPlaceholders, String>,
     stats: Arc<AgentStats>,
 }
 
@@ -183,7 +188,19 @@ impl KvTap {
             worker_id,
             sequence: PublisherSequence::default(),
             admission: Admission::default(),
+            placeholders: Err(
+                "the publisher's worker was given, not found through discovery".into(),
+            ),
             stats,
+        }
+    }
+
+    /// A tap for the publisher of a worker found through discovery, with what its
+    /// model's config says of its placeholders.
+    pub fn of_owner(endpoint: KvEndpoint, owner: PublisherOwner, stats: Arc<AgentStats>) -> Self {
+        Self {
+            placeholders: owner.placeholders,
+            ..Self::new(endpoint, owner.worker_id, stats)
         }
     }
 
@@ -398,15 +415,28 @@ impl KvTap {
                     if admitted.salt_inherited {
                         KvSaltInherited.emit(&self.stats);
                     }
+                    // The tokens leave the node as their blocks' hashes (a block's hash in
+                    // the bytes of two of its tokens: half the bytes on the bus in all),
+                    // and the collector's hashing is done here, spread over the nodes.
+                    let placeholders = self.placeholders.as_ref().copied().unwrap_or_default();
+                    let blocks = event.hash_tokens_with_media(&meta.media, placeholders);
+                    if blocks > 0 {
+                        KvMediaBlocks {
+                            publisher,
+                            blocks,
+                            placeholders: self
+                                .placeholders
+                                .as_ref()
+                                .map(|_| ())
+                                .map_err(String::as_str),
+                        }
+                        .emit(&self.stats);
+                    }
                     events.push(event);
                 }
                 Err(why) => KvEventRefused { publisher, why }.emit(&self.stats),
             }
         }
-        // The tokens leave the node as their blocks' hashes (a block's hash in the bytes
-        // of two of its tokens: half the bytes on the bus in all), and the collector's
-        // hashing is done here, spread over the nodes.
-        events.iter_mut().for_each(KvEvent::hash_tokens);
         Some(Record::KvEvents(KvEventBatch {
             worker: WorkerKey {
                 worker_id: self.worker_id,
@@ -501,12 +531,13 @@ async fn tap_until_stopped(
             let Some(view) = fleet.as_mut() else {
                 return;
             };
-            let Some(id) = crate::fleet::wait_for_worker(view, publisher, &stats, &mut stop).await
+            let Some(owner) =
+                crate::fleet::wait_for_worker(view, publisher, &stats, &mut stop).await
             else {
                 return;
             };
-            if tap.as_ref().is_none_or(|t| t.worker_id != id) {
-                tap = Some(KvTap::new(endpoint.clone(), id, stats.clone()));
+            if tap.as_ref().is_none_or(|t| t.worker_id != owner.worker_id) {
+                tap = Some(KvTap::of_owner(endpoint.clone(), owner, stats.clone()));
             }
         }
         let Some(tap) = tap.as_mut() else {
@@ -687,6 +718,7 @@ fn engine_time_ns(record: &Record, stats: &AgentStats) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvscope_wire::KvEvent;
     use rmpv::Value;
 
     fn encode(v: &Value) -> Vec<u8> {
@@ -1053,6 +1085,74 @@ mod tests {
         let got = events_of(t.message(&msg(0, encode(&batch(vec![removed(1, 1)], None)))));
         assert!(got.is_empty());
         assert_eq!(stats.snapshot().kv_events_refused_unlearned_cache_group, 2);
+    }
+
+    /// A store whose block holds an image (the routing hash Dynamo's frontend marked, in
+    /// vLLM's `extra_keys`) leaves hashed with it: with the model's placeholder known, its
+    /// image run written over as Dynamo's publisher writes it; without, the objects
+    /// appended, and counted.
+    #[test]
+    fn blocks_holding_images_are_hashed_with_them() {
+        use kvscope_wire::hashing::{local_block_hash_with_media, seed_for};
+        let object = 0x0123_4567_89ab_cdefu64;
+        let image = Value::Array(vec![Value::Array(vec![Value::from(format!(
+            "{object:016x}{}",
+            "0".repeat(48)
+        ))])]);
+        let store = || {
+            event(vec![
+                ("type", Value::from("BlockStored")),
+                ("block_hashes", Value::Array(vec![Value::from(1u64)])),
+                ("parent_block_hash", Value::Nil),
+                (
+                    "token_ids",
+                    Value::Array([7u32, 99, 99, 8].map(Value::from).to_vec()),
+                ),
+                ("block_size", Value::from(4u32)),
+                ("extra_keys", image.clone()),
+            ])
+        };
+        let local = |r: Option<Record>| match &events_of(r)[..] {
+            [KvEvent::BlockStored {
+                local_hashes: Some(l),
+                ..
+            }] => l.clone(),
+            other => panic!("{other:?}"),
+        };
+        let seed = seed_for(None, None);
+        let with = |image: Option<u32>| {
+            let p = MediaPlaceholders { image, video: None };
+            vec![local_block_hash_with_media(
+                &[7, 99, 99, 8],
+                seed,
+                &[object],
+                p,
+            )]
+        };
+        let (t, stats) = tap(None);
+        let mut known = KvTap {
+            placeholders: Ok(MediaPlaceholders {
+                image: Some(99),
+                video: None,
+            }),
+            ..t
+        };
+        let got = local(known.message(&msg(0, encode(&batch(vec![store()], None)))));
+        assert_eq!(got, with(Some(99)));
+        assert_ne!(got, with(None));
+        let c = stats.snapshot();
+        assert_eq!(
+            (c.kv_media_blocks, c.kv_media_blocks_without_placeholders),
+            (1, 0)
+        );
+        let (mut unknown, stats) = tap(None);
+        let got = local(unknown.message(&msg(0, encode(&batch(vec![store()], None)))));
+        assert_eq!(got, with(None));
+        let c = stats.snapshot();
+        assert_eq!(
+            (c.kv_media_blocks, c.kv_media_blocks_without_placeholders),
+            (1, 1)
+        );
     }
 
     #[test]

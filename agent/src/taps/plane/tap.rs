@@ -683,6 +683,7 @@ mod tests {
                 total_kv_blocks: Some(100),
                 dp_ranks: vec![0],
                 worker_type: None,
+                model_config: None,
             },
         );
         f.kv_publishers.insert(

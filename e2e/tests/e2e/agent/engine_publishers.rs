@@ -279,6 +279,32 @@ fn every_field(
             taken.push(want);
         }
         refusals.push(("salts_inherited", 1));
+        // A block holding an image: the routing hash Dynamo's frontend marked, as
+        // `[hash, offset]` (vLLM 0.19 on) beside vLLM's own hash of it (no object); the
+        // agent here is given its worker, so the model's placeholders are not known and
+        // the object is hashed after the tokens (and counted so).
+        let object = 0x0123_4567_89ab_cdefu64;
+        let mut e = store(41, None);
+        e["token_ids"] = json!([1, 99, 99, 4]);
+        e["extra_keys"] = json!([[
+            format!("{:064x}", u128::MAX),
+            [format!("{object:016x}{}", "0".repeat(48)), 1]
+        ]]);
+        count("extra_keys");
+        refused.push(e);
+        let mut want = KvEvent::BlockStored {
+            block_hashes: vec![41],
+            parent_block_hash: None,
+            token_ids: vec![1, 99, 99, 4],
+            block_size: 4,
+            local_hashes: None,
+            lora_name: None,
+            medium: None,
+            cache_salt: None,
+        };
+        want.hash_tokens_with_media(&[vec![object]], Default::default());
+        taken.push(want);
+        refusals.push(("media_blocks_without_placeholders", 1));
     }
     let batches = json!([
         {"events": first},
@@ -473,7 +499,9 @@ fn run_version(engine: &str, version: &str) -> Shape {
         .iter()
         .map(|(c, _)| {
             let name = match *c {
-                "salts_inherited" => "kvscope_agent_kv_salts_inherited_total".to_string(),
+                "salts_inherited" | "media_blocks_without_placeholders" => {
+                    format!("kvscope_agent_kv_{c}_total")
+                }
                 c => format!("kvscope_agent_kv_events_refused_{c}_total"),
             };
             (*c, counter(&name))

@@ -354,6 +354,8 @@ async fn records_from_zmq_and_the_router_log_arrive_on_jetstream() {
         kv_events_refused_unknown_cache_kind: 0,
         kv_events_refused_unlearned_cache_group: 0,
         kv_events_refused_ambiguous_salt: 0,
+        kv_media_blocks: 0,
+        kv_media_blocks_without_placeholders: 0,
         kv_salts_inherited: 0,
         kv_sequence_gaps: 1,
         kv_missed_batches: 2,
