@@ -84,6 +84,7 @@ fn record_fleet(path: &Path) {
             "node-a",
             t + S / 10,
             Record::Decision(RoutingDecision {
+                tenant: None,
                 model: None,
                 request_id: format!("req-{i}"),
                 worker: w(2),

@@ -214,6 +214,7 @@ pub async fn start(cfg: AgentConfig) -> anyhow::Result<RunningAgent> {
             max_line_bytes: cfg.max_line_bytes,
             join_timeout_ns: (cfg.join_timeout_secs * 1e9) as u64,
             decisions: cfg.decisions,
+            tenant_field: cfg.tenant_field()?,
             reorder_window_ns: cfg.reorder_window_ms * 1_000_000,
             request_trace_window_ns: cfg.request_trace_window_ms * 1_000_000,
             rescan: Duration::from_secs(2),

@@ -81,6 +81,15 @@ pub struct Cli {
     /// How long records wait for request-trace decisions, in ms [default: 10000].
     #[arg(long)]
     pub request_trace_window_ms: Option<u64>,
+    /// The field of a request's arrival line (the frontend's `request received`, with the
+    /// HTTP request's span: e.g. x_request_id) that names its tenant [default: none, a
+    /// request's tenant is its cache salt].
+    #[arg(long, value_name = "FIELD")]
+    pub tenant_field: Option<String>,
+    /// A regular expression whose first group (else its whole match) is the tenant
+    /// within --tenant-field's value [default: the whole value].
+    #[arg(long, value_name = "REGEX")]
+    pub tenant_pattern: Option<String>,
     /// Seconds between heartbeats [default: 1].
     #[arg(long)]
     pub heartbeat_secs: Option<f64>,
@@ -313,6 +322,12 @@ impl Cli {
         }
         if let Some(v) = self.request_trace_window_ms {
             cfg.request_trace_window_ms = v;
+        }
+        if let Some(v) = &self.tenant_field {
+            cfg.tenant_field = Some(v.clone());
+        }
+        if let Some(v) = &self.tenant_pattern {
+            cfg.tenant_pattern = Some(v.clone());
         }
         if let Some(v) = self.heartbeat_secs {
             cfg.heartbeat_interval_secs = v;

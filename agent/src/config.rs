@@ -19,6 +19,8 @@
 //! stream_max_bytes = 4294967296  # the stream's oldest records go first past this (0: no limit)
 //! stream_replicas = 0          # servers keeping it (0: 3 on a cluster of three or more, else 1)
 //! join_timeout_secs = 30.0
+//! tenant_field = "x_request_id"          # a request's tenant from its arrival line (default: its cache salt)
+//! tenant_pattern = "^([^-]+)-"           # the part of it that names the tenant (first group)
 //! reorder_window_ms = 250      # how long records wait for a quiet router log
 //! kv_reorder_window_ms = 250   # at most this for a quiet KV event publisher (default: as above)
 //! metrics_listen = "127.0.0.1:9464"
@@ -122,6 +124,15 @@ pub struct AgentConfig {
     /// request's arrival time; a request that ends later than that is judged late and
     /// counted in `records_late` (default 10000). Env: `KVSCOPE_AGENT_REQUEST_TRACE_WINDOW_MS`.
     pub request_trace_window_ms: u64,
+    /// The field of a request's arrival line (the frontend's INFO `request received`,
+    /// which carries the HTTP request's span: `x_request_id`, …) that names the
+    /// request's tenant; without it a request's tenant is its cache salt. Env:
+    /// `KVSCOPE_AGENT_TENANT_FIELD`.
+    pub tenant_field: Option<String>,
+    /// The part of `tenant_field`'s value that is the tenant: a regular expression whose
+    /// first group (else its whole match) names it; a value it does not match names
+    /// none (counted). Env: `KVSCOPE_AGENT_TENANT_PATTERN`.
+    pub tenant_pattern: Option<String>,
     /// Serve Prometheus `/metrics` of the agent's counters here (default none).
     /// Env: `KVSCOPE_AGENT_METRICS_LISTEN`.
     pub metrics_listen: Option<String>,
@@ -251,6 +262,8 @@ impl Default for AgentConfig {
             join_timeout_secs: 30.0,
             decisions: Default::default(),
             request_trace_window_ms: 10_000,
+            tenant_field: None,
+            tenant_pattern: None,
             metrics_listen: None,
             log_poll_interval_ms: 20,
             reorder_window_ms: 250,
@@ -324,6 +337,12 @@ impl AgentConfig {
         }
         if let Some(v) = env.parse("KVSCOPE_AGENT_REQUEST_TRACE_WINDOW_MS")? {
             self.request_trace_window_ms = v;
+        }
+        if let Some(v) = env.get("KVSCOPE_AGENT_TENANT_FIELD") {
+            self.tenant_field = Some(v);
+        }
+        if let Some(v) = env.get("KVSCOPE_AGENT_TENANT_PATTERN") {
+            self.tenant_pattern = Some(v);
         }
         if let Some(v) = env.parse("KVSCOPE_AGENT_HEARTBEAT_SECS")? {
             self.heartbeat_interval_secs = v;
@@ -409,9 +428,34 @@ impl AgentConfig {
         self.kv_reorder_window_ms.unwrap_or(self.reorder_window_ms)
     }
 
+    /// Which field of a request's arrival line names its tenant (`tenant_field`, its
+    /// part `tenant_pattern`), when told; an error for a pattern that is no regular
+    /// expression, or one given without a field.
+    pub fn tenant_field(&self) -> anyhow::Result<Option<crate::taps::router::join::TenantField>> {
+        let pattern = self
+            .tenant_pattern
+            .as_deref()
+            .map(|p| regex::Regex::new(p).map_err(|e| anyhow::anyhow!("tenant_pattern {p:?}: {e}")))
+            .transpose()?;
+        match self.tenant_field.as_deref().map(str::trim) {
+            Some(field) if !field.is_empty() => Ok(Some(crate::taps::router::join::TenantField {
+                field: field.to_string(),
+                pattern,
+            })),
+            _ => {
+                anyhow::ensure!(
+                    pattern.is_none(),
+                    "tenant_pattern is set but tenant_field, the field it reads, is not"
+                );
+                Ok(None)
+            }
+        }
+    }
+
     /// Reject values the agent cannot run with.
     pub fn validate(&self) -> anyhow::Result<()> {
         anyhow::ensure!(!self.agent_id.trim().is_empty(), "agent_id is empty");
+        self.tenant_field()?;
         anyhow::ensure!(self.buffer_capacity > 0, "buffer_capacity must be > 0");
         anyhow::ensure!(self.buffer_max_bytes > 0, "buffer_max_bytes must be > 0");
         anyhow::ensure!(
@@ -497,6 +541,25 @@ mod tests {
         );
         assert_eq!(c.metrics_listen.as_deref(), Some("127.0.0.1:9464"));
         assert!(c.otlp.target(kvscope_otlp::Signal::Metrics).is_some());
+        let t = c.tenant_field().unwrap().unwrap();
+        assert_eq!(t.field, "x_request_id");
+        assert!(t.pattern.is_some());
+    }
+
+    #[test]
+    fn a_tenant_pattern_must_be_a_regex_and_have_its_field() {
+        let c = |toml: &str| AgentConfig::from_toml(toml).unwrap();
+        assert!(c("").tenant_field().unwrap().is_none());
+        assert!(c("tenant_field = \"user\"")
+            .tenant_field()
+            .unwrap()
+            .is_some());
+        let e = c("tenant_field = \"user\"\ntenant_pattern = \"(\"")
+            .validate()
+            .unwrap_err();
+        assert!(e.to_string().contains("tenant_pattern"), "{e}");
+        let e = c("tenant_pattern = \"^(a)\"").validate().unwrap_err();
+        assert!(e.to_string().contains("tenant_field"), "{e}");
     }
 
     #[test]

@@ -76,6 +76,7 @@ agent_stats!(
     decisions_joined: "Routing decisions joined (routing input with its selected worker).",
     decisions_unjoined: "Routing inputs or selections never joined within the join timeout.",
     decisions_traced: "Routing decisions read from Dynamo's request trace (DYN_REQUEST_TRACE).",
+    router_tenants_unread: "Requests whose arrival line lacked the tenant_field the agent was told to read, or whose value tenant_pattern did not match: their tenant is their cache salt's.",
     router_candidates_unjoined: "What the router credited workers it scored (Dynamo 1.4/1.5's DEBUG `Formula for worker_id=…`, a line per worker; 1.6's disaggregated `Router selected a worker with lower KV cache overlap`, two workers a line) set beside no view of their request: its view never came while they were remembered (the `[ROUTING] Best` line's target not at DEBUG on 1.4), came before them, or named a worker they did not score.",
     migration_lines: "KVMIGRATE log lines read.",
     published: "Records published to NATS.",
@@ -108,6 +109,6 @@ mod tests {
         let c = s.snapshot();
         assert_eq!(c.kv_batches, 2);
         assert_eq!(c.publish_dropped, 5);
-        assert_eq!(s.named().len(), 58);
+        assert_eq!(s.named().len(), 59);
     }
 }

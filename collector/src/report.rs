@@ -121,7 +121,7 @@ pub struct OpportunityReport {
     /// Per model over the measured windows, when discovery named the models.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub models: BTreeMap<String, ModelFigures>,
-    /// Per tenant (a request's cache salt), over every decision judged (warm-up
+    /// Per tenant (a request's named tenant, else its cache salt), over every decision judged (warm-up
     /// included): the tenants with the most spills, the rest, and the unsalted.
     #[serde(default, skip_serializing_if = "TenantRows::is_empty")]
     pub tenants: TenantRows,
@@ -416,7 +416,7 @@ impl OpportunityReport {
             }
         }
         if !self.tenants.is_empty() {
-            let _ = writeln!(md, "\n## Tenants\n\nA request's tenant is the cache salt its first block was stored under; every decision judged since the collector started (warm-up included). The rows sum to the fleet's.\n\n| tenant {FIGURES_HEAD}");
+            let _ = writeln!(md, "\n## Tenants\n\nA request's tenant is what a field of the request named, where the agent was told which field, else the cache salt its first block was stored under; every decision judged since the collector started (warm-up included). The rows sum to the fleet's.\n\n| tenant {FIGURES_HEAD}");
             let t = &self.tenants;
             for r in &t.top {
                 figures_row(&mut md, &r.tenant, &r.figures);
@@ -424,7 +424,7 @@ impl OpportunityReport {
             if t.others.requests > 0 {
                 figures_row(&mut md, "(other tenants)", &t.others);
             }
-            figures_row(&mut md, "(no salt)", &t.unsalted);
+            figures_row(&mut md, "(none)", &t.unsalted);
         }
         let _ = writeln!(md, "\n## Workers\n\n| worker | requests | spills in | spills out | uncached prefill tokens | true delta tokens in | cached blocks |\n|---|---|---|---|---|---|---|");
         for (k, w) in &self.workers {
@@ -912,7 +912,7 @@ mod tests {
         let md = r.to_markdown();
         assert!(md.contains("| a\\|b | 1 | 100 |"), "{md}");
         assert!(md.contains("| (other tenants) | 60 | 15 |"));
-        assert!(md.contains("| (no salt) | 7 | 0 |"));
+        assert!(md.contains("| (none) | 7 | 0 |"));
     }
 
     #[test]

@@ -648,6 +648,11 @@ pub struct RoutingDecision {
     /// judged model by model.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model: Option<String>,
+    /// The request's tenant as a field of its request named it, where the agent was
+    /// told which (`tenant_field`); else the collector takes the cache salt its blocks
+    /// were stored under.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
 }
 
 /// What Dynamo's router logged of a choice besides the worker.
@@ -976,6 +981,9 @@ pub struct AgentCounters {
     pub decisions_unjoined: u64,
     /// Decisions read from Dynamo's request trace.
     pub decisions_traced: u64,
+    /// Requests whose arrival line named no tenant by the field the agent was told.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub router_tenants_unread: u64,
     /// The router's per-worker score lines set beside no view of their request.
     #[serde(default)]
     pub router_candidates_unjoined: u64,
@@ -1346,6 +1354,7 @@ mod tests {
             cache_salt: None,
         };
         let mut decision = RoutingDecision {
+            tenant: None,
             model: None,
             request_id: "r".into(),
             worker: WorkerKey {

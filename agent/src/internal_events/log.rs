@@ -59,6 +59,24 @@ impl InternalEvent<AgentStats> for DecisionUnjoined<'_> {
     }
 }
 
+/// A request's arrival line without the tenant field the agent was told to read, or
+/// whose value the pattern does not match.
+pub(crate) struct RouterTenantUnread;
+
+static TENANT_UNREAD: LogLimiter = LogLimiter::new();
+
+impl InternalEvent<AgentStats> for RouterTenantUnread {
+    fn emit(self, stats: &AgentStats) {
+        if let Some(suppressed) = TENANT_UNREAD.check() {
+            warn!(
+                suppressed,
+                "A request's arrival line (`request received`) has no tenant_field, or its value                  does not match tenant_pattern: its tenant is its cache salt's."
+            );
+        }
+        add(&stats.router_tenants_unread, 1);
+    }
+}
+
 /// Router score lines ([`crate::taps::router::parse::Candidate`]) set beside no view.
 pub(crate) struct RouterCandidatesUnjoined {
     pub lines: u64,

@@ -204,6 +204,7 @@ mod tests {
                 decisions_joined: 1,
                 decisions_unjoined: 1,
                 decisions_traced: 0,
+                router_tenants_unread: 0,
                 router_candidates_unjoined: 0,
                 migration_lines: 1,
                 published: 3,

@@ -1274,10 +1274,14 @@ impl FleetAnalyzer {
             self.cfg.min_spill_blocks,
         );
         v.model = model;
-        v.tenant = chain
-            .first()
-            .and_then(|&root| self.tenant_roots.tenant_of(root))
-            .map(|salt| salt.to_string());
+        // The tenant a field of the request named (the agent was told which), else the
+        // cache salt its chain's first block was stored under.
+        v.tenant = d.tenant.clone().or_else(|| {
+            chain
+                .first()
+                .and_then(|&root| self.tenant_roots.tenant_of(root))
+                .map(|salt| salt.to_string())
+        });
         verdict::extend_through_lower_tiers(&mut v, &self.lower, &chain);
         if let Some(believed) = d.selection.lower_tiers {
             self.tier_view.compare(believed, v.chosen_lower_tiers);
@@ -2463,14 +2467,25 @@ mod tests {
         let v = a.apply(&env(3, decision("r", 1, &toks))).unwrap();
         assert!(v.overlaps.is_empty());
         assert_eq!(v.tenant, None);
+        // A tenant a field of the request named (the agent told which) is the request's,
+        // over its blocks' salt.
+        let mut d = routing_decision("rc", 1, &toks);
+        d.local_hashes = local_block_hashes(&toks, 2, seed_for(Some("a"), None));
+        d.tenant = Some("team-c".into());
+        let v = a.apply(&env(3, Record::Decision(d))).unwrap();
+        assert_eq!((v.tenant.as_deref(), v.spill), (Some("team-c"), false));
         // Per tenant, summing to the fleet's.
         let t = &a.totals().tenants;
         let (ta, tb) = (&t.tenants["a"], &t.tenants["b"]);
         assert_eq!((ta.requests, ta.spills, ta.true_delta_tokens), (1, 1, 8));
         assert_eq!((tb.requests, tb.spills), (1, 0));
         assert_eq!((t.unsalted.requests, t.other_tenants.requests), (1, 0));
+        assert_eq!(t.tenants["team-c"].requests, 1);
         let fleet: u64 = a.totals().workers.values().map(|w| w.decisions).sum();
-        assert_eq!(ta.requests + tb.requests + t.unsalted.requests, fleet);
+        assert_eq!(
+            ta.requests + tb.requests + t.tenants["team-c"].requests + t.unsalted.requests,
+            fleet
+        );
         assert_eq!(ta.spills, a.counters().spills);
     }
 

@@ -83,6 +83,7 @@ pub fn decision(id: &str, to: u64, tokens: &[u32]) -> Record {
 /// The router sent request `id` of `tokens` to worker `to` (blocks of 2).
 pub(crate) fn routing_decision(id: &str, to: u64, tokens: &[u32]) -> RoutingDecision {
     RoutingDecision {
+        tenant: None,
         model: None,
         request_id: id.into(),
         worker: w(to),

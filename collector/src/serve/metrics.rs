@@ -797,7 +797,7 @@ pub fn write(out: &mut Exposition, a: &FleetAnalyzer, bus: &BusStatus) {
     let per_tenant: [(&str, &str, ModelFigure); 3] = [
         (
             "kvscope_tenant_decisions",
-            "Routing decisions judged, by tenant (the cache salt of the request's first block).",
+            "Routing decisions judged, by tenant (a request field the agent was told to read, else the cache salt of the request's first block).",
             |m| m.requests,
         ),
         ("kvscope_tenant_spills", "Spills, by tenant.", |m| m.spills),

@@ -45,6 +45,7 @@ fn forged(agent: &str, request_id: &str, observed_ns: u64) -> Envelope {
         agent: agent.into(),
         observed_ns,
         record: Record::Decision(RoutingDecision {
+            tenant: None,
             model: None,
             request_id: request_id.into(),
             worker: WorkerKey {

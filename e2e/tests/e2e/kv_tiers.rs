@@ -190,6 +190,7 @@ fn tiered_stream(seed: u64, steps: usize) -> Vec<Envelope> {
             0..=3 => {
                 requests += 1;
                 fleet.push(Record::Decision(RoutingDecision {
+                    tenant: None,
                     model: None,
                     request_id: format!("r{requests}"),
                     worker: key(w),

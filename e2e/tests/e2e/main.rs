@@ -42,4 +42,5 @@ mod otlp_retries;
 mod output_blocks;
 mod pod_endpoints;
 mod router_knobs;
+mod tenants;
 mod whatif_capacity;

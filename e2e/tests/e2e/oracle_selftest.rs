@@ -72,6 +72,7 @@ fn stored(tokens: &[u32], first_block: usize, tag: u64, parent: Option<u64>) -> 
 
 fn decision(id: &str, worker: WorkerKey, tokens: &[u32]) -> Record {
     Record::Decision(RoutingDecision {
+        tenant: None,
         model: None,
         request_id: id.into(),
         worker,

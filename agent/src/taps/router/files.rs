@@ -39,6 +39,8 @@ pub struct FollowSettings {
     pub max_line_bytes: usize,
     pub join_timeout_ns: u64,
     pub decisions: DecisionSource,
+    /// Which field of a request's arrival line names its tenant, when told.
+    pub tenant_field: Option<crate::taps::router::join::TenantField>,
     pub reorder_window_ns: u64,
     pub request_trace_window_ns: u64,
     /// How often the pattern is looked up again.
@@ -89,7 +91,8 @@ pub(crate) fn follow_one(
         s.states.clone(),
         stop,
     )?;
-    let tap = RouterTap::new(s.join_timeout_ns, s.max_line_bytes, s.decisions);
+    let tap = RouterTap::new(s.join_timeout_ns, s.max_line_bytes, s.decisions)
+        .with_tenant_field(s.tenant_field.clone());
     let id = sink.add_source(name, s.reorder_window_ns);
     let task = tokio::spawn(tap::run(
         tap,

@@ -211,6 +211,7 @@ fn remove_if_generation<T>(
 
 fn join(input: RoutingInput, sel: SelectedWorker) -> RoutingDecision {
     RoutingDecision {
+        tenant: None,
         model: input.model,
         request_id: input.request_id,
         worker: WorkerKey {
@@ -433,6 +434,9 @@ pub enum LogOutput {
     /// Router score lines given up: their request's view never came while they were
     /// remembered, or it named a worker they did not score.
     CandidatesUnjoined(u64),
+    /// A request's arrival line without the tenant field it was told to read, or whose
+    /// value the pattern does not match: its tenant is its cache salt's.
+    TenantUnread,
     Malformed(MalformedLine),
     Unjoined {
         request_id: String,
@@ -442,6 +446,34 @@ pub enum LogOutput {
     /// `[ROUTING_INPUT]` line and no request-trace record so far, while a `Selected
     /// worker` line went unjoined. Said once per log.
     RoutingInputMissing,
+}
+
+/// The longest tenant name kept: a longer one is none read.
+const MAX_TENANT: usize = 256;
+
+/// Which field of a request's arrival line (the frontend's INFO `request received`,
+/// with the HTTP request's span: `x_request_id`, …) names its tenant, and, optionally,
+/// the part of it that does: the pattern's first group, or its whole match.
+#[derive(Debug, Clone)]
+pub struct TenantField {
+    pub field: String,
+    pub pattern: Option<regex::Regex>,
+}
+
+impl TenantField {
+    /// The tenant `fields` name: `None` where the field is missing or empty, the pattern
+    /// does not match, or the name is longer than [`MAX_TENANT`].
+    fn tenant_of(&self, fields: &[(String, String)]) -> Option<String> {
+        let value = fields.iter().find(|(k, _)| *k == self.field)?.1.as_str();
+        let tenant = match &self.pattern {
+            None => value,
+            Some(re) => {
+                let c = re.captures(value)?;
+                c.get(1).or_else(|| c.get(0))?.as_str()
+            }
+        };
+        (!tenant.is_empty() && tenant.len() <= MAX_TENANT).then(|| tenant.to_string())
+    }
 }
 
 /// Parser and joiner together: log lines in, records and problems out.
@@ -466,6 +498,10 @@ pub struct RouterLogProcessor {
     spans: RecentByRequest<TraceContext>,
     /// The model each recent request asked for, from its arrival line.
     models: RecentByRequest<String>,
+    /// Which field of a request's arrival line names its tenant, when told.
+    tenant_field: Option<TenantField>,
+    /// The tenant each recent request's arrival line named.
+    tenants: RecentByRequest<String>,
     scored: Scored,
     /// The worker each recent `Selected worker` line named: the worker of a request-trace
     /// record that names none (Dynamo before 1.5 writes none).
@@ -497,6 +533,12 @@ impl RouterLogProcessor {
         Self::with_source(timeout_ns, max_pending, DecisionSource::Auto)
     }
 
+    /// Name each decision's tenant by `field` of its request's arrival line.
+    pub(crate) fn with_tenant_field(mut self, field: Option<TenantField>) -> Self {
+        self.tenant_field = field;
+        self
+    }
+
     pub(crate) fn with_source(timeout_ns: u64, max_pending: usize, source: DecisionSource) -> Self {
         Self {
             joiner: DecisionJoiner::new(timeout_ns, max_pending),
@@ -508,6 +550,8 @@ impl RouterLogProcessor {
             choice_views: VecDeque::new(),
             spans: RecentByRequest::default(),
             models: RecentByRequest::default(),
+            tenant_field: None,
+            tenants: RecentByRequest::default(),
             scored: Scored::default(),
             chosen: RecentByRequest::default(),
             routing_inputs: 0,
@@ -642,6 +686,7 @@ impl RouterLogProcessor {
                         LogOutput::TracedDecision {
                             at_ns: t.received_ns,
                             decision: RoutingDecision {
+                                tenant: self.tenants.get(&t.request_id),
                                 model: self.models.get(&t.request_id),
                                 trace: self.spans.get(&t.request_id),
                                 request_id: t.request_id,
@@ -704,9 +749,22 @@ impl RouterLogProcessor {
                 request_id,
                 trace,
                 model,
+                fields,
             } => {
                 if let Some(trace) = trace {
                     self.spans.note(&request_id, trace);
+                }
+                if let Some(by) = &self.tenant_field {
+                    if !fields.is_empty() {
+                        match by.tenant_of(&fields) {
+                            Some(tenant) => self.tenants.note(&request_id, tenant),
+                            None => {
+                                let mut out = self.advanced(now);
+                                out.push(LogOutput::TenantUnread);
+                                return out;
+                            }
+                        }
+                    }
                 }
                 if let Some(model) = model {
                     self.models.note(&request_id, model);
@@ -798,6 +856,7 @@ impl RouterLogProcessor {
             if d.trace.is_none() {
                 d.trace = self.spans.get(&d.request_id);
             }
+            d.tenant = self.tenants.get(&d.request_id);
         }
         from_join(j)
     }
@@ -950,6 +1009,7 @@ mod tests {
 
     fn decision(id: &str, worker: u64) -> LogOutput {
         LogOutput::Decision(RoutingDecision {
+            tenant: None,
             model: None,
             request_id: id.into(),
             worker: WorkerKey {
@@ -1407,6 +1467,71 @@ mod tests {
         assert_eq!(views.len(), 3);
         assert!(views[..2].iter().all(|v| v.candidates.is_empty()));
         assert_eq!(views[2].candidates.len(), 1);
+    }
+
+    /// Told which field names a request's tenant, the decision carries the part the
+    /// pattern picks from the request's arrival line (text or JSON); a line without it,
+    /// or whose value does not match, names none and is counted.
+    #[test]
+    fn a_decision_takes_its_tenant_from_the_field_it_was_told() {
+        let arrival = |id: &str, x: &str| {
+            format!(
+                r#"2026-12-07T09:48:34.271917Z  INFO http-request: dynamo_llm::http::service::metrics: request received request_id={id} model=m endpoint=chat_completions method=POST uri=/v1/chat/completions version=HTTP/1.1 x_request_id="{x}" request_id=h-{id}"#
+            )
+        };
+        let input = |id: &str| {
+            format!(
+                r#"2026-12-07T09:48:34.3Z DEBUG r: [ROUTING_INPUT] request local hashes request_id="{id}" isl_tokens=32 block_size=16 num_blocks=2 local_hashes=[1, 2]"#
+            )
+        };
+        let selected = |id: &str| {
+            format!(
+                r#"2026-12-07T09:48:34.3Z  INFO r: Selected worker router_mode="kv" request_id="{id}" worker_id=5 worker_type=decode dp_rank=0"#
+            )
+        };
+        let json_arrival = r#"{"time":"2026-12-07T09:48:34.4Z","level":"INFO","target":"dynamo_llm::http::service::metrics","message":"request received","request_id":"d","model":"m","x_request_id":"acme-7"}"#;
+        let mut p = RouterLogProcessor::new(30 * SEC, 100).with_tenant_field(Some(TenantField {
+            field: "x_request_id".into(),
+            pattern: Some(regex::Regex::new("^([a-z]+)-[0-9]+$").unwrap()),
+        }));
+        let mut lines = Vec::new();
+        for (id, x) in [("a", "acme-1"), ("b", "globex-2"), ("c", "no tenant here")] {
+            lines.extend([arrival(id, x), input(id), selected(id)]);
+        }
+        lines.extend([json_arrival.to_string(), input("d"), selected("d")]);
+        lines.extend([input("e"), selected("e")]);
+        let out: Vec<LogOutput> = lines.iter().flat_map(|l| p.line(l, 0)).collect();
+        let tenants: Vec<(String, Option<String>)> = out
+            .iter()
+            .filter_map(|o| match o {
+                LogOutput::Decision(d) => Some((d.request_id.clone(), d.tenant.clone())),
+                _ => None,
+            })
+            .collect();
+        let want = [
+            ("a", Some("acme")),
+            ("b", Some("globex")),
+            ("c", None),
+            ("d", Some("acme")),
+            ("e", None),
+        ]
+        .map(|(id, t)| (id.to_string(), t.map(str::to_string)));
+        assert_eq!(tenants, want);
+        let unread = out
+            .iter()
+            .filter(|o| **o == LogOutput::TenantUnread)
+            .count();
+        assert_eq!(
+            unread, 1,
+            "c's arrival line named none; e had no arrival line"
+        );
+        // Without a field to read, no decision names a tenant.
+        let mut p = RouterLogProcessor::new(30 * SEC, 100);
+        let out: Vec<LogOutput> = lines.iter().flat_map(|l| p.line(l, 0)).collect();
+        assert!(out.iter().all(|o| match o {
+            LogOutput::Decision(d) => d.tenant.is_none(),
+            o => *o != LogOutput::TenantUnread,
+        }));
     }
 
     /// A `/v1/completions` request (Dynamo 1.6.1, as its router logged it): its routing

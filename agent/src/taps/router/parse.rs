@@ -141,6 +141,9 @@ pub enum LineContent {
         request_id: String,
         trace: Option<TraceContext>,
         model: Option<String>,
+        /// The arrival line's fields, in order (the HTTP request's span's among them:
+        /// `x_request_id`, …), where a tenant may be named; none for other lines.
+        fields: Vec<(String, String)>,
     },
     /// Any other line: counted, not parsed.
     Other,
@@ -309,6 +312,7 @@ pub(crate) fn parse_json_line(line: &str) -> Option<Result<ParsedLine, Malformed
                     request_id: bounded(request_id),
                     trace: Some(trace),
                     model: None,
+                    fields: Vec::new(),
                 },
                 None => LineContent::Other,
             },
@@ -540,7 +544,7 @@ fn content(kind: Marker, fields: Result<Fields, String>) -> Result<LineContent, 
             Some(v) => LineContent::ChoiceView(v),
             None => return Err("no worker_id or overlap_blocks".into()),
         },
-        Marker::RequestReceived => request_received(&fields),
+        Marker::RequestReceived => request_received(fields),
         Marker::Candidate => match candidate(&fields)? {
             Some(c) => LineContent::Candidate(c),
             None => LineContent::Other,
@@ -557,13 +561,14 @@ fn content(kind: Marker, fields: Result<Fields, String>) -> Result<LineContent, 
 /// The frontend's INFO `request received request_id=… model=…`: the request's model,
 /// and in a JSON line the span it was written in. Any other line for one naming no
 /// request, or neither.
-fn request_received(f: &Fields) -> LineContent {
+fn request_received(f: Fields) -> LineContent {
     let (trace, model) = (f.trace(), f.get("model").and_then(model_name));
     match f.get("request_id") {
-        Some(id) if trace.is_some() || model.is_some() => LineContent::RequestSpan {
+        Some(id) => LineContent::RequestSpan {
             request_id: bounded(id),
             trace,
             model,
+            fields: f.pairs,
         },
         _ => LineContent::Other,
     }
@@ -1317,17 +1322,28 @@ mod tests {
             })
         );
         let received = r#"{"time":"2026-12-01T19:25:47.184114Z","level":"INFO","target":"dynamo_llm::http::service::metrics","message":"request received","request_id":"r-1","span_id":"4dbab56494688f08","span_name":"http-request","trace_id":"e3dc865584cf0a24f81738cf84ceb1c7"}"#;
-        assert_eq!(
-            parse_line(received).unwrap().content,
+        let span = |line: &str| match parse_line(line).unwrap().content {
             LineContent::RequestSpan {
-                request_id: "r-1".into(),
-                trace: Some(
+                request_id,
+                trace,
+                model,
+                fields,
+            } => (request_id, trace, model, fields.len()),
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(
+            span(received),
+            (
+                "r-1".to_string(),
+                Some(
                     TraceContext::parse("e3dc865584cf0a24f81738cf84ceb1c7", "4dbab56494688f08")
                         .unwrap()
                 ),
-                model: None,
-            }
+                None,
+                4
+            )
         );
+        // A trace context that is none: the request's arrival still, with no span.
         for (t, s) in [
             ("00000000000000000000000000000000", "4dbab56494688f08"),
             ("e3dc865584cf0a24f81738cf84ceb1c7", "0000000000000000"),
@@ -1337,11 +1353,7 @@ mod tests {
             let line = received
                 .replace("e3dc865584cf0a24f81738cf84ceb1c7", t)
                 .replace("4dbab56494688f08", s);
-            assert_eq!(
-                parse_line(&line).unwrap().content,
-                LineContent::Other,
-                "{t} {s}"
-            );
+            assert_eq!(span(&line).1, None, "{t} {s}");
         }
     }
 

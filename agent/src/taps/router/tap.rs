@@ -5,12 +5,12 @@ use crate::counters::AgentStats;
 use crate::internal_events::{
     DecisionClockBehind, DecisionJoined, DecisionTraced, DecisionUnjoined, InternalEvent,
     LogLineFuture, LogLineMalformed, LogLineRead, LogLineTooLong, MigrationLineParsed,
-    RequestIdShortened, RouterCandidatesUnjoined, RoutingInputMissing,
+    RequestIdShortened, RouterCandidatesUnjoined, RouterTenantUnread, RoutingInputMissing,
 };
 use crate::sink::{RecordSink, SourceId};
 use crate::taps::router::cri::{CriJoiner, CriOutput};
 use crate::taps::router::follower::LogItem;
-use crate::taps::router::join::{DecisionSource, LogOutput, RouterLogProcessor};
+use crate::taps::router::join::{DecisionSource, LogOutput, RouterLogProcessor, TenantField};
 use kvscope_kit::clock::now_ns;
 use kvscope_wire::Record;
 use tokio::sync::mpsc;
@@ -35,6 +35,12 @@ impl RouterTap {
             processor: RouterLogProcessor::with_source(join_timeout_ns, MAX_PENDING, source),
             cri: CriJoiner::new(max_line_bytes),
         }
+    }
+
+    /// Decisions name their tenant by `field` of their request's arrival line.
+    pub fn with_tenant_field(mut self, field: Option<TenantField>) -> Self {
+        self.processor = self.processor.with_tenant_field(field);
+        self
     }
 
     /// The timestamp of the latest log line that carried one (UNIX ns).
@@ -121,6 +127,7 @@ impl RouterTap {
                 LogOutput::CandidatesUnjoined(lines) => {
                     RouterCandidatesUnjoined { lines }.emit(stats)
                 }
+                LogOutput::TenantUnread => RouterTenantUnread.emit(stats),
             }
         }
         records

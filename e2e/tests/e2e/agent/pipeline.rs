@@ -380,6 +380,7 @@ async fn records_from_zmq_and_the_router_log_arrive_on_jetstream() {
         decisions_joined: 1,
         decisions_unjoined: 1,
         decisions_traced: 0,
+        router_tenants_unread: 0,
         router_candidates_unjoined: 0,
         migration_lines: 2,
         published: 0, // not compared
@@ -522,6 +523,7 @@ async fn records_from_zmq_and_the_router_log_arrive_on_jetstream() {
     assert_eq!(
         decisions,
         vec![&RoutingDecision {
+            tenant: None,
             model: None,
             request_id: "r1".into(),
             worker,

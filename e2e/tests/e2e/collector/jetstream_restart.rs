@@ -78,6 +78,7 @@ fn trace(n: usize) -> Vec<Envelope> {
                 })));
             }
             2 => out.push(env(Record::Decision(RoutingDecision {
+                tenant: None,
                 model: None,
                 request_id: format!("req-{i}"),
                 worker: WorkerKey {

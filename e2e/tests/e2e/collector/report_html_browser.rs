@@ -83,6 +83,7 @@ fn fleet_records() -> Vec<Envelope> {
         out.push(env(
             t,
             Record::Decision(RoutingDecision {
+                tenant: None,
                 model: None,
                 request_id: format!("req-{i}"),
                 worker: key(chosen),
