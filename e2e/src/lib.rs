@@ -136,3 +136,13 @@ pub fn applied_as_published(
     );
     applied
 }
+
+/// The counters of the last agent heartbeat among `envelopes`, if any.
+pub fn last_agent_counters(
+    envelopes: &[kvscope_wire::Envelope],
+) -> Option<kvscope_wire::AgentCounters> {
+    envelopes.iter().rev().find_map(|e| match &e.record {
+        kvscope_wire::Record::Heartbeat(h) => Some(h.counters.clone()),
+        _ => None,
+    })
+}

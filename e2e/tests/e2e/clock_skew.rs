@@ -126,15 +126,7 @@ async fn run_skewed(offset_ms: i64) -> Skewed {
         .iter()
         .filter(|v| router.get(&v.request_id) == Some(&v.chosen_overlap_blocks))
         .count();
-    let counters = replayed
-        .envelopes
-        .iter()
-        .rev()
-        .find_map(|e| match &e.record {
-            Record::Heartbeat(h) => Some(h.counters.clone()),
-            _ => None,
-        })
-        .expect("heartbeats");
+    let counters = kvscope_e2e::last_agent_counters(&replayed.envelopes).expect("heartbeats");
     let flagged_behind = replayed
         .envelopes
         .iter()

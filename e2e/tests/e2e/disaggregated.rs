@@ -16,7 +16,6 @@ use kvscope_agent::internal_events::{ROUTER_SCORES_DYN_LOG, ROUTING_INPUT_DYN_LO
 use kvscope_fleet::fleet_run::{replay, FleetRunConfig};
 use kvscope_lab::workload::{self, WorkloadConfig};
 use kvscope_lab::LabConfig;
-use kvscope_wire::Record;
 use serde_json::Value;
 use std::collections::BTreeSet;
 use std::time::Duration;
@@ -125,17 +124,10 @@ async fn prefill_decisions_are_judged_on_the_prefill_pool() {
             "a spill's view names the worker passed over: {views:?}"
         );
     }
-    let last_heartbeat = replayed
-        .envelopes
-        .iter()
-        .rev()
-        .find_map(|e| match &e.record {
-            Record::Heartbeat(h) => Some(serde_json::to_value(&h.counters).unwrap()),
-            _ => None,
-        })
-        .expect("the agent's heartbeats");
+    let counters =
+        kvscope_e2e::last_agent_counters(&replayed.envelopes).expect("the agent's heartbeats");
     assert_eq!(
-        last_heartbeat["router_candidates_unjoined"], 0,
+        counters.router_candidates_unjoined, 0,
         "every passed-over line went with its view"
     );
 }

@@ -259,21 +259,15 @@ async fn exact_on(release: &str, shape: Shape) -> Outcome {
             shape.name
         );
     }
-    let last_heartbeat = replayed
-        .envelopes
-        .iter()
-        .rev()
-        .find_map(|e| match &e.record {
-            Record::Heartbeat(h) => Some(serde_json::to_value(&h.counters).unwrap()),
-            _ => None,
-        })
-        .expect("the agent's heartbeats");
+    let counters =
+        kvscope_e2e::last_agent_counters(&replayed.envelopes).expect("the agent's heartbeats");
     assert_eq!(
-        last_heartbeat["router_candidates_unjoined"], 0,
+        counters.router_candidates_unjoined, 0,
         "Dynamo {release} ({}): every score line went with its view",
         shape.name
     );
-    let counted = last_heartbeat
+    let counted = serde_json::to_value(&counters)
+        .unwrap()
         .as_object()
         .into_iter()
         .flatten()

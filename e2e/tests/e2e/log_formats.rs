@@ -268,15 +268,7 @@ async fn json_lines_and_kubernetes_cri_logs_give_the_decisions_of_the_router() {
         decisions(&rec.envelopes),
         "the CRI file gave the same decisions, in order"
     );
-    let counters = cri
-        .envelopes
-        .iter()
-        .rev()
-        .find_map(|e| match &e.record {
-            Record::Heartbeat(h) => Some(h.counters.clone()),
-            _ => None,
-        })
-        .unwrap();
+    let counters = kvscope_e2e::last_agent_counters(&cri.envelopes).unwrap();
     assert_eq!(
         (
             counters.decisions_unjoined,

@@ -191,15 +191,8 @@ async fn million_token_prefills_are_judged_exactly_and_hold_nothing_back() {
 
     // Joined from their parts, in the agent's order.
     let rec = kvscope_e2e::applied_as_published(&agent_recording, &recording);
-    let counters: AgentCounters = rec
-        .envelopes
-        .iter()
-        .rev()
-        .find_map(|e| match &e.record {
-            Record::Heartbeat(h) => Some(h.counters.clone()),
-            _ => None,
-        })
-        .expect("a heartbeat");
+    let counters: AgentCounters =
+        kvscope_e2e::last_agent_counters(&rec.envelopes).expect("a heartbeat");
     // Every record over the server's 1 MiB `max_payload` went in parts: at least the
     // 1M-token one-store batch (its block and local hashes are ~1.4 MB packed).
     let over_a_message = rec

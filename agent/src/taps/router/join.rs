@@ -1193,30 +1193,40 @@ mod tests {
         );
     }
 
+    fn read_capture(name: &str) -> String {
+        std::fs::read_to_string(format!(
+            "{}/../lab/fixtures/samples/{name}",
+            env!("CARGO_MANIFEST_DIR")
+        ))
+        .unwrap()
+    }
+
+    /// A captured router log's decisions (counted) and views, to its end; any other
+    /// output but an unjoined half fails the test.
+    fn views_of_capture(name: &str) -> (usize, Vec<kvscope_wire::RouterView>) {
+        let mut p = RouterLogProcessor::new(30 * SEC, 10_000);
+        let text = read_capture(name);
+        let mut outputs: Vec<LogOutput> = text.lines().flat_map(|l| p.line(l, 0)).collect();
+        // What the log holds at its end comes out then.
+        outputs.extend(p.finish());
+        let (mut decisions, mut views) = (0, Vec::new());
+        for o in outputs {
+            match o {
+                LogOutput::RouterView(v) => views.push(v),
+                LogOutput::Decision(_) => decisions += 1,
+                LogOutput::Unjoined { .. } => {}
+                other => panic!("{name}: {other:?}"),
+            }
+        }
+        (decisions, views)
+    }
+
     /// A real Dynamo 1.4.1 router log at `dynamo_kv_router::scheduling::selector=debug`:
     /// every view carries what the router credited each of the three workers with, its
     /// own worker's credit equal to the overlap it logged; no score line is left over.
     #[test]
     fn score_lines_go_with_their_view() {
-        let text = std::fs::read_to_string(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../lab/fixtures/samples/router_log_1_4_1_scores.log"
-        ))
-        .unwrap();
-        let mut p = RouterLogProcessor::new(30 * SEC, 10_000);
-        let (mut decisions, mut views) = (0, Vec::new());
-        let mut outputs: Vec<LogOutput> = text.lines().flat_map(|l| p.line(l, 0)).collect();
-        // Nothing left over (what the log holds at its end comes out then).
-        outputs.extend(p.finish());
-        {
-            for o in outputs {
-                match o {
-                    LogOutput::Decision(_) => decisions += 1,
-                    LogOutput::RouterView(v) => views.push(v),
-                    other => panic!("{other:?}"),
-                }
-            }
-        }
+        let (decisions, views) = views_of_capture("router_log_1_4_1_scores.log");
         assert_eq!(views.len(), 16);
         assert_eq!(decisions, 16);
         for v in &views {
@@ -1235,25 +1245,7 @@ mod tests {
     /// second leg's lines are neither sent nor counted as unjoined.
     #[test]
     fn a_disaggregated_requests_view_carries_its_first_legs_scores() {
-        let text = std::fs::read_to_string(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../lab/fixtures/samples/router_log_1_4_1_disagg_scores.log"
-        ))
-        .unwrap();
-        let mut p = RouterLogProcessor::new(30 * SEC, 10_000);
-        let mut views = Vec::new();
-        let mut outputs: Vec<LogOutput> = text.lines().flat_map(|l| p.line(l, 0)).collect();
-        // Nothing left over (what the log holds at its end comes out then).
-        outputs.extend(p.finish());
-        {
-            for o in outputs {
-                match o {
-                    LogOutput::RouterView(v) => views.push(v),
-                    LogOutput::Decision(_) | LogOutput::Unjoined { .. } => {}
-                    other => panic!("{other:?}"),
-                }
-            }
-        }
+        let (_, views) = views_of_capture("router_log_1_4_1_disagg_scores.log");
         assert_eq!(views.len(), 4, "one view per request");
         for v in &views {
             assert_eq!(v.candidates.len(), 1, "{v:?}");
@@ -1269,32 +1261,15 @@ mod tests {
     /// with more; the other requests' carry none; nothing is lost.
     #[test]
     fn a_passed_over_worker_goes_with_its_view_whichever_line_comes_first() {
-        let text = std::fs::read_to_string(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../lab/fixtures/samples/router_log_1_6_1_disagg_passed_over.log"
-        ))
-        .unwrap();
-        let passed_over: Vec<&str> = text
+        let name = "router_log_1_6_1_disagg_passed_over.log";
+        let passed_over = read_capture(name)
             .lines()
             .filter(|l| l.contains("lower KV cache overlap"))
-            .collect();
-        let mut p = RouterLogProcessor::new(30 * SEC, 10_000);
-        let mut views = Vec::new();
-        let mut outputs: Vec<LogOutput> = text.lines().flat_map(|l| p.line(l, 0)).collect();
-        // Nothing left over (what the log holds at its end comes out then).
-        outputs.extend(p.finish());
-        {
-            for o in outputs {
-                match o {
-                    LogOutput::RouterView(v) => views.push(v),
-                    LogOutput::Decision(_) | LogOutput::Unjoined { .. } => {}
-                    other => panic!("{other:?}"),
-                }
-            }
-        }
+            .count();
+        let (_, views) = views_of_capture(name);
         assert_eq!(views.len(), 6, "one view per request");
         let with: Vec<_> = views.iter().filter(|v| !v.candidates.is_empty()).collect();
-        assert_eq!(with.len(), passed_over.len(), "{views:?}");
+        assert_eq!(with.len(), passed_over, "{views:?}");
         for v in with {
             assert_eq!(v.phase.as_deref(), Some("Prefill"), "{v:?}");
             let [chosen, best] = &v.candidates[..] else {
@@ -1310,11 +1285,7 @@ mod tests {
     /// comes after the view written as it chose is lost, and counted.
     #[test]
     fn a_passed_over_line_after_its_view_is_counted() {
-        let text = std::fs::read_to_string(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../lab/fixtures/samples/router_log_1_6_1_disagg_passed_over.log"
-        ))
-        .unwrap();
+        let text = read_capture("router_log_1_6_1_disagg_passed_over.log");
         let mut p = RouterLogProcessor::new(30 * SEC, 10_000);
         // As once the log has shown no route end for long: views are read as written.
         p.route_ends = Some(false);

@@ -172,7 +172,7 @@ async fn collect_until(
         assert!(
             !left.is_zero(),
             "timed out; last counters {:#?}; got {:#?}",
-            last_counters(&got),
+            kvscope_e2e::last_agent_counters(&got),
             got.iter()
                 .filter(|e: &&Envelope| !matches!(e.record, Record::Heartbeat(_)))
                 .collect::<Vec<_>>()
@@ -196,18 +196,11 @@ async fn collect_until(
             Ok(other) => panic!("consumer ended: {other:?}"),
             Err(_) => panic!(
                 "timed out; last counters {:#?}; got {got:#?}",
-                last_counters(&got)
+                kvscope_e2e::last_agent_counters(&got)
             ),
         }
     }
     got
-}
-
-fn last_counters(got: &[Envelope]) -> Option<AgentCounters> {
-    got.iter().rev().find_map(|e| match &e.record {
-        Record::Heartbeat(h) => Some(h.counters.clone()),
-        _ => None,
-    })
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -406,7 +399,7 @@ async fn records_from_zmq_and_the_router_log_arrive_on_jetstream() {
         } == want_counters
     };
     let got = collect_until(&js, &subjects, |got| {
-        last_counters(got).is_some_and(|c| settled(&c))
+        kvscope_e2e::last_agent_counters(got).is_some_and(|c| settled(&c))
     })
     .await;
 
@@ -772,7 +765,8 @@ async fn a_log_cut_and_rewritten_between_polls_loses_no_line() {
             .collect()
     };
     let got = collect_until(&js, &Subjects::new("cut"), |got| {
-        migrations(got).len() >= 50 && last_counters(got).is_some_and(|c| c.log_lines >= 50)
+        migrations(got).len() >= 50
+            && kvscope_e2e::last_agent_counters(got).is_some_and(|c| c.log_lines >= 50)
     })
     .await;
     let want: Vec<String> = (0..10)
@@ -780,7 +774,7 @@ async fn a_log_cut_and_rewritten_between_polls_loses_no_line() {
         .chain((0..40).map(|i| format!("n{i}")))
         .collect();
     assert_eq!(migrations(&got), want);
-    let c = last_counters(&got).unwrap();
+    let c = kvscope_e2e::last_agent_counters(&got).unwrap();
     assert_eq!((c.log_truncations, c.log_lines), (1, 50));
     agent.shutdown().await;
 }
