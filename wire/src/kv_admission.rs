@@ -118,11 +118,11 @@ pub struct EventMeta {
     pub spec_kind: Option<CacheSpecKind>,
     pub locality: Option<Locality>,
     pub ownership: Ownership,
-    /// A store's multimodal objects per block, in prompt order (vLLM's `extra_keys`: the
-    /// routing hashes Dynamo's frontend marked, see `vllm_events::media_object`); empty
-    /// when no block holds one. Part of the blocks' identity
+    /// A store's multimodal objects, per block that holds any (its index in the store,
+    /// ascending), in prompt order (vLLM's `extra_keys`: the routing hashes Dynamo's
+    /// frontend marked, see `vllm_events::media_object`). Part of the blocks' identity
     /// ([`crate::hashing::local_block_hash_with_media`]).
-    pub media: Vec<Vec<u64>>,
+    pub media: Vec<(usize, Vec<u64>)>,
 }
 
 /// Why an event was refused.

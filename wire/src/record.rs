@@ -425,13 +425,14 @@ impl KvEvent {
     }
 
     /// [`Self::hash_tokens`] for a store whose blocks hold multimodal objects (`media`,
-    /// per block, as the engine's event named them; see
+    /// by block index, ascending, as the engine's event named them; see
     /// [`crate::kv_admission::EventMeta::media`]): those blocks hashed with their objects
     /// as Dynamo's publisher hashes them, given the model's `placeholders`
-    /// ([`crate::hashing::local_block_hash_with_media`]). How many blocks held objects.
+    /// ([`crate::hashing::local_block_hash_with_media`]). How many of its full blocks
+    /// held objects.
     pub fn hash_tokens_with_media(
         &mut self,
-        media: &[Vec<u64>],
+        media: &[(usize, Vec<u64>)],
         placeholders: crate::hashing::MediaPlaceholders,
     ) -> usize {
         if let KvEvent::BlockStored {
@@ -443,14 +444,22 @@ impl KvEvent {
             ..
         } = self
         {
-            if media.iter().any(|m| !m.is_empty()) && !token_ids.is_empty() && *block_size > 0 {
+            if !media.is_empty() && !token_ids.is_empty() && *block_size > 0 {
                 let seed = crate::hashing::seed_for(cache_salt.as_deref(), lora_name.as_deref());
-                let none = Vec::new();
+                let mut next = media.iter().peekable();
+                let mut held = 0;
                 let hashed = token_ids
                     .chunks_exact(*block_size as usize)
                     .enumerate()
                     .map(|(i, block)| {
-                        let objects = media.get(i).unwrap_or(&none);
+                        while next.next_if(|(at, _)| *at < i).is_some() {}
+                        let objects = match next.next_if(|(at, _)| *at == i) {
+                            Some((_, o)) => {
+                                held += 1;
+                                o.as_slice()
+                            }
+                            None => &[],
+                        };
                         crate::hashing::local_block_hash_with_media(
                             block,
                             seed,
@@ -461,7 +470,7 @@ impl KvEvent {
                     .collect();
                 *local_hashes = Some(hashed);
                 *token_ids = Vec::new();
-                return media.iter().filter(|m| !m.is_empty()).count();
+                return held;
             }
         }
         let Some(std::borrow::Cow::Owned(hashed)) = self.stored_local_hashes() else {
@@ -826,7 +835,9 @@ pub struct RouterView {
     /// What the router credited each worker it scored with, where its release logs one
     /// line per worker (Dynamo 1.4 and 1.5 at DEBUG under
     /// `dynamo_kv_router::scheduling::selector`: `Formula for worker_id=… with N effective
-    /// cached blocks`; 1.6 logs none): the router's belief about the workers it passed
+    /// cached blocks`; 1.6 only its disaggregated prefill router's `Router selected a
+    /// worker with lower KV cache overlap`, the chosen and the believed-best worker):
+    /// the router's belief about the workers it passed
     /// over, the best one among them. Empty where the log has none.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub candidates: Vec<RouterCandidate>,

@@ -414,8 +414,8 @@ struct Slots<'a> {
 struct ExtraKeys<'a> {
     head: Head<'a>,
     first_block: Vec<&'a [u8]>,
-    /// Per block, its multimodal objects; empty when no block holds one.
-    media: Vec<Vec<u64>>,
+    /// The multimodal objects of each block that holds any, by block index.
+    media: Vec<(usize, Vec<u64>)>,
 }
 
 /// A multimodal object's routing hash, from an `extra_keys` item in the form Dynamo's
@@ -649,7 +649,6 @@ impl<'a> Reader<'a> {
             let entry = self.head()?;
             let Head::Array(m) = entry else {
                 self.finish(&entry, entry_depth)?;
-                keys.media.push(objects);
                 continue;
             };
             let items = deeper(entry_depth)?;
@@ -685,10 +684,11 @@ impl<'a> Reader<'a> {
                     objects.push(o);
                 }
             }
-            keys.media.push(objects);
-        }
-        if keys.media.iter().all(Vec::is_empty) {
-            keys.media = Vec::new();
+            // Only blocks holding objects take room: a forged list of a million empty
+            // entries costs nothing.
+            if !objects.is_empty() {
+                keys.media.push((i as usize, objects));
+            }
         }
         Ok(keys)
     }

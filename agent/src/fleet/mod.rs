@@ -270,9 +270,23 @@ pub(crate) fn media_placeholders(
         .ok_or_else(|| format!("the card's config.json path {path:?} is not absolute"))?;
     let full = proc_root.join(pid.to_string()).join("root").join(inside);
     let mut text = String::new();
-    std::fs::File::open(&full)
-        .and_then(|f| f.take(MAX_MODEL_CONFIG_BYTES).read_to_string(&mut text))
-        .map_err(|e| format!("{}: {e}", full.display()))?;
+    let shown = |e: std::io::Error| format!("{}: {e}", full.display());
+    // Opened without waiting (a FIFO at that path would block the open forever), and
+    // read only when it is a plain file.
+    let file = {
+        use std::os::unix::fs::OpenOptionsExt;
+        std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(nix::libc::O_NONBLOCK)
+            .open(&full)
+            .map_err(shown)?
+    };
+    if !file.metadata().map_err(shown)?.is_file() {
+        return Err(format!("{} is not a file", full.display()));
+    }
+    file.take(MAX_MODEL_CONFIG_BYTES)
+        .read_to_string(&mut text)
+        .map_err(shown)?;
     let config: serde_json::Value =
         serde_json::from_str(&text).map_err(|e| format!("{}: {e}", full.display()))?;
     let id = |key: &str| {

@@ -418,6 +418,15 @@ mod tests {
         );
         write("not json");
         assert!(read().is_err());
+        // A FIFO where the config should be: refused at once, never waited on.
+        std::fs::remove_file(dir.join("config.json")).unwrap();
+        let made = std::process::Command::new("mkfifo")
+            .arg(dir.join("config.json"))
+            .status()
+            .unwrap();
+        assert!(made.success());
+        let e = read().unwrap_err();
+        assert!(e.contains("is not a file"), "{e}");
         let e = crate::fleet::media_placeholders(&fleet, 8, 101, proc.root()).unwrap_err();
         assert!(e.contains("names no config.json"), "{e}");
     }

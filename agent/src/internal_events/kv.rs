@@ -186,7 +186,9 @@ impl InternalEvent<AgentStats> for KvMediaBlocks<'_> {
                     blocks = self.blocks,
                     reason = why,
                     suppressed,
-                    "KV blocks holding images or videos hashed without the model's placeholder                      token ids (its config.json could not be read): they match the router's                      blocks only where Dynamo's publisher did not rewrite their placeholder runs."
+                    "KV blocks holding images or videos hashed without the model's placeholder token ids \
+                     (see the reason): they match the router's blocks only where Dynamo's \
+                     publisher did not rewrite their placeholder runs."
                 );
             }
         }

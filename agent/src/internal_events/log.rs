@@ -70,7 +70,8 @@ impl InternalEvent<AgentStats> for RouterTenantUnread {
         if let Some(suppressed) = TENANT_UNREAD.check() {
             warn!(
                 suppressed,
-                "A request's arrival line (`request received`) has no tenant_field, or its value                  does not match tenant_pattern: its tenant is its cache salt's."
+                "A request's arrival line (`request received`) has no tenant_field, or its value \
+                 does not match tenant_pattern: its tenant is its cache salt's."
             );
         }
         add(&stats.router_tenants_unread, 1);

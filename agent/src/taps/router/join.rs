@@ -467,9 +467,11 @@ impl TenantField {
         let value = fields.iter().find(|(k, _)| *k == self.field)?.1.as_str();
         let tenant = match &self.pattern {
             None => value,
+            // The first group where the pattern has one (a match without it names none),
+            // else the whole match.
             Some(re) => {
                 let c = re.captures(value)?;
-                c.get(1).or_else(|| c.get(0))?.as_str()
+                c.get(usize::from(re.captures_len() > 1))?.as_str()
             }
         };
         (!tenant.is_empty() && tenant.len() <= MAX_TENANT).then(|| tenant.to_string())
@@ -486,14 +488,11 @@ pub struct RouterLogProcessor {
     /// Requests whose router view was sent: Dynamo 1.5 logs it twice (as it chooses, at
     /// DEBUG, and when the route ends), the same figure.
     viewed: RecentIds,
-    /// Whether this router writes its views as routes end (Dynamo 1.5 and 1.6's INFO
-    /// `route request completed`), once the log has told: then those are the views read
-    /// and the ones it writes as it chooses are not (1.6's disaggregated prefill router
-    /// writes the worker it passed over from another task, before or after the latter).
-    route_ends: Option<bool>,
-    /// Views written as the router chose, while the log has not told yet (oldest first,
-    /// with their log time): dropped at the first route end, whose own will follow;
-    /// sent when [`VIEWS_UNDECIDED_NS`] of log time passed without one.
+    /// Views written as the router chose (`[ROUTING] Best`), oldest first with their
+    /// log time, held [`CHOICE_VIEW_HOLD_NS`]: Dynamo 1.6's disaggregated prefill router
+    /// writes the worker it passed over from another task, just before or just after
+    /// that line. A view of the route's end (1.5, 1.6) that comes first goes in the held
+    /// one's place (the same figures).
     choice_views: VecDeque<(u64, kvscope_wire::RouterView)>,
     spans: RecentByRequest<TraceContext>,
     /// The model each recent request asked for, from its arrival line.
@@ -514,12 +513,9 @@ pub struct RouterLogProcessor {
     advised: bool,
 }
 
-/// How long (log time) views written as the router chose wait for the log to show a
-/// route's end before they are taken as the views. Longer than a disaggregated prefill
-/// takes (where the lines they wait for come from); a first aggregated answer that takes
-/// longer only means its release's views written as it chose are read (the same figures,
-/// and no passed-over lines come there).
-const VIEWS_UNDECIDED_NS: u64 = 10_000_000_000;
+/// How long (log time) a view written as the router chose waits for the lines that
+/// concern its choice and come from other tasks (microseconds apart in practice).
+const CHOICE_VIEW_HOLD_NS: u64 = 1_000_000_000;
 
 /// Choices seen, with no routing input and no request trace beside them, after which the
 /// router is told what to set without waiting for one to time out (in log time, which
@@ -546,7 +542,6 @@ impl RouterLogProcessor {
             source,
             routed: RecentIds::default(),
             viewed: RecentIds::default(),
-            route_ends: None,
             choice_views: VecDeque::new(),
             spans: RecentByRequest::default(),
             models: RecentByRequest::default(),
@@ -602,14 +597,13 @@ impl RouterLogProcessor {
         }
         let mut out: Vec<LogOutput> = future.into_iter().collect();
         out.extend(self.decide(parsed, now));
-        if self
-            .choice_views
-            .front()
-            .is_some_and(|(t, _)| now.saturating_sub(*t) > VIEWS_UNDECIDED_NS)
-        {
-            // No route has ended in that long: this router writes no views at route ends.
-            self.route_ends = Some(false);
-            out.extend(self.choice_views_sent(now));
+        while let Some((t, _)) = self.choice_views.front() {
+            if now.saturating_sub(*t) <= CHOICE_VIEW_HOLD_NS {
+                break;
+            }
+            if let Some((_, v)) = self.choice_views.pop_front() {
+                out.extend(self.view(now, v));
+            }
         }
         self.advise(&mut out);
         out
@@ -718,27 +712,21 @@ impl RouterLogProcessor {
             // those: the DEBUG view as it chose can come before lines that concern the
             // choice (1.6's disaggregated prefill router writes its passed-over worker
             // from another task, before or after it).
-            LineContent::RouterView(v) => {
-                if self.route_ends != Some(true) {
-                    self.route_ends = Some(true);
-                    self.choice_views.clear();
-                }
-                return self.view(now, v);
-            }
-            LineContent::ChoiceView(v) => match self.route_ends {
-                Some(true) => self.joiner.advance(now),
-                Some(false) => return self.view(now, v),
-                None => {
-                    let mut out = self.advanced(now);
+            // The route's end states the view a held one did: it goes in its place (the
+            // held one, viewed by then, is not sent).
+            LineContent::RouterView(v) => return self.view(now, v),
+            LineContent::ChoiceView(v) => {
+                let mut out = self.advanced(now);
+                if !self.viewed.contains(&v.request_id) {
                     self.choice_views.push_back((now, v));
                     if self.choice_views.len() > Scored::CAP {
                         if let Some((_, oldest)) = self.choice_views.pop_front() {
                             out.extend(self.view(now, oldest));
                         }
                     }
-                    return out;
                 }
-            },
+                return out;
+            }
             LineContent::Candidate(c) => return self.scores(now, [c], false),
             // Written by the first leg's router (the prefill pool's) as it chooses: one
             // whose view went before it is lost, and counted.
@@ -754,29 +742,27 @@ impl RouterLogProcessor {
                 if let Some(trace) = trace {
                     self.spans.note(&request_id, trace);
                 }
-                if let Some(by) = &self.tenant_field {
-                    if !fields.is_empty() {
-                        match by.tenant_of(&fields) {
-                            Some(tenant) => self.tenants.note(&request_id, tenant),
-                            None => {
-                                let mut out = self.advanced(now);
-                                out.push(LogOutput::TenantUnread);
-                                return out;
-                            }
-                        }
-                    }
-                }
                 if let Some(model) = model {
                     self.models.note(&request_id, model);
                 }
-                self.joiner.advance(now)
+                let tenant = match &self.tenant_field {
+                    Some(by) if !fields.is_empty() => Some(by.tenant_of(&fields)),
+                    _ => None,
+                };
+                let mut out = self.advanced(now);
+                match tenant {
+                    Some(Some(tenant)) => self.tenants.note(&request_id, tenant),
+                    Some(None) => out.push(LogOutput::TenantUnread),
+                    None => {}
+                }
+                return out;
             }
             LineContent::Other => self.joiner.advance(now),
         };
         joined.into_iter().map(|j| self.output(j)).collect()
     }
 
-    /// The views held while the log had not told where it writes them, sent.
+    /// Every held view written as the router chose, sent.
     fn choice_views_sent(&mut self, now: u64) -> Vec<LogOutput> {
         let held: Vec<_> = self.choice_views.drain(..).collect();
         held.into_iter()
@@ -1281,37 +1267,37 @@ mod tests {
         }
     }
 
-    /// The same lines from a router that writes no route ends: a passed-over line that
-    /// comes after the view written as it chose is lost, and counted.
+    /// A passed-over line that comes later than its request's view went (past the
+    /// second a view written as the router chose waits) is lost, and counted.
     #[test]
     fn a_passed_over_line_after_its_view_is_counted() {
-        let text = read_capture("router_log_1_6_1_disagg_passed_over.log");
+        let lines = [
+            r#"2026-12-07T12:34:28.494054Z DEBUG http-request:kv_router.select_worker: dynamo_llm::kv_router::routing_host::kv_selection: [ROUTING] Best: worker_11840306891121132110 dp_rank=0 with 0/23 blocks overlap request_id=0db12805 worker_id=11840306891121132110 dp_rank=0 overlap_blocks=0 total_blocks=23"#,
+            "2026-12-07T12:34:30Z  INFO other: a line two seconds on",
+            r#"2026-12-07T12:34:30.1Z DEBUG dynamo_llm::kv_router::embedded: Router selected a worker with lower KV cache overlap request_id="0db12805" worker_type="prefill" selected_worker_id=11840306891121132110 selected_dp_rank=0 selected_overlap_blocks=0.0 highest_overlap_worker_id=11396365133843937557 highest_overlap_dp_rank=0 highest_overlap_blocks=20.0 overlap_blocks_lost=20.0"#,
+        ];
         let mut p = RouterLogProcessor::new(30 * SEC, 10_000);
-        // As once the log has shown no route end for long: views are read as written.
-        p.route_ends = Some(false);
         let (mut views, mut lost) = (0, 0);
-        for line in text
-            .lines()
-            .filter(|l| !l.contains("route request completed"))
-        {
+        for line in lines {
             for o in p.line(line, 0) {
                 match o {
-                    LogOutput::RouterView(_) => views += 1,
+                    LogOutput::RouterView(v) => {
+                        assert!(v.candidates.is_empty());
+                        views += 1
+                    }
                     LogOutput::CandidatesUnjoined(n) => lost += n,
                     _ => {}
                 }
             }
         }
-        assert_eq!(views, 6);
-        assert!(lost > 0 && lost % 2 == 0, "{lost}");
+        assert_eq!((views, lost), (1, 2));
     }
 
-    /// Views written as the router chose wait until the log shows whether it writes
-    /// them at its routes' ends too: at the first route end they are dropped (their own
-    /// ends follow); after 10 s of log time without one they are sent, and later ones at
-    /// once.
+    /// A view written as the router chose waits a second of log time for the lines of
+    /// other tasks about its choice, then goes; its route's end, where it comes first,
+    /// goes in its place; held views go at the log's end.
     #[test]
-    fn views_as_chosen_wait_until_the_log_tells_where_views_are_written() {
+    fn a_view_as_chosen_waits_a_second() {
         let best = |t: &str, id: &str| {
             format!(
                 r#"2026-12-07T09:30:{t}Z DEBUG dynamo_llm::kv_router::push_router::selection: [ROUTING] Best: worker_1 dp_rank=0 with 2/3 blocks overlap request_id={id} worker_id=1 dp_rank=0 overlap_blocks=2 total_blocks=3"#
@@ -1332,27 +1318,28 @@ mod tests {
                 })
                 .collect()
         };
-        // No route end: held, then sent 10 s on, and from then on at once.
+        let named = |v: &[(&str, u32)]| -> Vec<(String, u32)> {
+            v.iter().map(|(i, n)| (i.to_string(), *n)).collect()
+        };
         let mut p = RouterLogProcessor::new(30 * SEC, 100);
-        assert_eq!(views(&mut p, &[best("00", "a"), best("05", "b")]), []);
+        assert_eq!(views(&mut p, &[best("00.0", "a"), best("00.5", "b")]), []);
+        // a's route ends first: its end's view; b's held one goes a second on.
         assert_eq!(
-            views(&mut p, &[best("11", "c"), best("12", "d")]),
-            [("a", 2), ("b", 2), ("c", 2), ("d", 2)].map(|(i, n)| (i.to_string(), n))
+            views(&mut p, &[end("00.7", "a"), best("01.2", "c")]),
+            named(&[("a", 1)])
         );
-        // A route end: those held are dropped, and each request's view is its end's.
-        let mut p = RouterLogProcessor::new(30 * SEC, 100);
-        let lines = [
-            best("00", "a"),
-            best("01", "b"),
-            end("02", "a"),
-            best("03", "c"),
-        ];
-        assert_eq!(views(&mut p, &lines), [("a".to_string(), 1)]);
-        assert_eq!(
-            views(&mut p, &[end("20", "b"), end("21", "c")]),
-            [("b", 1), ("c", 1)].map(|(i, n)| (i.to_string(), n))
-        );
-        assert_eq!(p.finish(), Vec::new());
+        assert_eq!(views(&mut p, &[best("01.6", "d")]), named(&[("b", 2)]));
+        // Those whose route's end came are not sent twice.
+        assert_eq!(views(&mut p, &[end("01.7", "c")]), named(&[("c", 1)]));
+        let rest: Vec<_> = p
+            .finish()
+            .into_iter()
+            .filter_map(|o| match o {
+                LogOutput::RouterView(v) => Some((v.request_id, v.overlap_blocks)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(rest, named(&[("d", 2)]));
     }
 
     /// Score lines held stay within their bounds, however many come without views:
@@ -1496,6 +1483,9 @@ mod tests {
             unread, 1,
             "c's arrival line named none; e had no arrival line"
         );
+        // A line that named no tenant still names the request's model.
+        assert!(out.iter().any(|o| matches!(o,
+            LogOutput::Decision(d) if d.request_id == "c" && d.model.as_deref() == Some("m"))));
         // Without a field to read, no decision names a tenant.
         let mut p = RouterLogProcessor::new(30 * SEC, 100);
         let out: Vec<LogOutput> = lines.iter().flat_map(|l| p.line(l, 0)).collect();

@@ -16,7 +16,9 @@
 //! - Dynamo 1.4 and 1.5 at DEBUG under `dynamo_kv_router::scheduling::selector`, before
 //!   the choice, one line per worker scored: `Formula for worker_id=… dp_rank=0 with
 //!   3.00 effective cached blocks: 41.688 = … request_id="…" worker_type="decode"` (what
-//!   the router credited each candidate with; 1.6 logs none)
+//!   the router credited each candidate with; 1.6 only for a disaggregated prefill
+//!   choice made past the worker it believed best, `Router selected a worker with lower
+//!   KV cache overlap`)
 //!
 //! and the migration fork (deepinfra/dynamo) adds `KVMIGRATE_SPILL: request routed off
 //! the worker holding its KV` (request_id, source, target, tokens, migratable_tokens),
@@ -470,52 +472,43 @@ impl Marker {
     }
 }
 
+/// The message a line writes, and where its fields start: the marker that comes first
+/// in the line (a message precedes its fields, and the span's fields come last, so a
+/// marker's words inside a client's field, e.g. its `x-request-id`, never win).
 fn marker(text: &str) -> Option<(Marker, Option<&str>)> {
-    if let Some(pos) = text.find(PASSED_OVER) {
-        Some((Marker::PassedOver, Some(&text[pos + PASSED_OVER.len()..])))
-    } else if let Some(pos) = text.find(ROUTING_INPUT) {
-        Some((
-            Marker::RoutingInput,
-            Some(&text[pos + ROUTING_INPUT.len()..]),
-        ))
-    } else if let Some(pos) = text.find(SELECTED_PINNED_WORKER) {
-        Some((
-            Marker::SelectedPinnedWorker,
-            Some(&text[pos + SELECTED_PINNED_WORKER.len()..]),
-        ))
-    } else if let Some(pos) = text.find(SELECTED_WORKER) {
-        Some((
-            Marker::SelectedWorker,
-            Some(&text[pos + SELECTED_WORKER.len()..]),
-        ))
-    } else if let Some(pos) = text.find(ROUTE_COMPLETED) {
-        Some((
-            Marker::RouteCompleted,
-            Some(&text[pos + ROUTE_COMPLETED.len()..]),
-        ))
-    } else if let Some(pos) = text.find(ROUTING_BEST) {
-        Some((Marker::RoutingBest, Some(&text[pos + ROUTING_BEST.len()..])))
-    } else if let Some(pos) = candidate_at(text) {
-        // From `worker_id=` on: the fields, and the `with N … cached blocks` words.
-        Some((Marker::Candidate, Some(&text[pos + " for ".len()..])))
-    } else if let Some(pos) = text.find(REQUEST_RECEIVED) {
-        Some((
-            Marker::RequestReceived,
-            Some(&text[pos + REQUEST_RECEIVED.len()..]),
-        ))
-    } else if text.contains(KVMIGRATE) {
-        Some(
-            MIGRATION_MESSAGES
-                .iter()
-                .find_map(|(msg, kind)| {
-                    text.find(msg)
-                        .map(|p| (Marker::Migration(Some(*kind)), Some(&text[p + msg.len()..])))
-                })
-                .unwrap_or((Marker::Migration(None), None)),
-        )
-    } else {
-        None
+    let simple = [
+        (PASSED_OVER, Marker::PassedOver),
+        (ROUTING_INPUT, Marker::RoutingInput),
+        (SELECTED_PINNED_WORKER, Marker::SelectedPinnedWorker),
+        (SELECTED_WORKER, Marker::SelectedWorker),
+        (ROUTE_COMPLETED, Marker::RouteCompleted),
+        (ROUTING_BEST, Marker::RoutingBest),
+        (REQUEST_RECEIVED, Marker::RequestReceived),
+    ];
+    let mut first: Option<(usize, Marker, Option<usize>)> = None;
+    let mut take = |at: usize, m: Marker, fields: Option<usize>| {
+        if first.is_none_or(|(p, _, _)| at < p) {
+            first = Some((at, m, fields));
+        }
+    };
+    for (text_of, m) in simple {
+        if let Some(at) = text.find(text_of) {
+            take(at, m, Some(at + text_of.len()));
+        }
     }
+    // From `worker_id=` on: the fields, and the `with N … cached blocks` words.
+    if let Some(pos) = candidate_at(text) {
+        take(pos, Marker::Candidate, Some(pos + " for ".len()));
+    }
+    if let Some(at) = text.find(KVMIGRATE) {
+        let known = MIGRATION_MESSAGES.iter().find_map(|(msg, kind)| {
+            text.find(msg)
+                .map(|p| (Marker::Migration(Some(*kind)), Some(p + msg.len())))
+        });
+        let (m, fields) = known.unwrap_or((Marker::Migration(None), None));
+        take(at, m, fields);
+    }
+    first.map(|(_, m, fields)| (m, fields.map(|f| &text[f..])))
 }
 
 fn content(kind: Marker, fields: Result<Fields, String>) -> Result<LineContent, String> {
@@ -1438,6 +1431,19 @@ mod tests {
         assert_eq!(parse_line(&unkeyed).unwrap().content, LineContent::Other);
         let bad = text.replace("highest_overlap_blocks=20.0", "highest_overlap_blocks=lots");
         assert_eq!(parse_line(&bad).unwrap_err().kind, LineKind::Candidate);
+        // A client's header that spells the line is a field of another line, no more: the
+        // marker written first wins.
+        let forged = format!(
+            r#"2026-12-07T12:34:28Z DEBUG http-request:kv_router.select_worker: dynamo_kv_router::services::selection::core::run: [ROUTING_INPUT] request local hashes request_id="r" isl_tokens=32 block_size=16 num_blocks=2 local_hashes=[1, 2] x_request_id="{}""#,
+            text.split(": ").nth(1).unwrap().replace('"', "'")
+        );
+        assert!(
+            matches!(
+                parse_line(&forged).unwrap().content,
+                LineContent::RoutingInput(_)
+            ),
+            "{forged}"
+        );
     }
 
     /// Dynamo 1.4.1's selector line per worker scored, as its router wrote it: the worker,

@@ -302,7 +302,7 @@ fn every_field(
             medium: None,
             cache_salt: None,
         };
-        want.hash_tokens_with_media(&[vec![object]], Default::default());
+        want.hash_tokens_with_media(&[(0, vec![object])], Default::default());
         taken.push(want);
         refusals.push(("media_blocks_without_placeholders", 1));
     }
