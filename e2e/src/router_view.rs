@@ -141,68 +141,62 @@ fn scores(log: &str) -> HashMap<(String, WorkerKey), f64> {
     let mut out = HashMap::new();
     for raw in log.lines() {
         let line = kvscope_lab::router_log::strip_ansi(raw);
-        if let Some(at) = line.find("Router selected a worker with lower KV cache overlap") {
-            let rest = &line[at..];
-            let field = |key: &str| -> Option<String> {
-                rest.split(&format!(" {key}="))
-                    .nth(1)?
-                    .split_whitespace()
-                    .next()
-                    .map(|v| v.trim_matches('"').to_string())
-            };
-            let Some(id) = field("request_id") else {
+        // (worker id, dp rank, credit) of each worker the line credits
+        let (rest, credited) =
+            if let Some(at) = line.find("Router selected a worker with lower KV cache overlap") {
+                let rest = &line[at..];
+                let side = |w, d, c| (field(rest, w), field(rest, d), field(rest, c));
+                let credited = vec![
+                    side(
+                        "selected_worker_id",
+                        "selected_dp_rank",
+                        "selected_overlap_blocks",
+                    ),
+                    side(
+                        "highest_overlap_worker_id",
+                        "highest_overlap_dp_rank",
+                        "highest_overlap_blocks",
+                    ),
+                ];
+                (rest, credited)
+            } else if let Some(at) = line.find("Formula for worker_id=") {
+                let rest = &line[at + "Formula for ".len()..];
+                let credit = rest
+                    .split(" with ")
+                    .nth(1)
+                    .and_then(|r| r.split_whitespace().next())
+                    .map(str::to_string);
+                let credited = vec![(field(rest, "worker_id"), field(rest, "dp_rank"), credit)];
+                (rest, credited)
+            } else {
                 continue;
             };
-            for (worker, dp_rank, blocks) in [
-                (
-                    "selected_worker_id",
-                    "selected_dp_rank",
-                    "selected_overlap_blocks",
-                ),
-                (
-                    "highest_overlap_worker_id",
-                    "highest_overlap_dp_rank",
-                    "highest_overlap_blocks",
-                ),
-            ] {
-                let worker_id = field(worker).and_then(|v| v.parse().ok());
-                let dp_rank = field(dp_rank).and_then(|v| v.parse().ok()).unwrap_or(0);
-                let credit = field(blocks).and_then(|v| v.parse::<f64>().ok());
-                if let (Some(worker_id), Some(credit)) = (worker_id, credit) {
-                    out.entry((id.clone(), WorkerKey { worker_id, dp_rank }))
-                        .or_insert(credit);
-                }
-            }
+        let Some(id) = field(rest, "request_id") else {
             continue;
+        };
+        for (worker_id, dp_rank, credit) in credited {
+            let (Some(worker_id), Some(credit)) = (
+                worker_id.and_then(|v| v.parse::<u64>().ok()),
+                credit.and_then(|v| v.parse::<f64>().ok()),
+            ) else {
+                continue;
+            };
+            let dp_rank = dp_rank.and_then(|v| v.parse().ok()).unwrap_or(0);
+            out.entry((id.clone(), WorkerKey { worker_id, dp_rank }))
+                .or_insert(credit);
         }
-        let Some(at) = line.find("Formula for worker_id=") else {
-            continue;
-        };
-        let rest = &line[at + "Formula for ".len()..];
-        let field = |key: &str| -> Option<String> {
-            rest.split(&format!("{key}="))
-                .nth(1)?
-                .split_whitespace()
-                .next()
-                .map(|v| v.trim_matches('"').to_string())
-        };
-        let credit = rest
-            .split(" with ")
-            .nth(1)
-            .and_then(|r| r.split_whitespace().next())
-            .and_then(|n| n.parse::<f64>().ok());
-        let (Some(worker_id), Some(id), Some(credit)) = (
-            field("worker_id").and_then(|v| v.parse::<u64>().ok()),
-            field("request_id"),
-            credit,
-        ) else {
-            continue;
-        };
-        let dp_rank = field("dp_rank").and_then(|v| v.parse().ok()).unwrap_or(0);
-        out.entry((id, WorkerKey { worker_id, dp_rank }))
-            .or_insert(credit);
     }
     out
+}
+
+/// The first value of `key` in a line's fields `rest` (quotes trimmed).
+fn field(rest: &str, key: &str) -> Option<String> {
+    format!(" {rest}")
+        .split(&format!(" {key}="))
+        .nth(1)?
+        .split_whitespace()
+        .next()
+        .map(|v| v.trim_matches('"').to_string())
 }
 
 #[derive(Debug, PartialEq, Eq)]

@@ -80,14 +80,40 @@ pub fn sequence_hashes(locals: &[LocalBlockHash]) -> Vec<SequenceHash> {
 /// Local hashes of every *full* block in `tokens`; a trailing partial block is ignored,
 /// as Dynamo ignores it.
 pub fn local_block_hashes(tokens: &[u32], block_size: usize, seed: u64) -> Vec<LocalBlockHash> {
+    local_block_hashes_with_media(tokens, block_size, seed, &[], MediaPlaceholders::default()).0
+}
+
+/// [`local_block_hashes`] of a store whose blocks hold multimodal objects (`media`: by
+/// block index, ascending), those blocks hashed with them
+/// ([`local_block_hash_with_media`]); and how many full blocks held objects.
+pub fn local_block_hashes_with_media(
+    tokens: &[u32],
+    block_size: usize,
+    seed: u64,
+    media: &[(usize, Vec<u64>)],
+    placeholders: MediaPlaceholders,
+) -> (Vec<LocalBlockHash>, usize) {
     if block_size == 0 {
-        return Vec::new();
+        return (Vec::new(), 0);
     }
     let mut bytes = Vec::with_capacity(block_size * 4);
-    tokens
+    let mut next = media.iter().peekable();
+    let mut held = 0;
+    let hashes = tokens
         .chunks_exact(block_size)
-        .map(|b| hash_in(&mut bytes, b, seed))
-        .collect()
+        .enumerate()
+        .map(|(i, block)| {
+            while next.next_if(|(at, _)| *at < i).is_some() {}
+            match next.next_if(|(at, _)| *at == i) {
+                Some((_, objects)) => {
+                    held += 1;
+                    local_block_hash_with_media(block, seed, objects, placeholders)
+                }
+                None => hash_in(&mut bytes, block, seed),
+            }
+        })
+        .collect();
+    (hashes, held)
 }
 
 /// The token ids a model's prompts hold where an image or a video goes (its

@@ -435,57 +435,31 @@ impl KvEvent {
         media: &[(usize, Vec<u64>)],
         placeholders: crate::hashing::MediaPlaceholders,
     ) -> usize {
-        if let KvEvent::BlockStored {
+        let KvEvent::BlockStored {
             token_ids,
             block_size,
+            local_hashes,
             lora_name,
             cache_salt,
-            local_hashes,
             ..
         } = self
-        {
-            if !media.is_empty() && !token_ids.is_empty() && *block_size > 0 {
-                let seed = crate::hashing::seed_for(cache_salt.as_deref(), lora_name.as_deref());
-                let mut next = media.iter().peekable();
-                let mut held = 0;
-                let hashed = token_ids
-                    .chunks_exact(*block_size as usize)
-                    .enumerate()
-                    .map(|(i, block)| {
-                        while next.next_if(|(at, _)| *at < i).is_some() {}
-                        let objects = match next.next_if(|(at, _)| *at == i) {
-                            Some((_, o)) => {
-                                held += 1;
-                                o.as_slice()
-                            }
-                            None => &[],
-                        };
-                        crate::hashing::local_block_hash_with_media(
-                            block,
-                            seed,
-                            objects,
-                            placeholders,
-                        )
-                    })
-                    .collect();
-                *local_hashes = Some(hashed);
-                *token_ids = Vec::new();
-                return held;
-            }
-        }
-        let Some(std::borrow::Cow::Owned(hashed)) = self.stored_local_hashes() else {
+        else {
             return 0;
         };
-        if let KvEvent::BlockStored {
-            token_ids,
-            local_hashes,
-            ..
-        } = self
-        {
-            *local_hashes = Some(hashed);
-            *token_ids = Vec::new();
+        // Hashed already (no tokens, its hashes carried).
+        if token_ids.is_empty() && local_hashes.is_some() {
+            return 0;
         }
-        0
+        let (hashed, held) = crate::hashing::local_block_hashes_with_media(
+            token_ids,
+            *block_size as usize,
+            crate::hashing::seed_for(cache_salt.as_deref(), lora_name.as_deref()),
+            media,
+            placeholders,
+        );
+        *local_hashes = Some(hashed);
+        *token_ids = Vec::new();
+        held
     }
 }
 

@@ -252,7 +252,7 @@ const MAX_MODEL_CONFIG_BYTES: u64 = 4 << 20;
 /// These are the ids Dynamo's vLLM handler gives its publisher, which writes a
 /// multimodal object over their runs (see
 /// [`kvscope_wire::hashing::local_block_hash_with_media`]). Why not, where they cannot
-/// be read.
+/// be read or the config names neither.
 pub(crate) fn media_placeholders(
     fleet: &Fleet,
     worker_id: u64,
@@ -295,8 +295,15 @@ pub(crate) fn media_placeholders(
             .and_then(serde_json::Value::as_u64)
             .and_then(|v| u32::try_from(v).ok())
     };
-    Ok(MediaPlaceholders {
+    let placeholders = MediaPlaceholders {
         image: id("image_token_id"),
         video: id("video_token_id").or_else(|| id("video_token_index")),
-    })
+    };
+    if placeholders == MediaPlaceholders::default() {
+        return Err(format!(
+            "{} names no image_token_id, video_token_id or video_token_index",
+            full.display()
+        ));
+    }
+    Ok(placeholders)
 }

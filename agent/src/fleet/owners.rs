@@ -416,6 +416,8 @@ mod tests {
                 video: Some(32001)
             })
         );
+        write(r#"{"model_type":"llama"}"#);
+        assert!(read().unwrap_err().contains("names no image_token_id"));
         write("not json");
         assert!(read().is_err());
         // A FIFO where the config should be: refused at once, never waited on.

@@ -421,16 +421,14 @@ impl KvTap {
                     let placeholders = self.placeholders.as_ref().copied().unwrap_or_default();
                     let blocks = event.hash_tokens_with_media(&meta.media, placeholders);
                     if blocks > 0 {
-                        let known = match &self.placeholders {
-                            Ok(p) if p.image.is_some() || p.video.is_some() => Ok(()),
-                            Ok(_) => Err("the model's config.json names no image_token_id, \
-                                          video_token_id or video_token_index"),
-                            Err(why) => Err(why.as_str()),
-                        };
                         KvMediaBlocks {
                             publisher,
                             blocks,
-                            placeholders: known,
+                            placeholders: self
+                                .placeholders
+                                .as_ref()
+                                .map(|_| ())
+                                .map_err(String::as_str),
                         }
                         .emit(&self.stats);
                     }

@@ -349,9 +349,9 @@ struct Scored {
 }
 
 impl Scored {
-    /// Requests whose scores wait for their view at once: the router writes the view
-    /// right after the choice (Dynamo 1.4 and 1.5's `[ROUTING] Best`), so only the
-    /// requests being routed wait; the oldest are given up beyond it.
+    /// Requests whose scores wait for their view at once: the view comes within a second
+    /// of the choice ([`CHOICE_VIEW_HOLD_NS`]), so only the requests being routed wait;
+    /// the oldest are given up beyond it.
     const CAP: usize = 4_096;
     /// Score lines held at once (a line per worker scored: a few MiB): the oldest
     /// requests' are given up beyond it, and a request's lines past it.
@@ -597,14 +597,7 @@ impl RouterLogProcessor {
         }
         let mut out: Vec<LogOutput> = future.into_iter().collect();
         out.extend(self.decide(parsed, now));
-        while let Some((t, _)) = self.choice_views.front() {
-            if now.saturating_sub(*t) <= CHOICE_VIEW_HOLD_NS {
-                break;
-            }
-            if let Some((_, v)) = self.choice_views.pop_front() {
-                out.extend(self.view(now, v));
-            }
-        }
+        out.extend(self.held_views_due(Some(now)));
         self.advise(&mut out);
         out
     }
@@ -708,20 +701,21 @@ impl RouterLogProcessor {
                 out.push(LogOutput::Migration(m));
                 return out;
             }
-            // A router that writes its views as routes end (Dynamo 1.5, 1.6) is read at
-            // those: the DEBUG view as it chose can come before lines that concern the
-            // choice (1.6's disaggregated prefill router writes its passed-over worker
-            // from another task, before or after it).
-            // The route's end states the view a held one did: it goes in its place (the
+            // A route's end states the view a held one did: it goes in its place (the
             // held one, viewed by then, is not sent).
-            LineContent::RouterView(v) => return self.view(now, v),
+            LineContent::RouterView(v) => {
+                let mut out = self.advanced(now);
+                out.extend(self.view(v));
+                return out;
+            }
+            // Held a while: lines about the choice from other tasks may come after it.
             LineContent::ChoiceView(v) => {
                 let mut out = self.advanced(now);
                 if !self.viewed.contains(&v.request_id) {
                     self.choice_views.push_back((now, v));
                     if self.choice_views.len() > Scored::CAP {
                         if let Some((_, oldest)) = self.choice_views.pop_front() {
-                            out.extend(self.view(now, oldest));
+                            out.extend(self.view(oldest));
                         }
                     }
                 }
@@ -745,15 +739,13 @@ impl RouterLogProcessor {
                 if let Some(model) = model {
                     self.models.note(&request_id, model);
                 }
-                let tenant = match &self.tenant_field {
-                    Some(by) if !fields.is_empty() => Some(by.tenant_of(&fields)),
-                    _ => None,
-                };
                 let mut out = self.advanced(now);
-                match tenant {
-                    Some(Some(tenant)) => self.tenants.note(&request_id, tenant),
-                    Some(None) => out.push(LogOutput::TenantUnread),
-                    None => {}
+                // Only an arrival line carries fields; it names the tenant, or is counted.
+                if let Some(by) = self.tenant_field.as_ref().filter(|_| !fields.is_empty()) {
+                    match by.tenant_of(&fields) {
+                        Some(tenant) => self.tenants.note(&request_id, tenant),
+                        None => out.push(LogOutput::TenantUnread),
+                    }
                 }
                 return out;
             }
@@ -762,17 +754,24 @@ impl RouterLogProcessor {
         joined.into_iter().map(|j| self.output(j)).collect()
     }
 
-    /// Every held view written as the router chose, sent.
-    fn choice_views_sent(&mut self, now: u64) -> Vec<LogOutput> {
-        let held: Vec<_> = self.choice_views.drain(..).collect();
-        held.into_iter()
-            .flat_map(|(_, v)| self.view(now, v))
-            .collect()
+    /// The held views written as the router chose that waited their time at log time
+    /// `now`, sent; every one at the log's end (`None`).
+    fn held_views_due(&mut self, now: Option<u64>) -> Vec<LogOutput> {
+        let mut out = Vec::new();
+        while let Some((t, _)) = self.choice_views.front() {
+            if now.is_some_and(|now| now.saturating_sub(*t) <= CHOICE_VIEW_HOLD_NS) {
+                break;
+            }
+            if let Some((_, v)) = self.choice_views.pop_front() {
+                out.extend(self.view(v));
+            }
+        }
+        out
     }
 
     /// Send a request's first view, with what the router credited the workers it scored.
-    fn view(&mut self, now: u64, mut v: kvscope_wire::RouterView) -> Vec<LogOutput> {
-        let mut out = self.advanced(now);
+    fn view(&mut self, mut v: kvscope_wire::RouterView) -> Vec<LogOutput> {
+        let mut out = Vec::new();
         if self.viewed.insert(&v.request_id) {
             match self.scored.take(&v) {
                 (Some(c), _) => v.candidates = c,
@@ -826,8 +825,7 @@ impl RouterLogProcessor {
             .into_iter()
             .map(|j| self.output(j))
             .collect();
-        let now = self.last_ts_ns.unwrap_or(0);
-        out.extend(self.choice_views_sent(now));
+        out.extend(self.held_views_due(None));
         let scores = std::mem::take(&mut self.scored).lines as u64;
         if scores > 0 {
             out.push(LogOutput::CandidatesUnjoined(scores));

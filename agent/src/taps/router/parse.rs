@@ -476,40 +476,37 @@ impl Marker {
 /// in the line (a message precedes its fields, and the span's fields come last, so a
 /// marker's words inside a client's field, e.g. its `x-request-id`, never win).
 fn marker(text: &str) -> Option<(Marker, Option<&str>)> {
-    let simple = [
-        (PASSED_OVER, Marker::PassedOver),
-        (ROUTING_INPUT, Marker::RoutingInput),
-        (SELECTED_PINNED_WORKER, Marker::SelectedPinnedWorker),
-        (SELECTED_WORKER, Marker::SelectedWorker),
-        (ROUTE_COMPLETED, Marker::RouteCompleted),
-        (ROUTING_BEST, Marker::RoutingBest),
-        (REQUEST_RECEIVED, Marker::RequestReceived),
-    ];
-    let mut first: Option<(usize, Marker, Option<usize>)> = None;
-    let mut take = |at: usize, m: Marker, fields: Option<usize>| {
-        if first.is_none_or(|(p, _, _)| at < p) {
-            first = Some((at, m, fields));
-        }
-    };
-    for (text_of, m) in simple {
-        if let Some(at) = text.find(text_of) {
-            take(at, m, Some(at + text_of.len()));
-        }
-    }
+    // (where the message is, its kind, where its fields start)
+    let plain = MARKERS
+        .iter()
+        .filter_map(|(words, m)| text.find(words).map(|at| (at, *m, Some(at + words.len()))));
     // From `worker_id=` on: the fields, and the `with N … cached blocks` words.
-    if let Some(pos) = candidate_at(text) {
-        take(pos, Marker::Candidate, Some(pos + " for ".len()));
-    }
-    if let Some(at) = text.find(KVMIGRATE) {
+    let candidate = candidate_at(text).map(|at| (at, Marker::Candidate, Some(at + " for ".len())));
+    let migration = text.find(KVMIGRATE).map(|at| {
         let known = MIGRATION_MESSAGES.iter().find_map(|(msg, kind)| {
             text.find(msg)
                 .map(|p| (Marker::Migration(Some(*kind)), Some(p + msg.len())))
         });
         let (m, fields) = known.unwrap_or((Marker::Migration(None), None));
-        take(at, m, fields);
-    }
-    first.map(|(_, m, fields)| (m, fields.map(|f| &text[f..])))
+        (at, m, fields)
+    });
+    plain
+        .chain(candidate)
+        .chain(migration)
+        .min_by_key(|(at, _, _)| *at)
+        .map(|(_, m, fields)| (m, fields.map(|f| &text[f..])))
 }
+
+/// The messages found by their words alone.
+const MARKERS: [(&str, Marker); 7] = [
+    (PASSED_OVER, Marker::PassedOver),
+    (ROUTING_INPUT, Marker::RoutingInput),
+    (SELECTED_PINNED_WORKER, Marker::SelectedPinnedWorker),
+    (SELECTED_WORKER, Marker::SelectedWorker),
+    (ROUTE_COMPLETED, Marker::RouteCompleted),
+    (ROUTING_BEST, Marker::RoutingBest),
+    (REQUEST_RECEIVED, Marker::RequestReceived),
+];
 
 fn content(kind: Marker, fields: Result<Fields, String>) -> Result<LineContent, String> {
     let fields = match (kind, fields) {
@@ -676,69 +673,59 @@ fn candidate_at(text: &str) -> Option<usize> {
 /// names no request (releases that score in a task without the request's identity write
 /// `request_id="-"` or none): it cannot be set beside its view.
 fn candidate(f: &Fields) -> Result<Option<Candidate>, String> {
-    let Some(request_id) = f
-        .get("request_id")
+    scored_request(f)
+        .map(|id| scored_worker(f, id, ["worker_id", "dp_rank", "with"]))
+        .transpose()
+}
+
+/// The request a line scoring workers names: none where it names none (`request_id="-"`).
+fn scored_request(f: &Fields) -> Option<&str> {
+    f.get("request_id")
         .filter(|id| !id.is_empty() && *id != "-")
-    else {
-        return Ok(None);
-    };
+}
+
+/// One worker as a line scoring workers for `request_id` credits it: by its worker id,
+/// dp rank and credit fields (`keys`).
+fn scored_worker(f: &Fields, request_id: &str, keys: [&str; 3]) -> Result<Candidate, String> {
+    let [worker, dp_rank, credit] = keys;
     let credited_blocks = f
-        .get("with")
+        .get(credit)
         .and_then(|n| n.trim_end_matches([',', ':']).parse::<f64>().ok())
         .filter(|n| n.is_finite() && *n >= 0.0)
-        .ok_or("no `with N … blocks`")?;
-    Ok(Some(Candidate {
+        .ok_or_else(|| format!("no {credit} blocks"))?;
+    Ok(Candidate {
         request_id: bounded(request_id),
         worker_type: f.get("worker_type").map(str::to_string),
         candidate: kvscope_wire::RouterCandidate {
             worker: kvscope_wire::WorkerKey {
-                worker_id: f.parse("worker_id")?,
-                dp_rank: f.parse_or("dp_rank", 0)?,
+                worker_id: f.parse(worker)?,
+                dp_rank: f.parse_or(dp_rank, 0)?,
             },
             credited_blocks,
         },
-    }))
+    })
 }
 
 /// A choice made past the worker the router believed best: the chosen worker and the
 /// passed-over one as it credited them (`selected_…`, `highest_overlap_…`). `None` where
 /// the line names no request.
 fn passed_over(f: &Fields) -> Result<Option<(Candidate, Candidate)>, String> {
-    let Some(request_id) = f
-        .get("request_id")
-        .filter(|id| !id.is_empty() && *id != "-")
-    else {
+    let Some(id) = scored_request(f) else {
         return Ok(None);
     };
-    let side = |worker: &str, dp_rank: &str, blocks: &str| -> Result<Candidate, String> {
-        let credited_blocks = f
-            .parse::<f64>(blocks)
-            .ok()
-            .filter(|n| n.is_finite() && *n >= 0.0)
-            .ok_or_else(|| format!("no {blocks}"))?;
-        Ok(Candidate {
-            request_id: bounded(request_id),
-            worker_type: f.get("worker_type").map(str::to_string),
-            candidate: kvscope_wire::RouterCandidate {
-                worker: kvscope_wire::WorkerKey {
-                    worker_id: f.parse(worker)?,
-                    dp_rank: f.parse_or(dp_rank, 0)?,
-                },
-                credited_blocks,
-            },
-        })
-    };
+    let chosen = [
+        "selected_worker_id",
+        "selected_dp_rank",
+        "selected_overlap_blocks",
+    ];
+    let best = [
+        "highest_overlap_worker_id",
+        "highest_overlap_dp_rank",
+        "highest_overlap_blocks",
+    ];
     Ok(Some((
-        side(
-            "selected_worker_id",
-            "selected_dp_rank",
-            "selected_overlap_blocks",
-        )?,
-        side(
-            "highest_overlap_worker_id",
-            "highest_overlap_dp_rank",
-            "highest_overlap_blocks",
-        )?,
+        scored_worker(f, id, chosen)?,
+        scored_worker(f, id, best)?,
     )))
 }
 
