@@ -492,8 +492,11 @@ pub struct RouterLogProcessor {
     /// log time, held [`CHOICE_VIEW_HOLD_NS`]: Dynamo 1.6's disaggregated prefill router
     /// writes the worker it passed over from another task, just before or just after
     /// that line. A view of the route's end (1.5, 1.6) that comes first goes in the held
-    /// one's place (the same figures).
-    choice_views: VecDeque<(u64, kvscope_wire::RouterView)>,
+    /// one's place (the same figures). Each with this host's clock when it was read, so
+    /// that a router gone idle after it does not hold it ([`Self::idle`]).
+    choice_views: VecDeque<HeldView>,
+    /// This host's clock at the line being processed (0: none).
+    wall_ns: u64,
     spans: RecentByRequest<TraceContext>,
     /// The model each recent request asked for, from its arrival line.
     models: RecentByRequest<String>,
@@ -516,6 +519,10 @@ pub struct RouterLogProcessor {
 /// How long (log time) a view written as the router chose waits for the lines that
 /// concern its choice and come from other tasks (microseconds apart in practice).
 const CHOICE_VIEW_HOLD_NS: u64 = 1_000_000_000;
+
+/// A view written as the router chose, waiting: its log time, this host's clock when its
+/// line was read (0: none), the view.
+type HeldView = (u64, u64, kvscope_wire::RouterView);
 
 /// Choices seen, with no routing input and no request trace beside them, after which the
 /// router is told what to set without waiting for one to time out (in log time, which
@@ -543,6 +550,7 @@ impl RouterLogProcessor {
             routed: RecentIds::default(),
             viewed: RecentIds::default(),
             choice_views: VecDeque::new(),
+            wall_ns: 0,
             spans: RecentByRequest::default(),
             models: RecentByRequest::default(),
             tenant_field: None,
@@ -561,6 +569,7 @@ impl RouterLogProcessor {
     /// (0: no clock, e.g. a log read long after it was written, no check).
     pub fn line(&mut self, raw: &str, wall_ns: u64) -> Vec<LogOutput> {
         let fallback_ns = wall_ns;
+        self.wall_ns = wall_ns;
         let mut parsed = match parse_line(raw) {
             Ok(p) => p,
             Err(e) => {
@@ -712,9 +721,9 @@ impl RouterLogProcessor {
             LineContent::ChoiceView(v) => {
                 let mut out = self.advanced(now);
                 if !self.viewed.contains(&v.request_id) {
-                    self.choice_views.push_back((now, v));
+                    self.choice_views.push_back((now, self.wall_ns, v));
                     if self.choice_views.len() > Scored::CAP {
-                        if let Some((_, oldest)) = self.choice_views.pop_front() {
+                        if let Some((_, _, oldest)) = self.choice_views.pop_front() {
                             out.extend(self.view(oldest));
                         }
                     }
@@ -758,11 +767,28 @@ impl RouterLogProcessor {
     /// `now`, sent; every one at the log's end (`None`).
     fn held_views_due(&mut self, now: Option<u64>) -> Vec<LogOutput> {
         let mut out = Vec::new();
-        while let Some((t, _)) = self.choice_views.front() {
+        while let Some((t, _, _)) = self.choice_views.front() {
             if now.is_some_and(|now| now.saturating_sub(*t) <= CHOICE_VIEW_HOLD_NS) {
                 break;
             }
-            if let Some((_, v)) = self.choice_views.pop_front() {
+            if let Some((_, _, v)) = self.choice_views.pop_front() {
+                out.extend(self.view(v));
+            }
+        }
+        out
+    }
+
+    /// No line came for a while; `wall_ns` is this host's clock. Log time stands still
+    /// while the router is idle, so the views held longer than their time by this clock
+    /// are sent: whatever concerned their choice was written, and read, by now. (The
+    /// last request before a quiet spell would otherwise wait for the next one.)
+    pub fn idle(&mut self, wall_ns: u64) -> Vec<LogOutput> {
+        let mut out = Vec::new();
+        while let Some((_, read_ns, _)) = self.choice_views.front() {
+            if *read_ns == 0 || wall_ns.saturating_sub(*read_ns) <= CHOICE_VIEW_HOLD_NS {
+                break;
+            }
+            if let Some((_, _, v)) = self.choice_views.pop_front() {
                 out.extend(self.view(v));
             }
         }
@@ -1175,6 +1201,23 @@ mod tests {
             (views[0].request_id.as_str(), views[0].overlap_blocks),
             ("r-1", 2)
         );
+    }
+
+    /// A view written as the router chose, with no line after it (the router went
+    /// idle): sent once this host's clock shows its hold passed, not before.
+    #[test]
+    fn a_held_view_goes_when_the_router_is_idle() {
+        let best = r#"2026-12-06T05:59:12.247404Z DEBUG http-request:kv_router.select_worker: dynamo_llm::kv_router::push_router::selection: [ROUTING] Best: worker_7 dp_rank=0 with 2/3 blocks overlap request_id=r-1 worker_id=7 dp_rank=0 overlap_blocks=2 total_blocks=3"#;
+        let read_at = 1_797_000_000 * SEC;
+        let mut p = RouterLogProcessor::new(30 * SEC, 100);
+        assert!(p.line(best, read_at).is_empty());
+        assert!(p.idle(read_at + SEC / 2).is_empty(), "held its time");
+        let out = p.idle(read_at + 2 * SEC);
+        assert!(
+            matches!(&out[..], [LogOutput::RouterView(v)] if v.request_id == "r-1"),
+            "{out:?}"
+        );
+        assert!(p.finish().is_empty(), "sent once");
     }
 
     fn read_capture(name: &str) -> String {

@@ -75,6 +75,16 @@ impl RouterTap {
         if matches!(item, LogItem::End) {
             outputs.extend(self.processor.finish());
         }
+        Self::records(outputs, stats)
+    }
+
+    /// No line came for a while: what waited on the next one by log time and may go now.
+    pub fn idle(&mut self, stats: &AgentStats) -> Vec<LogRecord> {
+        Self::records(self.processor.idle(now_ns()), stats)
+    }
+
+    /// The processor's outputs as records; every problem counted.
+    fn records(outputs: Vec<LogOutput>, stats: &AgentStats) -> Vec<LogRecord> {
         let mut records = Vec::new();
         for o in outputs {
             let id = match &o {
@@ -134,6 +144,9 @@ impl RouterTap {
     }
 }
 
+/// How long without a line before the tap looks at what waits on the next one.
+const IDLE_TICK: std::time::Duration = std::time::Duration::from_millis(250);
+
 /// Run until the channel closes. The log's records are `source` in the sink: it is read
 /// in order, so its timestamps only move forward (within the router's own write order).
 /// Decisions from the request trace are the exception: each is written when its
@@ -150,12 +163,18 @@ pub async fn run(
     stats: std::sync::Arc<AgentStats>,
 ) {
     let mut held = false;
-    while let Some(item) = rx.recv().await {
-        let records = tap.item(&item, &stats);
-        if let LogItem::Line(l) = &item {
-            budget.give(l.len());
-        }
-        drop(item);
+    loop {
+        let records = match tokio::time::timeout(IDLE_TICK, rx.recv()).await {
+            Ok(Some(item)) => {
+                let records = tap.item(&item, &stats);
+                if let LogItem::Line(l) = &item {
+                    budget.give(l.len());
+                }
+                records
+            }
+            Ok(None) => break,
+            Err(_) => tap.idle(&stats),
+        };
         let at = tap.log_time_ns();
         if records.is_empty() {
             // Any timestamped line tells how far the log has got.
