@@ -390,6 +390,7 @@ pub async fn start(cfg: AgentConfig) -> anyhow::Result<RunningAgent> {
         t.set_spans(crate::nixl::spans::NixlSpans {
             sink: o.spans(),
             agent_id: cfg.agent_id.clone(),
+            sample_every: cfg.nixl.sample_every,
         });
     }
 

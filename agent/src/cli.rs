@@ -141,6 +141,16 @@ pub struct Cli {
     /// are the same; the traced loop pays more.
     #[arg(long)]
     pub nixl_status_probes: bool,
+    /// Send one NIXL transfer's record in N (its span, its join to a request), besides
+    /// every failed one, every one carrying a notification and every slow one. The
+    /// transfer figures are counted in the kernel, exact for every transfer, whatever N
+    /// is (on a build whose struct offsets are known; otherwise every record is sent).
+    #[arg(long, value_name = "N")]
+    pub nixl_sample_every: Option<u64>,
+    /// A NIXL transfer slower than this (post to terminal status) always has its record
+    /// sent; 0: none for being slow.
+    #[arg(long, value_name = "MS")]
+    pub nixl_slow_transfer_ms: Option<f64>,
     /// Print the effective configuration as TOML and exit (secrets such as OTLP headers
     /// shown as <redacted>).
     #[arg(long)]
@@ -369,6 +379,12 @@ impl Cli {
         }
         if self.nixl_status_probes {
             cfg.nixl.completion_sites = false;
+        }
+        if let Some(v) = self.nixl_sample_every {
+            cfg.nixl.sample_every = v;
+        }
+        if let Some(v) = self.nixl_slow_transfer_ms {
+            cfg.nixl.slow_transfer_ms = v;
         }
     }
 }

@@ -32,6 +32,9 @@
 //! scan_interval_secs = 2.0
 //! report_interval_secs = 1.0
 //! completion_sites = true  # false: probe every getXferStatus poll instead (costlier)
+//! sample_every = 16        # one transfer's record (span) in 16, besides every failed,
+//!                          # notifying or slow one; the figures count every transfer
+//! slow_transfer_ms = 10.0  # a transfer slower than this always has its record (0: off)
 //! # pid = 1234         # only this process
 //!
 //! [nats]             # who this agent is to NATS (see kvscope_wire::nats_security)
@@ -158,7 +161,8 @@ pub struct AgentConfig {
     pub shutdown_grace_secs: f64,
     /// eBPF tracing of NIXL (default off). Env: `KVSCOPE_AGENT_NIXL` (`1`/`true`),
     /// `KVSCOPE_AGENT_NIXL_LIBS` (comma-separated paths), `KVSCOPE_AGENT_NIXL_PID`,
-    /// `KVSCOPE_AGENT_NIXL_COMPLETION_SITES`.
+    /// `KVSCOPE_AGENT_NIXL_COMPLETION_SITES`, `KVSCOPE_AGENT_NIXL_SAMPLE_EVERY`,
+    /// `KVSCOPE_AGENT_NIXL_SLOW_TRANSFER_MS`.
     pub nixl: NixlTraceConfig,
     /// Dynamo's discovery store (default none): workers, models, KV publishers. Env:
     /// Dynamo's own `DYN_DISCOVERY_BACKEND`, `DYN_FILE_KV`, `ETCD_ENDPOINTS`,
@@ -379,6 +383,12 @@ impl AgentConfig {
         if let Some(v) = env.flag("KVSCOPE_AGENT_NIXL_COMPLETION_SITES") {
             self.nixl.completion_sites = v;
         }
+        if let Some(v) = env.parse("KVSCOPE_AGENT_NIXL_SAMPLE_EVERY")? {
+            self.nixl.sample_every = v;
+        }
+        if let Some(v) = env.parse("KVSCOPE_AGENT_NIXL_SLOW_TRANSFER_MS")? {
+            self.nixl.slow_transfer_ms = v;
+        }
         if let Some(v) = env.flag("KVSCOPE_AGENT_EVENT_PLANE") {
             self.event_plane = Some(v);
         }
@@ -474,6 +484,14 @@ impl AgentConfig {
         anyhow::ensure!(
             self.shutdown_grace_secs.is_finite() && self.shutdown_grace_secs >= 0.0,
             "shutdown_grace_secs must be >= 0"
+        );
+        anyhow::ensure!(
+            self.nixl.sample_every >= 1,
+            "nixl.sample_every must be >= 1 (1: every transfer's record)"
+        );
+        anyhow::ensure!(
+            self.nixl.slow_transfer_ms.is_finite() && self.nixl.slow_transfer_ms >= 0.0,
+            "nixl.slow_transfer_ms must be >= 0 (0: no transfer kept for being slow)"
         );
         let discovery = self
             .discovery

@@ -110,10 +110,13 @@ struct {
 } events SEC(".maps");
 
 /* Records lost (index 0): ring buffer reservations that failed, and posts whose slot
- * another thread's post took (`posts`); user space reports them as lost. */
+ * another thread's post took (`posts`); transfers whose tally could not be made (index
+ * 1: `xfer_tallies` full). User space reports them as lost. */
+#define LOST_RECORDS 0
+#define LOST_TALLIES 1
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-	__uint(max_entries, 1);
+	__uint(max_entries, 2);
 	__type(key, __u32);
 	__type(value, __u64);
 } lost SEC(".maps");
@@ -172,19 +175,52 @@ struct {
 	__type(value, struct post_entry);
 } posts SEC(".maps");
 
-/* Posted requests awaiting their first terminal status: post entry time. */
-struct xfer_key {
-	__u32 pid;
-	__u32 _pad;
-	__u64 req;
-};
-
+/* Posted requests awaiting their first terminal status (struct inflight_entry). */
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
 	__uint(max_entries, 65536);
 	__type(key, struct xfer_key);
-	__type(value, __u64);
+	__type(value, struct inflight_entry);
 } inflight SEC(".maps");
+
+/*
+ * Transfers counted in the kernel (struct xfer_tally), where the build's offsets are
+ * known: every transfer's figures are exact here, so its record may be left unsent.
+ * Entries are made as pairs first move (not preallocated: a tally is ~19 KiB) and
+ * deleted by user space once their process is gone. Updated with atomic adds (a pair's
+ * transfers end on any CPU); only max_ns is a plain compare-and-store.
+ */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 4096);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, struct tally_key);
+	__type(value, struct xfer_tally);
+} xfer_tallies SEC(".maps");
+
+/* A zeroed tally to make new entries from (too big for the BPF stack). */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct xfer_tally);
+} tally_zero SEC(".maps");
+
+/*
+ * Which tallied transfers' records are sent: every failure, every one carrying a
+ * notification (the request join reads it), every one slower than `slow_ns` (0: none
+ * for that alone), and one in `sample_every` of the rest (1: all). Set at load.
+ */
+const volatile __u64 sample_every = 1;
+const volatile __u64 slow_ns = 0;
+
+/* Transfers since the last one sampled, per CPU. */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, __u64);
+} sample_count SEC(".maps");
 
 /* getXferStatus in progress on a thread for an in-flight request: the request. */
 struct {
@@ -289,12 +325,16 @@ static __always_inline __u64 site_value(struct pt_regs *ctx, __u64 src)
 	return 0;
 }
 
-static __always_inline void count_lost(void)
+static __always_inline void count_lost_at(__u32 what)
 {
-	__u32 zero = 0;
-	__u64 *n = bpf_map_lookup_elem(&lost, &zero);
+	__u64 *n = bpf_map_lookup_elem(&lost, &what);
 	if (n)
 		*n += 1;
+}
+
+static __always_inline void count_lost(void)
+{
+	count_lost_at(LOST_RECORDS);
 }
 
 /*

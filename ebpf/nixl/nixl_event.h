@@ -66,6 +66,15 @@ enum nixl_call {
 #define FLAG_IN_FLIGHT (1u << 2)     /* released before a terminal status was seen */
 #define FLAG_BYTES_PARTIAL (1u << 3) /* more descriptors than the probe sums */
 #define FLAG_BYTES_UNKNOWN (1u << 4) /* a post whose request holds no byte count to read */
+/* The transfer's figures were counted in the kernel (`xfer_tallies`); its record is
+ * sent for spans and the request join only, and carries what its tally is keyed by
+ * (agent, op, bytes, descs, name = remote agent) whichever record it is. */
+#define FLAG_TALLIED (1u << 5)
+/* Why a tallied transfer's record was sent (any of them): */
+#define FLAG_KEPT_FAILURE (1u << 6) /* a failed status, or released in flight */
+#define FLAG_KEPT_NOTIF (1u << 7)   /* it carries a notification */
+#define FLAG_KEPT_SLOW (1u << 8)    /* slower than `slow_ns` */
+#define FLAG_KEPT_SAMPLED (1u << 9) /* one in `sample_every` of the rest */
 
 struct nixl_event {
 	__u32 kind;
@@ -83,6 +92,76 @@ struct nixl_event {
 	__u32 call;
 	__u32 flags;
 	char name[NIXL_NAME_LEN];
+};
+
+/*
+ * The kernel's tallies of transfers, where the build's offsets are known: per (process,
+ * local agent, remote agent, op, stage, status), exact counts, bytes, descriptors and a
+ * latency histogram. Mirrored in agent/src/nixl/tally.rs (checked against this header by
+ * a unit test).
+ *
+ * Latency buckets (ns), log-linear: below LAT_SUB each value its own bucket; above, each
+ * power of two split in LAT_SUB equal buckets (1/64 of the octave: a value read back as
+ * its bucket's middle is within 0.8%), up to 2^(LAT_TOP_OCTAVE + 1) ns (~37 min), beyond
+ * which everything counts in the last bucket. Besides, counts per LATENCY_BOUNDS_NS bucket
+ * (wire/src/nixl.rs: the bounds Prometheus histograms show), exact at those bounds.
+ */
+#define LAT_SUB_BITS 6
+#define LAT_SUB (1 << LAT_SUB_BITS)
+#define LAT_TOP_OCTAVE 40
+#define LAT_FINE ((LAT_TOP_OCTAVE - LAT_SUB_BITS + 2) << LAT_SUB_BITS)
+#define LAT_BOUNDS 22
+#define LAT_FIXED (LAT_BOUNDS + 1) /* the last: above every bound */
+#define LAT_BOUNDS_NS                                                                    \
+	{ 1000ull, 2500ull, 5000ull, 10000ull, 25000ull, 50000ull, 100000ull, 250000ull,   \
+	  500000ull, 1000000ull, 2500000ull, 5000000ull, 10000000ull, 25000000ull,          \
+	  50000000ull, 100000000ull, 250000000ull, 500000000ull, 1000000000ull,             \
+	  2500000000ull, 5000000000ull, 10000000000ull }
+
+/* `stage` of a tally (wire's XferStage; creations that fail are records only). */
+enum xfer_stage {
+	STAGE_POST = 1,               /* postXferReq returned an error */
+	STAGE_COMPLETE = 2,           /* a terminal status, at the post or later */
+	STAGE_RELEASED_IN_FLIGHT = 3, /* released before any terminal status */
+};
+
+struct tally_key {
+	__u32 pid;
+	__s32 status;
+	__u64 agent; /* nixlAgent* */
+	__s32 op;
+	__u32 stage;
+	char remote[NIXL_NAME_LEN];
+};
+
+/* A posted request awaiting its first terminal status (the `inflight` map's value, keyed
+ * by process and request): when it was posted, and what its tally is keyed by. */
+struct xfer_key {
+	__u32 pid;
+	__u32 _pad;
+	__u64 req;
+};
+
+struct inflight_entry {
+	__u64 ts_ns; /* post entry */
+	__u64 agent;
+	__u64 bytes;
+	__u32 descs;
+	__s32 op;
+	__u32 flags; /* FLAG_BYTES_UNKNOWN, and FLAG_KEPT_* already decided at the post */
+	__u32 _pad;
+	char remote[NIXL_NAME_LEN]; /* "" where the build's offsets are unknown */
+};
+
+struct xfer_tally {
+	__u64 count;
+	__u64 bytes;
+	__u64 descs;
+	__u64 bytes_unknown; /* of count: no byte count read (neither bytes nor descs added) */
+	__u64 sum_ns;        /* latency: the complete stage only */
+	__u64 max_ns;
+	__u64 fixed[LAT_FIXED];
+	__u64 fine[LAT_FINE];
 };
 
 #endif

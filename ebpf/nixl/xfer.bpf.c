@@ -73,10 +73,11 @@ static __always_inline void win_string(char *dst, const __u8 *w, __u64 req, __u6
 	__u64 data = win_u64(w, at);
 	__u64 len = win_u64(w, at + 8);
 	if (data && data == req + off + 16 && len < 16) {
-		/* The inline buffer holds the characters and the terminating NUL. */
+		/* The inline buffer holds the characters and the terminating NUL; what follows
+		 * them is an earlier string's (zeroed: a tally is keyed by the name). */
 		const __u8 *chars = w + (at & (REQ_WINDOW - 1)) + 16;
 		for (int i = 0; i < 16; i++)
-			dst[i] = chars[i];
+			dst[i] = i < len ? chars[i] : 0;
 		return;
 	}
 	std_string_chars(dst, (const char *)data, len, flags);
@@ -100,23 +101,145 @@ static __always_inline int counts_held(__u64 agent)
 	return enabled != 0;
 }
 
-static __always_inline void read_req_fields(struct nixl_event *e, __u64 req, const __u8 *w,
-					    __u64 agent)
+/* What the request of a post by `agent` says it moves, into `x` (zeroed): with the
+ * build's offsets, its op, byte and descriptor counts and remote agent. */
+static __always_inline void read_req_info(struct inflight_entry *x, __u64 req, const __u8 *w,
+					  __u64 agent)
 {
+	x->agent = agent;
+	x->op = -1;
 	if (!w) {
-		e->flags |= FLAG_BYTES_UNKNOWN;
+		x->flags |= FLAG_BYTES_UNKNOWN;
 		return;
 	}
 	__s32 op;
 	__builtin_memcpy(&op, w + win_at(off_req_op), sizeof(op));
-	e->op = op;
+	x->op = op;
 	if (counts_held(agent)) {
-		e->bytes = win_u64(w, win_at(off_req_bytes));
-		e->descs = (__u32)win_u64(w, win_at(off_req_descs));
+		x->bytes = win_u64(w, win_at(off_req_bytes));
+		x->descs = (__u32)win_u64(w, win_at(off_req_descs));
 	} else {
-		e->flags |= FLAG_BYTES_UNKNOWN;
+		x->flags |= FLAG_BYTES_UNKNOWN;
 	}
-	win_string(e->name, w, req, off_req_remote, &e->flags);
+	win_string(x->remote, w, req, off_req_remote, &x->flags);
+}
+
+/* A transfer's record carries what it moved (whichever record ends it). */
+static __always_inline void fill_transfer(struct nixl_event *e, const struct inflight_entry *x)
+{
+	e->agent = x->agent;
+	e->op = x->op;
+	e->bytes = x->bytes;
+	e->descs = x->descs;
+	e->flags |= x->flags;
+	__builtin_memcpy(e->name, x->remote, NIXL_NAME_LEN);
+}
+
+static const __u64 lat_bounds[LAT_BOUNDS] = LAT_BOUNDS_NS;
+
+static __always_inline __u32 msb64(__u64 v)
+{
+	__u32 r = 0;
+	if (v >> 32) { v >>= 32; r += 32; }
+	if (v >> 16) { v >>= 16; r += 16; }
+	if (v >> 8) { v >>= 8; r += 8; }
+	if (v >> 4) { v >>= 4; r += 4; }
+	if (v >> 2) { v >>= 2; r += 2; }
+	if (v >> 1) r += 1;
+	return r;
+}
+
+/* The latency bucket of `ns` (nixl_event.h, LAT_SUB_BITS). */
+static __always_inline __u32 lat_fine(__u64 ns)
+{
+	if (ns < LAT_SUB)
+		return (__u32)ns;
+	if (ns >> (LAT_TOP_OCTAVE + 1))
+		ns = (1ull << (LAT_TOP_OCTAVE + 1)) - 1;
+	__u32 m = msb64(ns);
+	return ((m - LAT_SUB_BITS + 1) << LAT_SUB_BITS) +
+	       (__u32)((ns >> (m - LAT_SUB_BITS)) & (LAT_SUB - 1));
+}
+
+/* The LATENCY_BOUNDS_NS bucket of `ns`: the first bound it does not exceed. */
+static __always_inline __u32 lat_fixed(__u64 ns)
+{
+	for (int i = 0; i < LAT_BOUNDS; i++)
+		if (ns <= lat_bounds[i])
+			return i;
+	return LAT_BOUNDS;
+}
+
+/* Count one transfer in its pair's tally (`timed`: with its latency). */
+static __always_inline void tally(__u32 stage, __s32 status, const struct inflight_entry *x,
+				  __u64 latency_ns, int timed)
+{
+	struct tally_key k = {};
+	k.pid = bpf_get_current_pid_tgid() >> 32;
+	k.status = status;
+	k.agent = x->agent;
+	k.op = x->op;
+	k.stage = stage;
+	__builtin_memcpy(k.remote, x->remote, NIXL_NAME_LEN);
+	struct xfer_tally *t = bpf_map_lookup_elem(&xfer_tallies, &k);
+	if (!t) {
+		__u32 zero = 0;
+		struct xfer_tally *z = bpf_map_lookup_elem(&tally_zero, &zero);
+		if (!z)
+			return;
+		/* Another CPU may make it first: then this finds it. */
+		bpf_map_update_elem(&xfer_tallies, &k, z, BPF_NOEXIST);
+		t = bpf_map_lookup_elem(&xfer_tallies, &k);
+		if (!t) {
+			count_lost_at(LOST_TALLIES);
+			return;
+		}
+	}
+	__sync_fetch_and_add(&t->count, 1);
+	if (x->flags & FLAG_BYTES_UNKNOWN) {
+		__sync_fetch_and_add(&t->bytes_unknown, 1);
+	} else {
+		__sync_fetch_and_add(&t->bytes, x->bytes);
+		__sync_fetch_and_add(&t->descs, (__u64)x->descs);
+	}
+	if (!timed)
+		return;
+	__sync_fetch_and_add(&t->sum_ns, latency_ns);
+	if (latency_ns > t->max_ns)
+		t->max_ns = latency_ns;
+	__u32 f = lat_fixed(latency_ns);
+	if (f < LAT_FIXED)
+		__sync_fetch_and_add(&t->fixed[f], 1);
+	__u32 i = lat_fine(latency_ns);
+	if (i < LAT_FINE)
+		__sync_fetch_and_add(&t->fine[i], 1);
+}
+
+/* FLAG_KEPT_SAMPLED for one in `sample_every` transfers (per CPU), else 0. */
+static __always_inline __u32 sampled(void)
+{
+	if (sample_every <= 1)
+		return FLAG_KEPT_SAMPLED;
+	__u32 zero = 0;
+	__u64 *n = bpf_map_lookup_elem(&sample_count, &zero);
+	if (!n)
+		return 0;
+	*n += 1;
+	if (*n < sample_every)
+		return 0;
+	*n = 0;
+	return FLAG_KEPT_SAMPLED;
+}
+
+/* Why a transfer that ended with `status` after `latency_ns` (`timed`) is sent, on top
+ * of `kept` (decided at its post); 0: its tally says all. */
+static __always_inline __u32 kept_at_end(__u32 kept, __s32 status, __u64 latency_ns, int timed)
+{
+	if (status != 0)
+		kept |= FLAG_KEPT_FAILURE;
+	if (timed && slow_ns && latency_ns > slow_ns)
+		kept |= FLAG_KEPT_SLOW;
+	return kept;
 }
 
 SEC("uprobe")
@@ -304,17 +427,36 @@ static __always_inline int xfer_posted(__s32 status)
 	struct post_entry c;
 	if (take_post(&c) != 0)
 		return 0;
+	__u64 now = bpf_ktime_get_ns();
+	const __u8 *w = read_req_window(c.req);
+	struct inflight_entry x = {};
+	x.ts_ns = c.ts_ns;
+	read_req_info(&x, c.req, w, c.agent);
+	int notif = w && w[win_at(off_req_has_notif)];
+	/* With the build's offsets every transfer is counted here and its records are sent
+	 * only when kept; without them user space counts them all from the records. */
+	__u32 kept = FLAG_KEPT_SAMPLED;
+	if (offsets_known)
+		kept = (notif ? FLAG_KEPT_NOTIF : 0) | sampled();
 	if (status == NIXL_IN_PROG) {
 		struct xfer_key k = {};
 		k.pid = bpf_get_current_pid_tgid() >> 32;
 		k.req = c.req;
-		bpf_map_update_elem(&inflight, &k, &c.ts_ns, BPF_ANY);
+		x.flags |= kept;
+		bpf_map_update_elem(&inflight, &k, &x, BPF_ANY);
+		x.flags &= ~kept;
+	} else if (offsets_known) {
+		/* Ended at its post: done inline, or failed (no latency: nothing moved). */
+		int done = status == 0;
+		tally(done ? STAGE_COMPLETE : STAGE_POST, status, &x, now - c.ts_ns, done);
+		kept = kept_at_end(kept, status, now - c.ts_ns, done);
 	}
+	if (!kept)
+		return 0;
 	/* The notification rides in the handle from create (or from post's own arguments,
 	 * which post copies in before it returns). Sent first, so user space knows it when
 	 * the post's record ends the transfer. */
-	const __u8 *w = read_req_window(c.req);
-	if (w && w[win_at(off_req_has_notif)]) {
+	if (notif) {
 		struct nixl_event *n = event_reserve(EV_XFER_NOTIF);
 		if (n) {
 			n->agent = c.agent;
@@ -326,11 +468,12 @@ static __always_inline int xfer_posted(__s32 status)
 	struct nixl_event *e = event_reserve(EV_XFER_POST);
 	if (!e)
 		return 0;
-	e->agent = c.agent;
 	e->req = c.req;
 	e->status = status;
 	e->latency_ns = e->ts_ns - c.ts_ns;
-	read_req_fields(e, c.req, w, c.agent);
+	fill_transfer(e, &x);
+	if (offsets_known)
+		e->flags |= FLAG_TALLIED | kept;
 	event_submit(e);
 	return 0;
 }
@@ -354,17 +497,29 @@ static __always_inline int xfer_done(__u64 req, __s32 status)
 	struct xfer_key k = {};
 	k.pid = bpf_get_current_pid_tgid() >> 32;
 	k.req = req;
-	__u64 *posted = bpf_map_lookup_elem(&inflight, &k);
-	if (!posted)
+	struct inflight_entry *p = bpf_map_lookup_elem(&inflight, &k);
+	if (!p)
 		return 0;
-	__u64 post_ts = *posted;
+	struct inflight_entry x = *p;
 	bpf_map_delete_elem(&inflight, &k);
+	__u64 latency = bpf_ktime_get_ns() - x.ts_ns;
+	__u32 kept = x.flags & (FLAG_KEPT_NOTIF | FLAG_KEPT_SAMPLED);
+	x.flags &= ~kept;
+	if (offsets_known) {
+		tally(STAGE_COMPLETE, status, &x, latency, 1);
+		kept = kept_at_end(kept, status, latency, 1);
+		if (!kept)
+			return 0;
+	}
 	struct nixl_event *e = event_reserve(EV_XFER_DONE);
 	if (!e)
 		return 0;
 	e->req = k.req;
 	e->status = status;
-	e->latency_ns = e->ts_ns - post_ts;
+	e->latency_ns = e->ts_ns - x.ts_ns;
+	fill_transfer(e, &x);
+	if (offsets_known)
+		e->flags |= FLAG_TALLIED | kept;
 	event_submit(e);
 	return 0;
 }
@@ -431,15 +586,26 @@ static __always_inline int xfer_released(__u64 agent, __u64 req)
 	struct xfer_key k = {};
 	k.pid = bpf_get_current_pid_tgid() >> 32;
 	k.req = req;
+	struct inflight_entry x = {};
 	__u32 flags = 0;
-	if (bpf_map_lookup_elem(&inflight, &k)) {
+	struct inflight_entry *p = bpf_map_lookup_elem(&inflight, &k);
+	if (p) {
+		x = *p;
 		flags = FLAG_IN_FLIGHT;
 		bpf_map_delete_elem(&inflight, &k);
+		x.flags &= ~(FLAG_KEPT_NOTIF | FLAG_KEPT_SAMPLED);
+		if (offsets_known) {
+			tally(STAGE_RELEASED_IN_FLIGHT, NIXL_IN_PROG, &x, 0, 0);
+			flags |= FLAG_TALLIED | FLAG_KEPT_FAILURE;
+		}
 	}
 	struct nixl_event *e = event_reserve(EV_XFER_RELEASE);
 	if (!e)
 		return 0;
-	e->agent = agent;
+	if (p)
+		fill_transfer(e, &x);
+	if (agent)
+		e->agent = agent;
 	e->req = req;
 	e->flags |= flags;
 	event_submit(e);

@@ -10,10 +10,8 @@
 //! collector) keeps growing monotonically.
 
 use super::event::{flags, status_name, EventKind, NixlCall, NixlEvent};
-use hdrhistogram::Histogram;
-use kvscope_wire::nixl::{
-    LatencySummary, NixlCallStats, NixlReport, NixlTransferStats, XferStage, LATENCY_BOUNDS_NS,
-};
+use super::tally::{InflightEntry, KernelTally, LatencyHistogram, TallyKey};
+use kvscope_wire::nixl::{LatencySummary, NixlCallStats, NixlReport, NixlTransferStats, XferStage};
 use std::collections::{BTreeMap, HashMap};
 
 /// The local agent label when the agent's name was never seen (created before the
@@ -44,7 +42,7 @@ struct CallKey {
 }
 
 /// Counts, bytes and a latency histogram.
-#[derive(Debug)]
+#[derive(Clone, Debug, Default)]
 struct Tally {
     count: u64,
     bytes: u64,
@@ -53,27 +51,12 @@ struct Tally {
     bytes_unknown: u64,
     /// Of `count`, registrations whose bytes are of their first descriptors only.
     bytes_partial: u64,
-    latency: Histogram<u64>,
+    latency: LatencyHistogram,
     sum_ns: u64,
     max_ns: u64,
 }
 
 impl Tally {
-    fn new() -> Self {
-        Self {
-            count: 0,
-            bytes: 0,
-            descs: 0,
-            bytes_unknown: 0,
-            bytes_partial: 0,
-            // 1 ns .. 1 hour at 3 significant digits; values above saturate.
-            latency: Histogram::new_with_bounds(1, 3_600_000_000_000, 3)
-                .expect("static histogram bounds are valid"),
-            sum_ns: 0,
-            max_ns: 0,
-        }
-    }
-
     fn add(&mut self, bytes: Option<u64>, descs: u64, latency_ns: Option<u64>) {
         // Bytes and descriptors are read from the traced process's memory: a wrong
         // value must not stop the agent, so sums saturate.
@@ -89,8 +72,8 @@ impl Tally {
 
     fn add_latency(&mut self, latency_ns: Option<u64>) {
         if let Some(ns) = latency_ns {
-            self.latency.saturating_record(ns.max(1));
-            self.sum_ns += ns;
+            self.latency.record(ns);
+            self.sum_ns = self.sum_ns.saturating_add(ns);
             self.max_ns = self.max_ns.max(ns);
         }
     }
@@ -102,9 +85,7 @@ impl Tally {
         self.descs = self.descs.saturating_add(other.descs);
         self.bytes_unknown += other.bytes_unknown;
         self.bytes_partial += other.bytes_partial;
-        self.latency
-            .add(&other.latency)
-            .expect("every tally's histogram has the same bounds");
+        self.latency.add(&other.latency);
         self.sum_ns = self.sum_ns.saturating_add(other.sum_ns);
         self.max_ns = self.max_ns.max(other.max_ns);
     }
@@ -121,34 +102,24 @@ impl Tally {
             p50_ns: h.value_at_quantile(0.5).min(self.max_ns),
             p90_ns: h.value_at_quantile(0.9).min(self.max_ns),
             p99_ns: h.value_at_quantile(0.99).min(self.max_ns),
-            buckets: cumulative_buckets(h),
+            buckets: h.cumulative_bounds(),
         }
     }
 }
 
-/// `buckets[i]` = `h.count_between(0, LATENCY_BOUNDS_NS[i])`, in one pass over the
-/// recorded values: `count_between` walks every sub-bucket up to its bound (~25k at 3
-/// digits up to 10 s), 22 times per series, which made a report of a hundred series
-/// take seconds (the agent's /metrics timed out under scraping) in a debug build.
-fn cumulative_buckets(h: &Histogram<u64>) -> Vec<u64> {
-    let bounds: Vec<u64> = LATENCY_BOUNDS_NS
-        .iter()
-        .map(|&le| h.lowest_equivalent(le))
-        .collect();
-    let mut buckets = vec![0u64; bounds.len()];
-    for v in h.iter_recorded() {
-        let low = h.lowest_equivalent(v.value_iterated_to());
-        let i = bounds.partition_point(|&b| b < low);
-        if let Some(b) = buckets.get_mut(i) {
-            *b += v.count_at_value();
+impl From<&KernelTally> for Tally {
+    fn from(k: &KernelTally) -> Self {
+        Self {
+            count: k.count,
+            bytes: k.bytes,
+            descs: k.descs,
+            bytes_unknown: k.bytes_unknown,
+            bytes_partial: 0,
+            latency: k.latency(),
+            sum_ns: k.sum_ns,
+            max_ns: k.max_ns,
         }
     }
-    let mut total = 0;
-    for b in &mut buckets {
-        total += *b;
-        *b = total;
-    }
-    buckets
 }
 
 /// What is known of a request handle between its creation and its release.
@@ -198,6 +169,9 @@ pub(crate) struct Observed<'a> {
     /// The request a transfer moves KV for, read from its notification when that is in
     /// a known format (vLLM's NixlConnector: `<request id>:<consumers>`).
     pub request_id: Option<&'a str>,
+    /// Why a transfer counted in the kernel was sent (`flags::KEPT_*`; the others
+    /// like it were counted, not sent); None: every one is sent.
+    pub kept: Option<u32>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -214,6 +188,9 @@ pub struct NixlAggregator {
     agent_data: HashMap<(u32, u64), String>,
     requests: HashMap<(u32, u64), RequestInfo>,
     transfers: BTreeMap<TransferKey, Tally>,
+    /// The kernel's tallies as last read ([`Self::set_kernel_tallies`]): every transfer
+    /// of a build whose offsets are known, which `transfers` then leaves out.
+    kernel: BTreeMap<TransferKey, Tally>,
     calls: BTreeMap<CallKey, Tally>,
     /// Per request named by a notification: what each (local, remote) pair moved for it.
     by_request: RequestTallies,
@@ -253,6 +230,7 @@ impl NixlAggregator {
         e: &NixlEvent,
         observe: &mut dyn FnMut(Observed<'_>),
     ) {
+        let tallied = e.flags & flags::TALLIED != 0;
         let key = TransferKey {
             pid,
             local: info.local.clone(),
@@ -270,10 +248,13 @@ impl NixlAggregator {
             }
             XferStage::Create => (Some(0), 0),
         };
-        self.transfers
-            .entry(key)
-            .or_insert_with(Tally::new)
-            .add(bytes, descs, latency);
+        // Counted in the kernel already: the record is for spans and the request join.
+        if !tallied {
+            self.transfers
+                .entry(key)
+                .or_default()
+                .add(bytes, descs, latency);
+        }
         let request_id = info
             .notif
             .as_deref()
@@ -306,7 +287,51 @@ impl NixlAggregator {
             ts_ns: e.ts_ns,
             notif: info.notif.as_deref(),
             request_id,
+            kept: tallied.then_some(e.flags & flags::KEPT),
         });
+    }
+
+    /// What a tallied transfer's record says it moved (it carries its pair whichever
+    /// record it is: its post's may not have been sent).
+    fn request_in(&self, pid: u32, e: &NixlEvent) -> RequestInfo {
+        RequestInfo {
+            local: self.local_name(pid, e.agent),
+            remote: e.name.clone(),
+            op: (e.op >= 0).then_some(e.op),
+            bytes: e.bytes,
+            descs: u64::from(e.descs),
+            bytes_unknown: e.flags & flags::BYTES_UNKNOWN != 0,
+            ..RequestInfo::default()
+        }
+    }
+
+    /// The kernel's tallies, as just read (each key once or, from several copies of the
+    /// library, more: then summed). Names are resolved now, while the agents are known.
+    pub(crate) fn set_kernel_tallies<'a>(
+        &mut self,
+        tallies: impl IntoIterator<Item = &'a (TallyKey, KernelTally)>,
+    ) {
+        self.kernel.clear();
+        for (k, t) in tallies {
+            let stage = match k.stage {
+                1 => XferStage::Post,
+                2 => XferStage::Complete,
+                3 => XferStage::ReleasedInFlight,
+                _ => {
+                    self.unattributed += t.count;
+                    continue;
+                }
+            };
+            let key = TransferKey {
+                pid: k.pid,
+                local: self.local_name(k.pid, k.agent),
+                remote: k.remote.clone(),
+                op: op_name((k.op >= 0).then_some(k.op)),
+                stage,
+                status: k.status,
+            };
+            self.kernel.entry(key).or_default().merge(&Tally::from(t));
+        }
     }
 
     /// Processes with state here: agents, requests in flight, or figures of their own
@@ -318,6 +343,7 @@ impl NixlAggregator {
             .chain(self.requests.keys())
             .map(|(pid, _)| *pid)
             .chain(self.transfers.keys().map(|k| k.pid))
+            .chain(self.kernel.keys().map(|k| k.pid))
             .chain(self.calls.keys().map(|k| k.pid))
             .filter(|&pid| pid != EXITED_PID)
             .collect();
@@ -346,6 +372,19 @@ impl NixlAggregator {
         self.agents.retain(|(p, _), _| *p != pid);
         self.agent_data.retain(|(p, _), _| *p != pid);
         self.requests.retain(|(p, _), _| *p != pid);
+        // Its kernel tallies are deleted from the kernel now (the caller's part): kept
+        // here, as the exited processes' figures are.
+        let ended: Vec<TransferKey> = self
+            .kernel
+            .keys()
+            .filter(|k| k.pid == pid)
+            .cloned()
+            .collect();
+        for key in ended {
+            if let Some(t) = self.kernel.remove(&key) {
+                self.transfers.entry(key).or_default().merge(&t);
+            }
+        }
         fold_pid(&mut self.transfers, pid);
         fold_pid(&mut self.calls, pid);
     }
@@ -432,12 +471,21 @@ impl NixlAggregator {
                     self.count_transfer(pid, &info, XferStage::Complete, e, observe);
                     self.transfer_ended(pid, e);
                 }
+                // Sent for itself (failed, slow): its post's record was left unsent.
+                None if e.flags & flags::TALLIED != 0 => {
+                    let info = self.request_in(pid, e);
+                    self.count_transfer(pid, &info, XferStage::Complete, e, observe);
+                }
                 None => self.unattributed += 1,
             },
             EventKind::XferRelease => {
                 let info = self.requests.remove(&(pid, e.req));
                 if e.flags & flags::IN_FLIGHT != 0 {
-                    let info = info.unwrap_or_default();
+                    let info = match info {
+                        Some(info) => info,
+                        None if e.flags & flags::TALLIED != 0 => self.request_in(pid, e),
+                        None => RequestInfo::default(),
+                    };
                     let mut ev = e.clone();
                     ev.status = 1;
                     self.count_transfer(pid, &info, XferStage::ReleasedInFlight, &ev, observe);
@@ -461,7 +509,7 @@ impl NixlAggregator {
                 };
                 // A call seen only at a site (no entry) has no latency.
                 let latency = (e.latency_ns > 0).then_some(e.latency_ns);
-                let tally = self.calls.entry(key).or_insert_with(Tally::new);
+                let tally = self.calls.entry(key).or_default();
                 tally.add(Some(e.bytes), u64::from(e.descs), latency);
                 if e.flags & flags::BYTES_PARTIAL != 0 {
                     tally.bytes_partial += 1;
@@ -477,29 +525,42 @@ impl NixlAggregator {
                     ts_ns: e.ts_ns,
                     notif: None,
                     request_id: None,
+                    kept: None,
                 });
             }
         }
     }
 
-    /// The figures so far (cumulative).
     /// Transfers in progress per (pid, local, remote), with the age of the oldest as of
-    /// `now_ns` (the probes' clock).
-    pub fn in_flight(&self, now_ns: u64) -> Vec<kvscope_wire::nixl::NixlInFlight> {
-        let mut by: BTreeMap<(u32, &str, &str), (u64, u64)> = BTreeMap::new();
-        for ((pid, _), info) in self.requests.iter().filter(|(_, i)| i.awaiting) {
+    /// `now_ns` (the probes' clock), from the probes' own entries (every posted transfer
+    /// has one, whether or not its post's record was sent): (pid, request, entry). The
+    /// remote agent is the entry's where the build's offsets are known, else the one
+    /// its creation's record named.
+    pub(crate) fn in_flight<'a>(
+        &self,
+        now_ns: u64,
+        entries: impl IntoIterator<Item = &'a (u32, u64, InflightEntry)>,
+    ) -> Vec<kvscope_wire::nixl::NixlInFlight> {
+        let mut by: BTreeMap<(u32, String, String), (u64, u64)> = BTreeMap::new();
+        for (pid, req, entry) in entries {
+            let mut remote = entry.remote.clone();
+            if remote.is_empty() {
+                if let Some(info) = self.requests.get(&(*pid, *req)) {
+                    remote = info.remote.clone();
+                }
+            }
             let e = by
-                .entry((*pid, info.local.as_str(), info.remote.as_str()))
+                .entry((*pid, self.local_name(*pid, entry.agent), remote))
                 .or_insert((0, u64::MAX));
             e.0 += 1;
-            e.1 = e.1.min(info.posted_ns);
+            e.1 = e.1.min(entry.ts_ns);
         }
         by.into_iter()
             .map(
                 |((pid, local, remote), (transfers, oldest))| kvscope_wire::nixl::NixlInFlight {
                     pid,
-                    local_agent: local.to_string(),
-                    remote_agent: remote.to_string(),
+                    local_agent: local,
+                    remote_agent: remote,
                     transfers,
                     oldest_age_ns: now_ns.saturating_sub(oldest),
                 },
@@ -507,12 +568,12 @@ impl NixlAggregator {
             .collect()
     }
 
+    /// The figures so far (cumulative).
     pub fn report(&self) -> NixlReport {
         NixlReport {
             libraries: Vec::new(),
-            transfers: self
-                .transfers
-                .iter()
+            transfers: merged(&self.transfers, &self.kernel)
+                .into_iter()
                 .map(|(k, t)| NixlTransferStats {
                     pid: k.pid,
                     local_agent: k.local.clone(),
@@ -634,6 +695,26 @@ impl RequestTallies {
     }
 }
 
+/// `a`'s tallies with `b`'s added (a key in both: summed).
+fn merged<'a>(
+    a: &'a BTreeMap<TransferKey, Tally>,
+    b: &'a BTreeMap<TransferKey, Tally>,
+) -> BTreeMap<&'a TransferKey, std::borrow::Cow<'a, Tally>> {
+    let mut out: BTreeMap<&TransferKey, std::borrow::Cow<'a, Tally>> = a
+        .iter()
+        .map(|(k, t)| (k, std::borrow::Cow::Borrowed(t)))
+        .collect();
+    for (k, t) in b {
+        match out.get_mut(k) {
+            Some(have) => have.to_mut().merge(t),
+            None => {
+                out.insert(k, std::borrow::Cow::Borrowed(t));
+            }
+        }
+    }
+    out
+}
+
 /// A series key: one process's.
 trait OfProcess: Ord + Clone {
     fn pid(&self) -> u32;
@@ -680,30 +761,6 @@ fn fold_pid<K: OfProcess>(map: &mut BTreeMap<K, Tally>, pid: u32) {
 mod tests {
     use super::*;
     use std::collections::BTreeSet;
-
-    #[test]
-    fn one_pass_buckets_equal_count_between() {
-        let mut t = Tally::new();
-        // A spread over every bound, exact bounds and their neighbours included.
-        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
-        for i in 0..5000u64 {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            let v = match i % 3 {
-                0 => LATENCY_BOUNDS_NS[(x % 22) as usize] + (x % 3) - 1,
-                1 => x % 20_000_000_000,
-                _ => x % 100_000,
-            };
-            t.add(Some(0), 0, Some(v));
-        }
-        let h = &t.latency;
-        let slow: Vec<u64> = LATENCY_BOUNDS_NS
-            .iter()
-            .map(|&le| h.count_between(0, le))
-            .collect();
-        assert_eq!(cumulative_buckets(h), slow);
-    }
 
     fn ev(kind: EventKind, f: impl FnOnce(&mut NixlEvent)) -> NixlEvent {
         let mut e = NixlEvent::blank(kind);
@@ -771,41 +828,152 @@ mod tests {
         assert!(a.recent_requests(1_000, 60).is_empty(), "none moved lately");
     }
 
+    fn kernel_tally(count: u64, bytes: u64, latencies: &[u64]) -> KernelTally {
+        let mut h = LatencyHistogram::default();
+        let mut fixed = vec![0; super::super::tally::LAT_FIXED];
+        let mut fine = vec![0; super::super::tally::LAT_FINE];
+        for &ns in latencies {
+            h.record(ns);
+            fixed[super::super::tally::fixed_index(ns)] += 1;
+            fine[super::super::tally::fine_index(ns)] += 1;
+        }
+        KernelTally {
+            count,
+            bytes,
+            descs: count,
+            bytes_unknown: 0,
+            sum_ns: latencies.iter().sum(),
+            max_ns: latencies.iter().copied().max().unwrap_or(0),
+            fixed,
+            fine,
+        }
+    }
+
+    /// Where the kernel counts transfers, their records (sent or not) count nothing
+    /// here: the figures are the kernel's tallies, named by the agents known; a
+    /// record sent for itself (a failure whose post was not sent) carries its pair.
+    /// A process that exits keeps its figures once its kernel tallies are deleted.
     #[test]
-    fn transfers_in_progress_are_listed_with_the_oldest_age_until_they_end() {
+    fn kernel_tallies_are_the_figures_and_outlive_their_process() {
         let mut a = NixlAggregator::new();
         a.apply(&ev(EventKind::AgentNew, |e| e.name = "decode-0".into()));
-        for (req, ts) in [(0xa, 1_000), (0xb, 4_000)] {
-            a.apply(&ev(EventKind::XferCreate, |e| {
-                e.req = req;
-                e.name = "decode-1".into();
-            }));
-            a.apply(&ev(EventKind::XferPost, |e| {
-                e.req = req;
-                e.status = 1;
-                e.ts_ns = ts;
-                e.name = "decode-1".into();
-            }));
-        }
-        let f = a.in_flight(10_000);
-        assert_eq!(f.len(), 1);
-        assert_eq!(
-            (f[0].local_agent.as_str(), f[0].remote_agent.as_str()),
-            ("decode-0", "decode-1")
+        let mut seen = Vec::new();
+        a.apply_observing(
+            &ev(EventKind::XferDone, |e| {
+                e.req = 0xd;
+                e.status = -3;
+                e.latency_ns = 5_000;
+                e.op = 1;
+                e.bytes = 4096;
+                e.name = "prefill-0".into();
+                e.flags = flags::OFFSETS_KNOWN | flags::TALLIED | flags::KEPT_FAILURE;
+            }),
+            &mut |o| seen.push((o.local.to_string(), o.remote.to_string(), o.bytes, o.kept)),
         );
-        assert_eq!((f[0].transfers, f[0].oldest_age_ns), (2, 9_000));
-        a.apply(&ev(EventKind::XferDone, |e| {
+        assert_eq!(
+            seen,
+            [(
+                "decode-0".to_string(),
+                "prefill-0".to_string(),
+                Some(4096),
+                Some(flags::KEPT_FAILURE)
+            )]
+        );
+        assert_eq!(a.unattributed, 0);
+        assert!(
+            a.report().transfers.is_empty(),
+            "counted in the kernel only"
+        );
+        let key = |status: i32| TallyKey {
+            pid: 7,
+            status,
+            agent: 0x100,
+            op: 1,
+            stage: 2,
+            remote: "prefill-0".into(),
+        };
+        let tallies = [
+            (key(0), kernel_tally(3, 3 * 4096, &[1_000, 2_000, 3_000])),
+            (key(-3), kernel_tally(1, 4096, &[5_000])),
+        ];
+        a.set_kernel_tallies(&tallies);
+        let figures = |a: &NixlAggregator| -> Vec<(u32, String, String, u64, u64, u64)> {
+            a.report()
+                .transfers
+                .iter()
+                .map(|t| {
+                    (
+                        t.pid,
+                        t.local_agent.clone(),
+                        t.status.clone(),
+                        t.transfers,
+                        t.bytes,
+                        t.latency.buckets[1],
+                    )
+                })
+                .collect()
+        };
+        let live = figures(&a);
+        assert_eq!(live.len(), 2);
+        let ok = live
+            .iter()
+            .find(|f| f.2 == "SUCCESS")
+            .expect("the successes");
+        assert_eq!(ok.1, "decode-0");
+        assert_eq!((ok.3, ok.4, ok.5), (3, 3 * 4096, 2));
+        a.process_exited(7);
+        // The kernel's entries deleted: the next reading has none of them.
+        a.set_kernel_tallies(&[]);
+        let exited = figures(&a);
+        assert_eq!(exited.len(), 2);
+        assert!(exited.iter().all(|f| f.0 == EXITED_PID));
+        assert_eq!(
+            exited.iter().map(|f| (f.3, f.4)).collect::<Vec<_>>(),
+            live.iter().map(|f| (f.3, f.4)).collect::<Vec<_>>()
+        );
+    }
+
+    /// In flight is what the probes' entries hold (every posted transfer has one, its
+    /// post's record sent or not), per pair with the oldest's age; the remote agent the
+    /// entry's, or, on a build whose offsets are unknown, the one its creation named.
+    #[test]
+    fn transfers_in_progress_are_listed_from_the_probes_entries() {
+        let mut a = NixlAggregator::new();
+        a.apply(&ev(EventKind::AgentNew, |e| e.name = "decode-0".into()));
+        a.apply(&ev(EventKind::XferCreate, |e| {
             e.req = 0xa;
-            e.status = 0;
+            e.name = "decode-1".into();
         }));
-        let f = a.in_flight(10_000);
-        assert_eq!((f[0].transfers, f[0].oldest_age_ns), (1, 6_000));
-        // Released while in flight: not in progress any more (counted as released).
-        a.apply(&ev(EventKind::XferRelease, |e| {
-            e.req = 0xb;
-            e.flags = flags::IN_FLIGHT;
-        }));
-        assert!(a.in_flight(10_000).is_empty());
+        let entry = |ts_ns: u64, remote: &str| InflightEntry {
+            ts_ns,
+            agent: 0x100,
+            remote: remote.into(),
+        };
+        let entries = [
+            (7, 0xa, entry(1_000, "")),
+            (7, 0xb, entry(4_000, "decode-1")),
+            (7, 0xc, entry(5_000, "decode-2")),
+        ];
+        let f = a.in_flight(10_000, &entries);
+        let got: Vec<_> = f
+            .iter()
+            .map(|f| {
+                (
+                    f.local_agent.as_str(),
+                    f.remote_agent.as_str(),
+                    f.transfers,
+                    f.oldest_age_ns,
+                )
+            })
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("decode-0", "decode-1", 2, 9_000),
+                ("decode-0", "decode-2", 1, 5_000)
+            ]
+        );
+        assert!(a.in_flight(10_000, &[]).is_empty());
     }
 
     #[test]

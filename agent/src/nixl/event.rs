@@ -139,6 +139,14 @@ pub mod flags {
     pub(crate) const BYTES_PARTIAL: u32 = 1 << 3;
     /// A post whose request holds no byte count the probes could read.
     pub(crate) const BYTES_UNKNOWN: u32 = 1 << 4;
+    /// Counted in the kernel's tallies: the record is for spans and the request join.
+    pub(crate) const TALLIED: u32 = 1 << 5;
+    pub(crate) const KEPT_FAILURE: u32 = 1 << 6;
+    pub(crate) const KEPT_NOTIF: u32 = 1 << 7;
+    pub(crate) const KEPT_SLOW: u32 = 1 << 8;
+    pub(crate) const KEPT_SAMPLED: u32 = 1 << 9;
+    /// Why a tallied transfer's record was sent: any of these.
+    pub(crate) const KEPT: u32 = KEPT_FAILURE | KEPT_NOTIF | KEPT_SLOW | KEPT_SAMPLED;
 }
 
 /// One decoded `struct nixl_event`.

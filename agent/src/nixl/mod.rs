@@ -8,6 +8,8 @@
 //! - [`library`]: ELF build-id and symbol resolution, the probe table;
 //! - [`discovery`]: libraries mapped by running processes;
 //! - [`probes`]: loading and attaching for one library;
+//! - [`tally`]: the kernel's exact tallies of transfers and the latency buckets every
+//!   NIXL figure shares;
 //! - [`aggregate`]: the pure fold from events to a [`kvscope_wire::nixl::NixlReport`];
 //! - [`owners`]: which Dynamo worker each local NIXL agent belongs to, from the processes;
 //! - [`spans`]: OTLP spans of transfers and handshakes (rate-capped);
@@ -21,6 +23,7 @@ pub mod library;
 pub mod offsets;
 pub mod probes;
 pub mod spans;
+pub mod tally;
 pub mod tracer;
 
 pub use tracer::{NixlTraceConfig, NixlTracer};

@@ -5,7 +5,7 @@
 //! [`AttachScope::AllProcesses`] the probes fire in every process that maps this file,
 //! including ones started later or restarted. Dropping [`LoadedProbes`] detaches them.
 
-use aya::maps::{MapData, PerCpuArray, RingBuf};
+use aya::maps::{HashMap, MapData, PerCpuArray, RingBuf};
 use aya::programs::uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeScope};
 use aya::programs::{ProgramError, UProbe};
 use aya::{Ebpf, EbpfLoader};
@@ -14,6 +14,10 @@ use std::path::Path;
 
 use super::library::{NixlLibrary, ProbeSide};
 use super::offsets::{NixlOffsets, SitesAttached};
+use super::tally::{
+    decode_xfer_key, InflightEntry, KernelTally, TallyKey, INFLIGHT_SIZE, TALLY_KEY_SIZE,
+    TALLY_SIZE, XFER_KEY_SIZE,
+};
 
 /// The compiled BPF object (built by `build.rs` from `ebpf/nixl/`).
 static NIXL_BPF: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/nixl.bpf.o"));
@@ -25,6 +29,25 @@ pub enum AttachScope {
     AllProcesses,
     /// One process only.
     Process(NonZeroU32),
+}
+
+/// Which transfers' records the probes send where they count every transfer themselves
+/// (a build whose offsets are known): every failure, every one carrying a
+/// notification, every one slower than `slow_ns` (0: none for that alone), and one in
+/// `every` of the rest (1: all).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Sampling {
+    pub every: u64,
+    pub slow_ns: u64,
+}
+
+impl Default for Sampling {
+    fn default() -> Self {
+        Self {
+            every: 1,
+            slow_ns: 0,
+        }
+    }
 }
 
 /// Why probes could not be loaded or attached; each names what to fix.
@@ -108,7 +131,11 @@ pub struct LoadedProbes {
 }
 
 /// The BPF object loaded (its maps created) with `offsets` in its globals.
-fn load_object(offsets: Option<&NixlOffsets>, sites: SitesAttached) -> Result<Ebpf, ProbeError> {
+fn load_object(
+    offsets: Option<&NixlOffsets>,
+    sites: SitesAttached,
+    sampling: Sampling,
+) -> Result<Ebpf, ProbeError> {
     if !Path::new("/sys/bus/event_source/devices/uprobe").exists() {
         return Err(ProbeError::NoUprobes);
     }
@@ -117,6 +144,9 @@ fn load_object(offsets: Option<&NixlOffsets>, sites: SitesAttached) -> Result<Eb
     for (name, value) in &globals {
         loader.override_global(name, value, true);
     }
+    let every = sampling.every.max(1);
+    loader.override_global("sample_every", &every, true);
+    loader.override_global("slow_ns", &sampling.slow_ns, true);
     loader.load(NIXL_BPF).map_err(|e| {
         if is_permission(&e) {
             refused(&e)
@@ -130,7 +160,7 @@ fn load_object(offsets: Option<&NixlOffsets>, sites: SitesAttached) -> Result<Eb
 /// not load probes says so (naming what it lacks) before any library is found, rather
 /// than at each library later.
 pub(crate) fn check_can_load() -> Result<(), ProbeError> {
-    let mut ebpf = load_object(None, SitesAttached::default())?;
+    let mut ebpf = load_object(None, SitesAttached::default(), Sampling::default())?;
     if let Some((_, program)) = ebpf.programs_mut().next() {
         let program: &mut UProbe = program
             .try_into()
@@ -171,9 +201,13 @@ pub(crate) fn check_can_load() -> Result<(), ProbeError> {
 
 impl LoadedProbes {
     /// Load the BPF object with `library`'s offsets and attach every probe it resolved.
-    pub fn attach(library: NixlLibrary, scope: AttachScope) -> Result<Self, ProbeError> {
+    pub fn attach(
+        library: NixlLibrary,
+        scope: AttachScope,
+        sampling: Sampling,
+    ) -> Result<Self, ProbeError> {
         let offsets = library.offsets;
-        let mut ebpf = load_object(offsets.as_ref(), library.sites_attached())?;
+        let mut ebpf = load_object(offsets.as_ref(), library.sites_attached(), sampling)?;
         let path = library.path.display().to_string();
         let aya_scope = match scope {
             AttachScope::AllProcesses => UProbeScope::AllProcesses,
@@ -236,13 +270,83 @@ impl LoadedProbes {
     }
 
     /// Records the probes could not write: the ring buffer was full, or a post's
-    /// per-thread slot was taken by another thread's post before it returned.
+    /// per-thread slot was taken by another thread's post before it returned; and
+    /// transfers they could not count (their tallies' map full).
     pub fn lost(&self) -> u64 {
-        self.ebpf
+        let Some(a) = self
+            .ebpf
             .map("lost")
             .and_then(|m| PerCpuArray::<_, u64>::try_from(m).ok())
-            .and_then(|a| a.get(&0, 0).ok())
-            .map(|v| v.iter().sum())
-            .unwrap_or(0)
+        else {
+            return 0;
+        };
+        (0..2u32)
+            .filter_map(|i| a.get(&i, 0).ok())
+            .map(|v| v.iter().sum::<u64>())
+            .sum()
+    }
+
+    /// The kernel's tallies of transfers (empty where the build's offsets are unknown:
+    /// then every transfer's record is sent and counted by the agent).
+    pub(crate) fn tallies(&self) -> Vec<(TallyKey, KernelTally)> {
+        let Some(map) = self.ebpf.map("xfer_tallies") else {
+            return Vec::new();
+        };
+        let Ok(map) = HashMap::<_, [u8; TALLY_KEY_SIZE], [u8; TALLY_SIZE]>::try_from(map) else {
+            return Vec::new();
+        };
+        map.iter()
+            .filter_map(Result::ok)
+            .map(|(k, v)| (TallyKey::decode(&k), KernelTally::decode(&v)))
+            .collect()
+    }
+
+    /// The transfers in flight: (pid, request, entry).
+    pub(crate) fn in_flight(&self) -> Vec<(u32, u64, InflightEntry)> {
+        let Some(map) = self.ebpf.map("inflight") else {
+            return Vec::new();
+        };
+        let Ok(map) = HashMap::<_, [u8; XFER_KEY_SIZE], [u8; INFLIGHT_SIZE]>::try_from(map) else {
+            return Vec::new();
+        };
+        map.iter()
+            .filter_map(Result::ok)
+            .map(|(k, v)| {
+                let (pid, req) = decode_xfer_key(&k);
+                (pid, req, InflightEntry::decode(&v))
+            })
+            .collect()
+    }
+
+    /// Delete what the probes keep of processes that exited: their tallies (the agent
+    /// keeps their figures) and transfers they left in flight.
+    pub(crate) fn forget_processes(&mut self, pids: &[u32]) {
+        if let Some(map) = self.ebpf.map_mut("xfer_tallies") {
+            if let Ok(mut map) = HashMap::<_, [u8; TALLY_KEY_SIZE], [u8; TALLY_SIZE]>::try_from(map)
+            {
+                let gone: Vec<[u8; TALLY_KEY_SIZE]> = map
+                    .keys()
+                    .filter_map(Result::ok)
+                    .filter(|k| pids.contains(&TallyKey::decode(k).pid))
+                    .collect();
+                for k in gone {
+                    let _ = map.remove(&k);
+                }
+            }
+        }
+        if let Some(map) = self.ebpf.map_mut("inflight") {
+            if let Ok(mut map) =
+                HashMap::<_, [u8; XFER_KEY_SIZE], [u8; INFLIGHT_SIZE]>::try_from(map)
+            {
+                let gone: Vec<[u8; XFER_KEY_SIZE]> = map
+                    .keys()
+                    .filter_map(Result::ok)
+                    .filter(|k| pids.contains(&decode_xfer_key(k).0))
+                    .collect();
+                for k in gone {
+                    let _ = map.remove(&k);
+                }
+            }
+        }
     }
 }

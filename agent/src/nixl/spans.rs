@@ -22,6 +22,25 @@ pub(crate) const HANDSHAKE_SPAN_PREFIX: &str = "nixl.";
 pub(crate) struct NixlSpans {
     pub sink: SpanSink,
     pub agent_id: String,
+    /// One transfer in this many is kept for no other reason (`nixl.sample_every`).
+    pub sample_every: u64,
+}
+
+/// Why a transfer's record was kept (`flags::KEPT_*`), as a span says it: `failure`,
+/// `notification`, `slow`, `sampled`, comma-separated.
+pub(crate) fn kept_for(kept: u32) -> String {
+    use super::event::flags;
+    [
+        (flags::KEPT_FAILURE, "failure"),
+        (flags::KEPT_NOTIF, "notification"),
+        (flags::KEPT_SLOW, "slow"),
+        (flags::KEPT_SAMPLED, "sampled"),
+    ]
+    .iter()
+    .filter(|(f, _)| kept & f != 0)
+    .map(|(_, n)| *n)
+    .collect::<Vec<_>>()
+    .join(",")
 }
 
 impl NixlSpans {
@@ -79,6 +98,12 @@ impl NixlSpans {
         }
         if let Some(n) = o.notif {
             attributes.push(attr_str("nixl.notif", n));
+        }
+        // A transfer counted in the kernel is one of several its span stands for unless
+        // it was kept for itself: why it was kept, and how many it stands for.
+        if let Some(kept) = o.kept {
+            attributes.push(attr_str("nixl.kept_for", kept_for(kept)));
+            attributes.push(attr_int("nixl.sample_every", self.sample_every));
         }
         if let Some(rid) = o.request_id {
             attributes.push(attr_str("kvscope.request_id", rid));

@@ -8,7 +8,7 @@ use super::discovery::{self, FileId};
 use super::event::NixlEvent;
 use super::library::{LibraryError, NixlLibrary};
 use super::offsets::Counts;
-use super::probes::{self, AttachScope, LoadedProbes};
+use super::probes::{self, AttachScope, LoadedProbes, Sampling};
 use super::spans::NixlSpans;
 use aya::maps::{MapData, RingBuf};
 use kvscope_wire::nixl::{NixlLibraryStatus, NixlReport};
@@ -44,6 +44,15 @@ pub struct NixlTraceConfig {
     /// false: always with the probes on the methods' entries and returns (exact too,
     /// but they fire on every poll).
     pub completion_sites: bool,
+    /// Where the probes count every transfer themselves (a build whose offsets are
+    /// known), send the record of one transfer in this many (1: every one) besides
+    /// every failure, every one carrying a notification and every slow one. The records
+    /// make spans (each says why it was kept) and the request join; the figures stay
+    /// exact whatever this is.
+    pub sample_every: u64,
+    /// A transfer slower than this (post → terminal status, ms) has its record sent
+    /// whatever `sample_every` is; 0: none for that alone.
+    pub slow_transfer_ms: f64,
     pub scan_interval_secs: f64,
     /// How often the figures are sent to the collector.
     pub report_interval_secs: f64,
@@ -57,6 +66,8 @@ impl Default for NixlTraceConfig {
             discover: true,
             pid: None,
             completion_sites: true,
+            sample_every: 16,
+            slow_transfer_ms: 10.0,
             scan_interval_secs: 2.0,
             report_interval_secs: 1.0,
         }
@@ -165,7 +176,13 @@ impl NixlTracer {
             Some(pid) => AttachScope::Process(pid),
             None => AttachScope::AllProcesses,
         };
-        let sites = cfg.completion_sites;
+        let sites = ProbeSettings {
+            completion_sites: cfg.completion_sites,
+            sampling: Sampling {
+                every: cfg.sample_every.max(1),
+                slow_ns: (cfg.slow_transfer_ms.max(0.0) * 1e6) as u64,
+            },
+        };
         for path in &cfg.libraries {
             let id = discovery::file_id(path).map_err(|e| {
                 anyhow::anyhow!("cannot read the NIXL library {}: {e}", path.display())
@@ -221,11 +238,15 @@ impl NixlTracer {
             .values()
             .map(|a| lock(&a.probes).lost())
             .sum();
-        let mut st = lock(&self.state);
-        forget_exited(&mut st);
+        settle(&self.state, &self.attached);
+        let in_flight: Vec<_> = lock(&self.attached)
+            .values()
+            .flat_map(|a| lock(&a.probes).in_flight())
+            .collect();
+        let st = lock(&self.state);
         let mut r = st.aggregator.report();
         let now = monotonic_ns();
-        r.in_flight = st.aggregator.in_flight(now);
+        r.in_flight = st.aggregator.in_flight(now, &in_flight);
         r.requests = st.aggregator.recent_requests(now, REQUESTS_WINDOW_NS);
         r.libraries = st.libraries.values().cloned().collect();
         r.events_lost = lost;
@@ -235,9 +256,8 @@ impl NixlTracer {
 
     /// The live local agents by (pid, name).
     pub fn local_agents(&self) -> std::collections::BTreeSet<(u32, String)> {
-        let mut st = lock(&self.state);
-        forget_exited(&mut st);
-        st.aggregator.local_agents()
+        settle(&self.state, &self.attached);
+        lock(&self.state).aggregator.local_agents()
     }
 
     /// Send a span per transfer and handshake from now on (rate-capped by the sink).
@@ -259,12 +279,12 @@ fn attach_one(
     id: FileId,
     path: &Path,
     scope: AttachScope,
-    completion_sites: bool,
+    settings: ProbeSettings,
 ) -> Result<(), anyhow::Error> {
     if lock(attached).contains_key(&id) {
         return Ok(());
     }
-    let library = NixlLibrary::inspect(path, completion_sites)?;
+    let library = NixlLibrary::inspect(path, settings.completion_sites)?;
     if library.derivation.isa != Isa::X86_64 {
         return Err(LibraryError::ForeignIsa {
             path: path.to_owned(),
@@ -272,7 +292,7 @@ fn attach_one(
         }
         .into());
     }
-    let mut probes = LoadedProbes::attach(library, scope)?;
+    let mut probes = LoadedProbes::attach(library, scope, settings.sampling)?;
     let offsets_known = probes.offsets.is_some();
     let status = NixlLibraryStatus {
         path: path.display().to_string(),
@@ -315,7 +335,7 @@ fn rescan(
     attached: &Arc<Mutex<BTreeMap<FileId, Attached>>>,
     only_pid: Option<u32>,
     scope: AttachScope,
-    completion_sites: bool,
+    settings: ProbeSettings,
 ) -> BTreeSet<u32> {
     let discovery::Scan {
         libraries: found,
@@ -333,14 +353,7 @@ fn rescan(
         if lock(attached).contains_key(id) || lock(state).failed.contains(id) {
             continue;
         }
-        match attach_one(
-            state,
-            attached,
-            id.clone(),
-            &lib.path,
-            scope,
-            completion_sites,
-        ) {
+        match attach_one(state, attached, id.clone(), &lib.path, scope, settings) {
             Ok(()) => {
                 info!(library = %lib.path.display(), pids = ?lib.pids, "Found a NIXL process.")
             }
@@ -364,7 +377,7 @@ fn rescan(
             }
         }
     }
-    forget_exited(&mut lock(state));
+    settle(state, attached);
     denied
 }
 
@@ -372,11 +385,40 @@ fn rescan(
 /// last probe records may still wait in the ring buffer.
 const EXITED_GRACE: Duration = Duration::from_secs(10);
 
+/// What the probes are loaded with, the same for every library.
+#[derive(Clone, Copy, Debug)]
+struct ProbeSettings {
+    completion_sites: bool,
+    sampling: Sampling,
+}
+
+/// The kernel's tallies read afresh, then the processes that exited forgotten, here and
+/// in the probes' maps: all under the libraries' lock (taken before the state's, as
+/// everywhere), so that no other reading of the tallies comes between the two.
+fn settle(state: &Arc<Mutex<State>>, attached: &Arc<Mutex<BTreeMap<FileId, Attached>>>) {
+    let attached = lock(attached);
+    let tallies: Vec<_> = attached
+        .values()
+        .flat_map(|a| lock(&a.probes).tallies())
+        .collect();
+    let exited = {
+        let mut st = lock(state);
+        st.aggregator.set_kernel_tallies(&tallies);
+        forget_exited(&mut st)
+    };
+    if !exited.is_empty() {
+        for a in attached.values() {
+            lock(&a.probes).forget_processes(&exited);
+        }
+    }
+}
+
 /// Forget the agents and request handles of processes that exited (their pids may be
 /// reused, and their handles would otherwise stay forever), folding their figures into
-/// the exited processes' (see [`NixlAggregator::process_exited`]).
-fn forget_exited(st: &mut State) {
+/// the exited processes' (see [`NixlAggregator::process_exited`]); the pids forgotten.
+fn forget_exited(st: &mut State) -> Vec<u32> {
     let now = std::time::Instant::now();
+    let mut forgotten = Vec::new();
     for pid in st.aggregator.pids() {
         if Path::new("/proc").join(pid.to_string()).exists() {
             st.exited_at.remove(&pid);
@@ -386,8 +428,10 @@ fn forget_exited(st: &mut State) {
         if now.duration_since(since) >= EXITED_GRACE {
             st.aggregator.process_exited(pid);
             st.exited_at.remove(&pid);
+            forgotten.push(pid);
         }
     }
+    forgotten
 }
 
 /// How often the agent drains the ring buffer when the probes did not wake it.

@@ -573,7 +573,8 @@ async fn nixl_transfer_and_handshake_spans_reach_an_otlp_receiver() {
             format!(
                 "[otlp]\nendpoint = \"{}\"\nexport_interval_secs = 0.5\ntimeout_secs = 30.0\n\
                  max_spans_per_second = {cap}\n\
-                 resource_attributes = {{ \"deployment.environment.name\" = \"lab\" }}\n",
+                 resource_attributes = {{ \"deployment.environment.name\" = \"lab\" }}\n\
+                 [nixl]\nsample_every = 1\n",
                 rx.grpc_url
             ),
         )
@@ -741,6 +742,25 @@ async fn nixl_transfer_and_handshake_spans_reach_an_otlp_receiver() {
         assert!(!is_error(s), "{a:?}");
         assert!(!a["nixl.local_agent"].is_empty() && !a["nixl.remote_agent"].is_empty());
         assert!(a["nixl.op"] == "READ" || a["nixl.op"] == "WRITE");
+    }
+    // Every transfer's record sent (`sample_every = 1`): each span says why it was
+    // kept (sampled, and a failure or a notification where it is one) and of how many.
+    // Failed creations are never counted in the kernel: every one has its span, which
+    // says nothing of sampling.
+    for (a, s) in &spans {
+        if a["nixl.stage"] == "create" {
+            assert!(!a.contains_key("nixl.kept_for"), "{a:?}");
+            continue;
+        }
+        let kept: BTreeSet<&str> = a["nixl.kept_for"].split(',').collect();
+        assert!(kept.contains("sampled"), "{a:?}");
+        assert_eq!(kept.contains("failure"), is_error(s), "{a:?}");
+        assert_eq!(
+            kept.contains("notification"),
+            a.contains_key("nixl.notif"),
+            "{a:?}"
+        );
+        assert_eq!(a["nixl.sample_every"], "1");
     }
     let failed = spans.iter().filter(|(_, s)| is_error(s)).count();
     // Each error span says what went wrong (OTel's error.type): the NIXL status, or the

@@ -172,7 +172,8 @@ pub fn copy_libs_patched(
 }
 
 /// The tracer's configuration for the NIXL tests: these libraries, completion sites where
-/// the build has them, quick scans and reports.
+/// the build has them, quick scans and reports, the default sampling of records (one in
+/// 16: the figures checked are the kernel's, exact whatever it is).
 #[allow(dead_code)]
 pub fn tracer_config(
     libraries: Vec<PathBuf>,
@@ -187,6 +188,7 @@ pub fn tracer_config(
         completion_sites: true,
         scan_interval_secs: 0.1,
         report_interval_secs: 1.0,
+        ..Default::default()
     }
 }
 
