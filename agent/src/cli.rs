@@ -151,6 +151,11 @@ pub struct Cli {
     /// sent; 0: none for being slow.
     #[arg(long, value_name = "MS")]
     pub nixl_slow_transfer_ms: Option<f64>,
+    /// Series (process, local and remote agent, op, stage, status) the kernel's table of
+    /// NIXL transfer tallies holds (preallocated, ~19 KiB each per traced library); a
+    /// series past it has every transfer's record sent and counted by the agent.
+    #[arg(long, value_name = "N")]
+    pub nixl_tally_series: Option<u32>,
     /// Print the effective configuration as TOML and exit (secrets such as OTLP headers
     /// shown as <redacted>).
     #[arg(long)]
@@ -385,6 +390,9 @@ impl Cli {
         }
         if let Some(v) = self.nixl_slow_transfer_ms {
             cfg.nixl.slow_transfer_ms = v;
+        }
+        if let Some(v) = self.nixl_tally_series {
+            cfg.nixl.tally_series = v;
         }
     }
 }

@@ -35,6 +35,7 @@
 //! sample_every = 16        # one transfer's record (span) in 16, besides every failed,
 //!                          # notifying or slow one; the figures count every transfer
 //! slow_transfer_ms = 10.0  # a transfer slower than this always has its record (0: off)
+//! tally_series = 512       # the kernel's table of transfer series (~19 KiB each)
 //! # pid = 1234         # only this process
 //!
 //! [nats]             # who this agent is to NATS (see kvscope_wire::nats_security)
@@ -162,7 +163,7 @@ pub struct AgentConfig {
     /// eBPF tracing of NIXL (default off). Env: `KVSCOPE_AGENT_NIXL` (`1`/`true`),
     /// `KVSCOPE_AGENT_NIXL_LIBS` (comma-separated paths), `KVSCOPE_AGENT_NIXL_PID`,
     /// `KVSCOPE_AGENT_NIXL_COMPLETION_SITES`, `KVSCOPE_AGENT_NIXL_SAMPLE_EVERY`,
-    /// `KVSCOPE_AGENT_NIXL_SLOW_TRANSFER_MS`.
+    /// `KVSCOPE_AGENT_NIXL_SLOW_TRANSFER_MS`, `KVSCOPE_AGENT_NIXL_TALLY_SERIES`.
     pub nixl: NixlTraceConfig,
     /// Dynamo's discovery store (default none): workers, models, KV publishers. Env:
     /// Dynamo's own `DYN_DISCOVERY_BACKEND`, `DYN_FILE_KV`, `ETCD_ENDPOINTS`,
@@ -389,6 +390,9 @@ impl AgentConfig {
         if let Some(v) = env.parse("KVSCOPE_AGENT_NIXL_SLOW_TRANSFER_MS")? {
             self.nixl.slow_transfer_ms = v;
         }
+        if let Some(v) = env.parse("KVSCOPE_AGENT_NIXL_TALLY_SERIES")? {
+            self.nixl.tally_series = v;
+        }
         if let Some(v) = env.flag("KVSCOPE_AGENT_EVENT_PLANE") {
             self.event_plane = Some(v);
         }
@@ -488,6 +492,10 @@ impl AgentConfig {
         anyhow::ensure!(
             self.nixl.sample_every >= 1,
             "nixl.sample_every must be >= 1 (1: every transfer's record)"
+        );
+        anyhow::ensure!(
+            self.nixl.tally_series >= 1,
+            "nixl.tally_series must be >= 1"
         );
         anyhow::ensure!(
             self.nixl.slow_transfer_ms.is_finite() && self.nixl.slow_transfer_ms >= 0.0,

@@ -194,6 +194,12 @@ pub(crate) fn write_nixl(out: &mut Exposition, agent: &str, r: &NixlReport) {
         r.events_lost,
     );
     out.single_counter(
+        "kvscope_agent_nixl_events_read",
+        "Probe records read: calls, failed creations, and the transfers whose records were kept (failures, notifications, slow ones, one in sample_every).",
+        &agent_labels,
+        r.events_read,
+    );
+    out.single_counter(
         "kvscope_agent_nixl_events_malformed",
         "Probe records not decoded or attributed.",
         &agent_labels,

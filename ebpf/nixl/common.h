@@ -110,13 +110,10 @@ struct {
 } events SEC(".maps");
 
 /* Records lost (index 0): ring buffer reservations that failed, and posts whose slot
- * another thread's post took (`posts`); transfers whose tally could not be made (index
- * 1: `xfer_tallies` full). User space reports them as lost. */
-#define LOST_RECORDS 0
-#define LOST_TALLIES 1
+ * another thread's post took (`posts`); user space reports them as lost. */
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-	__uint(max_entries, 2);
+	__uint(max_entries, 1);
 	__type(key, __u32);
 	__type(value, __u64);
 } lost SEC(".maps");
@@ -186,14 +183,17 @@ struct {
 /*
  * Transfers counted in the kernel (struct xfer_tally), where the build's offsets are
  * known: every transfer's figures are exact here, so its record may be left unsent.
- * Entries are made as pairs first move (not preallocated: a tally is ~19 KiB) and
- * deleted by user space once their process is gone. Updated with atomic adds (a pair's
- * transfers end on any CPU); only max_ns is a plain compare-and-store.
+ * Preallocated (kernels before 6.1 refuse other hash maps in tracing programs): 512
+ * series of ~19 KiB by default (the agent's `tally_series`), 9.5 MiB per traced library.
+ * A transfer of a series that finds the table full is not lost: its record is sent
+ * untallied and the agent counts it. Entries
+ * are deleted by user space once their process is gone. Updated with atomic adds (a
+ * pair's transfers end on any CPU); only max_ns is a plain compare-and-store.
  */
+#define TALLY_SERIES 512
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, 4096);
-	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(max_entries, TALLY_SERIES);
 	__type(key, struct tally_key);
 	__type(value, struct xfer_tally);
 } xfer_tallies SEC(".maps");
@@ -325,16 +325,12 @@ static __always_inline __u64 site_value(struct pt_regs *ctx, __u64 src)
 	return 0;
 }
 
-static __always_inline void count_lost_at(__u32 what)
-{
-	__u64 *n = bpf_map_lookup_elem(&lost, &what);
-	if (n)
-		*n += 1;
-}
-
 static __always_inline void count_lost(void)
 {
-	count_lost_at(LOST_RECORDS);
+	__u32 zero = 0;
+	__u64 *n = bpf_map_lookup_elem(&lost, &zero);
+	if (n)
+		*n += 1;
 }
 
 /*

@@ -170,9 +170,10 @@ static __always_inline __u32 lat_fixed(__u64 ns)
 	return LAT_BOUNDS;
 }
 
-/* Count one transfer in its pair's tally (`timed`: with its latency). */
-static __always_inline void tally(__u32 stage, __s32 status, const struct inflight_entry *x,
-				  __u64 latency_ns, int timed)
+/* Count one transfer in its pair's tally (`timed`: with its latency): FLAG_TALLIED, or 0
+ * where the table is full (its record is then sent for the agent to count). */
+static __always_inline __u32 tally(__u32 stage, __s32 status, const struct inflight_entry *x,
+				   __u64 latency_ns, int timed)
 {
 	struct tally_key k = {};
 	k.pid = bpf_get_current_pid_tgid() >> 32;
@@ -186,14 +187,12 @@ static __always_inline void tally(__u32 stage, __s32 status, const struct inflig
 		__u32 zero = 0;
 		struct xfer_tally *z = bpf_map_lookup_elem(&tally_zero, &zero);
 		if (!z)
-			return;
+			return 0;
 		/* Another CPU may make it first: then this finds it. */
 		bpf_map_update_elem(&xfer_tallies, &k, z, BPF_NOEXIST);
 		t = bpf_map_lookup_elem(&xfer_tallies, &k);
-		if (!t) {
-			count_lost_at(LOST_TALLIES);
-			return;
-		}
+		if (!t)
+			return 0;
 	}
 	__sync_fetch_and_add(&t->count, 1);
 	if (x->flags & FLAG_BYTES_UNKNOWN) {
@@ -203,7 +202,7 @@ static __always_inline void tally(__u32 stage, __s32 status, const struct inflig
 		__sync_fetch_and_add(&t->descs, (__u64)x->descs);
 	}
 	if (!timed)
-		return;
+		return FLAG_TALLIED;
 	__sync_fetch_and_add(&t->sum_ns, latency_ns);
 	if (latency_ns > t->max_ns)
 		t->max_ns = latency_ns;
@@ -213,6 +212,7 @@ static __always_inline void tally(__u32 stage, __s32 status, const struct inflig
 	__u32 i = lat_fine(latency_ns);
 	if (i < LAT_FINE)
 		__sync_fetch_and_add(&t->fine[i], 1);
+	return FLAG_TALLIED;
 }
 
 /* FLAG_KEPT_SAMPLED for one in `sample_every` transfers (per CPU), else 0. */
@@ -436,6 +436,7 @@ static __always_inline int xfer_posted(__s32 status)
 	/* With the build's offsets every transfer is counted here and its records are sent
 	 * only when kept; without them user space counts them all from the records. */
 	__u32 kept = FLAG_KEPT_SAMPLED;
+	__u32 tallied = 0;
 	if (offsets_known)
 		kept = (notif ? FLAG_KEPT_NOTIF : 0) | sampled();
 	if (status == NIXL_IN_PROG) {
@@ -445,13 +446,16 @@ static __always_inline int xfer_posted(__s32 status)
 		x.flags |= kept;
 		bpf_map_update_elem(&inflight, &k, &x, BPF_ANY);
 		x.flags &= ~kept;
+		/* Counted at its end: its record (if kept) is for the request join. */
+		if (offsets_known)
+			tallied = FLAG_TALLIED;
 	} else if (offsets_known) {
 		/* Ended at its post: done inline, or failed (no latency: nothing moved). */
 		int done = status == 0;
-		tally(done ? STAGE_COMPLETE : STAGE_POST, status, &x, now - c.ts_ns, done);
+		tallied = tally(done ? STAGE_COMPLETE : STAGE_POST, status, &x, now - c.ts_ns, done);
 		kept = kept_at_end(kept, status, now - c.ts_ns, done);
 	}
-	if (!kept)
+	if (!kept && tallied)
 		return 0;
 	/* The notification rides in the handle from create (or from post's own arguments,
 	 * which post copies in before it returns). Sent first, so user space knows it when
@@ -472,8 +476,8 @@ static __always_inline int xfer_posted(__s32 status)
 	e->status = status;
 	e->latency_ns = e->ts_ns - c.ts_ns;
 	fill_transfer(e, &x);
-	if (offsets_known)
-		e->flags |= FLAG_TALLIED | kept;
+	if (tallied)
+		e->flags |= tallied | kept;
 	event_submit(e);
 	return 0;
 }
@@ -505,10 +509,11 @@ static __always_inline int xfer_done(__u64 req, __s32 status)
 	__u64 latency = bpf_ktime_get_ns() - x.ts_ns;
 	__u32 kept = x.flags & (FLAG_KEPT_NOTIF | FLAG_KEPT_SAMPLED);
 	x.flags &= ~kept;
+	__u32 tallied = 0;
 	if (offsets_known) {
-		tally(STAGE_COMPLETE, status, &x, latency, 1);
+		tallied = tally(STAGE_COMPLETE, status, &x, latency, 1);
 		kept = kept_at_end(kept, status, latency, 1);
-		if (!kept)
+		if (!kept && tallied)
 			return 0;
 	}
 	struct nixl_event *e = event_reserve(EV_XFER_DONE);
@@ -518,8 +523,8 @@ static __always_inline int xfer_done(__u64 req, __s32 status)
 	e->status = status;
 	e->latency_ns = e->ts_ns - x.ts_ns;
 	fill_transfer(e, &x);
-	if (offsets_known)
-		e->flags |= FLAG_TALLIED | kept;
+	if (tallied)
+		e->flags |= tallied | kept;
 	event_submit(e);
 	return 0;
 }
@@ -594,10 +599,8 @@ static __always_inline int xfer_released(__u64 agent, __u64 req)
 		flags = FLAG_IN_FLIGHT;
 		bpf_map_delete_elem(&inflight, &k);
 		x.flags &= ~(FLAG_KEPT_NOTIF | FLAG_KEPT_SAMPLED);
-		if (offsets_known) {
-			tally(STAGE_RELEASED_IN_FLIGHT, NIXL_IN_PROG, &x, 0, 0);
+		if (offsets_known && tally(STAGE_RELEASED_IN_FLIGHT, NIXL_IN_PROG, &x, 0, 0))
 			flags |= FLAG_TALLIED | FLAG_KEPT_FAILURE;
-		}
 	}
 	struct nixl_event *e = event_reserve(EV_XFER_RELEASE);
 	if (!e)

@@ -342,6 +342,10 @@ pub struct NixlReport {
     pub events_lost: u64,
     /// Probe records the agent could not decode or attribute.
     pub events_malformed: u64,
+    /// Probe records the agent read: where the probes count transfers themselves, far
+    /// fewer than the transfers (only the kept ones' records are sent).
+    #[serde(default)]
+    pub events_read: u64,
     /// Which Dynamo worker each live local NIXL agent belongs to, as the node agent
     /// tells it from the processes (empty from agents that do not tell).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]

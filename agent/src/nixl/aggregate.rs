@@ -291,8 +291,8 @@ impl NixlAggregator {
         });
     }
 
-    /// What a tallied transfer's record says it moved (it carries its pair whichever
-    /// record it is: its post's may not have been sent).
+    /// What a transfer's record says it moved, where the build's offsets are known (it
+    /// carries its pair whichever record it is: its post's may not have been sent).
     fn request_in(&self, pid: u32, e: &NixlEvent) -> RequestInfo {
         RequestInfo {
             local: self.local_name(pid, e.agent),
@@ -471,8 +471,10 @@ impl NixlAggregator {
                     self.count_transfer(pid, &info, XferStage::Complete, e, observe);
                     self.transfer_ended(pid, e);
                 }
-                // Sent for itself (failed, slow): its post's record was left unsent.
-                None if e.flags & flags::TALLIED != 0 => {
+                // Its post's record was left unsent (it is sent for itself: failed,
+                // slow, or untallied for want of room in the kernel's table); where the
+                // build's offsets are known it carries its pair.
+                None if e.flags & flags::OFFSETS_KNOWN != 0 => {
                     let info = self.request_in(pid, e);
                     self.count_transfer(pid, &info, XferStage::Complete, e, observe);
                 }
@@ -483,7 +485,7 @@ impl NixlAggregator {
                 if e.flags & flags::IN_FLIGHT != 0 {
                     let info = match info {
                         Some(info) => info,
-                        None if e.flags & flags::TALLIED != 0 => self.request_in(pid, e),
+                        None if e.flags & flags::OFFSETS_KNOWN != 0 => self.request_in(pid, e),
                         None => RequestInfo::default(),
                     };
                     let mut ev = e.clone();
@@ -605,6 +607,7 @@ impl NixlAggregator {
                 .collect(),
             events_lost: 0,
             events_malformed: self.unattributed,
+            events_read: 0,
             owners: Vec::new(),
             in_flight: Vec::new(),
             requests: Vec::new(),
@@ -931,6 +934,41 @@ mod tests {
             exited.iter().map(|f| (f.3, f.4)).collect::<Vec<_>>(),
             live.iter().map(|f| (f.3, f.4)).collect::<Vec<_>>()
         );
+    }
+
+    /// A transfer the kernel could not tally (its table full) has its end's record sent
+    /// untallied, its pair on it: counted here, its post's record unsent or not.
+    #[test]
+    fn a_transfer_the_kernel_could_not_tally_is_counted_from_its_record() {
+        let mut a = NixlAggregator::new();
+        a.apply(&ev(EventKind::AgentNew, |e| e.name = "decode-0".into()));
+        for req in [0xe, 0xf] {
+            a.apply(&ev(EventKind::XferDone, |e| {
+                e.req = req;
+                e.latency_ns = 7_000;
+                e.op = 0;
+                e.bytes = 1 << 20;
+                e.descs = 4;
+                e.name = "prefill-1".into();
+                e.flags = flags::OFFSETS_KNOWN;
+            }));
+        }
+        let r = a.report();
+        assert_eq!(r.transfers.len(), 1, "{:?}", r.transfers);
+        let t = &r.transfers[0];
+        assert_eq!(
+            (
+                t.local_agent.as_str(),
+                t.remote_agent.as_str(),
+                t.op.as_str(),
+                t.transfers,
+                t.bytes,
+                t.descriptors,
+                t.latency.count
+            ),
+            ("decode-0", "prefill-1", "READ", 2, 2 << 20, 8, 2)
+        );
+        assert_eq!(a.unattributed, 0);
     }
 
     /// In flight is what the probes' entries hold (every posted transfer has one, its

@@ -31,20 +31,22 @@ pub enum AttachScope {
     Process(NonZeroU32),
 }
 
-/// Which transfers' records the probes send where they count every transfer themselves
-/// (a build whose offsets are known): every failure, every one carrying a
-/// notification, every one slower than `slow_ns` (0: none for that alone), and one in
-/// `every` of the rest (1: all).
+/// How the probes count transfers where the build's offsets are known: in a kernel
+/// table of `tally_series` series, sending the records only of every failure, every
+/// transfer carrying a notification, every one slower than `slow_ns` (0: none for that
+/// alone), and one in `sample_every` of the rest (1: all).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Sampling {
-    pub every: u64,
+    pub tally_series: u32,
+    pub sample_every: u64,
     pub slow_ns: u64,
 }
 
 impl Default for Sampling {
     fn default() -> Self {
         Self {
-            every: 1,
+            tally_series: 512,
+            sample_every: 1,
             slow_ns: 0,
         }
     }
@@ -144,9 +146,10 @@ fn load_object(
     for (name, value) in &globals {
         loader.override_global(name, value, true);
     }
-    let every = sampling.every.max(1);
+    let every = sampling.sample_every.max(1);
     loader.override_global("sample_every", &every, true);
     loader.override_global("slow_ns", &sampling.slow_ns, true);
+    loader.map_max_entries("xfer_tallies", sampling.tally_series.max(1));
     loader.load(NIXL_BPF).map_err(|e| {
         if is_permission(&e) {
             refused(&e)
@@ -270,20 +273,14 @@ impl LoadedProbes {
     }
 
     /// Records the probes could not write: the ring buffer was full, or a post's
-    /// per-thread slot was taken by another thread's post before it returned; and
-    /// transfers they could not count (their tallies' map full).
+    /// per-thread slot was taken by another thread's post before it returned.
     pub fn lost(&self) -> u64 {
-        let Some(a) = self
-            .ebpf
+        self.ebpf
             .map("lost")
             .and_then(|m| PerCpuArray::<_, u64>::try_from(m).ok())
-        else {
-            return 0;
-        };
-        (0..2u32)
-            .filter_map(|i| a.get(&i, 0).ok())
-            .map(|v| v.iter().sum::<u64>())
-            .sum()
+            .and_then(|a| a.get(&0, 0).ok())
+            .map(|v| v.iter().sum())
+            .unwrap_or(0)
     }
 
     /// The kernel's tallies of transfers (empty where the build's offsets are unknown:

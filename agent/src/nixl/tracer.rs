@@ -53,6 +53,10 @@ pub struct NixlTraceConfig {
     /// A transfer slower than this (post → terminal status, ms) has its record sent
     /// whatever `sample_every` is; 0: none for that alone.
     pub slow_transfer_ms: f64,
+    /// Series (process, agents, op, stage, status) the kernel's table of transfer
+    /// tallies holds, preallocated (~19 KiB each, per traced library); a series past it
+    /// has every transfer's record sent and counted by the agent instead.
+    pub tally_series: u32,
     pub scan_interval_secs: f64,
     /// How often the figures are sent to the collector.
     pub report_interval_secs: f64,
@@ -68,6 +72,7 @@ impl Default for NixlTraceConfig {
             completion_sites: true,
             sample_every: 16,
             slow_transfer_ms: 10.0,
+            tally_series: 512,
             scan_interval_secs: 2.0,
             report_interval_secs: 1.0,
         }
@@ -83,6 +88,8 @@ struct State {
     /// Processes whose maps could not be read, already warned of.
     denied: BTreeSet<u32>,
     malformed: u64,
+    /// Probe records read.
+    read: u64,
     /// When a traced process was first seen gone.
     exited_at: std::collections::HashMap<u32, std::time::Instant>,
     /// Spans of transfers and handshakes, once OTLP trace export is on.
@@ -179,7 +186,8 @@ impl NixlTracer {
         let sites = ProbeSettings {
             completion_sites: cfg.completion_sites,
             sampling: Sampling {
-                every: cfg.sample_every.max(1),
+                tally_series: cfg.tally_series.max(1),
+                sample_every: cfg.sample_every.max(1),
                 slow_ns: (cfg.slow_transfer_ms.max(0.0) * 1e6) as u64,
             },
         };
@@ -251,6 +259,7 @@ impl NixlTracer {
         r.libraries = st.libraries.values().cloned().collect();
         r.events_lost = lost;
         r.events_malformed += st.malformed;
+        r.events_read = st.read;
         r
     }
 
@@ -490,8 +499,10 @@ async fn read_ring(ring: RingBuf<MapData>, state: Arc<Mutex<State>>) {
             aggregator,
             spans,
             malformed,
+            read,
             ..
         } = &mut *st;
+        *read += batch.len() as u64;
         for e in batch {
             match (e, spans.as_ref()) {
                 (Ok(e), Some(spans)) => aggregator.apply_observing(&e, &mut |o| {

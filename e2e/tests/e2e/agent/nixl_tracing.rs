@@ -540,6 +540,17 @@ async fn the_status_call_probes_give_the_same_figures() {
     lab_truth_is_traced_exactly(&tracer, &[&["--scenario", "mixed", "--processes"][..]]).await;
 }
 
+/// A kernel table of one series: the first series the lab makes is counted in the
+/// kernel, every other from its records (sent untallied), one in 16 sampled: exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn series_past_the_kernel_table_are_counted_from_their_records() {
+    let libs = support::nixl_libs();
+    let mut cfg = tracer_config(vec![libs.libnixl.clone()], false, None);
+    cfg.tally_series = 1;
+    let tracer = start_tracer(&cfg).await;
+    lab_truth_is_traced_exactly(&tracer, &[&["--scenario", "mixed"][..]]).await;
+}
+
 async fn lab_truth_is_traced_exactly(tracer: &NixlTracer, runs: &[&[&str]]) {
     for args in runs {
         let truth = run_lab(args);
@@ -607,6 +618,77 @@ async fn only_the_process_asked_for_is_traced() {
         traced.run_pid,
         other.run_pid
     );
+}
+
+/// Where the kernel counts transfers, a transfer that is not kept sends no record: the
+/// lab's WRITE loop without notifications (long enough to run while the tracer follows
+/// its pid) is counted in full from the kernel's tallies while the records read stay near
+/// one or two (post, end) per sixteen transfers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unkept_transfers_send_no_record() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cmd = std::process::Command::new(kvscope_nixl_lab::lab_binary());
+    cmd.args([
+        "bench",
+        "--size",
+        "4096",
+        "--iters",
+        "1000000",
+        "--pace-ms",
+        "1",
+    ])
+    .args(["--max-secs", "60", "--agent-prefix", "sampled-"])
+    .arg("--out")
+    .arg(dir.path().join("bench.json"))
+    .stdout(std::process::Stdio::null())
+    .stderr(std::process::Stdio::null());
+    let bench = kvscope_lab::process::ManagedProcess::spawn_with_stdio("nixl-bench", cmd)
+        .expect("the NIXL bench loop starts");
+    let pid = bench.pid();
+    let _bench = kvscope_lab::process::StopOnDrop(vec![bench]);
+    let cfg = tracer_config(Vec::new(), true, Some(pid));
+    assert_eq!(cfg.sample_every, 16, "the default");
+    let tracer = start_tracer(&cfg).await;
+    let counted = |r: &NixlReport| -> u64 {
+        r.transfers
+            .iter()
+            .filter(|t| t.pid == pid && t.stage == XferStage::Complete)
+            .map(|t| t.transfers)
+            .sum()
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let report = loop {
+        let r = tracer.report();
+        if counted(&r) >= 20_000 {
+            break r;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{} transfers counted in 60 s",
+            counted(&r)
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+    };
+    let transfers = counted(&report);
+    let failed: u64 = report
+        .transfers
+        .iter()
+        .filter(|t| t.status != "SUCCESS")
+        .map(|t| t.transfers)
+        .sum();
+    eprintln!(
+        "{transfers} transfers counted, {failed} failed, {} probe records read",
+        report.events_read
+    );
+    assert_eq!(failed, 0);
+    // Two records per kept transfer, one in 16 kept, a few calls and agents besides;
+    // every record sent would be two per transfer.
+    assert!(
+        report.events_read * 4 < transfers,
+        "{} records for {transfers} transfers",
+        report.events_read
+    );
+    assert!(report.events_read > 0, "the kept ones' records");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
