@@ -318,32 +318,33 @@ impl LoadedProbes {
     /// Delete what the probes keep of processes that exited: their tallies (the agent
     /// keeps their figures) and transfers they left in flight.
     pub(crate) fn forget_processes(&mut self, pids: &[u32]) {
-        if let Some(map) = self.ebpf.map_mut("xfer_tallies") {
-            if let Ok(mut map) = HashMap::<_, [u8; TALLY_KEY_SIZE], [u8; TALLY_SIZE]>::try_from(map)
-            {
-                let gone: Vec<[u8; TALLY_KEY_SIZE]> = map
-                    .keys()
-                    .filter_map(Result::ok)
-                    .filter(|k| pids.contains(&TallyKey::decode(k).pid))
-                    .collect();
-                for k in gone {
-                    let _ = map.remove(&k);
-                }
-            }
-        }
-        if let Some(map) = self.ebpf.map_mut("inflight") {
-            if let Ok(mut map) =
-                HashMap::<_, [u8; XFER_KEY_SIZE], [u8; INFLIGHT_SIZE]>::try_from(map)
-            {
-                let gone: Vec<[u8; XFER_KEY_SIZE]> = map
-                    .keys()
-                    .filter_map(Result::ok)
-                    .filter(|k| pids.contains(&decode_xfer_key(k).0))
-                    .collect();
-                for k in gone {
-                    let _ = map.remove(&k);
-                }
-            }
+        self.delete_keys::<TALLY_KEY_SIZE, TALLY_SIZE>("xfer_tallies", |k| {
+            pids.contains(&TallyKey::decode(k).pid)
+        });
+        self.delete_keys::<XFER_KEY_SIZE, INFLIGHT_SIZE>("inflight", |k| {
+            pids.contains(&decode_xfer_key(k).0)
+        });
+    }
+
+    /// Delete the entries of hash map `name` whose key `gone` picks.
+    fn delete_keys<const K: usize, const V: usize>(
+        &mut self,
+        name: &str,
+        gone: impl Fn(&[u8; K]) -> bool,
+    ) {
+        let Some(map) = self.ebpf.map_mut(name) else {
+            return;
+        };
+        let Ok(mut map) = HashMap::<_, [u8; K], [u8; V]>::try_from(map) else {
+            return;
+        };
+        let keys: Vec<[u8; K]> = map
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|k| gone(k))
+            .collect();
+        for k in keys {
+            let _ = map.remove(&k);
         }
     }
 }
