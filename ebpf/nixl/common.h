@@ -184,7 +184,8 @@ struct {
  * Transfers counted in the kernel (struct xfer_tally), where the build's offsets are
  * known: every transfer's figures are exact here, so its record may be left unsent.
  * Preallocated (kernels before 6.1 refuse other hash maps in tracing programs): 512
- * series of ~19 KiB by default (the agent's `tally_series`), 9.5 MiB per traced library.
+ * series of ~19 KiB by default (the agent's `tally_series`), plus one spare per CPU:
+ * 9.5 MiB per traced library on a small host, ~14 MiB on one of 224 CPUs.
  * A transfer of a series that finds the table full is not lost: its record is sent
  * untallied and the agent counts it. Entries
  * are deleted by user space once their process is gone. Updated with atomic adds (a

@@ -505,7 +505,10 @@ static __always_inline int xfer_done(__u64 req, __s32 status)
 	if (!p)
 		return 0;
 	struct inflight_entry x = *p;
-	bpf_map_delete_elem(&inflight, &k);
+	/* The delete is the claim: of two probes ending the same transfer at once (a poll
+	 * and a release on two threads), only the one that removes the entry counts it. */
+	if (bpf_map_delete_elem(&inflight, &k) != 0)
+		return 0;
 	__u64 latency = bpf_ktime_get_ns() - x.ts_ns;
 	__u32 kept = x.flags & (FLAG_KEPT_NOTIF | FLAG_KEPT_SAMPLED);
 	x.flags &= ~kept;
@@ -594,18 +597,22 @@ static __always_inline int xfer_released(__u64 agent, __u64 req)
 	struct inflight_entry x = {};
 	__u32 flags = 0;
 	struct inflight_entry *p = bpf_map_lookup_elem(&inflight, &k);
-	if (p) {
+	if (p)
 		x = *p;
+	/* Claimed by the delete, as at a transfer's end. */
+	int claimed = p && bpf_map_delete_elem(&inflight, &k) == 0;
+	if (claimed) {
 		flags = FLAG_IN_FLIGHT;
-		bpf_map_delete_elem(&inflight, &k);
 		x.flags &= ~(FLAG_KEPT_NOTIF | FLAG_KEPT_SAMPLED);
 		if (offsets_known && tally(STAGE_RELEASED_IN_FLIGHT, NIXL_IN_PROG, &x, 0, 0))
 			flags |= FLAG_TALLIED | FLAG_KEPT_FAILURE;
+	} else if (!p && !agent) {
+		flags = FLAG_UNTRACKED; /* the site: in progress by NIXL's account */
 	}
 	struct nixl_event *e = event_reserve(EV_XFER_RELEASE);
 	if (!e)
 		return 0;
-	if (p)
+	if (claimed)
 		fill_transfer(e, &x);
 	if (agent)
 		e->agent = agent;

@@ -5,7 +5,7 @@
 //! [`AttachScope::AllProcesses`] the probes fire in every process that maps this file,
 //! including ones started later or restarted. Dropping [`LoadedProbes`] detaches them.
 
-use aya::maps::{HashMap, MapData, PerCpuArray, RingBuf};
+use aya::maps::{HashMap, MapData, MapError, PerCpuArray, RingBuf};
 use aya::programs::uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeScope};
 use aya::programs::{ProgramError, UProbe};
 use aya::{Ebpf, EbpfLoader};
@@ -18,6 +18,9 @@ use super::tally::{
     decode_xfer_key, InflightEntry, KernelTally, TallyKey, INFLIGHT_SIZE, TALLY_KEY_SIZE,
     TALLY_SIZE, XFER_KEY_SIZE,
 };
+
+/// The `inflight` map's size (`ebpf/nixl/common.h`).
+const INFLIGHT_ENTRIES: usize = 65_536;
 
 /// The compiled BPF object (built by `build.rs` from `ebpf/nixl/`).
 static NIXL_BPF: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/nixl.bpf.o"));
@@ -283,22 +286,27 @@ impl LoadedProbes {
             .unwrap_or(0)
     }
 
-    /// The kernel's tallies of transfers (empty where the build's offsets are unknown:
-    /// then every transfer's record is sent and counted by the agent).
-    pub(crate) fn tallies(&self) -> Vec<(TallyKey, KernelTally)> {
-        let Some(map) = self.ebpf.map("xfer_tallies") else {
-            return Vec::new();
-        };
-        let Ok(map) = HashMap::<_, [u8; TALLY_KEY_SIZE], [u8; TALLY_SIZE]>::try_from(map) else {
-            return Vec::new();
-        };
+    /// The kernel's tallies of transfers (none where the build's offsets are unknown:
+    /// then every transfer's record is sent and counted by the agent); an error where
+    /// the table could not be read whole (the caller must not take a part for all).
+    pub(crate) fn tallies(&self) -> Result<Vec<(TallyKey, KernelTally)>, MapError> {
+        let map = self
+            .ebpf
+            .map("xfer_tallies")
+            .ok_or_else(|| MapError::InvalidName {
+                name: "xfer_tallies".into(),
+            })?;
+        let map = HashMap::<_, [u8; TALLY_KEY_SIZE], [u8; TALLY_SIZE]>::try_from(map)?;
+        // Entries are only added while this reads (deleted by this process alone), so
+        // the walk sees each once.
         map.iter()
-            .filter_map(Result::ok)
-            .map(|(k, v)| (TallyKey::decode(&k), KernelTally::decode(&v)))
+            .map(|r| r.map(|(k, v)| (TallyKey::decode(&k), KernelTally::decode(&v))))
             .collect()
     }
 
-    /// The transfers in flight: (pid, request, entry).
+    /// The transfers in flight: (pid, request, entry). The probes delete entries as
+    /// transfers end, and a walk whose last key went starts over from the first: each
+    /// request is taken once, and the walk stops after twice the table's size.
     pub(crate) fn in_flight(&self) -> Vec<(u32, u64, InflightEntry)> {
         let Some(map) = self.ebpf.map("inflight") else {
             return Vec::new();
@@ -306,12 +314,13 @@ impl LoadedProbes {
         let Ok(map) = HashMap::<_, [u8; XFER_KEY_SIZE], [u8; INFLIGHT_SIZE]>::try_from(map) else {
             return Vec::new();
         };
-        map.iter()
-            .filter_map(Result::ok)
-            .map(|(k, v)| {
-                let (pid, req) = decode_xfer_key(&k);
-                (pid, req, InflightEntry::decode(&v))
-            })
+        let mut seen = std::collections::HashMap::new();
+        for (k, v) in map.iter().take(2 * INFLIGHT_ENTRIES).filter_map(Result::ok) {
+            seen.entry(decode_xfer_key(&k))
+                .or_insert_with(|| InflightEntry::decode(&v));
+        }
+        seen.into_iter()
+            .map(|((pid, req), e)| (pid, req, e))
             .collect()
     }
 

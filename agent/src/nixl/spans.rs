@@ -99,11 +99,13 @@ impl NixlSpans {
         if let Some(n) = o.notif {
             attributes.push(attr_str("nixl.notif", n));
         }
-        // A transfer counted in the kernel is one of several its span stands for unless
-        // it was kept for itself: why it was kept, and how many it stands for.
+        // Why a transfer counted in the kernel was kept; one kept only as the sample
+        // stands for `sample_every` transfers (one kept for itself, for itself).
         if let Some(kept) = o.kept {
             attributes.push(attr_str("nixl.kept_for", kept_for(kept)));
-            attributes.push(attr_int("nixl.sample_every", self.sample_every));
+            if kept & super::event::flags::KEPT_SAMPLED != 0 {
+                attributes.push(attr_int("nixl.sample_every", self.sample_every));
+            }
         }
         if let Some(rid) = o.request_id {
             attributes.push(attr_str("kvscope.request_id", rid));

@@ -105,21 +105,37 @@ impl LatencyHistogram {
     }
 
     /// The latency below which `q` of the counted ones fall: the middle of the bucket
-    /// holding that rank.
+    /// holding that rank (the highest bucket used where a kernel tally read while a
+    /// transfer was being added shows fewer in these buckets than in its count).
     pub fn value_at_quantile(&self, q: f64) -> u64 {
         if self.count == 0 {
             return 0;
         }
         let rank = ((q * self.count as f64).ceil() as u64).clamp(1, self.count);
         let mut seen = 0;
+        let mut last = None;
         for (i, n) in self.fine.iter().enumerate() {
+            if *n == 0 {
+                continue;
+            }
+            last = Some(i);
             seen += n;
             if seen >= rank {
-                let (low, width) = fine_bucket(i);
-                return low + width / 2;
+                break;
             }
         }
-        0
+        last.map_or(0, |i| {
+            let (low, width) = fine_bucket(i);
+            low + width / 2
+        })
+    }
+
+    /// The lowest latency of the highest bucket used (0: none).
+    pub fn floor_of_highest(&self) -> u64 {
+        self.fine
+            .iter()
+            .rposition(|&n| n > 0)
+            .map_or(0, |i| fine_bucket(i).0)
     }
 
     /// `buckets[i]` = latencies ≤ `LATENCY_BOUNDS_NS[i]` (cumulative).
@@ -391,5 +407,22 @@ mod tests {
         twice.add(&h);
         assert_eq!(twice.len(), 2000);
         assert_eq!(twice.value_at_quantile(0.5), h.value_at_quantile(0.5));
+        assert_eq!(h.floor_of_highest(), fine_bucket(fine_index(1_000_000)).0);
+    }
+
+    /// A kernel tally read while a transfer was being added may show it in the `/metrics`
+    /// buckets and not yet in the fine ones: its high quantiles are the highest bucket
+    /// used, not 0.
+    #[test]
+    fn a_tally_read_mid_update_keeps_its_quantiles() {
+        let mut fixed = vec![0; LAT_FIXED];
+        let mut fine = vec![0; LAT_FINE];
+        fixed[fixed_index(3_000)] = 2;
+        fine[fine_index(3_000)] = 1;
+        let mut h = LatencyHistogram::default();
+        h.add_buckets(&fixed, &fine);
+        assert_eq!(h.len(), 2);
+        let p99 = h.value_at_quantile(0.99);
+        assert!(p99.abs_diff(3_000) < 30, "{p99}");
     }
 }

@@ -406,10 +406,18 @@ struct ProbeSettings {
 /// everywhere), so that no other reading of the tallies comes between the two.
 fn settle(state: &Arc<Mutex<State>>, attached: &Arc<Mutex<BTreeMap<FileId, Attached>>>) {
     let attached = lock(attached);
-    let tallies: Vec<_> = attached
-        .values()
-        .flat_map(|a| lock(&a.probes).tallies())
-        .collect();
+    let mut tallies = Vec::new();
+    for a in attached.values() {
+        match lock(&a.probes).tallies() {
+            Ok(t) => tallies.extend(t),
+            // Not a part taken for the whole (a process's figures would be folded short
+            // and the rest deleted): the last reading stands until the next.
+            Err(e) => {
+                warn!("cannot read the NIXL probes' tallies: {e}");
+                return;
+            }
+        }
+    }
     let exited = {
         let mut st = lock(state);
         st.aggregator.set_kernel_tallies(&tallies);
