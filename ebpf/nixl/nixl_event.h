@@ -75,10 +75,6 @@ enum nixl_call {
 #define FLAG_KEPT_NOTIF (1u << 7)   /* it carries a notification */
 #define FLAG_KEPT_SLOW (1u << 8)    /* slower than `slow_ns` */
 #define FLAG_KEPT_SAMPLED (1u << 9) /* one in `sample_every` of the rest */
-/* Released while in progress by NIXL's account (the release site), with no entry of the
- * probes' for it: its post was never seen (posted before they attached) or its entry was
- * lost. Not counted anywhere: user space reports it as unattributed. */
-#define FLAG_UNTRACKED (1u << 10)
 
 struct nixl_event {
 	__u32 kind;

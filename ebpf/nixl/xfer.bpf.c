@@ -444,7 +444,9 @@ static __always_inline int xfer_posted(__s32 status)
 		k.pid = bpf_get_current_pid_tgid() >> 32;
 		k.req = c.req;
 		x.flags |= kept;
-		bpf_map_update_elem(&inflight, &k, &x, BPF_ANY);
+		/* Without its entry the transfer's end would count nowhere: said as lost. */
+		if (bpf_map_update_elem(&inflight, &k, &x, BPF_ANY) != 0)
+			count_lost();
 		x.flags &= ~kept;
 		/* Counted at its end: its record (if kept) is for the request join. */
 		if (offsets_known)
@@ -606,8 +608,6 @@ static __always_inline int xfer_released(__u64 agent, __u64 req)
 		x.flags &= ~(FLAG_KEPT_NOTIF | FLAG_KEPT_SAMPLED);
 		if (offsets_known && tally(STAGE_RELEASED_IN_FLIGHT, NIXL_IN_PROG, &x, 0, 0))
 			flags |= FLAG_TALLIED | FLAG_KEPT_FAILURE;
-	} else if (!p && !agent) {
-		flags = FLAG_UNTRACKED; /* the site: in progress by NIXL's account */
 	}
 	struct nixl_event *e = event_reserve(EV_XFER_RELEASE);
 	if (!e)

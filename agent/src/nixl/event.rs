@@ -145,8 +145,6 @@ pub mod flags {
     pub(crate) const KEPT_NOTIF: u32 = 1 << 7;
     pub(crate) const KEPT_SLOW: u32 = 1 << 8;
     pub(crate) const KEPT_SAMPLED: u32 = 1 << 9;
-    /// Released in progress by NIXL's account with no entry of the probes' for it.
-    pub(crate) const UNTRACKED: u32 = 1 << 10;
     /// Why a tallied transfer's record was sent: any of these.
     pub(crate) const KEPT: u32 = KEPT_FAILURE | KEPT_NOTIF | KEPT_SLOW | KEPT_SAMPLED;
 }
