@@ -109,7 +109,7 @@ impl Tally {
 
 impl From<&KernelTally> for Tally {
     fn from(k: &KernelTally) -> Self {
-        let latency = k.latency();
+        let latency = k.latency.clone();
         // The probes' max is a plain compare-and-store (two CPUs may race it down): never
         // below the highest bucket counted.
         let max_ns = k.max_ns.max(latency.floor_of_highest());
@@ -138,8 +138,6 @@ struct RequestInfo {
     bytes_unknown: bool,
     /// Posted and in progress: a terminal status is due.
     awaiting: bool,
-    /// When it was posted (the probes' clock, CLOCK_MONOTONIC ns).
-    posted_ns: u64,
     /// Its notification message, when it carries one and it reads as text (cut at 63
     /// bytes: then `notif_truncated`).
     notif: Option<String>,
@@ -453,7 +451,6 @@ impl NixlAggregator {
                 }
                 info.bytes_unknown = e.flags & flags::BYTES_UNKNOWN != 0;
                 info.awaiting = e.status == 1;
-                info.posted_ns = e.ts_ns;
                 let info = info.clone();
                 match e.status {
                     1 => {} // in progress: the completion comes from getXferStatus
@@ -839,13 +836,9 @@ mod tests {
     }
 
     fn kernel_tally(count: u64, bytes: u64, latencies: &[u64]) -> KernelTally {
-        let mut h = LatencyHistogram::default();
-        let mut fixed = vec![0; super::super::tally::LAT_FIXED];
-        let mut fine = vec![0; super::super::tally::LAT_FINE];
+        let mut latency = LatencyHistogram::default();
         for &ns in latencies {
-            h.record(ns);
-            fixed[super::super::tally::fixed_index(ns)] += 1;
-            fine[super::super::tally::fine_index(ns)] += 1;
+            latency.record(ns);
         }
         KernelTally {
             count,
@@ -854,8 +847,7 @@ mod tests {
             bytes_unknown: 0,
             sum_ns: latencies.iter().sum(),
             max_ns: latencies.iter().copied().max().unwrap_or(0),
-            fixed,
-            fine,
+            latency,
         }
     }
 

@@ -39,13 +39,13 @@ pub enum AttachScope {
 /// transfer carrying a notification, every one slower than `slow_ns` (0: none for that
 /// alone), and one in `sample_every` of the rest (1: all).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Sampling {
+pub struct TransferCounting {
     pub tally_series: u32,
     pub sample_every: u64,
     pub slow_ns: u64,
 }
 
-impl Default for Sampling {
+impl Default for TransferCounting {
     fn default() -> Self {
         Self {
             tally_series: 512,
@@ -139,7 +139,7 @@ pub struct LoadedProbes {
 fn load_object(
     offsets: Option<&NixlOffsets>,
     sites: SitesAttached,
-    sampling: Sampling,
+    counting: TransferCounting,
 ) -> Result<Ebpf, ProbeError> {
     if !Path::new("/sys/bus/event_source/devices/uprobe").exists() {
         return Err(ProbeError::NoUprobes);
@@ -149,10 +149,10 @@ fn load_object(
     for (name, value) in &globals {
         loader.override_global(name, value, true);
     }
-    let every = sampling.sample_every.max(1);
+    let every = counting.sample_every.max(1);
     loader.override_global("sample_every", &every, true);
-    loader.override_global("slow_ns", &sampling.slow_ns, true);
-    loader.map_max_entries("xfer_tallies", sampling.tally_series.max(1));
+    loader.override_global("slow_ns", &counting.slow_ns, true);
+    loader.map_max_entries("xfer_tallies", counting.tally_series.max(1));
     loader.load(NIXL_BPF).map_err(|e| {
         if is_permission(&e) {
             refused(&e)
@@ -166,7 +166,7 @@ fn load_object(
 /// not load probes says so (naming what it lacks) before any library is found, rather
 /// than at each library later.
 pub(crate) fn check_can_load() -> Result<(), ProbeError> {
-    let mut ebpf = load_object(None, SitesAttached::default(), Sampling::default())?;
+    let mut ebpf = load_object(None, SitesAttached::default(), TransferCounting::default())?;
     if let Some((_, program)) = ebpf.programs_mut().next() {
         let program: &mut UProbe = program
             .try_into()
@@ -210,10 +210,10 @@ impl LoadedProbes {
     pub fn attach(
         library: NixlLibrary,
         scope: AttachScope,
-        sampling: Sampling,
+        counting: TransferCounting,
     ) -> Result<Self, ProbeError> {
         let offsets = library.offsets;
-        let mut ebpf = load_object(offsets.as_ref(), library.sites_attached(), sampling)?;
+        let mut ebpf = load_object(offsets.as_ref(), library.sites_attached(), counting)?;
         let path = library.path.display().to_string();
         let aya_scope = match scope {
             AttachScope::AllProcesses => UProbeScope::AllProcesses,

@@ -7,7 +7,7 @@
 //! `ebpf/nixl/nixl_event.h` (a unit test reads the header), read with aya as plain
 //! old data.
 
-use super::event::NAME_LEN;
+use super::event::{u32_at, u64_at, NAME_LEN};
 use kvscope_wire::nixl::LATENCY_BOUNDS_NS;
 
 /// Buckets per power of two above [`LAT_SUB`] (as `LAT_SUB_BITS`).
@@ -150,14 +150,6 @@ impl LatencyHistogram {
     }
 }
 
-fn u32_at(b: &[u8], at: usize) -> u32 {
-    u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"))
-}
-
-fn u64_at(b: &[u8], at: usize) -> u64 {
-    u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
-}
-
 /// `struct tally_key`, as the map's key bytes.
 pub(crate) const TALLY_KEY_SIZE: usize = 24 + NAME_LEN;
 /// `struct xfer_tally`, as the map's value bytes.
@@ -200,8 +192,7 @@ pub(crate) struct KernelTally {
     pub bytes_unknown: u64,
     pub sum_ns: u64,
     pub max_ns: u64,
-    pub fixed: Vec<u64>,
-    pub fine: Vec<u64>,
+    pub latency: LatencyHistogram,
 }
 
 impl KernelTally {
@@ -209,6 +200,8 @@ impl KernelTally {
         let words = |from: usize, n: usize| -> Vec<u64> {
             (0..n).map(|i| u64_at(b, 8 * (from + i))).collect()
         };
+        let mut latency = LatencyHistogram::default();
+        latency.add_buckets(&words(6, LAT_FIXED), &words(6 + LAT_FIXED, LAT_FINE));
         Self {
             count: u64_at(b, 0),
             bytes: u64_at(b, 8),
@@ -216,16 +209,8 @@ impl KernelTally {
             bytes_unknown: u64_at(b, 24),
             sum_ns: u64_at(b, 32),
             max_ns: u64_at(b, 40),
-            fixed: words(6, LAT_FIXED),
-            fine: words(6 + LAT_FIXED, LAT_FINE),
+            latency,
         }
-    }
-
-    /// Its latencies as a histogram.
-    pub fn latency(&self) -> LatencyHistogram {
-        let mut h = LatencyHistogram::default();
-        h.add_buckets(&self.fixed, &self.fine);
-        h
     }
 }
 

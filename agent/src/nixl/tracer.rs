@@ -8,7 +8,7 @@ use super::discovery::{self, FileId};
 use super::event::NixlEvent;
 use super::library::{LibraryError, NixlLibrary};
 use super::offsets::Counts;
-use super::probes::{self, AttachScope, LoadedProbes, Sampling};
+use super::probes::{self, AttachScope, LoadedProbes, TransferCounting};
 use super::spans::NixlSpans;
 use aya::maps::{MapData, RingBuf};
 use kvscope_wire::nixl::{NixlLibraryStatus, NixlReport};
@@ -185,7 +185,7 @@ impl NixlTracer {
         };
         let sites = ProbeSettings {
             completion_sites: cfg.completion_sites,
-            sampling: Sampling {
+            counting: TransferCounting {
                 tally_series: cfg.tally_series.max(1),
                 sample_every: cfg.sample_every.max(1),
                 slow_ns: (cfg.slow_transfer_ms.max(0.0) * 1e6) as u64,
@@ -301,7 +301,7 @@ fn attach_one(
         }
         .into());
     }
-    let mut probes = LoadedProbes::attach(library, scope, settings.sampling)?;
+    let mut probes = LoadedProbes::attach(library, scope, settings.counting)?;
     let offsets_known = probes.offsets.is_some();
     let status = NixlLibraryStatus {
         path: path.display().to_string(),
@@ -398,7 +398,7 @@ const EXITED_GRACE: Duration = Duration::from_secs(10);
 #[derive(Clone, Copy, Debug)]
 struct ProbeSettings {
     completion_sites: bool,
-    sampling: Sampling,
+    counting: TransferCounting,
 }
 
 /// The kernel's tallies read afresh, then the processes that exited forgotten, here and
