@@ -24,11 +24,12 @@ mod blocks;
 mod engine_map;
 mod holder_sets;
 
-use blocks::{BlockIdx, Blocks, Visited};
+use blocks::{BlockIdx, Blocks, ChainKey, Visited};
 use engine_map::EngineMap;
 use holder_sets::{HolderSets, SetId, EMPTY};
 use kvscope_wire::hashing::{chain_hash, LocalBlockHash};
 use kvscope_wire::{SequenceHash, WorkerKey};
+use std::cell::RefCell;
 use std::collections::hash_map::Entry;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::hash::{BuildHasherDefault, Hasher};
@@ -188,6 +189,9 @@ pub struct FleetIndex {
     last_worker: Option<(WorkerKey, WorkerIdx)>,
     /// Scratch for removals, kept to save an allocation per event.
     released: Vec<BlockIdx>,
+    /// Scratch for queries' walks, kept to save two allocations per query; in a cell, as
+    /// a query only reads the mirror.
+    walk_scratch: RefCell<WalkScratch>,
     /// The last store's worker and blocks, for [`Self::mark_generated`], which the
     /// analyzer calls right after a store (most records are not in the table, so a
     /// sequence hash alone does not find them).
@@ -315,7 +319,9 @@ impl FleetIndex {
         // The event-only delta walks the new blocks as they were before this store; each
         // block is read just before this worker is added to it (the walk leaves this
         // worker out, so its own additions do not change what it sees).
-        let mut walk = Walk::new(Some(w));
+        // (Fresh vectors: they allocate only when the store's first block is held, and
+        // reusing the queries' scratch measured slower here.)
+        let mut walk = Walk::new(Some(w), Vec::new());
         let mut left = Vec::new();
         let mut prev = parent.map(|p| self.blocks.found(p));
         for (engine, local) in engine_hashes[..n].iter().zip(&locals[..n]) {
@@ -491,8 +497,9 @@ impl FleetIndex {
     /// following the trie's links), computed past its end.
     pub fn match_chain(&self, locals: &[LocalBlockHash]) -> ChainMatch {
         let mut chain = Vec::with_capacity(locals.len());
-        let mut walk = Walk::new(None);
-        let mut left = Vec::new();
+        let mut scratch = self.walk_scratch.take();
+        let mut walk = Walk::new(None, scratch.alive);
+        let left = &mut scratch.left;
         let mut at: Option<Visited> = None;
         let mut rest = locals;
         // Along the records while the mirror holds the chain.
@@ -501,15 +508,25 @@ impl FleetIndex {
             match self.blocks.find_child(at, *local) {
                 Ok(found) => {
                     chain.push(found.seq());
-                    if walk.active() {
-                        walk.step(&self.sets, found.holders(), &mut left);
+                    let active = walk.active();
+                    if active {
+                        walk.step(&self.sets, found.holders(), left);
                     }
-                    at = Some(found);
+                    // Then along the run laid out after it, while its holders stay
+                    // the same (a change of holders is the walk's to take).
+                    let same = active.then(|| found.holders());
+                    let (run, last) = self.blocks.follow_run(found, rest, ChainKey::Local, same);
+                    chain.extend(run.seqs());
+                    if active {
+                        walk.skip(run.len() as u32);
+                    }
+                    rest = &rest[run.len()..];
+                    at = Some(last);
                 }
                 Err(seq) => {
                     chain.push(seq);
                     if walk.active() {
-                        walk.step(&self.sets, EMPTY, &mut left);
+                        walk.step(&self.sets, EMPTY, left);
                     }
                     break;
                 }
@@ -522,49 +539,61 @@ impl FleetIndex {
             last = Some(seq);
             seq
         }));
-        walk.finish(&mut left);
-        ChainMatch {
-            chain,
-            overlaps: self.overlap_map(left),
-        }
+        scratch.alive = walk.finish(left);
+        let overlaps = self.overlap_map(left);
+        self.walk_scratch.replace(scratch);
+        ChainMatch { chain, overlaps }
     }
 
     /// [`Self::match_chain`] for a request known by its blocks' sequence hashes (what
     /// Dynamo's request trace and replica-sync events carry) instead of their local
     /// hashes: the same walk, each step found by the hash it names.
     pub(crate) fn match_seq_chain(&self, chain: &[SequenceHash]) -> ChainMatch {
-        let mut walk = Walk::new(None);
-        let mut left = Vec::new();
+        let mut scratch = self.walk_scratch.take();
+        let mut walk = Walk::new(None, scratch.alive);
+        let left = &mut scratch.left;
         let mut at: Option<Visited> = None;
-        for seq in chain {
+        let mut rest = chain;
+        while let Some((seq, tail)) = rest.split_first() {
+            rest = tail;
             match self.blocks.find_child_seq(at, *seq) {
                 Some(found) => {
-                    if walk.active() {
-                        walk.step(&self.sets, found.holders(), &mut left);
+                    let active = walk.active();
+                    if active {
+                        walk.step(&self.sets, found.holders(), left);
                     }
-                    at = Some(found);
+                    let same = active.then(|| found.holders());
+                    let (run, last) = self.blocks.follow_run(found, rest, ChainKey::Seq, same);
+                    if active {
+                        walk.skip(run.len() as u32);
+                    }
+                    rest = &rest[run.len()..];
+                    at = Some(last);
                 }
                 None => {
                     if walk.active() {
-                        walk.step(&self.sets, EMPTY, &mut left);
+                        walk.step(&self.sets, EMPTY, left);
                     }
                     break;
                 }
             }
         }
-        walk.finish(&mut left);
+        scratch.alive = walk.finish(left);
+        let overlaps = self.overlap_map(left);
+        self.walk_scratch.replace(scratch);
         ChainMatch {
             chain: chain.to_vec(),
-            overlaps: self.overlap_map(left),
+            overlaps,
         }
     }
 
-    fn overlap_map(&self, left: Vec<(WorkerIdx, u32)>) -> BTreeMap<WorkerKey, u32> {
+    /// The overlaps of the workers a walk reported, which it takes out of `left`.
+    fn overlap_map(&self, left: &mut Vec<(WorkerIdx, u32)>) -> BTreeMap<WorkerKey, u32> {
         // A handful of workers (every query in a small fleet): inserted one by one, which
         // costs less than collecting and sorting them first.
         if left.len() <= 4 {
             let mut map = BTreeMap::new();
-            for (w, n) in left {
+            for (w, n) in left.drain(..) {
                 map.insert(self.sets.key(w), n);
             }
             return map;
@@ -572,7 +601,7 @@ impl FleetIndex {
         // Workers come out in runs sorted by key: sorted cheaply, then built in bulk, from
         // a vector of the right size that `from_iter` takes over as it is.
         let mut keyed = Vec::with_capacity(left.len());
-        keyed.extend(left.into_iter().map(|(w, n)| (self.sets.key(w), n)));
+        keyed.extend(left.drain(..).map(|(w, n)| (self.sets.key(w), n)));
         BTreeMap::from_iter(keyed)
     }
 
@@ -648,6 +677,14 @@ impl FleetIndex {
     }
 }
 
+/// The room a [`Walk`] uses, kept between walks.
+#[derive(Debug, Default)]
+struct WalkScratch {
+    alive: Vec<WorkerIdx>,
+    /// Workers the walk left behind, with the blocks each held.
+    left: Vec<(WorkerIdx, u32)>,
+}
+
 /// A walk along a chain, one block at a time: which workers (but one) hold every block
 /// so far. Members are compared only where a block's holder set differs from the
 /// previous block's.
@@ -660,13 +697,20 @@ struct Walk {
 }
 
 impl Walk {
-    fn new(except: Option<WorkerIdx>) -> Self {
+    /// A walk keeping its workers in `alive` (empty; its room is reused).
+    fn new(except: Option<WorkerIdx>, alive: Vec<WorkerIdx>) -> Self {
+        debug_assert!(alive.is_empty());
         Self {
             except,
-            alive: Vec::new(),
+            alive,
             current: EMPTY,
             blocks: 0,
         }
+    }
+
+    /// `n` more blocks held by the current set.
+    fn skip(&mut self, n: u32) {
+        self.blocks += n;
     }
 
     /// Whether a next block can still change anything.
@@ -734,10 +778,12 @@ impl Walk {
         }
     }
 
-    /// The workers that held every block stepped over.
-    fn finish(self, left: &mut Vec<(WorkerIdx, u32)>) {
+    /// The workers that held every block stepped over, into `left`; gives back its
+    /// `alive`, emptied, for the next walk.
+    fn finish(mut self, left: &mut Vec<(WorkerIdx, u32)>) -> Vec<WorkerIdx> {
         let n = self.blocks;
-        left.extend(self.alive.into_iter().map(|w| (w, n)));
+        left.extend(self.alive.drain(..).map(|w| (w, n)));
+        self.alive
     }
 }
 

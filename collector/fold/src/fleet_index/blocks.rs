@@ -10,7 +10,9 @@
 //!   linked from their parent: no hashing beyond the sequence hash itself, no table;
 //! - following a chain the mirror holds — a worker storing a prefix another holds, a
 //!   routing query — checks the linked child (usually the next record in memory, as a
-//!   store's blocks are made together) and reads the sequence hash from it;
+//!   store's blocks are made together) and reads the sequence hash from it; a query
+//!   takes a run of such records as a compressed edge is taken, comparing its hashes in
+//!   order ([`Blocks::follow_run`]);
 //! - only at a branch does a step probe the table, which holds the branches and the
 //!   chains' first blocks only, so it stays small.
 //!
@@ -174,6 +176,38 @@ impl Visited<'_> {
     }
 }
 
+/// Which of a record's hashes a walk matches: a routing decision names its blocks by
+/// local hash, or (Dynamo's request traces) by sequence hash.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum ChainKey {
+    Local,
+    Seq,
+}
+
+impl ChainKey {
+    #[inline(always)]
+    fn of(self, r: &Block) -> u64 {
+        match self {
+            ChainKey::Local => r.local,
+            ChainKey::Seq => r.seq,
+        }
+    }
+}
+
+/// The records [`Blocks::follow_run`] went along, in chain order.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Run<'a>(&'a [Block]);
+
+impl<'a> Run<'a> {
+    pub(super) fn len(self) -> usize {
+        self.0.len()
+    }
+
+    pub(super) fn seqs(self) -> impl Iterator<Item = SequenceHash> + 'a {
+        self.0.iter().map(|r| r.seq)
+    }
+}
+
 /// A record [`Blocks::child`] found, copied: the next step along the chain reads the link
 /// from here instead of indexing the arena again. Its link is the record's until a child
 /// is made under it, which only that next step does.
@@ -281,6 +315,49 @@ impl Blocks {
             return Some(Visited(&self.records[guess as usize], guess));
         }
         (r.next != NO_BLOCK).then(|| Visited(&self.records[r.next as usize], r.next))
+    }
+
+    /// From `at`, the run of its linked children laid out right after it in memory (a
+    /// chain stored together, as a compressed edge keeps it) that matches `keys` (each
+    /// block's hash of kind `by`), as long as each is held by `holders` (`None`: whoever
+    /// holds it). Returns the run (empty if none) and its last record (`at` if none).
+    ///
+    /// One compare per block along the run, against records read in order: no link to
+    /// wait for and no chain-step branch per block, as `RadixTree` compares an edge.
+    #[inline]
+    pub(super) fn follow_run<'a>(
+        &'a self,
+        at: Visited<'a>,
+        keys: &[u64],
+        by: ChainKey,
+        holders: Option<SetId>,
+    ) -> (Run<'a>, Visited<'a>) {
+        let Visited(_, b) = at;
+        let chunk = &self.records.chunks[(b >> Arena::CHUNK_BITS) as usize];
+        let first = (b as usize) & (Arena::CHUNK - 1);
+        // The run ends at the chunk's end at the latest: the next chunk is elsewhere.
+        let room = (Arena::CHUNK - 1 - first).min(keys.len());
+        let (run, next) = (
+            &chunk[first..first + room],
+            &chunk[first + 1..first + 1 + room],
+        );
+        let n = run
+            .iter()
+            .zip(next)
+            .zip(keys)
+            .enumerate()
+            .take_while(|(i, ((r, c), key))| {
+                // A record's link is checked before its successor is trusted: the slot
+                // after the arena's last record is not one.
+                r.next == b + 1 + *i as BlockIdx
+                    && by.of(c) == **key
+                    && holders.is_none_or(|h| c.holders == h)
+            })
+            .count();
+        match n {
+            0 => (Run(&[]), at),
+            _ => (Run(&next[..n]), Visited(&next[n - 1], b + n as BlockIdx)),
+        }
     }
 
     /// The mirrored block with sequence hash `seq`, a child of `parent` (`None`: a
