@@ -177,7 +177,7 @@ impl Contender for Kvscope {
                         locals,
                     ));
                 }
-                Op::Remove { worker, engine } => {
+                Op::Remove { worker, engine, .. } => {
                     black_box(
                         self.index
                             .remove(trace.workers[worker as usize], trace.hashes(engine)),
@@ -230,6 +230,8 @@ impl EventBuilder {
     pub fn events(&mut self, trace: &Trace, ops: Range<usize>) -> Vec<RouterEvent> {
         trace.ops[ops]
             .iter()
+            // A removal the publisher's filter left empty is not sent.
+            .filter(|op| !matches!(op, Op::Remove { passed, .. } if passed.len == 0))
             .map(|op| self.event(trace, op))
             .collect()
     }
@@ -260,11 +262,12 @@ impl EventBuilder {
                     }),
                 )
             }
-            Op::Remove { worker, engine } => (
+            // What Dynamo's publisher passes on.
+            Op::Remove { worker, passed, .. } => (
                 worker,
                 KvCacheEventData::Removed(KvCacheRemoveData {
                     block_hashes: trace
-                        .hashes(engine)
+                        .hashes(passed)
                         .iter()
                         .map(|h| ExternalSequenceBlockHash(*h))
                         .collect(),

@@ -273,7 +273,8 @@ impl FleetGen {
                     removed.extend(self.family_seqs[r.family as usize].iter().rev());
                 }
             }
-            trace.push_remove(w, removed);
+            // The fleet stores no hash twice: both feeds are the same.
+            trace.push_remove(w, &removed, &removed);
         }
     }
 

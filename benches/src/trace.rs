@@ -23,8 +23,15 @@ pub enum Op {
         start: u64,
         parent: Option<u64>,
     },
-    /// `BlockRemoved`, by engine hash.
-    Remove { worker: u32, engine: Span },
+    /// `BlockRemoved`, by engine hash: `engine` as the engine sent it (kvscope's feed),
+    /// `passed` what Dynamo's publisher passes on to its indexers (`EventDedupFilter`: a
+    /// hash stored more than once leaves only with its last store). The same span when
+    /// nothing was stored twice.
+    Remove {
+        worker: u32,
+        engine: Span,
+        passed: Span,
+    },
     /// `AllBlocksCleared`.
     Clear { worker: u32 },
     /// A routing decision: every worker's overlap with these local hashes.
@@ -140,11 +147,21 @@ impl Trace {
         });
     }
 
-    pub fn push_remove(&mut self, worker: u32, engine: impl IntoIterator<Item = u64>) {
-        let engine = self.push_hashes(engine);
+    /// A removal, and the hashes of it Dynamo's publisher passes on (see [`Op::Remove`]).
+    pub fn push_remove(&mut self, worker: u32, engine: &[u64], passed: &[u64]) {
+        let engine_span = self.push_hashes(engine.iter().copied());
+        let passed = if passed == engine {
+            engine_span
+        } else {
+            self.push_hashes(passed.iter().copied())
+        };
         self.stats.remove_events += 1;
-        self.stats.removed_blocks += u64::from(engine.len);
-        self.ops.push(Op::Remove { worker, engine });
+        self.stats.removed_blocks += u64::from(engine_span.len);
+        self.ops.push(Op::Remove {
+            worker,
+            engine: engine_span,
+            passed,
+        });
     }
 
     pub fn push_clear(&mut self, worker: u32) {
@@ -185,11 +202,10 @@ impl Trace {
             path.file_name().unwrap_or_default().to_string_lossy()
         ));
         let mut index = HashMap::new();
-        // Per worker: how many times each engine hash is stored. Dynamo's publisher
-        // folds repeated stores of one hash (`EventDedupFilter`) before its index sees
-        // them and kvscope counts them inside its mirror; a stream that has them would
-        // need two different feeds, so they are refused rather than silently skewed.
-        let mut stored: HashMap<(u32, u64), u32> = HashMap::new();
+        // kvscope counts repeated stores inside its mirror and gets the stream as sent;
+        // the Dynamo indexers get what their publisher's filter passes on.
+        let mut filter = PublisherFilter::default();
+        let mut passed = Vec::new();
         for env in &rec.envelopes {
             match &env.record {
                 Record::KvEvents(batch) => {
@@ -209,16 +225,7 @@ impl Trace {
                                     locals.len() == block_hashes.len(),
                                     "a store with partial blocks: not supported by the benchmark"
                                 );
-                                for h in block_hashes {
-                                    let n = stored.entry((w, *h)).or_insert(0);
-                                    *n += 1;
-                                    anyhow::ensure!(
-                                        *n == 1,
-                                        "worker {} stores block {h} twice: not supported by \
-                                         the benchmark",
-                                        batch.worker
-                                    );
-                                }
+                                filter.store(batch.worker, block_hashes);
                                 trace.push_store(
                                     w,
                                     *parent_block_hash,
@@ -227,13 +234,11 @@ impl Trace {
                                 );
                             }
                             KvEvent::BlockRemoved { block_hashes, .. } => {
-                                for h in block_hashes {
-                                    stored.remove(&(w, *h));
-                                }
-                                trace.push_remove(w, block_hashes.iter().copied());
+                                filter.remove(batch.worker, block_hashes, &mut passed);
+                                trace.push_remove(w, block_hashes, &passed);
                             }
                             KvEvent::AllBlocksCleared => {
-                                stored.retain(|(sw, _), _| *sw != w);
+                                filter.clear(batch.worker);
                                 trace.push_clear(w);
                             }
                         }
@@ -248,7 +253,79 @@ impl Trace {
     }
 }
 
+/// What Dynamo's worker-side publisher passes on to the router's indexers
+/// (`EventDedupFilter`): per engine (worker id and DP rank), how many times each engine
+/// hash is stored; every store passes, a removal passes only with a hash's last store (or
+/// for a hash never seen stored), and a clear of any rank resets the whole worker.
+#[derive(Debug, Default)]
+struct PublisherFilter {
+    stored: HashMap<(WorkerKey, u64), u32>,
+}
+
+impl PublisherFilter {
+    fn store(&mut self, engine: WorkerKey, hashes: &[u64]) {
+        for h in hashes {
+            *self.stored.entry((engine, *h)).or_insert(0) += 1;
+        }
+    }
+
+    /// The hashes of a removal that pass, into `passed`.
+    fn remove(&mut self, engine: WorkerKey, hashes: &[u64], passed: &mut Vec<u64>) {
+        passed.clear();
+        passed.extend(hashes.iter().copied().filter(
+            |h| match self.stored.get_mut(&(engine, *h)) {
+                Some(n) if *n > 1 => {
+                    *n -= 1;
+                    false
+                }
+                Some(_) => {
+                    self.stored.remove(&(engine, *h));
+                    true
+                }
+                None => true,
+            },
+        ));
+    }
+
+    fn clear(&mut self, engine: WorkerKey) {
+        self.stored
+            .retain(|(k, _), _| k.worker_id != engine.worker_id);
+    }
+}
+
 /// The device tier, as the collector's analyzer reads a medium.
 fn is_device_tier(medium: Option<&str>) -> bool {
     kvscope_wire::Tier::of_medium(medium) == Some(kvscope_wire::Tier::Device)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn engine(worker_id: u64, dp_rank: u32) -> WorkerKey {
+        WorkerKey { worker_id, dp_rank }
+    }
+
+    #[test]
+    fn a_hash_stored_twice_passes_with_its_last_removal() {
+        let mut filter = PublisherFilter::default();
+        let mut passed = Vec::new();
+        let (a, b) = (engine(1, 0), engine(1, 1));
+        filter.store(a, &[10, 11]);
+        filter.store(a, &[10]);
+        filter.store(b, &[10]);
+        filter.remove(a, &[10, 11], &mut passed);
+        assert_eq!(passed, [11], "10 is still stored once on rank 0");
+        filter.remove(a, &[10], &mut passed);
+        assert_eq!(passed, [10]);
+        filter.remove(a, &[99], &mut passed);
+        assert_eq!(passed, [99], "a hash never stored passes");
+        // Rank 1's count is its own, and a clear of rank 0 resets the whole worker.
+        filter.store(b, &[10]);
+        filter.remove(b, &[10], &mut passed);
+        assert!(passed.is_empty());
+        filter.clear(a);
+        filter.remove(b, &[10], &mut passed);
+        assert_eq!(passed, [10]);
+    }
 }
