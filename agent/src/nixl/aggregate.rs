@@ -12,7 +12,7 @@
 use super::event::{flags, status_name, EventKind, NixlCall, NixlEvent};
 use super::tally::{InflightEntry, KernelTally, LatencyHistogram, TallyKey};
 use kvscope_wire::nixl::{LatencySummary, NixlCallStats, NixlReport, NixlTransferStats, XferStage};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{btree_map, BTreeMap, HashMap};
 
 /// The local agent label when the agent's name was never seen (created before the
 /// probes attached, on a build whose offsets are unknown).
@@ -107,9 +107,9 @@ impl Tally {
     }
 }
 
-impl From<&KernelTally> for Tally {
-    fn from(k: &KernelTally) -> Self {
-        let latency = k.latency.clone();
+impl From<KernelTally> for Tally {
+    fn from(k: KernelTally) -> Self {
+        let latency = k.latency;
         // The probes' max is a plain compare-and-store (two CPUs may race it down): never
         // below the highest bucket counted.
         let max_ns = k.max_ns.max(latency.floor_of_highest());
@@ -311,9 +311,9 @@ impl NixlAggregator {
 
     /// The kernel's tallies, as just read (each key once or, from several copies of the
     /// library, more: then summed). Names are resolved now, while the agents are known.
-    pub(crate) fn set_kernel_tallies<'a>(
+    pub(crate) fn set_kernel_tallies(
         &mut self,
-        tallies: impl IntoIterator<Item = &'a (TallyKey, KernelTally)>,
+        tallies: impl IntoIterator<Item = (TallyKey, KernelTally)>,
     ) {
         self.kernel.clear();
         self.kernel_unknown = 0;
@@ -330,12 +330,18 @@ impl NixlAggregator {
             let key = TransferKey {
                 pid: k.pid,
                 local: self.local_name(k.pid, k.agent),
-                remote: k.remote.clone(),
+                remote: k.remote,
                 op: op_name((k.op >= 0).then_some(k.op)),
                 stage,
                 status: k.status,
             };
-            self.kernel.entry(key).or_default().merge(&Tally::from(t));
+            // Moved in: a series' histogram is ~19 KiB, and most keys come once.
+            match self.kernel.entry(key) {
+                btree_map::Entry::Vacant(e) => {
+                    e.insert(Tally::from(t));
+                }
+                btree_map::Entry::Occupied(mut e) => e.get_mut().merge(&Tally::from(t)),
+            }
         }
     }
 
@@ -898,7 +904,7 @@ mod tests {
             (key(0), kernel_tally(3, 3 * 4096, &[1_000, 2_000, 3_000])),
             (key(-3), kernel_tally(1, 4096, &[5_000])),
         ];
-        a.set_kernel_tallies(&tallies);
+        a.set_kernel_tallies(tallies);
         let figures = |a: &NixlAggregator| -> Vec<(u32, String, String, u64, u64, u64)> {
             a.report()
                 .transfers
@@ -925,7 +931,7 @@ mod tests {
         assert_eq!((ok.3, ok.4, ok.5), (3, 3 * 4096, 2));
         a.process_exited(7);
         // The kernel's entries deleted: the next reading has none of them.
-        a.set_kernel_tallies(&[]);
+        a.set_kernel_tallies([]);
         let exited = figures(&a);
         assert_eq!(exited.len(), 2);
         assert!(exited.iter().all(|f| f.0 == EXITED_PID));
@@ -940,7 +946,7 @@ mod tests {
     fn a_raced_max_is_mended() {
         let mut k = kernel_tally(2, 0, &[1_000, 90_000]);
         k.max_ns = 1_000;
-        let t = Tally::from(&k);
+        let t = Tally::from(k);
         assert!(t.max_ns >= 88_000, "{}", t.max_ns);
         assert!(t.summary().p99_ns > 88_000);
     }

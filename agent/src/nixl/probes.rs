@@ -5,7 +5,7 @@
 //! [`AttachScope::AllProcesses`] the probes fire in every process that maps this file,
 //! including ones started later or restarted. Dropping [`LoadedProbes`] detaches them.
 
-use aya::maps::{HashMap, MapData, MapError, PerCpuArray, RingBuf};
+use aya::maps::{HashMap, IterableMap, MapData, MapError, PerCpuArray, RingBuf};
 use aya::programs::uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeScope};
 use aya::programs::{ProgramError, UProbe};
 use aya::{Ebpf, EbpfLoader};
@@ -18,9 +18,6 @@ use super::tally::{
     decode_xfer_key, InflightEntry, KernelTally, TallyKey, INFLIGHT_SIZE, TALLY_KEY_SIZE,
     TALLY_SIZE, XFER_KEY_SIZE,
 };
-
-/// The `inflight` map's size (`ebpf/nixl/common.h`).
-const INFLIGHT_ENTRIES: usize = 65_536;
 
 /// The compiled BPF object (built by `build.rs` from `ebpf/nixl/`).
 static NIXL_BPF: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/nixl.bpf.o"));
@@ -306,7 +303,8 @@ impl LoadedProbes {
 
     /// The transfers in flight: (pid, request, entry). The probes delete entries as
     /// transfers end, and a walk whose last key went starts over from the first: each
-    /// request is taken once, and the walk stops after twice the table's size.
+    /// request is taken once, and the walk stops after twice the table's size (as the
+    /// kernel says it is).
     pub(crate) fn in_flight(&self) -> Vec<(u32, u64, InflightEntry)> {
         let Some(map) = self.ebpf.map("inflight") else {
             return Vec::new();
@@ -314,8 +312,12 @@ impl LoadedProbes {
         let Ok(map) = HashMap::<_, [u8; XFER_KEY_SIZE], [u8; INFLIGHT_SIZE]>::try_from(map) else {
             return Vec::new();
         };
+        let Ok(info) = map.map().info() else {
+            return Vec::new();
+        };
+        let walk = 2 * info.max_entries() as usize;
         let mut seen = std::collections::HashMap::new();
-        for (k, v) in map.iter().take(2 * INFLIGHT_ENTRIES).filter_map(Result::ok) {
+        for (k, v) in map.iter().take(walk).filter_map(Result::ok) {
             seen.entry(decode_xfer_key(&k))
                 .or_insert_with(|| InflightEntry::decode(&v));
         }

@@ -420,7 +420,7 @@ fn settle(state: &Arc<Mutex<State>>, attached: &Arc<Mutex<BTreeMap<FileId, Attac
     }
     let exited = {
         let mut st = lock(state);
-        st.aggregator.set_kernel_tallies(&tallies);
+        st.aggregator.set_kernel_tallies(tallies);
         forget_exited(&mut st)
     };
     if !exited.is_empty() {

@@ -497,15 +497,48 @@ impl FleetIndex {
     /// following the trie's links), computed past its end.
     pub fn match_chain(&self, locals: &[LocalBlockHash]) -> ChainMatch {
         let mut chain = Vec::with_capacity(locals.len());
+        let overlaps = self.walk_chain(locals, ChainKey::Local, &mut chain);
+        // Past its end: hashed.
+        let mut last = chain.last().copied();
+        chain.extend(locals[chain.len()..].iter().map(|local| {
+            let seq = chain_hash(last, *local);
+            last = Some(seq);
+            seq
+        }));
+        ChainMatch { chain, overlaps }
+    }
+
+    /// [`Self::match_chain`] for a request known by its blocks' sequence hashes (what
+    /// Dynamo's request trace and replica-sync events carry) instead of their local
+    /// hashes: the same walk, each step found by the hash it names.
+    pub(crate) fn match_seq_chain(&self, chain: &[SequenceHash]) -> ChainMatch {
+        let mut seqs = Vec::with_capacity(chain.len());
+        let overlaps = self.walk_chain(chain, ChainKey::Seq, &mut seqs);
+        seqs.extend_from_slice(&chain[seqs.len()..]);
+        ChainMatch {
+            chain: seqs,
+            overlaps,
+        }
+    }
+
+    /// The walk of both queries: along the records while the mirror holds the chain
+    /// named by `keys` (hashes of kind `by`), each block's sequence hash into `chain`
+    /// (the first block the mirror lacks too, then it stops); every worker's overlap.
+    #[inline]
+    fn walk_chain(
+        &self,
+        keys: &[u64],
+        by: ChainKey,
+        chain: &mut Vec<SequenceHash>,
+    ) -> BTreeMap<WorkerKey, u32> {
         let mut scratch = self.walk_scratch.take();
         let mut walk = Walk::new(None, scratch.alive);
         let left = &mut scratch.left;
         let mut at: Option<Visited> = None;
-        let mut rest = locals;
-        // Along the records while the mirror holds the chain.
-        while let Some((local, tail)) = rest.split_first() {
+        let mut rest = keys;
+        while let Some((key, tail)) = rest.split_first() {
             rest = tail;
-            match self.blocks.find_child(at, *local) {
+            match self.blocks.find(at, *key, by) {
                 Ok(found) => {
                     chain.push(found.seq());
                     let active = walk.active();
@@ -515,7 +548,7 @@ impl FleetIndex {
                     // Then along the run laid out after it, while its holders stay
                     // the same (a change of holders is the walk's to take).
                     let same = active.then(|| found.holders());
-                    let (run, last) = self.blocks.follow_run(found, rest, ChainKey::Local, same);
+                    let (run, last) = self.blocks.follow_run(found, rest, by, same);
                     chain.extend(run.seqs());
                     if active {
                         walk.skip(run.len() as u32);
@@ -532,59 +565,10 @@ impl FleetIndex {
                 }
             }
         }
-        // Past its end: hashed.
-        let mut last = chain.last().copied();
-        chain.extend(rest.iter().map(|local| {
-            let seq = chain_hash(last, *local);
-            last = Some(seq);
-            seq
-        }));
         scratch.alive = walk.finish(left);
         let overlaps = self.overlap_map(left);
         self.walk_scratch.replace(scratch);
-        ChainMatch { chain, overlaps }
-    }
-
-    /// [`Self::match_chain`] for a request known by its blocks' sequence hashes (what
-    /// Dynamo's request trace and replica-sync events carry) instead of their local
-    /// hashes: the same walk, each step found by the hash it names.
-    pub(crate) fn match_seq_chain(&self, chain: &[SequenceHash]) -> ChainMatch {
-        let mut scratch = self.walk_scratch.take();
-        let mut walk = Walk::new(None, scratch.alive);
-        let left = &mut scratch.left;
-        let mut at: Option<Visited> = None;
-        let mut rest = chain;
-        while let Some((seq, tail)) = rest.split_first() {
-            rest = tail;
-            match self.blocks.find_child_seq(at, *seq) {
-                Some(found) => {
-                    let active = walk.active();
-                    if active {
-                        walk.step(&self.sets, found.holders(), left);
-                    }
-                    let same = active.then(|| found.holders());
-                    let (run, last) = self.blocks.follow_run(found, rest, ChainKey::Seq, same);
-                    if active {
-                        walk.skip(run.len() as u32);
-                    }
-                    rest = &rest[run.len()..];
-                    at = Some(last);
-                }
-                None => {
-                    if walk.active() {
-                        walk.step(&self.sets, EMPTY, left);
-                    }
-                    break;
-                }
-            }
-        }
-        scratch.alive = walk.finish(left);
-        let overlaps = self.overlap_map(left);
-        self.walk_scratch.replace(scratch);
-        ChainMatch {
-            chain: chain.to_vec(),
-            overlaps,
-        }
+        overlaps
     }
 
     /// The overlaps of the workers a walk reported, which it takes out of `left`.

@@ -275,10 +275,26 @@ impl Blocks {
         }));
     }
 
+    /// The child of `parent` (`None`: a chain's first block) named by `key`, a hash of
+    /// kind `by`, if mirrored; else its sequence hash.
+    #[inline(always)]
+    pub(super) fn find<'a>(
+        &'a self,
+        parent: Option<Visited<'a>>,
+        key: u64,
+        by: ChainKey,
+    ) -> Result<Visited<'a>, SequenceHash> {
+        match by {
+            ChainKey::Local => self.find_child(parent, key),
+            // A sequence hash names the block it is.
+            ChainKey::Seq => self.find_child_seq(parent, key).ok_or(key),
+        }
+    }
+
     /// The child `local` of `parent` (`None`: a chain's first block) if mirrored; else its
     /// sequence hash.
     #[inline]
-    pub(super) fn find_child<'a>(
+    fn find_child<'a>(
         &'a self,
         parent: Option<Visited<'a>>,
         local: LocalBlockHash,
@@ -363,7 +379,7 @@ impl Blocks {
     /// The mirrored block with sequence hash `seq`, a child of `parent` (`None`: a
     /// chain's first block). A sequence hash names its whole prefix, so the block found
     /// is that child.
-    pub(super) fn find_child_seq<'a>(
+    fn find_child_seq<'a>(
         &'a self,
         parent: Option<Visited<'a>>,
         seq: SequenceHash,
