@@ -279,18 +279,20 @@ impl EngineMap {
         self.len = 0;
     }
 
-    /// Load the first bucket of every key in `engines`, so that their cache misses
-    /// overlap before the batch is applied one key at a time.
+    /// Load both buckets of every key in `engines`, so that their cache misses overlap
+    /// before the batch is applied one key at a time. Both: a key whose first bucket
+    /// has spilled is looked for in its second, and a new one whose first is full is
+    /// placed there; loading only the first left those a miss each, one after the
+    /// other (a third of the store path's samples on the synthetic fleet, 2026-12-07).
     #[inline]
     pub(super) fn touch(&self, engines: &[u64]) {
         if self.buckets.is_empty() {
             return;
         }
-        std::hint::black_box(
-            engines
-                .iter()
-                .fold(0, |acc, e| acc ^ self.buckets[self.homes(*e).0].engines[0]),
-        );
+        std::hint::black_box(engines.iter().fold(0, |acc, e| {
+            let (first, second) = self.homes(*e);
+            acc ^ self.buckets[first].engines[0] ^ self.buckets[second].engines[0]
+        }));
     }
 
     #[cold]
