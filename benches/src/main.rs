@@ -11,6 +11,7 @@
 
 mod compare;
 mod contenders;
+mod floor;
 mod freshness;
 mod measure;
 mod scale;
@@ -42,6 +43,10 @@ enum Command {
     /// JetStream → `kvscope collector`): the delay from a KV event's publish to the
     /// verdict that depends on it being available, p50/p99, at a sustained block rate.
     Freshness(freshness::FreshnessArgs),
+    /// What one cache miss to memory costs on this machine, alone and with several in
+    /// flight: the floor the mirror's events per block are read against (BENCHMARKS.md,
+    /// "What bounds it").
+    Floor(floor::FloorArgs),
     /// One contender on one input (run by `compare` in a child process).
     #[command(hide = true)]
     RunOne(compare::RunOneArgs),
@@ -53,6 +58,7 @@ fn main() -> std::process::ExitCode {
         Command::Compare(args) => compare::compare(args),
         Command::Scale(args) => scale::scale(args),
         Command::Freshness(args) => freshness::freshness(args),
+        Command::Floor(args) => floor::floor(args),
         Command::RunOne(args) => compare::run_one(args),
     };
     match result {
