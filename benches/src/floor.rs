@@ -14,11 +14,12 @@ use std::time::Instant;
 
 #[derive(clap::Args)]
 pub struct FloorArgs {
-    /// Buffer sizes, MiB (each a separate measurement). The synthetic fleet's per-worker
-    /// engine-hash tables and trie records total a few hundred MiB.
+    /// Buffer sizes, MiB (each a separate measurement). The synthetic fleet's mirror (its
+    /// per-worker engine-hash tables and trie records) is ~66 MiB resident.
     #[arg(long, value_delimiter = ',', default_value = "16,256,1024")]
     mib: Vec<u64>,
-    /// Independent chains walked together, besides the single chain (comma-separated).
+    /// How many independent chains to walk side by side, each count a measurement
+    /// (comma-separated; 1: every load waits for the one before).
     #[arg(long, value_delimiter = ',', default_value = "1,4,8,16")]
     chains: Vec<usize>,
     /// Loads timed per measurement.
@@ -32,11 +33,17 @@ pub struct FloorArgs {
 /// Words per 64-byte cache line.
 const LINE_WORDS: usize = 8;
 
+/// The largest buffer asked for (line numbers fit in a `u32`).
+const MAX_MIB: u64 = 64 << 10;
+
 pub fn floor(args: FloorArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.rounds > 0, "--rounds must be at least 1");
     anyhow::ensure!(args.loads > 0, "--loads must be at least 1");
     if let Some(c) = args.chains.iter().find(|c| **c == 0 || **c > 64) {
         anyhow::bail!("--chains {c}: from 1 to 64 chains");
+    }
+    if let Some(m) = args.mib.iter().find(|m| **m == 0 || **m > MAX_MIB) {
+        anyhow::bail!("--mib {m}: from 1 to {MAX_MIB} MiB");
     }
     println!(
         "ns per load of a random cache line (median of {} rounds, min-max); a chain's loads \
@@ -45,13 +52,12 @@ pub fn floor(args: FloorArgs) -> anyhow::Result<()> {
     );
     println!("{:>8} {:>7} {:>22}", "MiB", "chains", "ns per load");
     for &mib in &args.mib {
-        anyhow::ensure!(mib > 0, "--mib {mib}: at least 1 MiB");
         let lines = (mib as usize) << 20 >> 6;
         eprintln!("floor: linking {mib} MiB into one random cycle");
-        let cycle = random_cycle(lines);
+        let (cycle, order) = random_cycle(lines)?;
         for &chains in &args.chains {
             let mut ns: Vec<f64> = (0..args.rounds)
-                .map(|_| walk(&cycle, chains, args.loads))
+                .map(|_| walk(&cycle, &order, chains, args.loads))
                 .collect();
             ns.sort_by(f64::total_cmp);
             println!(
@@ -66,40 +72,40 @@ pub fn floor(args: FloorArgs) -> anyhow::Result<()> {
 }
 
 /// `lines` cache lines, each holding (in its first word) the index of the next line of a
-/// single cycle through all of them in random order (Sattolo's shuffle).
-fn random_cycle(lines: usize) -> Vec<u64> {
-    let mut order: Vec<u64> = (0..lines as u64).collect();
+/// single cycle through all of them in random order (Sattolo's shuffle); and that order,
+/// where the chains start from.
+fn random_cycle(lines: usize) -> anyhow::Result<(Vec<u64>, Vec<u32>)> {
+    let mut order: Vec<u32> = Vec::new();
+    let mut cycle: Vec<u64> = Vec::new();
+    order
+        .try_reserve_exact(lines)
+        .and_then(|()| cycle.try_reserve_exact(lines * LINE_WORDS))
+        .map_err(|e| anyhow::anyhow!("{} MiB buffer: {e}", (lines << 6) >> 20))?;
+    order.extend(0..lines as u32);
     let mut rng = SplitMix64::new(0x006b_7673_636f_7065);
     for i in (1..lines).rev() {
         let j = rng.below(i as u64) as usize;
         order.swap(i, j);
     }
-    let mut cycle = vec![0u64; lines * LINE_WORDS];
+    cycle.resize(lines * LINE_WORDS, 0);
     for w in order.windows(2) {
-        cycle[w[0] as usize * LINE_WORDS] = w[1];
+        cycle[w[0] as usize * LINE_WORDS] = u64::from(w[1]);
     }
     if let (Some(last), Some(first)) = (order.last(), order.first()) {
-        cycle[*last as usize * LINE_WORDS] = *first;
+        cycle[*last as usize * LINE_WORDS] = u64::from(*first);
     }
-    cycle
+    Ok((cycle, order))
 }
 
 /// Nanoseconds per load, `chains` walks of the cycle side by side, `loads` loads in all.
-fn walk(cycle: &[u64], chains: usize, loads: u64) -> f64 {
-    let lines = (cycle.len() / LINE_WORDS) as u64;
-    // Starting points spread over the cycle: found by walking it once from line 0.
+fn walk(cycle: &[u64], order: &[u32], chains: usize, loads: u64) -> f64 {
+    // Starting points evenly spaced along the cycle, so the chains never meet.
     let mut at = [0u64; 64];
-    let spacing = (lines / chains as u64).max(1);
-    let mut p = 0u64;
+    let spacing = order.len() / chains;
     for (i, slot) in at.iter_mut().enumerate().take(chains) {
-        if i > 0 {
-            for _ in 0..spacing {
-                p = cycle[p as usize * LINE_WORDS];
-            }
-        }
-        *slot = p;
+        *slot = u64::from(order[i * spacing]);
     }
-    let steps = loads / chains as u64;
+    let steps = (loads / chains as u64).max(1);
     let start = Instant::now();
     for _ in 0..steps {
         for a in at.iter_mut().take(chains) {
@@ -118,7 +124,8 @@ mod tests {
     #[test]
     fn the_cycle_visits_every_line_once() {
         let lines = 1000;
-        let cycle = random_cycle(lines);
+        let (cycle, order) = random_cycle(lines).unwrap();
+        assert_eq!(order.len(), lines);
         let mut seen = vec![false; lines];
         let mut p = 0usize;
         for _ in 0..lines {
