@@ -497,7 +497,7 @@ impl FleetIndex {
     /// following the trie's links), computed past its end.
     pub fn match_chain(&self, locals: &[LocalBlockHash]) -> ChainMatch {
         let mut chain = Vec::with_capacity(locals.len());
-        let overlaps = self.walk_chain(locals, ChainKey::Local, &mut chain);
+        let overlaps = self.walk_chain(locals, ChainKey::Local, Some(&mut chain));
         // Past its end: hashed.
         let mut last = chain.last().copied();
         chain.extend(locals[chain.len()..].iter().map(|local| {
@@ -512,24 +512,24 @@ impl FleetIndex {
     /// Dynamo's request trace and replica-sync events carry) instead of their local
     /// hashes: the same walk, each step found by the hash it names.
     pub(crate) fn match_seq_chain(&self, chain: &[SequenceHash]) -> ChainMatch {
-        let mut seqs = Vec::with_capacity(chain.len());
-        let overlaps = self.walk_chain(chain, ChainKey::Seq, &mut seqs);
-        seqs.extend_from_slice(&chain[seqs.len()..]);
+        // The request's own hashes are the chain: the walk need not collect them.
+        let overlaps = self.walk_chain(chain, ChainKey::Seq, None);
         ChainMatch {
-            chain: seqs,
+            chain: chain.to_vec(),
             overlaps,
         }
     }
 
     /// The walk of both queries: along the records while the mirror holds the chain
     /// named by `keys` (hashes of kind `by`), each block's sequence hash into `chain`
-    /// (the first block the mirror lacks too, then it stops); every worker's overlap.
+    /// when given (the first block the mirror lacks too, then it stops); every worker's
+    /// overlap.
     #[inline]
     fn walk_chain(
         &self,
         keys: &[u64],
         by: ChainKey,
-        chain: &mut Vec<SequenceHash>,
+        mut chain: Option<&mut Vec<SequenceHash>>,
     ) -> BTreeMap<WorkerKey, u32> {
         let mut scratch = self.walk_scratch.take();
         let mut walk = Walk::new(None, scratch.alive);
@@ -540,7 +540,9 @@ impl FleetIndex {
             rest = tail;
             match self.blocks.find(at, *key, by) {
                 Ok(found) => {
-                    chain.push(found.seq());
+                    if let Some(chain) = chain.as_deref_mut() {
+                        chain.push(found.seq());
+                    }
                     let active = walk.active();
                     if active {
                         walk.step(&self.sets, found.holders(), left);
@@ -549,7 +551,9 @@ impl FleetIndex {
                     // the same (a change of holders is the walk's to take).
                     let same = active.then(|| found.holders());
                     let (run, last) = self.blocks.follow_run(found, rest, by, same);
-                    chain.extend(run.seqs());
+                    if let Some(chain) = chain.as_deref_mut() {
+                        chain.extend(run.seqs());
+                    }
                     if active {
                         walk.skip(run.len() as u32);
                     }
@@ -557,7 +561,9 @@ impl FleetIndex {
                     at = Some(last);
                 }
                 Err(seq) => {
-                    chain.push(seq);
+                    if let Some(chain) = chain.as_deref_mut() {
+                        chain.push(seq);
+                    }
                     if walk.active() {
                         walk.step(&self.sets, EMPTY, left);
                     }
