@@ -161,6 +161,22 @@ impl Contender for Kvscope {
     }
 
     fn apply(&mut self, trace: &Trace, batch: Range<usize>) {
+        self.index
+            .prefetch_stores(trace.ops[batch.clone()].iter().filter_map(|op| {
+                match *op {
+                    Op::Store {
+                        worker,
+                        blocks,
+                        start,
+                        parent,
+                    } => trace
+                        .stored(start, blocks)
+                        .0
+                        .first()
+                        .map(|first| (trace.workers[worker as usize], parent, *first)),
+                    _ => None,
+                }
+            }));
         for op in &trace.ops[batch] {
             match *op {
                 Op::Store {

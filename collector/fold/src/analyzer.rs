@@ -1027,6 +1027,22 @@ impl FleetAnalyzer {
         if batch.sequence.leaves_mirror_incomplete(batch.seq) {
             self.incomplete.insert(worker);
         }
+        // An engine's step publishes one batch: for a large fleet, many one-block decode
+        // stores, whose first reads are loaded together here so that their misses overlap.
+        self.index
+            .prefetch_stores(batch.events.iter().filter_map(|ev| {
+                match ev {
+                    KvEvent::BlockStored {
+                        block_hashes,
+                        parent_block_hash,
+                        medium,
+                        ..
+                    } if Tier::of_medium(medium.as_deref()) == Some(Tier::Device) => block_hashes
+                        .first()
+                        .map(|first| (worker, *parent_block_hash, *first)),
+                    _ => None,
+                }
+            }));
         for ev in &batch.events {
             self.counters.kv_events += 1;
             let tier = match ev {

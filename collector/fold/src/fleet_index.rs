@@ -300,7 +300,7 @@ impl FleetIndex {
         let w = self.worker_idx(worker);
         let n = locals.len().min(engine_hashes.len());
         let cache = &self.workers[w as usize];
-        if self.blocks.len() > COLD_RECORDS {
+        if self.blocks.cold() {
             cache.by_engine.touch(&engine_hashes[..n]);
         }
         let parent = match parent_engine_hash {
@@ -363,6 +363,30 @@ impl FleetIndex {
         })
     }
 
+    /// Load, for each store of a run of events about to be applied, what it reads first:
+    /// its first block's key buckets in the worker's engine-hash table and its parent's
+    /// record. A decode store (one block) waits on those two misses and has nothing else
+    /// to overlap them with; loaded for the whole run at once, they overlap each other.
+    /// Items: (worker, parent engine hash, first engine hash). Reads only: a store whose
+    /// parent comes earlier in the same run simply finds nothing to load yet.
+    pub fn prefetch_stores(&self, stores: impl IntoIterator<Item = (WorkerKey, Option<u64>, u64)>) {
+        if !self.blocks.cold() {
+            return;
+        }
+        let mut acc = 0u64;
+        for (worker, parent, first) in stores {
+            let Some(w) = self.known_worker_idx(&worker) else {
+                continue;
+            };
+            let cache = &self.workers[w as usize];
+            acc ^= cache.by_engine.touch_one(first);
+            if let Some(b) = parent.and_then(|p| cache.recent.get(p)) {
+                acc ^= self.blocks.seq(b);
+            }
+        }
+        std::hint::black_box(acc);
+    }
+
     /// Apply a `BlockRemoved` event. Unknown blocks are skipped and counted in the result.
     pub fn remove(&mut self, worker: WorkerKey, engine_hashes: &[u64]) -> RemoveOutcome {
         let mut out = RemoveOutcome::default();
@@ -373,7 +397,7 @@ impl FleetIndex {
         // In two passes, the second first touching the records it will change (in a cold
         // mirror): an eviction names many blocks, and their cache misses then overlap.
         let cache = &mut self.workers[w as usize];
-        if self.blocks.len() > COLD_RECORDS {
+        if self.blocks.cold() {
             cache.by_engine.touch(engine_hashes);
         }
         let mut released = std::mem::take(&mut self.released);
@@ -396,7 +420,7 @@ impl FleetIndex {
                 None => out.unknown += 1,
             }
         }
-        if released.len() > 1 && self.blocks.len() > COLD_RECORDS {
+        if released.len() > 1 && self.blocks.cold() {
             self.blocks.touch(released.iter().copied());
         }
         for b in &released {
@@ -1091,6 +1115,12 @@ mod tests {
                     let engine: Vec<u64> = (0..n).map(|_| next(24)).collect();
                     let locals: Vec<u64> = (0..n + next(2) as usize).map(|_| next(3)).collect();
                     let parent = (next(3) > 0).then(|| next(24));
+                    // What a batch loads first, for this store and one of a worker that
+                    // may be unknown, with a parent that may be missing: it only reads.
+                    idx.prefetch_stores([
+                        (worker, parent, engine[0]),
+                        (key(next(8)), Some(next(24)), next(24)),
+                    ]);
                     let a = idx.store_hashed(worker, parent, &engine, &locals);
                     let b = model.store(worker, parent, &engine, &locals);
                     assert_eq!(a, b, "store at step {step}");

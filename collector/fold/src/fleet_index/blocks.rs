@@ -246,6 +246,13 @@ impl Blocks {
         }
     }
 
+    /// Whether the mirror is taken to be larger than the CPU caches
+    /// ([`super::COLD_RECORDS`]); in tests always, so that the touches run on every input.
+    #[inline]
+    pub(super) fn cold(&self) -> bool {
+        cfg!(test) || self.len() > super::COLD_RECORDS
+    }
+
     pub(super) fn seq(&self, b: BlockIdx) -> SequenceHash {
         self.records[b as usize].seq
     }

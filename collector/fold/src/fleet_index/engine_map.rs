@@ -286,13 +286,17 @@ impl EngineMap {
     /// other (a third of the store path's samples on the synthetic fleet, 2026-12-07).
     #[inline]
     pub(super) fn touch(&self, engines: &[u64]) {
+        std::hint::black_box(engines.iter().fold(0, |acc, e| acc ^ self.touch_one(*e)));
+    }
+
+    /// [`Self::touch`] for one key: the value its loads read, for the caller to fold.
+    #[inline]
+    pub(super) fn touch_one(&self, engine: u64) -> u64 {
         if self.buckets.is_empty() {
-            return;
+            return 0;
         }
-        std::hint::black_box(engines.iter().fold(0, |acc, e| {
-            let (first, second) = self.homes(*e);
-            acc ^ self.buckets[first].engines[0] ^ self.buckets[second].engines[0]
-        }));
+        let (first, second) = self.homes(engine);
+        self.buckets[first].engines[0] ^ self.buckets[second].engines[0]
     }
 
     #[cold]
