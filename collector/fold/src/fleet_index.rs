@@ -117,6 +117,10 @@ type WorkerIdx = u32;
 /// cache misses overlap (below it they would not miss, and the touches cost instructions).
 const COLD_RECORDS: usize = 1 << 16;
 
+/// Most stores of a run [`FleetIndex::prefetch_stores`] loads for (the first ones): a run
+/// longer than this (a replayed batch, a fill) is applied past it as before.
+const PREFETCH_STORES: usize = 1024;
+
 /// Blocks a worker stored recently, by engine hash, direct-mapped: a store's parent is
 /// usually the last block stored in that conversation, and finding it here saves a probe
 /// of the worker's engine-hash table, which is large and cold in a big fleet. Always a
@@ -374,7 +378,8 @@ impl FleetIndex {
             return;
         }
         let mut acc = 0u64;
-        for (worker, parent, first) in stores {
+        // Three lines a store: the loads of this many stay in L2 until they are used.
+        for (worker, parent, first) in stores.into_iter().take(PREFETCH_STORES) {
             let Some(w) = self.known_worker_idx(&worker) else {
                 continue;
             };
