@@ -163,36 +163,19 @@ impl Contender for Kvscope {
     fn apply(&mut self, trace: &Trace, batch: Range<usize>) {
         self.index
             .prefetch_stores(trace.ops[batch.clone()].iter().filter_map(|op| {
-                match *op {
-                    Op::Store {
-                        worker,
-                        blocks,
-                        start,
-                        parent,
-                    } => trace
-                        .stored(start, blocks)
-                        .0
-                        .first()
-                        .map(|first| (trace.workers[worker as usize], parent, *first)),
-                    _ => None,
-                }
+                let s = trace.store(op)?;
+                Some((s.worker, s.parent, *s.engine.first()?))
             }));
         for op in &trace.ops[batch] {
+            if let Some(s) = trace.store(op) {
+                let _ = black_box(
+                    self.index
+                        .store_hashed(s.worker, s.parent, s.engine, s.locals),
+                );
+                continue;
+            }
             match *op {
-                Op::Store {
-                    worker,
-                    blocks,
-                    start,
-                    parent,
-                } => {
-                    let (engine, locals) = trace.stored(start, blocks);
-                    let _ = black_box(self.index.store_hashed(
-                        trace.workers[worker as usize],
-                        parent,
-                        engine,
-                        locals,
-                    ));
-                }
+                Op::Store { .. } => unreachable!("applied above"),
                 Op::Remove { worker, engine, .. } => {
                     black_box(
                         self.index
@@ -254,21 +237,17 @@ impl EventBuilder {
 
     fn event(&mut self, trace: &Trace, op: &Op) -> RouterEvent {
         let (worker, data) = match *op {
-            Op::Store {
-                worker,
-                blocks,
-                start,
-                parent,
-            } => {
-                let (engine, locals) = trace.stored(start, blocks);
+            Op::Store { .. } => {
+                let s = trace.store(op).expect("a store");
                 (
-                    worker,
+                    s.index,
                     KvCacheEventData::Stored(KvCacheStoreData {
-                        parent_hash: parent.map(ExternalSequenceBlockHash),
+                        parent_hash: s.parent.map(ExternalSequenceBlockHash),
                         start_position: None,
-                        blocks: engine
+                        blocks: s
+                            .engine
                             .iter()
-                            .zip(locals)
+                            .zip(s.locals)
                             .map(|(e, l)| KvCacheStoredBlockData {
                                 block_hash: ExternalSequenceBlockHash(*e),
                                 tokens_hash: LocalBlockHash(*l),

@@ -81,6 +81,17 @@ pub struct Trace {
     pub stats: TraceStats,
 }
 
+/// A store event as the mirror takes it ([`Trace::store`]).
+pub struct Stored<'a> {
+    /// The worker's index in [`Trace::workers`].
+    pub index: u32,
+    pub worker: WorkerKey,
+    /// The parent's engine hash.
+    pub parent: Option<u64>,
+    pub engine: &'a [u64],
+    pub locals: &'a [u64],
+}
+
 impl Trace {
     pub fn new(name: impl Into<String>) -> Self {
         Self {
@@ -100,6 +111,28 @@ impl Trace {
 
     pub fn hashes(&self, span: Span) -> &[u64] {
         &self.hashes[span.range()]
+    }
+
+    /// What `op` stores, when it is a store.
+    pub fn store(&self, op: &Op) -> Option<Stored<'_>> {
+        match *op {
+            Op::Store {
+                worker,
+                blocks,
+                start,
+                parent,
+            } => {
+                let (engine, locals) = self.stored(start, blocks);
+                Some(Stored {
+                    index: worker,
+                    worker: self.workers[worker as usize],
+                    parent,
+                    engine,
+                    locals,
+                })
+            }
+            _ => None,
+        }
     }
 
     /// A store's engine hashes and local hashes.
