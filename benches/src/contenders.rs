@@ -167,15 +167,14 @@ impl Contender for Kvscope {
                 Some((s.worker, s.parent, *s.engine.first()?))
             }));
         for op in &trace.ops[batch] {
-            if let Some(s) = trace.store(op) {
-                let _ = black_box(
-                    self.index
-                        .store_hashed(s.worker, s.parent, s.engine, s.locals),
-                );
-                continue;
-            }
             match *op {
-                Op::Store { .. } => unreachable!("applied above"),
+                Op::Store { .. } => {
+                    let s = trace.store(op).expect("a store");
+                    let _ = black_box(
+                        self.index
+                            .store_hashed(s.worker, s.parent, s.engine, s.locals),
+                    );
+                }
                 Op::Remove { worker, engine, .. } => {
                     black_box(
                         self.index
